@@ -1,0 +1,32 @@
+# One-command set-up: every target creates the virtualenv it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test lint typecheck check clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[app,dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m dkfac train --data digits --model cnn --optimizer kfac
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+check: test lint typecheck
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

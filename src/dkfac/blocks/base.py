@@ -1,0 +1,114 @@
+"""The block interface: what a layer type contributes to the Kronecker factors.
+
+A block turns the input a layer saw in the forward pass into the rows of the *input factor*
+A and the gradient of its output into the rows of the *output-gradient factor* G. A factor is
+``R.T @ R / n`` for the row matrix ``R`` and normaliser ``n`` a block returns, so
+
+* the dense solvers form the d×d factor from ``R``;
+* the low-rank (SMW) solver keeps ``R / sqrt(n)`` itself as ``U`` with ``A = U U^T``.
+
+Conventions (DESIGN.md section 2): the weight gradient is seen as a matrix
+``d_out × d_in`` with the bias folded in as an extra input column of ones; gradients reaching
+the blocks are already multiplied by the batch size, so the factors are on the per-sample
+Fisher scale.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows of one factor contribution: the factor is ``rows.T @ rows / normaliser``.
+
+    Attributes:
+        rows: A ``(r, d)`` matrix.
+        normaliser: The count the outer products are averaged over (rows, or samples).
+    """
+
+    rows: Tensor
+    normaliser: float
+
+
+class Block(ABC):
+    """Kronecker-factor estimation for one module.
+
+    Args:
+        name: The module's qualified name in the model.
+        module: The module itself.
+    """
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the module has a bias (folded into A as a column of ones)."""
+        return getattr(self.module, "bias", None) is not None
+
+    def batch_size(self, inputs: Tensor) -> int:
+        """Samples in a forward input: its first dimension, or 1 for an unbatched input."""
+        return int(inputs.shape[0]) if inputs.dim() > 1 else 1
+
+    @property
+    @abstractmethod
+    def a_dim(self) -> int:
+        """Dimension of the input factor A (bias column included)."""
+
+    @property
+    @abstractmethod
+    def g_dim(self) -> int:
+        """Dimension of the output-gradient factor G."""
+
+    @abstractmethod
+    def a_rows(self, inputs: Tensor) -> Rows:
+        """Rows of A from the layer's forward input."""
+
+    @abstractmethod
+    def g_rows(self, grad_output: Tensor) -> Rows:
+        """Rows of G from the (batch-size scaled) gradient of the layer's output."""
+
+    def weight_grad(self) -> Tensor | None:
+        """The gradient as a ``g_dim × a_dim`` matrix, or ``None`` when there is none."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        if weight.grad is None:
+            return None
+        grad = weight.grad.reshape(weight.shape[0], -1)
+        if self.has_bias:
+            bias = self.module.bias
+            assert isinstance(bias, Tensor)
+            bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
+        return grad
+
+    def set_weight_grad(self, matrix: Tensor) -> None:
+        """Writes a ``g_dim × a_dim`` matrix back into the parameters' ``.grad``."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor) and weight.grad is not None
+        if self.has_bias:
+            bias = self.module.bias
+            assert isinstance(bias, Tensor)
+            if bias.grad is None:
+                bias.grad = torch.zeros_like(bias)
+            bias.grad.copy_(matrix[:, -1].reshape(bias.shape))
+            matrix = matrix[:, :-1]
+        weight.grad.copy_(matrix.reshape(weight.shape))
+
+    def parameters(self) -> list[Tensor]:
+        """The module's parameters this block preconditions."""
+        params = [self.module.weight]
+        if self.has_bias:
+            params.append(self.module.bias)
+        return [p for p in params if isinstance(p, Tensor)]
+
+
+def append_ones(rows: Tensor) -> Tensor:
+    """Appends a column of ones (the folded-in bias input) to a row matrix."""
+    return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)

@@ -1,0 +1,56 @@
+"""Which block handles which module type; users can register their own."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+
+from dkfac.blocks.base import Block
+from dkfac.blocks.conv2d import Conv2dBlock
+from dkfac.blocks.linear import LinearBlock
+
+logger = logging.getLogger(__name__)
+
+BlockFactory = Callable[[str, nn.Module], Block]
+
+_REGISTRY: dict[type[nn.Module], BlockFactory] = {
+    nn.Linear: LinearBlock,
+    nn.Conv2d: Conv2dBlock,
+}
+
+
+def register_block(module_type: type[nn.Module], factory: BlockFactory) -> None:
+    """Registers (or replaces) the block used for ``module_type``.
+
+    Args:
+        module_type: An ``nn.Module`` subclass; subclasses of it match too unless they have
+            their own entry.
+        factory: Called as ``factory(name, module)``; returns a :class:`Block`.
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+    _REGISTRY[module_type] = factory
+
+
+def make_block(name: str, module: nn.Module) -> Block | None:
+    """The block for ``module``, or ``None`` when its type is not supported.
+
+    Grouped convolutions are skipped with a warning: their weight is block-diagonal over
+    groups, which one Kronecker pair would describe wrongly.
+    """
+    for klass in type(module).__mro__:
+        factory = _REGISTRY.get(klass)
+        if factory is None:
+            continue
+        if isinstance(module, nn.Conv2d) and module.groups != 1:
+            logger.warning(
+                "skipping %s: grouped convolution (groups=%d) is not supported; it keeps its "
+                "plain gradient",
+                name,
+                module.groups,
+            )
+            return None
+        return factory(name, module)
+    return None

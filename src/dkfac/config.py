@@ -1,0 +1,190 @@
+"""Configuration of the K-FAC preconditioner.
+
+Every hyperparameter that may change during training is a :data:`Schedule`: either a constant
+or a callable of the preconditioner's step counter (the number of completed ``step()`` calls).
+:class:`KFACConfig` is frozen and keyword-only; it validates constants when built and
+callable values each time they are resolved, so a bad schedule fails with a message that names
+the argument and the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
+
+import torch
+
+Schedule: TypeAlias = float | int | Callable[[int], float]
+
+METHODS = ("eigen", "cholesky", "smw", "auto")
+FISHER_TYPES = ("empirical", "mc")
+STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "spngd", "auto")
+CONV_REDUCTIONS = (None, "sum", "subsample")
+
+Method = Literal["eigen", "cholesky", "smw", "auto"]
+FisherType = Literal["empirical", "mc"]
+
+
+def _check_range(
+    name: str,
+    value: float,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_inclusive: bool = False,
+    high_inclusive: bool = False,
+) -> None:
+    """Raises ValueError unless ``value`` is a finite number in the given interval."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    ok_low = value >= low if low_inclusive else value > low
+    ok_high = value <= high if high_inclusive else value < high
+    if not (math.isfinite(value) or high == math.inf) or not (ok_low and ok_high):
+        lo = "[" if low_inclusive else "("
+        hi = "]" if high_inclusive else ")"
+        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value!r}")
+
+
+# name -> (low, high, low_inclusive, high_inclusive, integer)
+_SCHEDULE_RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
+    "damping": (0.0, math.inf, False, False, False),
+    "factor_decay": (0.0, 1.0, True, False, False),
+    "factor_update_interval": (1, math.inf, True, False, True),
+    "inverse_update_interval": (1, math.inf, True, False, True),
+    "kl_clip": (0.0, math.inf, False, False, False),
+    "lr": (0.0, math.inf, True, False, False),
+}
+
+
+def check_schedule_value(name: str, value: float) -> float:
+    """Validates one resolved hyperparameter value against its allowed range.
+
+    Args:
+        name: Hyperparameter name, a key of the table of ranges.
+        value: The resolved value.
+
+    Returns:
+        The value, as an ``int`` for the update intervals and a ``float`` otherwise.
+
+    Raises:
+        ValueError: If the value is outside the allowed range or not an integer where one is
+            required.
+    """
+    low, high, low_inc, high_inc, integer = _SCHEDULE_RANGES[name]
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    _check_range(name, value, low=low, high=high, low_inclusive=low_inc, high_inclusive=high_inc)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if integer:
+        if int(value) != value:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def resolve(name: str, value: Schedule | None, step: int) -> float | None:
+    """Resolves a schedule at ``step`` and validates the result (``None`` passes through)."""
+    if value is None:
+        return None
+    raw = value(step) if callable(value) else value
+    try:
+        return check_schedule_value(name, raw)
+    except (TypeError, ValueError) as err:
+        if callable(value):
+            raise type(err)(f"{err} (returned by the {name} schedule at step {step})") from None
+        raise
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACConfig:
+    """Hyperparameters of :class:`~dkfac.KFACPreconditioner`.
+
+    Attributes:
+        method: How the damped inverse is applied: ``"eigen"`` (exact Tikhonov damping of
+            A⊗G through eigendecompositions, SC20), ``"cholesky"`` (factored damping with the
+            π-correction), ``"smw"`` (Sherman–Morrison–Woodbury low-rank inverse, SKFAC) or
+            ``"auto"`` (chosen per layer from the shapes).
+        damping: Tikhonov damping λ > 0, constant or a schedule of the step.
+        factor_decay: Running-average decay of the factors in [0, 1); 0 keeps only the
+            newest factors.
+        factor_update_interval: Steps between factor updates (>= 1).
+        inverse_update_interval: Steps between inverse updates (>= 1).
+        kl_clip: KL-clip constant κ > 0, or ``None`` to disable the clip.
+        lr: Learning rate used by the KL-clip (constant or schedule); ``KFACOptimizer`` feeds
+            the inner optimizer's current value instead.
+        accumulation_steps: Micro-batches (forward/backward passes) per ``step()``.
+        fisher: ``"empirical"`` (the training backward feeds the factors) or ``"mc"`` (one
+            Monte-Carlo sampled backward through :meth:`KFACPreconditioner.sample_fisher`).
+        eigen_dtype: Precision of the eigendecompositions / inversions.
+        factor_dtype: Precision the factors are stored in (default: the parameters' dtype).
+        skip_layers: Regular expressions; a module whose name or class name matches one
+            fully is not preconditioned.
+        conv_reduction: Spatial reduction of convolution factors: ``None`` (expand
+            convention), ``"sum"`` or ``"subsample"`` (SKFAC).
+        subsample_positions: Output positions sampled per image for ``"subsample"``.
+        seed: Seed for the Monte-Carlo targets and spatial subsampling.
+    """
+
+    method: Method = "eigen"
+    damping: Schedule = 1e-3
+    factor_decay: Schedule = 0.95
+    factor_update_interval: Schedule = 1
+    inverse_update_interval: Schedule = 10
+    kl_clip: Schedule | None = 1e-3
+    lr: Schedule = 0.1
+    accumulation_steps: int = 1
+    fisher: FisherType = "empirical"
+    eigen_dtype: torch.dtype = torch.float32
+    factor_dtype: torch.dtype | None = None
+    skip_layers: tuple[str, ...] = field(default_factory=tuple)
+    conv_reduction: str | None = None
+    subsample_positions: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.fisher not in FISHER_TYPES:
+            raise ValueError(f"fisher must be one of {FISHER_TYPES}, got {self.fisher!r}")
+        for name in _SCHEDULE_RANGES:
+            value = getattr(self, name)
+            if name == "kl_clip" and value is None:
+                continue
+            if not callable(value):
+                check_schedule_value(name, value)
+        if (
+            isinstance(self.accumulation_steps, bool)
+            or not isinstance(self.accumulation_steps, int)
+            or self.accumulation_steps < 1
+        ):
+            raise ValueError(
+                f"accumulation_steps must be an integer >= 1, got {self.accumulation_steps!r}"
+            )
+        if self.eigen_dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"eigen_dtype must be torch.float32 or torch.float64, got {self.eigen_dtype}"
+            )
+        if self.factor_dtype is not None and not self.factor_dtype.is_floating_point:
+            raise ValueError(f"factor_dtype must be a floating dtype, got {self.factor_dtype}")
+        if isinstance(self.skip_layers, str):
+            object.__setattr__(self, "skip_layers", (self.skip_layers,))
+        object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        if not all(isinstance(p, str) for p in self.skip_layers):
+            raise TypeError("skip_layers must be a string or a sequence of regex strings")
+        if self.conv_reduction not in CONV_REDUCTIONS:
+            raise ValueError(
+                f"conv_reduction must be one of {CONV_REDUCTIONS}, got {self.conv_reduction!r}"
+            )
+        if (
+            isinstance(self.subsample_positions, bool)
+            or not isinstance(self.subsample_positions, int)
+            or self.subsample_positions < 1
+        ):
+            raise ValueError(
+                f"subsample_positions must be an integer >= 1, got {self.subsample_positions!r}"
+            )
+        if not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")

@@ -1,0 +1,55 @@
+"""Targets for the Fisher: empirical (true labels) or Monte-Carlo (sampled from the model).
+
+The Monte-Carlo ("true") Fisher samples ``y ~ p(y | x)`` from the model's predictive
+distribution and back-propagates the negative log-likelihood of that sample. Supported
+predictive distributions:
+
+* ``"cross_entropy"``: categorical over the last dimension of the logits;
+* ``"mse"``: unit-variance Gaussian centred on the output, so the per-sample gradient of
+  ``½‖y − f‖²`` with respect to ``f`` is ``−ε`` with ``ε ~ N(0, I)``.
+
+The sampled loss is a *sum* over every element divided by the batch size (the first
+dimension), matching the "mean over B samples" convention the factors are scaled for.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MCLoss = Literal["cross_entropy", "mse"]
+MC_LOSSES: tuple[str, ...] = ("cross_entropy", "mse")
+
+
+def mc_sample_loss(outputs: Tensor, loss: str, generator: torch.Generator | None) -> Tensor:
+    """The negative log-likelihood of targets sampled from the model's own predictions.
+
+    Args:
+        outputs: Model outputs (logits for ``"cross_entropy"``), batch first.
+        loss: ``"cross_entropy"`` or ``"mse"``.
+        generator: Random generator on ``outputs.device`` (or ``None`` for the global one).
+
+    Returns:
+        A scalar whose gradient with respect to ``outputs`` is the sampled per-sample
+        gradient divided by the batch size.
+    """
+    if loss not in MC_LOSSES:
+        raise ValueError(f"loss must be one of {MC_LOSSES}, got {loss!r}")
+    if outputs.dim() == 0:
+        raise ValueError("outputs must have a batch dimension")
+    batch = outputs.shape[0] if outputs.dim() > 1 else 1
+    if loss == "cross_entropy":
+        logits = outputs.reshape(-1, outputs.shape[-1])
+        with torch.no_grad():
+            probs = torch.softmax(logits.detach().float(), dim=-1)
+            targets = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        return F.cross_entropy(logits.float(), targets, reduction="sum") / batch
+    with torch.no_grad():
+        noise = torch.randn(
+            outputs.shape, generator=generator, device=outputs.device, dtype=torch.float32
+        )
+        targets = outputs.detach().float() + noise
+    return 0.5 * (outputs.float() - targets).pow(2).sum() / batch

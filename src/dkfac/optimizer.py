@@ -1,0 +1,111 @@
+"""KFACOptimizer: a ``torch.optim.Optimizer`` that preconditions, then runs an inner optimizer.
+
+It shares the inner optimizer's ``param_groups`` (and ``state``), so LR schedulers, gradient
+clipping utilities and checkpointing code written for plain optimizers work unchanged. Each
+``step()`` feeds the inner optimizer's current learning rate to the KL-clip.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from dkfac.preconditioner import KFACPreconditioner
+
+logger = logging.getLogger(__name__)
+
+
+class KFACOptimizer(Optimizer):
+    """Wraps ``inner`` so that every step is preconditioned by ``preconditioner``.
+
+    Args:
+        inner: Any ``torch.optim.Optimizer`` over the model's parameters.
+        preconditioner: The :class:`KFACPreconditioner` of the same model.
+        skip_nonfinite: Skip the inner step (and log it) when any parameter gradient is not
+            finite, before or after preconditioning, so NaN/Inf never reaches the weights
+            (the preconditioner itself zeroes the non-finite gradients of its layers and
+            skips their factor updates).
+    """
+
+    def __init__(
+        self,
+        inner: Optimizer,
+        preconditioner: KFACPreconditioner,
+        *,
+        skip_nonfinite: bool = True,
+    ) -> None:
+        if not isinstance(inner, Optimizer):
+            raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        if not isinstance(preconditioner, KFACPreconditioner):
+            raise TypeError(
+                f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__}"
+            )
+        self.inner = inner
+        self.preconditioner = preconditioner
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
+        super().__init__(inner.param_groups, inner.defaults)
+        # Share, not copy: schedulers and users mutate these dicts.
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    def _finite_flag(self) -> torch.Tensor | None:
+        """A 0-d bool tensor: every parameter gradient is finite (``None``: no gradients)."""
+        flags = [
+            torch.isfinite(p.grad).all()
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        if not flags:
+            return None
+        device = flags[0].device
+        return torch.stack([f.to(device) for f in flags]).all()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Preconditions the gradients, then takes one step of the inner optimizer.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with grad enabled
+                before preconditioning), as for any optimizer.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        raw_finite = self._finite_flag() if self.skip_nonfinite else None
+        self.preconditioner.step(lr=float(self.param_groups[0]["lr"]))
+        finite = self._finite_flag() if self.skip_nonfinite else None
+        if raw_finite is not None and finite is not None and not bool(raw_finite & finite):
+            self.skipped_steps += 1
+            logger.warning("non-finite gradient; optimizer step skipped")
+            return loss
+        self.inner.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients through the inner optimizer."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict and the preconditioner's."""
+        return {
+            "inner": self.inner.state_dict(),
+            "preconditioner": self.preconditioner.state_dict(include_inverses=True),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict`."""
+        if not isinstance(state_dict, dict) or not {"inner", "preconditioner"} <= set(state_dict):
+            raise ValueError("not a KFACOptimizer state dict (needs 'inner' and 'preconditioner')")
+        self.inner.load_state_dict(state_dict["inner"])
+        self.preconditioner.load_state_dict(state_dict["preconditioner"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state

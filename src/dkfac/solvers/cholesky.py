@@ -1,0 +1,58 @@
+"""Inverse-based preconditioning with factored Tikhonov damping and the π-correction.
+
+``π = sqrt((tr A / dim A) / (tr G / dim G))`` splits the damping between the factors:
+``V = (G + (√λ/π) I)^{-1} ∇W (A + π√λ I)^{-1}``. The inverses are formed through Cholesky
+factorisations at inverse-update time, with the damping of that step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from dkfac.solvers.base import Solver, SolverState
+
+
+def pi_correction(a: Tensor, g: Tensor) -> float:
+    """``π = sqrt((tr A / dim A) / (tr G / dim G))``; 1 when either trace is not positive."""
+    mean_a = float(torch.trace(a)) / a.shape[0]
+    mean_g = float(torch.trace(g)) / g.shape[0]
+    if mean_a <= 0 or mean_g <= 0 or not math.isfinite(mean_a / mean_g):
+        return 1.0
+    return math.sqrt(mean_a / mean_g)
+
+
+def damped_inverse(matrix: Tensor, shift: float, dtype: torch.dtype) -> Tensor:
+    """``(M + shift·I)^{-1}`` through a Cholesky factorisation in ``dtype``."""
+    sym = matrix.to(dtype)
+    sym = (sym + sym.T) / 2 + shift * torch.eye(sym.shape[0], dtype=dtype, device=sym.device)
+    factor, info = torch.linalg.cholesky_ex(sym)
+    if int(info) != 0:
+        raise torch.linalg.LinAlgError(f"matrix not positive definite (info={int(info)})")
+    return torch.cholesky_inverse(factor)
+
+
+class CholeskySolver(Solver):
+    """Cholesky-inverse solver: state ``a_inv, g_inv``."""
+
+    name = "cholesky"
+
+    def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
+        """Inverts the π-damped factors."""
+        pi = pi_correction(a, g)
+        root = math.sqrt(damping)
+        storage = a.dtype
+
+        def run(dtype: torch.dtype) -> SolverState:
+            return {
+                "a_inv": damped_inverse(a, pi * root, dtype).to(storage),
+                "g_inv": damped_inverse(g, root / pi, dtype).to(storage),
+            }
+
+        return self.with_retry(run)
+
+    def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
+        """``G_inv ∇W A_inv`` (the damping was fixed when the inverses were computed)."""
+        return state["g_inv"].to(grad.dtype) @ grad @ state["a_inv"].to(grad.dtype)

@@ -1,0 +1,334 @@
+"""Update intervals, schedules, validation, robustness, MC Fisher and state round trips."""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
+from dkfac.blocks.linear import LinearBlock
+from dkfac.solvers.eigen import EigenSolver
+from tests.oracles import with_ones
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 4), torch.randint(0, 3, (n,))
+
+
+def _train_step(model: nn.Module, pre: KFACPreconditioner, x, y) -> None:
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+
+
+# ---------------------------------------------------------------- intervals and schedules
+def test_hooks_do_no_work_on_non_factor_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"a": 0, "g": 0, "eig": 0}
+    real_a, real_g, real_eig = LinearBlock.a_rows, LinearBlock.g_rows, EigenSolver.compute
+
+    def count(key, real):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(LinearBlock, "a_rows", count("a", real_a))
+    monkeypatch.setattr(LinearBlock, "g_rows", count("g", real_g))
+    monkeypatch.setattr(EigenSolver, "compute", count("eig", real_eig))
+    model = _mlp()
+    pre = KFACPreconditioner(model, factor_update_interval=3, inverse_update_interval=4)
+    x, y = _batch()
+    for _ in range(12):
+        _train_step(model, pre, x, y)
+    # factor steps 0,3,6,9 -> 4 per layer; inverse steps 0,4,8 -> 3 per layer
+    assert calls == {"a": 8, "g": 8, "eig": 6}
+
+
+def test_callable_schedules_are_used_per_step() -> None:
+    model = _mlp()
+    seen: list[int] = []
+
+    def damping(step: int) -> float:
+        seen.append(step)
+        return 1e-2 if step < 2 else 1e-1
+
+    pre = KFACPreconditioner(model, damping=damping, factor_update_interval=lambda s: 1 + s // 2)
+    x, y = _batch()
+    for _ in range(4):
+        _train_step(model, pre, x, y)
+    assert seen == [0, 1, 2, 3]
+
+
+def test_bad_schedule_value_names_argument_and_step() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model, damping=lambda s: 1e-3 if s == 0 else -1.0)
+    x, y = _batch()
+    _train_step(model, pre, x, y)
+    with pytest.raises(ValueError, match=r"damping .* step 1"):
+        _train_step(model, pre, x, y)
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        ({"damping": 0.0}, ValueError, "damping"),
+        ({"damping": -1.0}, ValueError, "damping"),
+        ({"damping": float("nan")}, ValueError, "damping"),
+        ({"factor_decay": 1.0}, ValueError, "factor_decay"),
+        ({"factor_decay": -0.1}, ValueError, "factor_decay"),
+        ({"factor_update_interval": 0}, ValueError, "factor_update_interval"),
+        ({"inverse_update_interval": 2.5}, ValueError, "inverse_update_interval"),
+        ({"kl_clip": 0.0}, ValueError, "kl_clip"),
+        ({"method": "svd"}, ValueError, "method"),
+        ({"fisher": "true"}, ValueError, "fisher"),
+        ({"accumulation_steps": 0}, ValueError, "accumulation_steps"),
+        ({"eigen_dtype": torch.float16}, ValueError, "eigen_dtype"),
+        ({"damping": "big"}, TypeError, "damping"),
+        ({"not_an_option": 1}, TypeError, "not_an_option"),
+    ],
+)
+def test_bad_arguments_are_rejected(options: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        KFACPreconditioner(_mlp(), **options)
+
+
+def test_model_without_supported_layer_is_rejected() -> None:
+    with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
+        KFACPreconditioner(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(3)))
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        KFACPreconditioner("model")  # type: ignore[arg-type]
+
+
+def test_skip_layers_by_name_and_class() -> None:
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2), nn.Linear(2, 2))
+    assert list(KFACPreconditioner(model, skip_layers="^2$").layers) == ["0", "3"]
+    assert list(KFACPreconditioner(model, skip_layers=["Conv2d"]).layers) == ["2", "3"]
+
+
+def test_grouped_conv_is_skipped_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
+    with caplog.at_level(logging.WARNING):
+        pre = KFACPreconditioner(model)
+    assert list(pre.layers) == ["2"]
+    assert "grouped convolution" in caplog.text
+
+
+def test_frozen_layer_is_not_registered() -> None:
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    assert list(KFACPreconditioner(model).layers) == ["2"]
+
+
+# ---------------------------------------------------------------- robustness
+def test_nonfinite_gradient_never_reaches_weights(caplog: pytest.LogCaptureFixture) -> None:
+    model = _mlp()
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), KFACPreconditioner(model))
+    x, y = _batch()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    factors = {k: (a.clone(), g.clone()) for k, (a, g) in opt.preconditioner.factors().items()}
+    opt.zero_grad()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with caplog.at_level(logging.WARNING):
+        F.cross_entropy(model(bad), y).backward()
+        opt.step()
+    assert "non-finite" in caplog.text and "0" in caplog.text
+    for key, value in model.state_dict().items():
+        assert torch.isfinite(value).all(), key
+        torch.testing.assert_close(value, good[key])
+    for name, (a, g) in opt.preconditioner.factors().items():
+        torch.testing.assert_close(a, factors[name][0])
+        torch.testing.assert_close(g, factors[name][1])
+    assert opt.skipped_steps == 1
+
+
+def test_nonfinite_gradient_zeroed_by_preconditioner_alone() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    x, y = _batch()
+    _train_step(model, pre, x, y)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    model[2].weight.grad[0, 0] = float("inf")
+    pre.step()
+    assert torch.count_nonzero(model[2].weight.grad) == 0
+    assert torch.isfinite(model[0].weight.grad).all()
+
+
+# ---------------------------------------------------------------- Monte-Carlo Fisher
+def test_mc_fisher_leaves_training_gradients_untouched_and_equals_formula() -> None:
+    torch.manual_seed(3)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    pre = KFACPreconditioner(model, fisher="mc", factor_decay=0.0, seed=7, kl_clip=None)
+    model.zero_grad()
+    out = model(x)
+    pre.sample_fisher(out, loss="cross_entropy")
+    F.cross_entropy(out, y).backward()
+    for p, expected in zip(model.parameters(), plain, strict=True):
+        torch.testing.assert_close(p.grad, expected)
+    pre.step()
+    gen = torch.Generator().manual_seed(7)
+    probs = torch.softmax(out.detach().float(), dim=-1)
+    sampled = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+    per_sample = torch.softmax(out.detach(), -1) - F.one_hot(sampled, 3).double()
+    torch.testing.assert_close(pre.factors()[""][1], per_sample.T @ per_sample / 6)
+    rows = with_ones(x)
+    torch.testing.assert_close(pre.factors()[""][0], rows.T @ rows / 6)
+
+
+def test_mc_fisher_mse_gradient_is_unit_gaussian_noise() -> None:
+    model = nn.Linear(3, 2).double()
+    pre = KFACPreconditioner(model, fisher="mc", factor_decay=0.0, seed=1)
+    out = model(torch.randn(4, 3, dtype=torch.float64))
+    pre.sample_fisher(out, loss="mse")
+    out.sum().backward()
+    pre.step()
+    noise = torch.randn((4, 2), generator=torch.Generator().manual_seed(1)).double()
+    torch.testing.assert_close(pre.factors()[""][1], noise.T @ noise / 4)
+
+
+def test_mc_fisher_requires_sample_call() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model, fisher="mc")
+    x, y = _batch()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="sample_fisher"):
+        pre.step()
+    with pytest.raises(RuntimeError, match='fisher="mc"'):
+        KFACPreconditioner(_mlp()).sample_fisher(model(x))
+
+
+# ---------------------------------------------------------------- state and memory
+def _run(model, pre, batches):
+    for x, y in batches:
+        _train_step(model, pre, x, y)
+
+
+@pytest.mark.parametrize("steps,include_inverses", [(4, False), (6, True)])
+def test_state_dict_round_trip_reproduces_next_step(steps: int, include_inverses: bool) -> None:
+    batches = [_batch() for _ in range(steps + 1)]
+    model = _mlp()
+    clone = _mlp()
+    clone.load_state_dict(model.state_dict())
+    options = dict(inverse_update_interval=4, factor_decay=0.9, damping=lambda s: 0.01 * (s + 1))
+    pre = KFACPreconditioner(model, **options)
+    _run(model, pre, batches[:steps])
+    saved = pre.state_dict(include_inverses=include_inverses)
+    clone.load_state_dict(model.state_dict())
+    restored = KFACPreconditioner(clone, **options)
+    restored.load_state_dict(saved)
+    assert restored.steps == steps
+    _run(model, pre, batches[steps:])
+    _run(clone, restored, batches[steps:])
+    for p, q in zip(model.parameters(), clone.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_load_state_dict_rejects_mismatch() -> None:
+    pre = KFACPreconditioner(_mlp())
+    other = KFACPreconditioner(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5)))
+    x, y = _batch()
+    _train_step(pre.model, pre, x, y)
+    with pytest.raises(ValueError, match="shape"):
+        other.load_state_dict(pre.state_dict())
+    with pytest.raises(ValueError, match="missing"):
+        KFACPreconditioner(nn.Linear(4, 3)).load_state_dict(pre.state_dict())
+
+
+def test_memory_usage_counts_factor_bytes() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    x, y = _batch()
+    _train_step(model, pre, x, y)
+    usage = pre.memory_usage()
+    assert usage["factors"] == 4 * (5 * 5 + 8 * 8 + 9 * 9 + 3 * 3)
+    assert usage["inverses"] == usage["factors"] + 4 * (5 + 8 + 9 + 3)  # Q's and λ's
+    assert usage["accumulators"] == 0
+
+
+# ---------------------------------------------------------------- KFACOptimizer
+def test_optimizer_shares_param_groups_and_feeds_lr() -> None:
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = KFACOptimizer(inner, KFACPreconditioner(model, kl_clip=1e-6))
+    assert opt.param_groups is inner.param_groups
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _batch()
+    lrs = []
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raw = {
+            n: layer.block.weight_grad().clone() for n, layer in opt.preconditioner.layers.items()
+        }
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        lrs.append(lr)
+        pre = opt.preconditioner
+        vg = sum((pre.layers[n].block.weight_grad() * raw[n]).sum() for n in raw)
+        # The clipped update is ν·V with ν = sqrt(κ / (lr² ⟨V, g⟩)) < 1 for this tiny κ, so
+        # lr² ⟨ν V, g⟩ · ν = κ holds exactly when the optimizer's current lr was used.
+        assert pre.last_kl_scale < 1
+        assert lr**2 * float(vg) * pre.last_kl_scale == pytest.approx(1e-6, rel=1e-4)
+    assert lrs == [0.5, 0.25, 0.125]
+
+
+def test_optimizer_state_dict_round_trip() -> None:
+    batches = [_batch() for _ in range(4)]
+    model, clone = _mlp(), _mlp()
+    clone.load_state_dict(model.state_dict())
+
+    def make(m):
+        return KFACOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+            KFACPreconditioner(m, inverse_update_interval=3),
+        )
+
+    opt = make(model)
+    for x, y in batches[:3]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    restored = make(clone)
+    clone.load_state_dict(model.state_dict())
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    for m, o in ((model, opt), (clone, restored)):
+        x, y = batches[3]
+        o.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        o.step()
+    for p, q in zip(model.parameters(), clone.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_config_object_and_overrides() -> None:
+    config = KFACConfig(damping=0.1)
+    pre = KFACPreconditioner(_mlp(), config=config, method="cholesky")
+    assert pre.config.damping == 0.1 and pre.config.method == "cholesky"
+    with pytest.raises(Exception, match=r"frozen|cannot assign"):
+        config.damping = 1.0  # type: ignore[misc]
+    assert math.isclose(KFACConfig().factor_decay, 0.95)
