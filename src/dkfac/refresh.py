@@ -1,0 +1,141 @@
+"""When each statistic is refreshed: fixed intervals or SP-NGD's adaptive stale statistics.
+
+A *statistic* is one factor of one layer (``"conv1/A"``, ``"conv1/G"``, a BatchNorm Fisher,
+...). A refresh policy answers, at every step, which statistics are due; the preconditioner
+captures and communicates only those, so a skipped statistic costs nothing on that step.
+
+* :class:`FixedRefresh`: every statistic is due when ``step % interval == 0``, with
+  ``interval`` a constant or a schedule of the step (``factor_update_interval``).
+* :class:`AdaptiveRefresh` (Osawa et al., SP-NGD): every statistic keeps its own interval
+  ``Δ``. When it is refreshed, the relative change since its previous refresh,
+  ``‖X_new − X_old‖_F / ‖X_old‖_F``, is compared with a threshold ``α``: below it the
+  statistic is deemed stable and ``Δ ← min(2Δ, max_interval)``; otherwise
+  ``Δ ← max(1, Δ // 2)``. The next refresh is due ``Δ`` steps later.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dkfac.config import Schedule, resolve
+
+
+def relative_change(old: Tensor, new: Tensor) -> float:
+    """``‖new − old‖_F / ‖old‖_F`` (infinite when ``old`` is zero and ``new`` is not)."""
+    denominator = float(torch.linalg.norm(old))
+    numerator = float(torch.linalg.norm(new - old))
+    if denominator == 0.0:
+        return 0.0 if numerator == 0.0 else math.inf
+    return numerator / denominator
+
+
+class RefreshPolicy(ABC):
+    """Decides which statistics are refreshed at each step."""
+
+    @abstractmethod
+    def due(self, key: str, step: int) -> bool:
+        """Whether statistic ``key`` is captured at ``step``."""
+
+    def record(self, key: str, step: int, old: Tensor | None, new: Tensor) -> None:  # noqa: B027
+        """Tells the policy that ``key`` was refreshed at ``step`` from ``old`` to ``new``."""
+
+    def state_dict(self) -> dict[str, object]:
+        """The policy's mutable state (empty for stateless policies)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:  # noqa: B027
+        """Restores :meth:`state_dict`."""
+
+
+class FixedRefresh(RefreshPolicy):
+    """Every statistic is refreshed every ``interval`` steps (a constant or a schedule).
+
+    Args:
+        interval: ``factor_update_interval``: an integer >= 1 or a callable of the step.
+    """
+
+    def __init__(self, interval: Schedule) -> None:
+        self.interval = interval
+
+    def due(self, key: str, step: int) -> bool:
+        """``step % interval(step) == 0``."""
+        value = resolve("factor_update_interval", self.interval, step)
+        assert value is not None
+        return step % int(value) == 0
+
+
+@dataclass
+class _Entry:
+    interval: int = 1
+    next_step: int = 0
+    refreshes: int = 0
+
+
+@dataclass
+class AdaptiveRefresh(RefreshPolicy):
+    """SP-NGD's stale statistics: a per-statistic interval doubled or halved at each refresh.
+
+    Attributes:
+        threshold: ``α``: a relative Frobenius change below it doubles the interval.
+        max_interval: Upper bound of any interval.
+    """
+
+    threshold: float = 0.1
+    max_interval: int = 64
+    _entries: dict[str, _Entry] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
+            raise TypeError(f"refresh_threshold must be a number, got {self.threshold!r}")
+        if not (0 < self.threshold < math.inf):
+            raise ValueError(f"refresh_threshold must be in (0, inf), got {self.threshold!r}")
+        if (
+            isinstance(self.max_interval, bool)
+            or not isinstance(self.max_interval, int)
+            or self.max_interval < 1
+        ):
+            raise ValueError(
+                f"refresh_max_interval must be an integer >= 1, got {self.max_interval!r}"
+            )
+
+    def _entry(self, key: str) -> _Entry:
+        return self._entries.setdefault(key, _Entry())
+
+    def due(self, key: str, step: int) -> bool:
+        """Whether ``key``'s next refresh step has been reached."""
+        return step >= self._entry(key).next_step
+
+    def interval(self, key: str) -> int:
+        """The current interval of ``key``."""
+        return self._entry(key).interval
+
+    def record(self, key: str, step: int, old: Tensor | None, new: Tensor) -> None:
+        """Doubles or halves ``key``'s interval from the change between ``old`` and ``new``."""
+        entry = self._entry(key)
+        if old is not None:
+            if relative_change(old, new) < self.threshold:
+                entry.interval = min(2 * entry.interval, self.max_interval)
+            else:
+                entry.interval = max(1, entry.interval // 2)
+        entry.next_step = step + entry.interval
+        entry.refreshes += 1
+
+    def state_dict(self) -> dict[str, object]:
+        """Intervals and next refresh steps by statistic."""
+        return {
+            key: [entry.interval, entry.next_step, entry.refreshes]
+            for key, entry in self._entries.items()
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restores :meth:`state_dict`."""
+        self._entries = {}
+        for key, value in state.items():
+            if not isinstance(value, (list, tuple)) or len(value) != 3:
+                raise ValueError(f"bad adaptive refresh state for {key!r}: {value!r}")
+            self._entries[key] = _Entry(*(int(v) for v in value))
