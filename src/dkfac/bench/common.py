@@ -1,0 +1,110 @@
+"""Shared benchmark plumbing: machine facts, interleaved repeats, medians and JSON output.
+
+Every benchmark measures the things it compares *side by side in one run*, interleaving
+their repeats, so a noisy shared machine affects all of them alike; it reports medians and
+keeps every repeat in its JSON file under ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Facts that make a result interpretable: host, CPU count, torch version, device."""
+    device = torch.device(device)
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "device": str(device),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for queued kernels so wall-clock timings are honest on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(
+    cases: Mapping[str, Callable[[], object]],
+    repeats: int,
+    device: torch.device,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Times every case ``repeats`` times, interleaving cases within each round.
+
+    Args:
+        cases: Name -> a callable that runs one measured unit (e.g. one training step).
+        repeats: Rounds; each round runs every case once, in order.
+        device: Synchronised around each measurement.
+        warmup: Untimed rounds first.
+
+    Returns:
+        Name -> the list of measured seconds.
+    """
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(values: list[float]) -> float:
+    """The median of a non-empty list."""
+    return float(statistics.median(values))
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: Path | str | None = None) -> Path:
+    """Writes ``payload`` (plus the command line) as pretty JSON to ``<out_dir>/<name>.json``."""
+    directory = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    payload = {"command": " ".join(["dkfac", *sys.argv[1:]]), **payload}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    logger.info("wrote %s", path)
+    return path
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A GitHub-markdown table."""
+
+    def cell(value: Any) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""``dkfac bench step``: per-step time of SGD against K-FAC configurations, side by side.
+
+A K-FAC step is one of three kinds: *plain* (precondition only), *factor* (capture and
+update the factors, then precondition) and *inverse* (factors, inverses and precondition).
+Each kind is measured directly, interleaved with SGD steps on the same model and batch,
+by preconditioners whose intervals force that kind on every step. The per-step cost of a
+configuration with factor interval ``f`` and inverse interval ``i`` (``i`` a multiple of
+``f``) is then the exact amortisation
+
+    t(f, i) = t_plain + (t_factor − t_plain) / f + (t_inverse − t_factor) / i,
+
+reported as a ratio to SGD's median step. One profiled step of each kind gives the phase
+breakdown (forward/backward, factor capture, inverse, precondition, other) from the
+``record_function`` labels of the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from dkfac.app.models import build_model
+from dkfac.bench.common import format_table, interleaved, machine_info, median, write_result
+from dkfac.preconditioner import KFACPreconditioner
+
+logger = logging.getLogger(__name__)
+
+NEVER = 10**9  # an interval no benchmark reaches
+PHASE_LABELS = {
+    "factor build": ("dkfac.capture_a", "dkfac.capture_g", "dkfac.factors"),
+    "factor comm": ("dkfac.comm.factors",),
+    "inverse": ("dkfac.inverse",),
+    "inverse comm": ("dkfac.comm.inverses",),
+    "precondition": ("dkfac.precondition", "dkfac.kl_clip", "dkfac.comm.preconditioned"),
+}
+KINDS = {"plain": (NEVER, NEVER), "factor": (1, NEVER), "inverse": (1, 1)}
+
+
+def _make_case(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    kfac_options: dict[str, Any] | None,
+    autocast: torch.dtype | None,
+) -> Callable[[], None]:
+    """One training step on a private copy of ``model`` (K-FAC when options are given)."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    pre = None if kfac_options is None else KFACPreconditioner(model, **kfac_options)
+    x, y = batch
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(
+            x.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
+        ):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if pre is not None:
+            pre.step()
+        optimizer.step()
+
+    return step
+
+
+def _phase_breakdown(fn: Callable[[], None], device: torch.device) -> dict[str, float]:
+    """Seconds per phase of one profiled call of ``fn``."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
+    phases = {
+        name: sum(totals.get(label, 0.0) for label in labels)
+        for name, labels in PHASE_LABELS.items()
+    }
+    return phases
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the benchmark described by ``args``; returns the JSON payload."""
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = build_model(
+        args.model, in_channels=args.channels, image_size=args.image_size, num_classes=10
+    ).to(device)
+    x = torch.randn(args.batch_size, args.channels, args.image_size, args.image_size, device=device)
+    y = torch.randint(0, 10, (args.batch_size,), device=device)
+    autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
+    configs: dict[str, dict[str, Any]] = {"exact": {}}
+    if args.with_reduction:
+        configs["reduce-sum"] = {"conv_reduction": "sum"}
+    cases = {"sgd": _make_case(model, (x, y), None, autocast)}
+    for cname, options in configs.items():
+        for kind, (f_int, i_int) in KINDS.items():
+            kfac = dict(
+                method=args.method,
+                factor_update_interval=f_int,
+                inverse_update_interval=i_int,
+                damping=1e-3,
+                lr=1e-4,
+                **options,
+            )
+            cases[f"{cname}/{kind}"] = _make_case(model, (x, y), kfac, autocast)
+    times = interleaved(cases, repeats=args.repeats, device=device, warmup=1)
+    sgd = median(times["sgd"])
+    summary: dict[str, Any] = {"sgd_seconds": sgd, "configs": {}}
+    for cname in configs:
+        t = {kind: median(times[f"{cname}/{kind}"]) for kind in KINDS}
+        amortised = {}
+        for f_int, i_int in ((1, 10), (10, 100), (1, 1)):
+            per_step = (
+                t["plain"]
+                + (t["factor"] - t["plain"]) / f_int
+                + (t["inverse"] - t["factor"]) / i_int
+            )
+            amortised[f"{f_int},{i_int}"] = {"seconds": per_step, "ratio_to_sgd": per_step / sgd}
+        phases = {kind: _phase_breakdown(cases[f"{cname}/{kind}"], device) for kind in KINDS}
+        summary["configs"][cname] = {"kind_seconds": t, "amortised": amortised, "phases": phases}
+    return {
+        "benchmark": "step",
+        "machine": machine_info(device),
+        "settings": vars(args),
+        "times": times,
+        "summary": summary,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench step`` flags."""
+    parser.add_argument("--model", default="resnet20")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--channels", type=int, default=3)
+    parser.add_argument("--method", default="eigen", choices=["eigen", "cholesky"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--with-reduction", action="store_true", help="also conv_reduction=sum")
+    parser.add_argument(
+        "--name", default=None, help="result file name (default step_<model>_<device>)"
+    )
+    parser.add_argument("--out-dir", default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dkfac bench step``."""
+    parser = argparse.ArgumentParser(prog="dkfac bench step", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    payload = run(args)
+    name = args.name or f"step_{args.model}_{torch.device(args.device).type}"
+    write_result(name, payload, args.out_dir)
+    rows = []
+    for cname, entry in payload["summary"]["configs"].items():
+        for key, value in entry["amortised"].items():
+            rows.append([cname, key, value["seconds"], value["ratio_to_sgd"]])
+    print(f"SGD: {payload['summary']['sgd_seconds']:.3f} s/step")
+    print(format_table(["factors", "intervals (f,i)", "s/step", "× SGD"], rows))
+    return 0
