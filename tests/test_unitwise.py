@@ -1,0 +1,66 @@
+"""Unit-wise BatchNorm Fisher against per-sample gradients from torch.func."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import grad, vmap
+
+from dkfac.unitwise import damped_solve_2x2, normalized_input, per_sample_grads, unit_fisher
+
+DT = torch.float64
+
+
+def _per_sample_bn_grads(bn: nn.Module, x: torch.Tensor, weights: torch.Tensor):
+    """Per-sample gradients of loss_n = Σ w_n·y_n wrt (γ, β), batch statistics held fixed.
+
+    In training mode the batch statistics couple samples; the per-sample gradient of the
+    K-FAC/SP-NGD convention treats x̂ as given (it is the layer input seen by γ and β), which is
+    what differentiating y = γ x̂ + β with x̂ fixed computes.
+    """
+    x_hat = normalized_input(x, bn.eps).detach()
+    shape = [1, -1] + [1] * (x.dim() - 2)
+
+    def loss(params, xh, w):
+        y = params["weight"].view(shape[1:]) * xh + params["bias"].view(shape[1:])
+        return (w * y).sum()
+
+    params = {"weight": bn.weight.detach(), "bias": bn.bias.detach()}
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x_hat, weights)
+    return grads["weight"], grads["bias"]
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (5, 4, 7), (4, 3, 5, 6)])
+def test_per_sample_grads_and_fisher_match_torch_func(shape) -> None:
+    bn = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d}[len(shape)](shape[1]).to(DT)
+    with torch.no_grad():
+        bn.weight.uniform_(-1, 1)
+        bn.weight[0] = 0.0  # γ = 0 must not matter: x̂ comes from the input
+        bn.bias.uniform_(-1, 1)
+    x = torch.randn(*shape, dtype=DT) * 3 + 1
+    w = torch.randn(*shape, dtype=DT)  # δ for the loss Σ w·y
+    g_gamma_ref, g_beta_ref = _per_sample_bn_grads(bn, x, w)
+    # the layer's own forward computes the same x̂
+    y = bn(x)
+    x_hat = normalized_input(x, bn.eps)
+    view = [1, -1] + [1] * (x.dim() - 2)
+    torch.testing.assert_close(y, bn.weight.view(view) * x_hat + bn.bias.view(view))
+    g_gamma, g_beta = per_sample_grads(x_hat, w)
+    torch.testing.assert_close(g_gamma, g_gamma_ref)
+    torch.testing.assert_close(g_beta, g_beta_ref)
+    fisher = unit_fisher(g_gamma, g_beta)
+    for c in range(shape[1]):
+        v = torch.stack([g_gamma_ref[:, c], g_beta_ref[:, c]], dim=1)
+        torch.testing.assert_close(fisher[c], v.T @ v)
+
+
+def test_damped_solve_equals_dense_per_channel_solve() -> None:
+    v = torch.randn(7, 5, 2, dtype=DT)
+    fisher = torch.einsum("ncj,nck->cjk", v, v) / 7
+    fisher[1] = 0.0  # a dead channel: damping alone
+    grad_ = torch.randn(5, 2, dtype=DT)
+    out = damped_solve_2x2(fisher, grad_, 0.01)
+    for c in range(5):
+        expected = torch.linalg.solve(fisher[c] + 0.01 * torch.eye(2, dtype=DT), grad_[c])
+        torch.testing.assert_close(out[c], expected)
