@@ -9,6 +9,7 @@ from torch import nn
 
 from dkfac.blocks.base import Block
 from dkfac.blocks.conv2d import Conv2dBlock
+from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.blocks.linear import LinearBlock
 
 logger = logging.getLogger(__name__)
@@ -18,6 +19,7 @@ BlockFactory = Callable[[str, nn.Module], Block]
 _REGISTRY: dict[type[nn.Module], BlockFactory] = {
     nn.Linear: LinearBlock,
     nn.Conv2d: Conv2dBlock,
+    nn.Embedding: EmbeddingBlock,
 }
 
 
@@ -37,8 +39,8 @@ def register_block(module_type: type[nn.Module], factory: BlockFactory) -> None:
 def make_block(name: str, module: nn.Module) -> Block | None:
     """The block for ``module``, or ``None`` when its type is not supported.
 
-    Grouped convolutions are skipped with a warning: their weight is block-diagonal over
-    groups, which one Kronecker pair would describe wrongly.
+    Grouped convolutions are skipped with a warning (their weight is block-diagonal over
+    groups, which one Kronecker pair would describe wrongly), and so are sparse embeddings.
     """
     for klass in type(module).__mro__:
         factory = _REGISTRY.get(klass)
@@ -50,6 +52,13 @@ def make_block(name: str, module: nn.Module) -> Block | None:
                 "plain gradient",
                 name,
                 module.groups,
+            )
+            return None
+        if isinstance(module, nn.Embedding) and module.sparse:
+            logger.warning(
+                "skipping %s: sparse embedding gradients are not supported; it keeps its "
+                "plain gradient",
+                name,
             )
             return None
         return factory(name, module)

@@ -1,0 +1,90 @@
+"""Block for ``nn.Embedding``: a lookup is a Linear layer applied to a one-hot input.
+
+With token ``x_r`` at row ``r`` (batch × any leading dims), the layer computes
+``y_r = Wᵀ e_{x_r}`` for the ``V × D`` weight ``W``. In the library's ``d_out × d_in``
+convention the weight matrix is ``Wᵀ`` (``D × V``), ``ā_r = e_{x_r}`` and
+
+* ``A = mean_r e_{x_r} e_{x_r}ᵀ = diag(count_v / R)``: diagonal, the token frequencies;
+* ``G = mean_r g_r g_rᵀ`` exactly as for Linear.
+
+``padding_idx`` is honoured: padding tokens contribute a zero row to ``A`` (their row of
+``W`` never receives a gradient, so its preconditioned gradient stays zero) while still
+counting in the normaliser, as positions whose per-sample gradient for ``W`` is zero.
+The rows of ``A`` are one-hot, so a dense solver holds a ``V × V`` factor: fine for the
+vocabularies of small models; very large vocabularies should be listed in ``skip_layers``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac.blocks.base import Block, Rows
+
+
+class EmbeddingBlock(Block):
+    """Kronecker factors of an embedding table (no bias)."""
+
+    module: nn.Embedding
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name, module)
+        assert isinstance(module, nn.Embedding)
+        if module.sparse:
+            raise ValueError(f"{name}: sparse embedding gradients are not supported")
+
+    @property
+    def has_bias(self) -> bool:
+        """Embeddings have no bias."""
+        return False
+
+    def batch_size(self, inputs: Tensor) -> int:
+        """Samples in a forward input of token ids: its first dimension (1 for a 1-D input)."""
+        return int(inputs.shape[0]) if inputs.dim() > 1 else 1
+
+    @property
+    def a_dim(self) -> int:
+        """Vocabulary size ``V``."""
+        return self.module.num_embeddings
+
+    @property
+    def g_dim(self) -> int:
+        """Embedding width ``D``."""
+        return self.module.embedding_dim
+
+    def a_rows(self, inputs: Tensor) -> Rows:
+        """One-hot rows of the token ids (zero rows for ``padding_idx``)."""
+        ids = inputs.reshape(-1)
+        rows = F.one_hot(ids, self.a_dim).to(self.module.weight.dtype)
+        if self.module.padding_idx is not None:
+            rows[ids == self.module.padding_idx] = 0
+        return Rows(rows, float(ids.numel()))
+
+    def g_rows(self, grad_output: Tensor) -> Rows:
+        """Every output-gradient row, averaged over all rows."""
+        rows = grad_output.reshape(-1, self.g_dim)
+        return Rows(rows, float(rows.shape[0]))
+
+    def weight_grad(self) -> Tensor | None:
+        """``∇Wᵀ`` as a ``D × V`` matrix."""
+        grad = self.module.weight.grad
+        return None if grad is None else grad.T
+
+    def set_weight_grad(self, matrix: Tensor) -> None:
+        """Writes a ``D × V`` matrix back as the ``V × D`` gradient."""
+        grad = self.module.weight.grad
+        assert grad is not None
+        grad.copy_(matrix.T)
+
+    def parameters(self) -> list[Tensor]:
+        """The embedding table."""
+        return [self.module.weight]
+
+
+def token_counts(inputs: Tensor, vocab: int, padding_idx: int | None = None) -> Tensor:
+    """Occurrences of every token (padding excluded): the diagonal of ``A`` times ``R``."""
+    ids = inputs.reshape(-1)
+    if padding_idx is not None:
+        ids = ids[ids != padding_idx]
+    return torch.bincount(ids, minlength=vocab)

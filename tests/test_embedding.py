@@ -1,0 +1,90 @@
+"""Embedding block: factors equal the token-count formula; padding_idx is honoured."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from dkfac import KFACPreconditioner
+from dkfac.blocks.embedding import token_counts
+from tests.oracles import dense_eigen_solve
+
+DT = torch.float64
+
+
+class _Model(nn.Module):
+    def __init__(self, vocab: int = 7, dim: int = 3, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids))).sum(dim=1)
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).pow(2).sum(dim=1).mean()
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embedding_factors_equal_formula(padding_idx: int | None) -> None:
+    model = _Model(padding_idx=padding_idx).to(DT)
+    ids = torch.tensor([[0, 1, 1, 4], [2, 0, 6, 1], [5, 5, 5, 0]])
+    out = model.emb(ids)
+    y = model.head(torch.tanh(out)).sum(dim=1)
+    g_emb = torch.autograd.grad(y.pow(2).sum(dim=1).mean(), out)[0]
+
+    pre = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, skip_layers=["head"])
+    _loss(model, ids).backward()
+    pre.step()
+    a, g = pre.factors()["emb"]
+    rows = ids.numel()
+    counts = token_counts(ids, 7, padding_idx).to(DT)
+    torch.testing.assert_close(a, torch.diag(counts / rows))
+    if padding_idx is not None:
+        assert counts[padding_idx] == 0
+    g_rows = (g_emb * ids.shape[0]).reshape(-1, 3)
+    torch.testing.assert_close(g, g_rows.T @ g_rows / rows)
+
+
+def test_single_token_equals_exact_fisher() -> None:
+    """One sample, one token: A⊗G is the exact empirical Fisher of the embedding table."""
+    model = _Model().to(DT)
+    ids = torch.tensor([[3]])
+    pre = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, skip_layers=["head"])
+    _loss(model, ids).backward()
+    per_sample = model.emb.weight.grad.T.reshape(-1).clone()  # vec_r of the D×V matrix
+    pre.step()
+    a, g = pre.factors()["emb"]
+    torch.testing.assert_close(torch.kron(g, a), torch.outer(per_sample, per_sample))
+
+
+def test_preconditioned_gradient_equals_dense_solve_and_padding_row_stays_zero() -> None:
+    model = _Model(padding_idx=0).to(DT)
+    ids = torch.tensor([[0, 1, 2, 2], [3, 0, 6, 1]])
+    pre = KFACPreconditioner(
+        model,
+        factor_decay=0.0,
+        kl_clip=None,
+        damping=0.05,
+        eigen_dtype=DT,
+        skip_layers=["head"],
+    )
+    _loss(model, ids).backward()
+    raw = model.emb.weight.grad.T.clone()
+    pre.step()
+    a, g = pre.factors()["emb"]
+    expected = dense_eigen_solve(a, g, raw, 0.05)
+    torch.testing.assert_close(model.emb.weight.grad.T, expected)
+    assert bool((model.emb.weight.grad[0] == 0).all())
+
+
+def test_sparse_embedding_is_skipped_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Embedding(5, 3, sparse=True), nn.Linear(3, 2))
+    with caplog.at_level(logging.WARNING):
+        pre = KFACPreconditioner(model)
+    assert list(pre.layers) == ["1"]
+    assert "sparse embedding" in caplog.text
