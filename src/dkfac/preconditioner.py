@@ -345,8 +345,12 @@ class KFACPreconditioner:
                 raw = grads[name]
                 assert raw is not None
                 terms.append((finals[name] * raw).sum())
-            device = finals[ready[0]].device
-            partial = torch.stack(terms).sum() if terms else torch.zeros((), device=device)
+            like = finals[ready[0]]
+            partial = (
+                torch.stack(terms).sum()
+                if terms
+                else torch.zeros((), dtype=like.dtype, device=like.device)
+            )
             vg_abs = (self.strategy.reduce_kl(partial) * lr**2).abs()
             scale = torch.clamp(torch.sqrt(kl_clip / vg_abs.clamp(min=1e-30)), max=1.0)
         scaled = set(ready)
