@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -42,6 +43,7 @@ def _rank_main(rank: int, world: int, configs: list[tuple[str, float, bool]]) ->
         if strategy == "mem-opt":
             out["checkpoint"] = pre.state_dict(include_inverses=True)
     out["dp_local"] = _dp_local_factors(rank, world)
+    out["dp_losses"] = _dp_training(rank, world)
     if world == 2:
         out["nonfinite"] = _rank_nonfinite(rank, world)
     return out
@@ -81,6 +83,28 @@ def _dp_local_factors(rank: int, world: int) -> dict[str, Any]:
         "factor_bytes": pre.comm_stats()["total"]["factors"],
         "accumulated": [row["name"] for row in pre.describe() if row["owner"] == rank],
     }
+
+
+def _dp_training(rank: int, world: int) -> list[float]:
+    """dp with DDP on a fixed learnable problem: the global loss before and after."""
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    pre = KFACPreconditioner(ddp, strategy="dp", damping=0.01, inverse_update_interval=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, 2, 4, 4, generator=gen, dtype=torch.float64)
+    y = (x.sum(dim=(1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 1).long()
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        pre.step(lr=0.1)
+        opt.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(float(global_loss) / world)
+    return losses
 
 
 def _rank_nonfinite(rank: int, world: int) -> dict[str, Any]:
@@ -189,6 +213,9 @@ def _check_world(world: int, configs: list[tuple[str, float, bool]]) -> None:
                     torch.testing.assert_close(got["factors"][name][0], a, rtol=1e-9, atol=1e-11)
                     torch.testing.assert_close(got["factors"][name][1], g, rtol=1e-9, atol=1e-11)
     for res in results:
+        losses = res["dp_losses"]
+        assert losses == results[0]["dp_losses"]
+        assert losses[-1] < 0.5 * losses[0], losses
         local = res["dp_local"]
         assert local["factor_bytes"] == 0
         assert sorted(local["factors"]) == sorted(local["accumulated"])
