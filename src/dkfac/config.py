@@ -23,8 +23,12 @@ FISHER_TYPES = ("empirical", "mc")
 STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "spngd", "auto")
 CONV_REDUCTIONS = (None, "sum", "subsample")
 
+PLACEMENT_COSTS = ("compute", "memory")
+
 Method = Literal["eigen", "cholesky", "smw", "auto"]
 FisherType = Literal["empirical", "mc"]
+StrategyName = Literal["replicated", "kaisa", "mem-opt", "dp", "spngd", "auto"]
+PlacementCost = Literal["compute", "memory"]
 
 
 def _check_range(
@@ -125,7 +129,21 @@ class KFACConfig:
         conv_reduction: Spatial reduction of convolution factors: ``None`` (expand
             convention), ``"sum"`` or ``"subsample"`` (SKFAC).
         subsample_positions: Output positions sampled per image for ``"subsample"``.
-        seed: Seed for the Monte-Carlo targets and spatial subsampling.
+        seed: Seed for the Monte-Carlo targets and spatial subsampling (rank ``r`` of a
+            process group uses ``seed + r``).
+        strategy: Distribution strategy (DESIGN.md section 4; see ``docs/distributed.md``):
+            ``"replicated"`` (SC20 / KAISA COMM-OPT), ``"kaisa"`` (gradient-worker fraction
+            ``grad_worker_fraction``), ``"mem-opt"`` (KAISA with one gradient worker per
+            layer), ``"dp"`` (DP-KFAC), ``"spngd"`` (SP-NGD; takes an unwrapped model and
+            averages every gradient itself) or ``"auto"``
+            (:func:`dkfac.distributed.strategies.choose_strategy`).
+        grad_worker_fraction: KAISA fraction f in (0, 1] of ranks that precondition each
+            layer (``"kaisa"`` only); ``f × world_size`` must divide the world size.
+        bucket_bytes: Maximum size in bytes of one flattened communication bucket.
+        pack_triangles: Send symmetric factors as upper triangles; ``None`` means on for
+            ``"spngd"`` and off otherwise.
+        placement_cost: How layers are balanced over inverse owners: ``"compute"``
+            (``a_dim³ + g_dim³``) or ``"memory"`` (``a_dim² + g_dim²``).
     """
 
     method: Method = "eigen"
@@ -143,6 +161,11 @@ class KFACConfig:
     conv_reduction: str | None = None
     subsample_positions: int = 1
     seed: int = 0
+    strategy: StrategyName = "replicated"
+    grad_worker_fraction: float = 1.0
+    bucket_bytes: int = 25 * 2**20
+    pack_triangles: bool | None = None
+    placement_cost: PlacementCost = "compute"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -188,3 +211,26 @@ class KFACConfig:
             )
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        _check_range(
+            "grad_worker_fraction",
+            self.grad_worker_fraction,
+            low=0.0,
+            high=1.0,
+            high_inclusive=True,
+        )
+        if (
+            isinstance(self.bucket_bytes, bool)
+            or not isinstance(self.bucket_bytes, int)
+            or self.bucket_bytes < 1
+        ):
+            raise ValueError(f"bucket_bytes must be an integer >= 1, got {self.bucket_bytes!r}")
+        if self.pack_triangles is not None and not isinstance(self.pack_triangles, bool):
+            raise TypeError(
+                f"pack_triangles must be True, False or None, got {self.pack_triangles!r}"
+            )
+        if self.placement_cost not in PLACEMENT_COSTS:
+            raise ValueError(
+                f"placement_cost must be one of {PLACEMENT_COSTS}, got {self.placement_cost!r}"
+            )

@@ -1,13 +1,18 @@
-"""Per-layer runtime state: factor accumulators, running factors and the solver state."""
+"""Per-layer runtime state (accumulators, running factors, solver state) and the capture hooks."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.profiler import record_function
 
 from dkfac.blocks.base import Block, Rows
+from dkfac.config import KFACConfig
+from dkfac.fisher import mc_sample_loss
 from dkfac.solvers.base import Solver, SolverState
 
 
@@ -49,42 +54,183 @@ class FactorAccumulator:
         self.normaliser = 0.0
 
 
+def _pair() -> dict[str, FactorAccumulator]:
+    return {"A": FactorAccumulator(), "G": FactorAccumulator()}
+
+
 @dataclass
 class LayerState:
-    """Everything the preconditioner keeps for one registered layer.
+    """Everything the preconditioner keeps for one registered layer on this rank.
+
+    Statistics are *named* (``"A"`` and ``"G"`` for a Kronecker block) so that strategies
+    can reduce, keep and checkpoint them without knowing what they are.
 
     Attributes:
         block: What the layer's factors are.
         solver: How the layer's damped inverse is applied.
-        a_acc: Accumulator of the current step's input factor.
-        g_acc: Accumulator of the current step's output-gradient factor.
-        a: Running input factor A.
-        g: Running output-gradient factor G.
-        solver_state: The last good solver state, ``None`` before the first inverse update.
+        accumulators: Statistic name -> accumulator of the current step's contribution.
+        running: Statistic name -> running average; empty on ranks that do not keep it.
+        solver_state: The last good solver state, ``None`` before the first inverse update
+            and on ranks that do not precondition this layer.
+        captures: Whether this rank's hooks build the layer's statistics (a strategy may
+            leave all of the capture work to the layer's owner).
     """
 
     block: Block
     solver: Solver
-    a_acc: FactorAccumulator = field(default_factory=FactorAccumulator)
-    g_acc: FactorAccumulator = field(default_factory=FactorAccumulator)
-    a: Tensor | None = None
-    g: Tensor | None = None
+    accumulators: dict[str, FactorAccumulator] = field(default_factory=_pair)
+    running: dict[str, Tensor] = field(default_factory=dict)
     solver_state: SolverState | None = None
+    captures: bool = True
 
     @property
     def name(self) -> str:
         """The module's qualified name."""
         return self.block.name
 
-    def update_running(self, new_a: Tensor, new_g: Tensor, decay: float) -> None:
+    @property
+    def a_acc(self) -> FactorAccumulator:
+        """Accumulator of the input factor A."""
+        return self.accumulators["A"]
+
+    @property
+    def g_acc(self) -> FactorAccumulator:
+        """Accumulator of the output-gradient factor G."""
+        return self.accumulators["G"]
+
+    @property
+    def a(self) -> Tensor | None:
+        """Running input factor A (``None`` when not kept here)."""
+        return self.running.get("A")
+
+    @property
+    def g(self) -> Tensor | None:
+        """Running output-gradient factor G (``None`` when not kept here)."""
+        return self.running.get("G")
+
+    def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every statistic, known without data (used to allocate receive buffers)."""
+        return {"A": (self.block.a_dim,) * 2, "G": (self.block.g_dim,) * 2}
+
+    def take_means(self) -> dict[str, Tensor] | None:
+        """This step's averaged statistics (all of them, or ``None``), resetting the sums."""
+        means = {key: acc.mean() for key, acc in self.accumulators.items()}
+        self.reset_accumulators()
+        if any(value is None for value in means.values()):
+            return None
+        return {key: value for key, value in means.items() if value is not None}
+
+    def update_running(self, new: dict[str, Tensor], decay: float) -> None:
         """``F ← decay·F + (1−decay)·F_new``; the first update takes ``F_new`` as it is."""
-        if self.a is None or self.g is None or decay == 0.0:
-            self.a, self.g = new_a, new_g
+        if set(self.running) != set(new) or decay == 0.0:
+            self.running = dict(new)
             return
-        self.a.mul_(decay).add_(new_a, alpha=1.0 - decay)
-        self.g.mul_(decay).add_(new_g, alpha=1.0 - decay)
+        for key, value in new.items():
+            self.running[key].mul_(decay).add_(value, alpha=1.0 - decay)
 
     def reset_accumulators(self) -> None:
-        """Drops the current step's partial factors."""
-        self.a_acc.reset()
-        self.g_acc.reset()
+        """Drops the current step's partial statistics."""
+        for acc in self.accumulators.values():
+            acc.reset()
+
+
+class FactorCapture:
+    """The hooks that feed each layer's accumulators, and the Monte-Carlo Fisher backward.
+
+    Scale convention: the backward hook sees ``grad_output = g / (B · k)`` for a loss that
+    is the mean over the ``B`` samples of a micro-batch divided by ``k =
+    accumulation_steps``; it multiplies by ``B · k`` so the factors are on the per-sample
+    Fisher scale.
+
+    Args:
+        config: The preconditioner's configuration.
+
+    Attributes:
+        active: Whether this step captures (a factor-update step); hooks do nothing if not.
+        generator: The Monte-Carlo sampling generator (created on first use).
+    """
+
+    def __init__(self, config: KFACConfig) -> None:
+        self.config = config
+        self.active = False
+        self.generator: torch.Generator | None = None
+        self._mc_active = False
+        self._mc_captured = False
+        self._handles: list[Any] = []
+
+    def attach(self, module: nn.Module, layer: LayerState) -> None:
+        """Registers the forward hook (which registers the backward hook) on ``module``."""
+        hook = functools.partial(self._forward_hook, layer)
+        self._handles.append(module.register_forward_hook(hook))
+
+    def remove(self) -> None:
+        """Detaches every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _forward_hook(
+        self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
+    ) -> None:
+        if not (self.active and layer.captures and module.training and torch.is_grad_enabled()):
+            return
+        if not inputs or not isinstance(inputs[0], Tensor):
+            return
+        x = inputs[0].detach()
+        with record_function("dkfac.capture_a"):
+            layer.a_acc.add(layer.block.a_rows(x))
+        if isinstance(output, Tensor) and output.requires_grad:
+            scale = float(layer.block.batch_size(x) * self.config.accumulation_steps) ** 2
+            output.register_hook(functools.partial(self._grad_hook, layer, scale))
+
+    def _grad_hook(self, layer: LayerState, scale: float, grad: Tensor) -> None:
+        if self.config.fisher == "mc" and not self._mc_active:
+            return
+        with record_function("dkfac.capture_g"):
+            layer.g_acc.add(layer.block.g_rows(grad.detach()), scale)
+        self._mc_captured = True
+
+    def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
+        """One backward of targets sampled from ``outputs``; only the G hooks see it."""
+        if not self.active:
+            return
+        if self.generator is None or self.generator.device != outputs.device:
+            self.generator = torch.Generator(device=outputs.device)
+            self.generator.manual_seed(seed)
+        sampled = mc_sample_loss(outputs, loss, self.generator)
+        self._mc_active = True
+        try:
+            torch.autograd.grad(sampled, params, retain_graph=True, allow_unused=True)
+        finally:
+            self._mc_active = False
+
+    def collect(
+        self, layers: dict[str, LayerState], g_scale: float
+    ) -> dict[str, dict[str, Tensor]]:
+        """This step's averaged statistics of the layers captured here; resets the sums.
+
+        Args:
+            layers: The registered layers.
+            g_scale: Factor applied to G (``1 / grad_scaler_scale²`` under mixed precision).
+
+        Raises:
+            RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
+        """
+        new: dict[str, dict[str, Tensor]] = {}
+        missing_g = []
+        for name, layer in layers.items():
+            if layer.a_acc.total is not None and layer.g_acc.total is None:
+                missing_g.append(name)
+            means = layer.take_means()
+            if means is None:
+                continue
+            if g_scale != 1.0:
+                means["G"] = means["G"] * g_scale
+            new[name] = means
+        if self.config.fisher == "mc" and missing_g and not self._mc_captured:
+            raise RuntimeError(
+                'fisher="mc": call pre.sample_fisher(outputs) after the forward pass and '
+                "before loss.backward() on factor-update steps"
+            )
+        self._mc_captured = False
+        return new

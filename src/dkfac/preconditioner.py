@@ -1,16 +1,25 @@
 """KFACPreconditioner: registers blocks and hooks, and runs one K-FAC step.
 
-A step has four phases, each under a ``torch.profiler.record_function`` label:
+A step has five phases, each under a ``torch.profiler.record_function`` label. Where the work
+runs and what travels between ranks is decided by the :mod:`~dkfac.distributed.strategies`
+object ``pre.strategy``; the math below never branches on the rank.
 
-1. ``dkfac.factors``: the factors captured by the hooks since the last step become the new
-   running averages (only on factor-update steps; the hooks do no work on other steps).
-2. ``dkfac.inverse``: on inverse-update steps every layer's solver state is recomputed.
-3. ``dkfac.precondition``: every layer's gradient is replaced by the damped natural gradient.
-4. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν.
+1. ``dkfac.factors``: the factors captured by the hooks since the last step are reduced as
+   the strategy says (all-reduce, reduce-scatter to owners, or nothing) in asynchronous
+   buckets, launched together with any gradient reduction the strategy does itself; ranks
+   agree on which layers have finite factors and gradients; the ranks that keep a layer's
+   factors update its running averages (only on factor-update steps; the hooks do no work
+   on other steps).
+2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
+   and the strategy sends it to the layer's gradient workers.
+3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
+   natural gradient.
+4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank.
+5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
+   sum runs over every layer, whichever rank preconditioned it).
 
-Scale convention: the backward hook sees ``grad_output = g / (B · k)`` for a loss that is the
-mean over the ``B`` samples of a micro-batch divided by ``k = accumulation_steps``; it
-multiplies by ``B · k`` so the factors are on the per-sample Fisher scale. With a
+Scale convention (see :class:`~dkfac.layer_state.FactorCapture`): factors are on the
+per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
 ``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
 unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient clipping).
 """
@@ -18,19 +27,21 @@ unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
 from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
-from dkfac.fisher import mc_sample_loss
-from dkfac.layer_state import FactorAccumulator, LayerState
+from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
+from dkfac.distributed.comm import CommHandle, Communicator
+from dkfac.distributed.strategies import Strategy, build_strategy
+from dkfac.layer_state import FactorAccumulator, FactorCapture, LayerState
 from dkfac.solvers import SolverError, make_solver
 
 logger = logging.getLogger(__name__)
@@ -49,15 +60,21 @@ class KFACPreconditioner:
     """Replaces the gradients of supported layers with K-FAC preconditioned gradients.
 
     Args:
-        model: The model (optionally wrapped in DDP). Its ``nn.Linear`` and ``nn.Conv2d``
-            layers (and any type registered with :func:`dkfac.blocks.register_block`) are
-            preconditioned; every other parameter keeps its plain gradient.
+        model: The model. Its ``nn.Linear`` and ``nn.Conv2d`` layers (and any type
+            registered with :func:`dkfac.blocks.register_block`) are preconditioned; every
+            other parameter keeps its plain gradient. For every strategy but ``"spngd"``
+            wrap it in ``DistributedDataParallel`` when training on several ranks, so the
+            gradients arrive averaged. ``"spngd"`` needs the unwrapped model: its
+            ``step()`` averages the gradients of *all* parameters itself.
         config: A :class:`KFACConfig`; keyword ``options`` override its fields.
         grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any.
-        **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ...).
+        process_group: The ranks that train together (default: the default group; none
+            needed for one process).
+        **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).
 
     Raises:
-        ValueError: For a bad option value or a model with no supported layer.
+        ValueError: For a bad option value, a model with no supported layer, or a
+            DDP-wrapped model with ``strategy="spngd"``.
         TypeError: For an unknown option or a value of the wrong type.
     """
 
@@ -67,6 +84,7 @@ class KFACPreconditioner:
         *,
         config: KFACConfig | None = None,
         grad_scaler: Any | None = None,
+        process_group: Any | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -77,17 +95,32 @@ class KFACPreconditioner:
             config = dataclasses.replace(config, **options)
         if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler (it has no get_scale())")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "process_group must be a torch.distributed.ProcessGroup or None, got "
+                f"{type(process_group).__name__}"
+            )
         self.config = config
         self.model = model
         self.grad_scaler = grad_scaler
         self.layers: dict[str, LayerState] = {}
         self._steps = 0
-        self._mc_active = False
-        self._mc_captured = False
-        self._generator: torch.Generator | None = None
-        self._handles: list[Any] = []
+        self.capture = FactorCapture(config)
         self._register(_unwrap(model))
-        self._capture = self._is_factor_step(0)
+        self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
+        self.strategy: Strategy = build_strategy(
+            config,
+            self.comm,
+            {name: layer.block for name, layer in self.layers.items()},
+            ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel),
+        )
+        for name, layer in self.layers.items():
+            layer.captures = self.strategy.captures(name)
+        block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
+        self._other_params = [
+            p for p in _unwrap(model).parameters() if p.requires_grad and id(p) not in block_params
+        ]
+        self.capture.active = self._is_factor_step(0)
         self.last_kl_scale: float | None = None
 
     # ----------------------------------------------------------------- registration
@@ -113,13 +146,10 @@ class KFACPreconditioner:
             state = LayerState(
                 block=block,
                 solver=make_solver(cfg.method, cfg.eigen_dtype),
-                a_acc=FactorAccumulator(dtype=dtype),
-                g_acc=FactorAccumulator(dtype=dtype),
+                accumulators={"A": FactorAccumulator(dtype), "G": FactorAccumulator(dtype)},
             )
             self.layers[name] = state
-            self._handles.append(
-                module.register_forward_hook(functools.partial(self._forward_hook, state))
-            )
+            self.capture.attach(module, state)
         if not self.layers:
             raise ValueError(
                 "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv2d "
@@ -130,44 +160,21 @@ class KFACPreconditioner:
 
     def remove_hooks(self) -> None:
         """Detaches every hook from the model (the preconditioner is unusable afterwards)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self.capture.remove()
 
-    # ----------------------------------------------------------------- hooks
+    # ----------------------------------------------------------------- capture
     def _is_factor_step(self, step: int) -> bool:
         interval = resolve("factor_update_interval", self.config.factor_update_interval, step)
         assert interval is not None
         return step % int(interval) == 0
 
-    def _forward_hook(
-        self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
-    ) -> None:
-        if not (self._capture and module.training and torch.is_grad_enabled()):
-            return
-        if not inputs or not isinstance(inputs[0], Tensor):
-            return
-        x = inputs[0].detach()
-        with record_function("dkfac.capture_a"):
-            layer.a_acc.add(layer.block.a_rows(x))
-        if isinstance(output, Tensor) and output.requires_grad:
-            scale = float(layer.block.batch_size(x) * self.config.accumulation_steps) ** 2
-            output.register_hook(functools.partial(self._grad_hook, layer, scale))
-
-    def _grad_hook(self, layer: LayerState, scale: float, grad: Tensor) -> None:
-        if self.config.fisher == "mc" and not self._mc_active:
-            return
-        with record_function("dkfac.capture_g"):
-            layer.g_acc.add(layer.block.g_rows(grad.detach()), scale)
-        self._mc_captured = True
-
-    # ----------------------------------------------------------------- Monte-Carlo Fisher
     def sample_fisher(self, outputs: Tensor, loss: str = "cross_entropy") -> None:
         """Feeds the G factors from one backward of targets sampled from ``outputs``.
 
         Call it between the forward pass and ``loss.backward()`` when ``fisher="mc"``. It
         runs ``torch.autograd.grad`` with ``retain_graph=True``, so ``.grad`` and the graph
-        the training backward needs are left untouched.
+        the training backward needs are left untouched. Rank ``r`` samples with the seed
+        ``seed + r``.
 
         Args:
             outputs: The model's outputs of this forward pass (logits for cross-entropy).
@@ -177,23 +184,17 @@ class KFACPreconditioner:
             raise RuntimeError('sample_fisher() needs fisher="mc" in the preconditioner config')
         if not isinstance(outputs, Tensor) or not outputs.requires_grad:
             raise ValueError("outputs must be the model's output tensor, with a graph")
-        if not self._capture:
-            return
-        if self._generator is None or self._generator.device != outputs.device:
-            self._generator = torch.Generator(device=outputs.device)
-            self._generator.manual_seed(self.config.seed)
-        sampled = mc_sample_loss(outputs, loss, self._generator)
         params = [p for layer in self.layers.values() for p in layer.block.parameters()]
-        self._mc_active = True
-        try:
-            torch.autograd.grad(sampled, params, retain_graph=True, allow_unused=True)
-        finally:
-            self._mc_active = False
+        seed = self.config.seed + self.strategy.index
+        self.capture.sample_fisher(outputs, loss, params, seed)
 
     # ----------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, lr: float | None = None) -> None:
         """Preconditions the gradients of every registered layer in place.
+
+        Every rank of the process group must call it (it runs collectives). With
+        ``strategy="spngd"`` it also averages the gradients of every other parameter.
 
         Args:
             lr: The learning rate for the KL-clip; defaults to the configured ``lr``.
@@ -204,93 +205,108 @@ class KFACPreconditioner:
         inverse_interval = resolve("inverse_update_interval", cfg.inverse_update_interval, step)
         assert damping is not None and inverse_interval is not None
         grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
+        capturing = self.capture.active
         with record_function("dkfac.factors"):
-            new_factors = self._collect_factors() if self._capture else {}
+            new_factors = self.capture.collect(self.layers, self._g_scale()) if capturing else {}
+            present = {name: g for name, g in grads.items() if g is not None}
+            others = [p.grad for p in self._other_params if p.grad is not None]
+            CommHandle(
+                works=[
+                    self.strategy.reduce_statistics(new_factors),
+                    self.strategy.reduce_gradients(present, others),
+                ]
+            ).wait()
             finite = self._finite_flags(new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % int(inverse_interval) == 0:
             with record_function("dkfac.inverse"):
                 self._update_inverses(damping)
         with record_function("dkfac.precondition"):
-            updates = self._precondition(grads, finite, damping)
+            finals, ready = self._precondition(grads, finite, damping)
+        with record_function("dkfac.distribute"):
+            delivered = self.strategy.distribute(finals, ready)
         with record_function("dkfac.kl_clip"):
-            self._apply(updates, lr if lr is not None else resolve("lr", cfg.lr, step))
-        self._steps += 1
-        self._capture = self._is_factor_step(self._steps)
-
-    def _collect_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        scale = 1.0
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            scale = float(self.grad_scaler.get_scale()) ** -2
-        new: dict[str, tuple[Tensor, Tensor]] = {}
-        missing_g = []
-        for name, layer in self.layers.items():
-            a, g = layer.a_acc.mean(), layer.g_acc.mean()
-            layer.reset_accumulators()
-            if a is not None and g is None:
-                missing_g.append(name)
-            if a is None or g is None:
-                continue
-            new[name] = (a, g * scale if scale != 1.0 else g)
-        if self.config.fisher == "mc" and missing_g and not self._mc_captured:
-            raise RuntimeError(
-                'fisher="mc": call pre.sample_fisher(outputs) after the forward pass and '
-                "before loss.backward() on factor-update steps"
+            self._apply(
+                finals,
+                delivered,
+                ready,
+                grads,
+                lr if lr is not None else resolve("lr", cfg.lr, step),
             )
-        self._mc_captured = False
-        return new
+        self.comm.ledger.end_step()
+        self._steps += 1
+        self.capture.active = self._is_factor_step(self._steps)
+
+    def _g_scale(self) -> float:
+        """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            return float(self.grad_scaler.get_scale()) ** -2
+        return 1.0
 
     def _finite_flags(
-        self, new: dict[str, tuple[Tensor, Tensor]], grads: dict[str, Tensor | None]
+        self, new: dict[str, dict[str, Tensor]], grads: dict[str, Tensor | None]
     ) -> dict[str, tuple[bool, bool]]:
-        """(factors finite, gradient finite) per layer, with a single host synchronisation."""
+        """(factors finite, gradient finite) per layer, agreed by every rank.
+
+        One host synchronisation (and one tiny all-reduce with several ranks) per step.
+        """
         names = list(self.layers)
+        device = self.layers[names[0]].block.parameters()[0].device
         checks: list[Tensor] = []
         for name in names:
-            pair = new.get(name)
+            stats = new.get(name, {})
             grad = grads[name]
+            ok = [torch.isfinite(t).all().to(device) for t in stats.values()]
+            checks.append(torch.stack(ok).all() if ok else torch.tensor(True, device=device))
             checks.append(
-                torch.isfinite(pair[0]).all() & torch.isfinite(pair[1]).all()
-                if pair is not None
-                else torch.tensor(True)
+                torch.isfinite(grad).all().to(device)
+                if grad is not None
+                else torch.tensor(True, device=device)
             )
-            checks.append(torch.isfinite(grad).all() if grad is not None else torch.tensor(True))
-        device = checks[0].device
-        values = torch.stack([c.to(device) for c in checks]).tolist()
+        values = self.strategy.agree(torch.stack(checks)).tolist()
         return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
 
     def _update_factors(
         self,
-        new: dict[str, tuple[Tensor, Tensor]],
+        new: dict[str, dict[str, Tensor]],
         finite: dict[str, tuple[bool, bool]],
         step: int,
     ) -> None:
         decay = resolve("factor_decay", self.config.factor_decay, step)
         assert decay is not None
-        for name, (a, g) in new.items():
+        for name, stats in new.items():
+            if not self.strategy.keeps_statistics(name):
+                continue
             if not finite[name][0]:
                 logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
                 continue
-            self.layers[name].update_running(a, g, decay)
+            self.layers[name].update_running(stats, decay)
 
     def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
+        """Owners recompute their layers' solver states; the strategy shares them."""
         for name in self.layers if names is None else names:
             layer = self.layers[name]
-            if layer.a is None or layer.g is None:
+            if not self.strategy.is_owner(name) or layer.a is None or layer.g is None:
                 continue
             try:
                 layer.solver_state = layer.solver.compute(layer.a, layer.g, damping)
             except SolverError as err:
                 logger.warning("%s: %s; keeping the last good inverse", name, err)
+        states = {name: layer.solver_state for name, layer in self.layers.items()}
+        devices = {name: layer.block.parameters()[0].device for name, layer in self.layers.items()}
+        self.strategy.share_solver_states(states, devices)
+        for name, layer in self.layers.items():
+            layer.solver_state = states[name]
 
     def _precondition(
         self,
         grads: dict[str, Tensor | None],
         finite: dict[str, tuple[bool, bool]],
         damping: float,
-    ) -> dict[str, tuple[Tensor, Tensor]]:
-        """``name -> (preconditioned, raw)`` for every layer that can be preconditioned."""
-        updates: dict[str, tuple[Tensor, Tensor]] = {}
+    ) -> tuple[dict[str, Tensor], list[str]]:
+        """Final gradient matrices (or receive buffers) and the layers ready to precondition."""
+        finals: dict[str, Tensor] = {}
+        ready: list[str] = []
         for name, layer in self.layers.items():
             grad = grads[name]
             if grad is None:
@@ -299,21 +315,50 @@ class KFACPreconditioner:
                 logger.warning("step %d: non-finite gradient in %s; zeroed", self._steps, name)
                 layer.block.set_weight_grad(torch.zeros_like(grad))
                 continue
-            if layer.solver_state is None:
-                continue
-            updates[name] = (layer.solver.apply(layer.solver_state, grad, damping), grad)
-        return updates
+            is_ready = name in self.strategy.ready and (
+                layer.solver_state is not None or not self.strategy.preconditions(name)
+            )
+            if is_ready:
+                ready.append(name)
+            if not self.strategy.preconditions(name):
+                finals[name] = torch.empty_like(grad)
+            elif is_ready and layer.solver_state is not None:
+                finals[name] = layer.solver.apply(layer.solver_state, grad, damping)
+            else:
+                finals[name] = grad
+        return finals, ready
 
-    def _apply(self, updates: dict[str, tuple[Tensor, Tensor]], lr: float | None) -> None:
+    def _apply(
+        self,
+        finals: dict[str, Tensor],
+        delivered: list[str],
+        ready: list[str],
+        grads: dict[str, Tensor | None],
+        lr: float | None,
+    ) -> None:
+        """KL-clip over every preconditioned layer, then write the final gradients back."""
         kl_clip = resolve("kl_clip", self.config.kl_clip, self._steps)
         scale: Tensor | None = None
-        if kl_clip is not None and updates and lr is not None and lr > 0:
-            vg = sum((v * g).sum() for v, g in updates.values())
-            assert isinstance(vg, Tensor)
-            vg_abs = (vg * lr**2).abs()
+        if kl_clip is not None and ready and lr is not None and lr > 0:
+            terms = []
+            for name in self.strategy.kl_layers(ready):
+                raw = grads[name]
+                assert raw is not None
+                terms.append((finals[name] * raw).sum())
+            like = finals[ready[0]]
+            partial = (
+                torch.stack(terms).sum()
+                if terms
+                else torch.zeros((), dtype=like.dtype, device=like.device)
+            )
+            vg_abs = (self.strategy.reduce_kl(partial) * lr**2).abs()
             scale = torch.clamp(torch.sqrt(kl_clip / vg_abs.clamp(min=1e-30)), max=1.0)
-        for name, (v, _) in updates.items():
-            self.layers[name].block.set_weight_grad(v * scale if scale is not None else v)
+        scaled = set(ready)
+        for name in delivered:
+            value = finals[name]
+            if scale is not None and name in scaled:
+                value = value * scale
+            self.layers[name].block.set_weight_grad(value)
         self.last_kl_scale = None if scale is None else float(scale)
 
     # ----------------------------------------------------------------- inspection and state
@@ -323,28 +368,35 @@ class KFACPreconditioner:
         return self._steps
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``name -> (A, G)`` running factors, on the per-sample Fisher scale."""
+        """``name -> (A, G)`` running factors kept on this rank, on the per-sample scale."""
         return {
             name: (layer.a, layer.g)
             for name, layer in self.layers.items()
             if layer.a is not None and layer.g is not None
         }
 
+    def comm_stats(self) -> dict[str, Any]:
+        """Bytes communicated by kind and collective, cumulative and per step.
+
+        See :meth:`dkfac.distributed.comm.CommLedger.stats`; all zeros on one process.
+        """
+        return self.comm.ledger.stats()
+
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held, by kind: ``factors``, ``inverses`` and ``accumulators``."""
+        """Bytes held on this rank, by kind: ``factors``, ``inverses`` and ``accumulators``."""
 
         def nbytes(tensors: list[Tensor | None]) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
         usage = {"factors": 0, "inverses": 0, "accumulators": 0}
         for layer in self.layers.values():
-            usage["factors"] += nbytes([layer.a, layer.g])
+            usage["factors"] += nbytes(list(layer.running.values()))
             usage["inverses"] += nbytes(list((layer.solver_state or {}).values()))
-            usage["accumulators"] += nbytes([layer.a_acc.total, layer.g_acc.total])
+            usage["accumulators"] += nbytes([acc.total for acc in layer.accumulators.values()])
         return usage
 
     def describe(self) -> list[dict[str, Any]]:
-        """One row per registered layer: name, block type, factor dimensions and method."""
+        """One row per layer: name, block, factor dimensions, method, owner, grad workers."""
         return [
             {
                 "name": name,
@@ -352,66 +404,34 @@ class KFACPreconditioner:
                 "a_dim": layer.block.a_dim,
                 "g_dim": layer.block.g_dim,
                 "method": layer.solver.name,
+                **self.strategy.describe(name),
             }
             for name, layer in self.layers.items()
         ]
 
-    def state_dict(self, include_inverses: bool = False) -> dict[str, Any]:
+    def state_dict(self, include_inverses: bool = False, gather: bool = True) -> dict[str, Any]:
         """Step counter and running factors keyed by module name.
+
+        With several ranks this is a collective (call it on every rank): by default each
+        layer's factors (and inverses) are gathered from its owner, so the result is the
+        same on every rank and loads at any world size and with any strategy.
 
         Args:
             include_inverses: Also save the solver states. Without them ``load_state_dict``
                 recomputes the inverses from the saved factors, which reproduces the next
                 step exactly only when the state was saved right after an inverse update.
+            gather: ``False`` saves only what this rank holds (no communication); layers
+                held elsewhere are saved as ``None`` and load as "no factors yet".
         """
-        layers: dict[str, dict[str, Any]] = {}
-        for name, layer in self.layers.items():
-            entry: dict[str, Any] = {"A": layer.a, "G": layer.g}
-            if include_inverses and layer.solver_state is not None:
-                entry["inverse"] = dict(layer.solver_state)
-            layers[name] = entry
-        generator = None if self._generator is None else self._generator.get_state()
-        return {"step": self._steps, "layers": layers, "mc_generator": generator}
+        return preconditioner_state(self, include_inverses=include_inverses, gather=gather)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict`; inverses are recomputed unless they were saved.
+        """Restores a :meth:`state_dict` (a collective with several ranks).
+
+        Each rank keeps what its strategy needs; inverses are recomputed by the owners
+        unless they were saved.
 
         Raises:
             ValueError: If the layer names or factor shapes do not match this model.
         """
-        if not isinstance(state, dict) or "layers" not in state or "step" not in state:
-            raise ValueError("not a KFACPreconditioner state dict (needs 'step' and 'layers')")
-        saved, mine = set(state["layers"]), set(self.layers)
-        if saved != mine:
-            raise ValueError(
-                f"state dict layers do not match the model: missing {sorted(mine - saved)}, "
-                f"unexpected {sorted(saved - mine)}"
-            )
-        for name, entry in state["layers"].items():
-            layer = self.layers[name]
-            dims = {"A": layer.block.a_dim, "G": layer.block.g_dim}
-            for key, dim in dims.items():
-                value = entry.get(key)
-                if value is not None and tuple(value.shape) != (dim, dim):
-                    raise ValueError(
-                        f"{name}: saved {key} has shape {tuple(value.shape)}, expected {(dim, dim)}"
-                    )
-            device = layer.block.parameters()[0].device
-            layer.a = None if entry.get("A") is None else entry["A"].to(device).clone()
-            layer.g = None if entry.get("G") is None else entry["G"].to(device).clone()
-            inverse = entry.get("inverse")
-            layer.solver_state = (
-                None if inverse is None else {k: v.to(device) for k, v in inverse.items()}
-            )
-            layer.reset_accumulators()
-        self._steps = int(state["step"])
-        if state.get("mc_generator") is not None:
-            device = next(iter(self.layers.values())).block.parameters()[0].device
-            self._generator = torch.Generator(device=device)
-            self._generator.set_state(state["mc_generator"])
-        stale = [name for name, e in state["layers"].items() if e.get("inverse") is None]
-        if stale:
-            damping = resolve("damping", self.config.damping, max(self._steps - 1, 0))
-            assert damping is not None
-            self._update_inverses(damping, stale)
-        self._capture = self._is_factor_step(self._steps)
+        load_preconditioner_state(self, state)

@@ -393,6 +393,43 @@ class Communicator:
         """
         return self._launch("all_gather", tensors, owners, kind, None, pack_symmetric)
 
+    # ------------------------------------------------------------- control messages
+    # A few bytes per step that keep ranks in agreement (finite flags, KL-clip partial sums,
+    # shapes of solver states). They are blocking and NOT recorded in the ledger, which
+    # counts only the payload kinds in KINDS.
+
+    def all_true(self, flags: Tensor) -> Tensor:
+        """Element-wise logical AND of a boolean vector across the group (blocking).
+
+        Args:
+            flags: 1-D bool tensor, the same length on every rank.
+
+        Returns:
+            A bool tensor on ``flags``' device, ``True`` where every rank had ``True``.
+        """
+        if flags.dtype != torch.bool:
+            raise TypeError(f"flags must be a bool tensor, got {flags.dtype}")
+        if not self.active:
+            return flags.clone()
+        bad = (~flags).to(torch.int32)
+        dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=self.group)
+        return bad == 0
+
+    def sum_control(self, values: Tensor) -> Tensor:
+        """Sum of a small floating tensor over the group (blocking, not in the ledger)."""
+        out = values.clone()
+        if self.active:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def exchange_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, indexed by position in :attr:`ranks` (blocking)."""
+        if not self.active:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
     def _launch(
         self,
         collective: Collective,
