@@ -12,6 +12,7 @@ from dkfac.lowrank import (
     LowRankRowsAccumulator,
     LowRankRunningFactor,
     decay_concat,
+    default_max_rank,
 )
 from dkfac.solvers import CholeskySolver, SMWSolver, make_solver
 from tests.oracles import dense_factored_solve, weight_grad_matrix
@@ -222,3 +223,16 @@ def test_smw_with_running_concatenation_equals_dense_running_solve() -> None:
     got = solver.apply(solver.compute(a_low, g_low, 0.02), grad, 0.02)
     expected = dense_factored_solve(dense_a, dense_g, grad, 0.02)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_default_max_rank_keeps_updates_above_weight_floor() -> None:
+    assert default_max_rank(32, 0.0) == 32
+    assert default_max_rank(10, 0.5) == 70  # 0.5**6 = 0.0156 >= 0.01 > 0.5**7
+    assert default_max_rank(10, 0.5, weight_floor=0.25) == 30  # 0.5**2 = 0.25 kept exactly
+    assert default_max_rank(4, 0.95) == 4 * 90  # 0.95**89 >= 0.01 > 0.95**90
+    with pytest.raises(ValueError, match="rows"):
+        default_max_rank(0, 0.5)
+    with pytest.raises(ValueError, match="decay"):
+        default_max_rank(4, 1.0)
+    with pytest.raises(ValueError, match="weight_floor"):
+        default_max_rank(4, 0.5, weight_floor=0.0)

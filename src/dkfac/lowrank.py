@@ -119,6 +119,30 @@ def decay_concat(u_old: Tensor | None, u_new: Tensor, decay: float, max_rank: in
     return combined
 
 
+def default_max_rank(rows: int, decay: float, weight_floor: float = 0.01) -> int:
+    """A rank bound that keeps every update whose running-average weight is still sizeable.
+
+    In the concatenation the ``k``-th newest update is weighted ``decay^(k-1)`` relative to
+    the newest; the updates with ``decay^(k-1) >= weight_floor`` are kept, so the bound is
+    ``rows · (1 + floor(log(weight_floor) / log(decay)))`` (``rows`` when ``decay == 0``).
+
+    Args:
+        rows: Columns one update adds (>= 1).
+        decay: The running-average decay in ``[0, 1)``.
+        weight_floor: The smallest relative weight worth keeping, in ``(0, 1]``.
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+    if not 0.0 < weight_floor <= 1.0:
+        raise ValueError(f"weight_floor must be in (0, 1], got {weight_floor!r}")
+    if decay == 0.0:
+        return rows
+    updates = 1 + math.floor(math.log(weight_floor) / math.log(decay) + 1e-12)
+    return rows * updates
+
+
 @dataclass
 class LowRankRowsAccumulator:
     """Collects the rows of one step's factor over micro-batches (or ranks) without ``RᵀR``.
