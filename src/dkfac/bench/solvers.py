@@ -11,9 +11,10 @@ interleaved round by round so that a noisy shared machine affects all alike:
 * ``dense/build``: forming ``RᵀR`` for both factors, which only the dense methods pay at
   every factor update.
 
-Dense timings cost seconds at ``d = 4096`` on a small CPU; ``--large-dim`` sizes get
-``--large-repeats`` rounds and no warm-up, and their dense cases run only for the batches in
-``--large-dense-batches`` (the dense cost does not depend on ``m`` beyond the spectrum).
+Dense timings cost seconds at ``d = 4096`` on a small CPU: ``--repeats-at WIDTH=R`` sets
+fewer rounds for the big widths, and widths >= ``--large-dim`` get no warm-up round and run
+their dense cases only for the batches in ``--large-dense-batches`` (the dense cost depends
+on ``d``, not on ``m`` beyond the spectrum of the factor).
 Medians, every repeat and the smw speed-ups go to ``benchmarks/results/<name>.json``.
 """
 
@@ -70,6 +71,8 @@ def _cases(d: int, m: int, device: torch.device, dense: bool) -> dict[str, Calla
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark described by ``args``; returns the JSON payload."""
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     points: list[dict[str, Any]] = []
     for d in args.widths:
         large = d >= args.large_dim
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cases = _cases(d, m, device, dense)
             times = interleaved(
                 cases,
-                repeats=args.large_repeats if large else args.repeats,
+                repeats=args.repeats_at.get(d, args.repeats),
                 device=device,
                 warmup=0 if large else 1,
             )
@@ -112,13 +115,35 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _width_repeats(text: str) -> dict[int, int]:
+    table: dict[int, int] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        width, _, repeats = item.partition("=")
+        try:
+            table[int(width)] = int(repeats)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected WIDTH=REPEATS items, got {item!r}"
+            ) from None
+        if table[int(width)] < 1:
+            raise argparse.ArgumentTypeError(f"repeats must be >= 1, got {item!r}")
+    return table
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench solvers`` flags."""
     parser.add_argument("--widths", type=_int_list, default=[512, 1024, 2048, 4096])
     parser.add_argument("--batches", type=_int_list, default=[32, 128, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--large-dim", type=int, default=2048, help="widths >= this are large")
-    parser.add_argument("--large-repeats", type=int, default=2)
+    parser.add_argument(
+        "--repeats-at",
+        type=_width_repeats,
+        default={2048: 2, 4096: 1},
+        help="per-width repeats overriding --repeats, e.g. 2048=2,4096=1",
+    )
     parser.add_argument(
         "--large-dense-batches",
         type=_int_list,
@@ -126,6 +151,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="batches whose dense cases run at large widths",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (on an oversubscribed CPU, 1 avoids thread-barrier stalls)",
+    )
     parser.add_argument("--name", default=None, help="result file (default solvers-<device>)")
     parser.add_argument("--out-dir", default=None)
 
@@ -135,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dkfac bench solvers", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.large_repeats < 1:
-        parser.error("--repeats and --large-repeats must be >= 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     payload = run(args)
     argv_used = sys.argv[1:] if argv is None else argv
     payload["command"] = shlex.join(["python", "-m", "dkfac.bench.solvers", *argv_used])
