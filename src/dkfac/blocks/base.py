@@ -34,6 +34,10 @@ class Rows:
     rows: Tensor
     normaliser: float
 
+    def scaled(self) -> Tensor:
+        """``rows / sqrt(normaliser)``: the ``(r, d)`` matrix ``Uᵀ`` with factor ``U Uᵀ``."""
+        return self.rows / self.normaliser**0.5
+
 
 class Block(ABC):
     """Kronecker-factor estimation for one module.
@@ -73,6 +77,15 @@ class Block(ABC):
     @abstractmethod
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Rows of G from the (batch-size scaled) gradient of the layer's output."""
+
+    def set_step(self, step: int) -> None:
+        """Tells the block the preconditioner's step counter before a step's passes.
+
+        Blocks whose rows depend on the step (seeded spatial subsampling) use it so that the
+        forward (A) and backward (G) hooks of one step pick the same positions on every rank;
+        the default ignores it.
+        """
+        del step
 
     def weight_grad(self) -> Tensor | None:
         """The gradient as a ``g_dim × a_dim`` matrix, or ``None`` when there is none."""

@@ -1,13 +1,33 @@
-"""Block for ``nn.Conv2d`` (groups=1) under the "expand" convention of DESIGN.md.
+"""Block for ``nn.Conv2d`` (groups=1): the "expand" convention and the SKFAC reductions.
 
-``ā_{n,t}`` is the im2col patch (bias column appended) at output position ``t`` of image ``n``;
-``A = mean_{n,t} ā ā^T`` and ``G = (1/B) Σ_n Σ_t g g^T``. With a 1×1 output this is exactly
-the Linear block. Any kernel, stride, dilation and padding are honoured, including
-``padding='same'`` (possibly asymmetric) and non-zero ``padding_mode``.
+``ā_{n,t}`` is the im2col patch (bias column appended) at output position ``t`` of image
+``n`` (``T`` positions, ``B`` images) and ``g_{n,t}`` the output gradient there. Any kernel,
+stride, dilation and padding are honoured, including ``padding='same'`` (possibly asymmetric)
+and non-zero ``padding_mode``. Three conventions (``reduction``):
+
+* ``None`` — expand (DESIGN.md): ``A = (1/(B·T)) Σ_{n,t} ā ā^T`` (``B·T`` rows) and
+  ``G = (1/B) Σ_n Σ_t g g^T`` (``B·T`` rows).
+* ``"sum"`` — Reduce Sum (SKFAC): one row per image, so the rank is ``B``.
+  ``ḡ_n = Σ_t g_{n,t}`` and ``G = (1/B) Σ_n ḡ_n ḡ_n^T``; the patches are summed too, and the
+  A factor is divided by ``T²``: ``A = (1/B) Σ_n ā_n ā_n^T`` with ``ā_n = (1/T) Σ_t ā_{n,t}``
+  (the block returns that mean as the row). So the bias entry of ``ā_n`` is exactly 1, a 1×1
+  output gives exactly the Linear factors, and when the patches of an image do not vary over
+  positions the per-image gradient ``Σ_t g_{n,t} ā_{n,t}^T`` equals ``ḡ_n ā_n^T``, so with
+  one image ``A ⊗ G`` is then the exact Fisher (the scale of K-FAC-reduce).
+* ``"subsample"`` — Spatial Subsampling (SKFAC): ``s`` output positions per image drawn
+  uniformly without replacement (``s`` is clamped to ``T``), the *same* positions for A and
+  G, and the same on every rank: they are drawn by a CPU generator seeded with
+  ``seed + step`` (see :meth:`Conv2dBlock.set_step`) and depend only on ``(seed, step, B, T)``.
+  ``A = (1/(B·s)) Σ_n Σ_{t∈S_n} ā ā^T`` and ``G = (T/(B·s)) Σ_n Σ_{t∈S_n} g g^T`` are
+  unbiased estimates of the expand factors (equal to them when ``s >= T``); rank ``B·s``.
+
+All three feed the dense solvers as ``rows.T @ rows / normaliser`` and the SMW solver as
+``U = rows.T / sqrt(normaliser)``.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -46,16 +66,64 @@ def unfold_patches(module: nn.Conv2d, inputs: Tensor) -> Tensor:
     )
 
 
+CONV_REDUCTIONS = (None, "sum", "subsample")
+
+
 class Conv2dBlock(Block):
-    """Kronecker factors of a 2-D convolution with ``groups == 1``."""
+    """Kronecker factors of a 2-D convolution with ``groups == 1``.
+
+    Args:
+        name: The module's qualified name.
+        module: The convolution.
+        reduction: ``None`` (expand), ``"sum"`` or ``"subsample"`` (see the module docstring).
+        positions: Output positions sampled per image for ``"subsample"`` (>= 1).
+        seed: Seed of the position sampling; the positions of step ``k`` use ``seed + k``.
+    """
 
     module: nn.Conv2d
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        *,
+        reduction: str | None = None,
+        positions: int = 1,
+        seed: int = 0,
+    ) -> None:
         super().__init__(name, module)
-        assert isinstance(module, nn.Conv2d)
+        if not isinstance(module, nn.Conv2d):
+            raise TypeError(f"{name}: module must be an nn.Conv2d, got {type(module).__name__}")
         if module.groups != 1:
             raise ValueError(f"{name}: Conv2dBlock supports groups=1 only, got {module.groups}")
+        if reduction not in CONV_REDUCTIONS:
+            raise ValueError(f"reduction must be one of {CONV_REDUCTIONS}, got {reduction!r}")
+        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+            raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.reduction = reduction
+        self.positions = positions
+        self.seed = seed
+        self.step = 0
+
+    def set_step(self, step: int) -> None:
+        """Sets the step whose seed (``seed + step``) picks the subsampled positions."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        self.step = step
+
+    def subsample_indices(self, batch: int, total: int) -> Tensor:
+        """The ``(batch, min(positions, total))`` output positions sampled at this step.
+
+        A function of ``(seed, step, batch, total)`` only, drawn on the CPU, so the forward
+        and backward hooks and every rank agree.
+        """
+        count = min(self.positions, total)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed((self.seed + self.step) % 2**63)
+        keys = torch.rand(batch, total, generator=generator)
+        return keys.argsort(dim=1)[:, :count]
 
     def batch_size(self, inputs: Tensor) -> int:
         """Images in a forward input (1 for an unbatched ``(C, H, W)`` input)."""
@@ -73,19 +141,37 @@ class Conv2dBlock(Block):
         return self.module.out_channels
 
     def a_rows(self, inputs: Tensor) -> Rows:
-        """All ``B·T`` patches, averaged over images and positions."""
+        """Patch rows under the block's reduction (see the module docstring)."""
         if inputs.dim() == 3:  # unbatched input
             inputs = inputs.unsqueeze(0)
         patches = unfold_patches(self.module, inputs)  # (B, D, T)
-        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        batch, dim, total = patches.shape
+        if self.reduction == "sum":
+            rows = patches.mean(dim=2)  # Σ_t ā / T: the factor is divided by T²
+        elif self.reduction == "subsample":
+            index = self.subsample_indices(batch, total).to(patches.device)
+            picked = patches.gather(2, index.unsqueeze(1).expand(batch, dim, index.shape[1]))
+            rows = picked.transpose(1, 2).reshape(-1, dim)
+        else:
+            rows = patches.transpose(1, 2).reshape(-1, dim)
         if self.has_bias:
             rows = append_ones(rows)
         return Rows(rows, float(rows.shape[0]))
 
     def g_rows(self, grad_output: Tensor) -> Rows:
-        """All ``B·T`` output gradients, summed over positions and averaged over images."""
+        """Output-gradient rows under the block's reduction (see the module docstring)."""
         if grad_output.dim() == 3:
             grad_output = grad_output.unsqueeze(0)
-        batch = grad_output.shape[0]
-        rows = grad_output.permute(0, 2, 3, 1).reshape(-1, self.module.out_channels)
+        batch, channels = grad_output.shape[0], grad_output.shape[1]
+        flat = grad_output.reshape(batch, channels, -1)  # (B, C, T)
+        total = flat.shape[2]
+        if self.reduction == "sum":
+            return Rows(flat.sum(dim=2), float(batch))
+        if self.reduction == "subsample":
+            index = self.subsample_indices(batch, total).to(flat.device)
+            count = index.shape[1]
+            picked = flat.gather(2, index.unsqueeze(1).expand(batch, channels, count))
+            rows = picked.transpose(1, 2).reshape(-1, channels)
+            return Rows(rows, batch * count / total)
+        rows = flat.transpose(1, 2).reshape(-1, channels)
         return Rows(rows, float(batch))

@@ -7,12 +7,21 @@ import torch
 from dkfac.solvers.base import Solver, SolverError, SolverState
 from dkfac.solvers.cholesky import CholeskySolver
 from dkfac.solvers.eigen import EigenSolver
+from dkfac.solvers.smw import SMWSolver
 
-_SOLVERS: dict[str, type[Solver]] = {"eigen": EigenSolver, "cholesky": CholeskySolver}
+_SOLVERS: dict[str, type[Solver]] = {
+    "eigen": EigenSolver,
+    "cholesky": CholeskySolver,
+    "smw": SMWSolver,
+}
 
 
 def make_solver(method: str, compute_dtype: torch.dtype = torch.float32) -> Solver:
-    """The solver for ``method`` ("eigen" or "cholesky")."""
+    """The solver for ``method`` ("eigen", "cholesky" or "smw").
+
+    ``"auto"`` is not a solver: it is resolved per layer by
+    :func:`dkfac.solvers.auto.choose_method`, whose ``MethodChoice.method`` is passed here.
+    """
     if method not in _SOLVERS:
         raise ValueError(f"method must be one of {tuple(_SOLVERS)}, got {method!r}")
     return _SOLVERS[method](compute_dtype)
@@ -21,6 +30,7 @@ def make_solver(method: str, compute_dtype: torch.dtype = torch.float32) -> Solv
 __all__ = [
     "CholeskySolver",
     "EigenSolver",
+    "SMWSolver",
     "Solver",
     "SolverError",
     "SolverState",
