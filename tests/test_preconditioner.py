@@ -106,7 +106,9 @@ def test_bad_arguments_are_rejected(options: dict, error: type, match: str) -> N
 
 def test_model_without_supported_layer_is_rejected() -> None:
     with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
-        KFACPreconditioner(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(3)))
+        KFACPreconditioner(
+            nn.Sequential(nn.ReLU(), nn.LayerNorm(3), nn.BatchNorm1d(3, affine=False))
+        )
     with pytest.raises(TypeError, match=r"nn\.Module"):
         KFACPreconditioner("model")  # type: ignore[arg-type]
 

@@ -59,6 +59,7 @@ _SCHEDULE_RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "inverse_update_interval": (1, math.inf, True, False, True),
     "kl_clip": (0.0, math.inf, False, False, False),
     "lr": (0.0, math.inf, True, False, False),
+    "bn_damping": (0.0, math.inf, False, False, False),
 }
 
 
@@ -144,6 +145,10 @@ class KFACConfig:
             ``"spngd"`` and off otherwise.
         placement_cost: How layers are balanced over inverse owners: ``"compute"``
             (``a_dim³ + g_dim³``) or ``"memory"`` (``a_dim² + g_dim²``).
+        unitwise_bn: Precondition affine BatchNorm layers with SP-NGD's unit-wise 2×2
+            Fisher per channel (on by default); off leaves them their plain gradient.
+        bn_damping: Damping of the unit-wise BatchNorm solve (constant or schedule);
+            ``None`` (default) uses ``damping`` itself, i.e. a multiple of 1.
     """
 
     method: Method = "eigen"
@@ -166,6 +171,8 @@ class KFACConfig:
     bucket_bytes: int = 25 * 2**20
     pack_triangles: bool | None = None
     placement_cost: PlacementCost = "compute"
+    unitwise_bn: bool = True
+    bn_damping: Schedule | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -174,10 +181,12 @@ class KFACConfig:
             raise ValueError(f"fisher must be one of {FISHER_TYPES}, got {self.fisher!r}")
         for name in _SCHEDULE_RANGES:
             value = getattr(self, name)
-            if name == "kl_clip" and value is None:
+            if name in ("kl_clip", "bn_damping") and value is None:
                 continue
             if not callable(value):
                 check_schedule_value(name, value)
+        if not isinstance(self.unitwise_bn, bool):
+            raise TypeError(f"unitwise_bn must be a bool, got {self.unitwise_bn!r}")
         if (
             isinstance(self.accumulation_steps, bool)
             or not isinstance(self.accumulation_steps, int)

@@ -42,6 +42,17 @@ class FactorAccumulator:
             self.total.add_(contribution)
         self.normaliser += rows.normaliser
 
+    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
+        """Adds a precomputed sum of outer products (any shape) and its normaliser."""
+        contribution = total if self.dtype is None else total.to(self.dtype)
+        if scale != 1.0:
+            contribution = contribution * scale
+        if self.total is None:
+            self.total = contribution.clone()
+        else:
+            self.total.add_(contribution)
+        self.normaliser += normaliser
+
     def mean(self) -> Tensor | None:
         """The averaged factor, or ``None`` when nothing was added."""
         if self.total is None or self.normaliser == 0:
@@ -110,7 +121,7 @@ class LayerState:
 
     def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every statistic, known without data (used to allocate receive buffers)."""
-        return {"A": (self.block.a_dim,) * 2, "G": (self.block.g_dim,) * 2}
+        return self.block.statistic_shapes()
 
     def take_means(self) -> dict[str, Tensor] | None:
         """This step's averaged statistics (all of them, or ``None``), resetting the sums."""
@@ -178,16 +189,16 @@ class FactorCapture:
             return
         x = inputs[0].detach()
         with record_function("dkfac.capture_a"):
-            layer.a_acc.add(layer.block.a_rows(x))
+            context = layer.block.capture_input(x, layer.accumulators)
         if isinstance(output, Tensor) and output.requires_grad:
             scale = float(layer.block.batch_size(x) * self.config.accumulation_steps) ** 2
-            output.register_hook(functools.partial(self._grad_hook, layer, scale))
+            output.register_hook(functools.partial(self._grad_hook, layer, scale, context))
 
-    def _grad_hook(self, layer: LayerState, scale: float, grad: Tensor) -> None:
+    def _grad_hook(self, layer: LayerState, scale: float, context: Any, grad: Tensor) -> None:
         if self.config.fisher == "mc" and not self._mc_active:
             return
         with record_function("dkfac.capture_g"):
-            layer.g_acc.add(layer.block.g_rows(grad.detach()), scale)
+            layer.block.capture_grad(context, grad.detach(), layer.accumulators, scale)
         self._mc_captured = True
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
@@ -219,13 +230,17 @@ class FactorCapture:
         new: dict[str, dict[str, Tensor]] = {}
         missing_g = []
         for name, layer in layers.items():
-            if layer.a_acc.total is not None and layer.g_acc.total is None:
+            grad_keys = layer.block.grad_statistics
+            if any(acc.total is not None for acc in layer.accumulators.values()) and any(
+                layer.accumulators[key].total is None for key in grad_keys
+            ):
                 missing_g.append(name)
             means = layer.take_means()
             if means is None:
                 continue
             if g_scale != 1.0:
-                means["G"] = means["G"] * g_scale
+                for key in grad_keys:
+                    means[key] = means[key] * g_scale
             new[name] = means
         if self.config.fisher == "mc" and missing_g and not self._mc_captured:
             raise RuntimeError(

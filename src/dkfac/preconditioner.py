@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
@@ -136,7 +137,7 @@ class KFACPreconditioner:
             if self._skipped(name, module):
                 continue
             block = make_block(name, module)
-            if block is None:
+            if block is None or (isinstance(block, BatchNormBlock) and not cfg.unitwise_bn):
                 continue
             weight = getattr(module, "weight", None)
             if not isinstance(weight, Tensor) or not weight.requires_grad:
@@ -145,8 +146,8 @@ class KFACPreconditioner:
             dtype = cfg.factor_dtype or weight.dtype
             state = LayerState(
                 block=block,
-                solver=make_solver(cfg.method, cfg.eigen_dtype),
-                accumulators={"A": FactorAccumulator(dtype), "G": FactorAccumulator(dtype)},
+                solver=make_solver(block.solver_name or cfg.method, cfg.eigen_dtype),
+                accumulators={key: FactorAccumulator(dtype) for key in block.statistic_shapes()},
             )
             self.layers[name] = state
             self.capture.attach(module, state)
@@ -222,7 +223,8 @@ class KFACPreconditioner:
             with record_function("dkfac.inverse"):
                 self._update_inverses(damping)
         with record_function("dkfac.precondition"):
-            finals, ready = self._precondition(grads, finite, damping)
+            bn_damping = resolve("bn_damping", cfg.bn_damping, step)
+            finals, ready = self._precondition(grads, finite, damping, bn_damping or damping)
         with record_function("dkfac.distribute"):
             delivered = self.strategy.distribute(finals, ready)
         with record_function("dkfac.kl_clip"):
@@ -286,10 +288,10 @@ class KFACPreconditioner:
         """Owners recompute their layers' solver states; the strategy shares them."""
         for name in self.layers if names is None else names:
             layer = self.layers[name]
-            if not self.strategy.is_owner(name) or layer.a is None or layer.g is None:
+            if not self.strategy.is_owner(name) or not layer.running:
                 continue
             try:
-                layer.solver_state = layer.solver.compute(layer.a, layer.g, damping)
+                layer.solver_state = layer.solver.compute_statistics(layer.running, damping)
             except SolverError as err:
                 logger.warning("%s: %s; keeping the last good inverse", name, err)
         states = {name: layer.solver_state for name, layer in self.layers.items()}
@@ -303,6 +305,7 @@ class KFACPreconditioner:
         grads: dict[str, Tensor | None],
         finite: dict[str, tuple[bool, bool]],
         damping: float,
+        bn_damping: float,
     ) -> tuple[dict[str, Tensor], list[str]]:
         """Final gradient matrices (or receive buffers) and the layers ready to precondition."""
         finals: dict[str, Tensor] = {}
@@ -323,7 +326,8 @@ class KFACPreconditioner:
             if not self.strategy.preconditions(name):
                 finals[name] = torch.empty_like(grad)
             elif is_ready and layer.solver_state is not None:
-                finals[name] = layer.solver.apply(layer.solver_state, grad, damping)
+                layer_damping = bn_damping if isinstance(layer.block, BatchNormBlock) else damping
+                finals[name] = layer.solver.apply(layer.solver_state, grad, layer_damping)
             else:
                 finals[name] = grad
         return finals, ready

@@ -16,7 +16,9 @@ Fisher scale.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -39,13 +41,37 @@ class Rows:
         return self.rows / self.normaliser**0.5
 
 
+class StatisticSink(Protocol):
+    """Where a block adds one statistic's contribution (a factor accumulator)."""
+
+    def add(self, rows: Rows, scale: float = 1.0) -> None:
+        """Adds ``scale · rows.T @ rows`` and the rows' normaliser."""
+
+    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
+        """Adds a precomputed sum of outer products and its normaliser."""
+
+
 class Block(ABC):
-    """Kronecker-factor estimation for one module.
+    """Curvature estimation for one module: Kronecker factors by default.
+
+    The hooks of the preconditioner only call :meth:`capture_input` (forward) and
+    :meth:`capture_grad` (backward), which feed named statistics (:meth:`statistic_shapes`);
+    a Kronecker block feeds ``"A"`` from :meth:`a_rows` and ``"G"`` from :meth:`g_rows`.
+    Blocks that are not a Kronecker pair (unit-wise BatchNorm) override these methods and
+    name their solver in :attr:`solver_name`.
 
     Args:
         name: The module's qualified name in the model.
         module: The module itself.
+
+    Attributes:
+        solver_name: The solver this block always uses, or ``None`` for the configured one.
+        grad_statistics: Statistics that are quadratic in the output gradient (rescaled by
+            ``1/scale²`` under a ``GradScaler``; missing ones mean no backward fed them).
     """
+
+    solver_name: ClassVar[str | None] = None
+    grad_statistics: ClassVar[tuple[str, ...]] = ("G",)
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
@@ -77,6 +103,28 @@ class Block(ABC):
     @abstractmethod
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Rows of G from the (batch-size scaled) gradient of the layer's output."""
+
+    def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every statistic, known without data (receive buffers, checkpoints)."""
+        return {"A": (self.a_dim, self.a_dim), "G": (self.g_dim, self.g_dim)}
+
+    def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
+        """Forward hook: adds the input statistics; returns what the backward hook needs."""
+        sinks["A"].add(self.a_rows(inputs))
+        return None
+
+    def capture_grad(
+        self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
+    ) -> None:
+        """Backward hook: adds the output-gradient statistics (``scale`` = batch size²)."""
+        del context
+        sinks["G"].add(self.g_rows(grad_output), scale)
+
+    def placement_cost(self, kind: str = "compute") -> float:
+        """Relative cost of the layer's second-order work (``"compute"`` or ``"memory"``)."""
+        from dkfac.distributed.assignment import layer_cost
+
+        return layer_cost(self.a_dim, self.g_dim, kind)  # type: ignore[arg-type]
 
     def set_step(self, step: int) -> None:
         """Tells the block the preconditioner's step counter before a step's passes.

@@ -6,8 +6,10 @@ import logging
 from collections.abc import Callable
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from dkfac.blocks.base import Block
+from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.conv2d import Conv2dBlock
 from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.blocks.linear import LinearBlock
@@ -20,6 +22,7 @@ _REGISTRY: dict[type[nn.Module], BlockFactory] = {
     nn.Linear: LinearBlock,
     nn.Conv2d: Conv2dBlock,
     nn.Embedding: EmbeddingBlock,
+    _BatchNorm: BatchNormBlock,
 }
 
 
@@ -54,6 +57,8 @@ def make_block(name: str, module: nn.Module) -> Block | None:
                 module.groups,
             )
             return None
+        if isinstance(module, _BatchNorm) and not module.affine:
+            return None  # no parameters: nothing to precondition
         if isinstance(module, nn.Embedding) and module.sparse:
             logger.warning(
                 "skipping %s: sparse embedding gradients are not supported; it keeps its "

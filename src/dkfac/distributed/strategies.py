@@ -29,6 +29,7 @@ Placement uses indices ``0..P-1`` into the communicator's ranks; collectives use
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,7 +38,6 @@ from torch import Tensor
 
 from dkfac.blocks.base import Block
 from dkfac.config import KFACConfig
-from dkfac.distributed.assignment import layer_cost
 from dkfac.distributed.comm import CommHandle, Communicator
 from dkfac.distributed.strategy_base import Strategy, join_handles
 
@@ -241,8 +241,8 @@ def build_strategy(
         budget = None
         for block in blocks.values():
             param = block.parameters()[0]
-            dims = (block.a_dim, block.g_dim)
-            state_bytes += 2 * sum(d * d + d for d in dims) * param.element_size()
+            numel = sum(math.prod(shape) for shape in block.statistic_shapes().values())
+            state_bytes += 2 * numel * param.element_size()
             if param.is_cuda and budget is None:
                 budget = int(torch.cuda.mem_get_info(param.device)[0])
         name = choose_strategy(
@@ -252,10 +252,7 @@ def build_strategy(
             memory_budget_bytes=budget,
         )
         logger.info("strategy='auto' chose %r", name)
-    costs = {
-        layer: layer_cost(block.a_dim, block.g_dim, config.placement_cost)
-        for layer, block in blocks.items()
-    }
+    costs = {layer: block.placement_cost(config.placement_cost) for layer, block in blocks.items()}
     return make_strategy(
         name,
         comm,

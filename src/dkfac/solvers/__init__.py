@@ -8,16 +8,18 @@ from dkfac.solvers.base import Solver, SolverError, SolverState
 from dkfac.solvers.cholesky import CholeskySolver
 from dkfac.solvers.eigen import EigenSolver
 from dkfac.solvers.smw import SMWSolver
+from dkfac.solvers.unitwise import UnitwiseSolver
 
 _SOLVERS: dict[str, type[Solver]] = {
     "eigen": EigenSolver,
     "cholesky": CholeskySolver,
     "smw": SMWSolver,
+    "unitwise": UnitwiseSolver,
 }
 
 
 def make_solver(method: str, compute_dtype: torch.dtype = torch.float32) -> Solver:
-    """The solver for ``method`` ("eigen", "cholesky" or "smw").
+    """The solver for ``method`` ("eigen", "cholesky", "smw"; "unitwise" for BatchNorm).
 
     ``"auto"`` is not a solver: it is resolved per layer by
     :func:`dkfac.solvers.auto.choose_method`, whose ``MethodChoice.method`` is passed here.
@@ -34,5 +36,6 @@ __all__ = [
     "Solver",
     "SolverError",
     "SolverState",
+    "UnitwiseSolver",
     "make_solver",
 ]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,6 +47,14 @@ class Solver(ABC):
     @abstractmethod
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Builds the solver state from the factors ``A`` (d_in×d_in) and ``G``."""
+
+    def compute_statistics(self, stats: Mapping[str, Any], damping: float) -> SolverState:
+        """Builds the solver state from a layer's named running statistics.
+
+        Kronecker solvers take ``stats["A"]`` and ``stats["G"]``; other solvers (unit-wise
+        BatchNorm) override this to read the statistics their block produces.
+        """
+        return self.compute(stats["A"], stats["G"], damping)
 
     @abstractmethod
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:

@@ -1,0 +1,110 @@
+"""Block for BatchNorm layers: SP-NGD's unit-wise (2×2 per channel) Fisher over (γ, β).
+
+In training mode (batch statistics) the forward hook keeps ``x̂``, the normalised input,
+computed from the layer's input exactly as the layer does (never by dividing the output by
+``γ``, which may be 0). The backward hook turns ``x̂`` and the output gradient ``δ`` into the
+per-sample gradients ``gγ_n = Σ_spatial δ_n x̂_n`` and ``gβ_n = Σ_spatial δ_n`` and adds
+``Σ_n [gγ, gβ][gγ, gβ]ᵀ`` per channel to the statistic ``"F"`` (``(C, 2, 2)``), averaged over
+samples. The gradient matrix is ``(C, 2)`` = ``[∇γ, ∇β]``, preconditioned by
+:class:`~dkfac.solvers.unitwise.UnitwiseSolver`. Layers in eval mode, or without batch
+statistics, capture nothing. Works for ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` (whose
+``x̂`` uses global statistics: there the per-sample gradients treat the local batch moments
+as an approximation, as SP-NGD does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from dkfac.blocks.base import Block, Rows, StatisticSink
+from dkfac.unitwise import normalized_input, per_sample_grads, unit_fisher
+
+
+class BatchNormBlock(Block):
+    """Unit-wise Fisher of an affine BatchNorm layer."""
+
+    solver_name: ClassVar[str | None] = "unitwise"
+    grad_statistics: ClassVar[tuple[str, ...]] = ("F",)
+    module: _BatchNorm
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        if not isinstance(module, _BatchNorm):
+            raise TypeError(f"{name}: BatchNormBlock needs a BatchNorm module")
+        if not module.affine:
+            raise ValueError(f"{name}: BatchNorm without affine parameters has nothing to train")
+        super().__init__(name, module)
+
+    @property
+    def channels(self) -> int:
+        """Number of channels ``C``."""
+        return int(self.module.num_features)
+
+    @property
+    def a_dim(self) -> int:
+        """2: the unit ``(γ_c, β_c)`` (reported in ``describe()``)."""
+        return 2
+
+    @property
+    def g_dim(self) -> int:
+        """Channels ``C``."""
+        return self.channels
+
+    def a_rows(self, inputs: Tensor) -> Rows:
+        """Not a Kronecker block."""
+        raise TypeError("BatchNormBlock has no Kronecker rows")
+
+    def g_rows(self, grad_output: Tensor) -> Rows:
+        """Not a Kronecker block."""
+        raise TypeError("BatchNormBlock has no Kronecker rows")
+
+    def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{"F": (C, 2, 2)}``."""
+        return {"F": (self.channels, 2, 2)}
+
+    def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
+        """``x̂`` of this forward pass (``None`` when the layer uses running statistics)."""
+        module = self.module
+        if not module.training and module.track_running_stats:
+            return None
+        if inputs.dim() < 2 or inputs.shape[0] < 2:
+            return None  # a single sample has no batch statistics
+        return normalized_input(inputs, module.eps)
+
+    def capture_grad(
+        self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
+    ) -> None:
+        """Adds the per-channel sum of per-sample outer products to ``"F"``."""
+        if context is None:
+            return
+        x_hat: Tensor = context
+        g_gamma, g_beta = per_sample_grads(x_hat.to(grad_output.dtype), grad_output)
+        sinks["F"].add_sum(unit_fisher(g_gamma, g_beta), float(grad_output.shape[0]), scale)
+
+    def placement_cost(self, kind: str = "compute") -> float:
+        """A closed-form 2×2 solve per channel: ``8C`` (compute) or ``4C`` (memory)."""
+        return float((8 if kind == "compute" else 4) * self.channels)
+
+    def weight_grad(self) -> Tensor | None:
+        """``[∇γ, ∇β]`` as a ``(C, 2)`` matrix, or ``None`` without a gradient."""
+        weight, bias = self.module.weight, self.module.bias
+        if weight.grad is None and bias.grad is None:
+            return None
+        gamma = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        beta = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+        return torch.stack([gamma, beta], dim=1)
+
+    def set_weight_grad(self, matrix: Tensor) -> None:
+        """Writes a ``(C, 2)`` matrix back into ``γ.grad`` and ``β.grad``."""
+        for param, column in ((self.module.weight, 0), (self.module.bias, 1)):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            param.grad.copy_(matrix[:, column])
+
+    def parameters(self) -> list[Tensor]:
+        """``γ`` and ``β``."""
+        return [self.module.weight, self.module.bias]

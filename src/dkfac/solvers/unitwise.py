@@ -1,0 +1,41 @@
+"""Unit-wise natural gradient for BatchNorm (SP-NGD): one closed-form 2×2 solve per channel.
+
+The block (:class:`~dkfac.blocks.batchnorm.BatchNormBlock`) feeds the statistic ``"F"``,
+the per-channel Fisher of ``(γ_c, β_c)`` of shape ``(C, 2, 2)``; the gradient matrix is
+``(C, 2)`` = ``[∇γ_c, ∇β_c]``. The update is ``(F_c + λ_BN I₂)^{-1} [∇γ_c, ∇β_c]``, with
+the BatchNorm damping ``λ_BN`` passed to :meth:`UnitwiseSolver.apply`. No decomposition is
+needed, so the state is the Fisher itself and the solve happens at apply time (a damping
+schedule takes effect at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dkfac.solvers.base import Solver, SolverError, SolverState
+from dkfac.unitwise import damped_solve_2x2
+
+
+class UnitwiseSolver(Solver):
+    """Closed-form per-channel 2×2 damped solve: state ``fisher`` of shape ``(C, 2, 2)``."""
+
+    name = "unitwise"
+
+    def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
+        """Not a Kronecker solver: use :meth:`compute_statistics` with ``{"F": ...}``."""
+        raise TypeError("UnitwiseSolver takes the BatchNorm statistic 'F', not an (A, G) pair")
+
+    def compute_statistics(self, stats: Mapping[str, Any], damping: float) -> SolverState:
+        """Keeps a symmetrised copy of the running per-channel Fisher."""
+        fisher = stats["F"]
+        if not bool(torch.isfinite(fisher).all()):
+            raise SolverError("unitwise: non-finite BatchNorm Fisher")
+        return {"fisher": ((fisher + fisher.transpose(1, 2)) / 2).clone()}
+
+    def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
+        """``(F_c + λ I)^{-1} grad_c`` for every channel."""
+        return damped_solve_2x2(state["fisher"].to(grad.dtype), grad, damping)
