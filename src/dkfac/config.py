@@ -27,6 +27,7 @@ PLACEMENT_COSTS = ("compute", "memory")
 
 Method = Literal["eigen", "cholesky", "smw", "auto"]
 FisherType = Literal["empirical", "mc"]
+RefreshKind = Literal["fixed", "adaptive"]
 StrategyName = Literal["replicated", "kaisa", "mem-opt", "dp", "spngd", "auto"]
 PlacementCost = Literal["compute", "memory"]
 
@@ -149,6 +150,13 @@ class KFACConfig:
             Fisher per channel (on by default); off leaves them their plain gradient.
         bn_damping: Damping of the unit-wise BatchNorm solve (constant or schedule);
             ``None`` (default) uses ``damping`` itself, i.e. a multiple of 1.
+        refresh: When statistics are recomputed: ``"fixed"`` (all of them every
+            ``factor_update_interval`` steps) or ``"adaptive"`` (SP-NGD stale statistics:
+            each statistic's own interval, doubled when its relative Frobenius change is
+            below ``refresh_threshold`` and halved otherwise; ``factor_update_interval``
+            is then unused).
+        refresh_threshold: α of the adaptive policy, > 0 (SP-NGD's value: 0.1).
+        refresh_max_interval: Cap of an adaptive interval, an integer >= 1.
     """
 
     method: Method = "eigen"
@@ -173,6 +181,9 @@ class KFACConfig:
     placement_cost: PlacementCost = "compute"
     unitwise_bn: bool = True
     bn_damping: Schedule | None = None
+    refresh: RefreshKind = "fixed"
+    refresh_threshold: float = 0.1
+    refresh_max_interval: int = 64
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -185,6 +196,17 @@ class KFACConfig:
                 continue
             if not callable(value):
                 check_schedule_value(name, value)
+        if self.refresh not in ("fixed", "adaptive"):
+            raise ValueError(f"refresh must be 'fixed' or 'adaptive', got {self.refresh!r}")
+        _check_range("refresh_threshold", self.refresh_threshold, low=0.0)
+        if (
+            isinstance(self.refresh_max_interval, bool)
+            or not isinstance(self.refresh_max_interval, int)
+            or self.refresh_max_interval < 1
+        ):
+            raise ValueError(
+                f"refresh_max_interval must be an integer >= 1, got {self.refresh_max_interval!r}"
+            )
         if not isinstance(self.unitwise_bn, bool):
             raise TypeError(f"unitwise_bn must be a bool, got {self.unitwise_bn!r}")
         if (

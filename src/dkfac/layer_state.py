@@ -85,6 +85,7 @@ class LayerState:
             and on ranks that do not precondition this layer.
         captures: Whether this rank's hooks build the layer's statistics (a strategy may
             leave all of the capture work to the layer's owner).
+        due: The statistics captured this step (set by the refresh policy before a step).
     """
 
     block: Block
@@ -93,6 +94,11 @@ class LayerState:
     running: dict[str, Tensor] = field(default_factory=dict)
     solver_state: SolverState | None = None
     captures: bool = True
+    due: frozenset[str] = frozenset()
+
+    def due_sinks(self) -> dict[str, FactorAccumulator]:
+        """The accumulators of the statistics due this step."""
+        return {key: acc for key, acc in self.accumulators.items() if key in self.due}
 
     @property
     def name(self) -> str:
@@ -124,20 +130,24 @@ class LayerState:
         return self.block.statistic_shapes()
 
     def take_means(self) -> dict[str, Tensor] | None:
-        """This step's averaged statistics (all of them, or ``None``), resetting the sums."""
+        """This step's averaged statistics (those that were fed, or ``None``); resets the sums."""
         means = {key: acc.mean() for key, acc in self.accumulators.items()}
         self.reset_accumulators()
-        if any(value is None for value in means.values()):
-            return None
-        return {key: value for key, value in means.items() if value is not None}
+        present = {key: value for key, value in means.items() if value is not None}
+        return present or None
 
     def update_running(self, new: dict[str, Tensor], decay: float) -> None:
-        """``F ← decay·F + (1−decay)·F_new``; the first update takes ``F_new`` as it is."""
-        if set(self.running) != set(new) or decay == 0.0:
-            self.running = dict(new)
-            return
+        """``F ← decay·F + (1−decay)·F_new`` per statistic; a first value is taken as it is."""
         for key, value in new.items():
-            self.running[key].mul_(decay).add_(value, alpha=1.0 - decay)
+            if key not in self.running or decay == 0.0:
+                self.running[key] = value
+            else:
+                self.running[key].mul_(decay).add_(value, alpha=1.0 - decay)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every statistic has a running value (the solver can be computed)."""
+        return set(self.running) == set(self.block.statistic_shapes())
 
     def reset_accumulators(self) -> None:
         """Drops the current step's partial statistics."""
@@ -183,13 +193,15 @@ class FactorCapture:
     def _forward_hook(
         self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
-        if not (self.active and layer.captures and module.training and torch.is_grad_enabled()):
+        if not (self.active and layer.captures and layer.due):
+            return
+        if not (module.training and torch.is_grad_enabled()):
             return
         if not inputs or not isinstance(inputs[0], Tensor):
             return
         x = inputs[0].detach()
         with record_function("dkfac.capture_a"):
-            context = layer.block.capture_input(x, layer.accumulators)
+            context = layer.block.capture_input(x, layer.due_sinks())
         if isinstance(output, Tensor) and output.requires_grad:
             scale = float(layer.block.batch_size(x) * self.config.accumulation_steps) ** 2
             output.register_hook(functools.partial(self._grad_hook, layer, scale, context))
@@ -198,7 +210,7 @@ class FactorCapture:
         if self.config.fisher == "mc" and not self._mc_active:
             return
         with record_function("dkfac.capture_g"):
-            layer.block.capture_grad(context, grad.detach(), layer.accumulators, scale)
+            layer.block.capture_grad(context, grad.detach(), layer.due_sinks(), scale)
         self._mc_captured = True
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
@@ -230,7 +242,7 @@ class FactorCapture:
         new: dict[str, dict[str, Tensor]] = {}
         missing_g = []
         for name, layer in layers.items():
-            grad_keys = layer.block.grad_statistics
+            grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
             if any(acc.total is not None for acc in layer.accumulators.values()) and any(
                 layer.accumulators[key].total is None for key in grad_keys
             ):
@@ -240,7 +252,8 @@ class FactorCapture:
                 continue
             if g_scale != 1.0:
                 for key in grad_keys:
-                    means[key] = means[key] * g_scale
+                    if key in means:
+                        means[key] = means[key] * g_scale
             new[name] = means
         if self.config.fisher == "mc" and missing_g and not self._mc_captured:
             raise RuntimeError(

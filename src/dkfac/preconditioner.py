@@ -43,6 +43,7 @@ from dkfac.distributed.checkpoint import load_preconditioner_state, precondition
 from dkfac.distributed.comm import CommHandle, Communicator
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.layer_state import FactorAccumulator, FactorCapture, LayerState
+from dkfac.refresh import AdaptiveRefresh, make_refresh_policy
 from dkfac.solvers import SolverError, make_solver
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,13 @@ class KFACPreconditioner:
         self.layers: dict[str, LayerState] = {}
         self._steps = 0
         self.capture = FactorCapture(config)
+        self.refresh = make_refresh_policy(
+            config.refresh,
+            config.factor_update_interval,
+            config.refresh_threshold,
+            config.refresh_max_interval,
+        )
+        self.last_refreshed = 0
         self._register(_unwrap(model))
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
@@ -121,7 +129,7 @@ class KFACPreconditioner:
         self._other_params = [
             p for p in _unwrap(model).parameters() if p.requires_grad and id(p) not in block_params
         ]
-        self.capture.active = self._is_factor_step(0)
+        self.schedule_captures(0)
         self.last_kl_scale: float | None = None
 
     # ----------------------------------------------------------------- registration
@@ -164,10 +172,17 @@ class KFACPreconditioner:
         self.capture.remove()
 
     # ----------------------------------------------------------------- capture
-    def _is_factor_step(self, step: int) -> bool:
-        interval = resolve("factor_update_interval", self.config.factor_update_interval, step)
-        assert interval is not None
-        return step % int(interval) == 0
+    def schedule_captures(self, step: int) -> None:
+        """Asks the refresh policy which statistics the hooks capture at ``step``.
+
+        The answer is the same on every rank; a statistic that is not due costs nothing on
+        that step (no capture, no communication).
+        """
+        for name, layer in self.layers.items():
+            layer.due = frozenset(
+                key for key in layer.statistic_shapes() if self.refresh.due(f"{name}/{key}", step)
+            )
+        self.capture.active = any(layer.due for layer in self.layers.values())
 
     def sample_fisher(self, outputs: Tensor, loss: str = "cross_entropy") -> None:
         """Feeds the G factors from one backward of targets sampled from ``outputs``.
@@ -237,7 +252,7 @@ class KFACPreconditioner:
             )
         self.comm.ledger.end_step()
         self._steps += 1
-        self.capture.active = self._is_factor_step(self._steps)
+        self.schedule_captures(self._steps)
 
     def _g_scale(self) -> float:
         """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""
@@ -276,19 +291,57 @@ class KFACPreconditioner:
     ) -> None:
         decay = resolve("factor_decay", self.config.factor_decay, step)
         assert decay is not None
+        self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
+        recorded: dict[str, int] = {}
         for name, stats in new.items():
             if not self.strategy.keeps_statistics(name):
                 continue
             if not finite[name][0]:
                 logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
                 continue
-            self.layers[name].update_running(stats, decay)
+            layer = self.layers[name]
+            for key, value in stats.items():
+                stat = f"{name}/{key}"
+                self.refresh.record(stat, step, layer.running.get(key), value)
+                if isinstance(self.refresh, AdaptiveRefresh):
+                    recorded[stat] = self.refresh.interval(stat)
+            layer.update_running(stats, decay)
+        if isinstance(self.refresh, AdaptiveRefresh) and self.capture.active:
+            self._agree_intervals(recorded, step)
+
+    def _agree_intervals(self, recorded: dict[str, int], step: int) -> None:
+        """Every rank adopts the intervals computed by the ranks that keep each statistic."""
+        assert isinstance(self.refresh, AdaptiveRefresh)
+        keys = sorted(f"{n}/{k}" for n, layer in self.layers.items() for k in layer.due)
+        if not keys or not self.comm.active:
+            return
+        values = torch.tensor(
+            [[float(recorded.get(k, 0)), float(k in recorded)] for k in keys], dtype=torch.float64
+        )
+        totals = self.comm.sum_control(values)
+        for key, (interval_sum, keepers) in zip(keys, totals.tolist(), strict=True):
+            if keepers > 0:
+                self.refresh.set_interval(key, step, round(interval_sum / keepers))
+
+    def refresh_stats(self) -> dict[str, Any]:
+        """Statistics refreshed at the last step, their total, and the adaptive intervals."""
+        total = sum(len(layer.statistic_shapes()) for layer in self.layers.values())
+        intervals = (
+            {
+                f"{n}/{k}": self.refresh.interval(f"{n}/{k}")
+                for n, layer in self.layers.items()
+                for k in layer.statistic_shapes()
+            }
+            if isinstance(self.refresh, AdaptiveRefresh)
+            else {}
+        )
+        return {"refreshed": self.last_refreshed, "total": total, "intervals": intervals}
 
     def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
         """Owners recompute their layers' solver states; the strategy shares them."""
         for name in self.layers if names is None else names:
             layer = self.layers[name]
-            if not self.strategy.is_owner(name) or not layer.running:
+            if not self.strategy.is_owner(name) or not layer.complete:
                 continue
             try:
                 layer.solver_state = layer.solver.compute_statistics(layer.running, damping)
@@ -427,7 +480,9 @@ class KFACPreconditioner:
             gather: ``False`` saves only what this rank holds (no communication); layers
                 held elsewhere are saved as ``None`` and load as "no factors yet".
         """
-        return preconditioner_state(self, include_inverses=include_inverses, gather=gather)
+        state = preconditioner_state(self, include_inverses=include_inverses, gather=gather)
+        state["refresh"] = self.refresh.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (a collective with several ranks).
@@ -438,4 +493,6 @@ class KFACPreconditioner:
         Raises:
             ValueError: If the layer names or factor shapes do not match this model.
         """
+        if isinstance(state, dict) and state.get("refresh"):
+            self.refresh.load_state_dict(state["refresh"])
         load_preconditioner_state(self, state)

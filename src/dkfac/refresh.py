@@ -24,6 +24,23 @@ from torch import Tensor
 
 from dkfac.config import Schedule, resolve
 
+REFRESH_POLICIES = ("fixed", "adaptive")
+
+
+def make_refresh_policy(
+    kind: str, interval: Schedule, threshold: float = 0.1, max_interval: int = 64
+) -> RefreshPolicy:
+    """The policy named ``kind``: ``"fixed"`` (every ``interval`` steps) or ``"adaptive"``.
+
+    Raises:
+        ValueError: For an unknown kind or a bad threshold / maximum interval.
+    """
+    if kind == "fixed":
+        return FixedRefresh(interval)
+    if kind == "adaptive":
+        return AdaptiveRefresh(threshold=threshold, max_interval=max_interval)
+    raise ValueError(f"refresh must be one of {REFRESH_POLICIES}, got {kind!r}")
+
 
 def relative_change(old: Tensor, new: Tensor) -> float:
     """``‖new − old‖_F / ‖old‖_F`` (infinite when ``old`` is zero and ``new`` is not)."""
@@ -113,6 +130,12 @@ class AdaptiveRefresh(RefreshPolicy):
     def interval(self, key: str) -> int:
         """The current interval of ``key``."""
         return self._entry(key).interval
+
+    def set_interval(self, key: str, step: int, interval: int) -> None:
+        """Sets ``key``'s interval after a refresh at ``step`` (agreement between ranks)."""
+        entry = self._entry(key)
+        entry.interval = int(interval)
+        entry.next_step = step + entry.interval
 
     def record(self, key: str, step: int, old: Tensor | None, new: Tensor) -> None:
         """Doubles or halves ``key``'s interval from the change between ``old`` and ``new``."""

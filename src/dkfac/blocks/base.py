@@ -109,8 +109,12 @@ class Block(ABC):
         return {"A": (self.a_dim, self.a_dim), "G": (self.g_dim, self.g_dim)}
 
     def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
-        """Forward hook: adds the input statistics; returns what the backward hook needs."""
-        sinks["A"].add(self.a_rows(inputs))
+        """Forward hook: adds the input statistics; returns what the backward hook needs.
+
+        ``sinks`` holds only the statistics due this step (a refresh policy may skip some).
+        """
+        if "A" in sinks:
+            sinks["A"].add(self.a_rows(inputs))
         return None
 
     def capture_grad(
@@ -118,7 +122,8 @@ class Block(ABC):
     ) -> None:
         """Backward hook: adds the output-gradient statistics (``scale`` = batch size²)."""
         del context
-        sinks["G"].add(self.g_rows(grad_output), scale)
+        if "G" in sinks:
+            sinks["G"].add(self.g_rows(grad_output), scale)
 
     def placement_cost(self, kind: str = "compute") -> float:
         """Relative cost of the layer's second-order work (``"compute"`` or ``"memory"``)."""

@@ -69,7 +69,7 @@ class BatchNormBlock(Block):
     def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
         """``x̂`` of this forward pass (``None`` when the layer uses running statistics)."""
         module = self.module
-        if not module.training and module.track_running_stats:
+        if "F" not in sinks or (not module.training and module.track_running_stats):
             return None
         if inputs.dim() < 2 or inputs.shape[0] < 2:
             return None  # a single sample has no batch statistics

@@ -94,4 +94,4 @@ def load_preconditioner_state(pre: KFACPreconditioner, state: dict[str, Any]) ->
     assert damping is not None
     # Owners recompute what was not saved; then every grad worker gets its owner's state.
     pre._update_inverses(damping, stale)
-    pre.capture.active = pre._is_factor_step(pre.steps)
+    pre.schedule_captures(pre.steps)
