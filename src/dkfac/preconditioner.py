@@ -41,6 +41,7 @@ from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
 from dkfac.distributed.comm import CommHandle, Communicator
+from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.layer_state import FactorAccumulator, FactorCapture, LayerState
 from dkfac.refresh import AdaptiveRefresh, make_refresh_policy
@@ -224,6 +225,7 @@ class KFACPreconditioner:
         capturing = self.capture.active
         with record_function("dkfac.factors"):
             new_factors = self.capture.collect(self.layers, self._g_scale()) if capturing else {}
+            agree_presence(self.comm, self.layers, new_factors, grads, self._other_params)
             present = {name: g for name, g in grads.items() if g is not None}
             others = [p.grad for p in self._other_params if p.grad is not None]
             CommHandle(
