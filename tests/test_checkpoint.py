@@ -63,16 +63,18 @@ def test_truncated_checkpoint_names_the_file(tmp_path: Path) -> None:
     path = save_checkpoint(_state(), tmp_path / LATEST)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint\.pt is truncated or corrupt"):
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint .*checkpoint\.pt is truncated or corrupt"
+    ):
         load_checkpoint(path)
 
 
 def test_garbage_missing_and_foreign_files(tmp_path: Path) -> None:
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"\x00not a checkpoint at all")
-    with pytest.raises(CheckpointError, match="junk.pt is truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=r"junk\.pt is truncated or corrupt"):
         load_checkpoint(junk)
-    with pytest.raises(CheckpointError, match="nope.pt does not exist"):
+    with pytest.raises(CheckpointError, match=r"nope\.pt does not exist"):
         load_checkpoint(tmp_path / "nope.pt")
     foreign = tmp_path / "foreign.pt"
     torch.save({"model": {}}, foreign)
@@ -80,7 +82,7 @@ def test_garbage_missing_and_foreign_files(tmp_path: Path) -> None:
         load_checkpoint(foreign)
     unsafe = tmp_path / "unsafe.pt"
     torch.save({"format": "dkfac-checkpoint", "version": 1, "obj": object()}, unsafe)
-    with pytest.raises(CheckpointError, match="unsafe.pt"):
+    with pytest.raises(CheckpointError, match=r"unsafe\.pt"):
         load_checkpoint(unsafe)
 
 
@@ -90,7 +92,7 @@ def test_resolve_resume(tmp_path: Path) -> None:
     save_checkpoint(_state(), tmp_path / LATEST)
     assert resolve_resume("auto", tmp_path) == tmp_path / LATEST
     assert resolve_resume(str(tmp_path), tmp_path / "elsewhere") == tmp_path / LATEST
-    with pytest.raises(CheckpointError, match="missing.pt does not exist"):
+    with pytest.raises(CheckpointError, match=r"missing\.pt does not exist"):
         resolve_resume(str(tmp_path / "missing.pt"), tmp_path)
 
 

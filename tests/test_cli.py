@@ -32,11 +32,34 @@ def test_every_kfac_field_is_an_option_with_its_default() -> None:
 
 
 def test_kfac_flags_are_typed_from_the_annotations() -> None:
-    args = parse_args(["train", "--method", "cholesky", "--damping", "3e-3",
-                       "--kfac-inverse-update-interval", "25", "--kl-clip", "none",
-                       "--eigen-dtype", "float64", "--factor-dtype", "none", "--fisher", "mc",
-                       "--skip-layers", "fc.*", "conv1", "--seed", "7",
-                       "--accumulation-steps", "2", "--batch-size", "64"])  # fmt: skip
+    args = parse_args(
+        [
+            "train",
+            "--method",
+            "cholesky",
+            "--damping",
+            "3e-3",
+            "--kfac-inverse-update-interval",
+            "25",
+            "--kl-clip",
+            "none",
+            "--eigen-dtype",
+            "float64",
+            "--factor-dtype",
+            "none",
+            "--fisher",
+            "mc",
+            "--skip-layers",
+            "fc.*",
+            "conv1",
+            "--seed",
+            "7",
+            "--accumulation-steps",
+            "2",
+            "--batch-size",
+            "64",
+        ]
+    )
     config = kfac_config_from_args(args)
     assert config.method == "cholesky"
     assert config.damping == 3e-3 and isinstance(config.damping, float)
@@ -49,8 +72,15 @@ def test_kfac_flags_are_typed_from_the_annotations() -> None:
 
 
 def test_kfac_schedule_flags_bind_to_the_epoch_length() -> None:
-    args = parse_args(["train", "--damping-schedule", "1e-2@0,1e-3@2",
-                       "--inverse-update-interval-schedule", "5@0,20@1"])  # fmt: skip
+    args = parse_args(
+        [
+            "train",
+            "--damping-schedule",
+            "1e-2@0,1e-3@2",
+            "--inverse-update-interval-schedule",
+            "5@0,20@1",
+        ]
+    )
     config = kfac_config_from_args(args, steps_per_epoch=10)
     assert isinstance(config.damping, PiecewiseSchedule)
     assert [config.damping(s) for s in (0, 19, 20)] == [1e-2, 1e-2, 1e-3]
@@ -102,8 +132,13 @@ def test_bad_input_exits_2_with_one_message(
 
 def test_bad_input_through_the_real_program() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([sys.executable, "-m", "dkfac", "train", "--kl-clip", "-3"],
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "dkfac", "train", "--kl-clip", "-3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "kl_clip must be in (0.0, inf)" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -112,8 +147,10 @@ def test_bad_input_through_the_real_program() -> None:
 # ----------------------------------------------------------------------- config files
 def test_config_file_values_with_flag_overrides(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
-    cfg.write_text('lr = 0.2\nbatch-size = 32\noptimizer = "sgd"\nnesterov = true\n'
-                   'milestones = [2, 4]\nschedule = "step"\ndamping = 0.01\nkl_clip = "none"\n')  # fmt: skip
+    cfg.write_text(
+        'lr = 0.2\nbatch-size = 32\noptimizer = "sgd"\nnesterov = true\n'
+        'milestones = [2, 4]\nschedule = "step"\ndamping = 0.01\nkl_clip = "none"\n'
+    )
     args = parse_args(["train", "--config", str(cfg), "--lr", "0.3"])
     assert args.lr == 0.3  # the flag wins
     assert args.batch_size == 32 and args.optimizer == "sgd" and args.nesterov is True
@@ -122,10 +159,31 @@ def test_config_file_values_with_flag_overrides(tmp_path: Path) -> None:
 
 
 def test_resolved_config_round_trip(tmp_path: Path) -> None:
-    argv = ["train", "--model", "mlp", "--lr", "0.123", "--milestones", "1", "3",
-            "--schedule", "step", "--kl-clip", "none", "--eigen-dtype", "float64",
-            "--skip-layers", "net\\.0", "--damping-schedule", "1e-2@0,1e-3@1",
-            "--nesterov", "--target-accuracy", "0.9", "--out", str(tmp_path / "run")]  # fmt: skip
+    argv = [
+        "train",
+        "--model",
+        "mlp",
+        "--lr",
+        "0.123",
+        "--milestones",
+        "1",
+        "3",
+        "--schedule",
+        "step",
+        "--kl-clip",
+        "none",
+        "--eigen-dtype",
+        "float64",
+        "--skip-layers",
+        "net\\.0",
+        "--damping-schedule",
+        "1e-2@0,1e-3@1",
+        "--nesterov",
+        "--target-accuracy",
+        "0.9",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     args = parse_args(argv)
     values = write_resolved_config(args, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == values

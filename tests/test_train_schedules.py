@@ -25,16 +25,18 @@ def test_constant_is_one_and_warmup_is_linear() -> None:
     w = 25  # 2.5 epochs
     for step in range(T):
         expected = (step + 1) / w if step < w else 1.0
-        got = lr_factor(step, schedule="constant", steps_per_epoch=S, total_steps=T,
-                        warmup_epochs=2.5)  # fmt: skip
+        got = lr_factor(
+            step, schedule="constant", steps_per_epoch=S, total_steps=T, warmup_epochs=2.5
+        )
         assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_step_decay_at_epoch_milestones() -> None:
     for step in range(T):
         expected = 0.5 ** sum(step >= m * S for m in (3, 7))
-        got = lr_factor(step, schedule="step", steps_per_epoch=S, total_steps=T,
-                        milestones=[3, 7], gamma=0.5)  # fmt: skip
+        got = lr_factor(
+            step, schedule="step", steps_per_epoch=S, total_steps=T, milestones=[3, 7], gamma=0.5
+        )
         assert got == expected
     assert lr_factor(29, schedule="step", steps_per_epoch=S, total_steps=T, milestones=[3]) == 1
     assert lr_factor(30, schedule="step", steps_per_epoch=S, total_steps=T, milestones=[3]) == (
@@ -48,10 +50,17 @@ def test_cosine_and_poly_formulas(warmup_epochs: float) -> None:
     for step in range(T + 5):
         p = min(max((step - w) / (T - w), 0.0), 1.0)
         warm = (step + 1) / w if step < w else 1.0
-        cos = lr_factor(step, schedule="cosine", steps_per_epoch=S, total_steps=T,
-                        warmup_epochs=warmup_epochs)  # fmt: skip
-        poly = lr_factor(step, schedule="poly", steps_per_epoch=S, total_steps=T,
-                         warmup_epochs=warmup_epochs, power=3.0)  # fmt: skip
+        cos = lr_factor(
+            step, schedule="cosine", steps_per_epoch=S, total_steps=T, warmup_epochs=warmup_epochs
+        )
+        poly = lr_factor(
+            step,
+            schedule="poly",
+            steps_per_epoch=S,
+            total_steps=T,
+            warmup_epochs=warmup_epochs,
+            power=3.0,
+        )
         assert cos == pytest.approx(warm * 0.5 * (1 + math.cos(math.pi * p)), abs=1e-12)
         assert poly == pytest.approx(warm * (1 - p) ** 3, abs=1e-12)
     assert lr_factor(T, schedule="cosine", steps_per_epoch=S, total_steps=T) == pytest.approx(0)

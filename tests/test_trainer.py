@@ -1,4 +1,4 @@
-"""The training loop: resume equals uninterrupted, accumulation equals a full batch, models, outputs."""
+"""The training loop: resume == uninterrupted, accumulation == full batch, models, outputs."""
 
 from __future__ import annotations
 
@@ -10,14 +10,31 @@ from typing import Any
 import pytest
 import torch
 
-from dkfac.app import trainer
+from dkfac.app import session
 from dkfac.app.checkpoint import LATEST
 from dkfac.app.cli import main, parse_args
 from dkfac.app.trainer import RunResult, UsageError, train
 
-TINY = ["--data", "synthetic", "--synthetic-samples", "64", "--in-channels", "1",
-        "--image-size", "8", "--num-classes", "4", "--batch-size", "16", "--threads", "1",
-        "--log-every", "2", "--model", "cnn"]  # fmt: skip
+TINY = [
+    "--data",
+    "synthetic",
+    "--synthetic-samples",
+    "64",
+    "--in-channels",
+    "1",
+    "--image-size",
+    "8",
+    "--num-classes",
+    "4",
+    "--batch-size",
+    "16",
+    "--threads",
+    "1",
+    "--log-every",
+    "2",
+    "--model",
+    "cnn",
+]
 
 
 def _train(*extra: str, out: Path | None = None, write: bool = False) -> RunResult:
@@ -31,7 +48,7 @@ def _params(result: RunResult) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in result.model.state_dict().items()}
 
 
-class _Crash(Exception):
+class _CrashError(Exception):
     pass
 
 
@@ -41,22 +58,39 @@ def test_resume_equals_uninterrupted(
 ) -> None:
     # 4 steps per epoch, 3 epochs; mixup, crop/flip, warm-up, a damping schedule and momentum
     # all draw on state that the checkpoint must carry.
-    opts = ["--optimizer", optimizer, "--epochs", "3", "--mixup", "0.4", "--augment", "on",
-            "--warmup-epochs", "1", "--damping-schedule", "3e-2@0,1e-2@1",
-            "--inverse-update-interval", "3", "--checkpoint-every", "3", "--eval-every", "5"]  # fmt: skip
+    opts = [
+        "--optimizer",
+        optimizer,
+        "--epochs",
+        "3",
+        "--mixup",
+        "0.4",
+        "--augment",
+        "on",
+        "--warmup-epochs",
+        "1",
+        "--damping-schedule",
+        "3e-2@0,1e-2@1",
+        "--inverse-update-interval",
+        "3",
+        "--checkpoint-every",
+        "3",
+        "--eval-every",
+        "5",
+    ]
     straight = _train(*opts, out=tmp_path / "straight", write=True)
 
-    real_step = trainer._train_step
+    real_step = session.train_step
 
     def crash_at_7(run: Any, indices: list[int], step: int) -> Any:
         if step == 7:  # the checkpoint of step 6 exists; step 7 dies half-way (mid-epoch)
-            raise _Crash
+            raise _CrashError
         return real_step(run, indices, step)
 
-    monkeypatch.setattr(trainer, "_train_step", crash_at_7)
-    with pytest.raises(_Crash):
+    monkeypatch.setattr(session, "train_step", crash_at_7)
+    with pytest.raises(_CrashError):
         _train(*opts, out=tmp_path / "resumed", write=True)
-    monkeypatch.setattr(trainer, "_train_step", real_step)
+    monkeypatch.setattr(session, "train_step", real_step)
     resumed = _train(*opts, "--resume", "auto", out=tmp_path / "resumed", write=True)
 
     assert resumed.steps == straight.steps == 12
@@ -90,14 +124,27 @@ SKIP_BIG = {  # keep K-FAC on tiny inputs cheap: skip the layers with 1000+ dime
 
 @pytest.mark.parametrize(
     ("model", "size"),
-    [("mlp", 8), ("cnn", 8), ("resnet20", 8), ("resnet50", 32), ("vgg16", 32),
-     ("autoencoder", 8)],
-)  # fmt: skip
+    [("mlp", 8), ("cnn", 8), ("resnet20", 8), ("resnet50", 32), ("vgg16", 32), ("autoencoder", 8)],
+)
 def test_every_model_trains_with_kfac(model: str, size: int) -> None:
     skip = ["--skip-layers", *SKIP_BIG[model]] if model in SKIP_BIG else []
-    result = _train("--model", model, "--image-size", str(size), "--in-channels", "3",
-                    "--synthetic-samples", "8", "--batch-size", "4", "--steps", "2",
-                    "--inverse-update-interval", "1", *skip)  # fmt: skip
+    result = _train(
+        "--model",
+        model,
+        "--image-size",
+        str(size),
+        "--in-channels",
+        "3",
+        "--synthetic-samples",
+        "8",
+        "--batch-size",
+        "4",
+        "--steps",
+        "2",
+        "--inverse-update-interval",
+        "1",
+        *skip,
+    )
     assert result.steps == 2
     assert math.isfinite(result.final["loss"])
     if model == "autoencoder":
@@ -127,8 +174,23 @@ def test_batch_not_divisible_by_accumulation_exits_2(capsys: pytest.CaptureFixtu
 
 def test_run_folder_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--optimizer", "kfac", "--epochs", "2", "--out", str(out),
-                 "--target-accuracy", "0.01"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                "--optimizer",
+                "kfac",
+                "--epochs",
+                "2",
+                "--out",
+                str(out),
+                "--target-accuracy",
+                "0.01",
+            ]
+        )
+        == 0
+    )
     names = {p.name for p in out.iterdir()}
     assert {"metrics.jsonl", "metrics.png", "config.toml", "config.json", LATEST} <= names
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -156,8 +218,23 @@ def test_corrupt_checkpoint_exits_2_naming_the_file(
 
 def test_compare_writes_one_report(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
-    assert main(["compare", *TINY, "--optimizers", "sgd,kfac", "--epochs", "2",
-                 "--target-accuracy", "0.2", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "compare",
+                *TINY,
+                "--optimizers",
+                "sgd,kfac",
+                "--epochs",
+                "2",
+                "--target-accuracy",
+                "0.2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((out / "compare.json").read_text())
     assert [r["optimizer"] for r in rows] == ["sgd", "kfac"]
     for row in rows:
@@ -172,8 +249,21 @@ def test_compare_writes_one_report(tmp_path: Path) -> None:
 
 
 def test_short_digits_run_reduces_the_loss() -> None:
-    argv = ["train", "--data", "digits", "--model", "mlp", "--optimizer", "kfac",
-            "--batch-size", "64", "--threads", "1", "--log-every", "100"]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        "digits",
+        "--model",
+        "mlp",
+        "--optimizer",
+        "kfac",
+        "--batch-size",
+        "64",
+        "--threads",
+        "1",
+        "--log-every",
+        "100",
+    ]
     one = train(parse_args([*argv, "--steps", "1"]), write=False)
     epoch = train(parse_args([*argv, "--epochs", "1"]), write=False)
     assert epoch.steps == 22  # 1437 training images // 64

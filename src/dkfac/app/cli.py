@@ -45,52 +45,80 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data and model")
     g.add_argument("--model", choices=sorted(MODELS), default="cnn", help="model (default: cnn)")
     g.add_argument("--data", choices=DATASETS, default="digits", help="dataset (default: digits)")
-    g.add_argument("--data-dir", type=opt(str), default=None,
-                   help="CIFAR archive (.tar.gz) or its folder")
-    g.add_argument("--augment", choices=("auto", "on", "off"), default="auto",
-                   help="random crop + flip (auto: on for CIFAR)")
+    g.add_argument(
+        "--data-dir", type=opt(str), default=None, help="CIFAR archive (.tar.gz) or its folder"
+    )
+    g.add_argument(
+        "--augment",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="random crop + flip (auto: on for CIFAR)",
+    )
     g.add_argument("--synthetic-samples", type=int, default=1024, help="synthetic train images")
     g.add_argument("--image-size", type=int, default=32, help="synthetic image size")
     g.add_argument("--in-channels", type=int, default=3, help="synthetic channels")
     g.add_argument("--num-classes", type=int, default=10, help="synthetic classes")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="kfac",
-                   help="kfac = K-FAC + SGD, kfac-adam = K-FAC + Adam (default: kfac)")
+    g.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="kfac",
+        help="kfac = K-FAC + SGD, kfac-adam = K-FAC + Adam (default: kfac)",
+    )
     g.add_argument("--epochs", type=int, default=15, help="epochs (default: 15)")
     g.add_argument("--steps", type=opt(int), default=None, help="stop after this many steps")
-    g.add_argument("--batch-size", type=int, default=64,
-                   help="global samples per optimizer step (default: 64)")
+    g.add_argument(
+        "--batch-size", type=int, default=64, help="global samples per optimizer step (default: 64)"
+    )
     g.add_argument("--lr", type=float, default=0.05, help="base learning rate (default: 0.05)")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum / Adam beta1")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--weight-decay", type=float, default=5e-4, help="(default: 5e-4)")
     g.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="LR schedule")
     g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
-    g.add_argument("--milestones", type=float, nargs="*", default=[],
-                   help="epochs of the step schedule")
+    g.add_argument(
+        "--milestones", type=float, nargs="*", default=[], help="epochs of the step schedule"
+    )
     g.add_argument("--gamma", type=float, default=0.1, help="step-schedule decay factor")
     g.add_argument("--power", type=float, default=2.0, help="poly-schedule exponent")
     g.add_argument("--label-smoothing", type=float, default=0.0)
     g.add_argument("--mixup", type=float, default=0.0, help="mixup Beta(a, a) parameter; 0 = off")
-    g.add_argument("--accumulation-steps", type=int, default=1,
-                   help="micro-batches per optimizer step")
+    g.add_argument(
+        "--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step"
+    )
     g.add_argument("--amp", choices=AMP_MODES, default="none", help="autocast precision")
     g.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("run")
     g.add_argument("--config", type=str, default=None, help="TOML file of flag values")
     g.add_argument("--out", type=opt(str), default=None, help="run folder (runs/<timestamp>)")
-    g.add_argument("--resume", type=opt(str), default=None,
-                   help="checkpoint file, or 'auto' for the run folder's latest")
-    g.add_argument("--checkpoint-every", type=int, default=0,
-                   help="steps between checkpoints (0: only at the end)")
+    g.add_argument(
+        "--resume",
+        type=opt(str),
+        default=None,
+        help="checkpoint file, or 'auto' for the run folder's latest",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (0: only at the end)",
+    )
     g.add_argument("--checkpoint-epochs", type=int, default=0, help="epochs between checkpoints")
-    g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations "
-                   "(0: at the end of each epoch)")  # fmt: skip
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="steps between evaluations (0: at the end of each epoch)",
+    )
     g.add_argument("--log-every", type=int, default=10, help="steps between metric lines")
-    g.add_argument("--target-accuracy", type=opt(float), default=None,
-                   help="report steps and seconds to reach this test accuracy")
+    g.add_argument(
+        "--target-accuracy",
+        type=opt(float),
+        default=None,
+        help="report steps and seconds to reach this test accuracy",
+    )
     g.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--threads", type=opt(int), default=None, help="torch CPU threads")
@@ -101,18 +129,24 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and its ``train`` / ``compare`` sub-parsers."""
     parser = argparse.ArgumentParser(
-        prog="dkfac", description="Distributed K-FAC training program.",
+        prog="dkfac",
+        description="Distributed K-FAC training program.",
         epilog="Also: dkfac bench ... and dkfac plan ... (see their --help).",
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", metavar="{train,compare,bench,plan}")
     kinds = argparse.RawDescriptionHelpFormatter
     train = sub.add_parser("train", help="train one model", epilog=EPILOG, formatter_class=kinds)
     _add_training_arguments(train)
-    compare = sub.add_parser("compare", help="train with several optimizers, one report",
-                             epilog=EPILOG, formatter_class=kinds)  # fmt: skip
+    compare = sub.add_parser(
+        "compare",
+        help="train with several optimizers, one report",
+        epilog=EPILOG,
+        formatter_class=kinds,
+    )
     _add_training_arguments(compare)
-    compare.add_argument("--optimizers", default="sgd,kfac",
-                         help=f"comma-separated, from {', '.join(OPTIMIZERS)}")  # fmt: skip
+    compare.add_argument(
+        "--optimizers", default="sgd,kfac", help=f"comma-separated, from {', '.join(OPTIMIZERS)}"
+    )
     return parser, {"train": train, "compare": compare}
 
 
@@ -122,8 +156,14 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("checkpoint_every", "checkpoint_epochs", "eval_every", "weight_decay",
-                 "warmup_epochs", "mixup"):  # fmt: skip
+    for name in (
+        "checkpoint_every",
+        "checkpoint_epochs",
+        "eval_every",
+        "weight_decay",
+        "warmup_epochs",
+        "mixup",
+    ):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.steps is not None and args.steps < 1:
@@ -158,8 +198,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         bad = [n for n in names if n not in OPTIMIZERS]
         if not names or bad or len(set(names)) != len(names):
-            parser.error(f"--optimizers must list distinct names from {OPTIMIZERS}, "
-                         f"got {args.optimizers!r}")  # fmt: skip
+            parser.error(
+                f"--optimizers must list distinct names from {OPTIMIZERS}, got {args.optimizers!r}"
+            )
         args.optimizers = ",".join(names)
     try:
         kfac_config_from_args(args)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -59,8 +59,9 @@ class Progress:
             except ImportError:  # pragma: no cover - tqdm is an app dependency
                 tqdm = None
             if tqdm is not None:
-                self.bar = tqdm(total=total, initial=initial, unit="step", file=self.stream,
-                                dynamic_ncols=True)  # fmt: skip
+                self.bar = tqdm(
+                    total=total, initial=initial, unit="step", file=self.stream, dynamic_ncols=True
+                )
 
     def update(self, steps: int, record: Record | None = None) -> None:
         """Advances the bar by ``steps``; with ``record``, shows or logs its numbers."""
@@ -101,8 +102,30 @@ def summary_fields(record: Record) -> str:
     return " ".join(parts)
 
 
+def final_line(
+    label: str,
+    final: Record,
+    hit: Record | None,
+    target: float | None,
+    folder: Path | None,
+) -> str:
+    """The one-line summary printed at the end of a run."""
+    acc = "" if final["accuracy"] is None else f"test accuracy {final['accuracy']:.4f}, "
+    text = (
+        f"{label}final: {acc}test loss {final['loss']:.4f}, {final['step']} steps, "
+        f"{final['train_seconds']:.1f} s training"
+    )
+    if target is not None:
+        text += (
+            f", target {target} reached at step {hit['step']} ({hit['train_seconds']:.1f} s)"
+            if hit
+            else f", target {target} not reached"
+        )
+    return text + (f"; run folder {folder}" if folder is not None else "")
+
+
 # ----------------------------------------------------------------------- plots
-def plot_runs(runs: dict[str, Sequence[Record]], path: Path, title: str = "") -> Path:
+def plot_runs(runs: Mapping[str, Sequence[Record]], path: Path, title: str = "") -> Path:
     """Loss and accuracy against steps and against training seconds, one line per run.
 
     Args:
@@ -121,8 +144,11 @@ def plot_runs(runs: dict[str, Sequence[Record]], path: Path, title: str = "") ->
             ax = axes[row][col]
             for label, records in runs.items():
                 for kind, style in (("train", ":"), ("eval", "-")):
-                    pts = [(r[x_key], r[y_key]) for r in records
-                           if r["kind"] == kind and r.get(y_key) is not None]  # fmt: skip
+                    pts = [
+                        (r[x_key], r[y_key])
+                        for r in records
+                        if r["kind"] == kind and r.get(y_key) is not None
+                    ]
                     if pts:
                         xs, ys = zip(*pts, strict=True)
                         name = "test" if kind == "eval" else "train"
@@ -188,13 +214,17 @@ def _cell(value: Any) -> str:
 def markdown_table(rows: Sequence[Record]) -> str:
     """A markdown table of :func:`run_summary` rows."""
     columns = [
-        ("optimizer", "optimizer"), ("final_accuracy", "final test acc"),
-        ("best_accuracy", "best test acc"), ("final_loss", "final test loss"),
-        ("steps", "steps"), ("train_seconds", "train s"), ("seconds_per_step", "s/step"),
-        ("steps_to_target", "steps to target"), ("seconds_to_target", "s to target"),
-    ]  # fmt: skip
-    lines = ["| " + " | ".join(h for _, h in columns) + " |",
-             "|" + "---|" * len(columns)]  # fmt: skip
+        ("optimizer", "optimizer"),
+        ("final_accuracy", "final test acc"),
+        ("best_accuracy", "best test acc"),
+        ("final_loss", "final test loss"),
+        ("steps", "steps"),
+        ("train_seconds", "train s"),
+        ("seconds_per_step", "s/step"),
+        ("steps_to_target", "steps to target"),
+        ("seconds_to_target", "s to target"),
+    ]
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row[k]) for k, _ in columns) + " |")
     target = rows[0]["target_accuracy"] if rows else None
@@ -203,7 +233,7 @@ def markdown_table(rows: Sequence[Record]) -> str:
 
 
 def write_comparison(
-    runs: dict[str, Sequence[Record]], folder: Path, target: float | None, title: str = ""
+    runs: Mapping[str, Sequence[Record]], folder: Path, target: float | None, title: str = ""
 ) -> list[Record]:
     """Writes ``compare.md``, ``compare.json`` and ``compare.png`` into ``folder``."""
     rows = [run_summary(label, records, target) for label, records in runs.items()]

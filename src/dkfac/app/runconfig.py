@@ -36,8 +36,12 @@ else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
 NONE_WORDS = ("none", "null")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64}  # fmt: skip
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 SKIPPED_KEYS = ("command", "config")
 
 
@@ -213,8 +217,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if isinstance(value, dict):
-            raise ConfigError(f"config file {file}: [{key}] tables are not supported; "
-                              "write every option as a top-level key = value")  # fmt: skip
+            raise ConfigError(
+                f"config file {file}: [{key}] tables are not supported; "
+                "write every option as a top-level key = value"
+            )
         values[key.replace("-", "_")] = value
     return values
 
