@@ -247,3 +247,20 @@ def test_missing_subprogram_exits_2(
 
 def test_namespace_is_plain() -> None:
     assert isinstance(parse_args(["compare"]), argparse.Namespace)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_config_files_parse(path: Path) -> None:
+    args = parse_args(["train", "--config", str(path), "--data-dir", "unused"])
+    assert args.config == str(path)
+    values = {k.replace("-", "_") for k in path.read_text().split("\n") if "=" in k}
+    assert values  # and every key became an option (unknown keys would have exited)
+
+
+def test_readme_first_code_block_is_the_two_commands() -> None:
+    text = (REPO / "README.md").read_text()
+    block = text.split("```")[1]
+    lines = [line.strip() for line in block.splitlines()[1:] if line.strip()]
+    assert lines == ["make train", "make test"]
+    makefile = (REPO / "Makefile").read_text()
+    assert "configs/digits.toml" in makefile and "compare" in makefile

@@ -8,6 +8,7 @@ options, bad config file) ends with one message and exit code 2 before any train
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -206,8 +207,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         kfac_config_from_args(args)
         for name, value in vars(args).items():
             if name.endswith("_schedule") and value is not None:
+                field = name.removesuffix("_schedule")
                 for _, piece in parse_piecewise(value):
-                    check_schedule_value(name.removesuffix("_schedule"), piece)
+                    with contextlib.suppress(KeyError):  # a field without a known range
+                        check_schedule_value(field, piece)
     except (ValueError, TypeError) as err:
         parser.error(f"invalid K-FAC option: {err}")
 

@@ -67,6 +67,16 @@ def number(text: str) -> float | int:
         return float(text)
 
 
+def boolean(text: str) -> bool:
+    """``true`` / ``false`` (also ``yes``/``no``, ``1``/``0``, ``on``/``off``)."""
+    word = text.strip().lower()
+    if word in ("true", "yes", "1", "on"):
+        return True
+    if word in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true, false or none, got {text!r}")
+
+
 def dtype(text: str) -> torch.dtype:
     """A torch floating dtype by name (``float32``, ``torch.float64``, ...)."""
     name = text.strip().removeprefix("torch.")
@@ -126,6 +136,8 @@ def _argument_spec(hint: Any) -> dict[str, Any]:
     if origin is tuple or hint is tuple:
         return {"type": str, "nargs": "*", "metavar": "VALUE"}
     if hint is bool:
+        if nullable:  # three states: a value flag, true | false | none
+            return {"type": optional(boolean), "metavar": "true|false|none"}
         return {"action": argparse.BooleanOptionalAction}
     if hint is torch.dtype:
         return {"type": wrap(dtype), "metavar": "DTYPE" + ("|none" if nullable else "")}
