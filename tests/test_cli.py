@@ -119,6 +119,7 @@ def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int
         (["train", "--stop-at-target"], "needs --target-accuracy"),
         (["compare", "--optimizers", "sgd,sgd"], "--optimizers must list distinct"),
         (["compare", "--optimizers", "sgd,newton"], "--optimizers must list distinct"),
+        (["compare", "--resume", "x.pt"], "compare takes --resume auto"),
         ([], "give a command"),
     ],
 )

@@ -87,10 +87,14 @@ def test_two_ranks_kfac_without_strategies_is_refused() -> None:
 
 
 @pytest.mark.skipif(not HAS_STRATEGY, reason="needs KFACConfig.strategy (distributed issue)")
-def test_two_ranks_kfac_complete_in_step() -> None:
-    ranks = run_distributed(_run, 2, ["--optimizer", "kfac", "--inverse-update-interval", "2"])
-    assert ranks[0]["steps"] == ranks[1]["steps"] == 8
+def test_two_ranks_kfac_equal_one_process_on_the_global_batch() -> None:
+    # The replicated strategy averages the ranks' factors: with equal shards that is the
+    # factor of the global batch, so the run is the serial run up to float32 rounding.
+    extra = ["--optimizer", "kfac", "--inverse-update-interval", "2", "--damping", "0.05"]
+    ranks = run_distributed(_run, 2, extra)
+    serial = _run(0, 1, extra)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == serial["steps"] == 8
     assert ranks[0]["records"] == ranks[1]["records"]
-    for name, value in ranks[0]["params"].items():
-        assert torch.equal(value, ranks[1]["params"][name]), name
-        assert torch.isfinite(value.float()).all(), name
+    for name, value in serial["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][name], ranks[0]["params"][name])
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=1e-3, atol=1e-4)

@@ -203,6 +203,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                 f"--optimizers must list distinct names from {OPTIMIZERS}, got {args.optimizers!r}"
             )
         args.optimizers = ",".join(names)
+        if args.resume not in (None, "auto"):
+            parser.error("dkfac compare takes --resume auto (each optimizer's own folder)")
     try:
         kfac_config_from_args(args)
         for name, value in vars(args).items():

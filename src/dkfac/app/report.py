@@ -142,7 +142,8 @@ def plot_runs(runs: Mapping[str, Sequence[Record]], path: Path, title: str = "")
     for col, x_key in enumerate(("step", "train_seconds")):
         for row, y_key in enumerate(("loss", "accuracy")):
             ax = axes[row][col]
-            for label, records in runs.items():
+            for index, (label, records) in enumerate(runs.items()):
+                color = f"C{index % 10}"  # one colour per run: dotted train, solid test
                 for kind, style in (("train", ":"), ("eval", "-")):
                     pts = [
                         (r[x_key], r[y_key])
@@ -152,7 +153,7 @@ def plot_runs(runs: Mapping[str, Sequence[Record]], path: Path, title: str = "")
                     if pts:
                         xs, ys = zip(*pts, strict=True)
                         name = "test" if kind == "eval" else "train"
-                        ax.plot(xs, ys, style, label=f"{label} {name}")
+                        ax.plot(xs, ys, style, color=color, label=f"{label} {name}")
             ax.set_xlabel("step" if x_key == "step" else "training seconds")
             ax.set_ylabel(y_key)
             if y_key == "loss":

@@ -204,8 +204,6 @@ def compare(args: argparse.Namespace) -> list[report.Record]:
     for name in args.optimizers.split(","):
         sub = copy.copy(args)
         sub.optimizer, sub.out = name, str(folder / name)
-        if args.resume not in (None, "auto"):
-            raise UsageError("dkfac compare takes --resume auto (or none), not a path")
         runs[name] = train(sub, label=f"[{name}] ").records
     rows: list[report.Record] = []
     if rank == 0:
