@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[app,dev]"
 	touch $(STAMP)
 
+# The main job: SGD and K-FAC side by side on digits; report in runs/digits/compare.md.
 train: $(STAMP)
-	$(PY) -m dkfac train --data digits --model cnn --optimizer kfac
+	$(PY) -m dkfac compare --config configs/digits.toml --optimizers sgd,kfac --out runs/digits
 
 test: $(STAMP)
 	$(PY) -m pytest -q

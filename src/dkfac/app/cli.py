@@ -1,0 +1,265 @@
+"""Command line of the training program: ``dkfac train | compare | bench | plan``.
+
+Only argument parsing and validation live here; :mod:`dkfac.app.trainer` runs the training.
+Every error in the input (unknown flag, wrong type, out-of-range value, contradictory
+options, bad config file) ends with one message and exit code 2 before any training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+from collections.abc import Sequence
+
+from dkfac.app.data import DATASETS
+from dkfac.app.models import MODELS
+from dkfac.app.runconfig import (
+    ConfigError,
+    add_kfac_arguments,
+    config_file_tokens,
+    kfac_config_from_args,
+    load_config_file,
+    optional,
+)
+from dkfac.app.schedules import SCHEDULES, parse_piecewise
+from dkfac.config import check_schedule_value
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "kfac", "kfac-adam")
+AMP_MODES = ("none", "bf16", "fp16")
+EXTERNAL = {"bench": "dkfac.bench", "plan": "dkfac.plan"}
+
+EPILOG = """\
+Config file: TOML, one `key = value` per flag (dashes or underscores), e.g. `lr = 0.05`;
+flags on the command line override it. Every run saves its resolved config.toml.
+K-FAC schedules: --damping-schedule "1e-2@0,1e-3@5" means 0.01 from epoch 0, 0.001 from
+epoch 5 on (the same for every --<kfac-field>-schedule).
+Distributed: torchrun --nproc-per-node N -m dkfac train ... (same flags; --batch-size is
+the global batch of one optimizer step).
+"""
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``train`` and ``compare``."""
+    opt = optional
+    g = p.add_argument_group("data and model")
+    g.add_argument("--model", choices=sorted(MODELS), default="cnn", help="model (default: cnn)")
+    g.add_argument("--data", choices=DATASETS, default="digits", help="dataset (default: digits)")
+    g.add_argument(
+        "--data-dir", type=opt(str), default=None, help="CIFAR archive (.tar.gz) or its folder"
+    )
+    g.add_argument(
+        "--augment",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="random crop + flip (auto: on for CIFAR)",
+    )
+    g.add_argument("--synthetic-samples", type=int, default=1024, help="synthetic train images")
+    g.add_argument("--image-size", type=int, default=32, help="synthetic image size")
+    g.add_argument("--in-channels", type=int, default=3, help="synthetic channels")
+    g.add_argument("--num-classes", type=int, default=10, help="synthetic classes")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="kfac",
+        help="kfac = K-FAC + SGD, kfac-adam = K-FAC + Adam (default: kfac)",
+    )
+    g.add_argument("--epochs", type=int, default=15, help="epochs (default: 15)")
+    g.add_argument("--steps", type=opt(int), default=None, help="stop after this many steps")
+    g.add_argument(
+        "--batch-size", type=int, default=64, help="global samples per optimizer step (default: 64)"
+    )
+    g.add_argument("--lr", type=float, default=0.05, help="base learning rate (default: 0.05)")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum / Adam beta1")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--weight-decay", type=float, default=5e-4, help="(default: 5e-4)")
+    g.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="LR schedule")
+    g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
+    g.add_argument(
+        "--milestones", type=float, nargs="*", default=[], help="epochs of the step schedule"
+    )
+    g.add_argument("--gamma", type=float, default=0.1, help="step-schedule decay factor")
+    g.add_argument("--power", type=float, default=2.0, help="poly-schedule exponent")
+    g.add_argument("--label-smoothing", type=float, default=0.0)
+    g.add_argument("--mixup", type=float, default=0.0, help="mixup Beta(a, a) parameter; 0 = off")
+    g.add_argument(
+        "--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step"
+    )
+    g.add_argument("--amp", choices=AMP_MODES, default="none", help="autocast precision")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("run")
+    g.add_argument("--config", type=str, default=None, help="TOML file of flag values")
+    g.add_argument("--out", type=opt(str), default=None, help="run folder (runs/<timestamp>)")
+    g.add_argument(
+        "--resume",
+        type=opt(str),
+        default=None,
+        help="checkpoint file, or 'auto' for the run folder's latest",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (0: only at the end)",
+    )
+    g.add_argument("--checkpoint-epochs", type=int, default=0, help="epochs between checkpoints")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="steps between evaluations (0: at the end of each epoch)",
+    )
+    g.add_argument("--log-every", type=int, default=10, help="steps between metric lines")
+    g.add_argument(
+        "--target-accuracy",
+        type=opt(float),
+        default=None,
+        help="report steps and seconds to reach this test accuracy",
+    )
+    g.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--threads", type=opt(int), default=None, help="torch CPU threads")
+    reserved = {a.dest for a in p._actions}
+    add_kfac_arguments(p, reserved)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and its ``train`` / ``compare`` sub-parsers."""
+    parser = argparse.ArgumentParser(
+        prog="dkfac",
+        description="Distributed K-FAC training program.",
+        epilog="Also: dkfac bench ... and dkfac plan ... (see their --help).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{train,compare,bench,plan}")
+    kinds = argparse.RawDescriptionHelpFormatter
+    train = sub.add_parser("train", help="train one model", epilog=EPILOG, formatter_class=kinds)
+    _add_training_arguments(train)
+    compare = sub.add_parser(
+        "compare",
+        help="train with several optimizers, one report",
+        epilog=EPILOG,
+        formatter_class=kinds,
+    )
+    _add_training_arguments(compare)
+    compare.add_argument(
+        "--optimizers", default="sgd,kfac", help=f"comma-separated, from {', '.join(OPTIMIZERS)}"
+    )
+    return parser, {"train": train, "compare": compare}
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Range and consistency checks; calls ``parser.error`` (exit 2) on the first problem."""
+    positive = ("epochs", "batch_size", "accumulation_steps", "log_every")
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in (
+        "checkpoint_every",
+        "checkpoint_epochs",
+        "eval_every",
+        "weight_decay",
+        "warmup_epochs",
+        "mixup",
+    ):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.momentum < 1:
+        parser.error(f"--momentum must be in [0, 1), got {args.momentum}")
+    if not 0 <= args.label_smoothing < 1:
+        parser.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
+    if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
+        parser.error(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    if args.nesterov and (args.momentum == 0 or "adam" in args.optimizer):
+        parser.error("--nesterov needs SGD (sgd or kfac) with --momentum > 0")
+    if args.warmup_epochs > args.epochs:
+        parser.error(f"--warmup-epochs ({args.warmup_epochs}) exceeds --epochs ({args.epochs})")
+    if list(args.milestones) != sorted(args.milestones) or any(m < 0 for m in args.milestones):
+        parser.error(f"--milestones must be increasing epochs >= 0, got {args.milestones}")
+    if args.schedule == "step" and not args.milestones:
+        parser.error("--schedule step needs --milestones")
+    if args.data in ("cifar10", "cifar100") and args.data_dir is None:
+        parser.error(f"--data {args.data} needs --data-dir (the CIFAR python archive)")
+    if args.stop_at_target and args.target_accuracy is None:
+        parser.error("--stop-at-target needs --target-accuracy")
+    if args.model == "autoencoder" and (args.mixup or args.label_smoothing):
+        parser.error("--mixup and --label-smoothing apply to classifiers, not the autoencoder")
+    if args.model == "autoencoder" and args.target_accuracy is not None:
+        parser.error("the autoencoder has no accuracy; drop --target-accuracy")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.command == "compare":
+        names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+        bad = [n for n in names if n not in OPTIMIZERS]
+        if not names or bad or len(set(names)) != len(names):
+            parser.error(
+                f"--optimizers must list distinct names from {OPTIMIZERS}, got {args.optimizers!r}"
+            )
+        args.optimizers = ",".join(names)
+        if args.resume not in (None, "auto"):
+            parser.error("dkfac compare takes --resume auto (each optimizer's own folder)")
+    try:
+        kfac_config_from_args(args)
+        for name, value in vars(args).items():
+            if name.endswith("_schedule") and value is not None:
+                field = name.removesuffix("_schedule")
+                for _, piece in parse_piecewise(value):
+                    with contextlib.suppress(KeyError):  # a field without a known range
+                        check_schedule_value(field, piece)
+    except (ValueError, TypeError) as err:
+        parser.error(f"invalid K-FAC option: {err}")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parses ``train`` / ``compare`` arguments, merging a ``--config`` file under the flags.
+
+    Raises:
+        SystemExit: With code 2 and a message on any bad input.
+    """
+    parser, subs = build_parser()
+    argv = list(argv)
+    first, _ = parser.parse_known_args(argv)
+    if first.command is None:
+        parser.print_usage(sys.stderr)
+        parser.exit(2, "dkfac: error: give a command: train, compare, bench or plan\n")
+    sub = subs[first.command]
+    if first.config is not None:
+        try:
+            values = load_config_file(first.config)
+            tokens = config_file_tokens(values, sub, first.config)
+        except ConfigError as err:
+            sub.error(str(err))
+        at = argv.index(first.command) + 1
+        argv = [*argv[:at], *tokens, *argv[at:]]
+    args = parser.parse_args(argv)
+    _check(args, sub)
+    return args
+
+
+def _external(command: str, argv: list[str]) -> int:
+    """Runs ``dkfac bench`` / ``dkfac plan`` from their own modules (imported lazily)."""
+    try:
+        module = importlib.import_module(EXTERNAL[command])
+        entry = module.main
+    except (ImportError, AttributeError) as err:
+        print(f"dkfac {command}: not available in this installation ({err})", file=sys.stderr)
+        return 2
+    return int(entry(argv) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dkfac`` console script and ``python -m dkfac``."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in EXTERNAL:
+        return _external(args_list[0], args_list[1:])
+    args = parse_args(args_list)
+    from dkfac.app.trainer import run_command
+
+    return run_command(args)

@@ -1,0 +1,328 @@
+"""Run configuration: K-FAC flags generated from :class:`KFACConfig`, config files, resolved config.
+
+* :func:`add_kfac_arguments` adds one flag per field of :class:`~dkfac.KFACConfig` (``--damping``,
+  also spelled ``--kfac-damping``), typed from the field's annotation, so options added to
+  the config later appear on the command line with no change here. A field that shares its
+  name with a training flag (``lr``, ``seed``, ``accumulation_steps``) takes that flag's value.
+  Every field that accepts a schedule also gets ``--<field>-schedule "VALUE@EPOCH,..."``.
+* :func:`config_file_tokens` turns a TOML file whose keys are flag names into command-line
+  tokens, so a file value goes through exactly the parsing and checks of the flag, and flags
+  given on the command line (parsed after them) win.
+* :func:`resolved_config` / :func:`write_resolved_config` save every option of a run as TOML
+  and JSON; the TOML file is a valid ``--config`` that reproduces the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections.abc
+import dataclasses
+import json
+import math
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dkfac.app.schedules import parse_piecewise, piecewise_by_step
+from dkfac.config import KFACConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+NONE_WORDS = ("none", "null")
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+SKIPPED_KEYS = ("command", "config")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read or holds keys that are not flags."""
+
+
+def optional(convert: typing.Callable[[str], Any]) -> typing.Callable[[str], Any]:
+    """Wraps an argparse ``type`` so that ``none`` / ``null`` parse to ``None``."""
+
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() in NONE_WORDS else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def number(text: str) -> float | int:
+    """An ``int`` when the text is integral (``10``), else a ``float`` (``1e-3``)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def boolean(text: str) -> bool:
+    """``true`` / ``false`` (also ``yes``/``no``, ``1``/``0``, ``on``/``off``)."""
+    word = text.strip().lower()
+    if word in ("true", "yes", "1", "on"):
+        return True
+    if word in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true, false or none, got {text!r}")
+
+
+def dtype(text: str) -> torch.dtype:
+    """A torch floating dtype by name (``float32``, ``torch.float64``, ...)."""
+    name = text.strip().removeprefix("torch.")
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def schedule_text(text: str) -> str:
+    """Validates ``"VALUE@EPOCH,..."`` (see :func:`~dkfac.app.schedules.parse_piecewise`)."""
+    try:
+        parse_piecewise(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _kfac_hints() -> dict[str, Any]:
+    return typing.get_type_hints(KFACConfig)
+
+
+def _field_default(field: dataclasses.Field[Any]) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _is_schedule(hint: Any) -> bool:
+    return any(
+        typing.get_origin(arg) is collections.abc.Callable or arg is collections.abc.Callable
+        for arg in typing.get_args(hint)
+    )
+
+
+def _argument_spec(hint: Any) -> dict[str, Any]:
+    """argparse keyword arguments (type, choices, nargs, action) for a field annotation."""
+    schedule = _is_schedule(hint)
+    args = typing.get_args(hint)
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    nullable = is_union and type(None) in args
+    core = [a for a in args if a is not type(None)] if is_union else [hint]
+    if len(core) == 1:
+        hint = core[0]
+    wrap = optional if nullable else (lambda convert: convert)
+    if schedule:
+        return {"type": wrap(number), "metavar": "NUMBER" + ("|none" if nullable else "")}
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        choices = list(typing.get_args(hint)) + ([None] if nullable else [])
+        return {"type": wrap(str), "choices": choices}
+    if origin is tuple or hint is tuple:
+        return {"type": str, "nargs": "*", "metavar": "VALUE"}
+    if hint is bool:
+        if nullable:  # three states: a value flag, true | false | none
+            return {"type": optional(boolean), "metavar": "true|false|none"}
+        return {"action": argparse.BooleanOptionalAction}
+    if hint is torch.dtype:
+        return {"type": wrap(dtype), "metavar": "DTYPE" + ("|none" if nullable else "")}
+    if hint in (int, float):
+        return {"type": wrap(hint), "metavar": hint.__name__.upper()}
+    return {"type": wrap(str), "metavar": "VALUE" + ("|none" if nullable else "")}
+
+
+def kfac_schedule_fields() -> list[str]:
+    """Fields of :class:`KFACConfig` that accept a callable schedule of the step."""
+    hints = _kfac_hints()
+    return [f.name for f in dataclasses.fields(KFACConfig) if _is_schedule(hints[f.name])]
+
+
+def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> None:
+    """Adds a flag for every :class:`KFACConfig` field not named in ``reserved``.
+
+    Args:
+        parser: The parser (or argument group owner) to extend.
+        reserved: Destinations of training flags; a field with one of these names is filled
+            from that training flag instead of getting its own flag.
+    """
+    group = parser.add_argument_group(
+        "K-FAC options", "used by --optimizer kfac / kfac-adam (fields of dkfac.KFACConfig)"
+    )
+    hints = _kfac_hints()
+    for field in dataclasses.fields(KFACConfig):
+        if field.name in reserved:
+            continue
+        spec = _argument_spec(hints[field.name])
+        default = _field_default(field)
+        group.add_argument(
+            _flag(field.name),
+            "--kfac-" + field.name.replace("_", "-"),
+            dest=field.name,
+            default=default,
+            help=f"KFACConfig.{field.name} (default: {format_value(default)})",
+            **spec,
+        )
+        if _is_schedule(hints[field.name]):
+            group.add_argument(
+                _flag(field.name) + "-schedule",
+                dest=field.name + "_schedule",
+                type=optional(schedule_text),
+                default=None,
+                metavar="VALUE@EPOCH,...",
+                help=f"piecewise-constant {field.name} by epoch, e.g. 1e-2@0,1e-3@5 "
+                f"(overrides --{field.name.replace('_', '-')})",
+            )
+
+
+def kfac_config_from_args(args: argparse.Namespace, steps_per_epoch: int = 1) -> KFACConfig:
+    """The :class:`KFACConfig` of parsed arguments, with schedules bound to the epoch length.
+
+    Raises:
+        ValueError / TypeError: From :class:`KFACConfig` validation.
+    """
+    hints = _kfac_hints()
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(KFACConfig):
+        if not hasattr(args, field.name):
+            continue
+        value = getattr(args, field.name)
+        if isinstance(value, list):
+            value = tuple(value)
+        text = getattr(args, field.name + "_schedule", None)
+        if text is not None:
+            integer = "interval" in field.name or hints[field.name] is int
+            value = piecewise_by_step(text, steps_per_epoch, integer=integer)
+        values[field.name] = value
+    return KFACConfig(**values)
+
+
+# ----------------------------------------------------------------------- config files
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Reads a TOML config file into ``{dest: value}`` (dashes in keys become underscores).
+
+    Raises:
+        ConfigError: If the file is missing, not valid TOML, or nests tables.
+    """
+    file = Path(path)
+    try:
+        with file.open("rb") as handle:
+            raw = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {file} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"config file {file} is not valid TOML: {err}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            raise ConfigError(
+                f"config file {file}: [{key}] tables are not supported; "
+                "write every option as a top-level key = value"
+            )
+        values[key.replace("-", "_")] = value
+    return values
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def config_file_tokens(
+    values: dict[str, Any], parser: argparse.ArgumentParser, source: str
+) -> list[str]:
+    """Command-line tokens equivalent to config-file ``values`` for ``parser``.
+
+    Raises:
+        ConfigError: For a key that is not a flag of ``parser`` or a value of the wrong shape.
+    """
+    actions = _actions(parser)
+    tokens: list[str] = []
+    for key, value in values.items():
+        action = actions.get(key)
+        if action is None or key in SKIPPED_KEYS:
+            known = ", ".join(sorted(k for k in actions if k not in SKIPPED_KEYS))
+            raise ConfigError(f"{source}: unknown key {key!r}; keys are flag names: {known}")
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+            tokens.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs in ("*", "+"):
+            items = value if isinstance(value, list) else [value]
+            tokens += [flag, *(format_value(v) for v in items)]
+        else:
+            if isinstance(value, (list, dict)):
+                raise ConfigError(f"{source}: {key} takes one value, got {value!r}")
+            tokens.append(f"{flag}={format_value(value)}")
+    return tokens
+
+
+def format_value(value: Any) -> str:
+    """The command-line spelling of a value (``none``, dtype names, ``repr`` of floats)."""
+    if value is None:
+        return "none"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+# ----------------------------------------------------------------------- resolved config
+def _plain(value: Any) -> Any:
+    """A TOML/JSON-friendly version of an option value."""
+    if value is None or isinstance(value, torch.dtype):
+        return format_value(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def resolved_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Every option of a run, in plain values, keyed by flag destination."""
+    return {k: _plain(v) for k, v in sorted(vars(args).items()) if k not in SKIPPED_KEYS}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def to_toml(values: dict[str, Any]) -> str:
+    """Serialises a flat ``{key: plain value}`` mapping as TOML."""
+    return "".join(f"{key} = {_toml_value(value)}\n" for key, value in values.items())
+
+
+def write_resolved_config(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Writes ``config.toml`` (usable with ``--config``) and ``config.json`` into ``folder``."""
+    values = resolved_config(args)
+    folder.mkdir(parents=True, exist_ok=True)
+    header = "# Resolved configuration of this run; `dkfac train --config` reads it back.\n"
+    (folder / "config.toml").write_text(header + to_toml(values))
+    (folder / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+    return values

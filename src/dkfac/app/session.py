@@ -1,0 +1,304 @@
+"""One training session: data, model, DDP, optimizer, schedule, K-FAC; one step; evaluation.
+
+:func:`build_session` turns parsed options into a :class:`Session` on this rank;
+:func:`train_step` runs one optimizer step (micro-batches, augmentation, mixup, autocast,
+gradient scaling, the K-FAC step); :func:`evaluate` computes the test metrics summed over ranks.
+:mod:`dkfac.app.trainer` drives them.
+
+Randomness that a step draws (crop/flip offsets, mixup) comes from generators seeded by
+``(seed, rank, step)``, so a run resumed from a checkpoint sees the same batches and
+augmentations as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
+from dkfac.app.data import DataError, Splits, load_dataset, random_crop_flip, shard_indices
+from dkfac.app.models import build_model
+from dkfac.app.runconfig import kfac_config_from_args
+from dkfac.app.schedules import make_lr_lambda
+from dkfac.optimizer import KFACOptimizer
+from dkfac.preconditioner import KFACPreconditioner
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class UsageError(ValueError):
+    """Options that cannot work together, found once the data and world size are known."""
+
+
+def world_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def pick_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sums numbers over ranks (identity on one process)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if world_info()[1] > 1:
+        dist.all_reduce(t)
+    return [float(v) for v in t.tolist()]
+
+
+def step_generator(seed: int, rank: int, step: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device if device.type == "cuda" else "cpu")
+    gen.manual_seed((seed * 1_000_003 + rank * 7_919 + step) % (2**63))
+    return gen
+
+
+@dataclasses.dataclass
+class Session:
+    """Everything the loop needs, built once by :func:`build_session`."""
+
+    args: argparse.Namespace
+    data: Splits
+    model: nn.Module  # maybe DDP-wrapped
+    bare: nn.Module
+    optimizer: torch.optim.Optimizer
+    preconditioner: KFACPreconditioner | None
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: Any
+    device: torch.device
+    rank: int
+    world: int
+    micro_batch: int
+    steps_per_epoch: int
+    total_steps: int
+    reconstruct: bool
+
+
+def build_session(args: argparse.Namespace, device: torch.device) -> Session:
+    rank, world = world_info()
+    torch.manual_seed(args.seed)
+    try:
+        data = load_dataset(
+            args.data,
+            args.data_dir,
+            seed=args.seed,
+            num_samples=args.synthetic_samples,
+            in_channels=args.in_channels,
+            image_size=args.image_size,
+            num_classes=args.num_classes,
+        )
+    except DataError as err:
+        raise UsageError(str(err)) from None
+    per_rank, rest = divmod(args.batch_size, world * args.accumulation_steps)
+    if per_rank < 1 or rest:
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a multiple of world size ({world}) x "
+            f"--accumulation-steps ({args.accumulation_steps})"
+        )
+    shard = len(shard_indices(len(data.y_train), rank, world, shuffle=False))
+    steps_per_epoch = shard // (per_rank * args.accumulation_steps)
+    if steps_per_epoch < 1:
+        raise UsageError(
+            f"--batch-size {args.batch_size} exceeds the {len(data.y_train)} "
+            f"training samples of {args.data}"
+        )
+    total = args.epochs * steps_per_epoch
+    total = total if args.steps is None else min(total, args.steps)
+    if args.amp == "fp16" and device.type != "cuda":
+        raise UsageError("--amp fp16 needs a CUDA device (use --amp bf16 on CPU)")
+    bare = build_model(
+        args.model,
+        in_channels=data.in_channels,
+        image_size=data.image_size,
+        num_classes=data.num_classes,
+    ).to(device)
+    model: nn.Module = bare
+    if world > 1 and getattr(args, "strategy", None) != "spngd":
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(bare, device_ids=ids)
+    scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
+    opt: torch.optim.Optimizer
+    if args.optimizer in ("sgd", "kfac"):
+        opt = torch.optim.SGD(
+            bare.parameters(),
+            lr=args.lr,
+            momentum=args.momentum,
+            nesterov=args.nesterov,
+            weight_decay=args.weight_decay,
+        )
+    else:
+        kind = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+        opt = kind(
+            bare.parameters(),
+            lr=args.lr,
+            betas=(args.momentum, 0.999),
+            weight_decay=args.weight_decay,
+        )
+    lam = make_lr_lambda(
+        schedule=args.schedule,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+        warmup_epochs=args.warmup_epochs,
+        milestones=args.milestones,
+        gamma=args.gamma,
+        power=args.power,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    pre = None
+    if args.optimizer.startswith("kfac"):
+        config = kfac_config_from_args(args, steps_per_epoch)
+        if world > 1 and not hasattr(config, "strategy"):
+            # Without a distribution strategy every rank would build its factors from its own
+            # batch and precondition with different matrices: the replicas would drift apart.
+            raise UsageError(
+                "distributed K-FAC needs the strategies of dkfac.distributed "
+                "(KFACConfig.strategy), which this installation lacks"
+            )
+        pre = KFACPreconditioner(model, config=config, grad_scaler=scaler)
+        opt = KFACOptimizer(opt, pre)
+    return Session(
+        args,
+        data,
+        model,
+        bare,
+        opt,
+        pre,
+        scheduler,
+        scaler,
+        device,
+        rank,
+        world,
+        per_rank,
+        steps_per_epoch,
+        total,
+        args.model == "autoencoder",
+    )
+
+
+def compute_loss(
+    run: Session, out: Tensor, x: Tensor, y: Tensor, y2: Tensor | None, lam: float
+) -> Tensor:
+    out = out.float()
+    if run.reconstruct:
+        return 0.5 * (out - x.flatten(1).float()).pow(2).sum(1).mean()
+    smooth = run.args.label_smoothing
+    loss = F.cross_entropy(out, y, label_smoothing=smooth)
+    if y2 is not None:
+        loss = lam * loss + (1 - lam) * F.cross_entropy(out, y2, label_smoothing=smooth)
+    return loss
+
+
+def autocast(run: Session) -> Any:
+    dtype = AMP_DTYPES.get(run.args.amp)
+    return torch.autocast(run.device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def train_step(run: Session, indices: list[int], step: int) -> tuple[list[float], float, float]:
+    """One optimizer step over this rank's ``indices``; returns sums, fwd/bwd and opt seconds."""
+    args, k = run.args, int(run.args.accumulation_steps)
+    gen = step_generator(args.seed, run.rank, step, run.device)
+    mix = random.Random(args.seed * 1_000_003 + run.rank * 7_919 + step)
+    sums = [0.0, 0.0, 0.0]  # loss x samples, correct, samples
+    t0 = time.perf_counter()
+    for i in range(k):
+        idx = torch.tensor(indices[i * run.micro_batch : (i + 1) * run.micro_batch])
+        x = run.data.x_train[idx].to(run.device, non_blocking=True)
+        y = run.data.y_train[idx].to(run.device, non_blocking=True)
+        if args.augment == "on" or (args.augment == "auto" and args.data.startswith("cifar")):
+            x = random_crop_flip(x, generator=gen)
+        y2, lam = None, 1.0
+        if args.mixup > 0:
+            lam = mix.betavariate(args.mixup, args.mixup)
+            perm = torch.randperm(len(y), generator=gen, device=gen.device).to(run.device)
+            x, y2 = lam * x + (1 - lam) * x[perm], y[perm]
+        sync = i == k - 1 or not isinstance(run.model, nn.parallel.DistributedDataParallel)
+        ctx = contextlib.nullcontext() if sync else run.model.no_sync()  # type: ignore[operator]
+        with ctx:
+            with autocast(run):
+                out = run.model(x)
+            loss = compute_loss(run, out, x, y, y2, lam)
+            pre = run.preconditioner
+            if pre is not None and pre.config.fisher == "mc":
+                pre.sample_fisher(out.float(), "mse" if run.reconstruct else "cross_entropy")
+            scaled = loss / k
+            (run.scaler.scale(scaled) if run.scaler is not None else scaled).backward()
+        n = len(y)
+        sums[0] += float(loss.detach()) * n
+        sums[2] += n
+        if not run.reconstruct:
+            sums[1] += float((out.detach().argmax(1) == y).sum())
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    t1 = time.perf_counter()
+    if run.scaler is not None:
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    return sums, t1 - t0, time.perf_counter() - t1
+
+
+@torch.no_grad()
+def evaluate(run: Session) -> tuple[float, float | None]:
+    """Test loss and accuracy, each rank on its slice of the test set, summed over ranks."""
+    run.bare.eval()
+    x_all, y_all = run.data.x_test, run.data.y_test
+    mine = torch.arange(run.rank, len(y_all), run.world)
+    sums = [0.0, 0.0, 0.0]
+    for start in range(0, len(mine), 512):
+        idx = mine[start : start + 512]
+        x, y = x_all[idx].to(run.device), y_all[idx].to(run.device)
+        with autocast(run):
+            out = run.bare(x)
+        sums[0] += float(compute_loss(run, out, x, y, None, 1.0)) * len(y)
+        sums[1] += float((out.argmax(1) == y).sum()) if not run.reconstruct else 0.0
+        sums[2] += len(y)
+    run.bare.train()
+    loss, correct, count = all_sum(sums, run.device)
+    return loss / max(count, 1), None if run.reconstruct else correct / max(count, 1)
+
+
+def checkpoint_state(run: Session, position: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": run.bare.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": None if run.scaler is None else run.scaler.state_dict(),
+        "rng": rng_state(),
+        "position": position,
+    }
+
+
+def restore(run: Session, path: Path) -> dict[str, Any]:
+    state = load_checkpoint(path)
+    try:
+        run.bare.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        if run.scaler is not None and state.get("scaler") is not None:
+            run.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        position: dict[str, Any] = dict(state["position"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {path} does not match this run: {err}") from None
+    return position

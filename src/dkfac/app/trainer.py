@@ -1,0 +1,235 @@
+"""The training loop behind ``dkfac train`` and ``dkfac compare``.
+
+:func:`train` runs one training from parsed arguments. It works on one process or inside an
+already initialised ``torch.distributed`` group (``torchrun`` through :func:`run_command`, or a
+test harness): each rank visits its ``DistributedSampler``-style shard of every epoch,
+``--batch-size`` is the global batch of one optimizer step, the model is wrapped in DDP
+(except for the ``spngd`` strategy, which reduces gradients itself), metrics are averaged
+over ranks and only rank 0 writes files or prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dkfac.app import report, session
+from dkfac.app.checkpoint import LATEST, CheckpointError, resolve_resume, save_checkpoint
+from dkfac.app.data import shard_indices
+from dkfac.app.runconfig import write_resolved_config
+from dkfac.app.session import UsageError
+
+__all__ = ["RunResult", "UsageError", "compare", "run_command", "train"]
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What :func:`train` returns (on every rank).
+
+    Attributes:
+        folder: The run folder (``None`` on ranks other than 0 and for quiet runs).
+        records: The metric records (every rank keeps them; values are rank averages).
+        final: The last evaluation record.
+        model: The trained model (unwrapped from DDP).
+        steps: Optimizer steps taken in total.
+    """
+
+    folder: Path | None
+    records: list[report.Record]
+    final: report.Record
+    model: nn.Module
+    steps: int
+
+
+def _run_folder(args: argparse.Namespace, rank: int, world: int) -> Path:
+    name = args.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
+    if world > 1:  # every rank uses rank 0's folder name
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+    return Path(name)
+
+
+def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> RunResult:
+    """Trains as ``args`` (a namespace from :func:`dkfac.app.cli.parse_args`) says.
+
+    Args:
+        args: The parsed options.
+        write: Write the run folder (rank 0 only); tests may switch it off.
+        label: Prefix of progress lines (the optimizer name in ``compare``).
+
+    Raises:
+        UsageError: For options that do not fit the data or the world size.
+        CheckpointError: For a checkpoint that cannot be resumed.
+    """
+    args = copy.copy(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = session.pick_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    run = session.build_session(args, device)
+    rank, world = run.rank, run.world
+    folder = _run_folder(args, rank, world)
+    args.out = str(folder)
+    main = rank == 0 and write
+    resume = resolve_resume(args.resume, folder)
+    pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
+    if resume is not None:
+        pos.update(session.restore(run, resume))
+    if main:
+        write_resolved_config(args, folder)
+    writer = report.MetricsWriter(
+        folder / "metrics.jsonl" if main else None,
+        keep_until_step=int(pos["step"]) if resume else None,
+    )
+    progress = report.Progress(run.total_steps, int(pos["step"]), enabled=rank == 0)
+    wall0 = time.perf_counter() - float(pos["wall_seconds"])
+    step, train_s = int(pos["step"]), float(pos["train_seconds"])
+    window = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # loss*n, correct, n, t_fb, t_opt, steps
+    hit = report.target_reached(writer.records, args.target_accuracy)
+    epoch, first = int(pos["epoch"]), int(pos["step_in_epoch"])
+
+    def record(kind: str, loss: float, acc: float | None, **extra: Any) -> report.Record:
+        rec = {
+            "kind": kind,
+            "step": step,
+            "epoch": step / run.steps_per_epoch,
+            "loss": loss,
+            "accuracy": acc,
+            "lr": float(run.optimizer.param_groups[0]["lr"]),
+            "wall_seconds": time.perf_counter() - wall0,
+            "train_seconds": train_s,
+            **extra,
+        }
+        writer.write(rec)
+        return rec
+
+    def do_eval() -> bool:
+        nonlocal hit
+        loss, acc = session.evaluate(run)
+        rec = record("eval", loss, acc)
+        progress.update(0, rec)
+        if hit is None and (reached := report.target_reached([rec], args.target_accuracy)):
+            hit = reached
+            progress.log(
+                f"{label}target accuracy {args.target_accuracy} reached at step "
+                f"{step} after {train_s:.1f} s of training"
+            )
+        return hit is not None and args.stop_at_target
+
+    def checkpoint(next_epoch: int, next_in_epoch: int) -> None:
+        position = {
+            "epoch": next_epoch,
+            "step_in_epoch": next_in_epoch,
+            "step": step,
+            "train_seconds": train_s,
+            "wall_seconds": time.perf_counter() - wall0,
+        }
+        if main:
+            save_checkpoint(session.checkpoint_state(run, position), folder / LATEST)
+        if world > 1:
+            dist.barrier()
+
+    per_step = run.micro_batch * int(args.accumulation_steps)
+    stop = step >= run.total_steps
+    while not stop and epoch < args.epochs:
+        order = shard_indices(len(run.data.y_train), rank, world, epoch, seed=args.seed)
+        for k in range(first, run.steps_per_epoch):
+            batch = order[k * per_step : (k + 1) * per_step]
+            sums, t_fb, t_opt = session.train_step(run, batch, step)
+            step, train_s = step + 1, train_s + t_fb + t_opt
+            for j, v in enumerate([*sums, t_fb, t_opt, 1.0]):
+                window[j] += v
+            end_of_epoch = k == run.steps_per_epoch - 1
+            stop = step >= run.total_steps
+            if step % args.log_every == 0 or stop or end_of_epoch:
+                loss_n, correct, n = session.all_sum(window[:3], device)
+                rec = record(
+                    "train",
+                    loss_n / n,
+                    None if run.reconstruct else correct / n,
+                    time_forward_backward=window[3] / window[5],
+                    time_optimizer=window[4] / window[5],
+                )
+                progress.update(int(window[5]), rec)
+                window = [0.0] * 6
+            if (args.eval_every and step % args.eval_every == 0) or end_of_epoch or stop:
+                stop = do_eval() or stop
+            nxt = (epoch + 1, 0) if end_of_epoch else (epoch, k + 1)
+            every_epochs = (
+                args.checkpoint_epochs and end_of_epoch and nxt[0] % args.checkpoint_epochs == 0
+            )
+            if (
+                (args.checkpoint_every and step % args.checkpoint_every == 0)
+                or every_epochs
+                or stop
+            ):
+                checkpoint(*nxt)
+            if stop:
+                break
+        epoch, first = epoch + 1, 0
+    progress.close()
+    evals = [r for r in writer.records if r["kind"] == "eval"]
+    final = evals[-1] if evals else record("eval", *session.evaluate(run))
+    if main:
+        report.plot_runs(
+            {args.optimizer: writer.records}, folder / "metrics.png", f"{args.model} on {args.data}"
+        )
+    if rank == 0:
+        print(
+            report.final_line(label, final, hit, args.target_accuracy, folder if main else None),
+            flush=True,
+        )
+    return RunResult(folder if main else None, writer.records, final, run.bare, step)
+
+
+def compare(args: argparse.Namespace) -> list[report.Record]:
+    """Trains once per ``--optimizers`` entry on the same data and seed; writes the report."""
+    rank, world = session.world_info()
+    folder = _run_folder(args, rank, world)
+    runs: dict[str, list[report.Record]] = {}
+    for name in args.optimizers.split(","):
+        sub = copy.copy(args)
+        sub.optimizer, sub.out = name, str(folder / name)
+        runs[name] = train(sub, label=f"[{name}] ").records
+    rows: list[report.Record] = []
+    if rank == 0:
+        rows = report.write_comparison(
+            runs, folder, args.target_accuracy, f"{args.model} on {args.data}"
+        )
+        print(report.markdown_table(rows) + f"report: {folder}/compare.md, compare.png", flush=True)
+    return rows
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Runs ``train`` or ``compare``, initialising the process group under ``torchrun``."""
+    created = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = torch.cuda.is_available() and args.device != "cpu"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        created = True
+    entry: Callable[[argparse.Namespace], Any] = compare if args.command == "compare" else train
+    try:
+        entry(args)
+    except (UsageError, CheckpointError) as err:
+        print(f"dkfac {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,267 @@
+"""The command line: generated K-FAC flags, config files, bad input -> exit 2, dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dkfac.app.cli import main, parse_args
+from dkfac.app.runconfig import kfac_config_from_args, resolved_config, write_resolved_config
+from dkfac.app.schedules import PiecewiseSchedule
+from dkfac.config import KFACConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_kfac_field_is_an_option_with_its_default() -> None:
+    args = parse_args(["train"])
+    for field in dataclasses.fields(KFACConfig):
+        assert hasattr(args, field.name), field.name
+    # Fields shared with training flags take those flags' values; the rest keep defaults.
+    shared = {"lr": args.lr, "seed": args.seed, "accumulation_steps": args.accumulation_steps}
+    assert kfac_config_from_args(args) == KFACConfig(**shared)
+
+
+def test_kfac_flags_are_typed_from_the_annotations() -> None:
+    args = parse_args(
+        [
+            "train",
+            "--method",
+            "cholesky",
+            "--damping",
+            "3e-3",
+            "--kfac-inverse-update-interval",
+            "25",
+            "--kl-clip",
+            "none",
+            "--eigen-dtype",
+            "float64",
+            "--factor-dtype",
+            "none",
+            "--fisher",
+            "mc",
+            "--skip-layers",
+            "fc.*",
+            "conv1",
+            "--seed",
+            "7",
+            "--accumulation-steps",
+            "2",
+            "--batch-size",
+            "64",
+        ]
+    )
+    config = kfac_config_from_args(args)
+    assert config.method == "cholesky"
+    assert config.damping == 3e-3 and isinstance(config.damping, float)
+    assert config.inverse_update_interval == 25 and isinstance(config.inverse_update_interval, int)
+    assert config.kl_clip is None and config.factor_dtype is None
+    assert config.eigen_dtype is torch.float64
+    assert config.fisher == "mc"
+    assert config.skip_layers == ("fc.*", "conv1")
+    assert config.seed == 7 and config.accumulation_steps == 2
+
+
+def test_kfac_schedule_flags_bind_to_the_epoch_length() -> None:
+    args = parse_args(
+        [
+            "train",
+            "--damping-schedule",
+            "1e-2@0,1e-3@2",
+            "--inverse-update-interval-schedule",
+            "5@0,20@1",
+        ]
+    )
+    config = kfac_config_from_args(args, steps_per_epoch=10)
+    assert isinstance(config.damping, PiecewiseSchedule)
+    assert [config.damping(s) for s in (0, 19, 20)] == [1e-2, 1e-2, 1e-3]
+    assert callable(config.inverse_update_interval)
+    assert [config.inverse_update_interval(s) for s in (9, 10)] == [5, 20]
+
+
+def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return int(info.value.code or 0), capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--bogus"], "unrecognized arguments: --bogus"),
+        (["train", "--lr", "abc"], "invalid float value"),
+        (["train", "--lr", "-1"], "--lr must be > 0"),
+        (["train", "--epochs", "0"], "--epochs must be >= 1"),
+        (["train", "--momentum", "1.5"], "--momentum must be in [0, 1)"),
+        (["train", "--optimizer", "lbfgs"], "invalid choice: 'lbfgs'"),
+        (["train", "--damping", "0"], "damping must be in (0.0, inf)"),
+        (["train", "--factor-decay", "1.0"], "factor_decay"),
+        (["train", "--method", "qr"], "invalid choice: 'qr'"),
+        (["train", "--inverse-update-interval", "2.5"], "inverse_update_interval"),
+        (["train", "--eigen-dtype", "int8"], "unknown dtype"),
+        (["train", "--damping-schedule", "1e-3@4"], "must start at epoch 0"),
+        (["train", "--damping-schedule=-1@0"], "damping must be in"),
+        (["train", "--schedule", "step"], "--schedule step needs --milestones"),
+        (["train", "--milestones", "5", "2", "--schedule", "step"], "increasing"),
+        (["train", "--data", "cifar10"], "needs --data-dir"),
+        (["train", "--optimizer", "adam", "--nesterov"], "--nesterov needs SGD"),
+        (["train", "--warmup-epochs", "9", "--epochs", "3"], "exceeds --epochs"),
+        (["train", "--target-accuracy", "97"], "--target-accuracy must be in (0, 1]"),
+        (["train", "--stop-at-target"], "needs --target-accuracy"),
+        (["compare", "--optimizers", "sgd,sgd"], "--optimizers must list distinct"),
+        (["compare", "--optimizers", "sgd,newton"], "--optimizers must list distinct"),
+        (["compare", "--resume", "x.pt"], "compare takes --resume auto"),
+        ([], "give a command"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _exit_code(argv, capsys)
+    assert code == 2
+    assert message in err
+
+
+def test_bad_input_through_the_real_program() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dkfac", "train", "--kl-clip", "-3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "kl_clip must be in (0.0, inf)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------- config files
+def test_config_file_values_with_flag_overrides(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        'lr = 0.2\nbatch-size = 32\noptimizer = "sgd"\nnesterov = true\n'
+        'milestones = [2, 4]\nschedule = "step"\ndamping = 0.01\nkl_clip = "none"\n'
+    )
+    args = parse_args(["train", "--config", str(cfg), "--lr", "0.3"])
+    assert args.lr == 0.3  # the flag wins
+    assert args.batch_size == 32 and args.optimizer == "sgd" and args.nesterov is True
+    assert args.milestones == [2.0, 4.0] and args.schedule == "step"
+    assert args.damping == 0.01 and args.kl_clip is None
+
+
+def test_resolved_config_round_trip(tmp_path: Path) -> None:
+    argv = [
+        "train",
+        "--model",
+        "mlp",
+        "--lr",
+        "0.123",
+        "--milestones",
+        "1",
+        "3",
+        "--schedule",
+        "step",
+        "--kl-clip",
+        "none",
+        "--eigen-dtype",
+        "float64",
+        "--skip-layers",
+        "net\\.0",
+        "--damping-schedule",
+        "1e-2@0,1e-3@1",
+        "--nesterov",
+        "--target-accuracy",
+        "0.9",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    args = parse_args(argv)
+    values = write_resolved_config(args, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) == values
+    again = parse_args(["train", "--config", str(tmp_path / "config.toml")])
+    assert again.config is not None
+    mine, theirs = vars(args), vars(again)
+    mine.pop("config")
+    theirs.pop("config")
+    assert mine == theirs
+    assert resolved_config(again) == values
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("learning_rate = 0.1\n", "unknown key 'learning_rate'"),
+        ("lr = 'fast'\n", "invalid float value: 'fast'"),
+        ("nesterov = 1\n", "nesterov must be true or false"),
+        ("lr = [0.1, 0.2]\n", "lr takes one value"),
+        ("lr = \n", "not valid TOML"),
+        ("[kfac]\ndamping = 0.1\n", "tables are not supported"),
+        ("damping = -1.0\n", "damping must be in"),
+    ],
+)
+def test_bad_config_files_exit_2(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    code, err = _exit_code(["train", "--config", str(cfg)], capsys)
+    assert code == 2 and message in err
+
+
+def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _exit_code(["train", "--config", str(tmp_path / "nope.toml")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+# ----------------------------------------------------------------------- dispatch
+def test_bench_and_plan_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("dkfac.plan")
+
+    def fake_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 3
+
+    fake.main = fake_main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dkfac.plan", fake)
+    assert main(["plan", "--world-size", "8"]) == 3
+    assert seen == [["--world-size", "8"]]
+
+
+def test_missing_subprogram_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "dkfac.plan", None)  # makes the import fail
+    assert main(["plan"]) == 2
+    assert "dkfac plan: not available" in capsys.readouterr().err
+
+
+def test_namespace_is_plain() -> None:
+    assert isinstance(parse_args(["compare"]), argparse.Namespace)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_config_files_parse(path: Path) -> None:
+    args = parse_args(["train", "--config", str(path), "--data-dir", "unused"])
+    assert args.config == str(path)
+    values = {k.replace("-", "_") for k in path.read_text().split("\n") if "=" in k}
+    assert values  # and every key became an option (unknown keys would have exited)
+
+
+def test_readme_first_code_block_is_the_two_commands() -> None:
+    text = (REPO / "README.md").read_text()
+    block = text.split("```")[1]
+    lines = [line.strip() for line in block.splitlines()[1:] if line.strip()]
+    assert lines == ["make train", "make test"]
+    makefile = (REPO / "Makefile").read_text()
+    assert "configs/digits.toml" in makefile and "compare" in makefile

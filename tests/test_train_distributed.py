@@ -1,0 +1,100 @@
+"""The trainer inside an initialised 2-rank gloo group (what torchrun gives the program)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from dkfac.app.cli import parse_args
+from dkfac.app.trainer import UsageError, train
+from dkfac.config import KFACConfig
+from tests.distributed_utils import run_distributed
+
+ARGS = [
+    "train",
+    "--data",
+    "synthetic",
+    "--synthetic-samples",
+    "64",
+    "--in-channels",
+    "1",
+    "--image-size",
+    "8",
+    "--num-classes",
+    "4",
+    "--batch-size",
+    "16",
+    "--threads",
+    "1",
+    "--model",
+    "cnn",
+    "--epochs",
+    "2",
+    "--log-every",
+    "2",
+    "--device",
+    "cpu",
+]
+
+
+def _run(rank: int, world_size: int, extra: list[str]) -> dict[str, Any]:
+    result = train(parse_args([*ARGS, *extra]), write=False)
+    return {
+        "records": [
+            {k: v for k, v in r.items() if "seconds" not in k and "time" not in k}
+            for r in result.records
+        ],
+        "params": {k: v.detach().clone() for k, v in result.model.state_dict().items()},
+        "steps": result.steps,
+    }
+
+
+def test_two_ranks_sgd_equal_one_process_on_the_global_batch() -> None:
+    # Each rank takes 8 of every 16 samples of the shared permutation, DDP averages the
+    # gradients: the union of the two shards is the single process's batch, so the math is
+    # the same up to float32 summation order.
+    extra = ["--optimizer", "sgd", "--lr", "0.1"]
+    ranks = run_distributed(_run, 2, extra)
+    serial = _run(0, 1, extra)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == serial["steps"] == 8
+    assert ranks[0]["records"] == ranks[1]["records"]  # rank-averaged metrics agree
+    for name, value in serial["params"].items():
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=1e-4, atol=1e-5)
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])
+    for mine, theirs in zip(ranks[0]["records"], serial["records"], strict=True):
+        assert mine["step"] == theirs["step"] and mine["kind"] == theirs["kind"]
+        assert abs(mine["loss"] - theirs["loss"]) < 1e-4
+
+
+HAS_STRATEGY = "strategy" in {f.name for f in dataclasses.fields(KFACConfig)}
+
+
+def _refused(rank: int, world_size: int) -> str:
+    with pytest.raises(UsageError) as info:
+        train(parse_args([*ARGS, "--optimizer", "kfac"]), write=False)
+    return str(info.value)
+
+
+@pytest.mark.skipif(HAS_STRATEGY, reason="KFACConfig has a distribution strategy")
+def test_two_ranks_kfac_without_strategies_is_refused() -> None:
+    # Local factors on each rank would precondition with different matrices and the DDP
+    # replicas would drift apart; the trainer must refuse rather than train wrongly.
+    messages = run_distributed(_refused, 2)
+    assert all("needs the strategies" in m for m in messages)
+
+
+@pytest.mark.skipif(not HAS_STRATEGY, reason="needs KFACConfig.strategy (distributed issue)")
+def test_two_ranks_kfac_equal_one_process_on_the_global_batch() -> None:
+    # The replicated strategy averages the ranks' factors: with equal shards that is the
+    # factor of the global batch, so the run is the serial run up to float32 rounding.
+    extra = ["--optimizer", "kfac", "--inverse-update-interval", "2", "--damping", "0.05"]
+    ranks = run_distributed(_run, 2, extra)
+    serial = _run(0, 1, extra)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == serial["steps"] == 8
+    assert ranks[0]["records"] == ranks[1]["records"]
+    for name, value in serial["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][name], ranks[0]["params"][name])
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=1e-3, atol=1e-4)
