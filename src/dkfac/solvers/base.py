@@ -74,7 +74,9 @@ class Solver(ABC):
         last: Exception | None = None
         for dtype in dtypes:
             try:
-                state = fn(dtype)
+                # Contiguous, so that ranks that receive a state by broadcast (row-major
+                # buffers) and the owner run the same kernels and round identically.
+                state = {key: value.contiguous() for key, value in fn(dtype).items()}
             except (RuntimeError, torch.linalg.LinAlgError) as err:
                 last = err
             else:
