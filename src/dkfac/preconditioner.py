@@ -42,7 +42,8 @@ from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
 from dkfac.distributed.comm import CommHandle, Communicator
 from dkfac.distributed.strategies import Strategy, build_strategy
-from dkfac.layer_state import FactorAccumulator, FactorCapture, LayerState
+from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
+from dkfac.lowrank_state import LowRankPlan, side_kinds
 from dkfac.solvers import SolverError, make_solver
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class KFACPreconditioner:
         self.layers: dict[str, LayerState] = {}
         self._steps = 0
         self.capture = FactorCapture(config)
+        self.lowrank = LowRankPlan(config) if config.method in ("smw", "auto") else None
         self._register(_unwrap(model))
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
@@ -115,6 +117,9 @@ class KFACPreconditioner:
             {name: layer.block for name, layer in self.layers.items()},
             ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel),
         )
+        if self.lowrank is not None and self.strategy.factor_reduction != "none":
+            self.lowrank.gathered_ranks = self.strategy.world_size
+        self._set_block_steps()
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
         block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
@@ -136,7 +141,13 @@ class KFACPreconditioner:
         for name, module in model.named_modules():
             if self._skipped(name, module):
                 continue
-            block = make_block(name, module)
+            block = make_block(
+                name,
+                module,
+                reduction=cfg.conv_reduction,
+                positions=cfg.subsample_positions,
+                seed=cfg.seed,
+            )
             if block is None or (isinstance(block, BatchNormBlock) and not cfg.unitwise_bn):
                 continue
             weight = getattr(module, "weight", None)
@@ -144,11 +155,18 @@ class KFACPreconditioner:
                 logger.info("skipping %s: its weight does not require a gradient", name)
                 continue
             dtype = cfg.factor_dtype or weight.dtype
+            method = block.solver_name or ("smw" if cfg.method == "auto" else cfg.method)
+            accumulators: dict[str, Accumulator] = {
+                key: FactorAccumulator(dtype) for key in block.statistic_shapes()
+            }
             state = LayerState(
                 block=block,
-                solver=make_solver(block.solver_name or cfg.method, cfg.eigen_dtype),
-                accumulators={key: FactorAccumulator(dtype) for key in block.statistic_shapes()},
+                solver=make_solver(method, cfg.eigen_dtype),
+                accumulators=accumulators,
+                method_label=method,
             )
+            if self.lowrank is not None:
+                self.lowrank.prepare(state)
             self.layers[name] = state
             self.capture.attach(module, state)
         if not self.layers:
@@ -158,6 +176,11 @@ class KFACPreconditioner:
                 f"{list(cfg.skip_layers)}"
             )
         logger.info("K-FAC registered %d layers: %s", len(self.layers), list(self.layers))
+
+    def _set_block_steps(self) -> None:
+        """Tells every block the step counter (seeded conv subsampling agrees across hooks)."""
+        for layer in self.layers.values():
+            layer.block.set_step(self._steps)
 
     def remove_hooks(self) -> None:
         """Detaches every hook from the model (the preconditioner is unusable afterwards)."""
@@ -213,7 +236,7 @@ class KFACPreconditioner:
             others = [p.grad for p in self._other_params if p.grad is not None]
             CommHandle(
                 works=[
-                    self.strategy.reduce_statistics(new_factors),
+                    self.strategy.reduce_statistics(new_factors, self._lowrank_keys()),
                     self.strategy.reduce_gradients(present, others),
                 ]
             ).wait()
@@ -237,7 +260,12 @@ class KFACPreconditioner:
             )
         self.comm.ledger.end_step()
         self._steps += 1
+        self._set_block_steps()
         self.capture.active = self._is_factor_step(self._steps)
+
+    def _lowrank_keys(self) -> dict[str, frozenset[str]]:
+        """Layer name -> its statistics held as ``U`` (communicated by row all-gather)."""
+        return {n: frozenset(layer.lowrank) for n, layer in self.layers.items() if layer.lowrank}
 
     def _g_scale(self) -> float:
         """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""
@@ -291,7 +319,7 @@ class KFACPreconditioner:
             if not self.strategy.is_owner(name) or not layer.running:
                 continue
             try:
-                layer.solver_state = layer.solver.compute_statistics(layer.running, damping)
+                layer.solver_state = layer.solver.compute_statistics(layer.solver_inputs(), damping)
             except SolverError as err:
                 logger.warning("%s: %s; keeping the last good inverse", name, err)
         states = {name: layer.solver_state for name, layer in self.layers.items()}
@@ -372,7 +400,11 @@ class KFACPreconditioner:
         return self._steps
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``name -> (A, G)`` running factors kept on this rank, on the per-sample scale."""
+        """``name -> (A, G)`` running factors kept on this rank, on the per-sample scale.
+
+        A low-rank side (``method="smw"``/``"auto"``) is given as its ``d × r`` matrix ``U``
+        (the factor is ``U Uᵀ``); see ``describe()`` for which sides are low-rank.
+        """
         return {
             name: (layer.a, layer.g)
             for name, layer in self.layers.items()
@@ -396,18 +428,25 @@ class KFACPreconditioner:
         for layer in self.layers.values():
             usage["factors"] += nbytes(list(layer.running.values()))
             usage["inverses"] += nbytes(list((layer.solver_state or {}).values()))
-            usage["accumulators"] += nbytes([acc.total for acc in layer.accumulators.values()])
+            held = [t for acc in layer.accumulators.values() for t in acc.tensors()]
+            usage["accumulators"] += nbytes(list(held))
         return usage
 
     def describe(self) -> list[dict[str, Any]]:
-        """One row per layer: name, block, factor dimensions, method, owner, grad workers."""
+        """One row per layer: name, block, dimensions, method, factor kinds, owner, workers.
+
+        ``method`` is e.g. ``"eigen"`` or ``"smw(A=lowrank,G=dense)"`` (``"auto (pending)"``
+        until the first capture decides it, see :mod:`dkfac.lowrank_state`); ``a_factor`` /
+        ``g_factor`` say ``"dense"``, ``"lowrank"`` or ``"pending"``.
+        """
         return [
             {
                 "name": name,
                 "block": type(layer.block).__name__,
                 "a_dim": layer.block.a_dim,
                 "g_dim": layer.block.g_dim,
-                "method": layer.solver.name,
+                "method": layer.method_label or layer.solver.name,
+                **side_kinds(layer),
                 **self.strategy.describe(name),
             }
             for name, layer in self.layers.items()
