@@ -197,6 +197,36 @@ class LayerState:
             for key, value in self.running.items()
         }
 
+    def factor_kinds(self) -> dict[str, str]:
+        """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"`` or ``"pending"``."""
+        pending = self.method_label.endswith("(pending)")
+        return {
+            f"{key.lower()}_factor": "pending"
+            if pending
+            else ("lowrank" if key in self.lowrank else "dense")
+            for key in ("A", "G")
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Name, block type, factor dimensions, method and factor kinds (``describe()``)."""
+        return {
+            "name": self.name,
+            "block": type(self.block).__name__,
+            "a_dim": self.block.a_dim,
+            "g_dim": self.block.g_dim,
+            "method": self.method_label or self.solver.name,
+            **self.factor_kinds(),
+        }
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of running ``factors``, solver state (``inverses``) and ``accumulators``."""
+        groups = {
+            "factors": list(self.running.values()),
+            "inverses": list((self.solver_state or {}).values()),
+            "accumulators": [t for acc in self.accumulators.values() for t in acc.tensors()],
+        }
+        return {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in groups.items()}
+
     def reset_accumulators(self) -> None:
         """Drops the current step's partial statistics."""
         for acc in self.accumulators.values():

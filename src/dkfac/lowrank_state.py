@@ -40,7 +40,7 @@ from dkfac.lowrank import LowRankRowsAccumulator, default_max_rank
 from dkfac.solvers import make_solver
 from dkfac.solvers.auto import choose_method
 
-__all__ = ["LowRankPlan", "PendingSink", "lowrank_eligible"]
+__all__ = ["LowRankPlan", "PendingSink", "decision", "describe_method", "lowrank_eligible"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,13 +190,3 @@ def decision(layer: LayerState) -> dict[str, Any] | None:
     if not layer.method_label or layer.method_label.endswith(f"({PENDING})"):
         return None
     return {"solver": layer.solver.name, "lowrank": dict(layer.lowrank)}
-
-
-def side_kinds(layer: LayerState) -> dict[str, str]:
-    """``{"a_factor": ..., "g_factor": ...}``: ``lowrank``, ``dense`` or ``pending``."""
-    if layer.method_label.endswith(f"({PENDING})"):
-        return {"a_factor": PENDING, "g_factor": PENDING}
-    return {
-        f"{key.lower()}_factor": "lowrank" if key in layer.lowrank else "dense"
-        for key in ("A", "G")
-    }

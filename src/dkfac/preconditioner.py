@@ -43,7 +43,7 @@ from dkfac.distributed.checkpoint import load_preconditioner_state, precondition
 from dkfac.distributed.comm import CommHandle, Communicator
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
-from dkfac.lowrank_state import LowRankPlan, side_kinds
+from dkfac.lowrank_state import LowRankPlan
 from dkfac.solvers import SolverError, make_solver
 
 logger = logging.getLogger(__name__)
@@ -141,13 +141,8 @@ class KFACPreconditioner:
         for name, module in model.named_modules():
             if self._skipped(name, module):
                 continue
-            block = make_block(
-                name,
-                module,
-                reduction=cfg.conv_reduction,
-                positions=cfg.subsample_positions,
-                seed=cfg.seed,
-            )
+            conv = {"reduction": cfg.conv_reduction, "positions": cfg.subsample_positions}
+            block = make_block(name, module, seed=cfg.seed, **conv)
             if block is None or (isinstance(block, BatchNormBlock) and not cfg.unitwise_bn):
                 continue
             weight = getattr(module, "weight", None)
@@ -159,12 +154,7 @@ class KFACPreconditioner:
             accumulators: dict[str, Accumulator] = {
                 key: FactorAccumulator(dtype) for key in block.statistic_shapes()
             }
-            state = LayerState(
-                block=block,
-                solver=make_solver(method, cfg.eigen_dtype),
-                accumulators=accumulators,
-                method_label=method,
-            )
+            state = LayerState(block, make_solver(method, cfg.eigen_dtype), accumulators)
             if self.lowrank is not None:
                 self.lowrank.prepare(state)
             self.layers[name] = state
@@ -402,8 +392,7 @@ class KFACPreconditioner:
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``name -> (A, G)`` running factors kept on this rank, on the per-sample scale.
 
-        A low-rank side (``method="smw"``/``"auto"``) is given as its ``d × r`` matrix ``U``
-        (the factor is ``U Uᵀ``); see ``describe()`` for which sides are low-rank.
+        A low-rank side (see ``describe()``) is given as its ``d × r`` ``U`` (factor ``U Uᵀ``).
         """
         return {
             name: (layer.a, layer.g)
@@ -420,35 +409,20 @@ class KFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on this rank, by kind: ``factors``, ``inverses`` and ``accumulators``."""
-
-        def nbytes(tensors: list[Tensor | None]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
         usage = {"factors": 0, "inverses": 0, "accumulators": 0}
         for layer in self.layers.values():
-            usage["factors"] += nbytes(list(layer.running.values()))
-            usage["inverses"] += nbytes(list((layer.solver_state or {}).values()))
-            held = [t for acc in layer.accumulators.values() for t in acc.tensors()]
-            usage["accumulators"] += nbytes(list(held))
+            for kind, nbytes in layer.memory().items():
+                usage[kind] += nbytes
         return usage
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per layer: name, block, dimensions, method, factor kinds, owner, workers.
 
-        ``method`` is e.g. ``"eigen"`` or ``"smw(A=lowrank,G=dense)"`` (``"auto (pending)"``
-        until the first capture decides it, see :mod:`dkfac.lowrank_state`); ``a_factor`` /
-        ``g_factor`` say ``"dense"``, ``"lowrank"`` or ``"pending"``.
+        ``method``: e.g. ``"eigen"``, ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until
+        the first capture decides (:mod:`dkfac.lowrank_state`); ``a_factor``/``g_factor`` too.
         """
         return [
-            {
-                "name": name,
-                "block": type(layer.block).__name__,
-                "a_dim": layer.block.a_dim,
-                "g_dim": layer.block.g_dim,
-                "method": layer.method_label or layer.solver.name,
-                **side_kinds(layer),
-                **self.strategy.describe(name),
-            }
+            {**layer.summary(), **self.strategy.describe(name)}
             for name, layer in self.layers.items()
         ]
 
