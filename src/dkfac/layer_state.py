@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,7 @@ from torch.profiler import record_function
 from dkfac.blocks.base import Block, Rows
 from dkfac.config import KFACConfig
 from dkfac.fisher import mc_sample_loss
+from dkfac.lowrank import LowRank, decay_concat
 from dkfac.solvers.base import Solver, SolverState
 
 
@@ -53,11 +54,20 @@ class FactorAccumulator:
             self.total.add_(contribution)
         self.normaliser += normaliser
 
+    @property
+    def has_data(self) -> bool:
+        """Whether anything was added since the last reset."""
+        return self.total is not None
+
     def mean(self) -> Tensor | None:
         """The averaged factor, or ``None`` when nothing was added."""
         if self.total is None or self.normaliser == 0:
             return None
         return self.total / self.normaliser
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors held (for memory accounting)."""
+        return [] if self.total is None else [self.total]
 
     def reset(self) -> None:
         """Forgets every contribution."""
@@ -65,7 +75,32 @@ class FactorAccumulator:
         self.normaliser = 0.0
 
 
-def _pair() -> dict[str, FactorAccumulator]:
+class Accumulator(Protocol):
+    """One statistic's accumulator: dense (:class:`FactorAccumulator`), low-rank
+    (:class:`~dkfac.lowrank.LowRankRowsAccumulator`) or a placeholder that decides which at
+    the first capture (:class:`~dkfac.lowrank_state.PendingSink`)."""
+
+    @property
+    def has_data(self) -> bool:
+        """Whether anything was added since the last reset."""
+
+    def add(self, rows: Rows, scale: float = 1.0) -> None:
+        """Adds ``scale · rows.T @ rows`` and the rows' normaliser."""
+
+    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
+        """Adds a precomputed sum of outer products and its normaliser."""
+
+    def mean(self) -> Tensor | None:
+        """This step's statistic (``U`` for a low-rank side), ``None`` when empty."""
+
+    def reset(self) -> None:
+        """Forgets every contribution."""
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors held."""
+
+
+def _pair() -> dict[str, Accumulator]:
     return {"A": FactorAccumulator(), "G": FactorAccumulator()}
 
 
@@ -86,17 +121,23 @@ class LayerState:
         captures: Whether this rank's hooks build the layer's statistics (a strategy may
             leave all of the capture work to the layer's owner).
         due: The statistics captured this step (set by the refresh policy before a step).
+        lowrank: Statistic name -> bounded rank, for the sides held as ``U`` (``d × m``,
+            factor ``U Uᵀ``) instead of a ``d × d`` matrix (SMW; see
+            :mod:`dkfac.lowrank_state`). Their step statistic and running value are ``U``.
+        method_label: The method as ``describe()`` shows it (e.g. ``smw(A=lowrank,G=dense)``).
     """
 
     block: Block
     solver: Solver
-    accumulators: dict[str, FactorAccumulator] = field(default_factory=_pair)
+    accumulators: dict[str, Accumulator] = field(default_factory=_pair)
     running: dict[str, Tensor] = field(default_factory=dict)
     solver_state: SolverState | None = None
     captures: bool = True
+    lowrank: dict[str, int] = field(default_factory=dict)
+    method_label: str = ""
     due: frozenset[str] = frozenset()
 
-    def due_sinks(self) -> dict[str, FactorAccumulator]:
+    def due_sinks(self) -> dict[str, Any]:
         """The accumulators of the statistics due this step."""
         return {key: acc for key, acc in self.accumulators.items() if key in self.due}
 
@@ -106,12 +147,12 @@ class LayerState:
         return self.block.name
 
     @property
-    def a_acc(self) -> FactorAccumulator:
+    def a_acc(self) -> Accumulator:
         """Accumulator of the input factor A."""
         return self.accumulators["A"]
 
     @property
-    def g_acc(self) -> FactorAccumulator:
+    def g_acc(self) -> Accumulator:
         """Accumulator of the output-gradient factor G."""
         return self.accumulators["G"]
 
@@ -137,9 +178,16 @@ class LayerState:
         return present or None
 
     def update_running(self, new: dict[str, Tensor], decay: float) -> None:
-        """``F ← decay·F + (1−decay)·F_new`` per statistic; a first value is taken as it is."""
+        """``F ← decay·F + (1−decay)·F_new`` per statistic; a first value is taken as it is.
+
+        Low-rank sides keep ``U ← [√decay·U, √(1−decay)·U_new]`` (bounded rank, oldest
+        columns dropped first; :func:`~dkfac.lowrank.decay_concat`), never a sum of ``U``'s.
+        """
         for key, value in new.items():
-            if key not in self.running or decay == 0.0:
+            if key in self.lowrank:
+                old = self.running.get(key)
+                self.running[key] = decay_concat(old, value, decay, self.lowrank[key])
+            elif key not in self.running or decay == 0.0:
                 self.running[key] = value
             else:
                 self.running[key].mul_(decay).add_(value, alpha=1.0 - decay)
@@ -148,6 +196,43 @@ class LayerState:
     def complete(self) -> bool:
         """Whether every statistic has a running value (the solver can be computed)."""
         return set(self.running) == set(self.block.statistic_shapes())
+
+    def solver_inputs(self) -> dict[str, Any]:
+        """The running statistics as the solver takes them (low-rank sides as ``LowRank``)."""
+        return {
+            key: LowRank(value) if key in self.lowrank else value
+            for key, value in self.running.items()
+        }
+
+    def factor_kinds(self) -> dict[str, str]:
+        """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"`` or ``"pending"``."""
+        pending = self.method_label.endswith("(pending)")
+        return {
+            f"{key.lower()}_factor": "pending"
+            if pending
+            else ("lowrank" if key in self.lowrank else "dense")
+            for key in ("A", "G")
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Name, block type, factor dimensions, method and factor kinds (``describe()``)."""
+        return {
+            "name": self.name,
+            "block": type(self.block).__name__,
+            "a_dim": self.block.a_dim,
+            "g_dim": self.block.g_dim,
+            "method": self.method_label or self.solver.name,
+            **self.factor_kinds(),
+        }
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of running ``factors``, solver state (``inverses``) and ``accumulators``."""
+        groups = {
+            "factors": list(self.running.values()),
+            "inverses": list((self.solver_state or {}).values()),
+            "accumulators": [t for acc in self.accumulators.values() for t in acc.tensors()],
+        }
+        return {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in groups.items()}
 
     def reset_accumulators(self) -> None:
         """Drops the current step's partial statistics."""
@@ -243,17 +328,18 @@ class FactorCapture:
         missing_g = []
         for name, layer in layers.items():
             grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
-            if any(acc.total is not None for acc in layer.accumulators.values()) and any(
-                layer.accumulators[key].total is None for key in grad_keys
+            if any(acc.has_data for acc in layer.accumulators.values()) and any(
+                not layer.accumulators[key].has_data for key in grad_keys
             ):
                 missing_g.append(name)
             means = layer.take_means()
             if means is None:
                 continue
             if g_scale != 1.0:
-                for key in grad_keys:
+                for key in grad_keys:  # a low-rank side holds U: scale it by √g_scale
                     if key in means:
-                        means[key] = means[key] * g_scale
+                        factor = g_scale**0.5 if key in layer.lowrank else g_scale
+                        means[key] = means[key] * factor
             new[name] = means
         if self.config.fisher == "mc" and missing_g and not self._mc_captured:
             raise RuntimeError(

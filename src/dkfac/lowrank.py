@@ -173,6 +173,32 @@ class LowRankRowsAccumulator:
         self.parts.append(matrix * math.sqrt(scale) if scale != 1.0 else matrix)
         self.normaliser += rows.normaliser
 
+    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
+        """Not possible: a sum of outer products has lost the rows ``U`` is made of.
+
+        Raises:
+            TypeError: Always; a block that feeds precomputed sums needs a dense side.
+        """
+        del total, normaliser, scale
+        raise TypeError(
+            "a low-rank factor side keeps rows, not sums of outer products: a block that "
+            "calls add_sum() needs a dense factor side"
+        )
+
+    @property
+    def has_data(self) -> bool:
+        """Whether anything was added since the last reset."""
+        return bool(self.parts)
+
+    def mean(self) -> Tensor | None:
+        """``U`` (``d × m``) of the accumulated factor, or ``None`` when nothing was added."""
+        low = self.to_lowrank()
+        return None if low is None else low.u
+
+    def tensors(self) -> list[Tensor]:
+        """The row blocks held (for memory accounting)."""
+        return list(self.parts)
+
     def to_lowrank(self) -> LowRank | None:
         """The accumulated factor as ``U Uᵀ``, or ``None`` when nothing was added."""
         if not self.parts or self.normaliser == 0:

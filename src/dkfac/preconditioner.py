@@ -43,7 +43,8 @@ from dkfac.distributed.checkpoint import load_preconditioner_state, precondition
 from dkfac.distributed.comm import CommHandle, Communicator
 from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
-from dkfac.layer_state import FactorAccumulator, FactorCapture, LayerState
+from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
+from dkfac.lowrank_state import LowRankPlan
 from dkfac.refresh import AdaptiveRefresh, make_refresh_policy
 from dkfac.solvers import SolverError, make_solver
 
@@ -116,6 +117,7 @@ class KFACPreconditioner:
             config.refresh_max_interval,
         )
         self.last_refreshed = 0
+        self.lowrank = LowRankPlan(config) if config.method in ("smw", "auto") else None
         self._register(_unwrap(model))
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
@@ -124,6 +126,9 @@ class KFACPreconditioner:
             {name: layer.block for name, layer in self.layers.items()},
             ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel),
         )
+        if self.lowrank is not None and self.strategy.factor_reduction != "none":
+            self.lowrank.gathered_ranks = self.strategy.world_size
+        self._set_block_steps()
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
         block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
@@ -145,7 +150,8 @@ class KFACPreconditioner:
         for name, module in model.named_modules():
             if self._skipped(name, module):
                 continue
-            block = make_block(name, module)
+            conv = {"reduction": cfg.conv_reduction, "positions": cfg.subsample_positions}
+            block = make_block(name, module, seed=cfg.seed, **conv)
             if block is None or (isinstance(block, BatchNormBlock) and not cfg.unitwise_bn):
                 continue
             weight = getattr(module, "weight", None)
@@ -153,11 +159,13 @@ class KFACPreconditioner:
                 logger.info("skipping %s: its weight does not require a gradient", name)
                 continue
             dtype = cfg.factor_dtype or weight.dtype
-            state = LayerState(
-                block=block,
-                solver=make_solver(block.solver_name or cfg.method, cfg.eigen_dtype),
-                accumulators={key: FactorAccumulator(dtype) for key in block.statistic_shapes()},
-            )
+            method = block.solver_name or ("smw" if cfg.method == "auto" else cfg.method)
+            accumulators: dict[str, Accumulator] = {
+                key: FactorAccumulator(dtype) for key in block.statistic_shapes()
+            }
+            state = LayerState(block, make_solver(method, cfg.eigen_dtype), accumulators)
+            if self.lowrank is not None:
+                self.lowrank.prepare(state)
             self.layers[name] = state
             self.capture.attach(module, state)
         if not self.layers:
@@ -167,6 +175,11 @@ class KFACPreconditioner:
                 f"{list(cfg.skip_layers)}"
             )
         logger.info("K-FAC registered %d layers: %s", len(self.layers), list(self.layers))
+
+    def _set_block_steps(self) -> None:
+        """Tells every block the step counter (seeded conv subsampling agrees across hooks)."""
+        for layer in self.layers.values():
+            layer.block.set_step(self._steps)
 
     def remove_hooks(self) -> None:
         """Detaches every hook from the model (the preconditioner is unusable afterwards)."""
@@ -230,7 +243,7 @@ class KFACPreconditioner:
             others = [p.grad for p in self._other_params if p.grad is not None]
             CommHandle(
                 works=[
-                    self.strategy.reduce_statistics(new_factors),
+                    self.strategy.reduce_statistics(new_factors, self._lowrank_keys()),
                     self.strategy.reduce_gradients(present, others),
                 ]
             ).wait()
@@ -254,7 +267,12 @@ class KFACPreconditioner:
             )
         self.comm.ledger.end_step()
         self._steps += 1
+        self._set_block_steps()
         self.schedule_captures(self._steps)
+
+    def _lowrank_keys(self) -> dict[str, frozenset[str]]:
+        """Layer name -> its statistics held as ``U`` (communicated by row all-gather)."""
+        return {n: frozenset(layer.lowrank) for n, layer in self.layers.items() if layer.lowrank}
 
     def _g_scale(self) -> float:
         """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""
@@ -304,7 +322,9 @@ class KFACPreconditioner:
             layer = self.layers[name]
             for key, value in stats.items():
                 stat = f"{name}/{key}"
-                self.refresh.record(stat, step, layer.running.get(key), value)
+                # A low-rank side's U changes shape as it grows: its interval stays put.
+                old = None if key in layer.lowrank else layer.running.get(key)
+                self.refresh.record(stat, step, old, value)
                 if isinstance(self.refresh, AdaptiveRefresh):
                     recorded[stat] = self.refresh.interval(stat)
             layer.update_running(stats, decay)
@@ -346,7 +366,7 @@ class KFACPreconditioner:
             if not self.strategy.is_owner(name) or not layer.complete:
                 continue
             try:
-                layer.solver_state = layer.solver.compute_statistics(layer.running, damping)
+                layer.solver_state = layer.solver.compute_statistics(layer.solver_inputs(), damping)
             except SolverError as err:
                 logger.warning("%s: %s; keeping the last good inverse", name, err)
         states = {name: layer.solver_state for name, layer in self.layers.items()}
@@ -427,7 +447,10 @@ class KFACPreconditioner:
         return self._steps
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``name -> (A, G)`` running factors kept on this rank, on the per-sample scale."""
+        """``name -> (A, G)`` running factors kept on this rank, on the per-sample scale.
+
+        A low-rank side (see ``describe()``) is given as its ``d × r`` ``U`` (factor ``U Uᵀ``).
+        """
         return {
             name: (layer.a, layer.g)
             for name, layer in self.layers.items()
@@ -443,28 +466,20 @@ class KFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on this rank, by kind: ``factors``, ``inverses`` and ``accumulators``."""
-
-        def nbytes(tensors: list[Tensor | None]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
         usage = {"factors": 0, "inverses": 0, "accumulators": 0}
         for layer in self.layers.values():
-            usage["factors"] += nbytes(list(layer.running.values()))
-            usage["inverses"] += nbytes(list((layer.solver_state or {}).values()))
-            usage["accumulators"] += nbytes([acc.total for acc in layer.accumulators.values()])
+            for kind, nbytes in layer.memory().items():
+                usage[kind] += nbytes
         return usage
 
     def describe(self) -> list[dict[str, Any]]:
-        """One row per layer: name, block, factor dimensions, method, owner, grad workers."""
+        """One row per layer: name, block, dimensions, method, factor kinds, owner, workers.
+
+        ``method``: e.g. ``"eigen"``, ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until
+        the first capture decides (:mod:`dkfac.lowrank_state`); ``a_factor``/``g_factor`` too.
+        """
         return [
-            {
-                "name": name,
-                "block": type(layer.block).__name__,
-                "a_dim": layer.block.a_dim,
-                "g_dim": layer.block.g_dim,
-                "method": layer.solver.name,
-                **self.strategy.describe(name),
-            }
+            {**layer.summary(), **self.strategy.describe(name)}
             for name, layer in self.layers.items()
         ]
 

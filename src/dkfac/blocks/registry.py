@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -16,7 +18,7 @@ from dkfac.blocks.linear import LinearBlock
 
 logger = logging.getLogger(__name__)
 
-BlockFactory = Callable[[str, nn.Module], Block]
+BlockFactory = Callable[..., Block]
 
 _REGISTRY: dict[type[nn.Module], BlockFactory] = {
     nn.Linear: LinearBlock,
@@ -32,18 +34,38 @@ def register_block(module_type: type[nn.Module], factory: BlockFactory) -> None:
     Args:
         module_type: An ``nn.Module`` subclass; subclasses of it match too unless they have
             their own entry.
-        factory: Called as ``factory(name, module)``; returns a :class:`Block`.
+        factory: Called as ``factory(name, module)``, plus those keyword options of
+            :func:`make_block` that its signature names (e.g. ``reduction``); returns a
+            :class:`Block`.
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
     _REGISTRY[module_type] = factory
 
 
-def make_block(name: str, module: nn.Module) -> Block | None:
+def _accepted(factory: BlockFactory, options: dict[str, Any]) -> dict[str, Any]:
+    """The options whose names are keyword parameters of ``factory`` (all, for ``**kw``)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no introspectable signature: positional call only
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {key: value for key, value in options.items() if key in params}
+
+
+def make_block(name: str, module: nn.Module, **options: Any) -> Block | None:
     """The block for ``module``, or ``None`` when its type is not supported.
 
     Grouped convolutions are skipped with a warning (their weight is block-diagonal over
     groups, which one Kronecker pair would describe wrongly), and so are sparse embeddings.
+
+    Args:
+        name: The module's qualified name.
+        module: The module.
+        **options: Keyword options for the factories that accept them (by parameter name),
+            e.g. ``reduction``, ``positions`` and ``seed`` of
+            :class:`~dkfac.blocks.conv2d.Conv2dBlock`; others ignore them.
     """
     for klass in type(module).__mro__:
         factory = _REGISTRY.get(klass)
@@ -66,5 +88,5 @@ def make_block(name: str, module: nn.Module) -> Block | None:
                 name,
             )
             return None
-        return factory(name, module)
+        return factory(name, module, **_accepted(factory, options))
     return None

@@ -9,6 +9,11 @@ the owners recompute (and share) any solver state the checkpoint lacks.
 
 Under ``"dp"`` each owner's factors come from its own local batches; the gathered
 checkpoint holds those.
+
+With ``method="smw"``/``"auto"`` each layer's entry also holds ``"plan"``: the solver and
+the low-rank sides decided at the first capture (:mod:`dkfac.lowrank_state`), taken from the
+owner. A low-rank side is saved as its ``U`` of shape ``(d, r)`` (``r`` varies with the
+steps seen, up to the side's bounded rank), which ``load`` accepts in place of ``(d, d)``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dkfac.config import resolve
+from dkfac.lowrank_state import decision
 
 if TYPE_CHECKING:
     from dkfac.preconditioner import KFACPreconditioner
@@ -38,14 +44,24 @@ def preconditioner_state(
         name: None if layer.solver_state is None else dict(layer.solver_state)
         for name, layer in pre.layers.items()
     }
+    plans = {
+        name: None if pre.lowrank is None else decision(layer) for name, layer in pre.layers.items()
+    }
     if gather:
         running = pre.strategy.gather_to_all(running, devices)
         if include_inverses:
             inverses = pre.strategy.gather_to_all(inverses, devices)
+        if pre.lowrank is not None:  # the owner's decision (under dp only owners decide)
+            for part in pre.comm.exchange_objects(
+                {n: p for n, p in plans.items() if pre.strategy.is_owner(n)}
+            ):
+                plans.update({n: p for n, p in part.items() if p is not None})
     layers: dict[str, dict[str, Any]] = {}
     for name, layer in pre.layers.items():
         held = running[name] or {}
         entry: dict[str, Any] = {key: held.get(key) for key in layer.statistic_shapes()}
+        if plans[name] is not None:
+            entry["plan"] = plans[name]
         if include_inverses and inverses[name] is not None:
             entry["inverse"] = inverses[name]
         layers[name] = entry
@@ -65,14 +81,30 @@ def load_preconditioner_state(pre: KFACPreconditioner, state: dict[str, Any]) ->
         )
     for name, entry in state["layers"].items():
         layer = pre.layers[name]
+        plan = entry.get("plan")
+        if plan is not None and plan["lowrank"] and pre.lowrank is None:
+            raise ValueError(
+                f"{name}: the state dict holds a {plan['solver']!r} low-rank plan; load it into "
+                "a preconditioner with method='smw' or 'auto'"
+            )
+        sides = {} if plan is None else dict(plan["lowrank"])
         for key, shape in layer.statistic_shapes().items():
             value = entry.get(key)
-            if value is not None and tuple(value.shape) != shape:
-                raise ValueError(
-                    f"{name}: saved {key} has shape {tuple(value.shape)}, expected {shape}"
-                )
+            if value is None:
+                continue
+            got = tuple(value.shape)
+            if key in sides:  # U: (d, r) with 1 <= r <= the side's bounded rank
+                if len(got) != 2 or got[0] != shape[0] or not 1 <= got[1] <= sides[key]:
+                    raise ValueError(
+                        f"{name}: saved low-rank {key} has shape {got}, expected "
+                        f"({shape[0]}, r) with 1 <= r <= {sides[key]}"
+                    )
+            elif got != shape:
+                raise ValueError(f"{name}: saved {key} has shape {got}, expected {shape}")
     for name, entry in state["layers"].items():
         layer = pre.layers[name]
+        if entry.get("plan") is not None and pre.lowrank is not None:
+            pre.lowrank.restore(layer, entry["plan"])
         device = layer.block.parameters()[0].device
         values = {key: entry.get(key) for key in layer.statistic_shapes()}
         keep = pre.strategy.keeps_statistics(name) and all(v is not None for v in values.values())

@@ -30,6 +30,7 @@ operation                             recorded collective  bytes recorded on eve
 ``reduce(ts, dst)``                   ``reduce``           Σ size(t) (what each rank adds in)
 ``reduce_to_owners(ts, owners)``      ``reduce_scatter``   Σ size(t) over *all* tensors
 ``all_gather_from_owners(ts, own.)``  ``all_gather``       Σ size(t) over *all* tensors
+``all_gather_rows(t)``                ``all_gather``       P · size(t) (the gathered result)
 ====================================  ===================  ==================================
 
 Example: ``all_reduce`` of a 3×4 and a 5-element float32 tensor records
@@ -392,6 +393,43 @@ class Communicator:
             A handle; every rank's ``tensors`` hold the owners' values after ``wait()``.
         """
         return self._launch("all_gather", tensors, owners, kind, None, pack_symmetric)
+
+    def all_gather_rows(self, tensor: Tensor, kind: Kind) -> tuple[Tensor, CommHandle]:
+        """Concatenates every rank's ``(m, d)`` row block along dim 0, in group order.
+
+        Used for low-rank factors ``U`` (their ``Uᵀ`` row blocks): the concatenation of the
+        ranks' rows is the rows of the global batch. ``tensor`` must have the same shape and
+        dtype on every rank (equal local batches).
+
+        Args:
+            tensor: A 2-D ``(m, d)`` tensor.
+            kind: Ledger kind.
+
+        Returns:
+            ``(out, handle)``: ``out`` is ``(P·m, d)`` and valid after ``handle.wait()``
+            (``tensor`` itself, with a no-op handle, when the communicator is inactive).
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 2:
+            raise ValueError(f"tensor must be a (m, d) matrix, got shape {tuple(tensor.shape)}")
+        if not self.active:
+            return tensor, CommHandle()
+        if self.rank not in self.ranks:
+            raise RuntimeError(f"rank {self.rank} is not a member of this communicator's group")
+        source = tensor.contiguous()
+        out = torch.empty(
+            (self.world_size * source.shape[0], source.shape[1]),
+            dtype=source.dtype,
+            device=source.device,
+        )
+        parts = list(out.chunk(self.world_size, dim=0))
+        self.ledger.record(kind, "all_gather", out.numel() * out.element_size())
+        with torch.profiler.record_function("dkfac.comm.all_gather"):
+            work = dist.all_gather(parts, source, group=self.group, async_op=True)
+        return out, CommHandle([work])
 
     # ------------------------------------------------------------- control messages
     # A few bytes per step that keep ranks in agreement (finite flags, KL-clip partial sums,

@@ -13,8 +13,9 @@ Placement uses indices ``0..P-1`` into the communicator's ranks; collectives use
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -108,21 +109,32 @@ class Strategy:
         }
 
     # ------------------------------------------------------------------ traffic
-    def reduce_statistics(self, stats: Mapping[str, Mapping[str, Tensor]]) -> CommHandle:
+    def reduce_statistics(
+        self,
+        stats: Mapping[str, MutableMapping[str, Tensor]],
+        lowrank: Mapping[str, Collection[str]] | None = None,
+    ) -> CommHandle:
         """Launches the reduction of this step's statistics (averaged over ranks).
 
         After ``wait()``, the tensors in ``stats`` of every layer this rank keeps hold the
         group average (for ``reduce_scatter``, only the owner's copies do).
+
+        Low-rank statistics (``lowrank[name]`` lists their keys) are ``U = Rᵀ/√n``
+        (``d × m``) and cannot be averaged: their row blocks ``Uᵀ`` are all-gathered
+        (:meth:`Communicator.all_gather_rows`, kind ``"factors"``) and ``stats[name][key]``
+        is replaced by ``[U_0, …, U_{P-1}] / √P``, the ``U`` of the global batch when the
+        local batches are equal. Every rank receives them (also under ``reduce_scatter``).
         """
         if self.factor_reduction == "none" or not stats:
             return CommHandle()
         names = list(stats)
-        handles = []
+        handles = [self._gather_lowrank(stats, lowrank or {})]
         for packed in (True, False):
             tensors: list[Tensor] = []
             owners: list[int] = []
             for name in names:
-                for key in sorted(stats[name]):
+                skip = (lowrank or {}).get(name, ())
+                for key in sorted(k for k in stats[name] if k not in skip):
                     t = stats[name][key]
                     square = t.dim() == 2 and t.shape[0] == t.shape[1]
                     if (self.pack_triangles and square) == packed:
@@ -135,6 +147,30 @@ class Strategy:
             else:
                 handles.append(
                     self.comm.reduce_to_owners(tensors, owners, "factors", "mean", packed)
+                )
+        return join_handles(handles)
+
+    def _gather_lowrank(
+        self,
+        stats: Mapping[str, MutableMapping[str, Tensor]],
+        lowrank: Mapping[str, Collection[str]],
+    ) -> CommHandle:
+        """All-gathers the ``Uᵀ`` row blocks of low-rank statistics (see reduce_statistics)."""
+        if not self.comm.active:
+            return CommHandle()
+        handles: list[CommHandle] = []
+        scale = self.world_size**-0.5
+        for name, keys in lowrank.items():
+            for key in sorted(keys):
+                if key not in stats.get(name, {}):
+                    continue
+                out, handle = self.comm.all_gather_rows(stats[name][key].T, "factors")
+
+                def finish(target: MutableMapping[str, Tensor], k: str, rows: Tensor) -> None:
+                    target[k] = rows.T * scale
+
+                handles.append(
+                    CommHandle([handle], [functools.partial(finish, stats[name], key, out)])
                 )
         return join_handles(handles)
 
