@@ -108,3 +108,49 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def first_reaching(
+    trace: list[tuple[int, float, float]], threshold: float, *, higher_is_better: bool = True
+) -> tuple[int, float] | None:
+    """The first ``(step, seconds)`` of ``trace`` whose value reaches ``threshold``.
+
+    Args:
+        trace: ``(step, cumulative training seconds, value)`` in increasing step order, e.g.
+            test accuracy after each step, or training loss.
+        threshold: Target value.
+        higher_is_better: Reached when ``value >= threshold`` (accuracy); otherwise when
+            ``value <= threshold`` (loss).
+
+    Returns:
+        ``(step, seconds)`` of the first point reaching the threshold, ``None`` if none does.
+    """
+    for step, seconds, value in trace:
+        if (value >= threshold) if higher_is_better else (value <= threshold):
+            return step, seconds
+    return None
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}`` (ints, floats, None, strings).
+
+    Raises:
+        ValueError: For an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"option {item!r} is not of the form key=value")
+        value: Any = raw
+        if raw == "None":
+            value = None
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        out[key.strip()] = value
+    return out
