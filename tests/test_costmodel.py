@@ -265,6 +265,7 @@ def test_predict_validates(spec: ModelSpec) -> None:
         ["--model", "cnn", "--world-size", "4", "--bandwidth-gbps", "-1"],
         ["--model", "cnn", "--world-size", "4", "--latency-us", "nan"],
         ["--model", "cnn"],
+        ["--model", "cnn", "--world-size", "1", "--strategies", "kaisa"],
     ],
 )
 def test_plan_cli_bad_input_exits_2(argv: list[str]) -> None:
@@ -277,6 +278,10 @@ def test_plan_cli_json_and_budget(capsys: pytest.CaptureFixture[str]) -> None:
     labels = [p["label"] for p in payload["predictions"]]
     assert labels == ["replicated", "kaisa(f=0.5)", "mem-opt", "dp", "spngd"]
     assert payload["recommended"] in labels
+    argv = ["--model", "cnn", "--world-size", "4", "--json", "--strategies", "replicated", "spngd"]
+    assert plan_main(argv) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert [p["label"] for p in payload["predictions"]] == ["replicated", "spngd"]
     assert plan_main(["--model", "cnn", "--world-size", "4", "--memory-budget-gb", "1e-9"]) == 1
     out = capsys.readouterr()
     assert "no strategy fits" in out.err

@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0.5, 0.25],
         help="KAISA fractions to compare (those not dividing the world size are skipped)",
     )
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=["replicated", "kaisa", "mem-opt", "dp", "spngd"],
+        help="strategies to consider (default: all)",
+    )
     p.add_argument("--in-channels", type=_positive(int, "--in-channels"))
     p.add_argument("--image-size", type=_positive(int, "--image-size"))
     p.add_argument("--num-classes", type=_positive(int, "--num-classes"))
@@ -160,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = build_model(args.model, in_channels=c_in, image_size=size, num_classes=classes)
         spec = extract_layers(model, (c_in, size, size) if args.model != "mlp" else None)
         pairs = candidate_strategies(args.world_size, args.grad_worker_fraction)
+        if args.strategies:
+            pairs = [(name, f) for name, f in pairs if name in args.strategies]
+        if not pairs:
+            raise ValueError("no candidate strategy left (kaisa fractions must divide P)")
     except ValueError as err:
         print(f"dkfac plan: error: {err}", file=sys.stderr)
         return 2
@@ -217,6 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("per iteration; bytes per rank (max over ranks); memory = K-FAC state per rank")
         if choice is not None:
             print(f"recommended: {choice.label} ({1e3 * choice.total_seconds:.1f} ms/iteration)")
+        if choice is not None and choice.strategy == "dp":
+            print(
+                "note: dp changes the estimator (each layer's factors come from its owner's "
+                "local batch only); exclude it with --strategies if you need the exact "
+                "K-FAC of the global batch"
+            )
     if error is not None:
         print(f"dkfac plan: {error}", file=sys.stderr)
         return 1
