@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from dkfac.app.data import batches, load_digits
 from dkfac.app.models import build_model
 from dkfac.bench.common import (
+    command_line,
     first_reaching,
     format_table,
     machine_info,
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.sgd_lr, args.adam_lr, args.kfac_lr) <= 0:
         p.error("learning rates must be > 0")
     payload = run(args)
-    write_result(args.name, payload, args.out_dir)
+    write_result(args.name, payload, args.out_dir, command_line("dkfac bench autoencoder", argv))
     if args.plot:
         plot(payload, args.plot)
     print(f"SGD final training loss (median): {payload['sgd_final_loss']:.4g}")

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -86,12 +87,29 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
-def write_result(name: str, payload: dict[str, Any], out_dir: Path | str | None = None) -> Path:
-    """Writes ``payload`` (plus the command line) as pretty JSON to ``<out_dir>/<name>.json``."""
+def command_line(prog: str, argv: list[str] | None) -> str:
+    """The command that reproduces a run: ``prog`` and its arguments, shell-quoted."""
+    return " ".join([prog, *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
+
+
+def write_result(
+    name: str,
+    payload: dict[str, Any],
+    out_dir: Path | str | None = None,
+    command: str | None = None,
+) -> Path:
+    """Writes ``payload`` (plus the command line) as pretty JSON to ``<out_dir>/<name>.json``.
+
+    Args:
+        name: File stem.
+        payload: JSON-serialisable results.
+        out_dir: Directory (default ``benchmarks/results``).
+        command: The command line to record (default: ``dkfac`` + ``sys.argv[1:]``).
+    """
     directory = Path(out_dir) if out_dir is not None else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    payload = {"command": " ".join(["dkfac", *sys.argv[1:]]), **payload}
+    payload = {"command": command or command_line("dkfac", None), **payload}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)

@@ -31,7 +31,14 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from dkfac.app.models import build_model
-from dkfac.bench.common import format_table, interleaved, machine_info, median, write_result
+from dkfac.bench.common import (
+    command_line,
+    format_table,
+    interleaved,
+    machine_info,
+    median,
+    write_result,
+)
 from dkfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger(__name__)
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     payload = run(args)
     name = args.name or f"step_{args.model}_{torch.device(args.device).type}"
-    write_result(name, payload, args.out_dir)
+    write_result(name, payload, args.out_dir, command_line("dkfac bench step", argv))
     if args.plot:
         plot_breakdown(payload, args.plot)
     rows = []

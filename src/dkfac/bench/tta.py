@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from dkfac.app.data import Splits, batches, load_digits
 from dkfac.app.models import build_model
 from dkfac.bench.common import (
+    command_line,
     first_reaching,
     format_table,
     machine_info,
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     payload = run(args)
-    write_result(args.name, payload, args.out_dir)
+    write_result(args.name, payload, args.out_dir, command_line("dkfac bench tta", argv))
     if args.plot:
         plot(payload, args.plot)
     rows = [
