@@ -189,13 +189,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "momentum": args.momentum,
     }
     sweep: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
-    for i in range(max(len(s.lrs) for s in specs)):  # round-robin over optimizers
+    if args.no_sweep:  # the first lr of each grid, e.g. a winner of an earlier recorded sweep
+        specs = [OptimizerSpec(s.name, s.kind, s.lrs[:1], s.options) for s in specs]
+    for i in range(0 if args.no_sweep else max(len(s.lrs) for s in specs)):
         for s in specs:
             if i < len(s.lrs):
                 result = train_to_target(s, s.lrs[i], args.sweep_seed, data, **common)
                 logger.info("sweep %s lr=%g: %s", s.name, s.lrs[i], result["reached"])
                 sweep[s.name].append(result)
-    chosen = {name: min(runs, key=_score)["lr"] for name, runs in sweep.items()}
+    chosen = {
+        s.name: min(sweep[s.name], key=_score)["lr"] if sweep[s.name] else s.lrs[0] for s in specs
+    }
     seeded: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
     for seed in range(args.seeds):
         for s in specs:
@@ -260,6 +264,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kfac-lrs", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     p.add_argument("--kfac", action="append", help="NAME:key=value,... (repeatable)")
     p.add_argument("--only", nargs="+", help="run only these optimizer names")
+    p.add_argument(
+        "--no-sweep", action="store_true", help="skip the sweep: use the first lr of each grid"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--name", default="tta_digits")
     p.add_argument("--out-dir", default=None)
