@@ -4,8 +4,8 @@ The Hinton–Salakhutdinov autoencoder (``build_model("autoencoder")``: 64-1000-
 mirrored) reconstructs the 8×8 digits (pixels in [0, 1]) under a mean squared error, for SGD,
 Adam and K-FAC, each for the same wall-clock budget, interleaved over seeds. The training
 loss over the whole training set is measured every ``--eval-every`` steps outside the clock.
-The headline figure is the time K-FAC needs to reach SGD's final training loss, against
-SGD's whole budget.
+The headline figure is the time K-FAC needs to reach SGD's final training loss (that of the
+worst SGD seed, which every SGD run reaches within its budget), against SGD's whole budget.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for seed in range(args.seeds):
         for s in specs:
             runs[s.name].append(train_for(s, s.lrs[0], seed, x, **common))
-    sgd_final = statistics.median(r["final_loss"] for r in runs["sgd"])
+    # The worst SGD seed's final loss: every SGD run reaches it within the budget.
+    sgd_final = max(r["final_loss"] for r in runs["sgd"])
     summary: dict[str, Any] = {}
     for s in specs:
         hits = [first_reaching(r["trace"], sgd_final, higher_is_better=False) for r in runs[s.name]]
@@ -172,16 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="autoencoder_digits")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.seconds <= 0 or args.eval_every < 1 or args.seeds < 1:
         p.error("--batch-size, --seconds, --eval-every and --seeds must be positive")
     if min(args.sgd_lr, args.adam_lr, args.kfac_lr) <= 0:
         p.error("learning rates must be > 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     payload = run(args)
     write_result(args.name, payload, args.out_dir, command_line("dkfac bench autoencoder", argv))
     if args.plot:
         plot(payload, args.plot)
-    print(f"SGD final training loss (median): {payload['sgd_final_loss']:.4g}")
+    print(f"SGD final training loss (worst seed): {payload['sgd_final_loss']:.4g}")
     rows = [
         [
             name,

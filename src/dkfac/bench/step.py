@@ -214,6 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--plot", default=None, help="PNG path for the phase breakdown")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dkfac bench step", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     payload = run(args)
     name = args.name or f"step_{args.model}_{torch.device(args.device).type}"
     write_result(name, payload, args.out_dir, command_line("dkfac bench step", argv))
