@@ -1,1 +1,64 @@
-"""bench."""
+"""``dkfac bench``: the benchmark programs.
+
+Each sub-benchmark is a module of this package with a ``main(argv) -> int``; it writes a JSON
+file to ``benchmarks/results/`` (machine, torch version, command, every repeat) and prints a
+summary table. Sub-benchmarks are imported lazily so that one with a missing optional piece
+does not break the others.
+
+    python -m dkfac.bench step --model resnet20 --batch-size 128
+    python -m dkfac.bench tta --seeds 3
+    python -m dkfac.bench autoencoder
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["SUBCOMMANDS", "main"]
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "step": ("dkfac.bench.step", "per-step time of SGD vs K-FAC configurations, phases"),
+    "tta": ("dkfac.bench.tta", "time and steps to a target test accuracy on digits"),
+    "autoencoder": ("dkfac.bench.autoencoder", "digits deep autoencoder: loss against time"),
+    "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
+    "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
+    "memory": ("dkfac.bench.memory", "memory per rank per strategy vs the cost model"),
+}
+"""Sub-benchmark name -> (module, one-line description)."""
+
+
+def _usage() -> str:
+    lines = ["usage: dkfac bench {" + ",".join(SUBCOMMANDS) + "} [options]", ""]
+    lines += [f"  {name:<12} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatches ``dkfac bench <name> ...`` to ``dkfac.bench.<name>.main``.
+
+    Args:
+        argv: Arguments after ``bench`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The sub-benchmark's exit status; 2 for an unknown or missing sub-benchmark, or one
+        whose module is not available in this installation.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"dkfac bench: unknown benchmark {name!r}\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        print(f"dkfac bench: {name!r} is not available in this build ({err})", file=sys.stderr)
+        return 2
+    return int(module.main(rest))

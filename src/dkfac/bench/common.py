@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -86,12 +87,29 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
-def write_result(name: str, payload: dict[str, Any], out_dir: Path | str | None = None) -> Path:
-    """Writes ``payload`` (plus the command line) as pretty JSON to ``<out_dir>/<name>.json``."""
+def command_line(prog: str, argv: list[str] | None) -> str:
+    """The command that reproduces a run: ``prog`` and its arguments, shell-quoted."""
+    return " ".join([prog, *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
+
+
+def write_result(
+    name: str,
+    payload: dict[str, Any],
+    out_dir: Path | str | None = None,
+    command: str | None = None,
+) -> Path:
+    """Writes ``payload`` (plus the command line) as pretty JSON to ``<out_dir>/<name>.json``.
+
+    Args:
+        name: File stem.
+        payload: JSON-serialisable results.
+        out_dir: Directory (default ``benchmarks/results``).
+        command: The command line to record (default: ``dkfac`` + ``sys.argv[1:]``).
+    """
     directory = Path(out_dir) if out_dir is not None else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    payload = {"command": " ".join(["dkfac", *sys.argv[1:]]), **payload}
+    payload = {"command": command or command_line("dkfac", None), **payload}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
@@ -108,3 +126,49 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def first_reaching(
+    trace: list[tuple[int, float, float]], threshold: float, *, higher_is_better: bool = True
+) -> tuple[int, float] | None:
+    """The first ``(step, seconds)`` of ``trace`` whose value reaches ``threshold``.
+
+    Args:
+        trace: ``(step, cumulative training seconds, value)`` in increasing step order, e.g.
+            test accuracy after each step, or training loss.
+        threshold: Target value.
+        higher_is_better: Reached when ``value >= threshold`` (accuracy); otherwise when
+            ``value <= threshold`` (loss).
+
+    Returns:
+        ``(step, seconds)`` of the first point reaching the threshold, ``None`` if none does.
+    """
+    for step, seconds, value in trace:
+        if (value >= threshold) if higher_is_better else (value <= threshold):
+            return step, seconds
+    return None
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}`` (ints, floats, None, strings).
+
+    Raises:
+        ValueError: For an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"option {item!r} is not of the form key=value")
+        value: Any = raw
+        if raw == "None":
+            value = None
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        out[key.strip()] = value
+    return out

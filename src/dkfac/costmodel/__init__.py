@@ -1,0 +1,60 @@
+"""Analytic cost model of distributed K-FAC: bytes, memory and time per strategy.
+
+Pure functions of layer shapes, world size and device rates (no process group):
+
+- :func:`extract_layers`: an ``nn.Module`` -> :class:`ModelSpec` (K-FAC layer dimensions).
+- :func:`predict_ledger_bytes`: ``{rank: {kind: bytes}}`` exactly as the
+  :class:`~dkfac.distributed.comm.CommLedger` counts them, for one step.
+- :func:`predict_memory`: ``{rank: {kind: bytes}}`` of K-FAC state.
+- :func:`predict`: time by phase, bytes and memory of one strategy; :func:`recommend` picks
+  the fastest that fits a memory budget (used by ``dkfac plan`` and ``strategy="auto"``).
+
+The per-strategy traffic choices are one table, :data:`RULES` (see :mod:`.traffic`).
+"""
+
+from dkfac.costmodel.layers import BNLayer, KFACLayer, ModelSpec, extract_layers
+from dkfac.costmodel.predict import (
+    PHASES,
+    DeviceRates,
+    StrategyPrediction,
+    calibrate,
+    candidate_strategies,
+    predict,
+    recommend,
+)
+from dkfac.costmodel.traffic import (
+    KINDS,
+    RULES,
+    STRATEGIES,
+    DtypeBytes,
+    StrategyRule,
+    ddp_gradient_bytes,
+    element_counts,
+    placement_for,
+    predict_ledger_bytes,
+    predict_memory,
+)
+
+__all__ = [
+    "KINDS",
+    "PHASES",
+    "RULES",
+    "STRATEGIES",
+    "BNLayer",
+    "DeviceRates",
+    "DtypeBytes",
+    "KFACLayer",
+    "ModelSpec",
+    "StrategyPrediction",
+    "StrategyRule",
+    "calibrate",
+    "candidate_strategies",
+    "ddp_gradient_bytes",
+    "element_counts",
+    "extract_layers",
+    "placement_for",
+    "predict",
+    "predict_ledger_bytes",
+    "predict_memory",
+    "recommend",
+]

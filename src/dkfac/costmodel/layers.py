@@ -1,0 +1,217 @@
+"""What the cost model needs to know about a model: its K-FAC layers and other parameters.
+
+:func:`extract_layers` reads an ``nn.Module`` directly (it does not build a preconditioner):
+
+- ``nn.Linear(in, out)``: ``a_dim = in + 1`` with a bias (``in`` without), ``g_dim = out``.
+- ``nn.Conv2d(C_in, C_out, (kh, kw), groups=1)``: ``a_dim = C_in·kh·kw + 1`` with a bias,
+  ``g_dim = C_out``. Grouped convolutions are not K-FAC layers here (their parameters count
+  as other parameters).
+- ``nn.BatchNorm*`` (with affine parameters): a :class:`BNLayer` of ``channels`` channels.
+
+Every K-FAC layer has ``a_dim · g_dim`` gradient elements (the bias is the extra column).
+With an ``input_shape`` one forward pass of a single sample records the number of output
+positions ``T`` of each layer (``1`` for Linear; for a Linear applied to a sequence, the
+sequence length), which the time model uses for factor-build and forward/backward flops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BNLayer", "KFACLayer", "ModelSpec", "extract_layers"]
+
+
+def _check_positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACLayer:
+    """One Kronecker-factored layer.
+
+    Attributes:
+        name: Module name.
+        a_dim: Side of the activation factor A (inputs per output position, plus 1 for a bias).
+        g_dim: Side of the gradient factor G (outputs).
+        positions: Output positions per sample ``T`` (1 for Linear, ``H_out·W_out`` for conv).
+        kind: ``"linear"`` or ``"conv2d"`` (informative only).
+    """
+
+    name: str
+    a_dim: int
+    g_dim: int
+    positions: int = 1
+    kind: str = "linear"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        _check_positive_int("a_dim", self.a_dim)
+        _check_positive_int("g_dim", self.g_dim)
+        _check_positive_int("positions", self.positions)
+
+    @property
+    def grad_numel(self) -> int:
+        """Gradient elements of weight and bias together: ``a_dim · g_dim``."""
+        return self.a_dim * self.g_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class BNLayer:
+    """A BatchNorm layer with affine parameters (γ and β per channel).
+
+    Attributes:
+        name: Module name.
+        channels: Number of channels.
+    """
+
+    name: str
+    channels: int
+
+    def __post_init__(self) -> None:
+        _check_positive_int("channels", self.channels)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The cost model's view of a model.
+
+    Attributes:
+        layers: K-FAC layers in module order.
+        bn_layers: BatchNorm layers (their γ, β are part of ``other_param_numel``).
+        other_param_numel: Trainable parameter elements outside the K-FAC layers (BN, grouped
+            convs, embeddings, ...); DDP all-reduces their gradients too.
+        forward_flops_per_sample: Multiply-add flops (2 per MAC) of one sample's forward pass
+            through the K-FAC layers, 0 if unknown.
+    """
+
+    layers: tuple[KFACLayer, ...]
+    bn_layers: tuple[BNLayer, ...] = field(default_factory=tuple)
+    other_param_numel: int = 0
+    forward_flops_per_sample: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "bn_layers", tuple(self.bn_layers))
+        if not self.layers:
+            raise ValueError("layers must hold at least one KFACLayer")
+        if not all(isinstance(layer, KFACLayer) for layer in self.layers):
+            raise TypeError("layers must be KFACLayer instances")
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer names must be unique, got {names}")
+        if self.other_param_numel < 0:
+            raise ValueError(f"other_param_numel must be >= 0, got {self.other_param_numel}")
+
+    @property
+    def kfac_param_numel(self) -> int:
+        """Gradient elements of all K-FAC layers."""
+        return sum(layer.grad_numel for layer in self.layers)
+
+    @property
+    def param_numel(self) -> int:
+        """All trainable parameter elements (what DDP all-reduces)."""
+        return self.kfac_param_numel + self.other_param_numel
+
+
+def _is_kfac_conv(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv2d) and module.groups == 1
+
+
+def extract_layers(model: nn.Module, input_shape: Sequence[int] | None = None) -> ModelSpec:
+    """Reads the K-FAC layers, BatchNorm layers and other parameters of ``model``.
+
+    Args:
+        model: Any module (a DDP wrapper is looked through via ``.module``).
+        input_shape: Shape of ONE sample (without the batch dimension), e.g. ``(3, 224, 224)``;
+            when given, a single forward pass (no gradients, on the model's device) records
+            output positions and forward flops. Without it every ``positions`` is 1.
+
+    Returns:
+        The :class:`ModelSpec`.
+
+    Raises:
+        TypeError: If ``model`` is not an ``nn.Module``.
+        ValueError: If the model has no Linear or (groups=1) Conv2d layer with a trainable
+            weight, or ``input_shape`` is not a sequence of positive integers.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    assert isinstance(inner, nn.Module)
+    if input_shape is not None:
+        shape = tuple(input_shape)
+        if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+            raise ValueError(f"input_shape must be positive integers, got {input_shape!r}")
+    positions = _count_positions(inner, input_shape) if input_shape is not None else {}
+    layers: list[KFACLayer] = []
+    bn_layers: list[BNLayer] = []
+    kfac_params: set[int] = set()
+    flops = 0.0
+    for name, module in inner.named_modules():
+        weight = getattr(module, "weight", None)
+        trainable = isinstance(weight, Tensor) and weight.requires_grad
+        if trainable and isinstance(module, nn.Linear):
+            bias = 1 if module.bias is not None else 0
+            a_dim, g_dim, kind = module.in_features + bias, module.out_features, "linear"
+        elif trainable and _is_kfac_conv(module):
+            assert isinstance(module, nn.Conv2d)
+            kh, kw = module.kernel_size
+            bias = 1 if module.bias is not None else 0
+            a_dim, g_dim, kind = module.in_channels * kh * kw + bias, module.out_channels, "conv2d"
+        else:
+            if trainable and isinstance(module, nn.modules.batchnorm._BatchNorm):
+                bn_layers.append(BNLayer(name=name, channels=int(module.num_features)))
+            continue
+        t = positions.get(name, 1)
+        layers.append(KFACLayer(name=name, a_dim=a_dim, g_dim=g_dim, positions=t, kind=kind))
+        flops += 2.0 * t * a_dim * g_dim
+        kfac_params.update(id(p) for p in module.parameters(recurse=False))
+    if not layers:
+        raise ValueError("model has no nn.Linear or nn.Conv2d (groups=1) layer to precondition")
+    other = sum(
+        p.numel() for p in inner.parameters() if p.requires_grad and id(p) not in kfac_params
+    )
+    return ModelSpec(
+        layers=tuple(layers),
+        bn_layers=tuple(bn_layers),
+        other_param_numel=int(other),
+        forward_flops_per_sample=flops if positions else 0.0,
+    )
+
+
+def _count_positions(model: nn.Module, input_shape: Sequence[int]) -> dict[str, int]:
+    """Output positions per sample of every Linear / Conv2d, from one forward pass."""
+    found: dict[str, int] = {}
+    handles = []
+
+    def hook(name: str, module: nn.Module, inputs: object, output: object) -> None:
+        if not isinstance(output, Tensor):
+            return
+        if isinstance(module, nn.Conv2d):
+            found[name] = int(output.shape[-1] * output.shape[-2])
+        else:  # Linear: every leading dimension except the batch is a position
+            found[name] = max(1, int(output.numel() // (output.shape[0] * output.shape[-1])))
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or _is_kfac_conv(module):
+            handles.append(
+                module.register_forward_hook(lambda m, i, o, name=name: hook(name, m, i, o))
+            )
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros((1, *input_shape), device=device))
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return found

@@ -1,0 +1,243 @@
+"""``dkfac plan``: predict every distributed strategy's cost for a model and recommend one.
+
+Example::
+
+    dkfac plan --model resnet50 --world-size 64 --batch-per-rank 32 --bandwidth-gbps 100
+
+prints, per strategy, the predicted per-iteration time by phase (amortised over the factor and
+inverse intervals), the bytes a rank sends per iteration (max over ranks of what the
+communication ledger records, and the total including DDP's gradient all-reduce), the mean
+wire bytes per rank, and the K-FAC memory per rank, then the recommendation: the fastest
+strategy whose memory fits ``--memory-budget-gb``. ``--calibrate`` measures the matmul,
+eigh and Cholesky rates of the local device first. The model lives in
+:mod:`dkfac.costmodel`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dkfac.app.models import MODELS, build_model
+from dkfac.costmodel import (
+    PHASES,
+    DeviceRates,
+    DtypeBytes,
+    StrategyPrediction,
+    calibrate,
+    candidate_strategies,
+    extract_layers,
+    recommend,
+)
+
+__all__ = ["DEFAULT_SHAPES", "build_parser", "main"]
+
+DEFAULT_SHAPES: dict[str, tuple[int, int, int]] = {
+    "resnet50": (3, 224, 1000),
+    "mlp": (1, 8, 10),
+    "cnn": (1, 8, 10),
+    "autoencoder": (1, 8, 10),
+}
+"""Model -> (in_channels, image_size, num_classes) when not given; others: (3, 32, 10)."""
+
+_PHASE_SHORT = {
+    "forward_backward": "fwd+bwd",
+    "factor_build": "factors",
+    "factor_comm": "f.comm",
+    "inverse": "inverse",
+    "inverse_comm": "i.comm",
+    "precondition": "precond",
+    "preconditioned_comm": "p.comm",
+    "grad_comm": "g.comm",
+}
+
+
+def _positive(kind: type, name: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}") from None
+        if not (isinstance(value, int) or math.isfinite(value)) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dkfac plan`` argument parser."""
+    p = argparse.ArgumentParser(prog="dkfac plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--world-size", type=_positive(int, "--world-size"), required=True)
+    p.add_argument("--batch-per-rank", type=_positive(int, "--batch-per-rank"), default=32)
+    p.add_argument("--bandwidth-gbps", type=_positive(float, "--bandwidth-gbps"), default=100.0)
+    p.add_argument("--latency-us", type=_non_negative_float, default=5.0)
+    p.add_argument("--memory-budget-gb", type=_positive(float, "--memory-budget-gb"))
+    p.add_argument("--method", choices=["eigen", "cholesky"], default="eigen")
+    p.add_argument("--factor-interval", type=_positive(int, "--factor-interval"), default=10)
+    p.add_argument("--inverse-interval", type=_positive(int, "--inverse-interval"), default=100)
+    p.add_argument(
+        "--grad-worker-fraction",
+        type=_positive(float, "--grad-worker-fraction"),
+        nargs="+",
+        default=[0.5, 0.25],
+        help="KAISA fractions to compare (those not dividing the world size are skipped)",
+    )
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=["replicated", "kaisa", "mem-opt", "dp", "spngd"],
+        help="strategies to consider (default: all)",
+    )
+    p.add_argument("--in-channels", type=_positive(int, "--in-channels"))
+    p.add_argument("--image-size", type=_positive(int, "--image-size"))
+    p.add_argument("--num-classes", type=_positive(int, "--num-classes"))
+    p.add_argument("--factor-bytes", type=int, choices=[2, 4, 8], default=4)
+    p.add_argument("--calibrate", action="store_true", help="measure compute rates locally")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _row(pred: StrategyPrediction, budget: float | None) -> list[str]:
+    ms = [f"{1e3 * pred.phases[k]:.1f}" for k in PHASES]
+    need = pred.memory_max + pred.model_state_bytes
+    fits = "yes" if budget is None or need <= budget else "NO"
+    return [
+        pred.label,
+        f"{1e3 * pred.total_seconds:.1f}",
+        *ms,
+        f"{sum(pred.ledger_bytes.values()) / 1e6:.1f}",
+        f"{pred.total_bytes_incl_ddp / 1e6:.1f}",
+        f"{pred.wire_bytes / 1e6:.1f}",
+        f"{pred.memory_max / 1e6:.1f}",
+        fits,
+    ]
+
+
+def _table(preds: list[StrategyPrediction], budget: float | None) -> str:
+    headers = [
+        "strategy",
+        "total ms",
+        *(f"{_PHASE_SHORT[k]} ms" for k in PHASES),
+        "ledger MB",
+        "+DDP MB",
+        "wire MB",
+        "K-FAC mem MB",
+        "fits",
+    ]
+    rows = [headers, *(_row(p, budget) for p in preds)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``dkfac plan``; returns 0, 1 when nothing fits the budget, 2 on bad input."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # argparse: 2 on bad input, 0 for --help
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    c_in, size, classes = DEFAULT_SHAPES.get(args.model, (3, 32, 10))
+    c_in = args.in_channels or c_in
+    size = args.image_size or size
+    classes = args.num_classes or classes
+    try:
+        model = build_model(args.model, in_channels=c_in, image_size=size, num_classes=classes)
+        spec = extract_layers(model, (c_in, size, size) if args.model != "mlp" else None)
+        pairs = candidate_strategies(args.world_size, args.grad_worker_fraction)
+        if args.strategies:
+            pairs = [(name, f) for name, f in pairs if name in args.strategies]
+        if not pairs:
+            raise ValueError("no candidate strategy left (kaisa fractions must divide P)")
+    except ValueError as err:
+        print(f"dkfac plan: error: {err}", file=sys.stderr)
+        return 2
+    rates = calibrate(args.device) if args.calibrate else DeviceRates()
+    rates = dataclasses.replace(
+        rates, bandwidth=args.bandwidth_gbps * 1e9 / 8, latency=args.latency_us * 1e-6
+    )
+    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
+    options: dict[str, Any] = {
+        "method": args.method,
+        "dtypes": DtypeBytes(factor=args.factor_bytes),
+        "factor_interval": args.factor_interval,
+        "inverse_interval": args.inverse_interval,
+    }
+    try:
+        choice, preds = recommend(
+            spec, args.world_size, batch_per_rank=args.batch_per_rank, rates=rates,
+            memory_budget_bytes=None, strategies=pairs, **options,
+        )  # fmt: skip
+        if budget is not None:
+            choice, _ = recommend(
+                spec, args.world_size, batch_per_rank=args.batch_per_rank, rates=rates,
+                memory_budget_bytes=budget, strategies=pairs, **options,
+            )  # fmt: skip
+        error = None
+    except ValueError as err:
+        choice, error = None, str(err)
+    if args.json:
+        payload = {
+            "model": args.model,
+            "world_size": args.world_size,
+            "batch_per_rank": args.batch_per_rank,
+            "rates": dataclasses.asdict(rates),
+            "options": {k: v for k, v in options.items() if k != "dtypes"},
+            "layers": len(spec.layers),
+            "predictions": [{"label": p.label, **dataclasses.asdict(p)} for p in preds],
+            "recommended": None if choice is None else choice.label,
+            "error": error,
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        print(
+            f"{args.model}: {len(spec.layers)} K-FAC layers, {spec.param_numel / 1e6:.1f}M "
+            f"parameters; P={args.world_size}, B={args.batch_per_rank}/rank, "
+            f"intervals (factors {args.factor_interval}, inverses {args.inverse_interval}), "
+            f"{args.method}"
+        )
+        print(
+            f"rates: matmul {rates.matmul_flops / 1e12:.3g} TFLOP/s, eigh "
+            f"{rates.eigh_rate:.3g} n³/s, cholesky {rates.cholesky_rate:.3g} n³/s, "
+            f"{args.bandwidth_gbps:g} Gb/s, {args.latency_us:g} µs"
+            + (" (calibrated)" if args.calibrate else " (defaults)")
+        )
+        print(_table(preds, budget))
+        print("per iteration; bytes per rank (max over ranks); memory = K-FAC state per rank")
+        if choice is not None:
+            print(f"recommended: {choice.label} ({1e3 * choice.total_seconds:.1f} ms/iteration)")
+        if choice is not None and choice.strategy == "dp":
+            print(
+                "note: dp changes the estimator (each layer's factors come from its owner's "
+                "local batch only); exclude it with --strategies if you need the exact "
+                "K-FAC of the global batch"
+            )
+    if error is not None:
+        print(f"dkfac plan: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Benchmark plumbing: time-to-target on scripted traces, the tta loop's clock, dispatch."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from dkfac.bench import main as bench_main
+from dkfac.bench.common import first_reaching, parse_options
+from dkfac.bench.tta import OptimizerSpec, summarise, train_to_target
+
+
+def test_first_reaching_accuracy_trace() -> None:
+    trace = [(1, 0.5, 0.80), (2, 1.25, 0.96), (3, 2.0, 0.974), (4, 2.5, 0.975), (5, 3.0, 0.99)]
+    assert first_reaching(trace, 0.975) == (4, 2.5)
+    assert first_reaching(trace, 0.95) == (2, 1.25)
+    assert first_reaching(trace, 0.995) is None
+    assert first_reaching([], 0.5) is None
+
+
+def test_first_reaching_loss_trace() -> None:
+    trace = [(0, 0.0, 1.0), (5, 1.5, 0.30), (10, 3.0, 0.20), (15, 4.5, 0.25)]
+    assert first_reaching(trace, 0.25, higher_is_better=False) == (10, 3.0)
+    assert first_reaching(trace, 0.1, higher_is_better=False) is None
+
+
+def test_summarise_counts_misses_as_infinite() -> None:
+    runs = [
+        {"reached": [10, 2.0], "steps": 10, "seconds": 2.0},
+        {"reached": [14, 3.0], "steps": 14, "seconds": 3.0},
+        {"reached": None, "steps": 20, "seconds": 5.0},
+    ]
+    s = summarise(runs)
+    assert (s["median_seconds"], s["median_steps"], s["reached"]) == (3.0, 14, 2)
+    assert s["seconds_per_step"] == pytest.approx(3 / 14)  # median of 0.2, 3/14, 0.25
+    assert math.isinf(summarise(runs[2:])["median_seconds"])
+
+
+def test_parse_options() -> None:
+    assert parse_options("method=eigen, damping=0.01,factor_update_interval=5,kl_clip=None") == {
+        "method": "eigen",
+        "damping": 0.01,
+        "factor_update_interval": 5,
+        "kl_clip": None,
+    }
+    with pytest.raises(ValueError, match="key=value"):
+        parse_options("damping")
+
+
+def test_train_to_target_times_only_training_steps() -> None:
+    from dkfac.app.data import load_digits
+
+    data = load_digits(seed=0)
+    ticks = itertools.count()  # every clock() call advances one "second"
+    result = train_to_target(
+        OptimizerSpec("sgd", "sgd", [0.05]),
+        0.05,
+        0,
+        data,
+        batch_size=512,
+        target=1.01,  # unreachable: runs to the step cap
+        max_steps=3,
+        max_seconds=100.0,
+        clock=lambda: float(next(ticks)),
+    )
+    # one clock() before and one after each step: exactly 1 s per step, 3 steps, 2 epochs
+    assert [t[:2] for t in result["trace"]] == [[1, 1.0], [2, 2.0], [3, 3.0]]
+    assert result["reached"] is None and result["steps"] == 3
+    assert all(0.0 <= t[2] <= 1.0 for t in result["trace"])
+    hit = train_to_target(
+        OptimizerSpec("sgd", "sgd", [0.05]),
+        0.05,
+        0,
+        data,
+        batch_size=512,
+        target=0.0,
+        max_steps=3,
+        max_seconds=100.0,
+        clock=lambda: float(next(ticks)),
+    )
+    assert hit["reached"] == [1, 1.0] and hit["steps"] == 1
+
+
+def test_bench_dispatch_unknown_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["nope"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+    assert bench_main([]) == 2
+    assert bench_main(["--help"]) == 0
+    assert "autoencoder" in capsys.readouterr().out
