@@ -163,13 +163,6 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
     pre = None
     if args.optimizer.startswith("kfac"):
         config = kfac_config_from_args(args, steps_per_epoch)
-        if world > 1 and not hasattr(config, "strategy"):
-            # Without a distribution strategy every rank would build its factors from its own
-            # batch and precondition with different matrices: the replicas would drift apart.
-            raise UsageError(
-                "distributed K-FAC needs the strategies of dkfac.distributed "
-                "(KFACConfig.strategy), which this installation lacks"
-            )
         pre = KFACPreconditioner(model, config=config, grad_scaler=scaler)
         opt = KFACOptimizer(opt, pre)
     return Session(
