@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from dkfac.app.checkpoint import load_checkpoint
 from dkfac.app.cli import parse_args
 from dkfac.app.trainer import train
 from tests.distributed_utils import run_distributed
@@ -77,3 +78,23 @@ def test_two_ranks_kfac_equal_one_process_on_the_global_batch() -> None:
     for name, value in serial["params"].items():
         assert torch.equal(ranks[1]["params"][name], ranks[0]["params"][name]), name
         torch.testing.assert_close(ranks[0]["params"][name], value, rtol=1e-3, atol=1e-4)
+
+
+def _run_writing(rank: int, world_size: int, out: str, strategy: str) -> int:
+    extra = ["--optimizer", "kfac", "--strategy", strategy, "--out", out, "--checkpoint-every", "3"]
+    return train(parse_args([*ARGS, *extra]), write=True).steps
+
+
+def test_two_ranks_write_checkpoints_with_every_layers_factors(tmp_path) -> None:
+    # The preconditioner's state_dict is a collective (factors gathered from their owners):
+    # a checkpoint built on rank 0 alone hung the job. Every rank must build it.
+    for strategy in ("mem-opt", "spngd"):
+        out = tmp_path / strategy
+        assert run_distributed(_run_writing, 2, str(out), strategy, timeout=120) == [8, 8]
+        files = sorted(out.rglob("*.pt"))
+        assert files, f"{strategy}: no checkpoint written"
+        state = load_checkpoint(files[-1])
+        layers = state["optimizer"]["preconditioner"]["layers"]
+        assert layers and all(
+            entry["A" if "A" in entry else "F"] is not None for entry in layers.values()
+        )

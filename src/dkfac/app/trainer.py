@@ -138,8 +138,11 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
             "train_seconds": train_s,
             "wall_seconds": time.perf_counter() - wall0,
         }
+        # Every rank builds the state: the preconditioner's state_dict is a collective that
+        # gathers each layer's factors from its owner. Only rank 0 writes it.
+        state = session.checkpoint_state(run, position)
         if main:
-            save_checkpoint(session.checkpoint_state(run, position), folder / LATEST)
+            save_checkpoint(state, folder / LATEST)
         if world > 1:
             dist.barrier()
 
