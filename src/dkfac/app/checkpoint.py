@@ -5,11 +5,22 @@ dicts, ``None``): model, optimizer (with the K-FAC factors and inverses), LR sch
 gradient scaler, RNG states and the position in the data. It is written to a temporary file
 in the destination folder, flushed and ``fsync``-ed, then moved over the destination with
 ``os.replace``, so a crash leaves either the old or the new checkpoint, never half of one.
+
+Every checkpoint carries a BLAKE2b digest of its contents (tensor bytes, dtypes, shapes and
+the plain values), checked on load: a file damaged on disk in a way the zip container does
+not notice (a flipped byte inside a tensor) is refused like a truncated one.
+:func:`save_rotating` keeps the previous checkpoint as ``checkpoint.prev.pt``, and
+:func:`choose_resume` with ``"auto"`` falls back to it, with a warning naming the bad file,
+when the newest one does not verify. Loading never runs code: ``weights_only=True`` refuses
+any pickled object other than tensors and plain containers.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import pickle
 import random
 import tempfile
 from pathlib import Path
@@ -18,7 +29,11 @@ from typing import Any
 import torch
 
 LATEST = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
 FORMAT_VERSION = 1
+_HEADER_KEYS = ("format", "version", "digest")
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -37,7 +52,12 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": "dkfac-checkpoint", "version": FORMAT_VERSION, **state}
+    payload = {
+        "format": "dkfac-checkpoint",
+        "version": FORMAT_VERSION,
+        "digest": content_digest(state),
+        **state,
+    }
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -72,6 +92,17 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {file} does not exist")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "global" not in str(err).lower():  # not a refused class or function: damage
+            raise CheckpointError(
+                f"checkpoint {file} is truncated or corrupt and cannot be loaded "
+                "(its pickle stream is damaged or holds instructions a safe load refuses)"
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {file} was refused: it holds pickled objects other than tensors and "
+            "plain containers, and unpickling them could run code (only load files you trust "
+            "with torch.load(weights_only=False))"
+        ) from None
     except Exception as err:  # zip / unpickling errors of many kinds
         raise CheckpointError(
             f"checkpoint {file} is truncated or corrupt and cannot be loaded "
@@ -84,7 +115,85 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"checkpoint {file} has format version {state.get('version')}, "
             f"this dkfac reads version {FORMAT_VERSION}"
         )
-    return state
+    digest = state.get("digest")
+    body = {k: v for k, v in state.items() if k not in _HEADER_KEYS}
+    if digest is not None and digest != content_digest(body):
+        raise CheckpointError(
+            f"checkpoint {file} is corrupt: its contents do not match the digest stored in it"
+        )
+    return body
+
+
+def content_digest(value: Any) -> str:
+    """A BLAKE2b digest of nested tensors and plain values (lists and tuples alike).
+
+    Tensors contribute their dtype, shape and bytes (read on the CPU); other leaves their
+    ``repr`` (exact for ints, floats, strings, ``None``); dict keys are taken in order.
+    """
+    hasher = hashlib.blake2b(digest_size=32)
+
+    def feed(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            flat = item.detach().to("cpu").contiguous().reshape(-1)
+            hasher.update(f"T{item.dtype}{tuple(item.shape)}".encode())
+            hasher.update(flat.view(torch.uint8).numpy().tobytes())
+        elif isinstance(item, dict):
+            hasher.update(f"D{len(item)}".encode())
+            for key, sub in item.items():
+                feed(key)
+                feed(sub)
+        elif isinstance(item, (list, tuple)):
+            hasher.update(f"L{len(item)}".encode())
+            for sub in item:
+                feed(sub)
+        else:
+            hasher.update(f"V{item!r};".encode())
+
+    feed(value)
+    return hasher.hexdigest()
+
+
+def save_rotating(state: dict[str, Any], folder: str | Path) -> Path:
+    """Saves ``state`` as the folder's :data:`LATEST`, keeping the one before as :data:`PREVIOUS`.
+
+    The old latest is renamed (atomically) before the new one is written, so at every instant
+    the folder holds at least one complete checkpoint once it has held one.
+    """
+    base = Path(folder)
+    latest = base / LATEST
+    if latest.is_file():
+        os.replace(latest, base / PREVIOUS)
+    return save_checkpoint(state, latest)
+
+
+def choose_resume(resume: str | None, run_folder: Path) -> Path | None:
+    """Like :func:`resolve_resume`, but ``"auto"`` verifies and falls back.
+
+    With ``"auto"`` the newest checkpoint of the run folder that loads and verifies is
+    chosen (:data:`LATEST`, else :data:`PREVIOUS`); each one that does not is named in a
+    warning. A fresh start (``None``) if neither exists.
+
+    Raises:
+        CheckpointError: If an explicit path does not exist, or with ``"auto"`` if every
+            checkpoint present is damaged (never silently start over from scratch).
+    """
+    if resume != "auto":
+        return resolve_resume(resume, run_folder)
+    present = [run_folder / n for n in (LATEST, PREVIOUS) if (run_folder / n).is_file()]
+    problems = []
+    for file in present:
+        try:
+            load_checkpoint(file)
+        except CheckpointError as err:
+            logger.warning("--resume auto: skipping %s: %s", file, err)
+            problems.append(str(err))
+            continue
+        if problems:
+            logger.warning("--resume auto: resuming from the previous checkpoint %s", file)
+        return file
+    if problems:
+        raise CheckpointError("--resume auto: no usable checkpoint: " + "; ".join(problems))
+    return None
 
 
 def resolve_resume(resume: str | None, run_folder: Path) -> Path | None:

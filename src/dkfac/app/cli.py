@@ -123,6 +123,12 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--threads", type=opt(int), default=None, help="torch CPU threads")
+    g.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a rank waits in a collective before the job fails (default: 1800)",
+    )
     reserved = {a.dest for a in p._actions}
     add_kfac_arguments(p, reserved)
 
@@ -193,6 +199,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--mixup and --label-smoothing apply to classifiers, not the autoencoder")
     if args.model == "autoencoder" and args.target_accuracy is not None:
         parser.error("the autoencoder has no accuracy; drop --target-accuracy")
+    if not args.dist_timeout > 0:
+        parser.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.command == "compare":

@@ -6,6 +6,15 @@ test harness): each rank visits its ``DistributedSampler``-style shard of every 
 ``--batch-size`` is the global batch of one optimizer step, the model is wrapped in DDP
 (except for the ``spngd`` strategy, which reduces gradients itself), metrics are averaged
 over ranks and only rank 0 writes files or prints.
+
+Checkpoints: the state is gathered on every rank (the K-FAC state dict is a collective that
+collects each layer's factors from its owner, so it loads at any world size) and rank 0
+writes it, keeping the previous one. ``--resume auto`` is decided on rank 0 (the newest
+checkpoint that verifies) and broadcast. The data position is the global step within the
+epoch: rank ``r`` of ``P`` takes every ``P``-th sample of the epoch's shared permutation, so
+global batch ``k`` holds the same samples at any world size and a run resumed on a different
+number of ranks continues with the next global batch (if the new world size gives the epoch
+fewer full batches, it moves on to the next epoch).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dkfac.app import report, session
-from dkfac.app.checkpoint import LATEST, CheckpointError, resolve_resume, save_checkpoint
+from dkfac.app import faults, report, session
+from dkfac.app.checkpoint import CheckpointError, choose_resume, save_rotating
 from dkfac.app.data import shard_indices
 from dkfac.app.runconfig import write_resolved_config
 from dkfac.app.session import UsageError
@@ -62,6 +71,21 @@ def _run_folder(args: argparse.Namespace, rank: int, world: int) -> Path:
     return Path(name)
 
 
+def _agree_resume(resume: str | None, folder: Path, world: int) -> Path | None:
+    """Rank 0 picks the checkpoint (:func:`choose_resume`); every rank gets its choice."""
+    box: list[Any] = [None, None]
+    if world == 1 or dist.get_rank() == 0:
+        try:
+            box[0] = choose_resume(resume, folder)
+        except CheckpointError as err:
+            box[1] = str(err)
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise CheckpointError(box[1])
+    return None if box[0] is None else Path(box[0])
+
+
 def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> RunResult:
     """Trains as ``args`` (a namespace from :func:`dkfac.app.cli.parse_args`) says.
 
@@ -85,7 +109,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     folder = _run_folder(args, rank, world)
     args.out = str(folder)
     main = rank == 0 and write
-    resume = resolve_resume(args.resume, folder)
+    resume = _agree_resume(args.resume, folder, world)
     pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
     if resume is not None:
         pos.update(session.restore(run, resume))
@@ -101,6 +125,8 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     window = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # loss*n, correct, n, t_fb, t_opt, steps
     hit = report.target_reached(writer.records, args.target_accuracy)
     epoch, first = int(pos["epoch"]), int(pos["step_in_epoch"])
+    if first >= run.steps_per_epoch:  # resumed on a world size with fewer batches per epoch
+        epoch, first = epoch + 1, 0
 
     def record(kind: str, loss: float, acc: float | None, **extra: Any) -> report.Record:
         rec = {
@@ -138,11 +164,11 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
             "train_seconds": train_s,
             "wall_seconds": time.perf_counter() - wall0,
         }
-        # Every rank builds the state: the preconditioner's state_dict is a collective that
-        # gathers each layer's factors from its owner. Only rank 0 writes it.
-        state = session.checkpoint_state(run, position)
+        if not write:
+            return
+        state = session.checkpoint_state(run, position)  # a collective: every rank
         if main:
-            save_checkpoint(state, folder / LATEST)
+            save_rotating(state, folder)
         if world > 1:
             dist.barrier()
 
@@ -154,6 +180,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
             batch = order[k * per_step : (k + 1) * per_step]
             sums, t_fb, t_opt = session.train_step(run, batch, step)
             step, train_s = step + 1, train_s + t_fb + t_opt
+            faults.maybe_inject(step, rank)
             for j, v in enumerate([*sums, t_fb, t_opt, 1.0]):
                 window[j] += v
             end_of_epoch = k == run.steps_per_epoch - 1
@@ -217,6 +244,21 @@ def compare(args: argparse.Namespace) -> list[report.Record]:
     return rows
 
 
+def _init_process_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group`` from torchrun's environment, with a store fresh to this attempt.
+
+    After an elastic restart torchrun hands the new workers the same rendezvous store as the
+    failed ones; the peer addresses the old workers left in it can be read before the new
+    ones overwrite them, and the connection then fails. A key prefix per restart (as torch's
+    launcher once did itself) keeps each attempt's keys apart.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"dkfac/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Runs ``train`` or ``compare``, initialising the process group under ``torchrun``."""
     created = False
@@ -224,7 +266,7 @@ def run_command(args: argparse.Namespace) -> int:
         cuda = torch.cuda.is_available() and args.device != "cpu"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        _init_process_group("nccl" if cuda else "gloo", float(args.dist_timeout))
         created = True
     entry: Callable[[argparse.Namespace], Any] = compare if args.command == "compare" else train
     try:
