@@ -28,6 +28,7 @@ def _run(mode: str, seed: int, steps: int | None, seconds: float | None) -> dict
         "seed": seed,
         "steps_to_target": steps,
         "seconds_to_target": seconds,
+        "cpu_seconds_to_target": None if seconds is None else seconds / 2,
         "final_accuracy": 0.9 + seed / 100,
         "seconds_per_step": 1.0 + seed,
         "cpu_seconds_per_step": 0.5 + seed,
@@ -48,6 +49,7 @@ def test_summary_medians_over_the_seeds_that_reached_the_target() -> None:
     assert fixed["reached"] == "3/3" and adaptive["reached"] == "2/3"
     assert fixed["median_steps_to_target"] == 8 and fixed["median_seconds_to_target"] == 5.0
     assert adaptive["median_steps_to_target"] == 13 and adaptive["median_seconds_to_target"] == 5
+    assert adaptive["median_cpu_seconds_to_target"] == 2.5
     assert fixed["mean_final_accuracy"] == pytest.approx(0.91)
     assert adaptive["mean_refresh_fraction"] == pytest.approx(0.6)
     assert fixed["median_seconds_per_step"] == 2.0
@@ -68,3 +70,6 @@ def test_tiny_runs_report_their_refresh_fraction() -> None:
         assert [t[0] for t in result["trace"]] == [2, 4]
         assert result["final_accuracy"] == result["trace"][-1][2]
         assert result["steps_to_target"] == 2  # 10 classes: 0.1 is reached at once
+        assert 0 < result["cpu_seconds_to_target"] <= result["train_seconds"] * 2
+    assert fixed["final_intervals"] == {}
+    assert len(adaptive["final_intervals"]) == 13  # A and G of 5 layers, F of 3 BatchNorms
