@@ -28,6 +28,7 @@ from dkfac.config import check_schedule_value
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "kfac", "kfac-adam")
 AMP_MODES = ("none", "bf16", "fp16")
+MIXUP_MODES = ("standard", "running")
 EXTERNAL = {"bench": "dkfac.bench", "plan": "dkfac.plan"}
 
 EPILOG = """\
@@ -59,6 +60,12 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--image-size", type=int, default=32, help="synthetic image size")
     g.add_argument("--in-channels", type=int, default=3, help="synthetic channels")
     g.add_argument("--num-classes", type=int, default=10, help="synthetic classes")
+    g.add_argument(
+        "--batch-norm",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="cnn only: BatchNorm after each convolution",
+    )
 
     g = p.add_argument_group("optimisation")
     g.add_argument(
@@ -85,6 +92,24 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--power", type=float, default=2.0, help="poly-schedule exponent")
     g.add_argument("--label-smoothing", type=float, default=0.0)
     g.add_argument("--mixup", type=float, default=0.0, help="mixup Beta(a, a) parameter; 0 = off")
+    g.add_argument(
+        "--mixup-mode",
+        choices=MIXUP_MODES,
+        default="standard",
+        help="standard: mix with a permuted batch; running: with the previous mixed batch",
+    )
+    g.add_argument(
+        "--weight-rescale",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rescale conv/linear weights to norm sqrt(2*d_out) after each step (no decay)",
+    )
+    g.add_argument(
+        "--momentum-scale-with-lr",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="momentum = --momentum * lr / base lr at every step",
+    )
     g.add_argument(
         "--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step"
     )
@@ -201,6 +226,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("the autoencoder has no accuracy; drop --target-accuracy")
     if not args.dist_timeout > 0:
         parser.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    _check_recipe(args, parser)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.command == "compare":
@@ -223,6 +249,16 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                         check_schedule_value(field, piece)
     except (ValueError, TypeError) as err:
         parser.error(f"invalid K-FAC option: {err}")
+
+
+def _check_recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Checks of the large-batch recipe flags (SP-NGD)."""
+    if args.mixup_mode == "running" and args.mixup <= 0:
+        parser.error("--mixup-mode running needs --mixup ALPHA > 0")
+    if args.weight_rescale and args.weight_decay != 0:
+        parser.error("--weight-rescale replaces weight decay; pass --weight-decay 0")
+    if args.batch_norm and args.model != "cnn":
+        parser.error(f"--batch-norm applies to --model cnn (got {args.model})")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -2,7 +2,8 @@
 
 :func:`build_session` turns parsed options into a :class:`Session` on this rank;
 :func:`train_step` runs one optimizer step (micro-batches, augmentation, mixup, autocast,
-gradient scaling, the K-FAC step); :func:`evaluate` computes the test metrics summed over ranks.
+gradient scaling, the K-FAC step, the large-batch recipe of :mod:`dkfac.app.recipe`);
+:func:`evaluate` computes the test metrics summed over ranks.
 :mod:`dkfac.app.trainer` drives them.
 
 Randomness that a step draws (crop/flip offsets, mixup) comes from generators seeded by
@@ -28,7 +29,8 @@ from torch import Tensor, nn
 
 from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
 from dkfac.app.data import DataError, Splits, load_dataset, random_crop_flip, shard_indices
-from dkfac.app.models import build_model
+from dkfac.app.models import SmallCNN, build_model
+from dkfac.app.recipe import RunningMixup, mixing_weight, rescale_weights, scale_momentum
 from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.app.schedules import make_lr_lambda
 from dkfac.optimizer import KFACOptimizer
@@ -88,6 +90,7 @@ class Session:
     steps_per_epoch: int
     total_steps: int
     reconstruct: bool
+    running_mixup: RunningMixup | None = None
 
 
 def build_session(args: argparse.Namespace, device: torch.device) -> Session:
@@ -122,12 +125,17 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
     total = total if args.steps is None else min(total, args.steps)
     if args.amp == "fp16" and device.type != "cuda":
         raise UsageError("--amp fp16 needs a CUDA device (use --amp bf16 on CPU)")
-    bare = build_model(
-        args.model,
-        in_channels=data.in_channels,
-        image_size=data.image_size,
-        num_classes=data.num_classes,
-    ).to(device)
+    if getattr(args, "batch_norm", False):  # the cli allows it for the cnn only
+        bare: nn.Module = SmallCNN(
+            data.in_channels, data.num_classes, data.image_size, batch_norm=True
+        ).to(device)
+    else:
+        bare = build_model(
+            args.model,
+            in_channels=data.in_channels,
+            image_size=data.image_size,
+            num_classes=data.num_classes,
+        ).to(device)
     model: nn.Module = bare
     if world > 1 and getattr(args, "strategy", None) != "spngd":
         ids = [device.index] if device.type == "cuda" else None
@@ -160,12 +168,14 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
         power=args.power,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    if getattr(args, "momentum_scale_with_lr", False):
+        scale_momentum(opt, args.momentum)
     pre = None
     if args.optimizer.startswith("kfac"):
         config = kfac_config_from_args(args, steps_per_epoch)
         pre = KFACPreconditioner(model, config=config, grad_scaler=scaler)
         opt = KFACOptimizer(opt, pre)
-    return Session(
+    run = Session(
         args,
         data,
         model,
@@ -182,6 +192,9 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
         total,
         args.model == "autoencoder",
     )
+    if getattr(args, "mixup_mode", "standard") == "running":
+        run.running_mixup = RunningMixup(data.num_classes)
+    return run
 
 
 def compute_loss(
@@ -215,8 +228,11 @@ def train_step(run: Session, indices: list[int], step: int) -> tuple[list[float]
         y = run.data.y_train[idx].to(run.device, non_blocking=True)
         if args.augment == "on" or (args.augment == "auto" and args.data.startswith("cifar")):
             x = random_crop_flip(x, generator=gen)
-        y2, lam = None, 1.0
-        if args.mixup > 0:
+        y2, lam, soft = None, 1.0, None
+        if run.running_mixup is not None:
+            lam = mixing_weight(mix.betavariate(args.mixup, args.mixup))
+            x, soft = run.running_mixup.mix(x, y, lam)
+        elif args.mixup > 0:
             lam = mix.betavariate(args.mixup, args.mixup)
             perm = torch.randperm(len(y), generator=gen, device=gen.device).to(run.device)
             x, y2 = lam * x + (1 - lam) * x[perm], y[perm]
@@ -225,7 +241,10 @@ def train_step(run: Session, indices: list[int], step: int) -> tuple[list[float]
         with ctx:
             with autocast(run):
                 out = run.model(x)
-            loss = compute_loss(run, out, x, y, y2, lam)
+            if soft is None:
+                loss = compute_loss(run, out, x, y, y2, lam)
+            else:
+                loss = F.cross_entropy(out.float(), soft, label_smoothing=args.label_smoothing)
             pre = run.preconditioner
             if pre is not None and pre.config.fisher == "mc":
                 pre.sample_fisher(out.float(), "mse" if run.reconstruct else "cross_entropy")
@@ -244,8 +263,12 @@ def train_step(run: Session, indices: list[int], step: int) -> tuple[list[float]
         run.scaler.update()
     else:
         run.optimizer.step()
+    if getattr(args, "weight_rescale", False):
+        rescale_weights(run.bare)
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
+    if getattr(args, "momentum_scale_with_lr", False):
+        scale_momentum(run.optimizer, args.momentum)
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     return sums, t1 - t0, time.perf_counter() - t1
@@ -279,6 +302,8 @@ def checkpoint_state(run: Session, position: dict[str, Any]) -> dict[str, Any]:
         "scaler": None if run.scaler is None else run.scaler.state_dict(),
         "rng": rng_state(),
         "position": position,
+        # Rank 0's chain; with several ranks a resume restarts the chains (see restore).
+        "running_mixup": None if run.running_mixup is None else run.running_mixup.state_dict(),
     }
 
 
@@ -291,6 +316,11 @@ def restore(run: Session, path: Path) -> dict[str, Any]:
         if run.scaler is not None and state.get("scaler") is not None:
             run.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
+        mixup_state = state.get("running_mixup")
+        if run.running_mixup is not None and mixup_state is not None and run.world == 1:
+            kept = mixup_state["inputs"]
+            if kept is None or len(kept) == run.micro_batch:
+                run.running_mixup.load_state_dict(mixup_state)  # several ranks: chains restart
         position: dict[str, Any] = dict(state["position"])
     except (KeyError, ValueError, RuntimeError, TypeError) as err:
         raise CheckpointError(f"checkpoint {path} does not match this run: {err}") from None
