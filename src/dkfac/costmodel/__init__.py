@@ -12,7 +12,14 @@ Pure functions of layer shapes, world size and device rates (no process group):
 The per-strategy traffic choices are one table, :data:`RULES` (see :mod:`.traffic`).
 """
 
-from dkfac.costmodel.layers import BNLayer, KFACLayer, ModelSpec, extract_layers
+from dkfac.costmodel.layers import (
+    LAYER_KINDS,
+    BNLayer,
+    KFACLayer,
+    ModelSpec,
+    extract_layers,
+    spec_from_blocks,
+)
 from dkfac.costmodel.predict import (
     PHASES,
     DeviceRates,
@@ -37,6 +44,7 @@ from dkfac.costmodel.traffic import (
 
 __all__ = [
     "KINDS",
+    "LAYER_KINDS",
     "PHASES",
     "RULES",
     "STRATEGIES",
@@ -57,4 +65,5 @@ __all__ = [
     "predict_ledger_bytes",
     "predict_memory",
     "recommend",
+    "spec_from_blocks",
 ]
