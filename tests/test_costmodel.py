@@ -77,12 +77,17 @@ def test_extract_conv_bn_and_grouped_conv() -> None:
     spec = extract_layers(model, (3, 10, 10))
     assert [(x.name, x.a_dim, x.g_dim, x.positions, x.kind) for x in spec.layers] == [
         ("0", 28, 8, 64, "conv2d"),
+        ("1", 2, 8, 1, "batchnorm"),  # unit-wise: a = 2 (γ_c, β_c), g = C
         ("3", 8, 4, 16, "conv2d"),
         ("5", 64, 3, 1, "linear"),
     ]
     assert [(b.name, b.channels) for b in spec.bn_layers] == [("1", 8)]
-    assert spec.other_param_numel == 2 * 8 + 8 * 4 * 3 * 3  # BN γ, β + grouped conv weight
+    assert spec.other_param_numel == 8 * 4 * 3 * 3  # the grouped conv weight
     assert spec.forward_flops_per_sample == 2 * (64 * 28 * 8 + 16 * 8 * 4 + 64 * 3)
+    plain = extract_layers(model, unitwise_bn=False)  # BN then counts as other parameters
+    assert [x.kind for x in plain.layers] == ["conv2d", "conv2d", "linear"]
+    assert plain.other_param_numel == 2 * 8 + 8 * 4 * 3 * 3
+    assert plain.param_numel == spec.param_numel
 
 
 def test_extract_rejects_bad_input() -> None:
@@ -134,11 +139,16 @@ def test_ledger_bytes_step_kinds_and_single_rank(spec: ModelSpec) -> None:
 def test_ledger_bytes_other_params_and_dtypes() -> None:
     from dkfac.costmodel import DtypeBytes
 
-    model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2))
+    model = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5), nn.Linear(5, 2))
     spec = extract_layers(model)
     assert spec.other_param_numel == 10
     ledger = predict_ledger_bytes(spec, 2, "spngd", dtypes=DtypeBytes(factor=2, grad=2))
     assert ledger[0] == kinds(gradients=(32 + 10) * 2, factors=49 * 2, pre=32 * 2)
+    # A BatchNorm1d(5) is a unit-wise layer: statistic 5·2·2 (not packed), gradient 5·2.
+    bn = extract_layers(nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2)))
+    assert bn.other_param_numel == 0
+    ledger = predict_ledger_bytes(bn, 2, "spngd", dtypes=DtypeBytes(factor=2, grad=2))
+    assert ledger[0] == kinds(gradients=(32 + 10) * 2, factors=(49 + 20) * 2, pre=(32 + 10) * 2)
 
 
 def test_placement_matches_assignment_module(spec: ModelSpec) -> None:

@@ -8,6 +8,7 @@ does not break the others.
     python -m dkfac.bench step --model resnet20 --batch-size 128
     python -m dkfac.bench tta --seeds 3
     python -m dkfac.bench autoencoder
+    python -m dkfac.bench comm      # and: memory
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "autoencoder": ("dkfac.bench.autoencoder", "digits deep autoencoder: loss against time"),
     "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
     "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
-    "memory": ("dkfac.bench.memory", "memory per rank per strategy vs the cost model"),
+    "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),
 }
-"""Sub-benchmark name -> (module, one-line description)."""
+"""Sub-benchmark name -> (``module`` or ``module:function``, one-line description)."""
 
 
 def _usage() -> str:
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"dkfac bench: unknown benchmark {name!r}\n{_usage()}", file=sys.stderr)
         return 2
-    module_name = SUBCOMMANDS[name][0]
+    module_name, _, function = SUBCOMMANDS[name][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -61,4 +62,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"dkfac bench: {name!r} is not available in this build ({err})", file=sys.stderr)
         return 2
-    return int(module.main(rest))
+    return int(getattr(module, function or "main")(rest))

@@ -12,7 +12,15 @@ Pure functions of layer shapes, world size and device rates (no process group):
 The per-strategy traffic choices are one table, :data:`RULES` (see :mod:`.traffic`).
 """
 
-from dkfac.costmodel.layers import BNLayer, KFACLayer, ModelSpec, extract_layers
+from dkfac.costmodel.auto import AUTO_BATCH_PER_RANK, auto_candidates, select_strategy
+from dkfac.costmodel.layers import (
+    LAYER_KINDS,
+    BNLayer,
+    KFACLayer,
+    ModelSpec,
+    extract_layers,
+    spec_from_blocks,
+)
 from dkfac.costmodel.predict import (
     PHASES,
     DeviceRates,
@@ -36,7 +44,9 @@ from dkfac.costmodel.traffic import (
 )
 
 __all__ = [
+    "AUTO_BATCH_PER_RANK",
     "KINDS",
+    "LAYER_KINDS",
     "PHASES",
     "RULES",
     "STRATEGIES",
@@ -47,6 +57,7 @@ __all__ = [
     "ModelSpec",
     "StrategyPrediction",
     "StrategyRule",
+    "auto_candidates",
     "calibrate",
     "candidate_strategies",
     "ddp_gradient_bytes",
@@ -57,4 +68,6 @@ __all__ = [
     "predict_ledger_bytes",
     "predict_memory",
     "recommend",
+    "select_strategy",
+    "spec_from_blocks",
 ]

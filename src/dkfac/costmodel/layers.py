@@ -6,9 +6,16 @@
 - ``nn.Conv2d(C_in, C_out, (kh, kw), groups=1)``: ``a_dim = C_in·kh·kw + 1`` with a bias,
   ``g_dim = C_out``. Grouped convolutions are not K-FAC layers here (their parameters count
   as other parameters).
-- ``nn.BatchNorm*`` (with affine parameters): a :class:`BNLayer` of ``channels`` channels.
+- ``nn.Embedding(V, D)``: ``a_dim = V``, ``g_dim = D``.
+- ``nn.BatchNorm*`` (with affine parameters): a :class:`BNLayer` of ``channels`` channels and,
+  as the engine preconditions it by default (``unitwise_bn=True``), also a layer of kind
+  ``"batchnorm"`` with ``a_dim = 2`` (the unit ``(γ_c, β_c)``) and ``g_dim = C``: statistic
+  ``F`` of ``C·2·2`` elements, unit-wise solver state of ``C·2·2``, gradient ``C·2``, placement
+  cost ``8C`` (compute) or ``4C`` (memory) — exactly what
+  :class:`~dkfac.blocks.batchnorm.BatchNormBlock` reports.
 
-Every K-FAC layer has ``a_dim · g_dim`` gradient elements (the bias is the extra column).
+Every Kronecker layer has ``a_dim · g_dim`` gradient elements (the bias is the extra column).
+:func:`spec_from_blocks` builds the same description from a preconditioner's blocks.
 With an ``input_shape`` one forward pass of a single sample records the number of output
 positions ``T`` of each layer (``1`` for Linear; for a Linear applied to a sequence, the
 sequence length), which the time model uses for factor-build and forward/backward flops.
@@ -16,13 +23,21 @@ sequence length), which the time model uses for factor-build and forward/backwar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BNLayer", "KFACLayer", "ModelSpec", "extract_layers"]
+from dkfac.blocks.base import Block
+from dkfac.blocks.batchnorm import BatchNormBlock
+from dkfac.blocks.conv2d import Conv2dBlock
+from dkfac.blocks.embedding import EmbeddingBlock
+from dkfac.distributed.assignment import layer_cost
+
+__all__ = ["LAYER_KINDS", "BNLayer", "KFACLayer", "ModelSpec", "extract_layers", "spec_from_blocks"]
+
+LAYER_KINDS = ("linear", "conv2d", "embedding", "batchnorm")
 
 
 def _check_positive_int(name: str, value: int) -> None:
@@ -39,7 +54,8 @@ class KFACLayer:
         a_dim: Side of the activation factor A (inputs per output position, plus 1 for a bias).
         g_dim: Side of the gradient factor G (outputs).
         positions: Output positions per sample ``T`` (1 for Linear, ``H_out·W_out`` for conv).
-        kind: ``"linear"`` or ``"conv2d"`` (informative only).
+        kind: ``"linear"``, ``"conv2d"``, ``"embedding"`` (Kronecker pairs, informative only)
+            or ``"batchnorm"`` (unit-wise 2×2 blocks; sizes as in the module notes).
     """
 
     name: str
@@ -54,11 +70,28 @@ class KFACLayer:
         _check_positive_int("a_dim", self.a_dim)
         _check_positive_int("g_dim", self.g_dim)
         _check_positive_int("positions", self.positions)
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"kind must be one of {LAYER_KINDS}, got {self.kind!r}")
+        if self.kind == "batchnorm" and self.a_dim != 2:
+            raise ValueError(f"a batchnorm layer has a_dim 2, got {self.a_dim}")
 
     @property
     def grad_numel(self) -> int:
         """Gradient elements of weight and bias together: ``a_dim · g_dim``."""
         return self.a_dim * self.g_dim
+
+    @property
+    def unitwise(self) -> bool:
+        """Whether the layer is a unit-wise BatchNorm block (not a Kronecker pair)."""
+        return self.kind == "batchnorm"
+
+    def placement_cost(self, cost_kind: str = "compute") -> float:
+        """The engine's placement cost (the block's ``placement_cost``)."""
+        if self.unitwise:
+            if cost_kind not in ("compute", "memory"):
+                raise ValueError(f"kind must be 'compute' or 'memory', got {cost_kind!r}")
+            return float((8 if cost_kind == "compute" else 4) * self.g_dim)
+        return layer_cost(self.a_dim, self.g_dim, cost_kind)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +116,8 @@ class ModelSpec:
 
     Attributes:
         layers: K-FAC layers in module order.
-        bn_layers: BatchNorm layers (their γ, β are part of ``other_param_numel``).
+        bn_layers: BatchNorm layers (informative; with ``unitwise_bn`` they are also in
+            ``layers``, otherwise their γ, β are part of ``other_param_numel``).
         other_param_numel: Trainable parameter elements outside the K-FAC layers (BN, grouped
             convs, embeddings, ...); DDP all-reduces their gradients too.
         forward_flops_per_sample: Multiply-add flops (2 per MAC) of one sample's forward pass
@@ -123,7 +157,9 @@ def _is_kfac_conv(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv2d) and module.groups == 1
 
 
-def extract_layers(model: nn.Module, input_shape: Sequence[int] | None = None) -> ModelSpec:
+def extract_layers(
+    model: nn.Module, input_shape: Sequence[int] | None = None, *, unitwise_bn: bool = True
+) -> ModelSpec:
     """Reads the K-FAC layers, BatchNorm layers and other parameters of ``model``.
 
     Args:
@@ -131,6 +167,7 @@ def extract_layers(model: nn.Module, input_shape: Sequence[int] | None = None) -
         input_shape: Shape of ONE sample (without the batch dimension), e.g. ``(3, 224, 224)``;
             when given, a single forward pass (no gradients, on the model's device) records
             output positions and forward flops. Without it every ``positions`` is 1.
+        unitwise_bn: BatchNorm layers are preconditioned (as ``KFACConfig.unitwise_bn``).
 
     Returns:
         The :class:`ModelSpec`.
@@ -164,13 +201,19 @@ def extract_layers(model: nn.Module, input_shape: Sequence[int] | None = None) -
             kh, kw = module.kernel_size
             bias = 1 if module.bias is not None else 0
             a_dim, g_dim, kind = module.in_channels * kh * kw + bias, module.out_channels, "conv2d"
+        elif trainable and isinstance(module, nn.Embedding):
+            a_dim, g_dim, kind = module.num_embeddings, module.embedding_dim, "embedding"
+        elif trainable and isinstance(module, nn.modules.batchnorm._BatchNorm):
+            bn_layers.append(BNLayer(name=name, channels=int(module.num_features)))
+            if not unitwise_bn or module.bias is None:
+                continue
+            a_dim, g_dim, kind = 2, int(module.num_features), "batchnorm"
         else:
-            if trainable and isinstance(module, nn.modules.batchnorm._BatchNorm):
-                bn_layers.append(BNLayer(name=name, channels=int(module.num_features)))
             continue
         t = positions.get(name, 1)
         layers.append(KFACLayer(name=name, a_dim=a_dim, g_dim=g_dim, positions=t, kind=kind))
-        flops += 2.0 * t * a_dim * g_dim
+        if kind in ("linear", "conv2d"):
+            flops += 2.0 * t * a_dim * g_dim
         kfac_params.update(id(p) for p in module.parameters(recurse=False))
     if not layers:
         raise ValueError("model has no nn.Linear or nn.Conv2d (groups=1) layer to precondition")
@@ -183,6 +226,41 @@ def extract_layers(model: nn.Module, input_shape: Sequence[int] | None = None) -
         other_param_numel=int(other),
         forward_flops_per_sample=flops if positions else 0.0,
     )
+
+
+def spec_from_blocks(blocks: Mapping[str, Block], other_param_numel: int = 0) -> ModelSpec:
+    """The cost model's view of a preconditioner's registered blocks (module order kept).
+
+    Args:
+        blocks: Layer name -> block, as ``KFACPreconditioner`` registered them.
+        other_param_numel: Trainable parameter elements outside the blocks.
+
+    Returns:
+        The :class:`ModelSpec` (``positions`` all 1: blocks do not know the input size).
+
+    Raises:
+        ValueError: If a block is neither a dense Kronecker pair (statistics ``A`` of
+            ``a × a`` and ``G`` of ``g × g``) nor a unit-wise BatchNorm block, e.g. a block
+            type registered by the user, or ``blocks`` is empty.
+    """
+    layers: list[KFACLayer] = []
+    for name, block in blocks.items():
+        shapes = block.statistic_shapes()
+        if isinstance(block, BatchNormBlock):
+            layers.append(KFACLayer(name=name, a_dim=2, g_dim=block.channels, kind="batchnorm"))
+            continue
+        a, g = block.a_dim, block.g_dim
+        if block.solver_name is not None or shapes != {"A": (a, a), "G": (g, g)}:
+            raise ValueError(f"block {name!r} ({type(block).__name__}) is not described")
+        kind = (
+            "conv2d"
+            if isinstance(block, Conv2dBlock)
+            else "embedding"
+            if isinstance(block, EmbeddingBlock)
+            else "linear"
+        )
+        layers.append(KFACLayer(name=name, a_dim=a, g_dim=g, kind=kind))
+    return ModelSpec(layers=tuple(layers), other_param_numel=other_param_numel)
 
 
 def _count_positions(model: nn.Module, input_shape: Sequence[int]) -> dict[str, int]:

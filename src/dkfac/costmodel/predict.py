@@ -248,11 +248,19 @@ def predict(
 
     counts = [element_counts(layer, method, rule.pack_factors) for layer in spec.layers]
     b = batch_per_rank
-    build = [2.0 * b * lay.positions * (lay.a_dim**2 + lay.g_dim**2) for lay in spec.layers]
     inv_rate = rates.eigh_rate if method == "eigen" else rates.cholesky_rate
-    invert = [(lay.a_dim**3 + lay.g_dim**3) / inv_rate for lay in spec.layers]
     c = 4.0 if method == "eigen" else 2.0
-    precond = [c * lay.a_dim * lay.g_dim * (lay.a_dim + lay.g_dim) for lay in spec.layers]
+    build, invert, precond = [], [], []
+    for lay in spec.layers:
+        a, g = lay.a_dim, lay.g_dim
+        if lay.unitwise:  # per sample: 2 per-channel gradients and their 2×2 outer product
+            build.append(2.0 * b * 4 * g)
+            invert.append(0.0)  # closed-form 2×2 solves, applied in the precondition phase
+            precond.append(16.0 * g)
+        else:
+            build.append(2.0 * b * lay.positions * (a**2 + g**2))
+            invert.append((a**3 + g**3) / inv_rate)
+            precond.append(c * a * g * (a + g))
     owned_build = [0.0] * p
     owned_inv = [0.0] * p
     group_pre = [0.0] * place.n_groups

@@ -9,26 +9,33 @@ All strategy-specific choices live in two small tables, :data:`RULES` (who build
 keeps what) and :func:`element_counts` (how many elements each kind of message holds per
 layer), so they can be aligned with the strategies' implementation in one place.
 
-Assumptions (to be checked against ``dkfac.distributed.strategies`` by the ledger tests):
+What each strategy does (read from ``dkfac.distributed.strategies`` and checked against the
+real ledger at 2 and 4 ranks by ``tests/test_costmodel_ledger.py``):
 
-* Placement: ``plan_placement({name: layer_cost(a, g, cost_kind)}, P, f)``; ``f = 1`` for
-  ``replicated``, ``1/P`` for ``mem-opt`` and ``dp`` and ``spngd``.
-* ``replicated`` / ``kaisa``: every rank all-reduces the full (unpacked) A and G of every layer
-  (kind ``factors``); each inverse owner broadcasts the layer's solver state inside the layer's
-  grad-worker group (kind ``inverses``; eigen: ``Q_A, λ_A, Q_G, λ_G``; cholesky:
-  ``A⁻¹, G⁻¹``); in every grad-receiver block of more than one rank the block's grad worker
-  broadcasts the preconditioned gradient (weight and bias, ``a·g`` elements; kind
-  ``preconditioned``). Gradients are averaged by DDP, outside the ledger.
-* ``mem-opt``: as ``kaisa`` with ``f = 1/P`` (no inverse traffic; the owner broadcasts the
+* Placement: ``plan_placement({name: placement cost}, P, f)`` with the blocks' placement costs
+  (Kronecker ``layer_cost(a, g)``, BatchNorm ``8C`` / ``4C``); ``f = 1`` for ``replicated``,
+  ``1/P`` for ``mem-opt``, ``dp`` and ``spngd``.
+* ``replicated`` / ``kaisa``: every rank all-reduces every layer's statistics (kind
+  ``factors``; unpacked unless ``pack_triangles``); each inverse owner broadcasts the layer's
+  solver state inside the layer's grad-worker group (kind ``inverses``; eigen: ``Q_A, λ_A,
+  Q_G, λ_G``; cholesky: ``A⁻¹, G⁻¹``; BatchNorm: the ``C×2×2`` unit Fisher), stored in the
+  factor dtype; in every grad-receiver block of more than one rank the block's grad worker
+  broadcasts the preconditioned gradient (``a·g`` elements; kind ``preconditioned``).
+  Gradients are averaged by DDP, outside the ledger. Only ``replicated`` keeps every layer's
+  running factors; ``kaisa`` keeps them on the owner only.
+* ``mem-opt``: ``kaisa`` with ``f = 1/P`` (no inverse traffic; the owner broadcasts the
   preconditioned gradient to all ranks); ranks keep factors only for the layers they own.
-* ``dp``: factors built by the owner from its local batch, never communicated; otherwise as
-  ``mem-opt``.
-* ``spngd``: no DDP. The K-FAC layers' gradients and packed factors are reduced to their
-  owners (``reduce_scatter``, kinds ``gradients`` and ``factors``), the other parameters'
-  gradients are all-reduced (kind ``gradients``), and the owners' preconditioned gradients are
-  all-gathered (kind ``preconditioned``).
-* Factors are sent only on factor-update steps, inverses only on inverse-update steps;
-  gradients and preconditioned gradients on every step.
+* ``dp``: statistics built by the owner from its local batch, never communicated; otherwise
+  as ``mem-opt``.
+* ``spngd``: no DDP. Every preconditioned layer's gradient (BatchNorm γ, β included) and its
+  packed statistics are reduced to the owner (``reduce_scatter``, kinds ``gradients`` and
+  ``factors``; BatchNorm's ``C×2×2`` statistic is not square, so it is sent unpacked), the
+  other parameters' gradients are all-reduced (kind ``gradients``), and every layer's final
+  gradient is all-gathered from its owner (kind ``preconditioned``).
+* Statistics are sent only on factor-update steps, solver states only on inverse-update
+  steps; gradients and preconditioned gradients on every step. The engine's small control
+  messages (presence and finite-flag agreement, KL-clip sums, state signatures) are not in
+  the ledger and not here.
 """
 
 from __future__ import annotations
@@ -42,7 +49,6 @@ from dkfac.costmodel.layers import KFACLayer, ModelSpec
 from dkfac.distributed.assignment import (
     CostKind,
     grad_worker_count,
-    layer_cost,
     plan_placement,
 )
 
@@ -94,7 +100,7 @@ class StrategyRule:
 
 RULES: dict[str, StrategyRule] = {
     "replicated": StrategyRule("all", "all_reduce", False, True, "receivers", "ddp", "all", "one"),
-    "kaisa": StrategyRule("all", "all_reduce", False, True, "receivers", "ddp", "all", "given"),
+    "kaisa": StrategyRule("all", "all_reduce", False, True, "receivers", "ddp", "owner", "given"),
     "mem-opt": StrategyRule(
         "all", "all_reduce", False, True, "receivers", "ddp", "owner", "inverse_p"
     ),
@@ -112,7 +118,8 @@ class DtypeBytes:
 
     Attributes:
         factor: Factors (and their accumulators), default fp32.
-        inverse: Solver state (``eigen_dtype``), default fp32.
+        inverse: Solver state as stored and sent. The engine computes in ``eigen_dtype`` but
+            stores the state in the factor dtype, so this equals ``factor`` for the engine.
         grad: Gradients and preconditioned gradients, default fp32.
     """
 
@@ -136,21 +143,23 @@ def element_counts(layer: KFACLayer, method: str, packed: bool) -> dict[str, int
 
     Args:
         layer: The layer.
-        method: ``"eigen"`` or ``"cholesky"``.
-        packed: Factors sent as packed triangles.
+        method: ``"eigen"`` or ``"cholesky"`` (BatchNorm layers always use the unit-wise
+            solver).
+        packed: Square statistics sent as packed triangles.
 
     Returns:
-        ``{"factors_sent", "factors_stored", "inverse", "grad"}`` element counts: factors sent
-        ``a²+g²`` (packed ``a(a+1)/2 + g(g+1)/2``); stored ``a²+g²``; solver state (eigen
-        ``a²+a+g²+g``, cholesky ``a²+g²``); gradient ``a·g``.
+        ``{"factors_sent", "factors_stored", "inverse", "grad"}`` element counts. Kronecker:
+        factors sent ``a²+g²`` (packed ``a(a+1)/2 + g(g+1)/2``); stored ``a²+g²``; solver
+        state (eigen ``a²+a+g²+g``, cholesky ``a²+g²``); gradient ``a·g``. BatchNorm
+        (``a = 2``, ``g = C``): statistic ``4C`` sent and stored (never packed), state
+        ``4C``, gradient ``2C``.
     """
     a, g = layer.a_dim, layer.g_dim
-    if method == "eigen":
-        inverse = a * a + a + g * g + g
-    elif method == "cholesky":
-        inverse = a * a + g * g
-    else:
+    if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if layer.unitwise:
+        return {"factors_sent": 4 * g, "factors_stored": 4 * g, "inverse": 4 * g, "grad": 2 * g}
+    inverse = a * a + a + g * g + g if method == "eigen" else a * a + g * g
     return {
         "factors_sent": _tri(a) + _tri(g) if packed else a * a + g * g,
         "factors_stored": a * a + g * g,
@@ -199,19 +208,18 @@ def placement_for(
             divide the world size.
     """
     fraction = _fraction(strategy, world_size, grad_worker_fraction)
-    dims = tuple((layer.name, layer.a_dim, layer.g_dim) for layer in spec.layers)
-    return _placement(dims, world_size, fraction, cost_kind)
+    costs = tuple((layer.name, layer.placement_cost(cost_kind)) for layer in spec.layers)
+    return _placement(costs, world_size, fraction)
 
 
 @functools.lru_cache(maxsize=64)
 def _placement(
-    dims: tuple[tuple[str, int, int], ...], world_size: int, fraction: float, cost_kind: CostKind
+    named_costs: tuple[tuple[str, float], ...], world_size: int, fraction: float
 ) -> Placement:
     """Cached: the planner asks for the same placement several times per strategy."""
     n_workers = grad_worker_count(world_size, fraction)
-    costs = {name: layer_cost(a, g, cost_kind) for name, a, g in dims}
-    plan = plan_placement(costs, world_size, fraction)
-    owners = tuple(plan[name].inverse_owner for name, _, _ in dims)
+    plan = plan_placement(dict(named_costs), world_size, fraction)
+    owners = tuple(plan[name].inverse_owner for name, _ in named_costs)
     return Placement(owners=owners, n_workers=n_workers, n_groups=world_size // n_workers)
 
 
@@ -233,6 +241,7 @@ def predict_ledger_bytes(
     factor_step: bool = True,
     inverse_step: bool = True,
     cost_kind: CostKind = "compute",
+    pack_triangles: bool | None = None,
 ) -> dict[int, dict[str, int]]:
     """Bytes each rank's :class:`~dkfac.distributed.comm.CommLedger` records in one step.
 
@@ -246,6 +255,7 @@ def predict_ledger_bytes(
         factor_step: The step updates factors.
         inverse_step: The step updates inverses.
         cost_kind: Placement cost (see :func:`~dkfac.distributed.assignment.layer_cost`).
+        pack_triangles: ``KFACConfig.pack_triangles``; ``None``: on for ``spngd`` only.
 
     Returns:
         ``{rank: {kind: bytes}}`` for every rank and every kind of :data:`KINDS`. DDP's own
@@ -261,7 +271,8 @@ def predict_ledger_bytes(
     zero = dict.fromkeys(KINDS, 0)
     if world_size == 1:
         return {0: dict(zero)}
-    counts = [element_counts(layer, method, rule.pack_factors) for layer in spec.layers]
+    packed = rule.pack_factors if pack_triangles is None else pack_triangles
+    counts = [element_counts(layer, method, packed) for layer in spec.layers]
     uniform = dict(zero)
     if factor_step and rule.factor_collective is not None:
         uniform["factors"] = sum(c["factors_sent"] for c in counts) * dt.factor
