@@ -145,6 +145,20 @@ def test_bad_input_through_the_real_program() -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_kfac_options_that_do_not_fit_the_model_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Valid on their own, rejected by the engine once the model exists: still exit 2, one
+    # message, no traceback, before any training step.
+    argv = ["train", "--optimizer", "kfac", "--skip-layers", ".*", "--out", str(tmp_path)]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "K-FAC options: model has no layer K-FAC can precondition" in err
+    metrics = tmp_path / "metrics.jsonl"
+    assert not metrics.exists() or '"kind": "train"' not in metrics.read_text()
+
+
 # ----------------------------------------------------------------------- config files
 def test_config_file_values_with_flag_overrides(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"

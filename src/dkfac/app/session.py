@@ -173,7 +173,10 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
     pre = None
     if args.optimizer.startswith("kfac"):
         config = kfac_config_from_args(args, steps_per_epoch)
-        pre = KFACPreconditioner(model, config=config, grad_scaler=scaler)
+        try:
+            pre = KFACPreconditioner(model, config=config, grad_scaler=scaler)
+        except (TypeError, ValueError) as err:  # options that do not fit this model / world
+            raise UsageError(f"K-FAC options: {err}") from None
         opt = KFACOptimizer(opt, pre)
     run = Session(
         args,
