@@ -143,7 +143,9 @@ def conv_input_factor_sum(
     out_w = output_size(width, kw, sw, dw)
     if out_h < 1 or out_w < 1:
         raise ValueError(f"padded input {tuple(padded.shape)} leaves no output position")
-    by_channel = padded.transpose(0, 1)  # (C, N, Hp, Wp): a product is one C × C matmul
+    # Channels last: a window's copy is then a few long contiguous runs, and a product over
+    # it one (C × N·h·w) @ (N·h·w × C) matmul.
+    channels_last = padded.permute(0, 2, 3, 1).contiguous()
     blocks = padded.new_zeros(kh, kw, kh, kw, channels, channels)
     groups_h = axis_groups(kh, sh, dh, out_h)
     groups_w = axis_groups(kw, sw, dw, out_w)
@@ -159,9 +161,9 @@ def conv_input_factor_sum(
                 for b, (lo_w, hi_w) in enumerate(gw.segments):
                     cols_left = _window(gw.residue, sw, lo_w, hi_w)
                     cols_right = _window(gw.residue_other, sw, lo_w + gw.shift, hi_w + gw.shift)
-                    left = by_channel[:, :, rows_left, cols_left].reshape(channels, -1)
-                    right = by_channel[:, :, rows_right, cols_right].reshape(channels, -1)
-                    torch.mm(left, right.T, out=sums[a, b])
+                    left = channels_last[:, rows_left, cols_left].reshape(-1, channels)
+                    right = channels_last[:, rows_right, cols_right].reshape(-1, channels)
+                    torch.mm(left.T, right, out=sums[a, b])
             member_h = torch.tensor(gh.membership, dtype=padded.dtype, device=padded.device)
             member_w = torch.tensor(gw.membership, dtype=padded.dtype, device=padded.device)
             per_pair = torch.einsum("ps,qt,stcd->pqcd", member_h, member_w, sums)
@@ -183,7 +185,7 @@ def conv_input_factor_sum(
         rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
         for j in range(kw):
             cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
-            entry_sums[:, i, j] = by_channel[:, :, rows, cols].sum(dim=(1, 2, 3))
+            entry_sums[:, i, j] = channels_last[:, rows, cols].sum(dim=(0, 1, 2))
     total = padded.new_empty(dim + 1, dim + 1)
     total[:dim, :dim] = patch_sum
     total[:dim, dim] = entry_sums.reshape(dim)
