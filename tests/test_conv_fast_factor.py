@@ -145,17 +145,19 @@ def test_fast_factor_rejects_bad_input() -> None:
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
 @pytest.mark.parametrize("unbatched", [False, True])
+@pytest.mark.parametrize("stride", [1, 2])
 def test_capture_input_feeds_dense_sink_the_unfolded_factor(
-    padding_mode: str, unbatched: bool
+    padding_mode: str, unbatched: bool, stride: int
 ) -> None:
-    conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode=padding_mode).to(DT)
+    conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode=padding_mode, stride=stride).to(DT)
     block = Conv2dBlock("c", conv)
     x = torch.randn(3, 6, 5, dtype=DT) if unbatched else torch.randn(2, 3, 6, 5, dtype=DT)
     fast, by_rows = FactorAccumulator(), FactorAccumulator()
     assert block.capture_input(x, {"A": fast}) is None
     by_rows.add(block.a_rows(x))
     assert fast.total is not None and by_rows.total is not None
-    assert fast.normaliser == by_rows.normaliser == 30.0 * (1 if unbatched else 2)
+    positions = (30.0 if stride == 1 else 9.0) * (1 if unbatched else 2)
+    assert fast.normaliser == by_rows.normaliser == positions
     torch.testing.assert_close(fast.total, by_rows.total, rtol=1e-12, atol=1e-10)
 
 

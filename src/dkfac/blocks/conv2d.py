@@ -156,7 +156,8 @@ class Conv2dBlock(Block):
 
         Under the expand convention a dense accumulator only needs ``Σ ā ā^T``, which
         :func:`~dkfac.blocks.conv_factor.conv_input_factor_sum` builds from the padded input
-        directly (computed in the accumulator's dtype, as its ``add`` would). Other
+        directly (computed in the accumulator's dtype, as its ``add`` would) for a stride-1
+        convolution; a strided one is cheaper to unfold (measured on ResNet-20). Other
         reductions and any other sink (a low-rank side keeps the rows themselves; a pending
         sink decides its sides from the row count) get :meth:`a_rows`.
         """
@@ -165,7 +166,8 @@ class Conv2dBlock(Block):
         from dkfac.layer_state import FactorAccumulator  # the engine imports the blocks
 
         sink = sinks["A"]
-        if self.reduction is not None or not isinstance(sink, FactorAccumulator):
+        strided = tuple(self.module.stride) != (1, 1)  # sub-grids share little: unfold wins
+        if self.reduction is not None or strided or not isinstance(sink, FactorAccumulator):
             return super().capture_input(inputs, sinks)
         if inputs.dim() == 3:  # unbatched input
             inputs = inputs.unsqueeze(0)
