@@ -171,6 +171,18 @@ def test_capture_input_respects_factor_dtype() -> None:
     torch.testing.assert_close(sink.total, expected, rtol=1e-12, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_factor_under_autocast_keeps_the_input_dtype(dtype: torch.dtype) -> None:
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    x = torch.randn(2, 2, 6, 5).to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        total, _ = fast_sum(conv, x)
+    assert total.dtype == dtype
+    expected, _ = unfolded_sum(conv.to(DT), x.to(DT))
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(total.to(DT), expected, rtol=tolerance, atol=tolerance * 10)
+
+
 def test_capture_input_skips_a_that_is_not_due() -> None:
     block = Conv2dBlock("c", nn.Conv2d(2, 3, 3).to(DT))
     g_sink = FactorAccumulator()

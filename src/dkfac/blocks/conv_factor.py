@@ -130,13 +130,27 @@ def conv_input_factor_sum(
 
     Returns:
         The ``(D, D)`` sum (``D = C·kh·kw + bias``, in ``F.unfold`` order) in the input's
-        dtype, and the number of patches ``N·Ho·Wo`` (the expand normaliser).
+        dtype (autocast is disabled inside), and the number of patches ``N·Ho·Wo`` (the
+        expand normaliser).
 
     Raises:
         ValueError: If ``padded`` is not 4-D or leaves no output position.
     """
     if padded.dim() != 4:
         raise ValueError(f"padded must be (N, C, H, W), got shape {tuple(padded.shape)}")
+    # Every product is in the input's dtype (an enclosing autocast would mix dtypes).
+    with torch.autocast(padded.device.type, enabled=False):
+        return _factor_sum(padded, kernel_size, stride, dilation, bias)
+
+
+def _factor_sum(
+    padded: Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    bias: bool,
+) -> tuple[Tensor, float]:
+    """:func:`conv_input_factor_sum` outside autocast."""
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
     batch, channels, height, width = padded.shape
     out_h = output_size(height, kh, sh, dh)
