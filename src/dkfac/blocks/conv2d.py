@@ -22,16 +22,22 @@ and non-zero ``padding_mode``. Three conventions (``reduction``):
   unbiased estimates of the expand factors (equal to them when ``s >= T``); rank ``B·s``.
 
 All three feed the dense solvers as ``rows.T @ rows / normaliser`` and the SMW solver as
-``U = rows.T / sqrt(normaliser)``.
+``U = rows.T / sqrt(normaliser)``. For the expand convention into a dense accumulator,
+:meth:`Conv2dBlock.capture_input` instead adds ``Σ ā ā^T`` computed without unfolding
+(:mod:`dkfac.blocks.conv_factor`: the same factor, several times fewer operations).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block, Rows, append_ones
+from dkfac.blocks.base import Block, Rows, StatisticSink, append_ones
+from dkfac.blocks.conv_factor import conv_input_factor_sum
 
 
 def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
@@ -51,14 +57,19 @@ def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
     return pads[0], pads[1], pads[2], pads[3]
 
 
-def unfold_patches(module: nn.Conv2d, inputs: Tensor) -> Tensor:
-    """im2col patches of ``inputs`` as a ``(B, C_in·kh·kw, T)`` tensor."""
+def pad_input(module: nn.Conv2d, inputs: Tensor) -> Tensor:
+    """``inputs`` padded as the convolution pads them (any ``padding_mode``)."""
     pads = conv_padding(module)
     if any(pads):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         inputs = F.pad(inputs, pads, mode=mode)
+    return inputs
+
+
+def unfold_patches(module: nn.Conv2d, inputs: Tensor) -> Tensor:
+    """im2col patches of ``inputs`` as a ``(B, C_in·kh·kw, T)`` tensor."""
     return F.unfold(
-        inputs,
+        pad_input(module, inputs),
         kernel_size=module.kernel_size,
         dilation=module.dilation,
         padding=0,
@@ -139,6 +150,39 @@ class Conv2dBlock(Block):
     def g_dim(self) -> int:
         """Output channels."""
         return self.module.out_channels
+
+    def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
+        """Forward hook: adds A, without unfolding when the sum of outer products will do.
+
+        Under the expand convention a dense accumulator only needs ``Σ ā ā^T``, which
+        :func:`~dkfac.blocks.conv_factor.conv_input_factor_sum` builds from the padded input
+        directly (computed in the accumulator's dtype, as its ``add`` would) for a stride-1
+        convolution; a strided one is cheaper to unfold (measured on ResNet-20). Other
+        reductions and any other sink (a low-rank side keeps the rows themselves; a pending
+        sink decides its sides from the row count) get :meth:`a_rows`.
+        """
+        if "A" not in sinks:
+            return None
+        from dkfac.layer_state import FactorAccumulator  # the engine imports the blocks
+
+        sink = sinks["A"]
+        strided = tuple(self.module.stride) != (1, 1)  # sub-grids share little: unfold wins
+        if self.reduction is not None or strided or not isinstance(sink, FactorAccumulator):
+            return super().capture_input(inputs, sinks)
+        if inputs.dim() == 3:  # unbatched input
+            inputs = inputs.unsqueeze(0)
+        if sink.dtype is not None:
+            inputs = inputs.to(sink.dtype)
+        module = self.module
+        total, count = conv_input_factor_sum(
+            pad_input(module, inputs),
+            module.kernel_size,  # type: ignore[arg-type]
+            module.stride,  # type: ignore[arg-type]
+            module.dilation,  # type: ignore[arg-type]
+            self.has_bias,
+        )
+        sink.add_sum(total, count)
+        return None
 
     def a_rows(self, inputs: Tensor) -> Rows:
         """Patch rows under the block's reduction (see the module docstring)."""
