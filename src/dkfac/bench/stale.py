@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from dkfac.app.data import Splits, load_digits
 from dkfac.app.models import SmallCNN
 from dkfac.app.schedules import lr_factor
-from dkfac.bench.common import format_table, machine_info, median, write_result
+from dkfac.bench.common import (
+    first_reaching,
+    format_table,
+    machine_info,
+    median,
+    write_result,
+)
 from dkfac.config import KFACConfig
 from dkfac.optimizer import KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
@@ -57,10 +63,7 @@ def time_to_target(trace: Trace, target: float) -> tuple[int, float] | None:
     """
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target must be in (0, 1], got {target}")
-    for step, seconds, accuracy in trace:
-        if accuracy >= target:
-            return step, seconds
-    return None
+    return first_reaching(trace, target)
 
 
 @torch.no_grad()
