@@ -337,8 +337,11 @@ class KFACPreconditioner:
         keys = sorted(f"{n}/{k}" for n, layer in self.layers.items() for k in layer.due)
         if not keys or not self.comm.active:
             return
+        device = next(iter(self.layers.values())).block.parameters()[0].device  # NCCL: CUDA
         values = torch.tensor(
-            [[float(recorded.get(k, 0)), float(k in recorded)] for k in keys], dtype=torch.float64
+            [[float(recorded.get(k, 0)), float(k in recorded)] for k in keys],
+            dtype=torch.float64,
+            device=device,
         )
         totals = self.comm.sum_control(values)
         for key, (interval_sum, keepers) in zip(keys, totals.tolist(), strict=True):
