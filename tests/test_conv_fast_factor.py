@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dkfac import KFACPreconditioner
-from dkfac.blocks.conv2d import Conv2dBlock, pad_input
-from dkfac.blocks.conv_factor import conv_input_factor_sum
+from dkfac.blocks.conv2d import Conv2dBlock, conv_padding, pad_input
+from dkfac.blocks.conv_factor import conv_input_factor_sum, segment_cost, shift_cost
 from dkfac.layer_state import FactorAccumulator
 from dkfac.lowrank import LowRankRowsAccumulator
 from tests.oracles import conv_patches_by_hand, with_ones
@@ -27,22 +27,32 @@ def unfolded_sum(conv: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, float]
     return rows.T @ rows, float(rows.shape[0])
 
 
-def fast_sum(conv: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+def fast_sum(
+    conv: nn.Conv2d, x: torch.Tensor, use_border: bool = False, path: str = "auto"
+) -> tuple[torch.Tensor, float]:
+    """The fast sum; with ``use_border`` told that the zero padding is zero (a skip hint)."""
+    border = conv_padding(conv) if use_border and conv.padding_mode == "zeros" else (0, 0, 0, 0)
     return conv_input_factor_sum(
         pad_input(conv, x),
         conv.kernel_size,  # type: ignore[arg-type]
         conv.stride,  # type: ignore[arg-type]
         conv.dilation,  # type: ignore[arg-type]
         conv.bias is not None,
+        zero_border=border,
+        path=path,
     )
 
 
 def check_case(conv: nn.Conv2d, x: torch.Tensor) -> None:
+    """Every path (shift only at stride 1), with and without the zero-border hint."""
     expected, count = unfolded_sum(conv, x)
-    total, fast_count = fast_sum(conv, x)
-    assert fast_count == count
-    assert total.shape == expected.shape
-    torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-10)
+    paths = ["auto", "segment"] + (["shift"] if tuple(conv.stride) == (1, 1) else [])
+    for path in paths:
+        for use_border in (False, True):
+            total, fast_count = fast_sum(conv, x, use_border, path)
+            assert fast_count == count
+            assert total.shape == expected.shape
+            torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-10)
 
 
 KERNELS = [1, 2, 3, 5, (1, 3), (3, 2)]
@@ -136,11 +146,29 @@ def test_one_by_one_is_a_plain_channel_product() -> None:
     torch.testing.assert_close(total, rows.T @ rows, rtol=1e-12, atol=1e-10)
 
 
+def test_path_choice_follows_the_cost_estimates() -> None:
+    """Thin channels on a large plane take the shift path, wide channels on 7x7 segments."""
+    assert shift_cost((128, 16, 34, 34), (3, 3), (1, 1), (1, 1, 1, 1)) < segment_cost(
+        (128, 16, 34, 34), (3, 3), (1, 1), (1, 1)
+    )
+    assert shift_cost((32, 512, 9, 9), (3, 3), (1, 1), (1, 1, 1, 1)) > segment_cost(
+        (32, 512, 9, 9), (3, 3), (1, 1), (1, 1)
+    )
+
+
 def test_fast_factor_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="padded"):
         conv_input_factor_sum(torch.zeros(2, 3, 4), (1, 1), (1, 1), (1, 1), False)
     with pytest.raises(ValueError, match="no output position"):
         conv_input_factor_sum(torch.zeros(1, 1, 2, 2), (3, 3), (1, 1), (1, 1), False)
+    with pytest.raises(ValueError, match="path"):
+        conv_input_factor_sum(torch.zeros(1, 1, 4, 4), (3, 3), (1, 1), (1, 1), False, path="x")
+    with pytest.raises(ValueError, match="stride 1"):
+        conv_input_factor_sum(torch.zeros(1, 1, 5, 5), (3, 3), (2, 2), (1, 1), False, path="shift")
+    with pytest.raises(ValueError, match="zero_border"):
+        conv_input_factor_sum(
+            torch.zeros(1, 1, 4, 4), (3, 3), (1, 1), (1, 1), False, zero_border=(1, -1, 0, 0)
+        )
 
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])

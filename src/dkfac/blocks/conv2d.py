@@ -180,6 +180,7 @@ class Conv2dBlock(Block):
             module.stride,  # type: ignore[arg-type]
             module.dilation,  # type: ignore[arg-type]
             self.has_bias,
+            zero_border=conv_padding(module) if module.padding_mode == "zeros" else (0, 0, 0, 0),
         )
         sink.add_sum(total, count)
         return None

@@ -30,6 +30,7 @@ channel slowest, then kernel row, then kernel column; bias last) up to rounding.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,8 +119,14 @@ def conv_input_factor_sum(
     stride: tuple[int, int],
     dilation: tuple[int, int],
     bias: bool,
+    zero_border: tuple[int, int, int, int] = (0, 0, 0, 0),
+    path: str = "auto",
 ) -> tuple[Tensor, float]:
     """``Σ_{n,t} ā ā^T`` over the im2col patches of a padded input, without unfolding it.
+
+    Two exact paths: the sub-grid segments of the module docstring (any stride; two copies
+    per product) and, for stride 1, one copy-free product per kernel shift
+    (:func:`flat_factor_sum`; it also multiplies the padding border and corrects for it).
 
     Args:
         padded: The input after padding, ``(N, C, Hp, Wp)``.
@@ -127,6 +134,11 @@ def conv_input_factor_sum(
         stride: ``(s_h, s_w)``.
         dilation: ``(d_h, d_w)``.
         bias: Whether a column of ones (the folded-in bias) ends every patch.
+        zero_border: ``(left, right, top, bottom)`` widths of the border known to be zero
+            (the zero padding, ``F.pad`` order); rows and columns there are skipped. Only a
+            speed hint: any widths that are really zero give the same result.
+        path: ``"shift"`` (:func:`flat_factor_sum`, stride 1 only), ``"segment"``, or
+            ``"auto"``: the one with the smaller :func:`shift_cost` / :func:`segment_cost`.
 
     Returns:
         The ``(D, D)`` sum (``D = C·kh·kw + bias``, in ``F.unfold`` order) in the input's
@@ -138,9 +150,203 @@ def conv_input_factor_sum(
     """
     if padded.dim() != 4:
         raise ValueError(f"padded must be (N, C, H, W), got shape {tuple(padded.shape)}")
+    if len(zero_border) != 4 or any(int(w) < 0 for w in zero_border):
+        raise ValueError(f"zero_border must be 4 widths >= 0, got {zero_border}")
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    if min(output_size(padded.shape[2], kh, sh, dh), output_size(padded.shape[3], kw, sw, dw)) < 1:
+        raise ValueError(f"padded input {tuple(padded.shape)} leaves no output position")
+    if path not in ("auto", "shift", "segment"):
+        raise ValueError(f'path must be "auto", "shift" or "segment", got {path!r}')
+    if path == "shift" and (sh, sw) != (1, 1):
+        raise ValueError(f'path="shift" needs stride 1, got {stride}')
+    if path == "auto":
+        shift_wins = (sh, sw) == (1, 1) and shift_cost(
+            padded.shape, kernel_size, dilation, zero_border
+        ) < segment_cost(padded.shape, kernel_size, stride, dilation)
+        path = "shift" if shift_wins else "segment"
     # Every product is in the input's dtype (an enclosing autocast would mix dtypes).
     with torch.autocast(padded.device.type, enabled=False):
-        return _factor_sum(padded, kernel_size, stride, dilation, bias)
+        if path == "shift":
+            patch_sum = flat_factor_sum(padded, kernel_size, dilation, zero_border)
+        else:
+            patch_sum = _factor_sum(padded, kernel_size, stride, dilation)
+        return _with_bias(patch_sum, padded, kernel_size, stride, dilation, bias)
+
+
+def flat_factor_sum(
+    padded: Tensor,
+    kernel_size: tuple[int, int],
+    dilation: tuple[int, int],
+    zero_border: tuple[int, int, int, int] = (0, 0, 0, 0),
+) -> Tensor:
+    """``Σ ā ā^T`` (no bias) of a stride-1 convolution by one product per kernel shift.
+
+    With the channels-last input flattened to ``X`` (``N·Hp·Wp × C`` rows, position ``p``),
+    a kernel shift ``(u, v)`` (offset pair ``(i, j), (i + u, j + v)``) pairs position ``p``
+    with ``p + δ``, ``δ = u·d_h·Wp + v·d_w``. ``F_δ = X[:L]^T X[δ:δ+L]`` (zeros past the
+    end) is one copy-free product over every position. The block of offsets ``(i, j)`` sums
+    only its window (rows ``[i·d_h, i·d_h + Ho)``, columns ``[j·d_w, j·d_w + Wo)``), inside
+    which ``p + δ`` is the same image's patch entry, so::
+
+        block = F_δ − Σ_{r ∉ rows} R_r − Σ_{c ∉ cols} K_{c,i}
+
+    where ``R_r`` is the product over row ``r`` and ``K_{c,i}`` over column ``c`` within the
+    window rows of ``i``, both with the same flat partner ``p + δ`` as ``F_δ``. Rows and
+    columns in ``zero_border`` contribute nothing and are skipped; for a padded ``k × k``
+    kernel about one row and column per window remain. All strips are multiplied with every
+    shift at once (their ``p + δ`` neighbourhoods are strided views), so the work is the
+    ``(2k−1)²/2`` big products plus a few thin ones; the transposed shift's blocks are
+    transposes.
+
+    Args:
+        padded: The input after padding, ``(N, C, Hp, Wp)``.
+        kernel_size: ``(kh, kw)``.
+        dilation: ``(d_h, d_w)``.
+        zero_border: ``(left, right, top, bottom)`` widths known to be zero.
+
+    Returns:
+        The ``(C·kh·kw, C·kh·kw)`` sum in ``F.unfold`` order.
+    """
+    (kh, kw), (dh, dw) = kernel_size, dilation
+    batch, channels, height, width = padded.shape
+    out_h, out_w = height - dh * (kh - 1), width - dw * (kw - 1)
+    left_pad, right_pad, top_pad, bottom_pad = zero_border
+    image, length = height * width, batch * height * width
+    # Flat rows with a zero margin in front (neighbourhoods reach back (kw-1)·dw positions)
+    # and behind (partners past the last position are zeros).
+    front = (kw - 1) * dw
+    back = (kh - 1) * dh * width + (kw - 1) * dw
+    flat = padded.new_empty(front + length + back, channels)
+    flat[:front].zero_()
+    flat[front + length :].zero_()
+    grid = flat[front : front + length].view(batch, height, width, channels)
+    grid.copy_(padded.permute(0, 2, 3, 1))
+    # Shift slots: u in [0, kh), v in [-(kw-1), kw); a strip's partners for every slot at once.
+    slots_w = 2 * kw - 1
+
+    def neighbourhood(start: int, shape: tuple[int, int], strides: tuple[int, int]) -> Tensor:
+        """Partners ``p + δ`` of every slot for the strided positions from ``start``."""
+        view = flat.as_strided(
+            (*shape, kh, slots_w, channels),
+            (strides[0] * channels, strides[1] * channels, dh * width * channels,
+             dw * channels, 1),
+            (front + start - (kw - 1) * dw) * channels,
+        )  # fmt: skip
+        return view.reshape(-1, kh * slots_w * channels)
+
+    def strip_products(start: int, shape: tuple[int, int], strides: tuple[int, int]) -> Tensor:
+        """``(kh, slots_w, C, C)`` products of a strip of positions with its partners."""
+        own = flat.as_strided((*shape, channels), (strides[0] * channels, strides[1] * channels, 1),
+                              (front + start) * channels).reshape(-1, channels)  # fmt: skip
+        partners = neighbourhood(start, shape, strides)
+        return (own.T @ partners).view(channels, kh, slots_w, channels).permute(1, 2, 0, 3)
+
+    rows_out = [
+        [r for r in range(top_pad, height - bottom_pad) if not i * dh <= r < i * dh + out_h]
+        for i in range(kh)
+    ]
+    cols_out = [
+        [c for c in range(left_pad, width - right_pad) if not j * dw <= c < j * dw + out_w]
+        for j in range(kw)
+    ]
+    rows = sorted(set(itertools.chain(*rows_out)))
+    cols = sorted(set(itertools.chain(*cols_out)))
+    top, bottom = top_pad, height - bottom_pad  # a column strip needs no zero rows
+    # Strip products by (row | column | corner), then (u, slot, C, C); membership 0/1 masks.
+    row_sums = _stack([strip_products(r * width, (batch, width), (image, 1)) for r in rows])
+    col_sums = _stack(
+        [strip_products(top * width + c, (batch, bottom - top), (image, width)) for c in cols]
+    )
+    corners = _stack([strip_products(r * width + c, (batch, 1), (image, 1))
+                      for r in rows for c in cols])  # fmt: skip
+    row_mask = padded.new_tensor([[float(r in out) for r in rows] for out in rows_out])
+    col_mask = padded.new_tensor([[float(c in out) for c in cols] for out in cols_out])
+    # outside[i, j, u, slot]: the part of F_δ outside window (i, j) (inclusion-exclusion).
+    shape = (kh, slots_w, channels, channels)
+    outside = padded.new_zeros(kh, kw, *shape)
+    if rows:
+        outside += (row_mask @ row_sums.flatten(1)).view(kh, 1, *shape)
+    if cols:
+        outside += (col_mask @ col_sums.flatten(1)).view(1, kw, *shape)
+    if rows and cols:
+        by_row = (row_mask @ corners.view(len(rows), -1)).view(kh, len(cols), -1)
+        outside -= (col_mask @ by_row).view(kh, kw, *shape)  # broadcast over i: (kw, ...)
+    rows_all = flat[front : front + length]
+    values: list[Tensor] = []
+    index: list[tuple[int, int, int, int]] = []
+    for u in range(kh):
+        for v in range(-(kw - 1), kw):
+            if u == 0 and v < 0:
+                continue  # the transpose of shift (0, -v)
+            delta = u * dh * width + v * dw
+            lo, hi = max(0, -v), min(kw, kw - v)  # windows j with j + v inside the kernel
+            full = rows_all.T @ flat[front + delta : front + delta + length]
+            values.append((full - outside[: kh - u, lo:hi, u, v + kw - 1]).flatten(0, 1))
+            index += [(i, j, i + u, j + v) for i in range(kh - u) for j in range(lo, hi)]
+    pairs = torch.cat(values)
+    first, second, third, fourth = torch.tensor(index).T
+    blocks = padded.new_empty(kh, kw, kh, kw, channels, channels)
+    blocks[third, fourth, first, second] = pairs.transpose(-1, -2)  # the negative shifts
+    blocks[first, second, third, fourth] = pairs  # last: shift (0, 0) keeps its own blocks
+    dim = channels * kh * kw
+    return blocks.permute(4, 0, 1, 5, 2, 3).reshape(dim, dim)
+
+
+# Cost of copying one element, in multiply-adds (single-threaded CPU: strided copies run at
+# ~1 element/ns, the thin products at ~30 multiply-adds/ns). Only steers the path choice.
+COPY_WEIGHT = 30.0
+
+
+def segment_cost(
+    shape: Sequence[int],
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+) -> float:
+    """Estimated multiply-adds of the segment path (copies weighted by ``COPY_WEIGHT``)."""
+    batch, channels, height, width = shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    out_h, out_w = output_size(height, kh, sh, dh), output_size(width, kw, sw, dw)
+    covered_h = {
+        g.key: sum(hi - lo for lo, hi in g.segments) for g in axis_groups(kh, sh, dh, out_h)
+    }
+    covered_w = {
+        g.key: sum(hi - lo for lo, hi in g.segments) for g in axis_groups(kw, sw, dw, out_w)
+    }
+    positions = sum(covered_h.values()) * sum(covered_w.values()) / 2  # transposes are free
+    return batch * positions * (channels**2 + 2 * COPY_WEIGHT * channels)
+
+
+def shift_cost(
+    shape: Sequence[int],
+    kernel_size: tuple[int, int],
+    dilation: tuple[int, int],
+    zero_border: tuple[int, int, int, int] = (0, 0, 0, 0),
+) -> float:
+    """Estimated multiply-adds of :func:`flat_factor_sum` (copies weighted as above)."""
+    batch, channels, height, width = shape
+    (kh, kw), (dh, dw) = kernel_size, dilation
+    left, right, top, bottom = zero_border
+    real_h, real_w = height - top - bottom, width - left - right
+    shifts = (kh * (2 * kw - 1) + kw) / 2  # the non-negative half of the kernel shifts
+    strip_rows = min(kh - 1, real_h) * dh  # at most, outside some window and not zero
+    strip_cols = min(kw - 1, real_w) * dw
+    strips = strip_rows * width + strip_cols * real_h + strip_rows * strip_cols
+    slots = kh * (2 * kw - 1)
+    plane = height * width
+    per_image = (
+        shifts * plane * channels**2
+        + COPY_WEIGHT * channels * plane
+        + strips * (slots * channels**2 + COPY_WEIGHT * channels * (slots + 1))
+    )
+    # The per-window corrections for every slot, built and read once per call.
+    corrections = 3 * COPY_WEIGHT * kh * kw * kh * slots * channels**2
+    return batch * per_image + corrections
+
+
+def _stack(products: list[Tensor]) -> Tensor:
+    """Stacks strip products (an empty list gives an empty placeholder)."""
+    return torch.stack(products) if products else torch.empty(0)
 
 
 def _factor_sum(
@@ -148,15 +354,12 @@ def _factor_sum(
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
     dilation: tuple[int, int],
-    bias: bool,
-) -> tuple[Tensor, float]:
-    """:func:`conv_input_factor_sum` outside autocast."""
+) -> Tensor:
+    """The ``(D, D)`` patch sum (no bias) by the sub-grid segment path, outside autocast."""
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
-    batch, channels, height, width = padded.shape
+    _, channels, height, width = padded.shape
     out_h = output_size(height, kh, sh, dh)
     out_w = output_size(width, kw, sw, dw)
-    if out_h < 1 or out_w < 1:
-        raise ValueError(f"padded input {tuple(padded.shape)} leaves no output position")
     # Channels last: a window's copy is then a few long contiguous runs, and a product over
     # it one (C × N·h·w) @ (N·h·w × C) matmul.
     channels_last = padded.permute(0, 2, 3, 1).contiguous()
@@ -190,16 +393,33 @@ def _factor_sum(
                 blocks[i2, j2, i1, j1] = per_pair.transpose(-1, -2)
     dim = channels * kh * kw
     # blocks[i, j, i', j'][c, c'] is entry ((c, i, j), (c', i', j')) of the factor.
-    patch_sum = blocks.permute(4, 0, 1, 5, 2, 3).reshape(dim, dim)
+    return blocks.permute(4, 0, 1, 5, 2, 3).reshape(dim, dim)
+
+
+def _with_bias(
+    patch_sum: Tensor,
+    padded: Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    bias: bool,
+) -> tuple[Tensor, float]:
+    """Appends the bias row and column (window sums and count); returns the patch count."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    batch, channels, height, width = padded.shape
+    out_h = output_size(height, kh, sh, dh)
+    out_w = output_size(width, kw, sw, dw)
     count = batch * out_h * out_w
     if not bias:
         return patch_sum, float(count)
+    per_position = padded.sum(dim=0)  # (C, Hp, Wp): every window sum is a slice of it
     entry_sums = padded.new_empty(channels, kh, kw)
     for i in range(kh):
         rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
         for j in range(kw):
             cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
-            entry_sums[:, i, j] = channels_last[:, rows, cols].sum(dim=(0, 1, 2))
+            entry_sums[:, i, j] = per_position[:, rows, cols].sum(dim=(1, 2))
+    dim = patch_sum.shape[0]
     total = padded.new_empty(dim + 1, dim + 1)
     total[:dim, :dim] = patch_sum
     total[:dim, dim] = entry_sums.reshape(dim)
