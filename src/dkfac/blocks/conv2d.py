@@ -189,19 +189,61 @@ class Conv2dBlock(Block):
         """Patch rows under the block's reduction (see the module docstring)."""
         if inputs.dim() == 3:  # unbatched input
             inputs = inputs.unsqueeze(0)
-        patches = unfold_patches(self.module, inputs)  # (B, D, T)
-        batch, dim, total = patches.shape
         if self.reduction == "sum":
-            rows = patches.mean(dim=2)  # Σ_t ā / T: the factor is divided by T²
+            rows = self._patch_means(pad_input(self.module, inputs))  # the factor is ÷ T²
         elif self.reduction == "subsample":
-            index = self.subsample_indices(batch, total).to(patches.device)
-            picked = patches.gather(2, index.unsqueeze(1).expand(batch, dim, index.shape[1]))
-            rows = picked.transpose(1, 2).reshape(-1, dim)
+            rows = self._sampled_patches(pad_input(self.module, inputs))
         else:
-            rows = patches.transpose(1, 2).reshape(-1, dim)
+            patches = unfold_patches(self.module, inputs)  # (B, D, T)
+            rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
         if self.has_bias:
             rows = append_ones(rows)
         return Rows(rows, float(rows.shape[0]))
+
+    def _output_size(self, padded: Tensor) -> tuple[int, int]:
+        """Output positions ``(Ho, Wo)`` of the convolution on a padded input."""
+        (kh, kw), (sh, sw), (dh, dw) = (
+            self.module.kernel_size,
+            self.module.stride,
+            self.module.dilation,
+        )
+        out_h = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
+        return out_h, (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
+
+    def _patch_means(self, padded: Tensor) -> Tensor:
+        """``(B, D)`` mean patch of each image (no bias), one strided window sum per offset."""
+        (kh, kw), (sh, sw), (dh, dw) = (
+            self.module.kernel_size,
+            self.module.stride,
+            self.module.dilation,
+        )
+        out_h, out_w = self._output_size(padded)
+        sums = padded.new_empty(padded.shape[0], padded.shape[1], kh, kw)
+        for i in range(kh):
+            rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
+            for j in range(kw):
+                cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
+                sums[:, :, i, j] = padded[:, :, rows, cols].sum(dim=(2, 3))
+        return sums.flatten(1) / (out_h * out_w)  # F.unfold order: channel, row, column
+
+    def _sampled_patches(self, padded: Tensor) -> Tensor:
+        """``(B·s, D)`` patches (no bias) at the sampled positions, gathered, not unfolded."""
+        (kh, kw), (sh, sw), (dh, dw) = (
+            self.module.kernel_size,
+            self.module.stride,
+            self.module.dilation,
+        )
+        out_h, out_w = self._output_size(padded)
+        batch = padded.shape[0]
+        index = self.subsample_indices(batch, out_h * out_w).to(padded.device)  # (B, s)
+        offsets_h = torch.arange(kh, device=padded.device) * dh
+        offsets_w = torch.arange(kw, device=padded.device) * dw
+        rows = (index // out_w * sh).unsqueeze(-1) + offsets_h  # (B, s, kh)
+        cols = (index % out_w * sw).unsqueeze(-1) + offsets_w  # (B, s, kw)
+        images = torch.arange(batch, device=padded.device).view(batch, 1, 1, 1)
+        picked = padded.permute(0, 2, 3, 1)[images, rows.unsqueeze(-1), cols.unsqueeze(-2)]
+        # (B, s, kh, kw, C) -> rows in F.unfold order (channel, kernel row, kernel column).
+        return picked.permute(0, 1, 4, 2, 3).reshape(-1, padded.shape[1] * kh * kw)
 
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Output-gradient rows under the block's reduction (see the module docstring)."""
