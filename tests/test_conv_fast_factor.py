@@ -189,6 +189,24 @@ def test_capture_input_feeds_dense_sink_the_unfolded_factor(
     torch.testing.assert_close(fast.total, by_rows.total, rtol=1e-12, atol=1e-10)
 
 
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_capture_grad_feeds_dense_sink_the_row_factor(unbatched: bool) -> None:
+    """The batched-product G equals scale · Σ rows rowsᵀ of the position-major rows."""
+    block = Conv2dBlock("c", nn.Conv2d(3, 4, 3, padding=1).to(DT))
+    g = torch.randn(4, 6, 5, dtype=DT) if unbatched else torch.randn(2, 4, 6, 5, dtype=DT)
+    fast, by_rows = FactorAccumulator(), FactorAccumulator()
+    block.capture_grad(None, g, {"G": fast}, 9.0)
+    by_rows.add(block.g_rows(g), 9.0)
+    assert fast.total is not None and by_rows.total is not None
+    assert fast.normaliser == by_rows.normaliser == (1.0 if unbatched else 2.0)
+    torch.testing.assert_close(fast.total, by_rows.total, rtol=1e-12, atol=1e-10)
+    flat = (g if not unbatched else g.unsqueeze(0)).permute(0, 2, 3, 1).reshape(-1, 4)
+    torch.testing.assert_close(fast.total, 9.0 * flat.T @ flat, rtol=1e-12, atol=1e-10)
+    single = FactorAccumulator(DT)
+    block.capture_grad(None, g.float(), {"G": single}, 1.0)
+    assert single.total is not None and single.total.dtype == DT
+
+
 def test_capture_input_respects_factor_dtype() -> None:
     conv = nn.Conv2d(2, 3, 3, padding=1)
     x = torch.randn(2, 2, 7, 7)

@@ -7,7 +7,13 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
-from dkfac.unitwise import damped_solve_2x2, normalized_input, per_sample_grads, unit_fisher
+from dkfac.unitwise import (
+    batch_moments,
+    damped_solve_2x2,
+    normalized_input,
+    per_sample_grads,
+    unit_fisher,
+)
 
 DT = torch.float64
 
@@ -46,13 +52,25 @@ def test_per_sample_grads_and_fisher_match_torch_func(shape) -> None:
     x_hat = normalized_input(x, bn.eps)
     view = [1, -1] + [1] * (x.dim() - 2)
     torch.testing.assert_close(y, bn.weight.view(view) * x_hat + bn.bias.view(view))
-    g_gamma, g_beta = per_sample_grads(x_hat, w)
+    mean, inv_std = batch_moments(x, bn.eps)
+    g_gamma, g_beta = per_sample_grads(x, mean, inv_std, w)
     torch.testing.assert_close(g_gamma, g_gamma_ref)
     torch.testing.assert_close(g_beta, g_beta_ref)
     fisher = unit_fisher(g_gamma, g_beta)
     for c in range(shape[1]):
         v = torch.stack([g_gamma_ref[:, c], g_beta_ref[:, c]], dim=1)
         torch.testing.assert_close(fisher[c], v.T @ v)
+
+
+def test_batch_moments_in_float32_match_float64_with_a_large_mean() -> None:
+    """E[x²] − E[x]² loses little in float32 when |mean| is 5 standard deviations."""
+    x = torch.randn(64, 5, 9, 9, dtype=DT) * 2.0 + 10.0
+    mean64, inv64 = batch_moments(x, 1e-5)
+    torch.testing.assert_close(mean64, x.mean(dim=(0, 2, 3)))
+    torch.testing.assert_close(inv64, (x.var(dim=(0, 2, 3), unbiased=False) + 1e-5).rsqrt())
+    mean32, inv32 = batch_moments(x.float(), 1e-5)
+    torch.testing.assert_close(mean32.double(), mean64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(inv32.double(), inv64, rtol=1e-4, atol=0)
 
 
 def test_damped_solve_equals_dense_per_channel_solve() -> None:

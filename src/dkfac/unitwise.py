@@ -16,25 +16,50 @@ import torch
 from torch import Tensor
 
 
-def normalized_input(x: Tensor, eps: float) -> Tensor:
-    """``x̂`` of a training-mode BatchNorm: batch mean and biased batch variance per channel.
+def batch_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-channel batch mean and ``1/sqrt(var + eps)`` (biased variance), each ``(C,)``.
+
+    Two fused reductions and no temporary of the input's size (``Tensor.var`` over the
+    non-contiguous channel dimension is several times slower on CPU). The variance is
+    ``E[x²] − E[x]²`` from the input-precision sums, combined in float64. In float32 its
+    relative error grows with ``mean²/var`` (measured: 4e-5 at ``|mean| = 5·std``, 6e-4 at
+    ``20·std``), far below the sampling noise of a Fisher estimate.
 
     Args:
         x: Input of shape ``(N, C)``, ``(N, C, L)`` or ``(N, C, H, W)``.
         eps: The layer's ``eps``.
     """
     dims = [0, *range(2, x.dim())]
-    mean = x.mean(dim=dims, keepdim=True)
-    var = x.var(dim=dims, unbiased=False, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps)
+    count = x.numel() // x.shape[1]
+    mean = x.mean(dim=dims).double()
+    mean_square = torch.linalg.vector_norm(x, dim=dims).double() ** 2 / count
+    var = (mean_square - mean**2).clamp_min(0.0)
+    return mean.to(x.dtype), torch.rsqrt(var + eps).to(x.dtype)
 
 
-def per_sample_grads(x_hat: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-sample ``(gγ, gβ)``, each of shape ``(N, C)``, from ``x̂`` and ``δ``."""
-    spatial = tuple(range(2, grad_output.dim()))
-    if spatial:
-        return (grad_output * x_hat).sum(dim=spatial), grad_output.sum(dim=spatial)
-    return grad_output * x_hat, grad_output
+def normalized_input(x: Tensor, eps: float) -> Tensor:
+    """``x̂`` of a training-mode BatchNorm (batch mean, biased batch variance per channel)."""
+    mean, inv_std = batch_moments(x, eps)
+    view = [1, -1] + [1] * (x.dim() - 2)
+    return (x - mean.view(view)) * inv_std.view(view)
+
+
+def per_sample_grads(
+    x: Tensor, mean: Tensor, inv_std: Tensor, grad_output: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Per-sample ``(gγ, gβ)``, each ``(N, C)``, from the input, its moments and ``δ``.
+
+    ``gγ_n = Σ_s δ_n x̂_n = inv_std · (Σ_s δ_n x_n − mean · gβ_n)``: batched dot products,
+    so ``x̂`` is never materialised.
+    """
+    batch, channels = grad_output.shape[0], grad_output.shape[1]
+    if grad_output.dim() == 2:
+        return (x - mean) * inv_std * grad_output, grad_output
+    delta = grad_output.reshape(batch * channels, 1, -1)
+    inputs = x.to(grad_output.dtype).reshape(batch * channels, -1, 1)
+    g_beta = delta.sum(dim=-1).view(batch, channels)
+    dots = torch.bmm(delta, inputs).view(batch, channels)
+    return (dots - mean * g_beta) * inv_std, g_beta
 
 
 def unit_fisher(g_gamma: Tensor, g_beta: Tensor) -> Tensor:

@@ -158,6 +158,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs: dict[str, dict[str, Any]] = {"exact": {}}
     if args.with_reduction:
         configs["reduce-sum"] = {"conv_reduction": "sum"}
+        configs[f"subsample-{args.subsample_positions}"] = {
+            "conv_reduction": "subsample",
+            "subsample_positions": args.subsample_positions,
+        }
     cases = {"sgd": _make_case(model, (x, y), None, autocast)}
     for cname, options in configs.items():
         for kind, (f_int, i_int) in KINDS.items():
@@ -208,7 +212,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--with-reduction", action="store_true", help="also conv_reduction=sum")
+    parser.add_argument(
+        "--with-reduction",
+        action="store_true",
+        help="also conv_reduction=sum and conv_reduction=subsample",
+    )
+    parser.add_argument(
+        "--subsample-positions", type=int, default=8, help="positions per image for subsample"
+    )
     parser.add_argument(
         "--name", default=None, help="result file name (default step_<model>_<device>)"
     )

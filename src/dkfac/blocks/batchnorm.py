@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dkfac.blocks.base import Block, Rows, StatisticSink
-from dkfac.unitwise import normalized_input, per_sample_grads, unit_fisher
+from dkfac.unitwise import batch_moments, per_sample_grads, unit_fisher
 
 
 class BatchNormBlock(Block):
@@ -67,13 +67,18 @@ class BatchNormBlock(Block):
         return {"F": (self.channels, 2, 2)}
 
     def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
-        """``x̂`` of this forward pass (``None`` when the layer uses running statistics)."""
+        """The input and its batch moments (``None`` when the layer uses running statistics).
+
+        The input is kept by reference (autograd keeps it for the layer's own backward);
+        ``x̂`` is never materialised.
+        """
         module = self.module
         if "F" not in sinks or (not module.training and module.track_running_stats):
             return None
         if inputs.dim() < 2 or inputs.shape[0] < 2:
             return None  # a single sample has no batch statistics
-        return normalized_input(inputs, module.eps)
+        mean, inv_std = batch_moments(inputs.detach(), module.eps)
+        return inputs.detach(), mean, inv_std
 
     def capture_grad(
         self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
@@ -81,8 +86,10 @@ class BatchNormBlock(Block):
         """Adds the per-channel sum of per-sample outer products to ``"F"``."""
         if context is None:
             return
-        x_hat: Tensor = context
-        g_gamma, g_beta = per_sample_grads(x_hat.to(grad_output.dtype), grad_output)
+        inputs, mean, inv_std = context
+        g_gamma, g_beta = per_sample_grads(
+            inputs, mean.to(grad_output.dtype), inv_std.to(grad_output.dtype), grad_output
+        )
         sinks["F"].add_sum(unit_fisher(g_gamma, g_beta), float(grad_output.shape[0]), scale)
 
     def placement_cost(self, kind: str = "compute") -> float:

@@ -211,7 +211,10 @@ class Conv2dBlock(Block):
         return out_h, (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
 
     def _patch_means(self, padded: Tensor) -> Tensor:
-        """``(B, D)`` mean patch of each image (no bias), one strided window sum per offset."""
+        """``(B, D)`` mean patch of each image (no bias) from window sums, separably.
+
+        One reduction over the window rows per kernel row, then thin sums per column.
+        """
         (kh, kw), (sh, sw), (dh, dw) = (
             self.module.kernel_size,
             self.module.stride,
@@ -220,10 +223,10 @@ class Conv2dBlock(Block):
         out_h, out_w = self._output_size(padded)
         sums = padded.new_empty(padded.shape[0], padded.shape[1], kh, kw)
         for i in range(kh):
-            rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
+            by_column = padded[:, :, i * dh : i * dh + sh * (out_h - 1) + 1 : sh].sum(dim=2)
             for j in range(kw):
                 cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
-                sums[:, :, i, j] = padded[:, :, rows, cols].sum(dim=(2, 3))
+                sums[:, :, i, j] = by_column[:, :, cols].sum(dim=2)
         return sums.flatten(1) / (out_h * out_w)  # F.unfold order: channel, row, column
 
     def _sampled_patches(self, padded: Tensor) -> Tensor:
@@ -244,6 +247,29 @@ class Conv2dBlock(Block):
         picked = padded.permute(0, 2, 3, 1)[images, rows.unsqueeze(-1), cols.unsqueeze(-2)]
         # (B, s, kh, kw, C) -> rows in F.unfold order (channel, kernel row, kernel column).
         return picked.permute(0, 1, 4, 2, 3).reshape(-1, padded.shape[1] * kh * kw)
+
+    def capture_grad(
+        self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
+    ) -> None:
+        """Backward hook: adds G; under the expand convention without the row transpose.
+
+        ``Σ_{n,t} g g^T`` of a dense accumulator is ``Σ_n g_n g_n^T`` over the per-image
+        ``(C, T)`` slices that the gradient already holds contiguously: one batched product,
+        where :meth:`g_rows` would first copy every gradient into position-major rows.
+        """
+        from dkfac.layer_state import FactorAccumulator  # the engine imports the blocks
+
+        sink = sinks.get("G")
+        if self.reduction is not None or not isinstance(sink, FactorAccumulator):
+            super().capture_grad(context, grad_output, sinks, scale)
+            return
+        if grad_output.dim() == 3:  # unbatched
+            grad_output = grad_output.unsqueeze(0)
+        if sink.dtype is not None:
+            grad_output = grad_output.to(sink.dtype)
+        per_image = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1)
+        total = torch.bmm(per_image, per_image.transpose(1, 2)).sum(dim=0)
+        sink.add_sum(total, float(grad_output.shape[0]), scale)
 
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Output-gradient rows under the block's reduction (see the module docstring)."""
