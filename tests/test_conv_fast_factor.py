@@ -30,15 +30,15 @@ def unfolded_sum(conv: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, float]
 def fast_sum(
     conv: nn.Conv2d, x: torch.Tensor, use_border: bool = False, path: str = "auto"
 ) -> tuple[torch.Tensor, float]:
-    """The fast sum; with ``use_border`` told that the zero padding is zero (a skip hint)."""
-    border = conv_padding(conv) if use_border and conv.padding_mode == "zeros" else (0, 0, 0, 0)
+    """The fast sum; with ``use_border`` (zero padding mode) the zeros are added inside."""
+    inside = use_border and conv.padding_mode == "zeros"
     return conv_input_factor_sum(
-        pad_input(conv, x),
+        x if inside else pad_input(conv, x),
         conv.kernel_size,  # type: ignore[arg-type]
         conv.stride,  # type: ignore[arg-type]
         conv.dilation,  # type: ignore[arg-type]
         conv.bias is not None,
-        zero_border=border,
+        zero_padding=conv_padding(conv) if inside else (0, 0, 0, 0),
         path=path,
     )
 
@@ -157,7 +157,7 @@ def test_path_choice_follows_the_cost_estimates() -> None:
 
 
 def test_fast_factor_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="padded"):
+    with pytest.raises(ValueError, match="inputs must be"):
         conv_input_factor_sum(torch.zeros(2, 3, 4), (1, 1), (1, 1), (1, 1), False)
     with pytest.raises(ValueError, match="no output position"):
         conv_input_factor_sum(torch.zeros(1, 1, 2, 2), (3, 3), (1, 1), (1, 1), False)
@@ -165,9 +165,9 @@ def test_fast_factor_rejects_bad_input() -> None:
         conv_input_factor_sum(torch.zeros(1, 1, 4, 4), (3, 3), (1, 1), (1, 1), False, path="x")
     with pytest.raises(ValueError, match="stride 1"):
         conv_input_factor_sum(torch.zeros(1, 1, 5, 5), (3, 3), (2, 2), (1, 1), False, path="shift")
-    with pytest.raises(ValueError, match="zero_border"):
+    with pytest.raises(ValueError, match="zero_padding"):
         conv_input_factor_sum(
-            torch.zeros(1, 1, 4, 4), (3, 3), (1, 1), (1, 1), False, zero_border=(1, -1, 0, 0)
+            torch.zeros(1, 1, 4, 4), (3, 3), (1, 1), (1, 1), False, zero_padding=(1, -1, 0, 0)
         )
 
 

@@ -174,13 +174,14 @@ class Conv2dBlock(Block):
         if sink.dtype is not None:
             inputs = inputs.to(sink.dtype)
         module = self.module
+        zeros = module.padding_mode == "zeros"  # padded inside the sum, never copied whole
         total, count = conv_input_factor_sum(
-            pad_input(module, inputs),
+            inputs if zeros else pad_input(module, inputs),
             module.kernel_size,  # type: ignore[arg-type]
             module.stride,  # type: ignore[arg-type]
             module.dilation,  # type: ignore[arg-type]
             self.has_bias,
-            zero_border=conv_padding(module) if module.padding_mode == "zeros" else (0, 0, 0, 0),
+            zero_padding=conv_padding(module) if zeros else (0, 0, 0, 0),
         )
         sink.add_sum(total, count)
         return None

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["conv_input_factor_sum"]
@@ -114,12 +115,12 @@ def output_size(padded: int, kernel: int, stride: int, dilation: int) -> int:
 
 
 def conv_input_factor_sum(
-    padded: Tensor,
+    inputs: Tensor,
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
     dilation: tuple[int, int],
     bias: bool,
-    zero_border: tuple[int, int, int, int] = (0, 0, 0, 0),
+    zero_padding: tuple[int, int, int, int] = (0, 0, 0, 0),
     path: str = "auto",
 ) -> tuple[Tensor, float]:
     """``Σ_{n,t} ā ā^T`` over the im2col patches of a padded input, without unfolding it.
@@ -129,16 +130,16 @@ def conv_input_factor_sum(
     (:func:`flat_factor_sum`; it also multiplies the padding border and corrects for it).
 
     Args:
-        padded: The input after padding, ``(N, C, Hp, Wp)``.
+        inputs: The input, ``(N, C, H, W)``, already padded by any non-zero padding mode.
         kernel_size: ``(kh, kw)``.
         stride: ``(s_h, s_w)``.
         dilation: ``(d_h, d_w)``.
         bias: Whether a column of ones (the folded-in bias) ends every patch.
-        zero_border: ``(left, right, top, bottom)`` widths of the border known to be zero
-            (the zero padding, ``F.pad`` order); rows and columns there are skipped. Only a
-            speed hint: any widths that are really zero give the same result.
-        path: ``"shift"`` (:func:`flat_factor_sum`, stride 1 only), ``"segment"``, or
-            ``"auto"``: the one with the smaller :func:`shift_cost` / :func:`segment_cost`.
+        zero_padding: ``(left, right, top, bottom)`` zeros around ``inputs`` (``F.pad``
+            order). The shift path writes the input into its zero-framed buffer directly and
+            skips the frame; the segment path pads first.
+        path: ``"shift"`` (stride 1 only), ``"segment"``, or ``"auto"``: the one with the
+            smaller :func:`shift_cost` / :func:`segment_cost`.
 
     Returns:
         The ``(D, D)`` sum (``D = C·kh·kw + bias``, in ``F.unfold`` order) in the input's
@@ -146,38 +147,59 @@ def conv_input_factor_sum(
         expand normaliser).
 
     Raises:
-        ValueError: If ``padded`` is not 4-D or leaves no output position.
+        ValueError: If ``inputs`` is not 4-D or leaves no output position, or on a bad
+            ``zero_padding`` or ``path``.
     """
-    if padded.dim() != 4:
-        raise ValueError(f"padded must be (N, C, H, W), got shape {tuple(padded.shape)}")
-    if len(zero_border) != 4 or any(int(w) < 0 for w in zero_border):
-        raise ValueError(f"zero_border must be 4 widths >= 0, got {zero_border}")
+    if inputs.dim() != 4:
+        raise ValueError(f"inputs must be (N, C, H, W), got shape {tuple(inputs.shape)}")
+    if len(zero_padding) != 4 or any(int(w) < 0 for w in zero_padding):
+        raise ValueError(f"zero_padding must be 4 widths >= 0, got {zero_padding}")
+    left, right, top, bottom = zero_padding
+    batch, channels, height, width = inputs.shape
+    shape = (batch, channels, height + top + bottom, width + left + right)
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
-    if min(output_size(padded.shape[2], kh, sh, dh), output_size(padded.shape[3], kw, sw, dw)) < 1:
-        raise ValueError(f"padded input {tuple(padded.shape)} leaves no output position")
+    if min(output_size(shape[2], kh, sh, dh), output_size(shape[3], kw, sw, dw)) < 1:
+        raise ValueError(f"padded input {shape} leaves no output position")
     if path not in ("auto", "shift", "segment"):
         raise ValueError(f'path must be "auto", "shift" or "segment", got {path!r}')
     if path == "shift" and (sh, sw) != (1, 1):
         raise ValueError(f'path="shift" needs stride 1, got {stride}')
     if path == "auto":
         shift_wins = (sh, sw) == (1, 1) and shift_cost(
-            padded.shape, kernel_size, dilation, zero_border
-        ) < segment_cost(padded.shape, kernel_size, stride, dilation)
+            shape, kernel_size, dilation, zero_padding
+        ) < segment_cost(shape, kernel_size, stride, dilation)
         path = "shift" if shift_wins else "segment"
     # Every product is in the input's dtype (an enclosing autocast would mix dtypes).
-    with torch.autocast(padded.device.type, enabled=False):
+    with torch.autocast(inputs.device.type, enabled=False):
         if path == "shift":
-            patch_sum = flat_factor_sum(padded, kernel_size, dilation, zero_border)
+            patch_sum = flat_factor_sum(inputs, kernel_size, dilation, zero_padding)
         else:
+            padded = F.pad(inputs, zero_padding) if any(zero_padding) else inputs
             patch_sum = _factor_sum(padded, kernel_size, stride, dilation)
-        return _with_bias(patch_sum, padded, kernel_size, stride, dilation, bias)
+        if not bias:
+            return patch_sum, float(batch * _outputs(shape, kernel_size, stride, dilation))
+        per_position = inputs.sum(dim=0)  # (C, Hp, Wp) after padding: windows are slices
+        if any(zero_padding):
+            per_position = F.pad(per_position, zero_padding)
+        return _with_bias(patch_sum, per_position, batch, kernel_size, stride, dilation)
+
+
+def _outputs(
+    shape: Sequence[int],
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+) -> int:
+    """Output positions ``Ho·Wo`` of a padded input of ``shape``."""
+    out_h = output_size(shape[2], kernel_size[0], stride[0], dilation[0])
+    return out_h * output_size(shape[3], kernel_size[1], stride[1], dilation[1])
 
 
 def flat_factor_sum(
-    padded: Tensor,
+    inputs: Tensor,
     kernel_size: tuple[int, int],
     dilation: tuple[int, int],
-    zero_border: tuple[int, int, int, int] = (0, 0, 0, 0),
+    zero_padding: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> Tensor:
     """``Σ ā ā^T`` (no bias) of a stride-1 convolution by one product per kernel shift.
 
@@ -192,35 +214,42 @@ def flat_factor_sum(
 
     where ``R_r`` is the product over row ``r`` and ``K_{c,i}`` over column ``c`` within the
     window rows of ``i``, both with the same flat partner ``p + δ`` as ``F_δ``. Rows and
-    columns in ``zero_border`` contribute nothing and are skipped; for a padded ``k × k``
+    columns in the zero padding contribute nothing and are skipped; for a padded ``k × k``
     kernel about one row and column per window remain. All strips are multiplied with every
     shift at once (their ``p + δ`` neighbourhoods are strided views), so the work is the
     ``(2k−1)²/2`` big products plus a few thin ones; the transposed shift's blocks are
     transposes.
 
     Args:
-        padded: The input after padding, ``(N, C, Hp, Wp)``.
+        inputs: The input, ``(N, C, H, W)`` (padded by any non-zero padding mode).
         kernel_size: ``(kh, kw)``.
         dilation: ``(d_h, d_w)``.
-        zero_border: ``(left, right, top, bottom)`` widths known to be zero.
+        zero_padding: ``(left, right, top, bottom)`` zeros around ``inputs``.
 
     Returns:
         The ``(C·kh·kw, C·kh·kw)`` sum in ``F.unfold`` order.
     """
     (kh, kw), (dh, dw) = kernel_size, dilation
-    batch, channels, height, width = padded.shape
+    left_pad, right_pad, top_pad, bottom_pad = zero_padding
+    batch, channels = inputs.shape[:2]
+    height = inputs.shape[2] + top_pad + bottom_pad
+    width = inputs.shape[3] + left_pad + right_pad
     out_h, out_w = height - dh * (kh - 1), width - dw * (kw - 1)
-    left_pad, right_pad, top_pad, bottom_pad = zero_border
     image, length = height * width, batch * height * width
     # Flat rows with a zero margin in front (neighbourhoods reach back (kw-1)·dw positions)
     # and behind (partners past the last position are zeros).
     front = (kw - 1) * dw
     back = (kh - 1) * dh * width + (kw - 1) * dw
-    flat = padded.new_empty(front + length + back, channels)
+    flat = inputs.new_empty(front + length + back, channels)
     flat[:front].zero_()
     flat[front + length :].zero_()
     grid = flat[front : front + length].view(batch, height, width, channels)
-    grid.copy_(padded.permute(0, 2, 3, 1))
+    for frame in (grid[:, :top_pad], grid[:, height - bottom_pad :]):
+        frame.zero_()
+    for frame in (grid[:, :, :left_pad], grid[:, :, width - right_pad :]):
+        frame.zero_()
+    interior = grid[:, top_pad : height - bottom_pad, left_pad : width - right_pad]
+    interior.copy_(inputs.permute(0, 2, 3, 1))
     # Shift slots: u in [0, kh), v in [-(kw-1), kw); a strip's partners for every slot at once.
     slots_w = 2 * kw - 1
 
@@ -259,11 +288,11 @@ def flat_factor_sum(
     )
     corners = _stack([strip_products(r * width + c, (batch, 1), (image, 1))
                       for r in rows for c in cols])  # fmt: skip
-    row_mask = padded.new_tensor([[float(r in out) for r in rows] for out in rows_out])
-    col_mask = padded.new_tensor([[float(c in out) for c in cols] for out in cols_out])
+    row_mask = inputs.new_tensor([[float(r in out) for r in rows] for out in rows_out])
+    col_mask = inputs.new_tensor([[float(c in out) for c in cols] for out in cols_out])
     # outside[i, j, u, slot]: the part of F_δ outside window (i, j) (inclusion-exclusion).
     shape = (kh, slots_w, channels, channels)
-    outside = padded.new_zeros(kh, kw, *shape)
+    outside = inputs.new_zeros(kh, kw, *shape)
     if rows:
         outside += (row_mask @ row_sums.flatten(1)).view(kh, 1, *shape)
     if cols:
@@ -285,7 +314,7 @@ def flat_factor_sum(
             index += [(i, j, i + u, j + v) for i in range(kh - u) for j in range(lo, hi)]
     pairs = torch.cat(values)
     first, second, third, fourth = torch.tensor(index).T
-    blocks = padded.new_empty(kh, kw, kh, kw, channels, channels)
+    blocks = inputs.new_empty(kh, kw, kh, kw, channels, channels)
     blocks[third, fourth, first, second] = pairs.transpose(-1, -2)  # the negative shifts
     blocks[first, second, third, fourth] = pairs  # last: shift (0, 0) keeps its own blocks
     dim = channels * kh * kw
@@ -321,12 +350,12 @@ def shift_cost(
     shape: Sequence[int],
     kernel_size: tuple[int, int],
     dilation: tuple[int, int],
-    zero_border: tuple[int, int, int, int] = (0, 0, 0, 0),
+    zero_padding: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> float:
     """Estimated multiply-adds of :func:`flat_factor_sum` (copies weighted as above)."""
     batch, channels, height, width = shape
     (kh, kw), (dh, dw) = kernel_size, dilation
-    left, right, top, bottom = zero_border
+    left, right, top, bottom = zero_padding
     real_h, real_w = height - top - bottom, width - left - right
     shifts = (kh * (2 * kw - 1) + kw) / 2  # the non-negative half of the kernel shifts
     strip_rows = min(kh - 1, real_h) * dh  # at most, outside some window and not zero
@@ -398,29 +427,35 @@ def _factor_sum(
 
 def _with_bias(
     patch_sum: Tensor,
-    padded: Tensor,
+    per_position: Tensor,
+    batch: int,
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
     dilation: tuple[int, int],
-    bias: bool,
 ) -> tuple[Tensor, float]:
-    """Appends the bias row and column (window sums and count); returns the patch count."""
+    """Appends the bias row and column (window sums and count); returns the patch count.
+
+    Args:
+        patch_sum: The ``(D, D)`` sum without bias.
+        per_position: The padded input summed over the batch, ``(C, Hp, Wp)``.
+        batch: Images in the batch.
+        kernel_size: ``(kh, kw)``.
+        stride: ``(s_h, s_w)``.
+        dilation: ``(d_h, d_w)``.
+    """
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
-    batch, channels, height, width = padded.shape
+    channels, height, width = per_position.shape
     out_h = output_size(height, kh, sh, dh)
     out_w = output_size(width, kw, sw, dw)
     count = batch * out_h * out_w
-    if not bias:
-        return patch_sum, float(count)
-    per_position = padded.sum(dim=0)  # (C, Hp, Wp): every window sum is a slice of it
-    entry_sums = padded.new_empty(channels, kh, kw)
+    entry_sums = per_position.new_empty(channels, kh, kw)
     for i in range(kh):
         rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
         for j in range(kw):
             cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
             entry_sums[:, i, j] = per_position[:, rows, cols].sum(dim=(1, 2))
     dim = patch_sum.shape[0]
-    total = padded.new_empty(dim + 1, dim + 1)
+    total = patch_sum.new_empty(dim + 1, dim + 1)
     total[:dim, :dim] = patch_sum
     total[:dim, dim] = entry_sums.reshape(dim)
     total[dim, :dim] = entry_sums.reshape(dim)
