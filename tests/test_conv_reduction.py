@@ -15,6 +15,7 @@ CASES = [
     dict(kernel_size=3, stride=2, padding=1),
     dict(kernel_size=(2, 3), stride=(2, 1), padding=(1, 0), dilation=2),
     dict(kernel_size=4, padding="same"),
+    dict(kernel_size=1, padding=(3, 2), stride=2),  # wide zero padding, strided
     dict(kernel_size=3, padding=1, padding_mode="reflect", bias=False),
 ]
 
@@ -57,6 +58,18 @@ def test_reduce_sum_equals_formula(case: dict) -> None:
     torch.testing.assert_close(_factor(g_rows), expected_g)
     if conv.bias is not None:  # the bias entry of the averaged patch is exactly 1
         torch.testing.assert_close(a_rows.rows[:, -1], torch.ones(batch, dtype=DT))
+
+
+def test_reduce_sum_patch_means_by_hand_with_windows_inside_the_padding() -> None:
+    """Kernel rows whose every window row is padding give zero means, as unfolding does."""
+    conv = nn.Conv2d(2, 3, (3, 2), padding=(2, 1), stride=(3, 2), bias=False).to(DT)
+    x = torch.randn(
+        2, 2, 1, 3, dtype=DT
+    )  # padded 5 x 5, one output row: kernel rows 0, 1 see padding
+    patches = _hand_rows(conv, x)  # (B, T, D)
+    rows = Conv2dBlock("", conv, reduction="sum").a_rows(x).rows
+    torch.testing.assert_close(rows, patches.mean(dim=1))
+    assert torch.count_nonzero(rows.view(2, 2, 3, 2)[:, :, 0]) == 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

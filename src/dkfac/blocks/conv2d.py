@@ -191,7 +191,7 @@ class Conv2dBlock(Block):
         if inputs.dim() == 3:  # unbatched input
             inputs = inputs.unsqueeze(0)
         if self.reduction == "sum":
-            rows = self._patch_means(pad_input(self.module, inputs))  # the factor is ÷ T²
+            rows = self._patch_means(inputs)  # the factor is ÷ T²
         elif self.reduction == "subsample":
             rows = self._sampled_patches(pad_input(self.module, inputs))
         else:
@@ -211,20 +211,34 @@ class Conv2dBlock(Block):
         out_h = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
         return out_h, (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
 
-    def _patch_means(self, padded: Tensor) -> Tensor:
+    def _patch_means(self, inputs: Tensor) -> Tensor:
         """``(B, D)`` mean patch of each image (no bias) from window sums, separably.
 
-        One reduction over the window rows per kernel row, then thin sums per column.
+        One reduction over the window rows per kernel row, then thin sums per column. Zero
+        padding is never materialised: the rows falling in it are left out of the reduction
+        and the per-column sums are padded instead.
         """
-        (kh, kw), (sh, sw), (dh, dw) = (
-            self.module.kernel_size,
-            self.module.stride,
-            self.module.dilation,
-        )
-        out_h, out_w = self._output_size(padded)
-        sums = padded.new_empty(padded.shape[0], padded.shape[1], kh, kw)
+        module = self.module
+        (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
+        zeros = module.padding_mode == "zeros"
+        left, right, top, bottom = conv_padding(module) if zeros else (0, 0, 0, 0)
+        if not zeros:
+            inputs = pad_input(module, inputs)
+        batch, channels, real_h, real_w = inputs.shape
+        height, width = real_h + top + bottom, real_w + left + right
+        out_h = (height - dh * (kh - 1) - 1) // sh + 1
+        out_w = (width - dw * (kw - 1) - 1) // sw + 1
+        sums = inputs.new_empty(batch, channels, kh, kw)
         for i in range(kh):
-            by_column = padded[:, :, i * dh : i * dh + sh * (out_h - 1) + 1 : sh].sum(dim=2)
+            # Window rows i·dh + sh·a (a < Ho) of the padded input that are real rows.
+            first = max(0, -((i * dh - top) // sh))
+            last = min(out_h - 1, (real_h - 1 - (i * dh - top)) // sh)
+            if first > last:  # the whole window lies in the padding
+                by_column = inputs.new_zeros(batch, channels, real_w)
+            else:
+                start = i * dh - top + sh * first
+                by_column = inputs[:, :, start : start + sh * (last - first) + 1 : sh].sum(2)
+            by_column = F.pad(by_column, (left, right)) if left or right else by_column
             for j in range(kw):
                 cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
                 sums[:, :, i, j] = by_column[:, :, cols].sum(dim=2)
