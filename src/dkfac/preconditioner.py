@@ -6,10 +6,14 @@ object ``pre.strategy``; the math below never branches on the rank.
 
 1. ``dkfac.factors``: the factors captured by the hooks since the last step are reduced as
    the strategy says (all-reduce, reduce-scatter to owners, or nothing) in asynchronous
-   buckets, launched together with any gradient reduction the strategy does itself; ranks
-   agree on which layers have finite factors and gradients; the ranks that keep a layer's
-   factors update its running averages (only on factor-update steps; the hooks do no work
-   on other steps).
+   buckets, together with any gradient reduction the strategy does itself (``spngd``: in
+   the same buffers). With ``overlap_comm`` on (:mod:`~dkfac.distributed.eager`) each
+   bucket was already launched from the backward hooks once its layers were final, and
+   ``step()`` launches only what is left; otherwise everything is launched here, after the
+   ranks agree which layers ran (:mod:`~dkfac.distributed.presence`). One wait; then ranks
+   agree on which layers have finite factors and gradients and the ranks that keep a
+   layer's factors update its running averages (only on factor-update steps; the hooks do
+   no work on other steps).
 2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
    and the strategy sends it to the layer's gradient workers.
 3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
@@ -40,7 +44,8 @@ from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
-from dkfac.distributed.comm import CommHandle, Communicator
+from dkfac.distributed.comm import Communicator
+from dkfac.distributed.eager import EagerReducer, resolve_overlap
 from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
@@ -131,6 +136,7 @@ class KFACPreconditioner:
         self._set_block_steps()
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
+        self.eager = self._make_eager(model)
         block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
         self._other_params = [
             p for p in _unwrap(model).parameters() if p.requires_grad and id(p) not in block_params
@@ -176,6 +182,25 @@ class KFACPreconditioner:
             )
         logger.info("K-FAC registered %d layers: %s", len(self.layers), list(self.layers))
 
+    def _make_eager(self, model: nn.Module) -> EagerReducer | None:
+        """The overlapped phase-1 path when ``overlap_comm`` resolves on, else ``None``."""
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        find_unused = None if ddp is None else bool(ddp.find_unused_parameters)
+        world = self.strategy.world_size
+        if not resolve_overlap(
+            self.config.overlap_comm, world_size=world, ddp_find_unused=find_unused
+        ):
+            return None
+        scaled = self.grad_scaler is not None and self.grad_scaler.is_enabled()
+        return EagerReducer(
+            self.layers,
+            self.capture,
+            self.strategy,
+            accumulation_steps=self.config.accumulation_steps,
+            bucket_bytes=self.config.bucket_bytes,
+            with_gradients=self.strategy.reduces_gradients and not scaled,
+        )
+
     def _set_block_steps(self) -> None:
         """Tells every block the step counter (seeded conv subsampling agrees across hooks)."""
         for layer in self.layers.values():
@@ -184,6 +209,8 @@ class KFACPreconditioner:
     def remove_hooks(self) -> None:
         """Detaches every hook from the model (the preconditioner is unusable afterwards)."""
         self.capture.remove()
+        if self.eager is not None:
+            self.eager.remove()
 
     # ----------------------------------------------------------------- capture
     def schedule_captures(self, step: int) -> None:
@@ -197,6 +224,8 @@ class KFACPreconditioner:
                 key for key in layer.statistic_shapes() if self.refresh.due(f"{name}/{key}", step)
             )
         self.capture.active = any(layer.due for layer in self.layers.values())
+        if self.eager is not None:
+            self.eager.plan(self.capture.active)
 
     def sample_fisher(self, outputs: Tensor, loss: str = "cross_entropy") -> None:
         """Feeds the G factors from one backward of targets sampled from ``outputs``.
@@ -237,16 +266,7 @@ class KFACPreconditioner:
         grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
         with record_function("dkfac.factors"):
-            new_factors = self.capture.collect(self.layers, self._g_scale()) if capturing else {}
-            agree_presence(self.comm, self.layers, new_factors, grads, self._other_params)
-            present = {name: g for name, g in grads.items() if g is not None}
-            others = [p.grad for p in self._other_params if p.grad is not None]
-            CommHandle(
-                works=[
-                    self.strategy.reduce_statistics(new_factors, self._lowrank_keys()),
-                    self.strategy.reduce_gradients(present, others),
-                ]
-            ).wait()
+            new_factors = self._reduce(grads, capturing)
             finite = self._finite_flags(new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % int(inverse_interval) == 0:
@@ -269,6 +289,21 @@ class KFACPreconditioner:
         self._steps += 1
         self._set_block_steps()
         self.schedule_captures(self._steps)
+
+    def _reduce(self, grads: dict[str, Tensor | None], capturing: bool) -> dict[str, Any]:
+        """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer."""
+        if self.eager is not None:
+            new, handle = self.eager.finish(grads, self._other_params)
+        else:
+            new = self.capture.collect(self.layers, 1.0) if capturing else {}
+            agree_presence(self.comm, self.layers, new, grads, self._other_params)
+            present = {name: g for name, g in grads.items() if g is not None}
+            others = [p.grad for p in self._other_params if p.grad is not None]
+            handle = self.strategy.reduce_step(new, self._lowrank_keys(), present, others)
+        handle.wait()
+        if new:
+            self.capture.scale_grad_statistics(self.layers, new, self._g_scale())
+        return new
 
     def _lowrank_keys(self) -> dict[str, frozenset[str]]:
         """Layer name -> its statistics held as ``U`` (communicated by row all-gather)."""
@@ -473,6 +508,8 @@ class KFACPreconditioner:
         for layer in self.layers.values():
             for kind, nbytes in layer.memory().items():
                 usage[kind] += nbytes
+        if self.eager is not None:  # statistics already handed to the overlapped reduction
+            usage["accumulators"] += self.eager.pending_bytes()
         return usage
 
     def describe(self) -> list[dict[str, Any]]:
