@@ -123,15 +123,24 @@ def test_on_raises_for_a_skipped_layer_and_extra_backward() -> None:
 
 # ---------------------------------------------------------------- two ranks
 def _train(
-    rank: int, world: int, strategy: str, fraction: float, ddp: bool, mode: str, spy: bool
+    rank: int,
+    world: int,
+    strategy: str,
+    fraction: float,
+    ddp: bool,
+    mode: str,
+    spy: bool,
+    scaled: bool = False,
 ) -> dict[str, Any]:
     model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
     wrapped: nn.Module = nn.parallel.DistributedDataParallel(model) if ddp else model
     pre = KFACPreconditioner(
         wrapped,
         strategy=strategy,
         grad_worker_fraction=fraction,
         overlap_comm=mode,
+        grad_scaler=scaler,
         bucket_bytes=1 if spy else 25 * 2**20,  # one bucket per layer for the spy
         **BASE,
     )
@@ -153,15 +162,17 @@ def _train(
         for part in range(MICRO):
             lo = rank * size + part * size // MICRO
             rows = slice(lo, lo + size // MICRO)
-            loss = F.cross_entropy(wrapped(x[rows]), y[rows]) / MICRO
+            loss = scaler.scale(F.cross_entropy(wrapped(x[rows]), y[rows]) / MICRO)
             if ddp and part < MICRO - 1:
                 with wrapped.no_sync():  # type: ignore[operator]
                     loss.backward()
             else:
                 loss.backward()
         before_step.append(dict(pre.comm.ledger.stats()["current_step"]["by_kind"]))
+        scaler.unscale_(opt)
         pre.step(lr=0.1)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
     stats = pre.comm_stats()
     return {
         "params": [p.detach().clone() for p in model.parameters()],
@@ -179,6 +190,10 @@ def _rank_main(rank: int, world: int) -> dict[Any, Any]:
         for mode in ("on", "off", "auto"):
             out[(strategy, mode)] = _train(rank, world, strategy, fraction, ddp, mode, False)
         out[(strategy, "spy")] = _train(rank, world, strategy, fraction, ddp, "on", True)
+    for strategy, fraction, ddp in (CASES[0], CASES[-1]):  # with a GradScaler
+        for mode in ("on", "off"):
+            run = _train(rank, world, strategy, fraction, ddp, mode, False, scaled=True)
+            out[(strategy, f"scaled-{mode}")] = run
     return out
 
 
@@ -250,6 +265,17 @@ def test_two_ranks_overlap_matches_off_serial_and_ledger() -> None:
                 assert last["gradients"] == late_g, (label, step)
             if strategy in ("replicated", "spngd"):  # something to overlap on factor steps
                 assert spy[MICRO - 1]["factors"] > 0, label
+    for strategy in ("replicated", "spngd"):  # GradScaler: G scaled after the reduction
+        packed = strategy == "spngd"
+        for rank, res in enumerate(results):
+            on, off = res[(strategy, "scaled-on")], res[(strategy, "scaled-off")]
+            label = f"{strategy} with GradScaler, rank {rank}"
+            for p, q in zip(on["params"], serial, strict=True):  # powers of two: exact
+                torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11, msg=label)
+            assert on["per_step"] == off["per_step"], label
+            # spngd: gradients wait for unscale_() in step(); statistics still overlap.
+            assert on["before_step"][0]["factors"] == _factor_bytes(tuple(DIMS), packed)
+            assert on["before_step"][0]["gradients"] == 0, label
     for key in results[0]:  # every rank ends with the same parameters
         for p, q in zip(results[0][key]["params"], results[1][key]["params"], strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=0)

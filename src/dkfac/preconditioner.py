@@ -4,16 +4,15 @@ A step has five phases, each under a ``torch.profiler.record_function`` label. W
 runs and what travels between ranks is decided by the :mod:`~dkfac.distributed.strategies`
 object ``pre.strategy``; the math below never branches on the rank.
 
-1. ``dkfac.factors``: the factors captured by the hooks since the last step are reduced as
-   the strategy says (all-reduce, reduce-scatter to owners, or nothing) in asynchronous
-   buckets, together with any gradient reduction the strategy does itself (``spngd``: in
-   the same buffers). With ``overlap_comm`` on (:mod:`~dkfac.distributed.eager`) each
-   bucket was already launched from the backward hooks once its layers were final, and
-   ``step()`` launches only what is left; otherwise everything is launched here, after the
-   ranks agree which layers ran (:mod:`~dkfac.distributed.presence`). One wait; then ranks
-   agree on which layers have finite factors and gradients and the ranks that keep a
-   layer's factors update its running averages (only on factor-update steps; the hooks do
-   no work on other steps).
+1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
+   (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
+   gradient reduction the strategy does itself (``spngd``: in the same buffers). With
+   ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
+   were final (:mod:`~dkfac.distributed.eager`); otherwise all is launched here once the
+   ranks agree which layers ran (:mod:`~dkfac.distributed.presence`). After one wait, ranks
+   agree on which layers have finite factors and gradients; the ranks that keep a layer's
+   factors update its running averages (only on factor-update steps; the hooks do no work
+   on other steps).
 2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
    and the strategy sends it to the layer's gradient workers.
 3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
@@ -45,7 +44,7 @@ from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
 from dkfac.distributed.comm import Communicator
-from dkfac.distributed.eager import EagerReducer, resolve_overlap
+from dkfac.distributed.eager import build_eager
 from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
@@ -136,7 +135,7 @@ class KFACPreconditioner:
         self._set_block_steps()
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
-        self.eager = self._make_eager(model)
+        self.eager = build_eager(self, model)
         block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
         self._other_params = [
             p for p in _unwrap(model).parameters() if p.requires_grad and id(p) not in block_params
@@ -181,25 +180,6 @@ class KFACPreconditioner:
                 f"{list(cfg.skip_layers)}"
             )
         logger.info("K-FAC registered %d layers: %s", len(self.layers), list(self.layers))
-
-    def _make_eager(self, model: nn.Module) -> EagerReducer | None:
-        """The overlapped phase-1 path when ``overlap_comm`` resolves on, else ``None``."""
-        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
-        find_unused = None if ddp is None else bool(ddp.find_unused_parameters)
-        world = self.strategy.world_size
-        if not resolve_overlap(
-            self.config.overlap_comm, world_size=world, ddp_find_unused=find_unused
-        ):
-            return None
-        scaled = self.grad_scaler is not None and self.grad_scaler.is_enabled()
-        return EagerReducer(
-            self.layers,
-            self.capture,
-            self.strategy,
-            accumulation_steps=self.config.accumulation_steps,
-            bucket_bytes=self.config.bucket_bytes,
-            with_gradients=self.strategy.reduces_gradients and not scaled,
-        )
 
     def _set_block_steps(self) -> None:
         """Tells every block the step counter (seeded conv subsampling agrees across hooks)."""
@@ -290,7 +270,9 @@ class KFACPreconditioner:
         self._set_block_steps()
         self.schedule_captures(self._steps)
 
-    def _reduce(self, grads: dict[str, Tensor | None], capturing: bool) -> dict[str, Any]:
+    def _reduce(
+        self, grads: dict[str, Tensor | None], capturing: bool
+    ) -> dict[str, dict[str, Tensor]]:
         """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer."""
         if self.eager is not None:
             new, handle = self.eager.finish(grads, self._other_params)
@@ -299,15 +281,12 @@ class KFACPreconditioner:
             agree_presence(self.comm, self.layers, new, grads, self._other_params)
             present = {name: g for name, g in grads.items() if g is not None}
             others = [p.grad for p in self._other_params if p.grad is not None]
-            handle = self.strategy.reduce_step(new, self._lowrank_keys(), present, others)
+            lowrank = {n: frozenset(x.lowrank) for n, x in self.layers.items() if x.lowrank}
+            handle = self.strategy.reduce_step(new, lowrank, present, others)
         handle.wait()
         if new:
             self.capture.scale_grad_statistics(self.layers, new, self._g_scale())
         return new
-
-    def _lowrank_keys(self) -> dict[str, frozenset[str]]:
-        """Layer name -> its statistics held as ``U`` (communicated by row all-gather)."""
-        return {n: frozenset(layer.lowrank) for n, layer in self.layers.items() if layer.lowrank}
 
     def _g_scale(self) -> float:
         """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""

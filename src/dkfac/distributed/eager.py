@@ -37,10 +37,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dkfac.config import OVERLAP_MODES
 from dkfac.distributed.comm import CommHandle
@@ -48,7 +48,10 @@ from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategy_base import Strategy, join_handles
 from dkfac.layer_state import FactorCapture, LayerState
 
-__all__ = ["EagerReducer", "resolve_overlap"]
+if TYPE_CHECKING:
+    from dkfac.preconditioner import KFACPreconditioner
+
+__all__ = ["EagerReducer", "build_eager", "resolve_overlap"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,32 @@ def resolve_overlap(mode: str, *, world_size: int, ddp_find_unused: bool | None)
     if mode != "auto":
         return mode == "on"
     return world_size > 1 and ddp_find_unused is False
+
+
+def build_eager(pre: KFACPreconditioner, model: nn.Module) -> EagerReducer | None:
+    """The overlapped path of a preconditioner, or ``None`` where ``overlap_comm`` is off.
+
+    Args:
+        pre: The preconditioner (layers registered, strategy built).
+        model: The model as given to it (a DDP wrapper tells ``"auto"`` it is safe).
+    """
+    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    on = resolve_overlap(
+        pre.config.overlap_comm,
+        world_size=pre.strategy.world_size,
+        ddp_find_unused=None if ddp is None else bool(ddp.find_unused_parameters),
+    )
+    if not on:
+        return None
+    scaled = pre.grad_scaler is not None and pre.grad_scaler.is_enabled()
+    return EagerReducer(
+        pre.layers,
+        pre.capture,
+        pre.strategy,
+        accumulation_steps=pre.config.accumulation_steps,
+        bucket_bytes=pre.config.bucket_bytes,
+        with_gradients=pre.strategy.reduces_gradients and not scaled,
+    )
 
 
 class EagerReducer:
