@@ -20,6 +20,7 @@ from dkfac import KFACConfig, KFACPreconditioner
 from dkfac.app.cli import parse_args
 from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.distributed.eager import resolve_overlap
+from dkfac.refresh import AdaptiveRefresh
 from tests.distributed_utils import run_distributed
 from tests.strategy_cases import DIMS, OPTIONS, global_batch, make_model
 
@@ -279,3 +280,64 @@ def test_two_ranks_overlap_matches_off_serial_and_ledger() -> None:
     for key in results[0]:  # every rank ends with the same parameters
         for p, q in zip(results[0][key]["params"], results[1][key]["params"], strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- host synchronisations
+def _syncs_in_step(depth: int, mode: str, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Host reads of tensor values (item, tolist, float/int/bool) in one non-inverse step."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(4, 4), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(4, 3)).double()
+    pre = KFACPreconditioner(
+        model, overlap_comm=mode, refresh="adaptive", inverse_update_interval=10, kl_clip=1e-3
+    )
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for step in range(2):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if step == 0:  # the inverse step: solvers check each decomposition (not counted)
+            pre.step(lr=0.1)
+    counter = {"n": 0}
+    for method in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self: torch.Tensor, *args: Any, _original: Any = original) -> Any:
+            counter["n"] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    pre.step(lr=0.1)
+    monkeypatch.undo()
+    assert pre.refresh_stats()["refreshed"] > 0  # the counted step did refresh statistics
+    return counter["n"]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_host_syncs_per_step_do_not_grow_with_layers(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finite flags, KL-clip scale, adaptive refresh: a fixed number of syncs per step."""
+    shallow = _syncs_in_step(2, mode, monkeypatch)
+    deep = _syncs_in_step(6, mode, monkeypatch)
+    assert 0 < shallow == deep, (shallow, deep)
+
+
+def test_adaptive_record_many_equals_record_one_by_one() -> None:
+    gen = torch.Generator().manual_seed(3)
+    one, many = AdaptiveRefresh(threshold=0.1), AdaptiveRefresh(threshold=0.1)
+    for step in range(4):
+        items: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
+        for i in range(5):
+            old = torch.randn(3, 3, generator=gen) if step else None
+            small = torch.randn(3, 3, generator=gen) * (0.01 if i % 2 else 1.0)
+            new = small if old is None else old + small
+            items.append((f"s{i}", old, new))
+        items.append(("zero", torch.zeros(2) if step else None, torch.zeros(2)))
+        for key, old, new in items:
+            one.record(key, step, old, new)
+        many.record_many(step, items)
+        assert many.state_dict() == one.state_dict()
+    intervals = {one.interval(f"s{i}") for i in range(5)}
+    assert len(intervals) > 1  # both branches (doubled and halved) were taken

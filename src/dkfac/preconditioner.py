@@ -326,23 +326,24 @@ class KFACPreconditioner:
         decay = resolve("factor_decay", self.config.factor_decay, step)
         assert decay is not None
         self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
-        recorded: dict[str, int] = {}
+        kept = []
+        refreshed: list[tuple[str, Tensor | None, Tensor]] = []
         for name, stats in new.items():
+            layer = self.layers[name]
             if not self.strategy.keeps_statistics(name):
                 continue
             if not finite[name][0]:
                 logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
                 continue
-            layer = self.layers[name]
-            for key, value in stats.items():
-                stat = f"{name}/{key}"
-                # A low-rank side's U changes shape as it grows: its interval stays put.
-                old = None if key in layer.lowrank else layer.running.get(key)
-                self.refresh.record(stat, step, old, value)
-                if isinstance(self.refresh, AdaptiveRefresh):
-                    recorded[stat] = self.refresh.interval(stat)
-            layer.update_running(stats, decay)
+            kept.append(name)
+            # A low-rank side's U changes shape as it grows: its interval stays put.
+            olds = {k: None if k in layer.lowrank else layer.running.get(k) for k in stats}
+            refreshed += [(f"{name}/{k}", olds[k], v) for k, v in stats.items()]
+        self.refresh.record_many(step, refreshed)  # one sync, before the in-place updates
+        for name in kept:
+            self.layers[name].update_running(new[name], decay)
         if isinstance(self.refresh, AdaptiveRefresh) and self.capture.active:
+            recorded = {key: self.refresh.interval(key) for key, _, _ in refreshed}
             self._agree_intervals(recorded, step)
 
     def _agree_intervals(self, recorded: dict[str, int], step: int) -> None:
