@@ -341,3 +341,16 @@ def test_adaptive_record_many_equals_record_one_by_one() -> None:
         assert many.state_dict() == one.state_dict()
     intervals = {one.interval(f"s{i}") for i in range(5)}
     assert len(intervals) > 1  # both branches (doubled and halved) were taken
+
+
+def test_buckets_launch_during_backward_with_a_frozen_bias() -> None:
+    """Readiness counts only parameters that get gradients (a frozen bias never fires)."""
+    model = make_model()
+    model[6].bias.requires_grad_(False)
+    pre = KFACPreconditioner(model, overlap_comm="on", bucket_bytes=1)
+    assert pre.eager is not None and pre.eager.buckets == [["6"], ["3"], ["0"]]
+    x, y = global_batch(0, 1)
+    F.cross_entropy(model(x), y).backward()
+    assert pre.eager.launched == 3  # all launched by the hooks, before step()
+    pre.step(lr=0.1)
+    assert sorted(pre.factors()) == sorted(DIMS)

@@ -227,7 +227,7 @@ class EagerReducer:
         if count < self.accumulation_steps:
             return
         for name in self._users[key]:
-            params = self.layers[name].block.parameters()
+            params = [p for p in self.layers[name].block.parameters() if p.requires_grad]
             if all(self._counts.get(id(p), 0) >= self.accumulation_steps for p in params):
                 self._ready.add(name)
         with torch.no_grad():
