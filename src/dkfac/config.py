@@ -24,12 +24,14 @@ STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "spngd", "auto")
 CONV_REDUCTIONS = (None, "sum", "subsample")
 
 PLACEMENT_COSTS = ("compute", "memory")
+OVERLAP_MODES = ("auto", "on", "off")
 
 Method = Literal["eigen", "cholesky", "smw", "auto"]
 FisherType = Literal["empirical", "mc"]
 RefreshKind = Literal["fixed", "adaptive"]
 StrategyName = Literal["replicated", "kaisa", "mem-opt", "dp", "spngd", "auto"]
 PlacementCost = Literal["compute", "memory"]
+OverlapMode = Literal["auto", "on", "off"]
 
 
 def _check_range(
@@ -163,6 +165,14 @@ class KFACConfig:
             is then unused).
         refresh_threshold: α of the adaptive policy, > 0 (SP-NGD's value: 0.1).
         refresh_max_interval: Cap of an adaptive interval, an integer >= 1.
+        overlap_comm: Launch each layer's statistic (and, for ``"spngd"``, gradient)
+            reduction from the backward hooks, in fixed buckets, so it overlaps the rest of
+            the backward (:mod:`dkfac.distributed.eager`). Only correct when every rank runs
+            every registered layer on every step. ``"auto"`` (default): on when that is
+            guaranteed, i.e. several ranks and a ``DistributedDataParallel`` model with
+            ``find_unused_parameters=False``; ``"on"``: always (a rank that misses a layer
+            raises ``RuntimeError`` in ``step()``); ``"off"``: reduce everything in
+            ``step()`` after the ranks agree which layers ran (data-dependent branches).
     """
 
     method: Method = "eigen"
@@ -190,6 +200,7 @@ class KFACConfig:
     refresh: RefreshKind = "fixed"
     refresh_threshold: float = 0.1
     refresh_max_interval: int = 64
+    overlap_comm: OverlapMode = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -266,6 +277,10 @@ class KFACConfig:
         if self.pack_triangles is not None and not isinstance(self.pack_triangles, bool):
             raise TypeError(
                 f"pack_triangles must be True, False or None, got {self.pack_triangles!r}"
+            )
+        if self.overlap_comm not in OVERLAP_MODES:
+            raise ValueError(
+                f"overlap_comm must be one of {OVERLAP_MODES}, got {self.overlap_comm!r}"
             )
         if self.placement_cost not in PLACEMENT_COSTS:
             raise ValueError(

@@ -312,6 +312,52 @@ class FactorCapture:
         finally:
             self._mc_active = False
 
+    def take_layer(self, layer: LayerState) -> tuple[dict[str, Tensor] | None, bool]:
+        """One layer's averaged statistics of this step (G not yet scaled); resets its sums.
+
+        Returns:
+            ``(means or None, missing_g)``: ``missing_g`` says the layer has some statistic
+            but not every due gradient statistic (checked by :meth:`check_mc`).
+        """
+        grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
+        missing_g = any(acc.has_data for acc in layer.accumulators.values()) and any(
+            not layer.accumulators[key].has_data for key in grad_keys
+        )
+        return layer.take_means(), missing_g
+
+    def check_mc(self, missing_g: bool) -> None:
+        """Ends a capture step: with ``fisher="mc"``, G must have come from a sampled backward.
+
+        Raises:
+            RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
+        """
+        captured, self._mc_captured = self._mc_captured, False
+        if self.config.fisher == "mc" and missing_g and not captured:
+            raise RuntimeError(
+                'fisher="mc": call pre.sample_fisher(outputs) after the forward pass and '
+                "before loss.backward() on factor-update steps"
+            )
+
+    @staticmethod
+    def scale_grad_statistics(
+        layers: dict[str, LayerState], new: dict[str, dict[str, Tensor]], g_scale: float
+    ) -> None:
+        """Multiplies the gradient statistics in ``new`` by ``g_scale`` in place.
+
+        ``g_scale`` is ``1 / grad_scaler_scale²`` under mixed precision; a low-rank side
+        holds ``U`` and is scaled by ``√g_scale``. Applied after the reduction (the mean is
+        linear; a GradScaler's power-of-two scale makes it exact), so the hooks never read
+        the scale (a host synchronisation).
+        """
+        if g_scale == 1.0:
+            return
+        for name, means in new.items():
+            layer = layers[name]
+            for key in layer.block.grad_statistics:
+                if key in means:
+                    factor = g_scale**0.5 if key in layer.lowrank else g_scale
+                    means[key] = means[key] * factor
+
     def collect(
         self, layers: dict[str, LayerState], g_scale: float
     ) -> dict[str, dict[str, Tensor]]:
@@ -325,26 +371,12 @@ class FactorCapture:
             RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
         """
         new: dict[str, dict[str, Tensor]] = {}
-        missing_g = []
+        missing_g = False
         for name, layer in layers.items():
-            grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
-            if any(acc.has_data for acc in layer.accumulators.values()) and any(
-                not layer.accumulators[key].has_data for key in grad_keys
-            ):
-                missing_g.append(name)
-            means = layer.take_means()
-            if means is None:
-                continue
-            if g_scale != 1.0:
-                for key in grad_keys:  # a low-rank side holds U: scale it by √g_scale
-                    if key in means:
-                        factor = g_scale**0.5 if key in layer.lowrank else g_scale
-                        means[key] = means[key] * factor
-            new[name] = means
-        if self.config.fisher == "mc" and missing_g and not self._mc_captured:
-            raise RuntimeError(
-                'fisher="mc": call pre.sample_fisher(outputs) after the forward pass and '
-                "before loss.backward() on factor-update steps"
-            )
-        self._mc_captured = False
+            means, missing = self.take_layer(layer)
+            missing_g = missing_g or missing
+            if means is not None:
+                new[name] = means
+        self.scale_grad_statistics(layers, new, g_scale)
+        self.check_mc(missing_g)
         return new

@@ -4,9 +4,12 @@ A step has five phases, each under a ``torch.profiler.record_function`` label. W
 runs and what travels between ranks is decided by the :mod:`~dkfac.distributed.strategies`
 object ``pre.strategy``; the math below never branches on the rank.
 
-1. ``dkfac.factors``: the factors captured by the hooks since the last step are reduced as
-   the strategy says (all-reduce, reduce-scatter to owners, or nothing) in asynchronous
-   buckets, launched together with any gradient reduction the strategy does itself; ranks
+1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
+   (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
+   gradient reduction the strategy does itself (``spngd``: in the same buffers). With
+   ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
+   were final (:mod:`~dkfac.distributed.eager`); otherwise all is launched here once the
+   ranks agree which layers ran (:mod:`~dkfac.distributed.presence`). After one wait, ranks
    agree on which layers have finite factors and gradients; the ranks that keep a layer's
    factors update its running averages (only on factor-update steps; the hooks do no work
    on other steps).
@@ -40,7 +43,8 @@ from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
-from dkfac.distributed.comm import CommHandle, Communicator
+from dkfac.distributed.comm import Communicator
+from dkfac.distributed.eager import build_eager
 from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
@@ -131,6 +135,7 @@ class KFACPreconditioner:
         self._set_block_steps()
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
+        self.eager = build_eager(self, model)
         block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
         self._other_params = [
             p for p in _unwrap(model).parameters() if p.requires_grad and id(p) not in block_params
@@ -184,6 +189,8 @@ class KFACPreconditioner:
     def remove_hooks(self) -> None:
         """Detaches every hook from the model (the preconditioner is unusable afterwards)."""
         self.capture.remove()
+        if self.eager is not None:
+            self.eager.remove()
 
     # ----------------------------------------------------------------- capture
     def schedule_captures(self, step: int) -> None:
@@ -197,6 +204,8 @@ class KFACPreconditioner:
                 key for key in layer.statistic_shapes() if self.refresh.due(f"{name}/{key}", step)
             )
         self.capture.active = any(layer.due for layer in self.layers.values())
+        if self.eager is not None:
+            self.eager.plan(self.capture.active)
 
     def sample_fisher(self, outputs: Tensor, loss: str = "cross_entropy") -> None:
         """Feeds the G factors from one backward of targets sampled from ``outputs``.
@@ -237,16 +246,7 @@ class KFACPreconditioner:
         grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
         with record_function("dkfac.factors"):
-            new_factors = self.capture.collect(self.layers, self._g_scale()) if capturing else {}
-            agree_presence(self.comm, self.layers, new_factors, grads, self._other_params)
-            present = {name: g for name, g in grads.items() if g is not None}
-            others = [p.grad for p in self._other_params if p.grad is not None]
-            CommHandle(
-                works=[
-                    self.strategy.reduce_statistics(new_factors, self._lowrank_keys()),
-                    self.strategy.reduce_gradients(present, others),
-                ]
-            ).wait()
+            new_factors = self._reduce(grads, capturing)
             finite = self._finite_flags(new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % int(inverse_interval) == 0:
@@ -270,9 +270,23 @@ class KFACPreconditioner:
         self._set_block_steps()
         self.schedule_captures(self._steps)
 
-    def _lowrank_keys(self) -> dict[str, frozenset[str]]:
-        """Layer name -> its statistics held as ``U`` (communicated by row all-gather)."""
-        return {n: frozenset(layer.lowrank) for n, layer in self.layers.items() if layer.lowrank}
+    def _reduce(
+        self, grads: dict[str, Tensor | None], capturing: bool
+    ) -> dict[str, dict[str, Tensor]]:
+        """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer."""
+        if self.eager is not None:
+            new, handle = self.eager.finish(grads, self._other_params)
+        else:
+            new = self.capture.collect(self.layers, 1.0) if capturing else {}
+            agree_presence(self.comm, self.layers, new, grads, self._other_params)
+            present = {name: g for name, g in grads.items() if g is not None}
+            others = [p.grad for p in self._other_params if p.grad is not None]
+            lowrank = {n: frozenset(x.lowrank) for n, x in self.layers.items() if x.lowrank}
+            handle = self.strategy.reduce_step(new, lowrank, present, others)
+        handle.wait()
+        if new:
+            self.capture.scale_grad_statistics(self.layers, new, self._g_scale())
+        return new
 
     def _g_scale(self) -> float:
         """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""
@@ -312,23 +326,24 @@ class KFACPreconditioner:
         decay = resolve("factor_decay", self.config.factor_decay, step)
         assert decay is not None
         self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
-        recorded: dict[str, int] = {}
+        kept = []
+        refreshed: list[tuple[str, Tensor | None, Tensor]] = []
         for name, stats in new.items():
+            layer = self.layers[name]
             if not self.strategy.keeps_statistics(name):
                 continue
             if not finite[name][0]:
                 logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
                 continue
-            layer = self.layers[name]
-            for key, value in stats.items():
-                stat = f"{name}/{key}"
-                # A low-rank side's U changes shape as it grows: its interval stays put.
-                old = None if key in layer.lowrank else layer.running.get(key)
-                self.refresh.record(stat, step, old, value)
-                if isinstance(self.refresh, AdaptiveRefresh):
-                    recorded[stat] = self.refresh.interval(stat)
-            layer.update_running(stats, decay)
+            kept.append(name)
+            # A low-rank side's U changes shape as it grows: its interval stays put.
+            olds = {k: None if k in layer.lowrank else layer.running.get(k) for k in stats}
+            refreshed += [(f"{name}/{k}", olds[k], v) for k, v in stats.items()]
+        self.refresh.record_many(step, refreshed)  # one sync, before the in-place updates
+        for name in kept:
+            self.layers[name].update_running(new[name], decay)
         if isinstance(self.refresh, AdaptiveRefresh) and self.capture.active:
+            recorded = {key: self.refresh.interval(key) for key, _, _ in refreshed}
             self._agree_intervals(recorded, step)
 
     def _agree_intervals(self, recorded: dict[str, int], step: int) -> None:
@@ -473,6 +488,8 @@ class KFACPreconditioner:
         for layer in self.layers.values():
             for kind, nbytes in layer.memory().items():
                 usage[kind] += nbytes
+        if self.eager is not None:  # statistics already handed to the overlapped reduction
+            usage["accumulators"] += self.eager.pending_bytes()
         return usage
 
     def describe(self) -> list[dict[str, Any]]:

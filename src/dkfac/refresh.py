@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,8 +45,10 @@ def make_refresh_policy(
 
 def relative_change(old: Tensor, new: Tensor) -> float:
     """``‖new − old‖_F / ‖old‖_F`` (infinite when ``old`` is zero and ``new`` is not)."""
-    denominator = float(torch.linalg.norm(old))
-    numerator = float(torch.linalg.norm(new - old))
+    return _ratio(float(torch.linalg.norm(new - old)), float(torch.linalg.norm(old)))
+
+
+def _ratio(numerator: float, denominator: float) -> float:
     if denominator == 0.0:
         return 0.0 if numerator == 0.0 else math.inf
     return numerator / denominator
@@ -60,6 +63,13 @@ class RefreshPolicy(ABC):
 
     def record(self, key: str, step: int, old: Tensor | None, new: Tensor) -> None:  # noqa: B027
         """Tells the policy that ``key`` was refreshed at ``step`` from ``old`` to ``new``."""
+
+    def record_many(
+        self, step: int, refreshed: Sequence[tuple[str, Tensor | None, Tensor]]
+    ) -> None:
+        """:meth:`record` for every ``(key, old, new)`` refreshed at ``step``."""
+        for key, old, new in refreshed:
+            self.record(key, step, old, new)
 
     def state_dict(self) -> dict[str, object]:
         """The policy's mutable state (empty for stateless policies)."""
@@ -139,9 +149,34 @@ class AdaptiveRefresh(RefreshPolicy):
 
     def record(self, key: str, step: int, old: Tensor | None, new: Tensor) -> None:
         """Doubles or halves ``key``'s interval from the change between ``old`` and ``new``."""
+        self._update(key, step, None if old is None else relative_change(old, new))
+
+    def record_many(
+        self, step: int, refreshed: Sequence[tuple[str, Tensor | None, Tensor]]
+    ) -> None:
+        """:meth:`record` for all of them with one host synchronisation (not one per key)."""
+        pairs = [(old, new) for _, old, new in refreshed if old is not None]
+        norms: list[list[float]] = []
+        if pairs:
+            device = pairs[0][0].device
+            stacked = [
+                torch.stack([torch.linalg.norm(old), torch.linalg.norm(new - old)]).to(device)
+                for old, new in pairs
+            ]
+            norms = torch.stack(stacked).tolist()
+        values = iter(norms)
+        for key, old, _ in refreshed:
+            change = None
+            if old is not None:
+                denominator, numerator = next(values)
+                change = _ratio(numerator, denominator)
+            self._update(key, step, change)
+
+    def _update(self, key: str, step: int, change: float | None) -> None:
+        """Doubles or halves the interval from the relative ``change`` (None: first value)."""
         entry = self._entry(key)
-        if old is not None:
-            if relative_change(old, new) < self.threshold:
+        if change is not None:
+            if change < self.threshold:
                 entry.interval = min(2 * entry.interval, self.max_interval)
             else:
                 entry.interval = max(1, entry.interval // 2)

@@ -28,8 +28,9 @@ real ledger at 2 and 4 ranks by ``tests/test_costmodel_ledger.py``):
 * ``dp``: statistics built by the owner from its local batch, never communicated; otherwise
   as ``mem-opt``.
 * ``spngd``: no DDP. Every preconditioned layer's gradient (BatchNorm γ, β included) and its
-  packed statistics are reduced to the owner (``reduce_scatter``, kinds ``gradients`` and
-  ``factors``; BatchNorm's ``C×2×2`` statistic is not square, so it is sent unpacked), the
+  packed statistics are reduced to the owner in the same buffers (``reduce_scatter``; kinds
+  ``gradients`` and ``factors`` counted apart; BatchNorm's ``C×2×2`` statistic is not
+  square, so it is sent unpacked), the
   other parameters' gradients are all-reduced (kind ``gradients``), and every layer's final
   gradient is all-gathered from its owner (kind ``preconditioned``).
 * Statistics are sent only on factor-update steps, solver states only on inverse-update

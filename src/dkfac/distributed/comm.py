@@ -29,6 +29,7 @@ operation                             recorded collective  bytes recorded on eve
 ``broadcast(ts, src)``                ``broadcast``        Σ size(t) (what ``src`` sends)
 ``reduce(ts, dst)``                   ``reduce``           Σ size(t) (what each rank adds in)
 ``reduce_to_owners(ts, owners)``      ``reduce_scatter``   Σ size(t) over *all* tensors
+``reduce_to_owners_mixed(...)``       ``reduce_scatter``   Σ size(t) per kind, as above
 ``all_gather_from_owners(ts, own.)``  ``all_gather``       Σ size(t) over *all* tensors
 ``all_gather_rows(t)``                ``all_gather``       P · size(t) (the gathered result)
 ====================================  ===================  ==================================
@@ -55,6 +56,7 @@ __all__ = [
     "CommHandle",
     "CommLedger",
     "Communicator",
+    "Kind",
     "pack_triangle",
     "unpack_triangle",
 ]
@@ -223,12 +225,15 @@ class CommHandle:
 
 
 class _Bucket:
-    """Tensors flattened into one contiguous buffer (packed triangles if ``packed``)."""
+    """Tensors flattened into one contiguous buffer (packed triangles where ``packed``)."""
 
-    def __init__(self, tensors: list[Tensor], packed: bool) -> None:
+    def __init__(self, tensors: list[Tensor], packed: list[bool], kinds: list[Kind]) -> None:
         self.tensors = tensors
         self.packed = packed
-        parts = [pack_triangle(t) if packed else t.reshape(-1) for t in tensors]
+        self.kinds = kinds
+        parts = [
+            pack_triangle(t) if p else t.reshape(-1) for t, p in zip(tensors, packed, strict=True)
+        ]
         self.numels = [p.numel() for p in parts]
         self.flat = torch.cat(parts)  # always a fresh buffer: callers' tensors stay intact
 
@@ -236,10 +241,18 @@ class _Bucket:
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
 
+    def bytes_by_kind(self) -> dict[Kind, int]:
+        """Bytes of the buffer that belong to each kind (they sum to :attr:`nbytes`)."""
+        out: dict[Kind, int] = {}
+        for kind, numel in zip(self.kinds, self.numels, strict=True):
+            out[kind] = out.get(kind, 0) + numel * self.flat.element_size()
+        return out
+
     def unflatten(self, scale: float | None = None) -> None:
         flat = self.flat if scale is None else self.flat.mul_(scale)
-        for t, part in zip(self.tensors, flat.split(self.numels), strict=True):
-            if self.packed:
+        parts = zip(self.tensors, self.packed, flat.split(self.numels), strict=True)
+        for t, packed, part in parts:
+            if packed:
                 t.copy_(unpack_triangle(part, t.shape[0]))
             else:
                 t.copy_(part.view(t.shape))
@@ -394,6 +407,32 @@ class Communicator:
         """
         return self._launch("all_gather", tensors, owners, kind, None, pack_symmetric)
 
+    def reduce_to_owners_mixed(
+        self,
+        tensors: Sequence[Tensor],
+        owners: Sequence[int],
+        kinds: Sequence[Kind],
+        pack_symmetric: Sequence[bool],
+        op: ReduceOpName = "mean",
+    ) -> CommHandle:
+        """:meth:`reduce_to_owners` of tensors of several kinds in the same buffers.
+
+        One collective per (owner, bucket) carries, e.g., a layer's gradient and its
+        statistics together; the ledger records each kind's share of the buffers under
+        ``reduce_scatter``, exactly what separate calls per kind would record.
+
+        Args:
+            tensors: Tensors to reduce (same list on every rank).
+            owners: Global owner rank of each tensor.
+            kinds: Ledger kind of each tensor.
+            pack_symmetric: Per tensor, send only its upper triangle (square matrices).
+            op: ``"mean"`` or ``"sum"``.
+
+        Returns:
+            A handle; the owners' ``tensors`` hold the results after ``wait()``.
+        """
+        return self._launch("reduce_scatter", tensors, owners, kinds, op, pack_symmetric)
+
     def all_gather_rows(self, tensor: Tensor, kind: Kind) -> tuple[Tensor, CommHandle]:
         """Concatenates every rank's ``(m, d)`` row block along dim 0, in group order.
 
@@ -473,34 +512,57 @@ class Communicator:
         collective: Collective,
         tensors: Sequence[Tensor],
         owners: Sequence[int] | None,
-        kind: Kind,
+        kind: Kind | Sequence[Kind],
         op: str | None,
-        packed: bool,
+        packed: bool | Sequence[bool],
     ) -> CommHandle:
-        """Validate, bucket per owner, record bytes, launch every bucket async."""
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        """Validate, bucket per owner, record bytes per kind, launch every bucket async.
+
+        ``kind`` and ``packed`` are one value for every tensor or one value per tensor.
+        """
+        kinds = [kind] * len(tensors) if isinstance(kind, str) else list(kind)
+        packs = [packed] * len(tensors) if isinstance(packed, bool) else list(packed)
+        if len(kinds) != len(tensors) or len(packs) != len(tensors):
+            raise ValueError(
+                f"kinds and pack flags need one entry per tensor: {len(kinds)}, {len(packs)} "
+                f"!= {len(tensors)}"
+            )
+        for k in kinds:
+            if k not in KINDS:
+                raise ValueError(f"kind must be one of {KINDS}, got {k!r}")
         if op is not None and op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-        for i, t in enumerate(tensors):
+        for i, (t, p) in enumerate(zip(tensors, packs, strict=True)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
-            if packed and (t.dim() != 2 or t.shape[0] != t.shape[1]):
+            if p and (t.dim() != 2 or t.shape[0] != t.shape[1]):
                 raise ValueError(
                     f"pack_symmetric needs square matrices; tensors[{i}] has shape {tuple(t.shape)}"
                 )
-        by_owner = self._split_by_owner(tensors, owners)
+        by_owner = self._split_by_owner(len(tensors), owners)
         if not self.active or not tensors:
             return CommHandle()
         if self.rank not in self.ranks:
             raise RuntimeError(f"rank {self.rank} is not a member of this communicator's group")
-        plan = [(o, self._buckets(ts, packed)) for o, ts in by_owner.items()]
+        plan = [
+            (
+                o,
+                self._buckets(
+                    [tensors[i] for i in idx], [packs[i] for i in idx], [kinds[i] for i in idx]
+                ),
+            )
+            for o, idx in by_owner.items()
+        ]
         buckets = [b for _, bs in plan for b in bs]
-        nbytes = sum(b.nbytes for b in buckets)
-        self.ledger.record(kind, collective, nbytes)
+        by_kind: dict[Kind, int] = {}
+        for b in buckets:
+            for k, n in b.bytes_by_kind().items():
+                by_kind[k] = by_kind.get(k, 0) + n
+        for k in sorted(by_kind, key=KINDS.index):  # a fixed order of kinds
+            self.ledger.record(k, collective, by_kind[k])
         logger.debug(
-            "%s kind=%s bytes=%d buckets=%d world=%d",
-            *(collective, kind, nbytes, len(buckets), self.world_size),
+            "%s kinds=%s buckets=%d world=%d",
+            *(collective, by_kind, len(buckets), self.world_size),
         )
         scale = 1.0 / self.world_size if op == "mean" else None
         reduce_op = dist.ReduceOp.SUM
@@ -522,43 +584,55 @@ class Communicator:
                             fins.append(partial(b.unflatten, scale))
                     else:  # broadcast / all_gather: the owner's copy is already right
                         work = dist.broadcast(b.flat, src=owner, group=self.group, async_op=True)
-                        if packed or owner != self.rank:
+                        if any(b.packed) or owner != self.rank:
                             fins.append(partial(b.unflatten, None))
                     works.append(work)
         return CommHandle(works, fins)
 
-    def _split_by_owner(
-        self, tensors: Sequence[Tensor], owners: Sequence[int] | None
-    ) -> dict[int, list[Tensor]]:
-        """Tensors grouped by owner, owners ascending (identical on all ranks); -1 = none."""
+    def _split_by_owner(self, count: int, owners: Sequence[int] | None) -> dict[int, list[int]]:
+        """Tensor indices grouped by owner, owners ascending (identical on all ranks)."""
         if owners is None:
-            return {-1: list(tensors)}
-        if len(owners) != len(tensors):
-            raise ValueError(
-                f"owners must have one entry per tensor: {len(owners)} != {len(tensors)}"
-            )
-        by_owner: dict[int, list[Tensor]] = {}
-        for i, (t, owner) in enumerate(zip(tensors, owners, strict=True)):
+            return {-1: list(range(count))}
+        if len(owners) != count:
+            raise ValueError(f"owners must have one entry per tensor: {len(owners)} != {count}")
+        by_owner: dict[int, list[int]] = {}
+        for i, owner in enumerate(owners):
             if owner not in self.ranks:
                 raise ValueError(
                     f"owner/src rank {owner!r} of tensors[{i}] is not in the group {self.ranks}"
                 )
-            by_owner.setdefault(owner, []).append(t)
+            by_owner.setdefault(owner, []).append(i)
         return {o: by_owner[o] for o in sorted(by_owner)}
 
-    def _buckets(self, tensors: Sequence[Tensor], packed: bool) -> list[_Bucket]:
-        """Group tensors (order kept within each dtype/device) into size-capped buckets."""
-        open_: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], int]] = {}
-        groups: list[list[Tensor]] = []
-        for t in tensors:
-            n = t.shape[0] if packed else 0
-            size = (n * (n + 1) // 2 if packed else t.numel()) * t.element_size()
+    def _buckets(
+        self,
+        tensors: Sequence[Tensor],
+        packed: bool | Sequence[bool],
+        kinds: Sequence[Kind] | None = None,
+    ) -> list[_Bucket]:
+        """Group tensors (order kept within each dtype/device) into size-capped buckets.
+
+        ``packed`` is one flag for all tensors or one per tensor; ``kinds`` (ledger kinds,
+        one per tensor) default to ``"factors"``.
+        """
+        packs = [packed] * len(tensors) if isinstance(packed, bool) else list(packed)
+        kind_list: list[Kind] = list(kinds) if kinds is not None else ["factors"] * len(tensors)
+        Entry = tuple[Tensor, bool, Kind]
+        open_: dict[tuple[torch.dtype, torch.device], tuple[list[Entry], int]] = {}
+        groups: list[list[Entry]] = []
+        for entry in zip(tensors, packs, kind_list, strict=True):
+            t, pack, _ = entry
+            n = t.shape[0] if pack else 0
+            size = (n * (n + 1) // 2 if pack else t.numel()) * t.element_size()
             key = (t.dtype, t.device)
             members, used = open_.get(key, ([], 0))
             if members and used + size > self.bucket_bytes:
                 groups.append(members)
                 members, used = [], 0
-            members.append(t)
+            members.append(entry)
             open_[key] = (members, used + size)
         groups.extend(m for m, _ in open_.values() if m)
-        return [_Bucket(g, packed) for g in groups]
+        return [
+            _Bucket([t for t, _, _ in g], [p for _, p, _ in g], [k for _, _, k in g])
+            for g in groups
+        ]

@@ -31,6 +31,8 @@ def agree_presence(
     stats: dict[str, dict[str, Tensor]],
     grads: dict[str, Tensor | None],
     other_params: Sequence[Tensor],
+    *,
+    statistics: bool = True,
 ) -> None:
     """Makes ``stats``, ``grads`` and the other parameters' ``.grad`` agree across ranks.
 
@@ -42,10 +44,12 @@ def agree_presence(
             (and the layer's parameters get zero ``.grad``).
         other_params: Parameters not handled by a block; a missing ``.grad`` present
             elsewhere becomes zeros.
+        statistics: ``False``: agree on the gradients only (the statistics were already
+            launched by the overlapped path, :mod:`dkfac.distributed.eager`).
     """
     if not comm.active:
         return
-    all_keys = [(n, k) for n, layer in layers.items() for k in sorted(layer.due)]
+    all_keys = [(n, k) for n, layer in layers.items() for k in sorted(layer.due) if statistics]
     # A rank that does not capture a layer votes True for its statistics; "absent" flags
     # of gradients are AND-ed, so False means the gradient exists on some rank.
     stat_flags = [not layers[n].captures or k in stats.get(n, {}) for n, k in all_keys]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from dkfac.blocks.base import Block
 from dkfac.config import KFACConfig
-from dkfac.distributed.comm import CommHandle, Communicator
+from dkfac.distributed.comm import CommHandle, Communicator, Kind
 from dkfac.distributed.strategy_base import Strategy, join_handles
 
 __all__ = [
@@ -107,15 +107,56 @@ class SPNGDStrategy(MemOptStrategy):
     name = "spngd"
     factor_reduction = "reduce_scatter"
 
+    @property
+    def reduces_gradients(self) -> bool:
+        """SP-NGD averages every gradient itself (the model is not wrapped in DDP)."""
+        return True
+
     def reduce_gradients(
         self, layer_grads: Mapping[str, Tensor], other_grads: Sequence[Tensor]
     ) -> CommHandle:
         """Owner-sharded mean of K-FAC layer gradients, all-reduced mean of the rest."""
-        names = list(layer_grads)
-        owners = [self._global(self.owner(n)) for n in names]
+        return self.reduce_step({}, None, layer_grads, other_grads)
+
+    def reduce_step(
+        self,
+        stats: Mapping[str, MutableMapping[str, Tensor]],
+        lowrank: Mapping[str, Collection[str]] | None,
+        layer_grads: Mapping[str, Tensor],
+        other_grads: Sequence[Tensor],
+    ) -> CommHandle:
+        """One reduce-scatter carries each layer's gradient and its statistics to its owner.
+
+        Per layer (in the order given: gradients' layers first, then any layer with
+        statistics only) its dense statistics (packed when square and ``pack_triangles``)
+        and its gradient go into the same buffers, one ``dist.reduce`` per (owner, bucket);
+        low-rank statistics are all-gathered as in :meth:`reduce_statistics`, and the other
+        parameters' gradients all-reduced. The ledger records each kind's share.
+        """
+        skip = lowrank or {}
+        tensors: list[Tensor] = []
+        owners: list[int] = []
+        kinds: list[Kind] = []
+        packed: list[bool] = []
+        for name in dict.fromkeys([*layer_grads, *stats]):
+            owner = self._global(self.owner(name))
+            layer_stats = stats.get(name, {})
+            for key in sorted(k for k in layer_stats if k not in skip.get(name, ())):
+                t = layer_stats[key]
+                square = t.dim() == 2 and t.shape[0] == t.shape[1]
+                tensors.append(t)
+                packed.append(self.pack_triangles and square)
+                kinds.append("factors")
+                owners.append(owner)
+            if name in layer_grads:
+                tensors.append(layer_grads[name])
+                packed.append(False)
+                kinds.append("gradients")
+                owners.append(owner)
         return join_handles(
             [
-                self.comm.reduce_to_owners([layer_grads[n] for n in names], owners, "gradients"),
+                self._gather_lowrank(stats, skip),
+                self.comm.reduce_to_owners_mixed(tensors, owners, kinds, packed),
                 self.comm.all_reduce(list(other_grads), "gradients"),
             ]
         )

@@ -180,6 +180,32 @@ class Strategy:
         """Launches the gradient reduction the strategy does itself (none: DDP did it)."""
         return CommHandle()
 
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether :meth:`reduce_gradients` moves anything (the strategy averages gradients)."""
+        return False
+
+    def reduce_step(
+        self,
+        stats: Mapping[str, MutableMapping[str, Tensor]],
+        lowrank: Mapping[str, Collection[str]] | None,
+        layer_grads: Mapping[str, Tensor],
+        other_grads: Sequence[Tensor],
+    ) -> CommHandle:
+        """Launches phase 1's traffic for some layers: their statistics and gradients.
+
+        Called once per step with every layer (non-overlapped path) or once per eager
+        bucket (:mod:`dkfac.distributed.eager`); every rank must pass the same layers in
+        the same order. The default launches :meth:`reduce_statistics` then
+        :meth:`reduce_gradients`; a strategy may fuse them.
+        """
+        return join_handles(
+            [
+                self.reduce_statistics(stats, lowrank),
+                self.reduce_gradients(layer_grads, other_grads),
+            ]
+        )
+
     def agree(self, flags: Tensor) -> Tensor:
         """Element-wise AND of per-layer boolean flags over every rank."""
         return self.comm.all_true(flags)

@@ -1,0 +1,333 @@
+"""Phase-1 traffic launched from the backward hooks, so it overlaps the rest of the backward.
+
+Without overlap, ``pre.step()`` collects every layer's statistics after the backward, the
+ranks agree which exist (:mod:`dkfac.distributed.presence`) and only then is anything sent.
+With :class:`EagerReducer` a layer's statistics (and, for ``spngd``, its gradient, in the
+same buffers) are handed to the strategy as soon as they are final:
+
+* **When a layer is final.** A post-accumulate-grad hook on each of the layer's parameters
+  counts backward passes since the last ``step()``. When every parameter of the layer has
+  accumulated ``accumulation_steps`` gradients, the last micro-batch's backward has passed
+  the layer: its A (captured in that micro-batch's forward) and its G (the output-gradient
+  hooks of every use of the layer fire before its weight gradient accumulates) are
+  complete, and so is its gradient. Parameter hooks fire once per backward even when a
+  module is called several times, and not for ``torch.autograd.grad`` (the Monte-Carlo
+  Fisher backward of ``sample_fisher``).
+* **Fixed buckets.** Before each step every rank forms the same buckets: the layers with
+  traffic this step (due statistics on a factor-update step; every layer when the strategy
+  averages gradients), in reverse registration order (about the backward order), filled up
+  to ``bucket_bytes``. Buckets are launched strictly in that order, each as soon as all of
+  its layers are final and every earlier bucket has been launched (as DDP does), so the
+  sequence of collectives is the same on every rank whatever the order hooks fire in.
+* **``step()``** launches the buckets that are still pending (e.g. fewer backward passes
+  than ``accumulation_steps``) in the same order and waits once. No host synchronisation
+  happens in the hooks; the GradScaler's ``1/scale²`` is applied after the reduction.
+
+This is correct only when every rank runs every layer on every step: there is no presence
+agreement on this path (a rank that skipped a layer would launch fewer collectives). A rank
+that finds a planned layer without statistics or gradient raises ``RuntimeError`` in
+``step()`` before launching anything more; the ranks that did have it are then left
+waiting on their collectives until the process group's timeout (best effort: the error is
+raised on the rank that lacks the layer). :func:`resolve_overlap` turns it on by default
+only where DDP already guarantees it (``find_unused_parameters=False``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from dkfac.config import OVERLAP_MODES
+from dkfac.distributed.comm import CommHandle
+from dkfac.distributed.presence import agree_presence
+from dkfac.distributed.strategy_base import Strategy, join_handles
+from dkfac.layer_state import FactorCapture, LayerState
+
+if TYPE_CHECKING:
+    from dkfac.preconditioner import KFACPreconditioner
+
+__all__ = ["EagerReducer", "build_eager", "resolve_overlap"]
+
+logger = logging.getLogger(__name__)
+
+_OFF_HINT = 'set overlap_comm="off" for models whose ranks may skip layers'
+
+
+def resolve_overlap(mode: str, *, world_size: int, ddp_find_unused: bool | None) -> bool:
+    """Whether phase-1 traffic is launched from the hooks (a pure function of the setup).
+
+    Args:
+        mode: ``KFACConfig.overlap_comm``: ``"on"``, ``"off"`` or ``"auto"``.
+        world_size: Ranks that train together.
+        ddp_find_unused: The DDP wrapper's ``find_unused_parameters``, ``None`` when the
+            model is not wrapped in ``DistributedDataParallel``.
+
+    Returns:
+        ``"on"``: ``True``; ``"off"``: ``False``; ``"auto"``: ``True`` exactly when there is
+        something to overlap (``world_size > 1``) and DDP guarantees that every rank used
+        every parameter on every step (a DDP model with ``find_unused_parameters=False``:
+        DDP itself fails when a rank skips one). An unwrapped model (``spngd``, or gradients
+        averaged by hand) may skip layers data-dependently, so ``"auto"`` keeps it off.
+
+    Raises:
+        ValueError: For an unknown mode or a world size below 1.
+    """
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap_comm must be one of {OVERLAP_MODES}, got {mode!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if mode != "auto":
+        return mode == "on"
+    return world_size > 1 and ddp_find_unused is False
+
+
+def build_eager(pre: KFACPreconditioner, model: nn.Module) -> EagerReducer | None:
+    """The overlapped path of a preconditioner, or ``None`` where ``overlap_comm`` is off.
+
+    Args:
+        pre: The preconditioner (layers registered, strategy built).
+        model: The model as given to it (a DDP wrapper tells ``"auto"`` it is safe).
+    """
+    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    on = resolve_overlap(
+        pre.config.overlap_comm,
+        world_size=pre.strategy.world_size,
+        ddp_find_unused=None if ddp is None else bool(ddp.find_unused_parameters),
+    )
+    if not on:
+        return None
+    scaled = pre.grad_scaler is not None and pre.grad_scaler.is_enabled()
+    return EagerReducer(
+        pre.layers,
+        pre.capture,
+        pre.strategy,
+        accumulation_steps=pre.config.accumulation_steps,
+        bucket_bytes=pre.config.bucket_bytes,
+        with_gradients=pre.strategy.reduces_gradients and not scaled,
+    )
+
+
+class EagerReducer:
+    """Launches each bucket's reduction from the parameters' post-accumulate-grad hooks.
+
+    Args:
+        layers: The registered layers (registration order).
+        capture: The preconditioner's hooks (per-layer statistics and the MC check).
+        strategy: Where the statistics and gradients go (:meth:`Strategy.reduce_step`).
+        accumulation_steps: Backward passes per ``step()``.
+        bucket_bytes: Cap of one bucket's estimated payload.
+        with_gradients: Also launch the layers' gradients (a strategy that averages them
+            itself, without a GradScaler that ``unscale_`` would change after the backward).
+
+    Attributes:
+        launched: Buckets launched so far this step (a prefix of :attr:`buckets`).
+        buckets: This step's buckets of layer names, in launch order.
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, LayerState],
+        capture: FactorCapture,
+        strategy: Strategy,
+        *,
+        accumulation_steps: int,
+        bucket_bytes: int,
+        with_gradients: bool,
+    ) -> None:
+        self.layers = layers
+        self.capture = capture
+        self.strategy = strategy
+        self.accumulation_steps = accumulation_steps
+        self.bucket_bytes = bucket_bytes
+        self.with_gradients = with_gradients
+        self.buckets: list[list[str]] = []
+        self.launched = 0
+        self._capturing = False
+        self._counts: dict[int, int] = {}
+        self._ready: set[str] = set()
+        self._stats: dict[str, dict[str, Tensor]] = {}
+        self._grads: dict[str, Tensor] = {}
+        self._handles: list[CommHandle] = []
+        self._missing_g = False
+        self._problem: str | None = None
+        self._users: dict[int, list[str]] = {}
+        self._hooks: list[Any] = []
+        params: dict[int, Tensor] = {}
+        for name, layer in layers.items():
+            for param in layer.block.parameters():
+                if param.requires_grad:
+                    params[id(param)] = param
+                    self._users.setdefault(id(param), []).append(name)
+        for key, param in params.items():
+            self._hooks.append(
+                param.register_post_accumulate_grad_hook(lambda _p, key=key: self._on_grad(key))
+            )
+
+    def remove(self) -> None:
+        """Detaches the parameter hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ planning
+    def _factor_traffic(self, layer: LayerState) -> bool:
+        return (
+            self._capturing
+            and self.strategy.factor_reduction != "none"
+            and layer.captures
+            and bool(layer.due)
+        )
+
+    def plan(self, capturing: bool) -> None:
+        """Forms this step's buckets (the same on every rank) and forgets the last step's."""
+        self._capturing = capturing
+        self.buckets = []
+        size = 0
+        for name in reversed(list(self.layers)):
+            layer = self.layers[name]
+            nbytes = 0
+            element = layer.block.parameters()[0].element_size()
+            if self._factor_traffic(layer):
+                shapes = layer.statistic_shapes()
+                nbytes += sum(math.prod(shapes[key]) for key in layer.due) * element
+            if self.with_gradients:
+                nbytes += sum(p.numel() for p in layer.block.parameters()) * element
+            if nbytes == 0:
+                continue
+            if not self.buckets or size + nbytes > self.bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(name)
+            size += nbytes
+        self.launched = 0
+        self._counts.clear()
+        self._ready.clear()
+        self._stats = {}
+        self._grads = {}
+        self._handles = []
+        self._missing_g = False
+        self._problem = None
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad(self, key: int) -> None:
+        count = self._counts.get(key, 0) + 1
+        self._counts[key] = count
+        if count > self.accumulation_steps:
+            self._problem = (
+                f"more backward passes than accumulation_steps={self.accumulation_steps} "
+                "before step(): with overlap_comm the statistics were already sent after "
+                "the last expected one"
+            )
+            return
+        if count < self.accumulation_steps:
+            return
+        for name in self._users[key]:
+            params = [p for p in self.layers[name].block.parameters() if p.requires_grad]
+            if all(self._counts.get(id(p), 0) >= self.accumulation_steps for p in params):
+                self._ready.add(name)
+        with torch.no_grad():
+            while (
+                self._problem is None
+                and self.launched < len(self.buckets)
+                and all(name in self._ready for name in self.buckets[self.launched])
+            ):
+                self._launch(self.buckets[self.launched])
+                self.launched += 1
+
+    def _launch(self, names: list[str]) -> None:
+        """Takes the bucket's statistics and gradients and launches their reduction."""
+        stats: dict[str, dict[str, Tensor]] = {}
+        grads: dict[str, Tensor] = {}
+        for name in names:
+            layer = self.layers[name]
+            if self._factor_traffic(layer):
+                means, missing_g = self.capture.take_layer(layer)
+                self._missing_g = self._missing_g or missing_g
+                if means is None or set(means) != set(layer.due):
+                    self._problem = (
+                        f"layer {name} has statistics {sorted(means or {})} on this rank, "
+                        f"expected {sorted(layer.due)}; {_OFF_HINT}"
+                    )
+                    return
+                stats[name] = means
+            if self.with_gradients:
+                grad = layer.block.weight_grad()
+                if grad is None:
+                    self._problem = f"layer {name} has no gradient on this rank; {_OFF_HINT}"
+                    return
+                grads[name] = grad
+        lowrank = {n: frozenset(self.layers[n].lowrank) for n in stats if self.layers[n].lowrank}
+        self._handles.append(self.strategy.reduce_step(stats, lowrank, grads, []))
+        self._stats.update(stats)
+        self._grads.update(grads)
+
+    # ------------------------------------------------------------------ the step
+    def finish(
+        self, grads: dict[str, Tensor | None], other_params: Sequence[Tensor]
+    ) -> tuple[dict[str, dict[str, Tensor]], CommHandle]:
+        """Launches what is left of this step's traffic; the statistics and one handle.
+
+        Pending buckets are launched in order; the statistics of layers without traffic
+        (``dp``) are collected; under a strategy that averages gradients, the ranks agree
+        which gradients exist (one small all-reduce) and the gradients not yet launched
+        (the other parameters', every layer's with a GradScaler) are launched.
+
+        Args:
+            grads: Layer name -> gradient matrix; replaced in place by the tensors the
+                reduction writes into, for the layers whose gradient was launched.
+            other_params: Parameters not handled by a block.
+
+        Returns:
+            ``(statistics by layer, handle)``; the statistics are final after ``wait()``.
+
+        Raises:
+            RuntimeError: When this rank lacks a planned layer's statistics or gradient,
+                ran more backward passes than ``accumulation_steps``, or (``fisher="mc"``)
+                captured no sampled G.
+        """
+        with torch.no_grad():
+            while self._problem is None and self.launched < len(self.buckets):
+                self._launch(self.buckets[self.launched])
+                self.launched += 1
+        if self._problem is None:
+            self._problem = self._late_statistics()
+        if self._problem is not None:
+            problem, self._problem = self._problem, None
+            raise RuntimeError(f"overlap_comm: {problem}")
+        stats = self._stats
+        if self._capturing:
+            for name, layer in self.layers.items():
+                if name not in stats:
+                    means, missing_g = self.capture.take_layer(layer)
+                    self._missing_g = self._missing_g or missing_g
+                    if means is not None:
+                        stats[name] = means
+            self.capture.check_mc(self._missing_g)
+        grads.update(self._grads)
+        handles = list(self._handles)
+        if self.strategy.reduces_gradients:
+            comm = self.strategy.comm
+            agree_presence(comm, self.layers, {}, grads, other_params, statistics=False)
+            rest = {n: g for n, g in grads.items() if g is not None and n not in self._grads}
+            others = [p.grad for p in other_params if p.grad is not None]
+            handles.append(self.strategy.reduce_gradients(rest, others))
+        return stats, join_handles(handles)
+
+    def _late_statistics(self) -> str | None:
+        """A problem when a launched layer received statistics after it was sent."""
+        for name in self._stats:
+            if any(acc.has_data for acc in self.layers[name].accumulators.values()):
+                return (
+                    f"layer {name} captured statistics after they were sent (more forward "
+                    "passes than accumulation_steps, or a forward after the backward)"
+                )
+        return None
+
+    def pending_bytes(self) -> int:
+        """Bytes of this step's statistics already handed to the reduction."""
+        return sum(t.numel() * t.element_size() for s in self._stats.values() for t in s.values())
