@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from dkfac import KFACPreconditioner
 from dkfac.app.data import batches, load_digits
 from dkfac.app.models import build_model, resnet20
-from dkfac.bench.common import format_table, interleaved, machine_info, median, write_result
+from dkfac.bench.common import (
+    command_line,
+    format_table,
+    interleaved,
+    machine_info,
+    median,
+    write_result,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,14 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     info = machine_info(device)
+    command = command_line("python -m dkfac.bench.skfac", argv)
     if args.part == "step":
         results = run_step(args.batch_sizes, args.repeats, device)
         payload = {"machine": info, "model": "resnet20", "batch_sizes": args.batch_sizes}
-        write_result(f"skfac-step-{device.type}", {**payload, "results": results})
+        write_result(f"skfac-step-{device.type}", {**payload, "results": results}, None, command)
     else:
         results = run_digits(args.seeds, args.epochs, args.batch)
         payload = {"machine": info, "model": "cnn", "epochs": args.epochs, "batch": args.batch}
-        write_result("skfac-digits", {**payload, "seeds": args.seeds, "results": results})
+        payload = {**payload, "seeds": args.seeds, "results": results}
+        write_result("skfac-digits", payload, None, command)
     return 0
 
 

@@ -32,6 +32,7 @@ from dkfac.app.data import Splits, load_digits
 from dkfac.app.models import SmallCNN
 from dkfac.app.schedules import lr_factor
 from dkfac.bench.common import (
+    command_line,
     first_reaching,
     format_table,
     machine_info,
@@ -233,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": rows,
         "runs": runs,
     }
-    path = write_result(opts.name, payload, opts.out_dir)
+    command = command_line("python -m dkfac.bench.stale", words)
+    path = write_result(opts.name, payload, opts.out_dir, command)
     print(table)
     print(f"wrote {path}")
     return 0
