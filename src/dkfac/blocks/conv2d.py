@@ -117,6 +117,7 @@ class Conv2dBlock(Block):
         self.positions = positions
         self.seed = seed
         self.step = 0
+        self._drawn: tuple[tuple[int, int, int], Tensor] | None = None
 
     def set_step(self, step: int) -> None:
         """Sets the step whose seed (``seed + step``) picks the subsampled positions."""
@@ -130,11 +131,16 @@ class Conv2dBlock(Block):
         A function of ``(seed, step, batch, total)`` only, drawn on the CPU, so the forward
         and backward hooks and every rank agree.
         """
+        key = (self.seed + self.step, batch, total)
+        if self._drawn is not None and self._drawn[0] == key:
+            return self._drawn[1]  # the backward hook reuses the forward hook's draw
         count = min(self.positions, total)
         generator = torch.Generator(device="cpu")
         generator.manual_seed((self.seed + self.step) % 2**63)
         keys = torch.rand(batch, total, generator=generator)
-        return keys.argsort(dim=1)[:, :count]
+        indices = keys.topk(count, dim=1, largest=False, sorted=True).indices
+        self._drawn = (key, indices)
+        return indices
 
     def batch_size(self, inputs: Tensor) -> int:
         """Images in a forward input (1 for an unbatched ``(C, H, W)`` input)."""
