@@ -135,6 +135,10 @@ class KFACConfig:
         conv_reduction: Spatial reduction of convolution factors: ``None`` (expand
             convention), ``"sum"`` or ``"subsample"`` (SKFAC).
         subsample_positions: Output positions sampled per image for ``"subsample"``.
+        factor_batch_size: Build the statistics from the first ``factor_batch_size``
+            samples of every micro-batch only (``None``: all of them). The factors stay on
+            the per-sample scale; their cost falls in proportion. BatchNorm's unit-wise
+            statistics then use the moments of those samples.
         seed: Seed for the Monte-Carlo targets and spatial subsampling (rank ``r`` of a
             process group uses ``seed + r``).
         strategy: Distribution strategy (DESIGN.md section 4; see ``docs/distributed.md``):
@@ -189,6 +193,7 @@ class KFACConfig:
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
     conv_reduction: str | None = None
     subsample_positions: int = 1
+    factor_batch_size: int | None = None
     seed: int = 0
     strategy: StrategyName = "replicated"
     grad_worker_fraction: float = 1.0
@@ -256,6 +261,14 @@ class KFACConfig:
         ):
             raise ValueError(
                 f"subsample_positions must be an integer >= 1, got {self.subsample_positions!r}"
+            )
+        if self.factor_batch_size is not None and (
+            isinstance(self.factor_batch_size, bool)
+            or not isinstance(self.factor_batch_size, int)
+            or self.factor_batch_size < 1
+        ):
+            raise ValueError(
+                f"factor_batch_size must be None or an integer >= 1, got {self.factor_batch_size!r}"
             )
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")

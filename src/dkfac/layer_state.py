@@ -285,17 +285,28 @@ class FactorCapture:
         if not inputs or not isinstance(inputs[0], Tensor):
             return
         x = inputs[0].detach()
+        batch = layer.block.batch_size(x)
+        # The G scale is that of the whole micro-batch's mean loss, whatever rows are kept.
+        scale = float(batch * self.config.accumulation_steps) ** 2
+        keep = self.config.factor_batch_size
+        if keep is None or batch <= keep or x.shape[0] != batch:
+            keep = None
+        else:
+            x = x[:keep]
         with record_function("dkfac.capture_a"):
             context = layer.block.capture_input(x, layer.due_sinks())
         if isinstance(output, Tensor) and output.requires_grad:
-            scale = float(layer.block.batch_size(x) * self.config.accumulation_steps) ** 2
-            output.register_hook(functools.partial(self._grad_hook, layer, scale, context))
+            hook = functools.partial(self._grad_hook, layer, scale, context, keep)
+            output.register_hook(hook)
 
-    def _grad_hook(self, layer: LayerState, scale: float, context: Any, grad: Tensor) -> None:
+    def _grad_hook(
+        self, layer: LayerState, scale: float, context: Any, keep: int | None, grad: Tensor
+    ) -> None:
         if self.config.fisher == "mc" and not self._mc_active:
             return
+        grad = grad.detach() if keep is None else grad.detach()[:keep]
         with record_function("dkfac.capture_g"):
-            layer.block.capture_grad(context, grad.detach(), layer.due_sinks(), scale)
+            layer.block.capture_grad(context, grad, layer.due_sinks(), scale)
         self._mc_captured = True
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:

@@ -162,6 +162,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "conv_reduction": "subsample",
             "subsample_positions": args.subsample_positions,
         }
+    if args.factor_batch_size is not None:
+        for cname in list(configs):
+            configs[f"{cname}/fb{args.factor_batch_size}"] = {
+                **configs[cname],
+                "factor_batch_size": args.factor_batch_size,
+            }
     cases = {"sgd": _make_case(model, (x, y), None, autocast)}
     for cname, options in configs.items():
         for kind, (f_int, i_int) in KINDS.items():
@@ -219,6 +225,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--subsample-positions", type=int, default=8, help="positions per image for subsample"
+    )
+    parser.add_argument(
+        "--factor-batch-size",
+        type=int,
+        default=None,
+        help="also every configuration with factors from this many samples per batch",
     )
     parser.add_argument(
         "--name", default=None, help="result file name (default step_<model>_<device>)"
