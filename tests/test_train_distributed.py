@@ -9,33 +9,10 @@ import torch
 from dkfac.app.checkpoint import load_checkpoint
 from dkfac.app.cli import parse_args
 from dkfac.app.trainer import train
+from tests.cli_args import TINY
 from tests.distributed_utils import run_distributed
 
-ARGS = [
-    "train",
-    "--data",
-    "synthetic",
-    "--synthetic-samples",
-    "64",
-    "--in-channels",
-    "1",
-    "--image-size",
-    "8",
-    "--num-classes",
-    "4",
-    "--batch-size",
-    "16",
-    "--threads",
-    "1",
-    "--model",
-    "cnn",
-    "--epochs",
-    "2",
-    "--log-every",
-    "2",
-    "--device",
-    "cpu",
-]
+ARGS = ["train", *TINY, "--epochs", "2", "--device", "cpu"]
 
 
 def _run(rank: int, world_size: int, extra: list[str]) -> dict[str, Any]:

@@ -14,27 +14,7 @@ from dkfac.app import session
 from dkfac.app.checkpoint import LATEST
 from dkfac.app.cli import main, parse_args
 from dkfac.app.trainer import RunResult, UsageError, train
-
-TINY = [
-    "--data",
-    "synthetic",
-    "--synthetic-samples",
-    "64",
-    "--in-channels",
-    "1",
-    "--image-size",
-    "8",
-    "--num-classes",
-    "4",
-    "--batch-size",
-    "16",
-    "--threads",
-    "1",
-    "--log-every",
-    "2",
-    "--model",
-    "cnn",
-]
+from tests.cli_args import TINY
 
 
 def _train(*extra: str, out: Path | None = None, write: bool = False) -> RunResult:
