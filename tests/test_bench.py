@@ -6,7 +6,9 @@ import itertools
 import math
 
 import pytest
+import torch
 
+from dkfac.bench import autoencoder
 from dkfac.bench import main as bench_main
 from dkfac.bench.common import first_reaching, parse_options
 from dkfac.bench.tta import OptimizerSpec, summarise, train_to_target
@@ -89,3 +91,18 @@ def test_bench_dispatch_unknown_and_help(capsys: pytest.CaptureFixture[str]) -> 
     assert bench_main([]) == 2
     assert bench_main(["--help"]) == 0
     assert "autoencoder" in capsys.readouterr().out
+
+
+def test_autoencoder_kfac_with_mc_fisher_samples_targets() -> None:
+    """fisher=mc needs sample_fisher() before backward on factor steps (step() raises if not)."""
+    x = torch.rand(64, 1, 8, 8)
+    spec = OptimizerSpec("kfac", "kfac", [0.1], {"fisher": "mc", "factor_update_interval": 1})
+    run = autoencoder.train_for(
+        spec, 0.1, 0, x, batch_size=32, seconds=1e-9, eval_every=1, momentum=0.0
+    )
+    assert run["steps"] == 1 and math.isfinite(run["final_loss"])
+
+
+def test_autoencoder_rejects_bad_momentum() -> None:
+    with pytest.raises(SystemExit):
+        autoencoder.main(["--kfac-momentum", "1.5"])

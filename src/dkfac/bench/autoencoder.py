@@ -108,7 +108,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
     for seed in range(args.seeds):
         for s in specs:
-            runs[s.name].append(train_for(s, s.lrs[0], seed, x, **common))
+            options = dict(common)
+            if s.kind == "kfac" and args.kfac_momentum is not None:
+                options["momentum"] = args.kfac_momentum
+            runs[s.name].append(train_for(s, s.lrs[0], seed, x, **options))
     # The worst SGD seed's final loss: every SGD run reaches it within the budget.
     sgd_final = max(r["final_loss"] for r in runs["sgd"])
     summary: dict[str, Any] = {}
@@ -170,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument(
+        "--kfac-momentum",
+        type=float,
+        default=None,
+        help="momentum of the SGD inside K-FAC (default: --momentum)",
+    )
     p.add_argument("--sgd-lr", type=float, default=0.1)
     p.add_argument("--adam-lr", type=float, default=1e-3)
     p.add_argument("--kfac-lr", type=float, default=0.1)
@@ -183,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batch-size, --seconds, --eval-every and --seeds must be positive")
     if min(args.sgd_lr, args.adam_lr, args.kfac_lr) <= 0:
         p.error("learning rates must be > 0")
+    for flag, value in (("--momentum", args.momentum), ("--kfac-momentum", args.kfac_momentum)):
+        if value is not None and not 0 <= value < 1:
+            p.error(f"{flag} must be in [0, 1), got {value}")
     if args.threads:
         torch.set_num_threads(args.threads)
     payload = run(args)
