@@ -4,6 +4,8 @@ A step has five phases, each under a ``torch.profiler.record_function`` label. W
 runs and what travels between ranks is decided by the :mod:`~dkfac.distributed.strategies`
 object ``pre.strategy``; the math below never branches on the rank.
 
+Registration (which layers, with which block and solver) is in :mod:`~dkfac.registration`.
+
 1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
    (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
    gradient reduction the strategy does itself (``spngd``: in the same buffers). With
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Any
 
 import torch
@@ -40,28 +41,19 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from dkfac.blocks.batchnorm import BatchNormBlock
-from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.eager import build_eager
 from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
-from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
+from dkfac.layer_state import FactorCapture, LayerState
 from dkfac.lowrank_state import LowRankPlan
 from dkfac.refresh import AdaptiveRefresh, make_refresh_policy
-from dkfac.solvers import SolverError, make_solver
+from dkfac.registration import other_parameters, register_layers, unwrap
+from dkfac.solvers import SolverError
 
 logger = logging.getLogger(__name__)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP / DataParallel wrapper (names then match the bare model)."""
-    inner = getattr(model, "module", None)
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        assert isinstance(inner, nn.Module)
-        return inner
-    return model
 
 
 class KFACPreconditioner:
@@ -111,7 +103,6 @@ class KFACPreconditioner:
         self.config = config
         self.model = model
         self.grad_scaler = grad_scaler
-        self.layers: dict[str, LayerState] = {}
         self._steps = 0
         self.capture = FactorCapture(config)
         self.refresh = make_refresh_policy(
@@ -122,7 +113,9 @@ class KFACPreconditioner:
         )
         self.last_refreshed = 0
         self.lowrank = LowRankPlan(config) if config.method in ("smw", "auto") else None
-        self._register(_unwrap(model))
+        self.layers: dict[str, LayerState] = register_layers(
+            unwrap(model), config, self.capture, self.lowrank
+        )
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
             config,
@@ -136,51 +129,11 @@ class KFACPreconditioner:
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
         self.eager = build_eager(self, model)
-        block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
-        self._other_params = [
-            p for p in _unwrap(model).parameters() if p.requires_grad and id(p) not in block_params
-        ]
+        self._other_params = other_parameters(unwrap(model), self.layers)
         self.schedule_captures(0)
         self.last_kl_scale: float | None = None
 
-    # ----------------------------------------------------------------- registration
-    def _skipped(self, name: str, module: nn.Module) -> bool:
-        return any(
-            re.search(pattern, name) or re.search(pattern, type(module).__name__)
-            for pattern in self.config.skip_layers
-        )
-
-    def _register(self, model: nn.Module) -> None:
-        cfg = self.config
-        for name, module in model.named_modules():
-            if self._skipped(name, module):
-                continue
-            conv = {"reduction": cfg.conv_reduction, "positions": cfg.subsample_positions}
-            block = make_block(name, module, seed=cfg.seed, **conv)
-            if block is None or (isinstance(block, BatchNormBlock) and not cfg.unitwise_bn):
-                continue
-            weight = getattr(module, "weight", None)
-            if not isinstance(weight, Tensor) or not weight.requires_grad:
-                logger.info("skipping %s: its weight does not require a gradient", name)
-                continue
-            dtype = cfg.factor_dtype or weight.dtype
-            method = block.solver_name or ("smw" if cfg.method == "auto" else cfg.method)
-            accumulators: dict[str, Accumulator] = {
-                key: FactorAccumulator(dtype) for key in block.statistic_shapes()
-            }
-            state = LayerState(block, make_solver(method, cfg.eigen_dtype), accumulators)
-            if self.lowrank is not None:
-                self.lowrank.prepare(state)
-            self.layers[name] = state
-            self.capture.attach(module, state)
-        if not self.layers:
-            raise ValueError(
-                "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv2d "
-                f"with groups=1, or types added with register_block); skip_layers="
-                f"{list(cfg.skip_layers)}"
-            )
-        logger.info("K-FAC registered %d layers: %s", len(self.layers), list(self.layers))
-
+    # ----------------------------------------------------------------- hooks
     def _set_block_steps(self) -> None:
         """Tells every block the step counter (seeded conv subsampling agrees across hooks)."""
         for layer in self.layers.values():
