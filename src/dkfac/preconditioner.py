@@ -4,7 +4,9 @@ A step has five phases, each under a ``torch.profiler.record_function`` label. W
 runs and what travels between ranks is decided by the :mod:`~dkfac.distributed.strategies`
 object ``pre.strategy``; the math below never branches on the rank.
 
-Registration (which layers, with which block and solver) is in :mod:`~dkfac.registration`.
+Registration (which layers, with which block and solver) is in :mod:`~dkfac.registration`;
+the per-layer math of the phases (finite checks, inverses, preconditioning, KL-clip) is in
+:mod:`~dkfac.step_math`.
 
 1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
    (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
@@ -40,7 +42,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
 from dkfac.distributed.comm import Communicator
@@ -51,7 +52,13 @@ from dkfac.layer_state import FactorCapture, LayerState
 from dkfac.lowrank_state import LowRankPlan
 from dkfac.refresh import AdaptiveRefresh, make_refresh_policy
 from dkfac.registration import other_parameters, register_layers, unwrap
-from dkfac.solvers import SolverError
+from dkfac.step_math import (
+    finite_flags,
+    kl_clip_scale,
+    precondition,
+    update_inverses,
+    write_back,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,24 +207,24 @@ class KFACPreconditioner:
         capturing = self.capture.active
         with record_function("dkfac.factors"):
             new_factors = self._reduce(grads, capturing)
-            finite = self._finite_flags(new_factors, grads)
+            finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % int(inverse_interval) == 0:
             with record_function("dkfac.inverse"):
                 self._update_inverses(damping)
         with record_function("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
-            finals, ready = self._precondition(grads, finite, damping, bn_damping or damping)
+            finals, ready = precondition(
+                self.layers, self.strategy, grads, finite, damping, bn_damping or damping, step
+            )
         with record_function("dkfac.distribute"):
             delivered = self.strategy.distribute(finals, ready)
         with record_function("dkfac.kl_clip"):
-            self._apply(
-                finals,
-                delivered,
-                ready,
-                grads,
-                lr if lr is not None else resolve("lr", cfg.lr, step),
-            )
+            kl_clip = resolve("kl_clip", cfg.kl_clip, step)
+            lr = lr if lr is not None else resolve("lr", cfg.lr, step)
+            scale = kl_clip_scale(self.strategy, finals, ready, grads, kl_clip, lr)
+            write_back(self.layers, finals, delivered, ready, scale)
+            self.last_kl_scale = None if scale is None else float(scale)
         self.comm.ledger.end_step()
         self._steps += 1
         self._set_block_steps()
@@ -246,29 +253,6 @@ class KFACPreconditioner:
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             return float(self.grad_scaler.get_scale()) ** -2
         return 1.0
-
-    def _finite_flags(
-        self, new: dict[str, dict[str, Tensor]], grads: dict[str, Tensor | None]
-    ) -> dict[str, tuple[bool, bool]]:
-        """(factors finite, gradient finite) per layer, agreed by every rank.
-
-        One host synchronisation (and one tiny all-reduce with several ranks) per step.
-        """
-        names = list(self.layers)
-        device = self.layers[names[0]].block.parameters()[0].device
-        checks: list[Tensor] = []
-        for name in names:
-            stats = new.get(name, {})
-            grad = grads[name]
-            ok = [torch.isfinite(t).all().to(device) for t in stats.values()]
-            checks.append(torch.stack(ok).all() if ok else torch.tensor(True, device=device))
-            checks.append(
-                torch.isfinite(grad).all().to(device)
-                if grad is not None
-                else torch.tensor(True, device=device)
-            )
-        values = self.strategy.agree(torch.stack(checks)).tolist()
-        return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
 
     def _update_factors(
         self,
@@ -331,85 +315,8 @@ class KFACPreconditioner:
         return {"refreshed": self.last_refreshed, "total": total, "intervals": intervals}
 
     def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
-        """Owners recompute their layers' solver states; the strategy shares them."""
-        for name in self.layers if names is None else names:
-            layer = self.layers[name]
-            if not self.strategy.is_owner(name) or not layer.complete:
-                continue
-            try:
-                layer.solver_state = layer.solver.compute_statistics(layer.solver_inputs(), damping)
-            except SolverError as err:
-                logger.warning("%s: %s; keeping the last good inverse", name, err)
-        states = {name: layer.solver_state for name, layer in self.layers.items()}
-        devices = {name: layer.block.parameters()[0].device for name, layer in self.layers.items()}
-        self.strategy.share_solver_states(states, devices)
-        for name, layer in self.layers.items():
-            layer.solver_state = states[name]
-
-    def _precondition(
-        self,
-        grads: dict[str, Tensor | None],
-        finite: dict[str, tuple[bool, bool]],
-        damping: float,
-        bn_damping: float,
-    ) -> tuple[dict[str, Tensor], list[str]]:
-        """Final gradient matrices (or receive buffers) and the layers ready to precondition."""
-        finals: dict[str, Tensor] = {}
-        ready: list[str] = []
-        for name, layer in self.layers.items():
-            grad = grads[name]
-            if grad is None:
-                continue
-            if not finite[name][1]:
-                logger.warning("step %d: non-finite gradient in %s; zeroed", self._steps, name)
-                layer.block.set_weight_grad(torch.zeros_like(grad))
-                continue
-            is_ready = name in self.strategy.ready and (
-                layer.solver_state is not None or not self.strategy.preconditions(name)
-            )
-            if is_ready:
-                ready.append(name)
-            if not self.strategy.preconditions(name):
-                finals[name] = torch.empty_like(grad)
-            elif is_ready and layer.solver_state is not None:
-                layer_damping = bn_damping if isinstance(layer.block, BatchNormBlock) else damping
-                finals[name] = layer.solver.apply(layer.solver_state, grad, layer_damping)
-            else:
-                finals[name] = grad
-        return finals, ready
-
-    def _apply(
-        self,
-        finals: dict[str, Tensor],
-        delivered: list[str],
-        ready: list[str],
-        grads: dict[str, Tensor | None],
-        lr: float | None,
-    ) -> None:
-        """KL-clip over every preconditioned layer, then write the final gradients back."""
-        kl_clip = resolve("kl_clip", self.config.kl_clip, self._steps)
-        scale: Tensor | None = None
-        if kl_clip is not None and ready and lr is not None and lr > 0:
-            terms = []
-            for name in self.strategy.kl_layers(ready):
-                raw = grads[name]
-                assert raw is not None
-                terms.append((finals[name] * raw).sum())
-            like = finals[ready[0]]
-            partial = (
-                torch.stack(terms).sum()
-                if terms
-                else torch.zeros((), dtype=like.dtype, device=like.device)
-            )
-            vg_abs = (self.strategy.reduce_kl(partial) * lr**2).abs()
-            scale = torch.clamp(torch.sqrt(kl_clip / vg_abs.clamp(min=1e-30)), max=1.0)
-        scaled = set(ready)
-        for name in delivered:
-            value = finals[name]
-            if scale is not None and name in scaled:
-                value = value * scale
-            self.layers[name].block.set_weight_grad(value)
-        self.last_kl_scale = None if scale is None else float(scale)
+        """Phase 2 (and checkpoint loading): see :func:`dkfac.step_math.update_inverses`."""
+        update_inverses(self.layers, self.strategy, damping, names)
 
     # ----------------------------------------------------------------- inspection and state
     @property
