@@ -1,12 +1,11 @@
 """KFACPreconditioner: registers blocks and hooks, and runs one K-FAC step.
 
-A step has five phases, each under a ``torch.profiler.record_function`` label. Where the work
-runs and what travels between ranks is decided by the :mod:`~dkfac.distributed.strategies`
-object ``pre.strategy``; the math below never branches on the rank.
-
-Registration (which layers, with which block and solver) is in :mod:`~dkfac.registration`;
-the per-layer math of the phases (finite checks, inverses, preconditioning, KL-clip) is in
-:mod:`~dkfac.step_math`.
+Construction registers every supported layer (:mod:`~dkfac.registration`), attaches the
+capture hooks (:class:`~dkfac.layer_state.FactorCapture`) and builds the strategy
+(:mod:`~dkfac.distributed.strategies`, ``pre.strategy``), which decides where each piece of
+work runs and what travels between ranks; the math never branches on the rank. A step has
+five phases, each under a ``torch.profiler.record_function`` label; this class sequences
+them, the per-layer math is in :mod:`~dkfac.step_math`.
 
 1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
    (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
@@ -14,27 +13,34 @@ the per-layer math of the phases (finite checks, inverses, preconditioning, KL-c
    ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
    were final (:mod:`~dkfac.distributed.eager`); otherwise all is launched here once the
    ranks agree which layers ran (:mod:`~dkfac.distributed.presence`). After one wait, ranks
-   agree on which layers have finite factors and gradients; the ranks that keep a layer's
-   factors update its running averages (only on factor-update steps; the hooks do no work
-   on other steps).
+   agree on which layers have finite factors and gradients
+   (:func:`~dkfac.step_math.finite_flags`); the ranks that keep a layer's factors update
+   its running averages (:meth:`~dkfac.layer_state.LayerState.update_running`), and the
+   refresh policy records what changed and, when adaptive, the ranks agree on its
+   intervals (:mod:`~dkfac.refresh_step`). Only statistics the policy marked due are captured; the
+   hooks do no work on other steps.
 2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
-   and the strategy sends it to the layer's gradient workers.
+   and the strategy sends it to the layer's gradient workers
+   (:func:`~dkfac.step_math.update_inverses`).
 3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
-   natural gradient.
-4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank.
+   natural gradient (:func:`~dkfac.step_math.precondition`).
+4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank
+   (:meth:`~dkfac.distributed.strategy_base.Strategy.distribute`).
 5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
-   sum runs over every layer, whichever rank preconditioned it).
+   sum runs over every layer, whichever rank preconditioned it;
+   :func:`~dkfac.step_math.kl_clip_scale`) and written back
+   (:func:`~dkfac.step_math.write_back`).
 
 Scale convention (see :class:`~dkfac.layer_state.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
 ``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
 unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient clipping).
+Checkpoints: :mod:`~dkfac.distributed.checkpoint`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import torch
@@ -50,17 +56,17 @@ from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.layer_state import FactorCapture, LayerState
 from dkfac.lowrank_state import LowRankPlan
-from dkfac.refresh import AdaptiveRefresh, make_refresh_policy
+from dkfac.refresh import make_refresh_policy
+from dkfac.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
 from dkfac.registration import other_parameters, register_layers, unwrap
 from dkfac.step_math import (
     finite_flags,
+    kept_statistics,
     kl_clip_scale,
     precondition,
     update_inverses,
     write_back,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class KFACPreconditioner:
@@ -140,7 +146,7 @@ class KFACPreconditioner:
         self.schedule_captures(0)
         self.last_kl_scale: float | None = None
 
-    # ----------------------------------------------------------------- hooks
+    # ----------------------------------------------------------------- hooks and capture
     def _set_block_steps(self) -> None:
         """Tells every block the step counter (seeded conv subsampling agrees across hooks)."""
         for layer in self.layers.values():
@@ -152,18 +158,13 @@ class KFACPreconditioner:
         if self.eager is not None:
             self.eager.remove()
 
-    # ----------------------------------------------------------------- capture
     def schedule_captures(self, step: int) -> None:
         """Asks the refresh policy which statistics the hooks capture at ``step``.
 
         The answer is the same on every rank; a statistic that is not due costs nothing on
         that step (no capture, no communication).
         """
-        for name, layer in self.layers.items():
-            layer.due = frozenset(
-                key for key in layer.statistic_shapes() if self.refresh.due(f"{name}/{key}", step)
-            )
-        self.capture.active = any(layer.due for layer in self.layers.values())
+        self.capture.active = mark_due(self.refresh, self.layers, step)
         if self.eager is not None:
             self.eager.plan(self.capture.active)
 
@@ -260,63 +261,23 @@ class KFACPreconditioner:
         finite: dict[str, tuple[bool, bool]],
         step: int,
     ) -> None:
+        """Updates the running averages this rank keeps; the refresh policy learns of them."""
         decay = resolve("factor_decay", self.config.factor_decay, step)
         assert decay is not None
         self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
-        kept = []
-        refreshed: list[tuple[str, Tensor | None, Tensor]] = []
-        for name, stats in new.items():
-            layer = self.layers[name]
-            if not self.strategy.keeps_statistics(name):
-                continue
-            if not finite[name][0]:
-                logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
-                continue
-            kept.append(name)
-            # A low-rank side's U changes shape as it grows: its interval stays put.
-            olds = {k: None if k in layer.lowrank else layer.running.get(k) for k in stats}
-            refreshed += [(f"{name}/{k}", olds[k], v) for k, v in stats.items()]
-        self.refresh.record_many(step, refreshed)  # one sync, before the in-place updates
-        for name in kept:
-            self.layers[name].update_running(new[name], decay)
-        if isinstance(self.refresh, AdaptiveRefresh) and self.capture.active:
-            recorded = {key: self.refresh.interval(key) for key, _, _ in refreshed}
-            self._agree_intervals(recorded, step)
-
-    def _agree_intervals(self, recorded: dict[str, int], step: int) -> None:
-        """Every rank adopts the intervals computed by the ranks that keep each statistic."""
-        assert isinstance(self.refresh, AdaptiveRefresh)
-        keys = sorted(f"{n}/{k}" for n, layer in self.layers.items() for k in layer.due)
-        if not keys or not self.comm.active:
-            return
-        device = next(iter(self.layers.values())).block.parameters()[0].device  # NCCL: CUDA
-        values = torch.tensor(
-            [[float(recorded.get(k, 0)), float(k in recorded)] for k in keys],
-            dtype=torch.float64,
-            device=device,
-        )
-        totals = self.comm.sum_control(values)
-        for key, (interval_sum, keepers) in zip(keys, totals.tolist(), strict=True):
-            if keepers > 0:
-                self.refresh.set_interval(key, step, round(interval_sum / keepers))
-
-    def refresh_stats(self) -> dict[str, Any]:
-        """Statistics refreshed at the last step, their total, and the adaptive intervals."""
-        total = sum(len(layer.statistic_shapes()) for layer in self.layers.values())
-        intervals = (
-            {
-                f"{n}/{k}": self.refresh.interval(f"{n}/{k}")
-                for n, layer in self.layers.items()
-                for k in layer.statistic_shapes()
-            }
-            if isinstance(self.refresh, AdaptiveRefresh)
-            else {}
-        )
-        return {"refreshed": self.last_refreshed, "total": total, "intervals": intervals}
+        kept = kept_statistics(self.strategy, new, finite, step)
+        recorded = record_refreshes(self.refresh, self.layers, kept, step)  # before updates
+        for name, stats in kept.items():
+            self.layers[name].update_running(stats, decay)
+        agree_intervals(self.refresh, self.comm, self.layers, recorded, step)
 
     def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
         """Phase 2 (and checkpoint loading): see :func:`dkfac.step_math.update_inverses`."""
         update_inverses(self.layers, self.strategy, damping, names)
+
+    def refresh_stats(self) -> dict[str, Any]:
+        """Statistics refreshed at the last step, their total, and the adaptive intervals."""
+        return refresh_report(self.refresh, self.layers, self.last_refreshed)
 
     # ----------------------------------------------------------------- inspection and state
     @property

@@ -1,11 +1,12 @@
 """The per-layer math of one K-FAC step, as plain functions of the layers and the strategy.
 
 :class:`~dkfac.preconditioner.KFACPreconditioner` calls them in the order of its phases:
-:func:`finite_flags` (phase 1), :func:`update_inverses` (phase 2), :func:`precondition`
-(phase 3), then, after the strategy has distributed the results (phase 4),
-:func:`kl_clip_scale` and :func:`write_back` (phase 5). The strategy
-(:mod:`~dkfac.distributed.strategy_base`) says which layers this rank keeps, owns and
-preconditions, and runs every collective; nothing here asks for the rank.
+:func:`finite_flags` and :func:`kept_statistics` (phase 1, before the running averages are
+updated), :func:`update_inverses` (phase 2), :func:`precondition` (phase 3), then, after
+the strategy has distributed the results (phase 4), :func:`kl_clip_scale` and
+:func:`write_back` (phase 5). The strategy (:mod:`~dkfac.distributed.strategy_base`) says
+which layers this rank keeps, owns and preconditions, and runs every collective; nothing
+here asks for the rank.
 
 KL-clip: ``ν = min(1, sqrt(κ / |Σ_l lr² ⟨V_l, ∇W_l⟩|))``, the sum running over every
 preconditioned layer, whichever rank preconditioned it.
@@ -26,6 +27,7 @@ from dkfac.solvers import SolverError
 
 __all__ = [
     "finite_flags",
+    "kept_statistics",
     "kl_clip_scale",
     "precondition",
     "update_inverses",
@@ -66,6 +68,28 @@ def finite_flags(
         )
     values = strategy.agree(torch.stack(checks)).tolist()
     return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
+
+
+def kept_statistics(
+    strategy: Strategy,
+    new: Mapping[str, dict[str, Tensor]],
+    finite: Mapping[str, tuple[bool, bool]],
+    step: int,
+) -> dict[str, dict[str, Tensor]]:
+    """The statistics of ``new`` that enter this rank's running averages.
+
+    A layer's are dropped where the strategy does not keep them on this rank, and (with a
+    warning) where any of them is not finite.
+    """
+    kept: dict[str, dict[str, Tensor]] = {}
+    for name, stats in new.items():
+        if not strategy.keeps_statistics(name):
+            continue
+        if not finite[name][0]:
+            logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
+            continue
+        kept[name] = stats
+    return kept
 
 
 def update_inverses(
