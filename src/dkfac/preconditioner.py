@@ -1,8 +1,11 @@
 """KFACPreconditioner: registers blocks and hooks, and runs one K-FAC step.
 
-A step has five phases, each under a ``torch.profiler.record_function`` label. Where the work
-runs and what travels between ranks is decided by the :mod:`~dkfac.distributed.strategies`
-object ``pre.strategy``; the math below never branches on the rank.
+Construction registers every supported layer (:mod:`~dkfac.registration`), attaches the
+capture hooks (:class:`~dkfac.layer_state.FactorCapture`) and builds the strategy
+(:mod:`~dkfac.distributed.strategies`, ``pre.strategy``), which decides where each piece of
+work runs and what travels between ranks; the math never branches on the rank. A step has
+five phases, each under a ``torch.profiler.record_function`` label; this class sequences
+them, the per-layer math is in :mod:`~dkfac.step_math`.
 
 1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
    (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
@@ -10,28 +13,34 @@ object ``pre.strategy``; the math below never branches on the rank.
    ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
    were final (:mod:`~dkfac.distributed.eager`); otherwise all is launched here once the
    ranks agree which layers ran (:mod:`~dkfac.distributed.presence`). After one wait, ranks
-   agree on which layers have finite factors and gradients; the ranks that keep a layer's
-   factors update its running averages (only on factor-update steps; the hooks do no work
-   on other steps).
+   agree on which layers have finite factors and gradients
+   (:func:`~dkfac.step_math.finite_flags`); the ranks that keep a layer's factors update
+   its running averages (:meth:`~dkfac.layer_state.LayerState.update_running`), and the
+   refresh policy records what changed and, when adaptive, the ranks agree on its
+   intervals (:mod:`~dkfac.refresh_step`). Only statistics the policy marked due are captured; the
+   hooks do no work on other steps.
 2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
-   and the strategy sends it to the layer's gradient workers.
+   and the strategy sends it to the layer's gradient workers
+   (:func:`~dkfac.step_math.update_inverses`).
 3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
-   natural gradient.
-4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank.
+   natural gradient (:func:`~dkfac.step_math.precondition`).
+4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank
+   (:meth:`~dkfac.distributed.strategy_base.Strategy.distribute`).
 5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
-   sum runs over every layer, whichever rank preconditioned it).
+   sum runs over every layer, whichever rank preconditioned it;
+   :func:`~dkfac.step_math.kl_clip_scale`) and written back
+   (:func:`~dkfac.step_math.write_back`).
 
 Scale convention (see :class:`~dkfac.layer_state.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
 ``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
 unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient clipping).
+Checkpoints: :mod:`~dkfac.distributed.checkpoint`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import re
 from typing import Any
 
 import torch
@@ -39,29 +48,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dkfac.blocks.batchnorm import BatchNormBlock
-from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.eager import build_eager
 from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
-from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
+from dkfac.layer_state import FactorCapture, LayerState
 from dkfac.lowrank_state import LowRankPlan
-from dkfac.refresh import AdaptiveRefresh, make_refresh_policy
-from dkfac.solvers import SolverError, make_solver
-
-logger = logging.getLogger(__name__)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP / DataParallel wrapper (names then match the bare model)."""
-    inner = getattr(model, "module", None)
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        assert isinstance(inner, nn.Module)
-        return inner
-    return model
+from dkfac.refresh import make_refresh_policy
+from dkfac.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
+from dkfac.registration import other_parameters, register_layers, unwrap
+from dkfac.step_math import (
+    finite_flags,
+    kept_statistics,
+    kl_clip_scale,
+    precondition,
+    update_inverses,
+    write_back,
+)
 
 
 class KFACPreconditioner:
@@ -111,7 +116,6 @@ class KFACPreconditioner:
         self.config = config
         self.model = model
         self.grad_scaler = grad_scaler
-        self.layers: dict[str, LayerState] = {}
         self._steps = 0
         self.capture = FactorCapture(config)
         self.refresh = make_refresh_policy(
@@ -122,7 +126,9 @@ class KFACPreconditioner:
         )
         self.last_refreshed = 0
         self.lowrank = LowRankPlan(config) if config.method in ("smw", "auto") else None
-        self._register(_unwrap(model))
+        self.layers: dict[str, LayerState] = register_layers(
+            unwrap(model), config, self.capture, self.lowrank
+        )
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
             config,
@@ -136,51 +142,11 @@ class KFACPreconditioner:
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
         self.eager = build_eager(self, model)
-        block_params = {id(p) for layer in self.layers.values() for p in layer.block.parameters()}
-        self._other_params = [
-            p for p in _unwrap(model).parameters() if p.requires_grad and id(p) not in block_params
-        ]
+        self._other_params = other_parameters(unwrap(model), self.layers)
         self.schedule_captures(0)
         self.last_kl_scale: float | None = None
 
-    # ----------------------------------------------------------------- registration
-    def _skipped(self, name: str, module: nn.Module) -> bool:
-        return any(
-            re.search(pattern, name) or re.search(pattern, type(module).__name__)
-            for pattern in self.config.skip_layers
-        )
-
-    def _register(self, model: nn.Module) -> None:
-        cfg = self.config
-        for name, module in model.named_modules():
-            if self._skipped(name, module):
-                continue
-            conv = {"reduction": cfg.conv_reduction, "positions": cfg.subsample_positions}
-            block = make_block(name, module, seed=cfg.seed, **conv)
-            if block is None or (isinstance(block, BatchNormBlock) and not cfg.unitwise_bn):
-                continue
-            weight = getattr(module, "weight", None)
-            if not isinstance(weight, Tensor) or not weight.requires_grad:
-                logger.info("skipping %s: its weight does not require a gradient", name)
-                continue
-            dtype = cfg.factor_dtype or weight.dtype
-            method = block.solver_name or ("smw" if cfg.method == "auto" else cfg.method)
-            accumulators: dict[str, Accumulator] = {
-                key: FactorAccumulator(dtype) for key in block.statistic_shapes()
-            }
-            state = LayerState(block, make_solver(method, cfg.eigen_dtype), accumulators)
-            if self.lowrank is not None:
-                self.lowrank.prepare(state)
-            self.layers[name] = state
-            self.capture.attach(module, state)
-        if not self.layers:
-            raise ValueError(
-                "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv2d "
-                f"with groups=1, or types added with register_block); skip_layers="
-                f"{list(cfg.skip_layers)}"
-            )
-        logger.info("K-FAC registered %d layers: %s", len(self.layers), list(self.layers))
-
+    # ----------------------------------------------------------------- hooks and capture
     def _set_block_steps(self) -> None:
         """Tells every block the step counter (seeded conv subsampling agrees across hooks)."""
         for layer in self.layers.values():
@@ -192,18 +158,13 @@ class KFACPreconditioner:
         if self.eager is not None:
             self.eager.remove()
 
-    # ----------------------------------------------------------------- capture
     def schedule_captures(self, step: int) -> None:
         """Asks the refresh policy which statistics the hooks capture at ``step``.
 
         The answer is the same on every rank; a statistic that is not due costs nothing on
         that step (no capture, no communication).
         """
-        for name, layer in self.layers.items():
-            layer.due = frozenset(
-                key for key in layer.statistic_shapes() if self.refresh.due(f"{name}/{key}", step)
-            )
-        self.capture.active = any(layer.due for layer in self.layers.values())
+        self.capture.active = mark_due(self.refresh, self.layers, step)
         if self.eager is not None:
             self.eager.plan(self.capture.active)
 
@@ -247,24 +208,24 @@ class KFACPreconditioner:
         capturing = self.capture.active
         with record_function("dkfac.factors"):
             new_factors = self._reduce(grads, capturing)
-            finite = self._finite_flags(new_factors, grads)
+            finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % int(inverse_interval) == 0:
             with record_function("dkfac.inverse"):
                 self._update_inverses(damping)
         with record_function("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
-            finals, ready = self._precondition(grads, finite, damping, bn_damping or damping)
+            finals, ready = precondition(
+                self.layers, self.strategy, grads, finite, damping, bn_damping or damping, step
+            )
         with record_function("dkfac.distribute"):
             delivered = self.strategy.distribute(finals, ready)
         with record_function("dkfac.kl_clip"):
-            self._apply(
-                finals,
-                delivered,
-                ready,
-                grads,
-                lr if lr is not None else resolve("lr", cfg.lr, step),
-            )
+            kl_clip = resolve("kl_clip", cfg.kl_clip, step)
+            lr = lr if lr is not None else resolve("lr", cfg.lr, step)
+            scale = kl_clip_scale(self.strategy, finals, ready, grads, kl_clip, lr)
+            write_back(self.layers, finals, delivered, ready, scale)
+            self.last_kl_scale = None if scale is None else float(scale)
         self.comm.ledger.end_step()
         self._steps += 1
         self._set_block_steps()
@@ -294,169 +255,29 @@ class KFACPreconditioner:
             return float(self.grad_scaler.get_scale()) ** -2
         return 1.0
 
-    def _finite_flags(
-        self, new: dict[str, dict[str, Tensor]], grads: dict[str, Tensor | None]
-    ) -> dict[str, tuple[bool, bool]]:
-        """(factors finite, gradient finite) per layer, agreed by every rank.
-
-        One host synchronisation (and one tiny all-reduce with several ranks) per step.
-        """
-        names = list(self.layers)
-        device = self.layers[names[0]].block.parameters()[0].device
-        checks: list[Tensor] = []
-        for name in names:
-            stats = new.get(name, {})
-            grad = grads[name]
-            ok = [torch.isfinite(t).all().to(device) for t in stats.values()]
-            checks.append(torch.stack(ok).all() if ok else torch.tensor(True, device=device))
-            checks.append(
-                torch.isfinite(grad).all().to(device)
-                if grad is not None
-                else torch.tensor(True, device=device)
-            )
-        values = self.strategy.agree(torch.stack(checks)).tolist()
-        return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
-
     def _update_factors(
         self,
         new: dict[str, dict[str, Tensor]],
         finite: dict[str, tuple[bool, bool]],
         step: int,
     ) -> None:
+        """Updates the running averages this rank keeps; the refresh policy learns of them."""
         decay = resolve("factor_decay", self.config.factor_decay, step)
         assert decay is not None
         self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
-        kept = []
-        refreshed: list[tuple[str, Tensor | None, Tensor]] = []
-        for name, stats in new.items():
-            layer = self.layers[name]
-            if not self.strategy.keeps_statistics(name):
-                continue
-            if not finite[name][0]:
-                logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
-                continue
-            kept.append(name)
-            # A low-rank side's U changes shape as it grows: its interval stays put.
-            olds = {k: None if k in layer.lowrank else layer.running.get(k) for k in stats}
-            refreshed += [(f"{name}/{k}", olds[k], v) for k, v in stats.items()]
-        self.refresh.record_many(step, refreshed)  # one sync, before the in-place updates
-        for name in kept:
-            self.layers[name].update_running(new[name], decay)
-        if isinstance(self.refresh, AdaptiveRefresh) and self.capture.active:
-            recorded = {key: self.refresh.interval(key) for key, _, _ in refreshed}
-            self._agree_intervals(recorded, step)
+        kept = kept_statistics(self.strategy, new, finite, step)
+        recorded = record_refreshes(self.refresh, self.layers, kept, step)  # before updates
+        for name, stats in kept.items():
+            self.layers[name].update_running(stats, decay)
+        agree_intervals(self.refresh, self.comm, self.layers, recorded, step)
 
-    def _agree_intervals(self, recorded: dict[str, int], step: int) -> None:
-        """Every rank adopts the intervals computed by the ranks that keep each statistic."""
-        assert isinstance(self.refresh, AdaptiveRefresh)
-        keys = sorted(f"{n}/{k}" for n, layer in self.layers.items() for k in layer.due)
-        if not keys or not self.comm.active:
-            return
-        device = next(iter(self.layers.values())).block.parameters()[0].device  # NCCL: CUDA
-        values = torch.tensor(
-            [[float(recorded.get(k, 0)), float(k in recorded)] for k in keys],
-            dtype=torch.float64,
-            device=device,
-        )
-        totals = self.comm.sum_control(values)
-        for key, (interval_sum, keepers) in zip(keys, totals.tolist(), strict=True):
-            if keepers > 0:
-                self.refresh.set_interval(key, step, round(interval_sum / keepers))
+    def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
+        """Phase 2 (and checkpoint loading): see :func:`dkfac.step_math.update_inverses`."""
+        update_inverses(self.layers, self.strategy, damping, names)
 
     def refresh_stats(self) -> dict[str, Any]:
         """Statistics refreshed at the last step, their total, and the adaptive intervals."""
-        total = sum(len(layer.statistic_shapes()) for layer in self.layers.values())
-        intervals = (
-            {
-                f"{n}/{k}": self.refresh.interval(f"{n}/{k}")
-                for n, layer in self.layers.items()
-                for k in layer.statistic_shapes()
-            }
-            if isinstance(self.refresh, AdaptiveRefresh)
-            else {}
-        )
-        return {"refreshed": self.last_refreshed, "total": total, "intervals": intervals}
-
-    def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
-        """Owners recompute their layers' solver states; the strategy shares them."""
-        for name in self.layers if names is None else names:
-            layer = self.layers[name]
-            if not self.strategy.is_owner(name) or not layer.complete:
-                continue
-            try:
-                layer.solver_state = layer.solver.compute_statistics(layer.solver_inputs(), damping)
-            except SolverError as err:
-                logger.warning("%s: %s; keeping the last good inverse", name, err)
-        states = {name: layer.solver_state for name, layer in self.layers.items()}
-        devices = {name: layer.block.parameters()[0].device for name, layer in self.layers.items()}
-        self.strategy.share_solver_states(states, devices)
-        for name, layer in self.layers.items():
-            layer.solver_state = states[name]
-
-    def _precondition(
-        self,
-        grads: dict[str, Tensor | None],
-        finite: dict[str, tuple[bool, bool]],
-        damping: float,
-        bn_damping: float,
-    ) -> tuple[dict[str, Tensor], list[str]]:
-        """Final gradient matrices (or receive buffers) and the layers ready to precondition."""
-        finals: dict[str, Tensor] = {}
-        ready: list[str] = []
-        for name, layer in self.layers.items():
-            grad = grads[name]
-            if grad is None:
-                continue
-            if not finite[name][1]:
-                logger.warning("step %d: non-finite gradient in %s; zeroed", self._steps, name)
-                layer.block.set_weight_grad(torch.zeros_like(grad))
-                continue
-            is_ready = name in self.strategy.ready and (
-                layer.solver_state is not None or not self.strategy.preconditions(name)
-            )
-            if is_ready:
-                ready.append(name)
-            if not self.strategy.preconditions(name):
-                finals[name] = torch.empty_like(grad)
-            elif is_ready and layer.solver_state is not None:
-                layer_damping = bn_damping if isinstance(layer.block, BatchNormBlock) else damping
-                finals[name] = layer.solver.apply(layer.solver_state, grad, layer_damping)
-            else:
-                finals[name] = grad
-        return finals, ready
-
-    def _apply(
-        self,
-        finals: dict[str, Tensor],
-        delivered: list[str],
-        ready: list[str],
-        grads: dict[str, Tensor | None],
-        lr: float | None,
-    ) -> None:
-        """KL-clip over every preconditioned layer, then write the final gradients back."""
-        kl_clip = resolve("kl_clip", self.config.kl_clip, self._steps)
-        scale: Tensor | None = None
-        if kl_clip is not None and ready and lr is not None and lr > 0:
-            terms = []
-            for name in self.strategy.kl_layers(ready):
-                raw = grads[name]
-                assert raw is not None
-                terms.append((finals[name] * raw).sum())
-            like = finals[ready[0]]
-            partial = (
-                torch.stack(terms).sum()
-                if terms
-                else torch.zeros((), dtype=like.dtype, device=like.device)
-            )
-            vg_abs = (self.strategy.reduce_kl(partial) * lr**2).abs()
-            scale = torch.clamp(torch.sqrt(kl_clip / vg_abs.clamp(min=1e-30)), max=1.0)
-        scaled = set(ready)
-        for name in delivered:
-            value = finals[name]
-            if scale is not None and name in scaled:
-                value = value * scale
-            self.layers[name].block.set_weight_grad(value)
-        self.last_kl_scale = None if scale is None else float(scale)
+        return refresh_report(self.refresh, self.layers, self.last_refreshed)
 
     # ----------------------------------------------------------------- inspection and state
     @property

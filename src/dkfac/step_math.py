@@ -1,0 +1,222 @@
+"""The per-layer math of one K-FAC step, as plain functions of the layers and the strategy.
+
+:class:`~dkfac.preconditioner.KFACPreconditioner` calls them in the order of its phases:
+:func:`finite_flags` and :func:`kept_statistics` (phase 1, before the running averages are
+updated), :func:`update_inverses` (phase 2), :func:`precondition` (phase 3), then, after
+the strategy has distributed the results (phase 4), :func:`kl_clip_scale` and
+:func:`write_back` (phase 5). The strategy (:mod:`~dkfac.distributed.strategy_base`) says
+which layers this rank keeps, owns and preconditions, and runs every collective; nothing
+here asks for the rank.
+
+KL-clip: ``ν = min(1, sqrt(κ / |Σ_l lr² ⟨V_l, ∇W_l⟩|))``, the sum running over every
+preconditioned layer, whichever rank preconditioned it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from dkfac.blocks.batchnorm import BatchNormBlock
+from dkfac.distributed.strategy_base import Strategy
+from dkfac.layer_state import LayerState
+from dkfac.solvers import SolverError
+
+__all__ = [
+    "finite_flags",
+    "kept_statistics",
+    "kl_clip_scale",
+    "precondition",
+    "update_inverses",
+    "write_back",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def finite_flags(
+    layers: Mapping[str, LayerState],
+    strategy: Strategy,
+    new: Mapping[str, Mapping[str, Tensor]],
+    grads: Mapping[str, Tensor | None],
+) -> dict[str, tuple[bool, bool]]:
+    """(factors finite, gradient finite) per layer, agreed by every rank.
+
+    One host synchronisation (and one tiny all-reduce with several ranks) per step.
+
+    Args:
+        layers: The registered layers.
+        strategy: Agrees the flags across ranks (a layer is finite only if it is everywhere).
+        new: This step's reduced statistics by layer (absent layers count as finite).
+        grads: Gradient matrices by layer (``None`` counts as finite).
+    """
+    names = list(layers)
+    device = layers[names[0]].block.parameters()[0].device
+    checks: list[Tensor] = []
+    for name in names:
+        stats = new.get(name, {})
+        grad = grads[name]
+        ok = [torch.isfinite(t).all().to(device) for t in stats.values()]
+        checks.append(torch.stack(ok).all() if ok else torch.tensor(True, device=device))
+        checks.append(
+            torch.isfinite(grad).all().to(device)
+            if grad is not None
+            else torch.tensor(True, device=device)
+        )
+    values = strategy.agree(torch.stack(checks)).tolist()
+    return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
+
+
+def kept_statistics(
+    strategy: Strategy,
+    new: Mapping[str, dict[str, Tensor]],
+    finite: Mapping[str, tuple[bool, bool]],
+    step: int,
+) -> dict[str, dict[str, Tensor]]:
+    """The statistics of ``new`` that enter this rank's running averages.
+
+    A layer's are dropped where the strategy does not keep them on this rank, and (with a
+    warning) where any of them is not finite.
+    """
+    kept: dict[str, dict[str, Tensor]] = {}
+    for name, stats in new.items():
+        if not strategy.keeps_statistics(name):
+            continue
+        if not finite[name][0]:
+            logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
+            continue
+        kept[name] = stats
+    return kept
+
+
+def update_inverses(
+    layers: Mapping[str, LayerState],
+    strategy: Strategy,
+    damping: float,
+    names: Sequence[str] | None = None,
+) -> None:
+    """Owners recompute their layers' solver states; the strategy shares them.
+
+    Args:
+        layers: The registered layers; their ``solver_state`` is replaced.
+        strategy: Says which layers this rank owns and sends the states to the workers.
+        damping: The damping of this inverse update.
+        names: The layers to recompute (default: all); every layer's state is shared.
+    """
+    for name in layers if names is None else names:
+        layer = layers[name]
+        if not strategy.is_owner(name) or not layer.complete:
+            continue
+        try:
+            layer.solver_state = layer.solver.compute_statistics(layer.solver_inputs(), damping)
+        except SolverError as err:
+            logger.warning("%s: %s; keeping the last good inverse", name, err)
+    states = {name: layer.solver_state for name, layer in layers.items()}
+    devices = {name: layer.block.parameters()[0].device for name, layer in layers.items()}
+    strategy.share_solver_states(states, devices)
+    for name, layer in layers.items():
+        layer.solver_state = states[name]
+
+
+def precondition(
+    layers: Mapping[str, LayerState],
+    strategy: Strategy,
+    grads: Mapping[str, Tensor | None],
+    finite: Mapping[str, tuple[bool, bool]],
+    damping: float,
+    bn_damping: float,
+    step: int,
+) -> tuple[dict[str, Tensor], list[str]]:
+    """Final gradient matrices (or receive buffers) and the layers ready to precondition.
+
+    A non-finite gradient is zeroed (with a warning) and the layer left out.
+
+    Args:
+        layers: The registered layers.
+        strategy: Says which layers this rank preconditions and which are ready.
+        grads: Gradient matrices by layer (``None``: the layer had no gradient).
+        finite: :func:`finite_flags` of this step.
+        damping: The damping of the Kronecker blocks.
+        bn_damping: The damping of unit-wise BatchNorm blocks.
+        step: The step number (for the warning).
+
+    Returns:
+        ``(finals, ready)``: per layer with a gradient, its preconditioned gradient, its
+        plain gradient (not ready yet) or an empty buffer the strategy fills (layers this
+        rank does not precondition); and the names of the ready layers.
+    """
+    finals: dict[str, Tensor] = {}
+    ready: list[str] = []
+    for name, layer in layers.items():
+        grad = grads[name]
+        if grad is None:
+            continue
+        if not finite[name][1]:
+            logger.warning("step %d: non-finite gradient in %s; zeroed", step, name)
+            layer.block.set_weight_grad(torch.zeros_like(grad))
+            continue
+        is_ready = name in strategy.ready and (
+            layer.solver_state is not None or not strategy.preconditions(name)
+        )
+        if is_ready:
+            ready.append(name)
+        if not strategy.preconditions(name):
+            finals[name] = torch.empty_like(grad)
+        elif is_ready and layer.solver_state is not None:
+            layer_damping = bn_damping if isinstance(layer.block, BatchNormBlock) else damping
+            finals[name] = layer.solver.apply(layer.solver_state, grad, layer_damping)
+        else:
+            finals[name] = grad
+    return finals, ready
+
+
+def kl_clip_scale(
+    strategy: Strategy,
+    finals: Mapping[str, Tensor],
+    ready: Sequence[str],
+    grads: Mapping[str, Tensor | None],
+    kl_clip: float | None,
+    lr: float | None,
+) -> Tensor | None:
+    """The KL-clip factor ``ν`` (a 0-d tensor), or ``None`` when there is nothing to clip.
+
+    Args:
+        strategy: Picks the layers this rank sums over and adds the partial sums of all ranks.
+        finals: Preconditioned gradients by layer (after :meth:`Strategy.distribute`).
+        ready: The preconditioned layers.
+        grads: The raw gradient matrices by layer.
+        kl_clip: ``κ``; ``None`` disables the clip.
+        lr: The learning rate; ``None`` or ``<= 0`` disables the clip.
+    """
+    if kl_clip is None or not ready or lr is None or lr <= 0:
+        return None
+    terms = []
+    for name in strategy.kl_layers(ready):
+        raw = grads[name]
+        assert raw is not None
+        terms.append((finals[name] * raw).sum())
+    like = finals[ready[0]]
+    partial = (
+        torch.stack(terms).sum() if terms else torch.zeros((), dtype=like.dtype, device=like.device)
+    )
+    vg_abs = (strategy.reduce_kl(partial) * lr**2).abs()
+    return torch.clamp(torch.sqrt(kl_clip / vg_abs.clamp(min=1e-30)), max=1.0)
+
+
+def write_back(
+    layers: Mapping[str, LayerState],
+    finals: Mapping[str, Tensor],
+    delivered: Sequence[str],
+    ready: Sequence[str],
+    scale: Tensor | None,
+) -> None:
+    """Sets each delivered layer's gradient to its final value, ready ones times ``scale``."""
+    scaled = set(ready)
+    for name in delivered:
+        value = finals[name]
+        if scale is not None and name in scaled:
+            value = value * scale
+        layers[name].block.set_weight_grad(value)
