@@ -25,6 +25,11 @@ The bias column (a constant 1 in every patch) contributes the sums of the patch 
 (one window sum per offset and channel) and the count ``N·Ho·Wo``. The result equals
 ``R^T R`` for the ``(N·Ho·Wo, D)`` unfolded rows ``R`` (same entry order as ``F.unfold``:
 channel slowest, then kernel row, then kernel column; bias last) up to rounding.
+
+For stride 1 a second exact path, :func:`flat_factor_sum`, needs no copies at all: one
+product per kernel shift over the whole flattened input, corrected by thin border strips.
+:func:`conv_input_factor_sum` picks the path with the smaller estimated cost
+(:func:`shift_cost`, :func:`segment_cost`).
 """
 
 from __future__ import annotations
