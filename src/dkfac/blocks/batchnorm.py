@@ -77,8 +77,9 @@ class BatchNormBlock(Block):
             return None
         if inputs.dim() < 2 or inputs.shape[0] < 2:
             return None  # a single sample has no batch statistics
-        mean, inv_std = batch_moments(inputs.detach(), module.eps)
-        return inputs.detach(), mean, inv_std
+        inputs = inputs.detach()
+        mean, inv_std = batch_moments(inputs, module.eps)
+        return inputs, mean, inv_std
 
     def capture_grad(
         self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac.blocks.base import Block, Rows, StatisticSink, append_ones
-from dkfac.blocks.conv_factor import conv_input_factor_sum
+from dkfac.blocks.conv_factor import conv_input_factor_sum, output_size, window_sums
 
 
 def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
@@ -207,47 +207,17 @@ class Conv2dBlock(Block):
             rows = append_ones(rows)
         return Rows(rows, float(rows.shape[0]))
 
-    def _output_size(self, padded: Tensor) -> tuple[int, int]:
-        """Output positions ``(Ho, Wo)`` of the convolution on a padded input."""
-        (kh, kw), (sh, sw), (dh, dw) = (
-            self.module.kernel_size,
-            self.module.stride,
-            self.module.dilation,
-        )
-        out_h = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
-        return out_h, (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
-
     def _patch_means(self, inputs: Tensor) -> Tensor:
-        """``(B, D)`` mean patch of each image (no bias) from window sums, separably.
-
-        One reduction over the window rows per kernel row, then thin sums per column. Zero
-        padding is never materialised: the rows falling in it are left out of the reduction
-        and the per-column sums are padded instead.
-        """
+        """``(B, D)`` mean patch of each image (no bias), from window sums (no unfolding)."""
         module = self.module
-        (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
-        zeros = module.padding_mode == "zeros"
-        left, right, top, bottom = conv_padding(module) if zeros else (0, 0, 0, 0)
-        if not zeros:
-            inputs = pad_input(module, inputs)
-        batch, channels, real_h, real_w = inputs.shape
-        height, width = real_h + top + bottom, real_w + left + right
-        out_h = (height - dh * (kh - 1) - 1) // sh + 1
-        out_w = (width - dw * (kw - 1) - 1) // sw + 1
-        sums = inputs.new_empty(batch, channels, kh, kw)
-        for i in range(kh):
-            # Window rows i·dh + sh·a (a < Ho) of the padded input that are real rows.
-            first = max(0, -((i * dh - top) // sh))
-            last = min(out_h - 1, (real_h - 1 - (i * dh - top)) // sh)
-            if first > last:  # the whole window lies in the padding
-                by_column = inputs.new_zeros(batch, channels, real_w)
-            else:
-                start = i * dh - top + sh * first
-                by_column = inputs[:, :, start : start + sh * (last - first) + 1 : sh].sum(2)
-            by_column = F.pad(by_column, (left, right)) if left or right else by_column
-            for j in range(kw):
-                cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
-                sums[:, :, i, j] = by_column[:, :, cols].sum(dim=2)
+        zeros = module.padding_mode == "zeros"  # zero padding is never materialised
+        source = inputs if zeros else pad_input(module, inputs)
+        kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+        padding = conv_padding(module) if zeros else (0, 0, 0, 0)
+        sums = window_sums(source, kernel, stride, dilation, padding)  # type: ignore[arg-type]
+        left, right, top, bottom = padding
+        out_h = output_size(source.shape[2] + top + bottom, kernel[0], stride[0], dilation[0])
+        out_w = output_size(source.shape[3] + left + right, kernel[1], stride[1], dilation[1])
         return sums.flatten(1) / (out_h * out_w)  # F.unfold order: channel, row, column
 
     def _sampled_patches(self, padded: Tensor) -> Tensor:
@@ -257,7 +227,8 @@ class Conv2dBlock(Block):
             self.module.stride,
             self.module.dilation,
         )
-        out_h, out_w = self._output_size(padded)
+        out_h = output_size(padded.shape[2], kh, sh, dh)
+        out_w = output_size(padded.shape[3], kw, sw, dw)
         batch = padded.shape[0]
         index = self.subsample_indices(batch, out_h * out_w).to(padded.device)  # (B, s)
         offsets_h = torch.arange(kh, device=padded.device) * dh

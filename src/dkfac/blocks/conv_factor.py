@@ -163,7 +163,8 @@ def conv_input_factor_sum(
     batch, channels, height, width = inputs.shape
     shape = (batch, channels, height + top + bottom, width + left + right)
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
-    if min(output_size(shape[2], kh, sh, dh), output_size(shape[3], kw, sw, dw)) < 1:
+    out_h, out_w = output_size(shape[2], kh, sh, dh), output_size(shape[3], kw, sw, dw)
+    if min(out_h, out_w) < 1:
         raise ValueError(f"padded input {shape} leaves no output position")
     if path not in ("auto", "shift", "segment"):
         raise ValueError(f'path must be "auto", "shift" or "segment", got {path!r}')
@@ -181,23 +182,63 @@ def conv_input_factor_sum(
         else:
             padded = F.pad(inputs, zero_padding) if any(zero_padding) else inputs
             patch_sum = _factor_sum(padded, kernel_size, stride, dilation)
+        count = batch * out_h * out_w
         if not bias:
-            return patch_sum, float(batch * _outputs(shape, kernel_size, stride, dilation))
-        per_position = inputs.sum(dim=0)  # (C, Hp, Wp) after padding: windows are slices
-        if any(zero_padding):
-            per_position = F.pad(per_position, zero_padding)
-        return _with_bias(patch_sum, per_position, batch, kernel_size, stride, dilation)
+            return patch_sum, float(count)
+        # The bias column: every patch entry summed over all patches, and the count.
+        entry_sums = window_sums(
+            inputs.sum(dim=0, keepdim=True), kernel_size, stride, dilation, zero_padding
+        ).reshape(-1)
+        dim = patch_sum.shape[0]
+        total = patch_sum.new_empty(dim + 1, dim + 1)
+        total[:dim, :dim] = patch_sum
+        total[:dim, dim] = entry_sums
+        total[dim, :dim] = entry_sums
+        total[dim, dim] = count
+        return total, float(count)
 
 
-def _outputs(
-    shape: Sequence[int],
+def window_sums(
+    inputs: Tensor,
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
     dilation: tuple[int, int],
-) -> int:
-    """Output positions ``Ho·Wo`` of a padded input of ``shape``."""
-    out_h = output_size(shape[2], kernel_size[0], stride[0], dilation[0])
-    return out_h * output_size(shape[3], kernel_size[1], stride[1], dilation[1])
+    zero_padding: tuple[int, int, int, int] = (0, 0, 0, 0),
+) -> Tensor:
+    """``(N, C, kh, kw)``: per image, each patch entry summed over all output positions.
+
+    Entry ``(c, i, j)`` sums the padded input over the window of kernel offset ``(i, j)``.
+    Separable: one reduction over the window rows per kernel row, then thin sums per
+    column. The zero padding is never materialised: rows in it are left out of the
+    reduction and the per-column sums are padded instead.
+
+    Args:
+        inputs: ``(N, C, H, W)``, already padded by any non-zero padding mode.
+        kernel_size: ``(kh, kw)``.
+        stride: ``(s_h, s_w)``.
+        dilation: ``(d_h, d_w)``.
+        zero_padding: ``(left, right, top, bottom)`` zeros around ``inputs``.
+    """
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    left, right, top, bottom = zero_padding
+    batch, channels, real_h, real_w = inputs.shape
+    out_h = output_size(real_h + top + bottom, kh, sh, dh)
+    out_w = output_size(real_w + left + right, kw, sw, dw)
+    sums = inputs.new_empty(batch, channels, kh, kw)
+    for i in range(kh):
+        # Window rows i·dh + sh·a (a < Ho) of the padded input that are real rows.
+        first = max(0, -((i * dh - top) // sh))
+        last = min(out_h - 1, (real_h - 1 - (i * dh - top)) // sh)
+        if first > last:  # the whole window lies in the padding
+            by_column = inputs.new_zeros(batch, channels, real_w)
+        else:
+            start = i * dh - top + sh * first
+            by_column = inputs[:, :, start : start + sh * (last - first) + 1 : sh].sum(2)
+        by_column = F.pad(by_column, (left, right)) if left or right else by_column
+        for j in range(kw):
+            cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
+            sums[:, :, i, j] = by_column[:, :, cols].sum(dim=2)
+    return sums
 
 
 def flat_factor_sum(
@@ -213,12 +254,12 @@ def flat_factor_sum(
     with ``p + δ``, ``δ = u·d_h·Wp + v·d_w``. ``F_δ = X[:L]^T X[δ:δ+L]`` (zeros past the
     end) is one copy-free product over every position. The block of offsets ``(i, j)`` sums
     only its window (rows ``[i·d_h, i·d_h + Ho)``, columns ``[j·d_w, j·d_w + Wo)``), inside
-    which ``p + δ`` is the same image's patch entry, so::
+    which ``p + δ`` is the same image's patch entry, so by inclusion-exclusion::
 
-        block = F_δ − Σ_{r ∉ rows} R_r − Σ_{c ∉ cols} K_{c,i}
+        block = F_δ − Σ_{r ∉ rows} R_r − Σ_{c ∉ cols} K_c + Σ_{r ∉ rows, c ∉ cols} P_{r,c}
 
-    where ``R_r`` is the product over row ``r`` and ``K_{c,i}`` over column ``c`` within the
-    window rows of ``i``, both with the same flat partner ``p + δ`` as ``F_δ``. Rows and
+    where ``R_r`` is the product over row ``r``, ``K_c`` over column ``c`` and ``P_{r,c}``
+    over position ``(r, c)``, all with the same flat partner ``p + δ`` as ``F_δ``. Rows and
     columns in the zero padding contribute nothing and are skipped; for a padded ``k × k``
     kernel about one row and column per window remain. All strips are multiplied with every
     shift at once (their ``p + δ`` neighbourhoods are strided views), so the work is the
@@ -437,41 +478,3 @@ def _factor_sum(
     dim = channels * kh * kw
     # blocks[i, j, i', j'][c, c'] is entry ((c, i, j), (c', i', j')) of the factor.
     return blocks.permute(4, 0, 1, 5, 2, 3).reshape(dim, dim)
-
-
-def _with_bias(
-    patch_sum: Tensor,
-    per_position: Tensor,
-    batch: int,
-    kernel_size: tuple[int, int],
-    stride: tuple[int, int],
-    dilation: tuple[int, int],
-) -> tuple[Tensor, float]:
-    """Appends the bias row and column (window sums and count); returns the patch count.
-
-    Args:
-        patch_sum: The ``(D, D)`` sum without bias.
-        per_position: The padded input summed over the batch, ``(C, Hp, Wp)``.
-        batch: Images in the batch.
-        kernel_size: ``(kh, kw)``.
-        stride: ``(s_h, s_w)``.
-        dilation: ``(d_h, d_w)``.
-    """
-    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
-    channels, height, width = per_position.shape
-    out_h = output_size(height, kh, sh, dh)
-    out_w = output_size(width, kw, sw, dw)
-    count = batch * out_h * out_w
-    entry_sums = per_position.new_empty(channels, kh, kw)
-    for i in range(kh):
-        rows = slice(i * dh, i * dh + sh * (out_h - 1) + 1, sh)
-        for j in range(kw):
-            cols = slice(j * dw, j * dw + sw * (out_w - 1) + 1, sw)
-            entry_sums[:, i, j] = per_position[:, rows, cols].sum(dim=(1, 2))
-    dim = patch_sum.shape[0]
-    total = patch_sum.new_empty(dim + 1, dim + 1)
-    total[:dim, :dim] = patch_sum
-    total[:dim, dim] = entry_sums.reshape(dim)
-    total[dim, :dim] = entry_sums.reshape(dim)
-    total[dim, dim] = count
-    return total, float(count)
