@@ -10,12 +10,19 @@ from torch.func import grad, vmap
 from dkfac.unitwise import (
     batch_moments,
     damped_solve_2x2,
-    normalized_input,
     per_sample_grads,
     unit_fisher,
 )
 
 DT = torch.float64
+
+
+def normalized_input(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Oracle: ``x̂`` of a training-mode BatchNorm by the textbook formula (biased variance)."""
+    dims = [0, *range(2, x.dim())]
+    mean = x.mean(dim=dims, keepdim=True)
+    var = x.var(dim=dims, unbiased=False, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps)
 
 
 def _per_sample_bn_grads(bn: nn.Module, x: torch.Tensor, weights: torch.Tensor):

@@ -37,13 +37,6 @@ def batch_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return mean.to(x.dtype), torch.rsqrt(var + eps).to(x.dtype)
 
 
-def normalized_input(x: Tensor, eps: float) -> Tensor:
-    """``x̂`` of a training-mode BatchNorm (batch mean, biased batch variance per channel)."""
-    mean, inv_std = batch_moments(x, eps)
-    view = [1, -1] + [1] * (x.dim() - 2)
-    return (x - mean.view(view)) * inv_std.view(view)
-
-
 def per_sample_grads(
     x: Tensor, mean: Tensor, inv_std: Tensor, grad_output: Tensor
 ) -> tuple[Tensor, Tensor]:
