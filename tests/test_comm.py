@@ -139,10 +139,11 @@ def test_bucketing_caps_size_and_splits_dtypes() -> None:
     t1, t2 = torch.zeros(3, 4), torch.zeros(5)  # 48 and 20 bytes
     t3, t4 = torch.zeros(2), torch.zeros(3, dtype=torch.float64)  # 8 and 24 bytes
     big = torch.zeros(100)  # 400 bytes > cap: a bucket of its own
-    buckets = comm._buckets([t1, t2, t3, t4, big], packed=False)
+    buckets = comm._buckets([t1, t2, t3, t4, big], [False] * 5, ["factors"] * 5)
     assert [[t.numel() for t in b.tensors] for b in buckets] == [[12], [5, 2], [100], [3]]
     assert [b.nbytes for b in buckets] == [48, 28, 400, 24]
-    packed = comm._buckets([torch.zeros(4, 4), torch.zeros(3, 3), torch.zeros(2, 2)], True)
+    squares = [torch.zeros(4, 4), torch.zeros(3, 3), torch.zeros(2, 2)]
+    packed = comm._buckets(squares, [True] * 3, ["factors"] * 3)
     assert [b.nbytes for b in packed] == [64, 12]  # 40 + 24 fits exactly, then 3 floats
 
 

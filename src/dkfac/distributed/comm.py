@@ -605,22 +605,16 @@ class Communicator:
         return {o: by_owner[o] for o in sorted(by_owner)}
 
     def _buckets(
-        self,
-        tensors: Sequence[Tensor],
-        packed: bool | Sequence[bool],
-        kinds: Sequence[Kind] | None = None,
+        self, tensors: Sequence[Tensor], packed: Sequence[bool], kinds: Sequence[Kind]
     ) -> list[_Bucket]:
         """Group tensors (order kept within each dtype/device) into size-capped buckets.
 
-        ``packed`` is one flag for all tensors or one per tensor; ``kinds`` (ledger kinds,
-        one per tensor) default to ``"factors"``.
+        ``packed`` and ``kinds`` (ledger kinds) hold one entry per tensor.
         """
-        packs = [packed] * len(tensors) if isinstance(packed, bool) else list(packed)
-        kind_list: list[Kind] = list(kinds) if kinds is not None else ["factors"] * len(tensors)
         Entry = tuple[Tensor, bool, Kind]
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[Entry], int]] = {}
         groups: list[list[Entry]] = []
-        for entry in zip(tensors, packs, kind_list, strict=True):
+        for entry in zip(tensors, packed, kinds, strict=True):
             t, pack, _ = entry
             n = t.shape[0] if pack else 0
             size = (n * (n + 1) // 2 if pack else t.numel()) * t.element_size()
