@@ -230,13 +230,17 @@ class EagerReducer:
             params = [p for p in self.layers[name].block.parameters() if p.requires_grad]
             if all(self._counts.get(id(p), 0) >= self.accumulation_steps for p in params):
                 self._ready.add(name)
+        self._launch_in_order(pending_too=False)
+
+    def _launch_in_order(self, pending_too: bool) -> None:
+        """Launches the next buckets in plan order: those whose layers are all final, or
+        (``pending_too``) every bucket left. Stops at the first problem."""
         with torch.no_grad():
-            while (
-                self._problem is None
-                and self.launched < len(self.buckets)
-                and all(name in self._ready for name in self.buckets[self.launched])
-            ):
-                self._launch(self.buckets[self.launched])
+            while self._problem is None and self.launched < len(self.buckets):
+                names = self.buckets[self.launched]
+                if not pending_too and not all(name in self._ready for name in names):
+                    return
+                self._launch(names)
                 self.launched += 1
 
     def _launch(self, names: list[str]) -> None:
@@ -290,10 +294,7 @@ class EagerReducer:
                 ran more backward passes than ``accumulation_steps``, or (``fisher="mc"``)
                 captured no sampled G.
         """
-        with torch.no_grad():
-            while self._problem is None and self.launched < len(self.buckets):
-                self._launch(self.buckets[self.launched])
-                self.launched += 1
+        self._launch_in_order(pending_too=True)
         if self._problem is None:
             self._problem = self._late_statistics()
         if self._problem is not None:
