@@ -233,8 +233,10 @@ class EagerReducer:
         self._launch_in_order(pending_too=False)
 
     def _launch_in_order(self, pending_too: bool) -> None:
-        """Launches the next buckets in plan order: those whose layers are all final, or
-        (``pending_too``) every bucket left. Stops at the first problem."""
+        """Launches the next buckets in plan order, stopping at the first problem.
+
+        Only buckets whose layers are all final, unless ``pending_too`` (every bucket left).
+        """
         with torch.no_grad():
             while self._problem is None and self.launched < len(self.buckets):
                 names = self.buckets[self.launched]
