@@ -117,6 +117,29 @@ def _psd(dim: int, rank: int, scale: float, generator: torch.Generator) -> torch
     return scale * u @ u.T / max(rank, 1)
 
 
+def _kronecker_problem(
+    a_dim: int, g_dim: int, a_rank: int, g_rank: int, a_scale: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded PSD factors A (rank ≤ a_rank, scale a_scale), G (rank ≤ g_rank) and a gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    a = _psd(a_dim, min(a_rank, a_dim), a_scale, gen)
+    g = _psd(g_dim, min(g_rank, g_dim), 1.0, gen)
+    return a, g, torch.randn(g_dim, a_dim, dtype=DT, generator=gen)
+
+
+def _finite_solve(
+    solver: EigenSolver | CholeskySolver,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    grad: torch.Tensor,
+    damping: float,
+) -> torch.Tensor:
+    """The solver's damped preconditioned gradient, checked finite and of the right shape."""
+    out = solver.apply(solver.compute(a, g, damping), grad, damping)
+    assert out.shape == grad.shape and bool(torch.isfinite(out).all())
+    return out
+
+
 @PROFILE
 @given(
     a_dim=st.integers(1, 7),
@@ -136,13 +159,8 @@ def test_eigen_solver_equals_dense_solve(
     damping: float,
     seed: int,
 ) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    a = _psd(a_dim, min(a_rank, a_dim), a_scale, gen)
-    g = _psd(g_dim, min(g_rank, g_dim), 1.0, gen)
-    grad = torch.randn(g_dim, a_dim, dtype=DT, generator=gen)
-    solver = EigenSolver(DT)
-    out = solver.apply(solver.compute(a, g, damping), grad, damping)
-    assert out.shape == grad.shape and bool(torch.isfinite(out).all())
+    a, g, grad = _kronecker_problem(a_dim, g_dim, a_rank, g_rank, a_scale, seed)
+    out = _finite_solve(EigenSolver(DT), a, g, grad, damping)
     expected = dense_eigen_solve(a, g, grad, damping)
     # (A⊗G + λI) has condition number up to ~1e8 here; two float64 solves (eigen and the
     # dense reference) agree to about cond·eps ≈ 1e-8 of the largest entry, 1e-5 relative.
@@ -168,13 +186,8 @@ def test_cholesky_solver_equals_dense_factored_solve(
     damping: float,
     seed: int,
 ) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    a = _psd(a_dim, min(a_rank, a_dim), a_scale, gen)
-    g = _psd(g_dim, min(g_rank, g_dim), 1.0, gen)
-    grad = torch.randn(g_dim, a_dim, dtype=DT, generator=gen)
-    solver = CholeskySolver(DT)
-    out = solver.apply(solver.compute(a, g, damping), grad, damping)
-    assert out.shape == grad.shape and bool(torch.isfinite(out).all())
+    a, g, grad = _kronecker_problem(a_dim, g_dim, a_rank, g_rank, a_scale, seed)
+    out = _finite_solve(CholeskySolver(DT), a, g, grad, damping)
     expected = dense_factored_solve(a, g, grad, damping)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-8 * float(expected.abs().max()))
 
