@@ -10,7 +10,12 @@ from torch import nn
 
 from dkfac import KFACPreconditioner
 from dkfac.blocks.conv2d import Conv2dBlock, conv_padding, pad_input
-from dkfac.blocks.conv_factor import conv_input_factor_sum, segment_cost, shift_cost
+from dkfac.blocks.conv_factor import (
+    conv_input_factor_sum,
+    segment_cost,
+    shift_cost,
+    strip_plan,
+)
 from dkfac.layer_state import FactorAccumulator
 from dkfac.lowrank import LowRankRowsAccumulator
 from tests.oracles import conv_patches_by_hand, with_ones
@@ -154,6 +159,22 @@ def test_path_choice_follows_the_cost_estimates() -> None:
     assert shift_cost((32, 512, 9, 9), (3, 3), (1, 1), (1, 1, 1, 1)) > segment_cost(
         (32, 512, 9, 9), (3, 3), (1, 1), (1, 1)
     )
+
+
+def test_strip_plan_of_a_padded_three_by_three_layer() -> None:
+    """8×8 input, 3×3 kernel, padding 1: each border strip needs one kernel row or column.
+
+    Rows 1 and 8 are outside window rows 2 and 0: only shift row u = 0 has a window for
+    row 1, and row 8's partners one or two rows down are the zero frame. Columns 1 and 8
+    keep only v = 0 (the others land in padding columns), for every u. Corners keep the
+    unshifted slot alone (slot index v + 2).
+    """
+    plan = strip_plan((10, 10), (3, 3), (1, 1), (1, 1, 1, 1))
+    assert plan.rows == (1, 8) and plan.cols == (1, 8)
+    assert plan.row_mask == ((0.0, 1.0), (0.0, 0.0), (1.0, 0.0))
+    assert plan.row_slots == (frozenset({(0, 2), (0, 3), (0, 4)}),) * 2
+    assert plan.col_slots == (frozenset({(0, 2), (1, 2), (2, 2)}),) * 2
+    assert plan.corner_slots == (frozenset({(0, 2)}),) * 4
 
 
 def test_fast_factor_rejects_bad_input() -> None:

@@ -34,6 +34,7 @@ product per kernel shift over the whole flattened input, corrected by thin borde
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -241,6 +242,103 @@ def window_sums(
     return sums
 
 
+Slot = tuple[int, int]  # (kernel row shift u, column slot v + kw - 1) of a kernel shift
+
+
+@dataclass(frozen=True)
+class StripPlan:
+    """The border strips :func:`flat_factor_sum` corrects with, and the shifts each needs.
+
+    Attributes:
+        rows: Real rows of the padded plane that lie outside some window's rows.
+        cols: Real columns that lie outside some window's columns.
+        row_mask: ``(kh, len(rows))`` 0/1: row outside window row ``i``.
+        col_mask: ``(kw, len(cols))`` 0/1: column outside window column ``j``.
+        row_slots: Per row strip, the shift slots to multiply.
+        col_slots: Per column strip (real rows only), the shift slots to multiply.
+        corner_slots: Per ``(row, column)`` position (rows outer), the shift slots.
+    """
+
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    row_mask: tuple[tuple[float, ...], ...]
+    col_mask: tuple[tuple[float, ...], ...]
+    row_slots: tuple[frozenset[Slot], ...]
+    col_slots: tuple[frozenset[Slot], ...]
+    corner_slots: tuple[frozenset[Slot], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def strip_plan(
+    plane: tuple[int, int],
+    kernel_size: tuple[int, int],
+    dilation: tuple[int, int],
+    zero_padding: tuple[int, int, int, int],
+) -> StripPlan:
+    """Which strips and shift slots :func:`flat_factor_sum` multiplies (a pure function).
+
+    A strip needs slot ``(u, v)`` only if some window ``(i, j)`` of that shift (``i + u <
+    kh``, ``0 <= j + v < kw``) excludes it, and not every partner of its real positions
+    lies in the zero frame; the rest of its products are zero or unused.
+
+    Args:
+        plane: ``(height, width)`` of the zero-padded plane.
+        kernel_size: ``(kh, kw)``.
+        dilation: ``(d_h, d_w)``.
+        zero_padding: ``(left, right, top, bottom)`` zeros of the plane.
+    """
+    (height, width), (kh, kw), (dh, dw) = plane, kernel_size, dilation
+    left_pad, right_pad, top_pad, bottom_pad = zero_padding
+    out_h, out_w = height - dh * (kh - 1), width - dw * (kw - 1)
+    real_rows = range(top_pad, height - bottom_pad)
+    real_cols = range(left_pad, width - right_pad)
+
+    def in_frame(r: int, c: int, u: int, v: int) -> bool:
+        """Whether the flat partner of ``(r, c)`` at shift ``(u, v)`` is a frame zero.
+
+        A partner past the plane is read as the next image's row (the last image's is the
+        zero margin), one before it as the previous image's: never wrongly called zero.
+        """
+        row, col = divmod((r + u * dh) * width + c + v * dw, width)
+        real = top_pad <= row % height < height - bottom_pad and left_pad <= col < width - right_pad
+        return not real
+
+    def needed(
+        own: list[tuple[int, int]], rows_in: list[int], cols_in: list[int]
+    ) -> frozenset[Slot]:
+        """Slots of a strip outside window rows ``rows_in`` and window columns ``cols_in``."""
+        slots = set()
+        for u in range(kh):
+            for v in range(-(kw - 1), kw):
+                if u == 0 and v < 0:
+                    continue  # the transpose of shift (0, -v)
+                lo, hi = max(0, -v), min(kw, kw - v)
+                if not any(i < kh - u for i in rows_in) or not any(lo <= j < hi for j in cols_in):
+                    continue  # no window (i, j) of this shift subtracts the strip
+                if not all(in_frame(r, c, u, v) for r, c in own):
+                    slots.add((u, v + kw - 1))
+        return frozenset(slots)
+
+    rows_out = [{r for r in real_rows if not i * dh <= r < i * dh + out_h} for i in range(kh)]
+    cols_out = [{c for c in real_cols if not j * dw <= c < j * dw + out_w} for j in range(kw)]
+    rows = sorted(set().union(*rows_out))
+    cols = sorted(set().union(*cols_out))
+    every_i, every_j = list(range(kh)), list(range(kw))
+    outside_i = {r: [i for i in every_i if r in rows_out[i]] for r in rows}
+    outside_j = {c: [j for j in every_j if c in cols_out[j]] for c in cols}
+    return StripPlan(
+        rows=tuple(rows),
+        cols=tuple(cols),
+        row_mask=tuple(tuple(float(r in out) for r in rows) for out in rows_out),
+        col_mask=tuple(tuple(float(c in out) for c in cols) for out in cols_out),
+        row_slots=tuple(needed([(r, c) for c in real_cols], outside_i[r], every_j) for r in rows),
+        col_slots=tuple(needed([(r, c) for r in real_rows], every_i, outside_j[c]) for c in cols),
+        corner_slots=tuple(
+            needed([(r, c)], outside_i[r], outside_j[c]) for r in rows for c in cols
+        ),
+    )
+
+
 def flat_factor_sum(
     inputs: Tensor,
     kernel_size: tuple[int, int],
@@ -261,8 +359,10 @@ def flat_factor_sum(
     where ``R_r`` is the product over row ``r``, ``K_c`` over column ``c`` and ``P_{r,c}``
     over position ``(r, c)``, all with the same flat partner ``p + δ`` as ``F_δ``. Rows and
     columns in the zero padding contribute nothing and are skipped; for a padded ``k × k``
-    kernel about one row and column per window remain. All strips are multiplied with every
-    shift at once (their ``p + δ`` neighbourhoods are strided views), so the work is the
+    kernel about one row and column per window remain. A strip is multiplied only with the
+    shifts that some window it lies outside of uses and whose partners are not all in the
+    zero frame (in a zero-padded ``k × k`` layer about ``k`` of the ``k(2k−1)`` slots), one
+    product per kernel row over a strided view of the partners. So the work is the
     ``(2k−1)²/2`` big products plus a few thin ones; the transposed shift's blocks are
     transposes.
 
@@ -280,7 +380,6 @@ def flat_factor_sum(
     batch, channels = inputs.shape[:2]
     height = inputs.shape[2] + top_pad + bottom_pad
     width = inputs.shape[3] + left_pad + right_pad
-    out_h, out_w = height - dh * (kh - 1), width - dw * (kw - 1)
     image, length = height * width, batch * height * width
     # Flat rows with a zero margin in front (neighbourhoods reach back (kw-1)·dw positions)
     # and behind (partners past the last position are zeros).
@@ -296,46 +395,53 @@ def flat_factor_sum(
         frame.zero_()
     interior = grid[:, top_pad : height - bottom_pad, left_pad : width - right_pad]
     interior.copy_(inputs.permute(0, 2, 3, 1))
-    # Shift slots: u in [0, kh), v in [-(kw-1), kw); a strip's partners for every slot at once.
+    plan = strip_plan(
+        (height, width), (kh, kw), (dh, dw), (left_pad, right_pad, top_pad, bottom_pad)
+    )
+    rows, cols = plan.rows, plan.cols
     slots_w = 2 * kw - 1
 
-    def neighbourhood(start: int, shape: tuple[int, int], strides: tuple[int, int]) -> Tensor:
-        """Partners ``p + δ`` of every slot for the strided positions from ``start``."""
-        view = flat.as_strided(
-            (*shape, kh, slots_w, channels),
-            (strides[0] * channels, strides[1] * channels, dh * width * channels,
-             dw * channels, 1),
-            (front + start - (kw - 1) * dw) * channels,
-        )  # fmt: skip
-        return view.reshape(-1, kh * slots_w * channels)
+    def strip_products(
+        start: int, shape: tuple[int, int], strides: tuple[int, int], slots: frozenset[Slot]
+    ) -> Tensor:
+        """``(kh, slots_w, C, C)`` products of a strip of positions with its partners.
 
-    def strip_products(start: int, shape: tuple[int, int], strides: tuple[int, int]) -> Tensor:
-        """``(kh, slots_w, C, C)`` products of a strip of positions with its partners."""
+        Only ``slots`` are multiplied (one product per kernel row ``u``, over the partners of
+        its needed slot range, a strided view); the other entries are zero.
+        """
+        out = flat.new_zeros(kh, slots_w, channels, channels)
         own = flat.as_strided((*shape, channels), (strides[0] * channels, strides[1] * channels, 1),
                               (front + start) * channels).reshape(-1, channels)  # fmt: skip
-        partners = neighbourhood(start, shape, strides)
-        return (own.T @ partners).view(channels, kh, slots_w, channels).permute(1, 2, 0, 3)
+        for u in range(kh):
+            picked = [slot for row, slot in slots if row == u]
+            if not picked:
+                continue
+            lo, hi = min(picked), max(picked) + 1
+            partners = flat.as_strided(
+                (*shape, hi - lo, channels),
+                (strides[0] * channels, strides[1] * channels, dw * channels, 1),
+                (front + start + u * dh * width + (lo - (kw - 1)) * dw) * channels,
+            ).reshape(-1, (hi - lo) * channels)
+            products = own.T @ partners
+            out[u, lo:hi] = products.view(channels, hi - lo, channels).transpose(0, 1)
+        return out
 
-    rows_out = [
-        [r for r in range(top_pad, height - bottom_pad) if not i * dh <= r < i * dh + out_h]
-        for i in range(kh)
-    ]
-    cols_out = [
-        [c for c in range(left_pad, width - right_pad) if not j * dw <= c < j * dw + out_w]
-        for j in range(kw)
-    ]
-    rows = sorted(set(itertools.chain(*rows_out)))
-    cols = sorted(set(itertools.chain(*cols_out)))
-    top, bottom = top_pad, height - bottom_pad  # a column strip needs no zero rows
     # Strip products by (row | column | corner), then (u, slot, C, C); membership 0/1 masks.
-    row_sums = _stack([strip_products(r * width, (batch, width), (image, 1)) for r in rows])
-    col_sums = _stack(
-        [strip_products(top * width + c, (batch, bottom - top), (image, width)) for c in cols]
-    )
-    corners = _stack([strip_products(r * width + c, (batch, 1), (image, 1))
-                      for r in rows for c in cols])  # fmt: skip
-    row_mask = inputs.new_tensor([[float(r in out) for r in rows] for out in rows_out])
-    col_mask = inputs.new_tensor([[float(c in out) for c in cols] for out in cols_out])
+    real_h = height - top_pad - bottom_pad
+    row_sums = _stack([
+        strip_products(r * width, (batch, width), (image, 1), slots)
+        for r, slots in zip(rows, plan.row_slots, strict=True)
+    ])  # fmt: skip
+    col_sums = _stack([
+        strip_products(top_pad * width + c, (batch, real_h), (image, width), slots)
+        for c, slots in zip(cols, plan.col_slots, strict=True)
+    ])  # fmt: skip
+    corners = _stack([
+        strip_products(r * width + c, (batch, 1), (image, 1), slots)
+        for (r, c), slots in zip(itertools.product(rows, cols), plan.corner_slots, strict=True)
+    ])  # fmt: skip
+    row_mask = inputs.new_tensor(plan.row_mask)
+    col_mask = inputs.new_tensor(plan.col_mask)
     rows_all = flat[front : front + length]
     values: list[Tensor] = []
     index: list[tuple[int, int, int, int]] = []
@@ -416,7 +522,9 @@ def shift_cost(
     strip_rows = min(kh - 1, real_h) * dh  # at most, outside some window and not zero
     strip_cols = min(kw - 1, real_w) * dw
     strips = strip_rows * width + strip_cols * real_h + strip_rows * strip_cols
-    slots = kh * (2 * kw - 1)
+    # Slots a strip multiplies: in a zero frame about one kernel row or column of them (the
+    # other partners are zeros or belong to no window of the strip), else about half.
+    slots = max(kh, kw) if any(zero_padding) else kh * (2 * kw - 1) / 2
     plane = height * width
     per_image = (
         shifts * plane * channels**2
