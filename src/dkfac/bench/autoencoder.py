@@ -31,9 +31,11 @@ from dkfac.bench.common import (
 )
 from dkfac.bench.tta import OptimizerSpec, make_optimizer
 
+# The best configuration measured (BENCHMARKS.md §3, update 2): MC Fisher, statistics from
+# half of each 512-sample batch, factors every 5 steps and inverses every 10.
 DEFAULT_KFAC = (
-    "kfac:method=cholesky,fisher=mc,factor_update_interval=10,inverse_update_interval=20,"
-    "damping=0.01,kl_clip=0.01"
+    "kfac:method=cholesky,fisher=mc,factor_update_interval=5,inverse_update_interval=10,"
+    "damping=0.003,kl_clip=0.01,factor_batch_size=256"
 )
 
 
@@ -169,19 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench autoencoder``."""
     p = argparse.ArgumentParser(prog="dkfac bench autoencoder", description=__doc__)
     p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--seconds", type=float, default=20.0, help="training budget per run")
+    p.add_argument("--seconds", type=float, default=40.0, help="training budget per run")
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument(
         "--kfac-momentum",
         type=float,
-        default=None,
-        help="momentum of the SGD inside K-FAC (default: --momentum)",
+        default=0.0,
+        help="momentum of the SGD inside K-FAC (default 0: the KL-clip sets the step)",
     )
-    p.add_argument("--sgd-lr", type=float, default=0.1)
+    # Learning rates: the best of the recorded sweeps (BENCHMARKS.md §3).
+    p.add_argument("--sgd-lr", type=float, default=0.5)
     p.add_argument("--adam-lr", type=float, default=1e-3)
-    p.add_argument("--kfac-lr", type=float, default=0.1)
+    p.add_argument("--kfac-lr", type=float, default=1.0)
     p.add_argument("--kfac", default=None, help="NAME:key=value,... preconditioner options")
     p.add_argument("--name", default="autoencoder_digits")
     p.add_argument("--out-dir", default=None)
