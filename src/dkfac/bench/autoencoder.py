@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="momentum of the SGD inside K-FAC (default 0: the KL-clip sets the step)",
     )
-    # Learning rates: the best of the recorded sweeps (BENCHMARKS.md §3).
+    # Learning rates: the best found in BENCHMARKS.md §3 (the recorded 8 s sweep for Adam,
+    # by-hand runs, not recorded as JSON, for SGD 0.5 and K-FAC 1.0).
     p.add_argument("--sgd-lr", type=float, default=0.5)
     p.add_argument("--adam-lr", type=float, default=1e-3)
     p.add_argument("--kfac-lr", type=float, default=1.0)
