@@ -130,6 +130,14 @@ class KFACConfig:
             Monte-Carlo sampled backward through :meth:`KFACPreconditioner.sample_fisher`).
         eigen_dtype: Precision of the eigendecompositions / inversions.
         factor_dtype: Precision the factors are stored in (default: the parameters' dtype).
+        capture_dtype: Precision of the inputs of the factor products: activations and
+            output gradients are cast to it before their outer products are summed (the
+            sums are then stored in ``factor_dtype``). ``None`` (default): ``factor_dtype``.
+            ``torch.bfloat16`` about halves the cost of building the factors on GPUs and on
+            CPUs with bf16 matrix instructions (AVX512-BF16, AMX), for a relative error of
+            the factors of about 1e-3 (products accumulate in fp32; each sum is rounded
+            once to bf16). Applies to dense Kronecker factors; low-rank (SMW) rows and
+            BatchNorm's unit-wise statistics keep ``factor_dtype``.
         skip_layers: Regular expressions; a module whose name or class name matches one
             fully is not preconditioned.
         conv_reduction: Spatial reduction of convolution factors: ``None`` (expand
@@ -190,6 +198,7 @@ class KFACConfig:
     fisher: FisherType = "empirical"
     eigen_dtype: torch.dtype = torch.float32
     factor_dtype: torch.dtype | None = None
+    capture_dtype: torch.dtype | None = None
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
     conv_reduction: str | None = None
     subsample_positions: int = 1
@@ -245,6 +254,14 @@ class KFACConfig:
             )
         if self.factor_dtype is not None and not self.factor_dtype.is_floating_point:
             raise ValueError(f"factor_dtype must be a floating dtype, got {self.factor_dtype}")
+        if self.capture_dtype is not None and (
+            not isinstance(self.capture_dtype, torch.dtype)
+            or not self.capture_dtype.is_floating_point
+        ):
+            raise ValueError(
+                "capture_dtype must be None or a floating dtype (e.g. torch.bfloat16), "
+                f"got {self.capture_dtype!r}"
+            )
         if isinstance(self.skip_layers, str):
             object.__setattr__(self, "skip_layers", (self.skip_layers,))
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))

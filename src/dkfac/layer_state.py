@@ -22,19 +22,30 @@ class FactorAccumulator:
     """Sums ``scale · RᵀR`` and normalisers over the micro-batches of one step.
 
     Attributes:
-        dtype: Precision the sums are kept in.
+        dtype: Precision the sums are kept in (``None``: as the rows come).
+        product_dtype: Precision the rows are cast to for their products (``None``:
+            ``dtype``); a product is converted to ``dtype`` before it is added.
         total: The running sum of outer products, ``None`` before the first contribution.
         normaliser: The running sum of normalisers.
     """
 
     dtype: torch.dtype | None = None
+    product_dtype: torch.dtype | None = None
     total: Tensor | None = None
     normaliser: float = 0.0
 
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The precision of the products' inputs (``None``: as the rows come)."""
+        return self.product_dtype or self.dtype
+
     def add(self, rows: Rows, scale: float = 1.0) -> None:
         """Adds ``scale · rows.T @ rows`` and the rows' normaliser."""
-        matrix = rows.rows if self.dtype is None else rows.rows.to(self.dtype)
+        dtype = self.compute_dtype
+        matrix = rows.rows if dtype is None else rows.rows.to(dtype)
         contribution = matrix.T @ matrix
+        if self.dtype is not None:
+            contribution = contribution.to(self.dtype)
         if scale != 1.0:
             contribution.mul_(scale)
         if self.total is None:

@@ -167,7 +167,9 @@ class LowRankPlan:
             layer.solver = make_solver(method, self.config.eigen_dtype)
         layer.lowrank = dict(sides)
         layer.accumulators = {
-            key: LowRankRowsAccumulator(dtype) if key in sides else FactorAccumulator(dtype)
+            key: LowRankRowsAccumulator(dtype)
+            if key in sides
+            else FactorAccumulator(dtype, self.config.capture_dtype)
             for key in ("A", "G")
         }
         layer.method_label = describe_method(method, sides)

@@ -80,7 +80,7 @@ def register_layers(
         dtype = config.factor_dtype or weight.dtype
         method = block.solver_name or ("smw" if config.method == "auto" else config.method)
         accumulators: dict[str, Accumulator] = {
-            key: FactorAccumulator(dtype) for key in block.statistic_shapes()
+            key: FactorAccumulator(dtype, config.capture_dtype) for key in block.statistic_shapes()
         }
         state = LayerState(block, make_solver(method, config.eigen_dtype), accumulators)
         if lowrank is not None:

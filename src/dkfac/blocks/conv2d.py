@@ -162,7 +162,8 @@ class Conv2dBlock(Block):
 
         Under the expand convention a dense accumulator only needs ``Σ ā ā^T``, which
         :func:`~dkfac.blocks.conv_factor.conv_input_factor_sum` builds from the padded input
-        directly (computed in the accumulator's dtype, as its ``add`` would) for a stride-1
+        directly (products in the accumulator's ``compute_dtype`` and the sum in its
+        ``dtype``, as its ``add`` would) for a stride-1
         convolution; a strided one is cheaper to unfold (measured on ResNet-20). Other
         reductions and any other sink (a low-rank side keeps the rows themselves; a pending
         sink decides its sides from the row count) get :meth:`a_rows`.
@@ -177,8 +178,6 @@ class Conv2dBlock(Block):
             return super().capture_input(inputs, sinks)
         if inputs.dim() == 3:  # unbatched input
             inputs = inputs.unsqueeze(0)
-        if sink.dtype is not None:
-            inputs = inputs.to(sink.dtype)
         module = self.module
         zeros = module.padding_mode == "zeros"  # padded inside the sum, never copied whole
         total, count = conv_input_factor_sum(
@@ -188,6 +187,8 @@ class Conv2dBlock(Block):
             module.dilation,  # type: ignore[arg-type]
             self.has_bias,
             zero_padding=conv_padding(module) if zeros else (0, 0, 0, 0),
+            compute_dtype=sink.compute_dtype,
+            out_dtype=sink.dtype,
         )
         sink.add_sum(total, count)
         return None
@@ -257,10 +258,11 @@ class Conv2dBlock(Block):
             return
         if grad_output.dim() == 3:  # unbatched
             grad_output = grad_output.unsqueeze(0)
-        if sink.dtype is not None:
-            grad_output = grad_output.to(sink.dtype)
+        if sink.compute_dtype is not None:
+            grad_output = grad_output.to(sink.compute_dtype)
         per_image = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1)
-        total = torch.bmm(per_image, per_image.transpose(1, 2)).sum(dim=0)
+        products = torch.bmm(per_image, per_image.transpose(1, 2))
+        total = products.sum(dim=0, dtype=sink.dtype)  # summed in the storage precision
         sink.add_sum(total, float(grad_output.shape[0]), scale)
 
     def g_rows(self, grad_output: Tensor) -> Rows:
