@@ -198,6 +198,34 @@ def test_mc_fisher_leaves_training_gradients_untouched_and_equals_formula() -> N
     torch.testing.assert_close(pre.factors()[""][0], rows.T @ rows / 6)
 
 
+def test_mc_fisher_backward_computes_no_weight_gradient_and_equals_formula() -> None:
+    """Three layers: each G is the sampled loss's output gradients (×B), and the sampled
+    backward stops at the captured outputs without computing any parameter gradient."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = model.double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pre = KFACPreconditioner(model, fisher="mc", factor_decay=0.0, seed=2, kl_clip=None)
+    parameter_grads = []
+    for p in model.parameters():
+        p.register_hook(lambda g: parameter_grads.append(g))
+    outputs = {}
+    for index in (0, 2, 4):
+        model[index].register_forward_hook(lambda m, i, o, k=index: outputs.__setitem__(k, o))
+    out = model(x)
+    pre.sample_fisher(out)
+    assert parameter_grads == []  # no weight or bias gradient was computed
+    out.sum().backward(retain_graph=True)
+    pre.step()
+    gen = torch.Generator().manual_seed(2)
+    sampled = torch.multinomial(torch.softmax(out.detach().float(), -1), 1, generator=gen)
+    sampled_loss = F.cross_entropy(out, sampled.squeeze(1))
+    wanted = torch.autograd.grad(sampled_loss, [outputs[k] for k in (0, 2, 4)])
+    for index, grad in zip((0, 2, 4), wanted, strict=True):
+        per_sample = 6 * grad
+        torch.testing.assert_close(pre.factors()[str(index)][1], per_sample.T @ per_sample / 6)
+
+
 def test_mc_fisher_mse_gradient_is_unit_gaussian_noise() -> None:
     model = nn.Linear(3, 2).double()
     pre = KFACPreconditioner(model, fisher="mc", factor_decay=0.0, seed=1)

@@ -273,6 +273,8 @@ class FactorCapture:
         self.generator: torch.Generator | None = None
         self._mc_active = False
         self._mc_captured = False
+        # Outputs of the layers captured in this forward: the sampled backward stops at them.
+        self._mc_roots: list[Tensor] = []
         self._handles: list[Any] = []
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
@@ -309,6 +311,8 @@ class FactorCapture:
         if isinstance(output, Tensor) and output.requires_grad:
             hook = functools.partial(self._grad_hook, layer, scale, context, keep)
             output.register_hook(hook)
+            if self.config.fisher == "mc":
+                self._mc_roots.append(output)
 
     def _grad_hook(
         self, layer: LayerState, scale: float, context: Any, keep: int | None, grad: Tensor
@@ -321,7 +325,14 @@ class FactorCapture:
         self._mc_captured = True
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
-        """One backward of targets sampled from ``outputs``; only the G hooks see it."""
+        """One backward of targets sampled from ``outputs``; only the G hooks see it.
+
+        The backward asks for the gradients of the captured layers' outputs, not of their
+        parameters: it then runs only as far back as the first captured layer and computes
+        no weight gradient (it would be thrown away). ``params`` serve when this forward
+        captured no output (the hooks did not run).
+        """
+        roots, self._mc_roots = self._mc_roots, []
         if not self.active:
             return
         if self.generator is None or self.generator.device != outputs.device:
@@ -330,7 +341,7 @@ class FactorCapture:
         sampled = mc_sample_loss(outputs, loss, self.generator)
         self._mc_active = True
         try:
-            torch.autograd.grad(sampled, params, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(sampled, roots or params, retain_graph=True, allow_unused=True)
         finally:
             self._mc_active = False
 
@@ -354,6 +365,7 @@ class FactorCapture:
             RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
         """
         captured, self._mc_captured = self._mc_captured, False
+        self._mc_roots = []  # a forward whose sampled backward never came
         if self.config.fisher == "mc" and missing_g and not captured:
             raise RuntimeError(
                 'fisher="mc": call pre.sample_fisher(outputs) after the forward pass and '
