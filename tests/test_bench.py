@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +108,22 @@ def test_autoencoder_kfac_with_mc_fisher_samples_targets() -> None:
 def test_autoencoder_rejects_bad_momentum() -> None:
     with pytest.raises(SystemExit):
         autoencoder.main(["--kfac-momentum", "1.5"])
+
+
+def test_bench_step_adds_capture_dtype_variants_and_amortises_exactly(tmp_path: Path) -> None:
+    from dkfac.bench import step
+
+    argv = ["--model", "cnn", "--channels", "1", "--image-size", "8", "--batch-size", "8"]
+    argv += ["--repeats", "1", "--device", "cpu", "--capture-dtype", "bfloat16"]
+    argv += ["--name", "tiny", "--out-dir", str(tmp_path)]
+    assert step.main(argv) == 0
+    payload = json.loads((tmp_path / "tiny.json").read_text())
+    configs = payload["summary"]["configs"]
+    assert set(configs) == {"exact", "exact/bf16"}
+    for entry in configs.values():
+        t = entry["kind_seconds"]
+        for key, value in entry["amortised"].items():
+            f, i = (int(n) for n in key.split(","))
+            want = t["plain"] + (t["factor"] - t["plain"]) / f + (t["inverse"] - t["factor"]) / i
+            assert value["seconds"] == pytest.approx(want)
+            assert value["ratio_to_sgd"] == pytest.approx(want / payload["summary"]["sgd_seconds"])

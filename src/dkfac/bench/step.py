@@ -168,6 +168,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 **configs[cname],
                 "factor_batch_size": args.factor_batch_size,
             }
+    if args.capture_dtype is not None:
+        label = {"bfloat16": "bf16", "float16": "fp16"}[args.capture_dtype]
+        for cname in list(configs):
+            configs[f"{cname}/{label}"] = {
+                **configs[cname],
+                "capture_dtype": getattr(torch, args.capture_dtype),
+            }
     cases = {"sgd": _make_case(model, (x, y), None, autocast)}
     for cname, options in configs.items():
         for kind, (f_int, i_int) in KINDS.items():
@@ -231,6 +238,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="also every configuration with factors from this many samples per batch",
+    )
+    parser.add_argument(
+        "--capture-dtype",
+        default=None,
+        choices=["bfloat16", "float16"],
+        help="also every configuration with its factor products in this precision",
     )
     parser.add_argument(
         "--name", default=None, help="result file name (default step_<model>_<device>)"
