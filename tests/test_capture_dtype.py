@@ -37,7 +37,7 @@ def oracle_sum(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("stride", "padding", "path"),
-    [(1, 1, "shift"), (1, 1, "segment"), (1, 0, "shift"), (2, 1, "segment")],
+    [(1, 1, "shift"), (1, 1, "segment"), (1, 0, "shift"), (2, 1, "segment"), (2, 1, "unfold")],
 )
 def test_conv_sum_from_bf16_products_is_close_to_the_exact_sum(
     stride: int, padding: int, path: str

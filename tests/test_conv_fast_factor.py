@@ -51,7 +51,7 @@ def fast_sum(
 def check_case(conv: nn.Conv2d, x: torch.Tensor) -> None:
     """Every path (shift only at stride 1), with and without the zero-border hint."""
     expected, count = unfolded_sum(conv, x)
-    paths = ["auto", "segment"] + (["shift"] if tuple(conv.stride) == (1, 1) else [])
+    paths = ["auto", "segment", "unfold"] + (["shift"] if tuple(conv.stride) == (1, 1) else [])
     for path in paths:
         for use_border in (False, True):
             total, fast_count = fast_sum(conv, x, use_border, path)

@@ -23,8 +23,9 @@ and non-zero ``padding_mode``. Three conventions (``reduction``):
 
 All three feed the dense solvers as ``rows.T @ rows / normaliser`` and the SMW solver as
 ``U = rows.T / sqrt(normaliser)``. For the expand convention into a dense accumulator,
-:meth:`Conv2dBlock.capture_input` instead adds ``Σ ā ā^T`` computed without unfolding
-(:mod:`dkfac.blocks.conv_factor`: the same factor, several times fewer operations).
+:meth:`Conv2dBlock.capture_input` instead adds ``Σ ā ā^T`` from
+:mod:`dkfac.blocks.conv_factor` (at stride 1 without unfolding: the same factor, several
+times fewer operations).
 """
 
 from __future__ import annotations
@@ -162,19 +163,18 @@ class Conv2dBlock(Block):
 
         Under the expand convention a dense accumulator only needs ``Σ ā ā^T``, which
         :func:`~dkfac.blocks.conv_factor.conv_input_factor_sum` builds from the padded input
-        directly (products in the accumulator's ``compute_dtype`` and the sum in its
-        ``dtype``, as its ``add`` would) for a stride-1
-        convolution; a strided one is cheaper to unfold (measured on ResNet-20). Other
-        reductions and any other sink (a low-rank side keeps the rows themselves; a pending
-        sink decides its sides from the row count) get :meth:`a_rows`.
+        (products in the accumulator's ``compute_dtype`` and the sum in its ``dtype``, as
+        its ``add`` would; a strided convolution is unfolded there, its bias column summed
+        without a column of ones). Other reductions and any other sink (a low-rank side
+        keeps the rows themselves; a pending sink decides its sides from the row count)
+        get :meth:`a_rows`.
         """
         if "A" not in sinks:
             return None
         from dkfac.layer_state import FactorAccumulator  # the engine imports the blocks
 
         sink = sinks["A"]
-        strided = tuple(self.module.stride) != (1, 1)  # sub-grids share little: unfold wins
-        if self.reduction is not None or strided or not isinstance(sink, FactorAccumulator):
+        if self.reduction is not None or not isinstance(sink, FactorAccumulator):
             return super().capture_input(inputs, sinks)
         if inputs.dim() == 3:  # unbatched input
             inputs = inputs.unsqueeze(0)

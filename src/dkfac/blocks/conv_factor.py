@@ -29,7 +29,9 @@ channel slowest, then kernel row, then kernel column; bias last) up to rounding.
 For stride 1 a second exact path, :func:`flat_factor_sum`, needs no copies at all: one
 product per kernel shift over the whole flattened input, corrected by thin border strips.
 :func:`conv_input_factor_sum` picks the path with the smaller estimated cost
-(:func:`shift_cost`, :func:`segment_cost`).
+(:func:`shift_cost`, :func:`segment_cost`) at stride 1; a strided convolution, whose
+sub-grids share few products, is unfolded (one ``RᵀR`` product; measured faster on
+ResNet-20's strided layers), its bias column still summed without a column of ones.
 """
 
 from __future__ import annotations
@@ -147,8 +149,10 @@ def conv_input_factor_sum(
         zero_padding: ``(left, right, top, bottom)`` zeros around ``inputs`` (``F.pad``
             order). The shift path writes the input into its zero-framed buffer directly and
             skips the frame; the segment path pads first.
-        path: ``"shift"`` (stride 1 only), ``"segment"``, or ``"auto"``: the one with the
-            smaller :func:`shift_cost` / :func:`segment_cost`.
+        path: ``"shift"`` (stride 1 only), ``"segment"``, ``"unfold"`` (the im2col rows,
+            one product), or ``"auto"``: ``"unfold"`` for a strided convolution (its
+            sub-grids share few products; measured on ResNet-20), else the one of shift and
+            segment with the smaller :func:`shift_cost` / :func:`segment_cost`.
         compute_dtype: Precision of the products' inputs (default: the input's). The
             input is cast in the copy each path makes anyway; every product is converted
             to ``out_dtype`` before the border corrections and block sums.
@@ -174,14 +178,16 @@ def conv_input_factor_sum(
     out_h, out_w = output_size(shape[2], kh, sh, dh), output_size(shape[3], kw, sw, dw)
     if min(out_h, out_w) < 1:
         raise ValueError(f"padded input {shape} leaves no output position")
-    if path not in ("auto", "shift", "segment"):
-        raise ValueError(f'path must be "auto", "shift" or "segment", got {path!r}')
+    if path not in ("auto", "shift", "segment", "unfold"):
+        raise ValueError(f'path must be "auto", "shift", "segment" or "unfold", got {path!r}')
     if path == "shift" and (sh, sw) != (1, 1):
         raise ValueError(f'path="shift" needs stride 1, got {stride}')
-    if path == "auto":
-        shift_wins = (sh, sw) == (1, 1) and shift_cost(
-            shape, kernel_size, dilation, zero_padding
-        ) < segment_cost(shape, kernel_size, stride, dilation)
+    if path == "auto" and (sh, sw) != (1, 1):
+        path = "unfold"
+    elif path == "auto":
+        shift_wins = shift_cost(shape, kernel_size, dilation, zero_padding) < segment_cost(
+            shape, kernel_size, stride, dilation
+        )
         path = "shift" if shift_wins else "segment"
     dtypes = (compute_dtype or inputs.dtype, out_dtype or inputs.dtype)
     # Every product is in compute_dtype (an enclosing autocast would mix dtypes).
@@ -190,7 +196,8 @@ def conv_input_factor_sum(
             patch_sum = flat_factor_sum(inputs, kernel_size, dilation, zero_padding, *dtypes)
         else:
             padded = F.pad(inputs, zero_padding) if any(zero_padding) else inputs
-            patch_sum = _factor_sum(padded, kernel_size, stride, dilation, *dtypes)
+            by_path = _unfolded_sum if path == "unfold" else _factor_sum
+            patch_sum = by_path(padded, kernel_size, stride, dilation, *dtypes)
         count = batch * out_h * out_w
         if not bias:
             return patch_sum, float(count)
@@ -554,6 +561,26 @@ def shift_cost(
 def _stack(products: list[Tensor]) -> Tensor:
     """Stacks strip products (an empty list gives an empty placeholder)."""
     return torch.stack(products) if products else torch.empty(0)
+
+
+def _unfolded_sum(
+    padded: Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    compute_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The ``(D, D)`` patch sum (no bias) as ``RᵀR`` of the im2col rows ``R``.
+
+    The input is cast before it is unfolded (the unfold then moves fewer bytes), and the
+    rows are made position-major in one copy; the bias column is left to the caller.
+    """
+    patches = F.unfold(
+        padded.to(compute_dtype), kernel_size, dilation=dilation, stride=stride
+    )  # (N, D, T)
+    rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+    return (rows.T @ rows).to(out_dtype)
 
 
 def _factor_sum(
