@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,10 @@ def test_bench_step_adds_capture_dtype_variants_and_amortises_exactly(tmp_path: 
     payload = json.loads((tmp_path / "tiny.json").read_text())
     configs = payload["summary"]["configs"]
     assert set(configs) == {"exact", "exact/bf16"}
+    control = statistics.median(payload["times"]["sgd-control"])
+    assert payload["summary"]["control_ratio"] == pytest.approx(
+        control / payload["summary"]["sgd_seconds"]
+    )
     for entry in configs.values():
         t = entry["kind_seconds"]
         for key, value in entry["amortised"].items():

@@ -15,6 +15,9 @@ the same side-by-side medians: forward/backward/update = ``t_sgd``, precondition
 ``(t_inverse − t_factor)/i`` (communication is zero in one process). One profiled step of
 each kind also records the ``record_function`` totals of the engine's labels; the profiler
 inflates them, so use those only for shares *within* a phase (e.g. A versus G capture).
+
+A second SGD case, an identical copy of the model measured in the same rounds, gives
+``control_ratio``: how far two equal steps differ here, i.e. the noise floor of every ratio.
 """
 
 from __future__ import annotations
@@ -175,7 +178,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 **configs[cname],
                 "capture_dtype": getattr(torch, args.capture_dtype),
             }
-    cases = {"sgd": _make_case(model, (x, y), None, autocast)}
+    # A second, identical SGD case measured in the same rounds: its ratio to the first is the
+    # noise floor of every ratio here (copies of one model differ by a few % on a CPU).
+    cases = {
+        "sgd": _make_case(model, (x, y), None, autocast),
+        "sgd-control": _make_case(model, (x, y), None, autocast),
+    }
     for cname, options in configs.items():
         for kind, (f_int, i_int) in KINDS.items():
             kfac = dict(
@@ -189,7 +197,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cases[f"{cname}/{kind}"] = _make_case(model, (x, y), kfac, autocast)
     times = interleaved(cases, repeats=args.repeats, device=device, warmup=1)
     sgd = median(times["sgd"])
-    summary: dict[str, Any] = {"sgd_seconds": sgd, "configs": {}}
+    summary: dict[str, Any] = {
+        "sgd_seconds": sgd,
+        "control_ratio": median(times["sgd-control"]) / sgd,
+        "configs": {},
+    }
     for cname in configs:
         t = {kind: median(times[f"{cname}/{kind}"]) for kind in KINDS}
         amortised = {}
@@ -280,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
                     b["inverse"],
                 ]
             )
-    print(f"SGD: {payload['summary']['sgd_seconds']:.3f} s/step")
+    summary = payload["summary"]
+    print(
+        f"SGD: {summary['sgd_seconds']:.3f} s/step; an identical SGD copy measured "
+        f"{summary['control_ratio']:.3f}x (the noise floor of the ratios)"
+    )
     headers = ["factors", "(f,i)", "s/step", "× SGD", "precond s", "factor s", "inverse s"]
     print(format_table(headers, rows))
     return 0
