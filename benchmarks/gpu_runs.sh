@@ -10,7 +10,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py() { python3 -m dkfac bench step --device cuda --repeats 5 --out-dir "$out" "$@"; }
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 py --model resnet50 --image-size 224 --batch-size 128 --autocast bf16 \
-   --with-reduction --factor-batch-size 32 --name step_resnet50_cuda_bf16
+   --with-reduction --factor-batch-size 32 --capture-dtype bfloat16 --name step_resnet50_cuda_bf16
 for model in resnet20 resnet32 resnet56; do
   py --model "$model" --batch-size 128 --with-reduction --factor-batch-size 32 \
      --name "step_${model}_cuda"

@@ -35,6 +35,7 @@ def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "device": str(device),

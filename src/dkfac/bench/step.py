@@ -133,13 +133,14 @@ def plot_breakdown(payload: dict[str, Any], path: str) -> None:
             labels.append(f"{cname}\n({key})")
             stacks.append(entry["amortised"][key]["breakdown"])
     phases = ["forward/backward/update", "precondition", "factor build", "inverse"]
-    fig, ax = plt.subplots(figsize=(1.4 * len(labels) + 2, 4))
+    fig, ax = plt.subplots(figsize=(0.7 * len(labels) + 2, 5))
     bottom = [0.0] * len(labels)
     for phase in phases:
         values = [max(stack.get(phase, 0.0), 0.0) for stack in stacks]
         ax.bar(labels, values, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_ylabel("seconds per step")
+    ax.tick_params(axis="x", labelrotation=70, labelsize=7)
     settings = payload["settings"]
     ax.set_title(f"{settings['model']} batch {settings['batch_size']} on {settings['device']}")
     ax.legend(fontsize=8)
