@@ -132,3 +132,22 @@ def test_bench_step_adds_capture_dtype_variants_and_amortises_exactly(tmp_path: 
             want = t["plain"] + (t["factor"] - t["plain"]) / f + (t["inverse"] - t["factor"]) / i
             assert value["seconds"] == pytest.approx(want)
             assert value["ratio_to_sgd"] == pytest.approx(want / payload["summary"]["sgd_seconds"])
+
+
+def test_step_summary_amortises_and_pools_the_plain_steps() -> None:
+    from dkfac.bench.step import summarise
+
+    times = {"sgd": [1.0, 1.2, 0.8], "sgd-control": [1.1, 1.3, 0.9]}
+    kinds = {"a": (1.1, 3.0, 4.0), "b": (0.9, 2.0, 2.5), "c": (1.3, 1.5, 1.6)}
+    for name, (plain, factor, inverse) in kinds.items():
+        times |= {f"{name}/plain": [plain], f"{name}/factor": [factor]}
+        times[f"{name}/inverse"] = [inverse]
+    summary = summarise(times, list(kinds))
+    assert summary["control_ratio"] == pytest.approx(1.1)
+    assert summary["pooled"] == {"plain_seconds": 1.1, "sgd_seconds": pytest.approx(1.05)}
+    a = summary["configs"]["b"]["amortised"]["10,100"]
+    extra = (2.0 - 0.9) / 10 + (2.5 - 2.0) / 100
+    assert a["seconds"] == pytest.approx(0.9 + extra)
+    assert a["ratio_to_sgd"] == pytest.approx((0.9 + extra) / 1.0)
+    assert a["pooled_ratio_to_sgd"] == pytest.approx((1.1 + extra) / 1.05)
+    assert a["breakdown"]["precondition"] == pytest.approx(-0.1)
