@@ -43,6 +43,17 @@ def test_summarise_counts_misses_as_infinite() -> None:
     assert math.isinf(summarise(runs[2:])["median_seconds"])
 
 
+def test_parse_options_reads_dtypes_by_name() -> None:
+    options = parse_options("capture_dtype=bfloat16,factor_dtype=torch.float64,eigen_dtype=None")
+    assert options == {
+        "capture_dtype": torch.bfloat16,
+        "factor_dtype": torch.float64,
+        "eigen_dtype": None,
+    }
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_options("capture_dtype=bf16")
+
+
 def test_parse_options() -> None:
     assert parse_options("method=eigen, damping=0.01,factor_update_interval=5,kl_clip=None") == {
         "method": "eigen",

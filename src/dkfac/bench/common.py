@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from dkfac.app.runconfig import DTYPES
+
 logger = logging.getLogger(__name__)
 
 RESULTS_DIR = Path("benchmarks/results")
@@ -153,9 +155,12 @@ def first_reaching(
 def parse_options(text: str) -> dict[str, Any]:
     """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}`` (ints, floats, None, strings).
 
+    A key ending in ``_dtype`` takes a torch dtype by name (``capture_dtype=bfloat16``).
+
     Raises:
-        ValueError: For an item without ``=``.
+        ValueError: For an item without ``=``, or an unknown dtype name.
     """
+
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition("=")
@@ -164,6 +169,11 @@ def parse_options(text: str) -> dict[str, Any]:
         value: Any = raw
         if raw == "None":
             value = None
+        elif key.strip().endswith("_dtype"):
+            name = raw.strip().removeprefix("torch.")
+            if name not in DTYPES:
+                raise ValueError(f"option {item!r}: unknown dtype; choose from {sorted(DTYPES)}")
+            value = DTYPES[name]
         else:
             for cast in (int, float):
                 try:
