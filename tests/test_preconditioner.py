@@ -226,6 +226,27 @@ def test_mc_fisher_backward_computes_no_weight_gradient_and_equals_formula() -> 
         torch.testing.assert_close(pre.factors()[str(index)][1], per_sample.T @ per_sample / 6)
 
 
+def test_mc_fisher_survives_an_in_place_op_after_a_captured_layer() -> None:
+    """ReLU(inplace=True) rewrites the first layer's output: its G must still be captured,
+    equal to that of the same network with an out-of-place ReLU."""
+
+    def factors(inplace: bool) -> dict:
+        torch.manual_seed(5)
+        model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=inplace), nn.Linear(5, 3))
+        pre = KFACPreconditioner(model, fisher="mc", factor_decay=0.0, seed=3)
+        out = model(torch.randn(6, 4))
+        pre.sample_fisher(out)
+        out.sum().backward()
+        pre.step()
+        return pre.factors()
+
+    in_place, out_of_place = factors(True), factors(False)
+    assert set(in_place) == set(out_of_place) == {"0", "2"}
+    for name, pair in out_of_place.items():
+        for got, want in zip(in_place[name], pair, strict=True):
+            torch.testing.assert_close(got, want)
+
+
 def test_mc_fisher_mse_gradient_is_unit_gaussian_noise() -> None:
     model = nn.Linear(3, 2).double()
     pre = KFACPreconditioner(model, fisher="mc", factor_decay=0.0, seed=1)

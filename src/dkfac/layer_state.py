@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.profiler import record_function
 
 from dkfac.blocks.base import Block, Rows
@@ -274,7 +275,7 @@ class FactorCapture:
         self._mc_active = False
         self._mc_captured = False
         # Outputs of the layers captured in this forward: the sampled backward stops at them.
-        self._mc_roots: list[Tensor] = []
+        self._mc_roots: list[GradientEdge] = []
         self._handles: list[Any] = []
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
@@ -312,7 +313,9 @@ class FactorCapture:
             hook = functools.partial(self._grad_hook, layer, scale, context, keep)
             output.register_hook(hook)
             if self.config.fisher == "mc":
-                self._mc_roots.append(output)
+                # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
+                # would move the tensor's history past the node this hook belongs to.
+                self._mc_roots.append(get_gradient_edge(output))
 
     def _grad_hook(
         self, layer: LayerState, scale: float, context: Any, keep: int | None, grad: Tensor

@@ -160,7 +160,6 @@ def parse_options(text: str) -> dict[str, Any]:
     Raises:
         ValueError: For an item without ``=``, or an unknown dtype name.
     """
-
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition("=")

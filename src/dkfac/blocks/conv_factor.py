@@ -154,8 +154,8 @@ def conv_input_factor_sum(
             sub-grids share few products; measured on ResNet-20), else the one of shift and
             segment with the smaller :func:`shift_cost` / :func:`segment_cost`.
         compute_dtype: Precision of the products' inputs (default: the input's). The
-            input is cast in the copy each path makes anyway; every product is converted
-            to ``out_dtype`` before the border corrections and block sums.
+            input is cast once, before the layout copy each path makes; every product is
+            converted to ``out_dtype`` before the border corrections and block sums.
         out_dtype: Precision of the result (default: the input's).
 
     Returns:
@@ -389,7 +389,7 @@ def flat_factor_sum(
         dilation: ``(d_h, d_w)``.
         zero_padding: ``(left, right, top, bottom)`` zeros around ``inputs``.
         compute_dtype: Precision of the flat buffer and so of every product (default: the
-            input's); the input is cast in the copy that fills the buffer.
+            input's); the input is cast before it is copied into the buffer.
         out_dtype: Precision of the result and of the corrections (default: the input's).
 
     Returns:
