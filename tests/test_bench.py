@@ -54,6 +54,15 @@ def test_parse_options_reads_dtypes_by_name() -> None:
         parse_options("capture_dtype=bf16")
 
 
+def test_write_result_names_dtypes_and_rejects_other_objects(tmp_path: Path) -> None:
+    from dkfac.bench.common import write_result
+
+    path = write_result("r", {"options": {"capture_dtype": torch.bfloat16}}, tmp_path, "cmd")
+    assert json.loads(path.read_text())["options"] == {"capture_dtype": "torch.bfloat16"}
+    with pytest.raises(TypeError, match="object is not JSON serializable"):
+        write_result("bad", {"x": object()}, tmp_path, "cmd")
+
+
 def test_parse_options() -> None:
     assert parse_options("method=eigen, damping=0.01,factor_update_interval=5,kl_clip=None") == {
         "method": "eigen",

@@ -136,8 +136,9 @@ class KFACConfig:
             ``torch.bfloat16`` about halves the cost of building the factors on GPUs and on
             CPUs with bf16 matrix instructions (AVX512-BF16, AMX; measured 1.6x on
             ResNet-20's factor step), for a relative error of the factors of a few 1e-3
-            (products accumulate in fp32; each product's sum is rounded once to bf16). Applies to dense Kronecker factors; low-rank (SMW) rows and
-            BatchNorm's unit-wise statistics keep ``factor_dtype``.
+            (products accumulate in fp32; each product's sum is rounded once to bf16).
+            Applies to dense Kronecker factors; low-rank (SMW) rows and BatchNorm's
+            unit-wise statistics keep ``factor_dtype``.
         skip_layers: Regular expressions; a module whose name or class name matches one
             fully is not preconditioned.
         conv_reduction: Spatial reduction of convolution factors: ``None`` (expand

@@ -114,10 +114,19 @@ def write_result(
     path = directory / f"{name}.json"
     payload = {"command": command or command_line("dkfac", None), **payload}
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    # Options may hold torch dtypes (``capture_dtype=bfloat16``): written by name.
+    text = json.dumps(payload, indent=2, sort_keys=False, default=_by_name)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
     logger.info("wrote %s", path)
     return path
+
+
+def _by_name(value: object) -> str:
+    """JSON for what it cannot encode itself: a torch dtype by its name."""
+    if isinstance(value, torch.dtype):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
