@@ -63,6 +63,17 @@ def test_write_result_names_dtypes_and_rejects_other_objects(tmp_path: Path) -> 
         write_result("bad", {"x": object()}, tmp_path, "cmd")
 
 
+def test_time_ratios_are_undefined_when_sgd_missed_the_target() -> None:
+    from dkfac.bench.tta import add_time_ratios
+
+    summary = {"sgd": {"median_seconds": 4.0}, "kfac": {"median_seconds": 2.0}}
+    add_time_ratios(summary)
+    assert [e["time_vs_sgd"] for e in summary.values()] == [1.0, 0.5]
+    missed = {"sgd": {"median_seconds": math.inf}, "kfac": {"median_seconds": 2.0}}
+    add_time_ratios(missed)
+    assert [e["time_vs_sgd"] for e in missed.values()] == [None, None]
+
+
 def test_parse_options() -> None:
     assert parse_options("method=eigen, damping=0.01,factor_update_interval=5,kl_clip=None") == {
         "method": "eigen",

@@ -149,6 +149,18 @@ def _score(run: dict[str, Any]) -> tuple[float, float]:
     return seconds, -run["final_acc"]
 
 
+def add_time_ratios(summary: dict[str, dict[str, Any]]) -> None:
+    """Sets each entry's ``time_vs_sgd``: its median time over SGD's.
+
+    ``None`` when SGD's median is not a finite positive time (SGD missed the target in most
+    seeds): a ratio to an infinite time would read as 0, a win it does not measure.
+    """
+    base = summary.get("sgd", {}).get("median_seconds")
+    valid = base is not None and math.isfinite(base) and base > 0
+    for entry in summary.values():
+        entry["time_vs_sgd"] = entry["median_seconds"] / base if valid else None
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median time and steps to target over seeds (a missed target counts as infinite)."""
     seconds = [r["reached"][1] if r["reached"] else math.inf for r in runs]
@@ -205,9 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for s in specs:
             seeded[s.name].append(train_to_target(s, chosen[s.name], seed, data, **common))
     summary = {name: {"lr": chosen[name], **summarise(runs)} for name, runs in seeded.items()}
-    base = summary.get("sgd", {}).get("median_seconds")
-    for entry in summary.values():
-        entry["time_vs_sgd"] = entry["median_seconds"] / base if base else None
+    add_time_ratios(summary)
     return {
         "benchmark": "tta",
         "machine": machine_info("cpu"),
