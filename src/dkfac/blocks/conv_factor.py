@@ -195,7 +195,8 @@ def conv_input_factor_sum(
         if path == "shift":
             patch_sum = flat_factor_sum(inputs, kernel_size, dilation, zero_padding, *dtypes)
         else:
-            padded = F.pad(inputs, zero_padding) if any(zero_padding) else inputs
+            source = inputs.to(dtypes[0])  # cast before padding: the pad copies fewer bytes
+            padded = F.pad(source, zero_padding) if any(zero_padding) else source
             by_path = _unfolded_sum if path == "unfold" else _factor_sum
             patch_sum = by_path(padded, kernel_size, stride, dilation, *dtypes)
         count = batch * out_h * out_w
