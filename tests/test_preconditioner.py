@@ -383,3 +383,19 @@ def test_config_object_and_overrides() -> None:
     with pytest.raises(Exception, match=r"frozen|cannot assign"):
         config.damping = 1.0  # type: ignore[misc]
     assert math.isclose(KFACConfig().factor_decay, 0.95)
+
+
+def test_a_layer_whose_output_misses_the_loss_is_reported_once(caplog) -> None:
+    torch.manual_seed(0)
+    stem, used, unused = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 3)
+    model = nn.ModuleDict({"stem": stem, "used": used, "unused": unused})
+    pre = KFACPreconditioner(model, factor_decay=0.0)
+    with caplog.at_level("WARNING", logger="dkfac.layer_state"):
+        for _ in range(2):
+            h = torch.tanh(stem(torch.randn(6, 4)))
+            unused(h)  # computed, never part of the loss
+            F.cross_entropy(used(h), torch.randint(0, 3, (6,))).backward()
+            pre.step()
+    warnings = [r.getMessage() for r in caplog.records if "no output gradient" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("unused:")
+    assert set(pre.factors()) == {"stem", "used"}

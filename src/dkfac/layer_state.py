@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,6 +17,8 @@ from dkfac.config import KFACConfig
 from dkfac.fisher import mc_sample_loss
 from dkfac.lowrank import LowRank, decay_concat
 from dkfac.solvers.base import Solver, SolverState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -276,6 +279,7 @@ class FactorCapture:
         self._mc_captured = False
         # Outputs of the layers captured in this forward: the sampled backward stops at them.
         self._mc_roots: list[GradientEdge] = []
+        self._warned_missing: set[str] = set()
         self._handles: list[Any] = []
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
@@ -359,6 +363,15 @@ class FactorCapture:
         missing_g = any(acc.has_data for acc in layer.accumulators.values()) and any(
             not layer.accumulators[key].has_data for key in grad_keys
         )
+        # Other layers got their gradient statistics, this one did not: say so once (a
+        # step where none did is check_mc's error with fisher="mc").
+        if missing_g and self._mc_captured and layer.name not in self._warned_missing:
+            self._warned_missing.add(layer.name)
+            logger.warning(
+                "%s: its input was captured but no output gradient reached it on this step "
+                "(its output does not reach the loss); its factors are not updated until it does",
+                layer.name,
+            )
         return layer.take_means(), missing_g
 
     def check_mc(self, missing_g: bool) -> None:
