@@ -198,7 +198,7 @@ def conv_input_factor_sum(
             source = inputs.to(dtypes[0])  # cast before padding: the pad copies fewer bytes
             padded = F.pad(source, zero_padding) if any(zero_padding) else source
             by_path = _unfolded_sum if path == "unfold" else _factor_sum
-            patch_sum = by_path(padded, kernel_size, stride, dilation, *dtypes)
+            patch_sum = by_path(padded, kernel_size, stride, dilation, dtypes[1])
         count = batch * out_h * out_w
         if not bias:
             return patch_sum, float(count)
@@ -569,17 +569,15 @@ def _unfolded_sum(
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
     dilation: tuple[int, int],
-    compute_dtype: torch.dtype,
     out_dtype: torch.dtype,
 ) -> Tensor:
     """The ``(D, D)`` patch sum (no bias) as ``RᵀR`` of the im2col rows ``R``.
 
-    The input is cast before it is unfolded (the unfold then moves fewer bytes), and the
-    rows are made position-major in one copy; the bias column is left to the caller.
+    The product runs in the input's dtype (the caller casts before padding, so the unfold
+    moves fewer bytes); the rows are made position-major in one copy; the bias column is
+    left to the caller.
     """
-    patches = F.unfold(
-        padded.to(compute_dtype), kernel_size, dilation=dilation, stride=stride
-    )  # (N, D, T)
+    patches = F.unfold(padded, kernel_size, dilation=dilation, stride=stride)  # (N, D, T)
     rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
     return (rows.T @ rows).to(out_dtype)
 
@@ -589,13 +587,12 @@ def _factor_sum(
     kernel_size: tuple[int, int],
     stride: tuple[int, int],
     dilation: tuple[int, int],
-    compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """The ``(D, D)`` patch sum (no bias) by the sub-grid segment path, outside autocast.
 
-    The products run in ``compute_dtype`` and are summed into blocks in ``out_dtype`` (both
-    default to the input's dtype).
+    The products run in the input's dtype (the caller casts it) and are summed into blocks
+    in ``out_dtype`` (default: the input's).
     """
     out = out_dtype or padded.dtype
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
@@ -604,8 +601,7 @@ def _factor_sum(
     out_w = output_size(width, kw, sw, dw)
     # Channels last: a window's copy is then a few long contiguous runs, and a product over
     # it one (C × N·h·w) @ (N·h·w × C) matmul.
-    # Cast first (cheap when it is one), then one transposing copy.
-    channels_last = padded.to(compute_dtype or padded.dtype).permute(0, 2, 3, 1).contiguous()
+    channels_last = padded.permute(0, 2, 3, 1).contiguous()
     blocks = padded.new_zeros(kh, kw, kh, kw, channels, channels, dtype=out)
     groups_h = axis_groups(kh, sh, dh, out_h)
     groups_w = axis_groups(kw, sw, dw, out_w)
@@ -614,7 +610,7 @@ def _factor_sum(
             key, transposed = (gh.key, gw.key), (gh.transposed_key, gw.transposed_key)
             if transposed < key:
                 continue  # filled below as the transpose of the other key's blocks
-            sums = channels_last.new_empty(len(gh.segments), len(gw.segments), channels, channels)
+            sums = padded.new_empty(len(gh.segments), len(gw.segments), channels, channels)
             for a, (lo_h, hi_h) in enumerate(gh.segments):
                 rows_left = _window(gh.residue, sh, lo_h, hi_h)
                 rows_right = _window(gh.residue_other, sh, lo_h + gh.shift, hi_h + gh.shift)
