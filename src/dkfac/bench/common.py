@@ -7,6 +7,7 @@ keeps every repeat in its JSON file under ``benchmarks/results/``.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dkfac.app.runconfig import DTYPES
+from dkfac.app.runconfig import dtype
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +179,10 @@ def parse_options(text: str) -> dict[str, Any]:
         if raw == "None":
             value = None
         elif key.strip().endswith("_dtype"):
-            name = raw.strip().removeprefix("torch.")
-            if name not in DTYPES:
-                raise ValueError(f"option {item!r}: unknown dtype; choose from {sorted(DTYPES)}")
-            value = DTYPES[name]
+            try:
+                value = dtype(raw)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"option {item!r}: {error}") from error
         else:
             for cast in (int, float):
                 try:
