@@ -7,10 +7,12 @@ import json
 import math
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from dkfac.app.models import build_model
 from dkfac.bench import autoencoder
 from dkfac.bench import main as bench_main
 from dkfac.bench.common import first_reaching, parse_options
@@ -142,14 +144,19 @@ def test_autoencoder_rejects_bad_momentum() -> None:
         autoencoder.main(["--kfac-momentum", "1.5"])
 
 
-def test_bench_step_adds_capture_dtype_variants_and_amortises_exactly(tmp_path: Path) -> None:
+def _tiny_step_run(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    """``bench step`` on a tiny CNN with ``flags``; its JSON payload."""
     from dkfac.bench import step
 
     argv = ["--model", "cnn", "--channels", "1", "--image-size", "8", "--batch-size", "8"]
-    argv += ["--repeats", "1", "--device", "cpu", "--capture-dtype", "bfloat16"]
-    argv += ["--name", "tiny", "--out-dir", str(tmp_path)]
-    assert step.main(argv) == 0
-    payload = json.loads((tmp_path / "tiny.json").read_text())
+    argv += ["--repeats", "1", "--device", "cpu", "--name", "tiny", "--out-dir", str(tmp_path)]
+    assert step.main([*argv, *flags]) == 0
+    payload: dict[str, Any] = json.loads((tmp_path / "tiny.json").read_text())
+    return payload
+
+
+def test_bench_step_adds_capture_dtype_variants_and_amortises_exactly(tmp_path: Path) -> None:
+    payload = _tiny_step_run(tmp_path, "--capture-dtype", "bfloat16")
     configs = payload["summary"]["configs"]
     assert set(configs) == {"exact", "exact/bf16"}
     control = statistics.median(payload["times"]["sgd-control"])
@@ -175,10 +182,59 @@ def test_step_summary_amortises_and_pools_the_plain_steps() -> None:
         times[f"{name}/inverse"] = [inverse]
     summary = summarise(times, list(kinds))
     assert summary["control_ratio"] == pytest.approx(1.1)
-    assert summary["pooled"] == {"plain_seconds": 1.1, "sgd_seconds": pytest.approx(1.05)}
+    assert summary["pooled"] == {
+        "plain_seconds": 1.1,
+        "sgd_seconds": pytest.approx(1.05),
+        "plain_seconds_by_layer_set": {"all": 1.1},
+    }
     a = summary["configs"]["b"]["amortised"]["10,100"]
     extra = (2.0 - 0.9) / 10 + (2.5 - 2.0) / 100
     assert a["seconds"] == pytest.approx(0.9 + extra)
     assert a["ratio_to_sgd"] == pytest.approx((0.9 + extra) / 1.0)
     assert a["pooled_ratio_to_sgd"] == pytest.approx((1.1 + extra) / 1.05)
     assert a["breakdown"]["precondition"] == pytest.approx(-0.1)
+
+
+def test_step_summary_pools_plain_steps_within_a_layer_set_only() -> None:
+    from dkfac.bench.step import summarise
+
+    times = {"sgd": [1.0], "sgd-control": [1.0]}
+    plains = {"a": 1.1, "b": 1.3, "a/skip": 0.5, "b/skip": 0.7, "c/skip": 0.9}
+    for name, plain in plains.items():
+        times |= {f"{name}/plain": [plain], f"{name}/factor": [2.0], f"{name}/inverse": [3.0]}
+    sets = {name: "skip" if name.endswith("skip") else "all" for name in plains}
+    summary = summarise(times, list(plains), sets)
+    by_set = summary["pooled"]["plain_seconds_by_layer_set"]
+    assert by_set == {"all": pytest.approx(1.2), "skip": pytest.approx(0.7)}
+    assert summary["pooled"]["plain_seconds"] == pytest.approx(1.2)  # the first configuration's set
+    extra = (2.0 - 1.1) / 10 + (3.0 - 2.0) / 100
+    a = summary["configs"]["a"]["amortised"]["10,100"]
+    assert a["pooled_ratio_to_sgd"] == pytest.approx(1.2 + extra)
+    skipped = summary["configs"]["a/skip"]
+    extra = (2.0 - 0.5) / 10 + (3.0 - 2.0) / 100
+    assert skipped["layer_set"] == "skip"
+    assert skipped["amortised"]["10,100"]["pooled_ratio_to_sgd"] == pytest.approx(0.7 + extra)
+
+
+def test_bench_step_adds_skip_layer_variants(tmp_path: Path) -> None:
+    payload = _tiny_step_run(tmp_path, "--skip-layers", "Linear")
+    configs = payload["summary"]["configs"]
+    assert set(configs) == {"exact", "exact/skip Linear"}
+    assert configs["exact/skip Linear"]["layer_set"] == "skip Linear"
+    every = configs["exact"]["preconditioned_layers"]
+    kept = configs["exact/skip Linear"]["preconditioned_layers"]
+    model = build_model("cnn", in_channels=1, image_size=8, num_classes=10)
+    linear = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linear and linear <= set(every)
+    assert kept == [name for name in every if name not in linear]
+    assert set(payload["summary"]["pooled"]["plain_seconds_by_layer_set"]) == {
+        "all",
+        "skip Linear",
+    }
+
+
+def test_bench_step_rejects_a_bad_skip_pattern() -> None:
+    from dkfac.bench import step
+
+    with pytest.raises(SystemExit):
+        step.main(["--skip-layers", "Batch(Norm"])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -67,8 +68,12 @@ def _make_case(
     batch: tuple[torch.Tensor, torch.Tensor],
     kfac_options: dict[str, Any] | None,
     autocast: torch.dtype | None,
-) -> Callable[[], None]:
-    """One training step on a private copy of ``model`` (K-FAC when options are given)."""
+) -> tuple[Callable[[], None], KFACPreconditioner | None]:
+    """One training step on a private copy of ``model`` (K-FAC when options are given).
+
+    Returns:
+        The step, and the preconditioner it uses (``None`` for SGD).
+    """
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     pre = None if kfac_options is None else KFACPreconditioner(model, **kfac_options)
@@ -85,7 +90,7 @@ def _make_case(
             pre.step()
         optimizer.step()
 
-    return step
+    return step, pre
 
 
 def _phase_breakdown(fn: Callable[[], None], device: torch.device) -> dict[str, float]:
@@ -123,29 +128,52 @@ def breakdown(sgd: float, t: dict[str, float], f_int: int, i_int: int) -> dict[s
 AMORTISED = ((1, 10), (10, 100), (1, 1))
 
 
-def summarise(times: dict[str, list[float]], configs: list[str]) -> dict[str, Any]:
+def summarise(
+    times: dict[str, list[float]],
+    configs: list[str],
+    layer_sets: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Medians, amortised costs and ratios from the repeats (see the module docstring).
 
     Besides each configuration's own figures it gives a *pooled* estimate: the plain step
-    does the same work in every configuration (precondition only), so the median of their
-    plain medians, against the median of both SGD copies' repeats, is less exposed to the
-    few-% differences between model copies that ``control_ratio`` shows.
+    does the same work in every configuration that preconditions the same layers
+    (precondition only), so the median of their plain medians, against the median of both
+    SGD copies' repeats, is less exposed to the few-% differences between model copies
+    that ``control_ratio`` shows.
 
     Args:
         times: Case name -> measured seconds (``sgd``, ``sgd-control``, ``<config>/<kind>``).
         configs: The configuration names.
+        layer_sets: Configuration -> a label of the layers it preconditions; plain steps
+            are pooled within a label only. Default: every configuration preconditions the
+            same layers (label ``"all"``).
+
+    Returns:
+        ``sgd_seconds``, ``control_ratio``, ``pooled`` (``sgd_seconds``, ``plain_seconds``
+        of the first configuration's layer set and ``plain_seconds_by_layer_set``) and
+        ``configs``: per configuration its ``layer_set``, ``kind_seconds`` and
+        ``amortised`` costs keyed ``"f,i"``.
     """
+    sets = {c: "all" for c in configs} if layer_sets is None else layer_sets
     sgd = median(times["sgd"])
     kinds = {c: {kind: median(times[f"{c}/{kind}"]) for kind in KINDS} for c in configs}
-    pooled_plain = median([t["plain"] for t in kinds.values()])
+    plain_by_set = {
+        label: median([kinds[c]["plain"] for c in configs if sets[c] == label])
+        for label in dict.fromkeys(sets[c] for c in configs)
+    }
     pooled_sgd = median(times["sgd"] + times["sgd-control"])
     summary: dict[str, Any] = {
         "sgd_seconds": sgd,
         "control_ratio": median(times["sgd-control"]) / sgd,
-        "pooled": {"plain_seconds": pooled_plain, "sgd_seconds": pooled_sgd},
+        "pooled": {
+            "plain_seconds": plain_by_set[sets[configs[0]]],
+            "sgd_seconds": pooled_sgd,
+            "plain_seconds_by_layer_set": plain_by_set,
+        },
         "configs": {},
     }
     for cname, t in kinds.items():
+        pooled_plain = plain_by_set[sets[cname]]
         amortised = {}
         for f_int, i_int in AMORTISED:
             extra = (t["factor"] - t["plain"]) / f_int + (t["inverse"] - t["factor"]) / i_int
@@ -155,7 +183,11 @@ def summarise(times: dict[str, list[float]], configs: list[str]) -> dict[str, An
                 "pooled_ratio_to_sgd": (pooled_plain + extra) / pooled_sgd,
                 "breakdown": breakdown(sgd, t, f_int, i_int),
             }
-        summary["configs"][cname] = {"kind_seconds": t, "amortised": amortised}
+        summary["configs"][cname] = {
+            "layer_set": sets[cname],
+            "kind_seconds": t,
+            "amortised": amortised,
+        }
     return summary
 
 
@@ -221,12 +253,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 **configs[cname],
                 "capture_dtype": getattr(torch, args.capture_dtype),
             }
+    layer_sets = {cname: "all" for cname in configs}
+    if args.skip_layers:
+        skipped = "skip " + "|".join(args.skip_layers)
+        for cname in list(configs):
+            configs[f"{cname}/{skipped}"] = {**configs[cname], "skip_layers": args.skip_layers}
+            layer_sets[f"{cname}/{skipped}"] = skipped
     # A second, identical SGD case measured in the same rounds: its ratio to the first is the
     # noise floor of every ratio here (copies of one model differ by a few % on a CPU).
     cases = {
-        "sgd": _make_case(model, (x, y), None, autocast),
-        "sgd-control": _make_case(model, (x, y), None, autocast),
+        "sgd": _make_case(model, (x, y), None, autocast)[0],
+        "sgd-control": _make_case(model, (x, y), None, autocast)[0],
     }
+    preconditioned: dict[str, list[str]] = {}
     for cname, options in configs.items():
         for kind, (f_int, i_int) in KINDS.items():
             kfac = dict(
@@ -237,10 +276,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 lr=1e-4,
                 **options,
             )
-            cases[f"{cname}/{kind}"] = _make_case(model, (x, y), kfac, autocast)
+            cases[f"{cname}/{kind}"], pre = _make_case(model, (x, y), kfac, autocast)
+            assert pre is not None
+            preconditioned[cname] = list(pre.layers)
     times = interleaved(cases, repeats=args.repeats, device=device, warmup=1)
-    summary = summarise(times, list(configs))
+    summary = summarise(times, list(configs), layer_sets)
     for cname in configs:
+        summary["configs"][cname]["preconditioned_layers"] = preconditioned[cname]
         summary["configs"][cname]["phases"] = {
             kind: _phase_breakdown(cases[f"{cname}/{kind}"], device) for kind in KINDS
         }
@@ -284,6 +326,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also every configuration with its factor products in this precision",
     )
     parser.add_argument(
+        "--skip-layers",
+        nargs="+",
+        default=None,
+        metavar="REGEX",
+        help="also every configuration with the layers matching these regular expressions "
+        "(name or class name) not preconditioned, e.g. BatchNorm2d for kfac-pytorch's layer "
+        "set; their plain steps are pooled separately",
+    )
+    parser.add_argument(
         "--name", default=None, help="result file name (default step_<model>_<device>)"
     )
     parser.add_argument("--out-dir", default=None)
@@ -296,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dkfac bench step", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    for pattern in args.skip_layers or ():
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            parser.error(f"--skip-layers: {pattern!r} is not a regular expression ({err})")
     if args.threads:
         torch.set_num_threads(args.threads)
     payload = run(args)
