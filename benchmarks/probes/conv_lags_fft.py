@@ -7,12 +7,16 @@ least the largest shift, so these are the 2-D linear cross-correlations of each 
 summed over the batch: the cross-spectrum ``S(f) = Σ_n X_n(f)ᴴ X_n(f)`` of the images'
 2-D FFTs gives all lags at once with ~5x fewer multiply-adds (one ``C × C`` product per
 frequency bin instead of 13 per position). This script checks that equality and times
-both ways on ResNet-20's three stride-1 shapes at batch 128, one thread, median of 7:
+both ways on ResNet-20's three stride-1 shapes at batch 128 (and, with ``--resnet50``, on
+ResNet-50's four), one thread, median of ``--repeats``:
 
-    python benchmarks/probes/conv_lags_fft.py --out benchmarks/results/probe_conv_lags_fft.json
+    python benchmarks/probes/conv_lags_fft.py --resnet50 \
+        --out benchmarks/results/probe_conv_lags_fft.json
 
 Measured 2026-11-24 (BENCHMARKS.md §1 update 5): the FFTs of the N·C small planes cost about
-as much as the products they replace, so the FFT way is no faster; it is not in the library.
+as much as the products they replace, and the inverse FFT of the C·C cross-spectra grows
+like the products themselves, so the FFT way is no faster (far slower on wide layers); it is
+not in the library.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -28,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SHAPES = ((16, 32), (32, 16), (64, 8))  # (channels, side) of ResNet-20's stride-1 3x3 layers
+# (channels, side, batch) of ResNet-20's stride-1 3x3 layers at batch 128, and of
+# ResNet-50's (ImageNet, 224²) at per-rank batches that fit a CPU probe.
+SHAPES = {
+    "resnet20": ((16, 32, 128), (32, 16, 128), (64, 8, 128)),
+    "resnet50": ((64, 56, 8), (128, 28, 16), (256, 14, 32), (512, 7, 32)),
+}
 SHIFTS = [(u, v) for u in range(3) for v in range(-2, 3) if u > 0 or v >= 0]
 
 
@@ -76,14 +86,22 @@ def main() -> None:
     """Checks the FFT lags against the GEMM ones and times both ways."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON path for the results")
+    parser.add_argument("--resnet50", action="store_true", help="also ResNet-50's shapes")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per way (>= 1)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    shapes = [("resnet20", shape) for shape in SHAPES["resnet20"]]
+    if args.resnet50:
+        shapes += [("resnet50", shape) for shape in SHAPES["resnet50"]]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows = []
-    for channels, side in SHAPES:
-        padded = F.pad(torch.randn(128, channels, side, side), (1, 1, 1, 1))
+    for model, (channels, side, batch) in shapes:
+        padded = F.pad(torch.randn(batch, channels, side, side), (1, 1, 1, 1))
         exact = lags_by_gemm(padded.double(), torch.float64)
-        row: dict[str, object] = {"channels": channels, "side": side}
+        row: dict[str, object] = {"model": model, "channels": channels, "side": side}
+        row["batch"] = batch
         for name, fn, dtype in (
             ("gemm_fp32", lags_by_gemm, torch.float32),
             ("gemm_bf16", lags_by_gemm, torch.bfloat16),
@@ -92,9 +110,11 @@ def main() -> None:
         ):
             got = fn(padded, dtype).double()
             row[f"{name}_rel_error"] = float((got - exact).norm() / exact.norm())
-            row[f"{name}_ms"] = median_ms(functools.partial(fn, padded, dtype))
+            row[f"{name}_ms"] = median_ms(functools.partial(fn, padded, dtype), args.repeats)
         spectrum = torch.fft.rfft2(padded)
-        row["fft_forward_only_ms"] = median_ms(functools.partial(torch.fft.rfft2, padded))
+        row["fft_forward_only_ms"] = median_ms(
+            functools.partial(torch.fft.rfft2, padded), args.repeats
+        )
         row["bins"] = spectrum.shape[2] * spectrum.shape[3]
         rows.append(row)
         print(json.dumps(row))
@@ -104,7 +124,7 @@ def main() -> None:
             "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
-            "command": "python benchmarks/probes/conv_lags_fft.py --out " + args.out,
+            "command": " ".join(["python", "benchmarks/probes/conv_lags_fft.py", *sys.argv[1:]]),
             "rows": rows,
         }
         with open(args.out, "w") as fh:
