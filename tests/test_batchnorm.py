@@ -129,6 +129,31 @@ def test_unitwise_bn_can_be_turned_off_and_eval_mode_captures_nothing() -> None:
     torch.testing.assert_close(model[1].weight.grad, raw)  # plain gradient kept
 
 
+def test_sync_batchnorm_in_one_process_is_preconditioned_like_batchnorm() -> None:
+    """Without a process group SyncBatchNorm normalises by the local batch: same update.
+
+    (Across ranks it needs CUDA, which CI lacks; the block's docstring says what it does
+    there.)
+    """
+    grads = []
+    for sync in (False, True):
+        model = _conv_bn_model()
+        if sync:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        assert isinstance(model[1], nn.SyncBatchNorm) == sync
+        pre = KFACPreconditioner(model, damping=0.01, kl_clip=None)
+        torch.manual_seed(1)
+        x, y = torch.randn(6, 2, 4, 4, dtype=DT), torch.randint(0, 4, (6,))
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+        assert "1" in pre.layers and pre.layers["1"].running
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, synced in zip(*grads, strict=True):
+        torch.testing.assert_close(synced, plain, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- 2 ranks equal serial
 PER_RANK = 6
 STEPS = 3
