@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from dkfac.solvers import make_solver
-from dkfac.solvers.auto import choose_method
+from dkfac.solvers.lowrank.auto import choose_method
 
 
 def _documented_costs(d: int, m: int, n: int, f: int, k: int) -> tuple[float, float]:

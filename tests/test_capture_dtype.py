@@ -13,7 +13,7 @@ from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.blocks.base import Rows
 from dkfac.blocks.conv2d import Conv2dBlock
 from dkfac.blocks.conv_factor import conv_input_factor_sum
-from dkfac.layer_state import FactorAccumulator
+from dkfac.solvers.statistics import FactorAccumulator
 from tests.oracles import conv_patches_by_hand, with_ones
 
 BF16 = torch.bfloat16

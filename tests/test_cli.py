@@ -240,14 +240,14 @@ def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 # ----------------------------------------------------------------------- dispatch
 def test_bench_and_plan_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("dkfac.plan")
+    fake = types.ModuleType("dkfac.app.plan")
 
     def fake_main(argv: list[str]) -> int:
         seen.append(argv)
         return 3
 
     fake.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dkfac.plan", fake)
+    monkeypatch.setitem(sys.modules, "dkfac.app.plan", fake)
     assert main(["plan", "--world-size", "8"]) == 3
     assert seen == [["--world-size", "8"]]
 
@@ -255,7 +255,7 @@ def test_bench_and_plan_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_missing_subprogram_exits_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "dkfac.plan", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "dkfac.app.plan", None)  # makes the import fail
     assert main(["plan"]) == 2
     assert "dkfac plan: not available" in capsys.readouterr().err
 

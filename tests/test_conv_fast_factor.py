@@ -16,8 +16,8 @@ from dkfac.blocks.conv_factor import (
     shift_cost,
     strip_plan,
 )
-from dkfac.layer_state import FactorAccumulator
-from dkfac.lowrank import LowRankRowsAccumulator
+from dkfac.solvers.lowrank.factor import LowRankRowsAccumulator
+from dkfac.solvers.statistics import FactorAccumulator
 from tests.oracles import conv_patches_by_hand, with_ones
 
 DT = torch.float64

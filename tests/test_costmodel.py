@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dkfac.app.models import build_model
+from dkfac.app.plan import main as plan_main
 from dkfac.costmodel import (
     DeviceRates,
     KFACLayer,
@@ -40,7 +41,6 @@ from dkfac.costmodel import (
     recommend,
 )
 from dkfac.distributed.assignment import layer_cost, plan_placement
-from dkfac.plan import main as plan_main
 
 
 def tiny_model() -> nn.Module:

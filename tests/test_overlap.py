@@ -19,8 +19,8 @@ from torch import nn
 from dkfac import KFACConfig, KFACPreconditioner
 from dkfac.app.cli import parse_args
 from dkfac.app.runconfig import kfac_config_from_args
-from dkfac.distributed.eager import resolve_overlap
-from dkfac.refresh import AdaptiveRefresh
+from dkfac.engine.eager import resolve_overlap
+from dkfac.engine.refresh import AdaptiveRefresh
 from tests.distributed_utils import run_distributed
 from tests.strategy_cases import DIMS, OPTIONS, global_batch, make_model
 

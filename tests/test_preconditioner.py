@@ -390,7 +390,7 @@ def test_a_layer_whose_output_misses_the_loss_is_reported_once(caplog) -> None:
     stem, used, unused = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 3)
     model = nn.ModuleDict({"stem": stem, "used": used, "unused": unused})
     pre = KFACPreconditioner(model, factor_decay=0.0)
-    with caplog.at_level("WARNING", logger="dkfac.layer_state"):
+    with caplog.at_level("WARNING", logger="dkfac.engine.layer_state"):
         for _ in range(2):
             h = torch.tanh(stem(torch.randn(6, 4)))
             unused(h)  # computed, never part of the loss

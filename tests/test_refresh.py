@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dkfac.refresh import AdaptiveRefresh, FixedRefresh, relative_change
+from dkfac.engine.refresh import AdaptiveRefresh, FixedRefresh, relative_change
 
 
 def test_relative_change_formula() -> None:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACPreconditioner
-from dkfac.lowrank import default_max_rank
-from dkfac.solvers.auto import choose_method
+from dkfac.solvers.lowrank.auto import choose_method
+from dkfac.solvers.lowrank.factor import default_max_rank
 from tests.oracles import conv_patches_by_hand, dense_factored_solve, weight_grad_matrix, with_ones
 
 DT = torch.float64
@@ -287,7 +287,7 @@ def test_checkpoint_round_trip_reproduces_next_step(method: str) -> None:
 
 
 def test_lowrank_sink_rejects_sums() -> None:
-    from dkfac.lowrank import LowRankRowsAccumulator
+    from dkfac.solvers.lowrank.factor import LowRankRowsAccumulator
 
     with pytest.raises(TypeError, match="dense factor side"):
         LowRankRowsAccumulator().add_sum(torch.eye(2), 1.0)

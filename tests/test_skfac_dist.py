@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACPreconditioner
-from dkfac.lowrank import default_max_rank
+from dkfac.solvers.lowrank.factor import default_max_rank
 from tests.distributed_utils import run_distributed
 
 WORLD = 2

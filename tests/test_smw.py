@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from dkfac.blocks import Conv2dBlock, LinearBlock, Rows
-from dkfac.lowrank import (
+from dkfac.solvers import CholeskySolver, SMWSolver, make_solver
+from dkfac.solvers.lowrank.factor import (
     LowRank,
     LowRankRowsAccumulator,
     LowRankRunningFactor,
     decay_concat,
     default_max_rank,
 )
-from dkfac.solvers import CholeskySolver, SMWSolver, make_solver
 from tests.oracles import dense_factored_solve, weight_grad_matrix
 
 DT = torch.float64

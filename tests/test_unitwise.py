@@ -7,12 +7,12 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
-from dkfac.unitwise import (
+from dkfac.blocks.unitwise_stats import (
     batch_moments,
-    damped_solve_2x2,
     per_sample_grads,
     unit_fisher,
 )
+from dkfac.solvers.unitwise import damped_solve_2x2
 
 DT = torch.float64
 

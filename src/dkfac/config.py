@@ -180,7 +180,7 @@ class KFACConfig:
         refresh_max_interval: Cap of an adaptive interval, an integer >= 1.
         overlap_comm: Launch each layer's statistic (and, for ``"spngd"``, gradient)
             reduction from the backward hooks, in fixed buckets, so it overlaps the rest of
-            the backward (:mod:`dkfac.distributed.eager`). Only correct when every rank runs
+            the backward (:mod:`dkfac.engine.eager`). Only correct when every rank runs
             every registered layer on every step. ``"auto"`` (default): on when that is
             guaranteed, i.e. several ranks and a ``DistributedDataParallel`` model with
             ``find_unused_parameters=False``; ``"on"``: always (a rank that misses a layer

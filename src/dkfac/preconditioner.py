@@ -1,41 +1,41 @@
 """KFACPreconditioner: registers blocks and hooks, and runs one K-FAC step.
 
-Construction registers every supported layer (:mod:`~dkfac.registration`), attaches the
-capture hooks (:class:`~dkfac.layer_state.FactorCapture`) and builds the strategy
+Construction registers every supported layer (:mod:`~dkfac.engine.registration`), attaches the
+capture hooks (:class:`~dkfac.engine.layer_state.FactorCapture`) and builds the strategy
 (:mod:`~dkfac.distributed.strategies`, ``pre.strategy``), which decides where each piece of
 work runs and what travels between ranks; the math never branches on the rank. A step has
 five phases, each under a ``torch.profiler.record_function`` label; this class sequences
-them, the per-layer math is in :mod:`~dkfac.step_math`.
+them, the per-layer math is in :mod:`~dkfac.engine.step_math`.
 
 1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
    (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
    gradient reduction the strategy does itself (``spngd``: in the same buffers). With
    ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
-   were final (:mod:`~dkfac.distributed.eager`); otherwise all is launched here once the
-   ranks agree which layers ran (:mod:`~dkfac.distributed.presence`). After one wait, ranks
+   were final (:mod:`~dkfac.engine.eager`); otherwise all is launched here once the
+   ranks agree which layers ran (:mod:`~dkfac.engine.presence`). After one wait, ranks
    agree on which layers have finite factors and gradients
-   (:func:`~dkfac.step_math.finite_flags`); the ranks that keep a layer's factors update
-   its running averages (:meth:`~dkfac.layer_state.LayerState.update_running`), and the
+   (:func:`~dkfac.engine.step_math.finite_flags`); the ranks that keep a layer's factors update
+   its running averages (:meth:`~dkfac.engine.layer_state.LayerState.update_running`), and the
    refresh policy records what changed and, when adaptive, the ranks agree on its
-   intervals (:mod:`~dkfac.refresh_step`). Only statistics the policy marked due are captured; the
-   hooks do no work on other steps.
+   intervals (:mod:`~dkfac.engine.refresh_step`). Only statistics the policy marked due are
+   captured; the hooks do no work on other steps.
 2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
    and the strategy sends it to the layer's gradient workers
-   (:func:`~dkfac.step_math.update_inverses`).
+   (:func:`~dkfac.engine.step_math.update_inverses`).
 3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
-   natural gradient (:func:`~dkfac.step_math.precondition`).
+   natural gradient (:func:`~dkfac.engine.step_math.precondition`).
 4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank
    (:meth:`~dkfac.distributed.strategy_base.Strategy.distribute`).
 5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
    sum runs over every layer, whichever rank preconditioned it;
-   :func:`~dkfac.step_math.kl_clip_scale`) and written back
-   (:func:`~dkfac.step_math.write_back`).
+   :func:`~dkfac.engine.step_math.kl_clip_scale`) and written back
+   (:func:`~dkfac.engine.step_math.write_back`).
 
-Scale convention (see :class:`~dkfac.layer_state.FactorCapture`): factors are on the
+Scale convention (see :class:`~dkfac.engine.layer_state.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
 ``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
 unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient clipping).
-Checkpoints: :mod:`~dkfac.distributed.checkpoint`.
+Checkpoints: :mod:`~dkfac.engine.checkpoint`.
 """
 
 from __future__ import annotations
@@ -49,17 +49,18 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from dkfac.config import KFACConfig, resolve
-from dkfac.distributed.checkpoint import load_preconditioner_state, preconditioner_state
 from dkfac.distributed.comm import Communicator
-from dkfac.distributed.eager import build_eager
-from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategies import Strategy, build_strategy
-from dkfac.layer_state import FactorCapture, LayerState
-from dkfac.lowrank_state import LowRankPlan
-from dkfac.refresh import make_refresh_policy
-from dkfac.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
-from dkfac.registration import other_parameters, register_layers, unwrap
-from dkfac.step_math import (
+from dkfac.engine.capture import FactorCapture
+from dkfac.engine.checkpoint import load_preconditioner_state, preconditioner_state
+from dkfac.engine.eager import build_eager
+from dkfac.engine.layer_state import LayerState
+from dkfac.engine.lowrank_plan import LowRankPlan
+from dkfac.engine.presence import agree_presence
+from dkfac.engine.refresh import make_refresh_policy
+from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
+from dkfac.engine.registration import other_parameters, register_layers, unwrap
+from dkfac.engine.step_math import (
     finite_flags,
     kept_statistics,
     kl_clip_scale,
@@ -272,7 +273,7 @@ class KFACPreconditioner:
         agree_intervals(self.refresh, self.comm, self.layers, recorded, step)
 
     def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
-        """Phase 2 (and checkpoint loading): see :func:`dkfac.step_math.update_inverses`."""
+        """Phase 2 (and checkpoint loading): see :func:`dkfac.engine.step_math.update_inverses`."""
         update_inverses(self.layers, self.strategy, damping, names)
 
     def refresh_stats(self) -> dict[str, Any]:
@@ -317,7 +318,7 @@ class KFACPreconditioner:
         """One row per layer: name, block, dimensions, method, factor kinds, owner, workers.
 
         ``method``: e.g. ``"eigen"``, ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until
-        the first capture decides (:mod:`dkfac.lowrank_state`); ``a_factor``/``g_factor`` too.
+        the first capture decides (:mod:`dkfac.engine.lowrank_plan`); ``a_factor``/``g_factor`` too.
         """
         return [
             {**layer.summary(), **self.strategy.describe(name)}

@@ -29,7 +29,7 @@ from dkfac.config import check_schedule_value
 OPTIMIZERS = ("sgd", "adam", "adamw", "kfac", "kfac-adam")
 AMP_MODES = ("none", "bf16", "fp16")
 MIXUP_MODES = ("standard", "running")
-EXTERNAL = {"bench": "dkfac.bench", "plan": "dkfac.plan"}
+EXTERNAL = {"bench": "dkfac.bench", "plan": "dkfac.app.plan"}
 
 EPILOG = """\
 Config file: TOML, one `key = value` per flag (dashes or underscores), e.g. `lr = 0.05`;

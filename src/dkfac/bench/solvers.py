@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from dkfac.bench.common import format_table, interleaved, machine_info, median, write_result
-from dkfac.lowrank import LowRank
 from dkfac.solvers import CholeskySolver, EigenSolver, SMWSolver
 from dkfac.solvers.base import Solver
+from dkfac.solvers.lowrank.factor import LowRank
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,25 @@ class Rows:
 
 
 class StatisticSink(Protocol):
-    """Where a block adds one statistic's contribution (a factor accumulator)."""
+    """Where a block adds one statistic's contribution (an accumulator of the solver's).
+
+    A sink whose :attr:`takes_sums` is true keeps only ``Σ scale·RᵀR`` and accepts
+    :meth:`add_sum`; a block may then build that sum its own faster way, with the products'
+    inputs in :attr:`compute_dtype` and the sum in :attr:`dtype`. Other sinks (low-rank
+    sides keep the rows themselves) need :meth:`add`.
+    """
+
+    @property
+    def takes_sums(self) -> bool:
+        """Whether :meth:`add_sum` is accepted (a dense accumulator)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """Precision of the products' inputs (``None``: as they come)."""
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """Precision the sum is kept in (``None``: as the products come)."""
 
     def add(self, rows: Rows, scale: float = 1.0) -> None:
         """Adds ``scale · rows.T @ rows`` and the rows' normaliser."""

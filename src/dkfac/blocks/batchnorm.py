@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dkfac.blocks.base import Block, Rows, StatisticSink
-from dkfac.unitwise import batch_moments, per_sample_grads, unit_fisher
+from dkfac.blocks.unitwise_stats import batch_moments, per_sample_grads, unit_fisher
 
 
 class BatchNormBlock(Block):

@@ -171,10 +171,8 @@ class Conv2dBlock(Block):
         """
         if "A" not in sinks:
             return None
-        from dkfac.layer_state import FactorAccumulator  # the engine imports the blocks
-
         sink = sinks["A"]
-        if self.reduction is not None or not isinstance(sink, FactorAccumulator):
+        if self.reduction is not None or not sink.takes_sums:
             return super().capture_input(inputs, sinks)
         if inputs.dim() == 3:  # unbatched input
             inputs = inputs.unsqueeze(0)
@@ -250,10 +248,8 @@ class Conv2dBlock(Block):
         ``(C, T)`` slices that the gradient already holds contiguously: one batched product,
         where :meth:`g_rows` would first copy every gradient into position-major rows.
         """
-        from dkfac.layer_state import FactorAccumulator  # the engine imports the blocks
-
         sink = sinks.get("G")
-        if self.reduction is not None or not isinstance(sink, FactorAccumulator):
+        if sink is None or self.reduction is not None or not sink.takes_sums:
             super().capture_grad(context, grad_output, sinks, scale)
             return
         if grad_output.dim() == 3:  # unbatched

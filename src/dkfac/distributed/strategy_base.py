@@ -195,7 +195,7 @@ class Strategy:
         """Launches phase 1's traffic for some layers: their statistics and gradients.
 
         Called once per step with every layer (non-overlapped path) or once per eager
-        bucket (:mod:`dkfac.distributed.eager`); every rank must pass the same layers in
+        bucket (:mod:`dkfac.engine.eager`); every rank must pass the same layers in
         the same order. The default launches :meth:`reduce_statistics` then
         :meth:`reduce_gradients`; a strategy may fuse them.
         """

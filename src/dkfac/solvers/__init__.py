@@ -7,7 +7,7 @@ import torch
 from dkfac.solvers.base import Solver, SolverError, SolverState
 from dkfac.solvers.cholesky import CholeskySolver
 from dkfac.solvers.eigen import EigenSolver
-from dkfac.solvers.smw import SMWSolver
+from dkfac.solvers.lowrank.smw import SMWSolver
 from dkfac.solvers.unitwise import UnitwiseSolver
 
 _SOLVERS: dict[str, type[Solver]] = {
@@ -22,7 +22,7 @@ def make_solver(method: str, compute_dtype: torch.dtype = torch.float32) -> Solv
     """The solver for ``method`` ("eigen", "cholesky", "smw"; "unitwise" for BatchNorm).
 
     ``"auto"`` is not a solver: it is resolved per layer by
-    :func:`dkfac.solvers.auto.choose_method`, whose ``MethodChoice.method`` is passed here.
+    :func:`dkfac.solvers.lowrank.auto.choose_method`, whose ``MethodChoice.method`` is passed here.
     """
     if method not in _SOLVERS:
         raise ValueError(f"method must be one of {tuple(_SOLVERS)}, got {method!r}")

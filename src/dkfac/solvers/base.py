@@ -6,8 +6,8 @@ inverse to a gradient matrix in :meth:`Solver.apply`, which runs every step. The
 flat ``dict[str, Tensor]`` so that strategies can communicate it and memory can be counted.
 
 A solver whose :attr:`Solver.accepts_lowrank` is ``True`` (the SMW solver) also takes each
-factor as a :class:`~dkfac.lowrank.LowRank` ``U`` with ``F = U Uᵀ`` instead of a dense matrix;
-the preconditioner then keeps the factors' rows rather than ``RᵀR``.
+factor as a :class:`~dkfac.solvers.lowrank.factor.LowRank` ``U`` with ``F = U Uᵀ`` instead
+of a dense matrix; the preconditioner then keeps the factors' rows rather than ``RᵀR``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Solver(ABC):
 
     name: str = "solver"
     accepts_lowrank: bool = False
-    """Whether :meth:`compute` also takes :class:`~dkfac.lowrank.LowRank` factors."""
+    """Whether :meth:`compute` also takes :class:`~dkfac.solvers.lowrank.factor.LowRank` factors."""
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         self.compute_dtype = compute_dtype

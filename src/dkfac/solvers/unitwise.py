@@ -17,7 +17,22 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverError, SolverState
-from dkfac.unitwise import damped_solve_2x2
+
+
+def damped_solve_2x2(fisher: Tensor, grad: Tensor, damping: float) -> Tensor:
+    """``(F_c + λ I)^{-1} grad_c`` for every channel, in closed form.
+
+    Args:
+        fisher: ``(C, 2, 2)`` symmetric positive semi-definite matrices.
+        grad: ``(C, 2)``: ``[∇γ_c, ∇β_c]``.
+        damping: ``λ > 0``.
+    """
+    a = fisher[:, 0, 0] + damping
+    b = fisher[:, 0, 1]
+    d = fisher[:, 1, 1] + damping
+    det = a * d - b * b
+    g0, g1 = grad[:, 0], grad[:, 1]
+    return torch.stack([(d * g0 - b * g1) / det, (a * g1 - b * g0) / det], dim=-1)
 
 
 class UnitwiseSolver(Solver):

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.comm import Communicator
-from dkfac.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def agree_presence(
         other_params: Parameters not handled by a block; a missing ``.grad`` present
             elsewhere becomes zeros.
         statistics: ``False``: agree on the gradients only (the statistics were already
-            launched by the overlapped path, :mod:`dkfac.distributed.eager`).
+            launched by the overlapped path, :mod:`dkfac.engine.eager`).
     """
     if not comm.active:
         return

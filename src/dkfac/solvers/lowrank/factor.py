@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dkfac.blocks.base import Rows
+from dkfac.solvers.statistics import Rows
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,13 @@ class LowRankRowsAccumulator:
     dtype: torch.dtype | None = None
     parts: list[Tensor] = field(default_factory=list)
     normaliser: float = 0.0
+    takes_sums = False
+    """Rows are kept, so sums of outer products are refused (:meth:`add_sum`)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The rows are kept in :attr:`dtype`."""
+        return self.dtype
 
     def add(self, rows: Rows, scale: float = 1.0) -> None:
         """Adds ``rows`` whose outer products count ``scale`` times (``scale >= 0``)."""

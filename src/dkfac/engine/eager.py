@@ -1,7 +1,7 @@
 """Phase-1 traffic launched from the backward hooks, so it overlaps the rest of the backward.
 
 Without overlap, ``pre.step()`` collects every layer's statistics after the backward, the
-ranks agree which exist (:mod:`dkfac.distributed.presence`) and only then is anything sent.
+ranks agree which exist (:mod:`dkfac.engine.presence`) and only then is anything sent.
 With :class:`EagerReducer` a layer's statistics (and, for ``spngd``, its gradient, in the
 same buffers) are handed to the strategy as soon as they are final:
 
@@ -44,9 +44,10 @@ from torch import Tensor, nn
 
 from dkfac.config import OVERLAP_MODES
 from dkfac.distributed.comm import CommHandle
-from dkfac.distributed.presence import agree_presence
 from dkfac.distributed.strategy_base import Strategy, join_handles
-from dkfac.layer_state import FactorCapture, LayerState
+from dkfac.engine.capture import FactorCapture
+from dkfac.engine.layer_state import LayerState
+from dkfac.engine.presence import agree_presence
 
 if TYPE_CHECKING:
     from dkfac.preconditioner import KFACPreconditioner

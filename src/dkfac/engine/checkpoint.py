@@ -11,7 +11,7 @@ Under ``"dp"`` each owner's factors come from its own local batches; the gathere
 checkpoint holds those.
 
 With ``method="smw"``/``"auto"`` each layer's entry also holds ``"plan"``: the solver and
-the low-rank sides decided at the first capture (:mod:`dkfac.lowrank_state`), taken from the
+the low-rank sides decided at the first capture (:mod:`dkfac.engine.lowrank_plan`), taken from the
 owner. A low-rank side is saved as its ``U`` of shape ``(d, r)`` (``r`` varies with the
 steps seen, up to the side's bounded rank), which ``load`` accepts in place of ``(d, d)``.
 """
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dkfac.config import resolve
-from dkfac.lowrank_state import decision
+from dkfac.engine.lowrank_plan import decision
 
 if TYPE_CHECKING:
     from dkfac.preconditioner import KFACPreconditioner

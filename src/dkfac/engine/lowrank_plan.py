@@ -17,13 +17,14 @@ running concatenation keeps at most ``r = default_max_rank(m, factor_decay)`` co
   ``d × d`` average, inverted by Cholesky inside the SMW solver). Under several ranks this
   also means low-rank statistics are all-gathered (``P·m·d`` values) only when that is
   smaller than the ``d × d`` all-reduce.
-* ``method="auto"``: :func:`dkfac.solvers.auto.choose_method` with ``rows_a = rows_g = r``
+* ``method="auto"``: :func:`dkfac.solvers.lowrank.auto.choose_method` with ``rows_a = rows_g = r``
   picks the layer's solver and each side's kind.
 
-A low-rank side accumulates rows (:class:`~dkfac.lowrank.LowRankRowsAccumulator`), its step
-statistic is ``U`` (``d × m``) and its running value the decayed concatenation of ``U``'s
-(:meth:`~dkfac.layer_state.LayerState.update_running`); no ``d × d`` matrix is formed. The
-decision is logged at INFO and shown by ``describe()``; it is saved in checkpoints.
+A low-rank side accumulates rows
+(:class:`~dkfac.solvers.lowrank.factor.LowRankRowsAccumulator`), its step statistic is ``U``
+(``d × m``) and its running value the decayed concatenation of ``U``'s
+(:meth:`~dkfac.engine.layer_state.LayerState.update_running`); no ``d × d`` matrix is formed.
+The decision is logged at INFO and shown by ``describe()``; it is saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from typing import Any
 
 from torch import Tensor
 
-from dkfac.blocks.base import Rows
 from dkfac.config import KFACConfig, resolve
-from dkfac.layer_state import FactorAccumulator, LayerState
-from dkfac.lowrank import LowRankRowsAccumulator, default_max_rank
+from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import make_solver
-from dkfac.solvers.auto import choose_method
+from dkfac.solvers.lowrank.auto import choose_method
+from dkfac.solvers.lowrank.factor import LowRankRowsAccumulator, default_max_rank
+from dkfac.solvers.statistics import FactorAccumulator, Rows
 
 __all__ = ["LowRankPlan", "PendingSink", "decision", "describe_method", "lowrank_eligible"]
 
@@ -59,6 +60,11 @@ class PendingSink:
     It then replaces itself (and its sibling) in ``layer.accumulators`` and forwards the
     contribution to the new accumulator.
     """
+
+    takes_sums = False
+    """Blocks hand it rows: their count decides the sides."""
+    compute_dtype = None
+    dtype = None
 
     def __init__(self, plan: LowRankPlan, layer: LayerState, key: str) -> None:
         self.plan = plan

@@ -14,8 +14,8 @@ the dense damped inverse (formed from ``U Uᵀ``, which then costs no more than 
 Interface (how the preconditioner uses it):
 
 * ``SMWSolver.compute(a, g, damping)`` takes each factor either as a dense ``d × d`` tensor
-  or as a :class:`~dkfac.lowrank.LowRank` ``U``; ``Solver.accepts_lowrank`` is ``True`` for
-  this solver. For each side ``s`` in ``("a", "g")`` the state holds either
+  or as a :class:`~dkfac.solvers.lowrank.factor.LowRank` ``U``; ``Solver.accepts_lowrank`` is
+  ``True`` for this solver. For each side ``s`` in ``("a", "g")`` the state holds either
 
   - ``s_u`` (``d × m``), ``s_core = (γ I_m + UᵀU)^{-1} / γ`` (``m × m``) and
     ``s_inv_gamma = 1/γ`` (0-d tensor, so applying never synchronises a device), or
@@ -33,9 +33,9 @@ import math
 import torch
 from torch import Tensor
 
-from dkfac.lowrank import LowRank
 from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.cholesky import damped_inverse
+from dkfac.solvers.lowrank.factor import LowRank
 
 Factor = Tensor | LowRank
 

@@ -2,7 +2,7 @@
 
 :func:`register_layers` walks the (unwrapped) model once: every module that the block
 registry (:func:`~dkfac.blocks.registry.make_block`) knows, that ``skip_layers`` does not
-exclude and whose weight requires a gradient becomes a :class:`~dkfac.layer_state.LayerState`
+exclude and whose weight requires a gradient becomes a :class:`~dkfac.engine.layer_state.LayerState`
 with its solver and accumulators, and gets the capture hooks. Every other parameter keeps
 its plain gradient (:func:`other_parameters`).
 """
@@ -18,9 +18,11 @@ from torch import Tensor, nn
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig
-from dkfac.layer_state import Accumulator, FactorAccumulator, FactorCapture, LayerState
-from dkfac.lowrank_state import LowRankPlan
+from dkfac.engine.capture import FactorCapture
+from dkfac.engine.layer_state import LayerState
+from dkfac.engine.lowrank_plan import LowRankPlan
 from dkfac.solvers import make_solver
+from dkfac.solvers.statistics import Accumulator, FactorAccumulator
 
 __all__ = ["is_skipped", "other_parameters", "register_layers", "unwrap"]
 

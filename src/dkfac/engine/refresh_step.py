@@ -1,13 +1,13 @@
 """The refresh policy's part in a step: what is due, what was refreshed, agreed intervals.
 
-A :class:`~dkfac.refresh.RefreshPolicy` is a pure schedule keyed by statistic
+A :class:`~dkfac.engine.refresh.RefreshPolicy` is a pure schedule keyed by statistic
 (``"<layer>/<statistic>"``). These functions connect it with the registered layers:
 
 * :func:`mark_due` sets every layer's ``due`` statistics before a step (the hooks capture
   only those; a statistic not due costs nothing);
 * :func:`record_refreshes` tells the policy the old and new values of the statistics this
   rank keeps (before the running averages are updated in place);
-* :func:`agree_intervals`: under :class:`~dkfac.refresh.AdaptiveRefresh` only the ranks
+* :func:`agree_intervals`: under :class:`~dkfac.engine.refresh.AdaptiveRefresh` only the ranks
   that keep a statistic can measure its change, so after each refresh every rank adopts the
   mean interval of those ranks (one small all-reduce) and the schedule stays the same on
   every rank;
@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.comm import Communicator
-from dkfac.layer_state import LayerState
-from dkfac.refresh import AdaptiveRefresh, RefreshPolicy
+from dkfac.engine.layer_state import LayerState
+from dkfac.engine.refresh import AdaptiveRefresh, RefreshPolicy
 
 __all__ = ["agree_intervals", "mark_due", "record_refreshes", "refresh_report"]
 
@@ -81,7 +81,7 @@ def agree_intervals(
     nothing; otherwise a collective over ``comm`` (every rank must call it).
 
     Args:
-        refresh: The policy; under :class:`~dkfac.refresh.AdaptiveRefresh` its intervals
+        refresh: The policy; under :class:`~dkfac.engine.refresh.AdaptiveRefresh` its intervals
             of this step's due statistics are set to the mean over the keeping ranks.
         comm: The communicator of the ranks that train together.
         layers: The registered layers (their ``due`` statistics are agreed on).
@@ -112,7 +112,7 @@ def refresh_report(
     """``refreshed`` (at the last step), the ``total`` of statistics and adaptive ``intervals``.
 
     ``intervals`` maps every statistic key to its current interval (empty unless the
-    policy is :class:`~dkfac.refresh.AdaptiveRefresh`).
+    policy is :class:`~dkfac.engine.refresh.AdaptiveRefresh`).
     """
     total = sum(len(layer.statistic_shapes()) for layer in layers.values())
     intervals = (

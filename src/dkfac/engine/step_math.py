@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.distributed.strategy_base import Strategy
-from dkfac.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError
 
 __all__ = [

@@ -6,7 +6,8 @@ where ``δ_n`` is the per-sample gradient of the output. The unit-wise Fisher of
 
     F_c = mean_n [[gγ², gγ·gβ], [gγ·gβ, gβ²]],
 
-and the update is ``(F_c + λ I₂)^{-1} [∇γ_c, ∇β_c]``, solved in closed form. ``x̂`` comes from
+built here from the input and output gradient the block's hooks see (the update,
+``(F_c + λ I₂)^{-1} [∇γ_c, ∇β_c]``, is :mod:`dkfac.solvers.unitwise`'s). ``x̂`` comes from
 the forward pass (never from dividing by ``γ``, which may be 0).
 """
 
@@ -62,19 +63,3 @@ def unit_fisher(g_gamma: Tensor, g_beta: Tensor) -> Tensor:
     """Sum over samples of the per-channel outer products, shape ``(C, 2, 2)``."""
     per_sample = torch.stack([g_gamma, g_beta], dim=-1)  # (N, C, 2)
     return torch.einsum("nci,ncj->cij", per_sample, per_sample)
-
-
-def damped_solve_2x2(fisher: Tensor, grad: Tensor, damping: float) -> Tensor:
-    """``(F_c + λ I)^{-1} grad_c`` for every channel, in closed form.
-
-    Args:
-        fisher: ``(C, 2, 2)`` symmetric positive semi-definite matrices.
-        grad: ``(C, 2)``: ``[∇γ_c, ∇β_c]``.
-        damping: ``λ > 0``.
-    """
-    a = fisher[:, 0, 0] + damping
-    b = fisher[:, 0, 1]
-    d = fisher[:, 1, 1] + damping
-    det = a * d - b * b
-    g0, g1 = grad[:, 0], grad[:, 1]
-    return torch.stack([(d * g0 - b * g1) / det, (a * g1 - b * g0) / det], dim=-1)

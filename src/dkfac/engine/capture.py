@@ -1,0 +1,195 @@
+"""The capture hooks that feed each layer's accumulators, and the Monte-Carlo Fisher backward."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.profiler import record_function
+
+from dkfac.config import KFACConfig
+from dkfac.engine.fisher import mc_sample_loss
+from dkfac.engine.layer_state import LayerState
+
+logger = logging.getLogger(__name__)
+
+
+class FactorCapture:
+    """The hooks that feed each layer's accumulators, and the Monte-Carlo Fisher backward.
+
+    Scale convention: the backward hook sees ``grad_output = g / (B · k)`` for a loss that
+    is the mean over the ``B`` samples of a micro-batch divided by ``k =
+    accumulation_steps``; it multiplies by ``B · k`` so the factors are on the per-sample
+    Fisher scale.
+
+    Args:
+        config: The preconditioner's configuration.
+
+    Attributes:
+        active: Whether this step captures (a factor-update step); hooks do nothing if not.
+        generator: The Monte-Carlo sampling generator (created on first use).
+    """
+
+    def __init__(self, config: KFACConfig) -> None:
+        self.config = config
+        self.active = False
+        self.generator: torch.Generator | None = None
+        self._mc_active = False
+        self._mc_captured = False
+        # Outputs of the layers captured in this forward: the sampled backward stops at them.
+        self._mc_roots: list[GradientEdge] = []
+        self._warned_missing: set[str] = set()
+        self._handles: list[Any] = []
+
+    def attach(self, module: nn.Module, layer: LayerState) -> None:
+        """Registers the forward hook (which registers the backward hook) on ``module``."""
+        hook = functools.partial(self._forward_hook, layer)
+        self._handles.append(module.register_forward_hook(hook))
+
+    def remove(self) -> None:
+        """Detaches every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _forward_hook(
+        self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
+    ) -> None:
+        if not (self.active and layer.captures and layer.due):
+            return
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if not inputs or not isinstance(inputs[0], Tensor):
+            return
+        x = inputs[0].detach()
+        batch = layer.block.batch_size(x)
+        # The G scale is that of the whole micro-batch's mean loss, whatever rows are kept.
+        scale = float(batch * self.config.accumulation_steps) ** 2
+        keep = self.config.factor_batch_size
+        if keep is None or batch <= keep or x.shape[0] != batch:
+            keep = None
+        else:
+            x = x[:keep]
+        with record_function("dkfac.capture_a"):
+            context = layer.block.capture_input(x, layer.due_sinks())
+        if isinstance(output, Tensor) and output.requires_grad:
+            hook = functools.partial(self._grad_hook, layer, scale, context, keep)
+            output.register_hook(hook)
+            if self.config.fisher == "mc":
+                # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
+                # would move the tensor's history past the node this hook belongs to.
+                self._mc_roots.append(get_gradient_edge(output))
+
+    def _grad_hook(
+        self, layer: LayerState, scale: float, context: Any, keep: int | None, grad: Tensor
+    ) -> None:
+        if self.config.fisher == "mc" and not self._mc_active:
+            return
+        grad = grad.detach() if keep is None else grad.detach()[:keep]
+        with record_function("dkfac.capture_g"):
+            layer.block.capture_grad(context, grad, layer.due_sinks(), scale)
+        self._mc_captured = True
+
+    def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
+        """One backward of targets sampled from ``outputs``; only the G hooks see it.
+
+        The backward asks for the gradients of the captured layers' outputs, not of their
+        parameters: it then runs only as far back as the first captured layer and computes
+        no weight gradient (it would be thrown away). ``params`` serve when this forward
+        captured no output (the hooks did not run).
+        """
+        roots, self._mc_roots = self._mc_roots, []
+        if not self.active:
+            return
+        if self.generator is None or self.generator.device != outputs.device:
+            self.generator = torch.Generator(device=outputs.device)
+            self.generator.manual_seed(seed)
+        sampled = mc_sample_loss(outputs, loss, self.generator)
+        self._mc_active = True
+        try:
+            torch.autograd.grad(sampled, roots or params, retain_graph=True, allow_unused=True)
+        finally:
+            self._mc_active = False
+
+    def take_layer(self, layer: LayerState) -> tuple[dict[str, Tensor] | None, bool]:
+        """One layer's averaged statistics of this step (G not yet scaled); resets its sums.
+
+        Returns:
+            ``(means or None, missing_g)``: ``missing_g`` says the layer has some statistic
+            but not every due gradient statistic (checked by :meth:`check_mc`).
+        """
+        grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
+        missing_g = any(acc.has_data for acc in layer.accumulators.values()) and any(
+            not layer.accumulators[key].has_data for key in grad_keys
+        )
+        # Other layers got their gradient statistics, this one did not: say so once (a
+        # step where none did is check_mc's error with fisher="mc").
+        if missing_g and self._mc_captured and layer.name not in self._warned_missing:
+            self._warned_missing.add(layer.name)
+            logger.warning(
+                "%s: its input was captured but no output gradient reached it on this step "
+                "(its output does not reach the loss); its factors are not updated until it does",
+                layer.name,
+            )
+        return layer.take_means(), missing_g
+
+    def check_mc(self, missing_g: bool) -> None:
+        """Ends a capture step: with ``fisher="mc"``, G must have come from a sampled backward.
+
+        Raises:
+            RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
+        """
+        captured, self._mc_captured = self._mc_captured, False
+        self._mc_roots = []  # a forward whose sampled backward never came
+        if self.config.fisher == "mc" and missing_g and not captured:
+            raise RuntimeError(
+                'fisher="mc": call pre.sample_fisher(outputs) after the forward pass and '
+                "before loss.backward() on factor-update steps"
+            )
+
+    @staticmethod
+    def scale_grad_statistics(
+        layers: dict[str, LayerState], new: dict[str, dict[str, Tensor]], g_scale: float
+    ) -> None:
+        """Multiplies the gradient statistics in ``new`` by ``g_scale`` in place.
+
+        ``g_scale`` is ``1 / grad_scaler_scale²`` under mixed precision; a low-rank side
+        holds ``U`` and is scaled by ``√g_scale``. Applied after the reduction (the mean is
+        linear; a GradScaler's power-of-two scale makes it exact), so the hooks never read
+        the scale (a host synchronisation).
+        """
+        if g_scale == 1.0:
+            return
+        for name, means in new.items():
+            layer = layers[name]
+            for key in layer.block.grad_statistics:
+                if key in means:
+                    factor = g_scale**0.5 if key in layer.lowrank else g_scale
+                    means[key] = means[key] * factor
+
+    def collect(
+        self, layers: dict[str, LayerState], g_scale: float
+    ) -> dict[str, dict[str, Tensor]]:
+        """This step's averaged statistics of the layers captured here; resets the sums.
+
+        Args:
+            layers: The registered layers.
+            g_scale: Factor applied to G (``1 / grad_scaler_scale²`` under mixed precision).
+
+        Raises:
+            RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
+        """
+        new: dict[str, dict[str, Tensor]] = {}
+        missing_g = False
+        for name, layer in layers.items():
+            means, missing = self.take_layer(layer)
+            missing_g = missing_g or missing
+            if means is not None:
+                new[name] = means
+        self.scale_grad_statistics(layers, new, g_scale)
+        self.check_mc(missing_g)
+        return new

@@ -1,0 +1,1 @@
+"""Low-rank (Sherman–Morrison–Woodbury, SKFAC) factors and their solver."""
