@@ -90,10 +90,16 @@ def _check(strategy: str, folder: Path, ranks: list[dict[str, Any]]) -> None:
     state = load_checkpoint(folder / LATEST)
     saved = state["optimizer"]["preconditioner"]["layers"]
     assert state["position"]["step"] == 4
-    statistics = sum(len([k for k in e if k != "inverse"]) for e in saved.values())
+    statistics = sum(
+        len([k for k in e if k not in ("inverse", "inverse_solver")]) for e in saved.values()
+    )
     # The file is world-size independent: every layer's statistics are in it ...
     for entry in saved.values():
-        assert all(isinstance(v, torch.Tensor) for k, v in entry.items() if k != "inverse")
+        assert all(
+            isinstance(v, torch.Tensor)
+            for k, v in entry.items()
+            if k not in ("inverse", "inverse_solver")
+        )
     # ... and they are what the ranks that keep them hold (owners at least, for every layer).
     kept: set[str] = set()
     for result in ranks:

@@ -52,14 +52,19 @@ from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy, build_strategy
 from dkfac.engine.capture import FactorCapture
-from dkfac.engine.checkpoint import load_preconditioner_state, preconditioner_state
+from dkfac.engine.checkpoint import layers_state, load_layers_state
 from dkfac.engine.eager import build_eager
 from dkfac.engine.layer_state import LayerState
-from dkfac.engine.lowrank_plan import LowRankPlan
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
-from dkfac.engine.registration import other_parameters, register_layers, unwrap
+from dkfac.engine.registration import (
+    create_layers,
+    find_blocks,
+    other_parameters,
+    rows_rule,
+    unwrap,
+)
 from dkfac.engine.step_math import (
     finite_flags,
     kept_statistics,
@@ -126,23 +131,26 @@ class KFACPreconditioner:
             config.refresh_max_interval,
         )
         self.last_refreshed = 0
-        self.lowrank = LowRankPlan(config) if config.method in ("smw", "auto") else None
-        self.layers: dict[str, LayerState] = register_layers(
-            unwrap(model), config, self.capture, self.lowrank
-        )
+        blocks = find_blocks(unwrap(model), config)
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
             config,
             self.comm,
-            {name: layer.block for name, layer in self.layers.items()},
+            blocks,
             ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel),
         )
-        if self.lowrank is not None and self.strategy.factor_reduction != "none":
-            self.lowrank.gathered_ranks = self.strategy.world_size
+        gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
+        self.layers: dict[str, LayerState] = create_layers(
+            blocks, config, rows_rule(config, gathered)
+        )
         self._set_block_steps()
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
-        self.eager = build_eager(self, model)
+            self.capture.attach(layer.block.module, layer)
+        scaled = grad_scaler is not None and grad_scaler.is_enabled()
+        self.eager = build_eager(
+            config, self.layers, self.capture, self.strategy, model=model, grad_scaled=scaled
+        )
         self._other_params = other_parameters(unwrap(model), self.layers)
         self.schedule_captures(0)
         self.last_kl_scale: float | None = None
@@ -213,7 +221,7 @@ class KFACPreconditioner:
             self._update_factors(new_factors, finite, step)
         if step % int(inverse_interval) == 0:
             with record_function("dkfac.inverse"):
-                self._update_inverses(damping)
+                self.update_inverses(damping)
         with record_function("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
             finals, ready = precondition(
@@ -243,8 +251,8 @@ class KFACPreconditioner:
             agree_presence(self.comm, self.layers, new, grads, self._other_params)
             present = {name: g for name, g in grads.items() if g is not None}
             others = [p.grad for p in self._other_params if p.grad is not None]
-            lowrank = {n: frozenset(x.lowrank) for n, x in self.layers.items() if x.lowrank}
-            handle = self.strategy.reduce_step(new, lowrank, present, others)
+            gathered = {n: x.gathered() for n, x in self.layers.items() if x.gathered()}
+            handle = self.strategy.reduce_step(new, gathered, present, others)
         handle.wait()
         if new:
             self.capture.scale_grad_statistics(self.layers, new, self._g_scale())
@@ -272,9 +280,21 @@ class KFACPreconditioner:
             self.layers[name].update_running(stats, decay)
         agree_intervals(self.refresh, self.comm, self.layers, recorded, step)
 
-    def _update_inverses(self, damping: float, names: list[str] | None = None) -> None:
-        """Phase 2 (and checkpoint loading): see :func:`dkfac.engine.step_math.update_inverses`."""
+    def update_inverses(self, damping: float, names: list[str] | None = None) -> None:
+        """Owners recompute solver states (all layers, or ``names``) and share them.
+
+        Phase 2 of a step, and checkpoint loading; a collective with several ranks (see
+        :func:`dkfac.engine.step_math.update_inverses`).
+        """
         update_inverses(self.layers, self.strategy, damping, names)
+
+    def restore_step(self, step: int) -> None:
+        """Sets the step counter (checkpoints) and schedules that step's captures."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        self._steps = step
+        self._set_block_steps()
+        self.schedule_captures(step)
 
     def refresh_stats(self) -> dict[str, Any]:
         """Statistics refreshed at the last step, their total, and the adaptive intervals."""
@@ -318,7 +338,8 @@ class KFACPreconditioner:
         """One row per layer: name, block, dimensions, method, factor kinds, owner, workers.
 
         ``method``: e.g. ``"eigen"``, ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until
-        the first capture decides (:mod:`dkfac.engine.lowrank_plan`); ``a_factor``/``g_factor`` too.
+        the first capture decides (:mod:`dkfac.solvers.lowrank.deferred`); likewise
+        ``a_factor``/``g_factor``.
         """
         return [
             {**layer.summary(), **self.strategy.describe(name)}
@@ -339,9 +360,16 @@ class KFACPreconditioner:
             gather: ``False`` saves only what this rank holds (no communication); layers
                 held elsewhere are saved as ``None`` and load as "no factors yet".
         """
-        state = preconditioner_state(self, include_inverses=include_inverses, gather=gather)
-        state["refresh"] = self.refresh.state_dict()
-        return state
+        layers = layers_state(
+            self.layers, self.strategy, self.comm, include_inverses=include_inverses, gather=gather
+        )
+        generator = self.capture.generator
+        return {
+            "step": self.steps,
+            "layers": layers,
+            "mc_generator": None if generator is None else generator.get_state(),
+            "refresh": self.refresh.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (a collective with several ranks).
@@ -350,8 +378,26 @@ class KFACPreconditioner:
         unless they were saved.
 
         Raises:
-            ValueError: If the layer names or factor shapes do not match this model.
+            ValueError: If the state is not a state dict of this model's preconditioner
+                (layer names, statistic shapes, low-rank plans, step); nothing is changed
+                then.
         """
-        if isinstance(state, dict) and state.get("refresh"):
+        if not isinstance(state, dict) or "layers" not in state or "step" not in state:
+            raise ValueError("not a KFACPreconditioner state dict (needs 'step' and 'layers')")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state dict 'step' must be an integer >= 0, got {step!r}")
+        if not isinstance(state["layers"], dict):
+            raise ValueError("state dict 'layers' must be a dict of layer entries")
+        stale = load_layers_state(self.layers, self.strategy, state["layers"])
+        if state.get("refresh"):
             self.refresh.load_state_dict(state["refresh"])
-        load_preconditioner_state(self, state)
+        if state.get("mc_generator") is not None:
+            device = next(iter(self.layers.values())).block.parameters()[0].device
+            self.capture.generator = torch.Generator(device=device)
+            self.capture.generator.set_state(state["mc_generator"])
+        self.restore_step(step)
+        damping = resolve("damping", self.config.damping, max(step - 1, 0))
+        assert damping is not None
+        # Owners recompute what was not saved; then every grad worker gets its owner's state.
+        self.update_inverses(damping, stale)

@@ -121,7 +121,7 @@ class SPNGDStrategy(MemOptStrategy):
     def reduce_step(
         self,
         stats: Mapping[str, MutableMapping[str, Tensor]],
-        lowrank: Mapping[str, Collection[str]] | None,
+        gathered: Mapping[str, Collection[str]] | None,
         layer_grads: Mapping[str, Tensor],
         other_grads: Sequence[Tensor],
     ) -> CommHandle:
@@ -130,10 +130,11 @@ class SPNGDStrategy(MemOptStrategy):
         Per layer (in the order given: gradients' layers first, then any layer with
         statistics only) its dense statistics (packed when square and ``pack_triangles``)
         and its gradient go into the same buffers, one ``dist.reduce`` per (owner, bucket);
-        low-rank statistics are all-gathered as in :meth:`reduce_statistics`, and the other
-        parameters' gradients all-reduced. The ledger records each kind's share.
+        gathered statistics (low-rank sides) are all-gathered as in
+        :meth:`reduce_statistics`, and the other parameters' gradients all-reduced. The ledger
+        records each kind's share.
         """
-        skip = lowrank or {}
+        skip = gathered or {}
         tensors: list[Tensor] = []
         owners: list[int] = []
         kinds: list[Kind] = []
@@ -155,7 +156,7 @@ class SPNGDStrategy(MemOptStrategy):
                 owners.append(owner)
         return join_handles(
             [
-                self._gather_lowrank(stats, skip),
+                self._gather_rows(stats, skip),
                 self.comm.reduce_to_owners_mixed(tensors, owners, kinds, packed),
                 self.comm.all_reduce(list(other_grads), "gradients"),
             ]

@@ -112,28 +112,29 @@ class Strategy:
     def reduce_statistics(
         self,
         stats: Mapping[str, MutableMapping[str, Tensor]],
-        lowrank: Mapping[str, Collection[str]] | None = None,
+        gathered: Mapping[str, Collection[str]] | None = None,
     ) -> CommHandle:
         """Launches the reduction of this step's statistics (averaged over ranks).
 
         After ``wait()``, the tensors in ``stats`` of every layer this rank keeps hold the
         group average (for ``reduce_scatter``, only the owner's copies do).
 
-        Low-rank statistics (``lowrank[name]`` lists their keys) are ``U = Rᵀ/√n``
-        (``d × m``) and cannot be averaged: their row blocks ``Uᵀ`` are all-gathered
-        (:meth:`Communicator.all_gather_rows`, kind ``"factors"``) and ``stats[name][key]``
-        is replaced by ``[U_0, …, U_{P-1}] / √P``, the ``U`` of the global batch when the
-        local batches are equal. Every rank receives them (also under ``reduce_scatter``).
+        Gathered statistics (``gathered[name]`` lists their keys; the statistic kinds say
+        which, e.g. low-rank sides) are ``U = Rᵀ/√n`` (``d × m``) and cannot be averaged:
+        their row blocks ``Uᵀ`` are all-gathered (:meth:`Communicator.all_gather_rows`,
+        kind ``"factors"``) and ``stats[name][key]`` is replaced by ``[U_0, …, U_{P-1}] / √P``,
+        the ``U`` of the global batch when the local batches are equal. Every rank receives
+        them (also under ``reduce_scatter``).
         """
         if self.factor_reduction == "none" or not stats:
             return CommHandle()
         names = list(stats)
-        handles = [self._gather_lowrank(stats, lowrank or {})]
+        handles = [self._gather_rows(stats, gathered or {})]
         for packed in (True, False):
             tensors: list[Tensor] = []
             owners: list[int] = []
             for name in names:
-                skip = (lowrank or {}).get(name, ())
+                skip = (gathered or {}).get(name, ())
                 for key in sorted(k for k in stats[name] if k not in skip):
                     t = stats[name][key]
                     square = t.dim() == 2 and t.shape[0] == t.shape[1]
@@ -150,17 +151,17 @@ class Strategy:
                 )
         return join_handles(handles)
 
-    def _gather_lowrank(
+    def _gather_rows(
         self,
         stats: Mapping[str, MutableMapping[str, Tensor]],
-        lowrank: Mapping[str, Collection[str]],
+        gathered: Mapping[str, Collection[str]],
     ) -> CommHandle:
-        """All-gathers the ``Uᵀ`` row blocks of low-rank statistics (see reduce_statistics)."""
+        """All-gathers the ``Uᵀ`` row blocks of gathered statistics (see reduce_statistics)."""
         if not self.comm.active:
             return CommHandle()
         handles: list[CommHandle] = []
         scale = self.world_size**-0.5
-        for name, keys in lowrank.items():
+        for name, keys in gathered.items():
             for key in sorted(keys):
                 if key not in stats.get(name, {}):
                     continue
@@ -188,7 +189,7 @@ class Strategy:
     def reduce_step(
         self,
         stats: Mapping[str, MutableMapping[str, Tensor]],
-        lowrank: Mapping[str, Collection[str]] | None,
+        gathered: Mapping[str, Collection[str]] | None,
         layer_grads: Mapping[str, Tensor],
         other_grads: Sequence[Tensor],
     ) -> CommHandle:
@@ -201,7 +202,7 @@ class Strategy:
         """
         return join_handles(
             [
-                self.reduce_statistics(stats, lowrank),
+                self.reduce_statistics(stats, gathered),
                 self.reduce_gradients(layer_grads, other_grads),
             ]
         )

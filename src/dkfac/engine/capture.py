@@ -157,10 +157,10 @@ class FactorCapture:
     ) -> None:
         """Multiplies the gradient statistics in ``new`` by ``g_scale`` in place.
 
-        ``g_scale`` is ``1 / grad_scaler_scale²`` under mixed precision; a low-rank side
-        holds ``U`` and is scaled by ``√g_scale``. Applied after the reduction (the mean is
-        linear; a GradScaler's power-of-two scale makes it exact), so the hooks never read
-        the scale (a host synchronisation).
+        ``g_scale`` is ``1 / grad_scaler_scale²`` under mixed precision; each statistic's
+        kind applies it (a low-rank side holds ``U`` and is scaled by ``√g_scale``). Applied
+        after the reduction (the mean is linear; a GradScaler's power-of-two scale makes it
+        exact), so the hooks never read the scale (a host synchronisation).
         """
         if g_scale == 1.0:
             return
@@ -168,8 +168,7 @@ class FactorCapture:
             layer = layers[name]
             for key in layer.block.grad_statistics:
                 if key in means:
-                    factor = g_scale**0.5 if key in layer.lowrank else g_scale
-                    means[key] = means[key] * factor
+                    means[key] = layer.kinds[key].rescale(means[key], g_scale)
 
     def collect(
         self, layers: dict[str, LayerState], g_scale: float

@@ -1,129 +1,171 @@
-"""World-size independent checkpoints of a :class:`~dkfac.KFACPreconditioner`.
+"""World-size independent checkpoints of the registered layers' statistics and solver states.
 
-Under ``"mem-opt"``, ``"kaisa"``, ``"dp"`` and ``"spngd"`` a rank keeps factors (and solver
-states) only for the layers it owns. :func:`preconditioner_state` gathers every layer's
+Under ``"mem-opt"``, ``"kaisa"``, ``"dp"`` and ``"spngd"`` a rank keeps statistics (and
+solver states) only for the layers it owns. :func:`layers_state` gathers every layer's
 tensors from its owner (a collective: call it on every rank), so a checkpoint written by
 rank 0 holds the whole model's state and loads at any world size and with any strategy;
-:func:`load_preconditioner_state` keeps on each rank only what its strategy needs and lets
-the owners recompute (and share) any solver state the checkpoint lacks.
+:func:`load_layers_state` keeps on each rank only what its strategy needs and returns the
+layers whose solver state the owners must recompute (and share).
 
 Under ``"dp"`` each owner's factors come from its own local batches; the gathered
 checkpoint holds those.
 
-With ``method="smw"``/``"auto"`` each layer's entry also holds ``"plan"``: the solver and
-the low-rank sides decided at the first capture (:mod:`dkfac.engine.lowrank_plan`), taken from the
-owner. A low-rank side is saved as its ``U`` of shape ``(d, r)`` (``r`` varies with the
-steps seen, up to the side's bounded rank), which ``load`` accepts in place of ``(d, d)``.
+Each entry holds the layer's statistics by name, ``"plan"`` where a deferred solver
+(``method="smw"``/``"auto"``) has decided (its :meth:`~dkfac.solvers.base.Solver.decision`,
+taken from the owner), and with ``include_inverses`` the solver state and the name of the
+solver that made it (``"inverse_solver"``). A saved value is checked against its statistic
+kind (a low-rank side is saved as its ``U`` of shape ``(d, r)``). A solver state made by
+another solver than the layer now has (a method switch) is dropped and recomputed from the
+saved factors.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dkfac.config import resolve
-from dkfac.engine.lowrank_plan import decision
+from dkfac.distributed.comm import Communicator
+from dkfac.distributed.strategy_base import Strategy
+from dkfac.engine.layer_state import LayerState
+from dkfac.solvers import DenseStatistic, decided_solver
 
-if TYPE_CHECKING:
-    from dkfac.preconditioner import KFACPreconditioner
+__all__ = ["layers_state", "load_layers_state"]
 
-__all__ = ["load_preconditioner_state", "preconditioner_state"]
+logger = logging.getLogger(__name__)
 
 
-def preconditioner_state(
-    pre: KFACPreconditioner, *, include_inverses: bool, gather: bool
-) -> dict[str, Any]:
-    """The state dict of ``pre`` (see :meth:`KFACPreconditioner.state_dict`)."""
-    devices = {name: layer.block.parameters()[0].device for name, layer in pre.layers.items()}
+def _device(layer: LayerState) -> torch.device:
+    return layer.block.parameters()[0].device
+
+
+def layers_state(
+    layers: Mapping[str, LayerState],
+    strategy: Strategy,
+    comm: Communicator,
+    *,
+    include_inverses: bool,
+    gather: bool,
+) -> dict[str, dict[str, Any]]:
+    """Every layer's checkpoint entry (see the module notes); a collective when ``gather``.
+
+    Args:
+        layers: The registered layers.
+        strategy: Says which rank owns each layer and gathers the owners' tensors.
+        comm: The communicator of the training ranks (exchanges the owners' decisions).
+        include_inverses: Also save the solver states.
+        gather: Gather from the owners; ``False`` saves only what this rank holds.
+    """
+    devices = {name: _device(layer) for name, layer in layers.items()}
     running: dict[str, dict[str, Tensor] | None] = {
-        name: dict(layer.running) or None for name, layer in pre.layers.items()
+        name: dict(layer.running) or None for name, layer in layers.items()
     }
     inverses: dict[str, dict[str, Tensor] | None] = {
         name: None if layer.solver_state is None else dict(layer.solver_state)
-        for name, layer in pre.layers.items()
+        for name, layer in layers.items()
     }
-    plans = {
-        name: None if pre.lowrank is None else decision(layer) for name, layer in pre.layers.items()
-    }
+    plans = {name: layer.decided for name, layer in layers.items()}
     if gather:
-        running = pre.strategy.gather_to_all(running, devices)
+        running = strategy.gather_to_all(running, devices)
         if include_inverses:
-            inverses = pre.strategy.gather_to_all(inverses, devices)
-        if pre.lowrank is not None:  # the owner's decision (under dp only owners decide)
-            for part in pre.comm.exchange_objects(
-                {n: p for n, p in plans.items() if pre.strategy.is_owner(n)}
+            inverses = strategy.gather_to_all(inverses, devices)
+        # The same answer on every rank: under dp only owners capture, hence decide.
+        if any(layer.solver.deferred or layer.decided for layer in layers.values()):
+            for part in comm.exchange_objects(
+                {n: p for n, p in plans.items() if strategy.is_owner(n)}
             ):
                 plans.update({n: p for n, p in part.items() if p is not None})
-    layers: dict[str, dict[str, Any]] = {}
-    for name, layer in pre.layers.items():
+    entries: dict[str, dict[str, Any]] = {}
+    for name, layer in layers.items():
         held = running[name] or {}
         entry: dict[str, Any] = {key: held.get(key) for key in layer.statistic_shapes()}
         if plans[name] is not None:
             entry["plan"] = plans[name]
         if include_inverses and inverses[name] is not None:
             entry["inverse"] = inverses[name]
-        layers[name] = entry
-    generator = None if pre.capture.generator is None else pre.capture.generator.get_state()
-    return {"step": pre.steps, "layers": layers, "mc_generator": generator}
+            entry["inverse_solver"] = layer.solver.name
+        entries[name] = entry
+    return entries
 
 
-def load_preconditioner_state(pre: KFACPreconditioner, state: dict[str, Any]) -> None:
-    """Restores a state dict into ``pre`` (see :meth:`KFACPreconditioner.load_state_dict`)."""
-    if not isinstance(state, dict) or "layers" not in state or "step" not in state:
-        raise ValueError("not a KFACPreconditioner state dict (needs 'step' and 'layers')")
-    saved, mine = set(state["layers"]), set(pre.layers)
-    if saved != mine:
+def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -> None:
+    """Raises ValueError unless every saved entry fits its layer (nothing is changed)."""
+    if set(saved) != set(layers):
         raise ValueError(
-            f"state dict layers do not match the model: missing {sorted(mine - saved)}, "
-            f"unexpected {sorted(saved - mine)}"
+            "state dict layers do not match the model: missing "
+            f"{sorted(set(layers) - set(saved))}, unexpected {sorted(set(saved) - set(layers))}"
         )
-    for name, entry in state["layers"].items():
-        layer = pre.layers[name]
+    for name, entry in saved.items():
+        layer = layers[name]
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{name}: a layer entry must be a dict, got {type(entry).__name__}")
         plan = entry.get("plan")
-        if plan is not None and plan["lowrank"] and pre.lowrank is None:
+        deferrable = layer.solver.deferred or layer.decided is not None
+        if plan is not None and plan["lowrank"] and not deferrable:
             raise ValueError(
                 f"{name}: the state dict holds a {plan['solver']!r} low-rank plan; load it into "
                 "a preconditioner with method='smw' or 'auto'"
             )
-        sides = {} if plan is None else dict(plan["lowrank"])
-        for key, shape in layer.statistic_shapes().items():
+        shapes = layer.statistic_shapes()
+        if plan is not None and deferrable:
+            kinds = decided_solver(plan["solver"], torch.float32, plan["lowrank"]).statistics(
+                shapes
+            )
+        else:
+            kinds = layer.kinds
+        for key, shape in shapes.items():
             value = entry.get(key)
             if value is None:
                 continue
-            got = tuple(value.shape)
-            if key in sides:  # U: (d, r) with 1 <= r <= the side's bounded rank
-                if len(got) != 2 or got[0] != shape[0] or not 1 <= got[1] <= sides[key]:
-                    raise ValueError(
-                        f"{name}: saved low-rank {key} has shape {got}, expected "
-                        f"({shape[0]}, r) with 1 <= r <= {sides[key]}"
-                    )
-            elif got != shape:
-                raise ValueError(f"{name}: saved {key} has shape {got}, expected {shape}")
-    for name, entry in state["layers"].items():
-        layer = pre.layers[name]
-        if entry.get("plan") is not None and pre.lowrank is not None:
-            pre.lowrank.restore(layer, entry["plan"])
-        device = layer.block.parameters()[0].device
+            if not isinstance(value, Tensor):
+                raise ValueError(f"{name}: saved {key} must be a tensor or None")
+            kind = kinds.get(key, DenseStatistic())  # a pending layer's sides are dense
+            kind.check_saved(f"{name}: saved {key}", shape, tuple(value.shape))
+
+
+def load_layers_state(
+    layers: Mapping[str, LayerState], strategy: Strategy, saved: Mapping[str, Any]
+) -> list[str]:
+    """Restores :func:`layers_state` entries; the layers whose solver state must be recomputed.
+
+    Every entry is checked before anything changes. Each rank keeps what its strategy
+    needs; a saved decision is installed; a solver state is taken only when the solver that
+    made it is the layer's (older checkpoints, without ``"inverse_solver"``, are trusted).
+
+    Raises:
+        ValueError: If the layer names, shapes or plans do not fit the layers.
+    """
+    _check_entries(layers, saved)
+    stale: list[str] = []
+    for name, entry in saved.items():
+        layer = layers[name]
+        plan = entry.get("plan")
+        if plan is not None and (layer.solver.deferred or layer.decided is not None):
+            solver = decided_solver(plan["solver"], layer.solver.compute_dtype, plan["lowrank"])
+            layer.restore_decision(plan, solver)
+        device = _device(layer)
         values = {key: entry.get(key) for key in layer.statistic_shapes()}
-        keep = pre.strategy.keeps_statistics(name) and all(v is not None for v in values.values())
+        keep = strategy.keeps_statistics(name) and all(v is not None for v in values.values())
         layer.running = {k: v.to(device).clone() for k, v in values.items() if v is not None}
         if not keep:
             layer.running = {}
         inverse = entry.get("inverse")
+        made_by = entry.get("inverse_solver", layer.solver.name)
+        if inverse is not None and made_by != layer.solver.name:
+            logger.info(
+                "%s: the saved %s state is recomputed for the %s solver from the saved factors",
+                name,
+                made_by,
+                layer.solver.name,
+            )
+            inverse = None
         layer.solver_state = (
             None if inverse is None else {k: v.to(device) for k, v in inverse.items()}
         )
+        if inverse is None:
+            stale.append(name)
         layer.reset_accumulators()
-    pre._steps = int(state["step"])
-    if state.get("mc_generator") is not None:
-        device = next(iter(pre.layers.values())).block.parameters()[0].device
-        pre.capture.generator = torch.Generator(device=device)
-        pre.capture.generator.set_state(state["mc_generator"])
-    stale = [name for name, e in state["layers"].items() if e.get("inverse") is None]
-    damping = resolve("damping", pre.config.damping, max(pre.steps - 1, 0))
-    assert damping is not None
-    # Owners recompute what was not saved; then every grad worker gets its owner's state.
-    pre._update_inverses(damping, stale)
-    pre.schedule_captures(pre.steps)
+    return stale

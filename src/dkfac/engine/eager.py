@@ -37,20 +37,17 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from dkfac.config import OVERLAP_MODES
+from dkfac.config import OVERLAP_MODES, KFACConfig
 from dkfac.distributed.comm import CommHandle
 from dkfac.distributed.strategy_base import Strategy, join_handles
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.presence import agree_presence
-
-if TYPE_CHECKING:
-    from dkfac.preconditioner import KFACPreconditioner
 
 __all__ = ["EagerReducer", "build_eager", "resolve_overlap"]
 
@@ -87,29 +84,42 @@ def resolve_overlap(mode: str, *, world_size: int, ddp_find_unused: bool | None)
     return world_size > 1 and ddp_find_unused is False
 
 
-def build_eager(pre: KFACPreconditioner, model: nn.Module) -> EagerReducer | None:
+def build_eager(
+    config: KFACConfig,
+    layers: dict[str, LayerState],
+    capture: FactorCapture,
+    strategy: Strategy,
+    *,
+    model: nn.Module,
+    grad_scaled: bool,
+) -> EagerReducer | None:
     """The overlapped path of a preconditioner, or ``None`` where ``overlap_comm`` is off.
 
     Args:
-        pre: The preconditioner (layers registered, strategy built).
-        model: The model as given to it (a DDP wrapper tells ``"auto"`` it is safe).
+        config: The preconditioner's configuration (``overlap_comm``, buckets...).
+        layers: The registered layers.
+        capture: Their capture hooks.
+        strategy: The strategy (built).
+        model: The model as given to the preconditioner (a DDP wrapper tells ``"auto"``
+            it is safe).
+        grad_scaled: Whether an enabled GradScaler scales the gradients (then they are
+            reduced in ``step()``, after unscaling).
     """
     ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
     on = resolve_overlap(
-        pre.config.overlap_comm,
-        world_size=pre.strategy.world_size,
+        config.overlap_comm,
+        world_size=strategy.world_size,
         ddp_find_unused=None if ddp is None else bool(ddp.find_unused_parameters),
     )
     if not on:
         return None
-    scaled = pre.grad_scaler is not None and pre.grad_scaler.is_enabled()
     return EagerReducer(
-        pre.layers,
-        pre.capture,
-        pre.strategy,
-        accumulation_steps=pre.config.accumulation_steps,
-        bucket_bytes=pre.config.bucket_bytes,
-        with_gradients=pre.strategy.reduces_gradients and not scaled,
+        layers,
+        capture,
+        strategy,
+        accumulation_steps=config.accumulation_steps,
+        bucket_bytes=config.bucket_bytes,
+        with_gradients=strategy.reduces_gradients and not grad_scaled,
     )
 
 
@@ -268,8 +278,8 @@ class EagerReducer:
                     self._problem = f"layer {name} has no gradient on this rank; {_OFF_HINT}"
                     return
                 grads[name] = grad
-        lowrank = {n: frozenset(self.layers[n].lowrank) for n in stats if self.layers[n].lowrank}
-        self._handles.append(self.strategy.reduce_step(stats, lowrank, grads, []))
+        gathered = {n: self.layers[n].gathered() for n in stats if self.layers[n].gathered()}
+        self._handles.append(self.strategy.reduce_step(stats, gathered, grads, []))
         self._stats.update(stats)
         self._grads.update(grads)
 

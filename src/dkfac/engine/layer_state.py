@@ -1,54 +1,119 @@
-"""Per-layer runtime state: accumulators, running statistics and solver state."""
+"""Per-layer runtime state: accumulators, running statistics and solver state.
+
+Statistics are *named* (``"A"`` and ``"G"`` for a Kronecker block, ``"F"`` for unit-wise
+BatchNorm) and each has a :class:`~dkfac.solvers.statistics.StatisticKind` given by the
+layer's solver: how it accumulates, is combined over ranks, averaged over steps and
+checkpointed. The state asks the kinds and never which solver it holds.
+
+A *deferred* solver (``method="smw"``/``"auto"``) is decided at the first capture: until
+then the layer's accumulators are :class:`PendingSink` placeholders, and the first rows a
+block adds (or a precomputed sum, which needs dense sides) resolve the solver
+(:meth:`~dkfac.solvers.base.Solver.resolve`) and install its statistic kinds. The decision
+is logged at INFO, shown by ``describe()`` and saved in checkpoints (:attr:`LayerState.decided`).
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from dkfac.blocks.base import Block
+from dkfac.blocks.base import Block, Rows
 from dkfac.solvers.base import Solver, SolverState
-from dkfac.solvers.lowrank.factor import LowRank, decay_concat
-from dkfac.solvers.statistics import Accumulator, FactorAccumulator
+from dkfac.solvers.statistics import Accumulator, StatisticKind
 
+__all__ = ["LayerState", "PendingSink"]
 
-def _pair() -> dict[str, Accumulator]:
-    return {"A": FactorAccumulator(), "G": FactorAccumulator()}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class LayerState:
     """Everything the preconditioner keeps for one registered layer on this rank.
 
-    Statistics are *named* (``"A"`` and ``"G"`` for a Kronecker block) so that strategies
-    can reduce, keep and checkpoint them without knowing what they are.
+    Build it with :meth:`create`, which installs the solver's statistic kinds and
+    accumulators.
 
     Attributes:
-        block: What the layer's factors are.
+        block: What the layer's statistics are.
         solver: How the layer's damped inverse is applied.
+        factor_dtype: Precision the statistics are stored in (``None``: as they come).
+        capture_dtype: Precision of the products' inputs of dense statistics.
+        kinds: Statistic name -> how the solver keeps it.
         accumulators: Statistic name -> accumulator of the current step's contribution.
-        running: Statistic name -> running average; empty on ranks that do not keep it.
+        running: Statistic name -> running value; empty on ranks that do not keep it.
         solver_state: The last good solver state, ``None`` before the first inverse update
             and on ranks that do not precondition this layer.
         captures: Whether this rank's hooks build the layer's statistics (a strategy may
             leave all of the capture work to the layer's owner).
         due: The statistics captured this step (set by the refresh policy before a step).
-        lowrank: Statistic name -> bounded rank, for the sides held as ``U`` (``d × m``,
-            factor ``U Uᵀ``) instead of a ``d × d`` matrix (SMW; see
-            :mod:`dkfac.engine.lowrank_plan`). Their step statistic and running value are ``U``.
-        method_label: The method as ``describe()`` shows it (e.g. ``smw(A=lowrank,G=dense)``).
+        decided: What a deferred solver decided (``None`` before, or without one).
     """
 
     block: Block
     solver: Solver
-    accumulators: dict[str, Accumulator] = field(default_factory=_pair)
+    factor_dtype: torch.dtype | None = None
+    capture_dtype: torch.dtype | None = None
+    kinds: dict[str, StatisticKind] = field(default_factory=dict)
+    accumulators: dict[str, Any] = field(default_factory=dict)
     running: dict[str, Tensor] = field(default_factory=dict)
     solver_state: SolverState | None = None
     captures: bool = True
-    lowrank: dict[str, int] = field(default_factory=dict)
-    method_label: str = ""
     due: frozenset[str] = frozenset()
+    decided: dict[str, Any] | None = None
+
+    @classmethod
+    def create(
+        cls,
+        block: Block,
+        solver: Solver,
+        factor_dtype: torch.dtype | None = None,
+        capture_dtype: torch.dtype | None = None,
+    ) -> LayerState:
+        """A layer with ``solver`` installed (pending sinks for a deferred one)."""
+        state = cls(block, solver, factor_dtype, capture_dtype)
+        state.install(solver)
+        return state
+
+    def install(self, solver: Solver) -> None:
+        """Makes ``solver`` the layer's: its statistic kinds and fresh accumulators."""
+        self.solver = solver
+        shapes = self.block.statistic_shapes()
+        if solver.deferred:
+            self.kinds = {}
+            self.accumulators = {key: PendingSink(self, key) for key in shapes}
+            return
+        self.kinds = solver.statistics(shapes)
+        self.accumulators = {
+            key: kind.accumulator(self.factor_dtype, self.capture_dtype)
+            for key, kind in self.kinds.items()
+        }
+
+    def resolve(self, rows: int | None) -> None:
+        """Decides a deferred solver from the first micro-batch's rows (see the module notes)."""
+        if not self.solver.deferred:
+            return
+        method = self.solver.label
+        solver = self.solver.resolve((self.block.a_dim, self.block.g_dim), rows)
+        self.install(solver)
+        self.decided = solver.decision()
+        logger.info(
+            "%s: %s -> %s (rows of the first micro-batch %s, a_dim %d, g_dim %d)",
+            self.name,
+            method,
+            solver.label,
+            rows,
+            self.block.a_dim,
+            self.block.g_dim,
+        )
+
+    def restore_decision(self, decided: dict[str, Any], solver: Solver) -> None:
+        """Installs a decision saved in a checkpoint (``solver`` is its concrete solver)."""
+        self.install(solver)
+        self.decided = dict(decided)
 
     def due_sinks(self) -> dict[str, Any]:
         """The accumulators of the statistics due this step."""
@@ -58,16 +123,6 @@ class LayerState:
     def name(self) -> str:
         """The module's qualified name."""
         return self.block.name
-
-    @property
-    def a_acc(self) -> Accumulator:
-        """Accumulator of the input factor A."""
-        return self.accumulators["A"]
-
-    @property
-    def g_acc(self) -> Accumulator:
-        """Accumulator of the output-gradient factor G."""
-        return self.accumulators["G"]
 
     @property
     def a(self) -> Tensor | None:
@@ -83,6 +138,10 @@ class LayerState:
         """Shape of every statistic, known without data (used to allocate receive buffers)."""
         return self.block.statistic_shapes()
 
+    def gathered(self) -> frozenset[str]:
+        """The statistics that ranks combine by concatenating rows (low-rank sides)."""
+        return frozenset(key for key, kind in self.kinds.items() if kind.gathered)
+
     def take_means(self) -> dict[str, Tensor] | None:
         """This step's averaged statistics (those that were fed, or ``None``); resets the sums."""
         means = {key: acc.mean() for key, acc in self.accumulators.items()}
@@ -91,20 +150,13 @@ class LayerState:
         return present or None
 
     def update_running(self, new: dict[str, Tensor], decay: float) -> None:
-        """``F ← decay·F + (1−decay)·F_new`` per statistic; a first value is taken as it is.
+        """Each statistic's running value after ``new``, as its kind averages it.
 
-        Low-rank sides keep ``U ← [√decay·U, √(1−decay)·U_new]`` (bounded rank, oldest
-        columns dropped first; :func:`~dkfac.solvers.lowrank.factor.decay_concat`), never a
-        sum of ``U``'s.
+        Dense: ``F ← decay·F + (1−decay)·F_new`` (a first value is taken as it is); a
+        low-rank side: the decayed concatenation of its ``U``'s, never a sum of them.
         """
         for key, value in new.items():
-            if key in self.lowrank:
-                old = self.running.get(key)
-                self.running[key] = decay_concat(old, value, decay, self.lowrank[key])
-            elif key not in self.running or decay == 0.0:
-                self.running[key] = value
-            else:
-                self.running[key].mul_(decay).add_(value, alpha=1.0 - decay)
+            self.running[key] = self.kinds[key].update_running(self.running.get(key), value, decay)
 
     @property
     def complete(self) -> bool:
@@ -113,18 +165,14 @@ class LayerState:
 
     def solver_inputs(self) -> dict[str, Any]:
         """The running statistics as the solver takes them (low-rank sides as ``LowRank``)."""
-        return {
-            key: LowRank(value) if key in self.lowrank else value
-            for key, value in self.running.items()
-        }
+        return {key: self.kinds[key].solver_input(value) for key, value in self.running.items()}
 
     def factor_kinds(self) -> dict[str, str]:
         """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"`` or ``"pending"``."""
-        pending = self.method_label.endswith("(pending)")
         return {
             f"{key.lower()}_factor": "pending"
-            if pending
-            else ("lowrank" if key in self.lowrank else "dense")
+            if self.solver.deferred
+            else (self.kinds[key].label if key in self.kinds else "dense")
             for key in ("A", "G")
         }
 
@@ -135,7 +183,7 @@ class LayerState:
             "block": type(self.block).__name__,
             "a_dim": self.block.a_dim,
             "g_dim": self.block.g_dim,
-            "method": self.method_label or self.solver.name,
+            "method": self.solver.label,
             **self.factor_kinds(),
         }
 
@@ -152,3 +200,50 @@ class LayerState:
         """Drops the current step's partial statistics."""
         for acc in self.accumulators.values():
             acc.reset()
+
+
+class PendingSink:
+    """Accumulator placeholder of a deferred solver: its first contribution decides it.
+
+    It resolves the layer's solver (which installs real accumulators) and forwards the
+    contribution to the new accumulator.
+    """
+
+    takes_sums = False
+    """Blocks hand it rows: their count decides the sides."""
+    compute_dtype = None
+    dtype = None
+
+    def __init__(self, layer: LayerState, key: str) -> None:
+        self.layer = layer
+        self.key = key
+
+    @property
+    def has_data(self) -> bool:
+        """Always ``False``: contributions go to the accumulator that replaces it."""
+        return False
+
+    def add(self, rows: Rows, scale: float = 1.0) -> None:
+        """Decides the solver from ``rows``' count, then adds to the chosen accumulator."""
+        self.layer.resolve(int(rows.rows.shape[0]))
+        self._target().add(rows, scale)
+
+    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
+        """A block that feeds sums needs dense sides: decides dense, then adds."""
+        self.layer.resolve(None)
+        self._target().add_sum(total, normaliser, scale)
+
+    def _target(self) -> Accumulator:
+        target: Accumulator = self.layer.accumulators[self.key]
+        return target
+
+    def mean(self) -> Tensor | None:
+        """Nothing accumulated here."""
+        return None
+
+    def reset(self) -> None:
+        """Nothing to forget."""
+
+    def tensors(self) -> list[Tensor]:
+        """Holds no tensor."""
+        return []

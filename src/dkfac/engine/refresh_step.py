@@ -50,8 +50,9 @@ def record_refreshes(
     """Tells ``refresh`` the statistics refreshed at ``step``; their keys.
 
     Call it before the running averages are updated: the old values are the running
-    tensors, which the update changes in place. A low-rank side's ``U`` changes shape as it
-    grows, so it is recorded as a first value (its interval stays put).
+    tensors, which the update changes in place. A statistic whose kind is not
+    ``comparable`` (a low-rank side's ``U`` changes shape as it grows) is recorded as a first
+    value (its interval stays put).
 
     Args:
         refresh: The policy.
@@ -62,7 +63,7 @@ def record_refreshes(
     refreshed: list[tuple[str, Tensor | None, Tensor]] = []
     for name, stats in kept.items():
         layer = layers[name]
-        olds = {k: None if k in layer.lowrank else layer.running.get(k) for k in stats}
+        olds = {k: layer.running.get(k) if layer.kinds[k].comparable else None for k in stats}
         refreshed += [(f"{name}/{k}", olds[k], v) for k, v in stats.items()]
     refresh.record_many(step, refreshed)  # one host synchronisation
     return [key for key, _, _ in refreshed]

@@ -1,30 +1,36 @@
 """Which layers of a model K-FAC preconditions, and the state each one gets.
 
-:func:`register_layers` walks the (unwrapped) model once: every module that the block
-registry (:func:`~dkfac.blocks.registry.make_block`) knows, that ``skip_layers`` does not
-exclude and whose weight requires a gradient becomes a :class:`~dkfac.engine.layer_state.LayerState`
-with its solver and accumulators, and gets the capture hooks. Every other parameter keeps
-its plain gradient (:func:`other_parameters`).
+:func:`find_blocks` walks the (unwrapped) model once: every module that the block registry
+(:func:`~dkfac.blocks.registry.make_block`) knows, that ``skip_layers`` does not exclude and
+whose weight requires a gradient gets a block. Once the strategy is known,
+:func:`create_layers` gives each a :class:`~dkfac.engine.layer_state.LayerState` with its
+solver and accumulators. Every other parameter keeps its plain gradient
+(:func:`other_parameters`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import Tensor, nn
 
+from dkfac.blocks.base import Block
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.registry import make_block
-from dkfac.config import KFACConfig
-from dkfac.engine.capture import FactorCapture
+from dkfac.config import KFACConfig, resolve
 from dkfac.engine.layer_state import LayerState
-from dkfac.engine.lowrank_plan import LowRankPlan
-from dkfac.solvers import make_solver
-from dkfac.solvers.statistics import Accumulator, FactorAccumulator
+from dkfac.solvers import RowsRule, make_solver
 
-__all__ = ["is_skipped", "other_parameters", "register_layers", "unwrap"]
+__all__ = [
+    "create_layers",
+    "find_blocks",
+    "is_skipped",
+    "other_parameters",
+    "rows_rule",
+    "unwrap",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,28 +52,20 @@ def is_skipped(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
     )
 
 
-def register_layers(
-    model: nn.Module,
-    config: KFACConfig,
-    capture: FactorCapture,
-    lowrank: LowRankPlan | None,
-) -> dict[str, LayerState]:
-    """The state of every layer K-FAC preconditions, in module order, hooks attached.
+def find_blocks(model: nn.Module, config: KFACConfig) -> dict[str, Block]:
+    """The block of every layer K-FAC preconditions, in module order.
 
     Args:
         model: The bare model (see :func:`unwrap`).
-        config: The preconditioner's configuration (``skip_layers``, ``method``, dtypes...).
-        capture: The hooks that feed each layer's accumulators; attached to every layer.
-        lowrank: The SMW plan (``method="smw"``/``"auto"``) that prepares each layer's
-            low-rank sides, or ``None``.
+        config: The preconditioner's configuration (``skip_layers``, block options...).
 
     Returns:
-        Module name -> its layer state.
+        Module name -> its block.
 
     Raises:
         ValueError: If no layer of the model can be preconditioned.
     """
-    layers: dict[str, LayerState] = {}
+    blocks: dict[str, Block] = {}
     conv = {"reduction": config.conv_reduction, "positions": config.subsample_positions}
     for name, module in model.named_modules():
         if is_skipped(name, module, config.skip_layers):
@@ -79,23 +77,56 @@ def register_layers(
         if not isinstance(weight, Tensor) or not weight.requires_grad:
             logger.info("skipping %s: its weight does not require a gradient", name)
             continue
-        dtype = config.factor_dtype or weight.dtype
-        method = block.solver_name or ("smw" if config.method == "auto" else config.method)
-        accumulators: dict[str, Accumulator] = {
-            key: FactorAccumulator(dtype, config.capture_dtype) for key in block.statistic_shapes()
-        }
-        state = LayerState(block, make_solver(method, config.eigen_dtype), accumulators)
-        if lowrank is not None:
-            lowrank.prepare(state)
-        layers[name] = state
-        capture.attach(module, state)
-    if not layers:
+        blocks[name] = block
+    if not blocks:
         raise ValueError(
             "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv2d "
             f"with groups=1, or types added with register_block); skip_layers="
             f"{list(config.skip_layers)}"
         )
-    logger.info("K-FAC registered %d layers: %s", len(layers), list(layers))
+    logger.info("K-FAC registered %d layers: %s", len(blocks), list(blocks))
+    return blocks
+
+
+def rows_rule(config: KFACConfig, gathered_ranks: int) -> RowsRule:
+    """The rule by which a deferred solver (``"smw"``/``"auto"``) turns rows into a rank.
+
+    Args:
+        config: The configuration (decay and intervals are resolved at step 0).
+        gathered_ranks: The ranks whose rows one reduced statistic holds.
+    """
+    values = {
+        name: resolve(name, getattr(config, name), 0)
+        for name in ("factor_decay", "factor_update_interval", "inverse_update_interval")
+    }
+    return RowsRule(
+        accumulation_steps=config.accumulation_steps,
+        gathered_ranks=gathered_ranks,
+        decay=float(values["factor_decay"] or 0.0),
+        factor_update_interval=int(values["factor_update_interval"] or 1),
+        inverse_update_interval=int(values["inverse_update_interval"] or 1),
+    )
+
+
+def create_layers(
+    blocks: Mapping[str, Block], config: KFACConfig, rule: RowsRule
+) -> dict[str, LayerState]:
+    """The state of every block's layer: its solver, statistic kinds and accumulators.
+
+    A block names its own solver (``solver_name``) or takes ``config.method``; a plain
+    Kronecker pair (statistics ``"A"`` and ``"G"``) under ``"smw"``/``"auto"`` gets a
+    deferred solver, decided by ``rule`` at the first capture; another block under
+    ``"auto"`` gets the SMW solver with dense sides.
+    """
+    layers: dict[str, LayerState] = {}
+    for name, block in blocks.items():
+        dtype = config.factor_dtype or block.parameters()[0].dtype
+        kronecker = block.solver_name is None and set(block.statistic_shapes()) == {"A", "G"}
+        method = block.solver_name or config.method
+        if method == "auto" and not kronecker:
+            method = "smw"
+        solver = make_solver(method, config.eigen_dtype, rule if kronecker else None)
+        layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)
     return layers
 
 

@@ -5,9 +5,13 @@ A solver turns the factors of one layer into a *state* (eigenpairs, inverses, ..
 inverse to a gradient matrix in :meth:`Solver.apply`, which runs every step. The state is a
 flat ``dict[str, Tensor]`` so that strategies can communicate it and memory can be counted.
 
-A solver whose :attr:`Solver.accepts_lowrank` is ``True`` (the SMW solver) also takes each
-factor as a :class:`~dkfac.solvers.lowrank.factor.LowRank` ``U`` with ``F = U Uᵀ`` instead
-of a dense matrix; the preconditioner then keeps the factors' rows rather than ``RᵀR``.
+A solver also says how each statistic it consumes is kept (:meth:`Solver.statistics`):
+dense by default; the SMW solver keeps low-rank sides as ``U`` with ``F = U Uᵀ``
+(:class:`~dkfac.solvers.lowrank.factor.LowRankStatistic`). The engine, the strategies,
+checkpoints and the refresh policy ask those kinds, never which solver a layer has.
+A *deferred* solver (:attr:`Solver.deferred`, ``method="smw"``/``"auto"``) cannot know its
+statistics before it has seen data: :meth:`Solver.resolve` turns it into a concrete solver
+from the rows of the first capture.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from dkfac.solvers.statistics import DenseStatistic, StatisticKind
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +46,30 @@ class Solver(ABC):
     name: str = "solver"
     accepts_lowrank: bool = False
     """Whether :meth:`compute` also takes :class:`~dkfac.solvers.lowrank.factor.LowRank` factors."""
+    deferred: bool = False
+    """Whether the solver is only decided at the first capture (:meth:`resolve`)."""
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         self.compute_dtype = compute_dtype
+
+    @property
+    def label(self) -> str:
+        """The method as ``describe()`` shows it."""
+        return self.name
+
+    def statistics(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, StatisticKind]:
+        """How each of a block's statistics (name -> shape) is kept: dense by default."""
+        return {key: DenseStatistic() for key in shapes}
+
+    def resolve(self, dims: tuple[int, int], rows: int | None) -> Solver:
+        """The concrete solver of a deferred one, from ``(a_dim, g_dim)`` and the rows of
+        the first capture (``None``: a block that feeds sums, which need dense sides)."""
+        del dims, rows
+        return self
+
+    def decision(self) -> dict[str, Any]:
+        """What a deferred solver decided, as checkpoints save it (see :meth:`resolve`)."""
+        return {"solver": self.name, "lowrank": {}}
 
     @abstractmethod
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:

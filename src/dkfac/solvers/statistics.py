@@ -1,9 +1,15 @@
-"""How a statistic accumulates over the micro-batches of one step."""
+"""How a solver keeps its statistics: accumulators and statistic kinds.
+
+An accumulator sums one step's contributions over micro-batches; a
+:class:`StatisticKind` says how the step's value is combined over ranks, averaged over
+steps, rescaled under a ``GradScaler``, checkpointed and handed to the solver.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -129,3 +135,76 @@ class Accumulator(Protocol):
 
     def tensors(self) -> list[Tensor]:
         """The tensors held."""
+
+
+class StatisticKind(ABC):
+    """How a solver keeps one statistic: accumulated, combined over ranks, averaged in time.
+
+    The engine, the strategies, checkpoints and the refresh policy ask a layer's statistic
+    kinds (given by its solver, :meth:`dkfac.solvers.base.Solver.statistics`) and never what
+    the solver is. Two kinds exist: :class:`DenseStatistic` (``Σ RᵀR / n``, the default) and
+    :class:`~dkfac.solvers.lowrank.factor.LowRankStatistic` (the rows ``U`` with
+    ``F = U Uᵀ``, for the SMW solver).
+
+    Attributes:
+        label: ``describe()``'s word for it (``"dense"``, ``"lowrank"``).
+        gathered: Ranks combine it by concatenating their rows (an all-gather) instead of
+            averaging it.
+        comparable: Its successive values keep one shape, so a refresh policy can measure
+            their relative change.
+    """
+
+    label: ClassVar[str]
+    gathered: ClassVar[bool] = False
+    comparable: ClassVar[bool] = True
+
+    @abstractmethod
+    def accumulator(self, dtype: torch.dtype | None, capture_dtype: torch.dtype | None) -> Any:
+        """A fresh accumulator of one step's contributions (an :class:`Accumulator`)."""
+
+    @abstractmethod
+    def update_running(self, old: Tensor | None, new: Tensor, decay: float) -> Tensor:
+        """The running value after ``new`` (may update ``old`` in place)."""
+
+    @abstractmethod
+    def rescale(self, value: Tensor, factor: float) -> Tensor:
+        """``value`` of a statistic quadratic in the output gradient, that gradient × √factor."""
+
+    @abstractmethod
+    def check_saved(self, where: str, shape: tuple[int, ...], got: tuple[int, ...]) -> None:
+        """Raises ValueError unless a saved value of shape ``got`` fits ``shape``."""
+
+    def solver_input(self, value: Tensor) -> Any:
+        """The running value as the solver's ``compute`` takes it."""
+        return value
+
+
+class DenseStatistic(StatisticKind):
+    """A statistic kept whole: ``F = Σ scale·RᵀR / Σ n``, averaged over ranks and in time.
+
+    Running average ``F ← decay·F + (1−decay)·F_new`` (a first value, or ``decay = 0``,
+    is taken as it is).
+    """
+
+    label = "dense"
+
+    def accumulator(
+        self, dtype: torch.dtype | None, capture_dtype: torch.dtype | None
+    ) -> FactorAccumulator:
+        """A :class:`FactorAccumulator` storing in ``dtype``, products in ``capture_dtype``."""
+        return FactorAccumulator(dtype, capture_dtype)
+
+    def update_running(self, old: Tensor | None, new: Tensor, decay: float) -> Tensor:
+        """``decay·old + (1−decay)·new``, in place in ``old``."""
+        if old is None or decay == 0.0:
+            return new
+        return old.mul_(decay).add_(new, alpha=1.0 - decay)
+
+    def rescale(self, value: Tensor, factor: float) -> Tensor:
+        """``factor · value``."""
+        return value * factor
+
+    def check_saved(self, where: str, shape: tuple[int, ...], got: tuple[int, ...]) -> None:
+        """The saved shape must equal the statistic's shape."""
+        if got != shape:
+            raise ValueError(f"{where} has shape {got}, expected {shape}")

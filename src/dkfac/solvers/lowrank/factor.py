@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from dkfac.solvers.statistics import Rows
+from dkfac.solvers.statistics import Rows, StatisticKind
 
 
 @dataclass(frozen=True)
@@ -244,3 +245,50 @@ class LowRankRunningFactor:
     def value(self) -> LowRank | None:
         """The running factor, or ``None`` before the first update."""
         return None if self.u is None else LowRank(self.u)
+
+
+@dataclass(frozen=True)
+class LowRankStatistic(StatisticKind):
+    """A factor side held as ``U`` (``d × r``, ``F = U Uᵀ``): rows, never ``RᵀR``.
+
+    One step's value is ``U`` of the concatenated rows (:class:`LowRankRowsAccumulator`);
+    ranks all-gather their rows (``gathered``); the running value is the decayed
+    concatenation bounded to ``max_rank`` columns (:func:`decay_concat`), so its shape
+    grows with the steps (not ``comparable``); a statistic quadratic in the gradient is
+    rescaled through ``U`` by ``√factor``.
+
+    Attributes:
+        max_rank: The most columns the running ``U`` keeps.
+    """
+
+    max_rank: int
+    label: ClassVar[str] = "lowrank"
+    gathered: ClassVar[bool] = True
+    comparable: ClassVar[bool] = False
+
+    def accumulator(
+        self, dtype: torch.dtype | None, capture_dtype: torch.dtype | None
+    ) -> LowRankRowsAccumulator:
+        """A :class:`LowRankRowsAccumulator` in ``dtype`` (rows keep the factor dtype)."""
+        del capture_dtype
+        return LowRankRowsAccumulator(dtype)
+
+    def update_running(self, old: Tensor | None, new: Tensor, decay: float) -> Tensor:
+        """``[√decay·U_old, √(1−decay)·U_new]``, oldest columns dropped past ``max_rank``."""
+        return decay_concat(old, new, decay, self.max_rank)
+
+    def rescale(self, value: Tensor, factor: float) -> Tensor:
+        """``√factor · U`` (the factor ``U Uᵀ`` is scaled by ``factor``)."""
+        return value * factor**0.5
+
+    def check_saved(self, where: str, shape: tuple[int, ...], got: tuple[int, ...]) -> None:
+        """A saved ``U`` is ``(d, r)`` with ``1 <= r <= max_rank``."""
+        if len(got) != 2 or got[0] != shape[0] or not 1 <= got[1] <= self.max_rank:
+            raise ValueError(
+                f"{where} is low-rank with shape {got}, expected ({shape[0]}, r) with "
+                f"1 <= r <= {self.max_rank}"
+            )
+
+    def solver_input(self, value: Tensor) -> LowRank:
+        """``U`` as a :class:`LowRank` factor."""
+        return LowRank(value)

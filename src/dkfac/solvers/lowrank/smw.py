@@ -29,13 +29,16 @@ Interface (how the preconditioner uses it):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.cholesky import damped_inverse
-from dkfac.solvers.lowrank.factor import LowRank
+from dkfac.solvers.lowrank.factor import LowRank, LowRankStatistic
+from dkfac.solvers.statistics import DenseStatistic, StatisticKind
 
 Factor = Tensor | LowRank
 
@@ -88,10 +91,44 @@ def smw_solve_right(u: Tensor, scaled_core: Tensor, inv_gamma: Tensor, x: Tensor
 
 
 class SMWSolver(Solver):
-    """Low-rank SMW solver with factored π-damping (SKFAC); dense fallback per factor."""
+    """Low-rank SMW solver with factored π-damping (SKFAC); dense fallback per factor.
+
+    Args:
+        compute_dtype: Precision of the factorisations.
+        lowrank_sides: Statistic name (``"A"``, ``"G"``) -> bounded rank, for the sides
+            kept as ``U`` (:class:`~dkfac.solvers.lowrank.factor.LowRankStatistic`); the
+            other sides are kept dense and inverted by Cholesky.
+    """
 
     name = "smw"
     accepts_lowrank = True
+
+    def __init__(
+        self,
+        compute_dtype: torch.dtype = torch.float32,
+        lowrank_sides: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(compute_dtype)
+        self.lowrank_sides = dict(lowrank_sides or {})
+
+    @property
+    def label(self) -> str:
+        """``smw(A=lowrank,G=dense)``: the kind of each side."""
+        kinds = {key: "lowrank" if key in self.lowrank_sides else "dense" for key in ("A", "G")}
+        return f"smw(A={kinds['A']},G={kinds['G']})"
+
+    def statistics(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, StatisticKind]:
+        """Low-rank sides as ``U`` with their bounded rank, the others dense."""
+        return {
+            key: LowRankStatistic(self.lowrank_sides[key])
+            if key in self.lowrank_sides
+            else DenseStatistic()
+            for key in shapes
+        }
+
+    def decision(self) -> dict[str, Any]:
+        """``{"solver": "smw", "lowrank": {side: bounded rank}}``."""
+        return {"solver": self.name, "lowrank": dict(self.lowrank_sides)}
 
     def compute(self, a: Factor, g: Factor, damping: float) -> SolverState:
         """Builds the per-side state (see the module docstring) for damping ``λ``.
