@@ -71,9 +71,14 @@ def test_time_ratios_are_undefined_when_sgd_missed_the_target() -> None:
     summary = {"sgd": {"median_seconds": 4.0}, "kfac": {"median_seconds": 2.0}}
     add_time_ratios(summary)
     assert [e["time_vs_sgd"] for e in summary.values()] == [1.0, 0.5]
+    assert [e["time_vs_fastest"] for e in summary.values()] == [2.0, 1.0]
     missed = {"sgd": {"median_seconds": math.inf}, "kfac": {"median_seconds": 2.0}}
     add_time_ratios(missed)
     assert [e["time_vs_sgd"] for e in missed.values()] == [None, None]
+    assert [e["time_vs_fastest"] for e in missed.values()] == [math.inf, 1.0]
+    nobody = {"muon": {"median_seconds": math.inf}}
+    add_time_ratios(nobody)
+    assert nobody["muon"]["time_vs_fastest"] is None and nobody["muon"]["time_vs_sgd"] is None
 
 
 def test_parse_options() -> None:

@@ -6,7 +6,7 @@ summary table. Sub-benchmarks are imported lazily so that one with a missing opt
 does not break the others.
 
     python -m dkfac.bench step --model resnet20 --batch-size 128
-    python -m dkfac.bench tta --seeds 3
+    python -m dkfac.bench tta --seeds 3   # SGD, AdamW, Muon, SOAP, K-FAC (dkfac.bench.peers)
     python -m dkfac.bench autoencoder
     python -m dkfac.bench comm      # and: memory
 """
@@ -21,8 +21,8 @@ __all__ = ["SUBCOMMANDS", "main"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "step": ("dkfac.bench.step", "per-step time of SGD vs K-FAC configurations, phases"),
-    "tta": ("dkfac.bench.tta", "time and steps to a target test accuracy on digits"),
-    "autoencoder": ("dkfac.bench.autoencoder", "digits deep autoencoder: loss against time"),
+    "tta": ("dkfac.bench.tta", "digits: time and steps to a test accuracy, K-FAC and peers"),
+    "autoencoder": ("dkfac.bench.autoencoder", "digits autoencoder: loss vs time, K-FAC and peers"),
     "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
     "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
     "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),

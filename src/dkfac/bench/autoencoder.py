@@ -2,15 +2,26 @@
 
 The Hinton–Salakhutdinov autoencoder (``build_model("autoencoder")``: 64-1000-500-250-30 and
 mirrored) reconstructs the 8×8 digits (pixels in [0, 1]) under a mean squared error, for SGD,
-Adam and K-FAC, each for the same wall-clock budget, interleaved over seeds. The training
-loss over the whole training set is measured every ``--eval-every`` steps outside the clock.
-The headline figure is the time K-FAC needs to reach SGD's final training loss (that of the
-worst SGD seed, which every SGD run reaches within its budget), against SGD's whole budget.
+AdamW, Muon (with AdamW), SOAP (heavyball, optional) and K-FAC (``dkfac.bench.peers``; Adam on
+request), each for the same wall-clock budget. The protocol is ``dkfac.bench.sweep``'s:
+equal-size lr grids swept for ``--sweep-seconds`` each on ``--sweep-seed`` (least time to
+``--target-loss``, then the lowest final loss, wins), then ``--seconds`` runs on ``--seeds``
+seeds interleaved. The training loss over the whole training set is measured every
+``--eval-every`` steps outside the clock.
+
+Default grids (three learning rates each): SGD 0.2 0.5 1.0; Adam and AdamW 0.0003 0.001 0.003;
+Muon 0.01 0.02 0.05 (its AdamW part at 0.001, ``muon:adamw_lr``); SOAP 0.001 0.003 0.01;
+K-FAC 0.3 1.0 3.0 (its KL-clip bounds the step, so its lr matters little above 1).
+
+Headline figures: the median time to ``--target-loss`` (0.02), and, when SGD runs, the time to
+SGD's final training loss (that of the worst SGD seed, which every SGD run reaches within its
+budget) against SGD's whole budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from typing import Any
@@ -26,17 +37,36 @@ from dkfac.bench.common import (
     first_reaching,
     format_table,
     machine_info,
-    parse_options,
     write_result,
 )
-from dkfac.bench.tta import OptimizerSpec, make_optimizer
+from dkfac.bench.peers import OptimizerSpec, build_optimizer
+from dkfac.bench.sweep import (
+    add_peer_arguments,
+    build_specs,
+    plot_runs,
+    split_available,
+    sweep_then_seeds,
+)
 
 # The best configuration measured (BENCHMARKS.md §3, update 2): MC Fisher, statistics from
 # half of each 512-sample batch, factors every 5 steps and inverses every 10.
 DEFAULT_KFAC = (
     "kfac:method=cholesky,fisher=mc,factor_update_interval=5,inverse_update_interval=10,"
-    "damping=0.003,kl_clip=0.01,factor_batch_size=256"
+    "damping=0.003,kl_clip=0.01,factor_batch_size=256",
 )
+
+GRIDS: dict[str, tuple[float, ...]] = {
+    "sgd": (0.2, 0.5, 1.0),
+    "adam": (3e-4, 1e-3, 3e-3),
+    "adamw": (3e-4, 1e-3, 3e-3),
+    "muon": (0.01, 0.02, 0.05),
+    "soap": (1e-3, 3e-3, 1e-2),
+    "kfac": (0.3, 1.0, 3.0),
+}
+"""Default learning-rate grids, the same size for every kind."""
+
+TASK_OPTIONS = {"muon": {"adamw_lr": 1e-3}}
+"""Muon's AdamW part at Adam's best lr on this task (BENCHMARKS.md §3)."""
 
 
 def full_loss(model: nn.Module, x: Tensor) -> float:
@@ -63,7 +93,7 @@ def train_for(
     """
     torch.manual_seed(seed)
     model = build_model("autoencoder", in_channels=1, image_size=8, num_classes=0)
-    optimizer = make_optimizer(spec, model, lr, momentum)
+    optimizer = build_optimizer(spec, model, lr, momentum)
     mc_fisher = spec.kind == "kfac" and spec.options.get("fisher") == "mc"
     gen = torch.Generator().manual_seed(seed)
     trace = [(0, 0.0, full_loss(model, x))]
@@ -92,131 +122,196 @@ def train_for(
     }
 
 
+def _score(run: dict[str, Any], target: float) -> tuple[float, float]:
+    """Sort key of a sweep run: seconds to ``target`` (inf if missed), then final loss."""
+    hit = first_reaching(run["trace"], target, higher_is_better=False)
+    return (hit[1] if hit is not None else math.inf), run["final_loss"]
+
+
+def summarise(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Medians over seeds: final loss, steps, and steps and seconds to ``target`` (a miss
+    counts as infinite)."""
+    hits = [first_reaching(r["trace"], target, higher_is_better=False) for r in runs]
+    return {
+        "median_final_loss": statistics.median(r["final_loss"] for r in runs),
+        "median_steps": statistics.median(r["steps"] for r in runs),
+        "reached_target": sum(h is not None for h in hits),
+        "median_seconds_to_target": statistics.median(h[1] if h else math.inf for h in hits),
+        "median_steps_to_target": statistics.median(h[0] if h else math.inf for h in hits),
+    }
+
+
+def add_sgd_comparison(
+    summary: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, Any]]], budget: float
+) -> float | None:
+    """Adds each entry's time to SGD's worst final loss, over SGD's budget; returns that loss
+    (``None``, adding nothing, when SGD did not run)."""
+    if "sgd" not in runs:
+        return None
+    sgd_final = float(max(r["final_loss"] for r in runs["sgd"]))
+    for name, entry in summary.items():
+        hits = [first_reaching(r["trace"], sgd_final, higher_is_better=False) for r in runs[name]]
+        seconds = statistics.median(h[1] if h is not None else math.inf for h in hits)
+        entry["median_seconds_to_sgd_final"] = seconds
+        entry["time_vs_sgd_budget"] = seconds / budget
+    return sgd_final
+
+
+def add_time_vs_fastest(summary: dict[str, dict[str, Any]]) -> None:
+    """Sets ``time_vs_fastest``: median seconds to target over the least of any optimizer
+    (``None`` when no optimizer reached the target in most seeds)."""
+    fastest = min((e["median_seconds_to_target"] for e in summary.values()), default=math.inf)
+    for entry in summary.values():
+        ok = math.isfinite(fastest) and fastest > 0
+        entry["time_vs_fastest"] = entry["median_seconds_to_target"] / fastest if ok else None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the JSON payload."""
     x = load_digits(seed=0, normalize=False).x_train
-    name, _, opts = (args.kfac or DEFAULT_KFAC).partition(":")
-    specs = [
-        OptimizerSpec("sgd", "sgd", [args.sgd_lr]),
-        OptimizerSpec("adam", "adam", [args.adam_lr]),
-        OptimizerSpec(name, "kfac", [args.kfac_lr], parse_options(opts)),
-    ]
-    common = {
-        "batch_size": args.batch_size,
-        "seconds": args.seconds,
-        "eval_every": args.eval_every,
-        "momentum": args.momentum,
+    specs, skipped = split_available(build_specs(args, DEFAULT_KFAC, TASK_OPTIONS))
+
+    def train(spec: OptimizerSpec, lr: float, seed: int, sweeping: bool) -> dict[str, Any]:
+        momentum = args.kfac_momentum if spec.kind == "kfac" else args.momentum
+        seconds = args.sweep_seconds if sweeping else args.seconds
+        return train_for(
+            spec,
+            lr,
+            seed,
+            x,
+            batch_size=args.batch_size,
+            seconds=seconds,
+            eval_every=args.eval_every,
+            momentum=momentum,
+        )
+
+    runs = sweep_then_seeds(
+        specs,
+        train,
+        lambda r: _score(r, args.target_loss),
+        sweep_seed=args.sweep_seed,
+        seeds=args.seeds,
+        no_sweep=args.no_sweep,
+    )
+    summary = {
+        name: {"lr": runs.chosen[name], **summarise(seeded, args.target_loss)}
+        for name, seeded in runs.seeded.items()
     }
-    runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
-    for seed in range(args.seeds):
-        for s in specs:
-            options = dict(common)
-            if s.kind == "kfac" and args.kfac_momentum is not None:
-                options["momentum"] = args.kfac_momentum
-            runs[s.name].append(train_for(s, s.lrs[0], seed, x, **options))
-    # The worst SGD seed's final loss: every SGD run reaches it within the budget.
-    sgd_final = max(r["final_loss"] for r in runs["sgd"])
-    summary: dict[str, Any] = {}
-    for s in specs:
-        hits = [first_reaching(r["trace"], sgd_final, higher_is_better=False) for r in runs[s.name]]
-        secs = [h[1] if h is not None else float("inf") for h in hits]
-        summary[s.name] = {
-            "lr": s.lrs[0],
-            "median_final_loss": statistics.median(r["final_loss"] for r in runs[s.name]),
-            "median_seconds_to_sgd_final": statistics.median(secs),
-            "time_vs_sgd_budget": statistics.median(secs) / args.seconds,
-            "median_steps": statistics.median(r["steps"] for r in runs[s.name]),
-        }
+    add_time_vs_fastest(summary)
+    sgd_final = add_sgd_comparison(summary, runs.seeded, args.seconds)
     return {
         "benchmark": "autoencoder",
         "machine": machine_info("cpu"),
         "settings": {**vars(args), "specs": [vars(s) for s in specs]},
+        "skipped": skipped,
         "sgd_final_loss": sgd_final,
-        "runs": runs,
+        "sweep": runs.sweep,
+        "runs": runs.seeded,
         "summary": summary,
     }
 
 
 def plot(payload: dict[str, Any], path: str) -> None:
-    """Training loss against seconds (every seed), log scale."""
+    """Training loss against seconds and steps, every seed of every optimizer, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    colors = dict(zip(payload["runs"], ("C0", "C1", "C2", "C3"), strict=False))
-    for name, runs in payload["runs"].items():
-        for i, r in enumerate(runs):
-            ax.plot(
-                [t[1] for t in r["trace"]],
-                [t[2] for t in r["trace"]],
-                color=colors[name],
-                alpha=0.8,
-                label=name if i == 0 else None,
-            )
-    ax.axhline(payload["sgd_final_loss"], color="grey", linestyle="--", linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("training seconds")
-    ax.set_ylabel("training MSE")
-    ax.set_title("digits deep autoencoder")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lrs = {name: entry["lr"] for name, entry in payload["summary"].items()}
+    plot_runs(ax_t, payload["runs"], "trace", 1, 2, lrs)
+    plot_runs(ax_s, payload["runs"], "trace", 0, 2, lrs)
+    for ax, xlabel in ((ax_t, "training seconds"), (ax_s, "steps")):
+        ax.axhline(payload["settings"]["target_loss"], color="grey", linestyle="--", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("training MSE")
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(f"digits deep autoencoder ({payload['settings']['seeds']} seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``dkfac bench autoencoder``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``bench autoencoder`` flags."""
     p = argparse.ArgumentParser(prog="dkfac bench autoencoder", description=__doc__)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--seconds", type=float, default=40.0, help="training budget per run")
+    p.add_argument("--sweep-seconds", type=float, default=10.0, help="budget of a sweep run")
+    p.add_argument("--target-loss", type=float, default=0.02, help="training MSE to reach")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument(
         "--kfac-momentum",
         type=float,
         default=0.0,
         help="momentum of the SGD inside K-FAC (default 0: the KL-clip sets the step)",
     )
-    # Learning rates: the best found in BENCHMARKS.md §3 (the recorded 8 s sweep for Adam,
-    # by-hand runs, not recorded as JSON, for SGD 0.5 and K-FAC 1.0).
-    p.add_argument("--sgd-lr", type=float, default=0.5)
-    p.add_argument("--adam-lr", type=float, default=1e-3)
-    p.add_argument("--kfac-lr", type=float, default=1.0)
-    p.add_argument("--kfac", default=None, help="NAME:key=value,... preconditioner options")
+    aliases = {"sgd": "--sgd-lr", "adam": "--adam-lr", "kfac": "--kfac-lr"}
+    add_peer_arguments(p, GRIDS, aliases)
     p.add_argument("--name", default="autoencoder_digits")
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--plot", default=None)
+    p.add_argument("--plot", default=None, help="PNG path for the loss-vs-time plot")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    args = p.parse_args(argv)
-    if args.batch_size < 1 or args.seconds <= 0 or args.eval_every < 1 or args.seeds < 1:
-        p.error("--batch-size, --seconds, --eval-every and --seeds must be positive")
-    if min(args.sgd_lr, args.adam_lr, args.kfac_lr) <= 0:
-        p.error("learning rates must be > 0")
+    return p
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    positive = (args.batch_size, args.seconds, args.sweep_seconds, args.eval_every, args.seeds)
+    if min(positive) <= 0:
+        p.error(
+            "--batch-size, --seconds, --sweep-seconds, --eval-every and --seeds must be positive"
+        )
+    if args.target_loss <= 0:
+        p.error(f"--target-loss must be > 0, got {args.target_loss}")
     for flag, value in (("--momentum", args.momentum), ("--kfac-momentum", args.kfac_momentum)):
-        if value is not None and not 0 <= value < 1:
+        if not 0 <= value < 1:
             p.error(f"{flag} must be in [0, 1), got {value}")
+    try:
+        build_specs(args, DEFAULT_KFAC, TASK_OPTIONS)
+    except ValueError as error:
+        p.error(str(error))
+
+
+def _cell(value: float | None) -> float | str:
+    return "-" if value is None or not math.isfinite(value) else value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dkfac bench autoencoder``."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    _validate(p, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     payload = run(args)
     write_result(args.name, payload, args.out_dir, command_line("dkfac bench autoencoder", argv))
     if args.plot:
         plot(payload, args.plot)
-    print(f"SGD final training loss (worst seed): {payload['sgd_final_loss']:.4g}")
     rows = [
         [
             name,
             e["lr"],
             e["median_steps"],
             e["median_final_loss"],
-            e["median_seconds_to_sgd_final"],
-            e["time_vs_sgd_budget"],
+            f"{e['reached_target']}/{args.seeds}",
+            _cell(e["median_steps_to_target"]),
+            _cell(e["median_seconds_to_target"]),
+            _cell(e["time_vs_fastest"]),
+            _cell(e.get("median_seconds_to_sgd_final")),
         ]
         for name, e in payload["summary"].items()
     ]
-    headers = ["optimizer", "lr", "steps", "final loss", "s to SGD final", "× SGD time"]
+    print(f"target training MSE {args.target_loss}, {args.seconds:g} s per run, median over seeds")
+    if payload["sgd_final_loss"] is not None:
+        print(f"SGD final training loss (worst seed): {payload['sgd_final_loss']:.4g}")
+    headers = ["optimizer", "lr", "steps", "final loss", "reached", "steps to target"]
+    headers += ["s to target", "× fastest", "s to SGD final"]
     print(format_table(headers, rows))
+    for name, reason in payload["skipped"].items():
+        print(f"{name}: skipped ({reason})")
     return 0

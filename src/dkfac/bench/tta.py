@@ -1,16 +1,19 @@
 """``dkfac bench tta``: training time and steps to a target test accuracy on digits.
 
 SmallCNN (``build_model("cnn")``) on scikit-learn's digits at a large batch (default 700,
-two steps per epoch), for SGD, Adam and K-FAC configurations. Procedure:
+two steps per epoch), for SGD, AdamW, Muon (with AdamW), SOAP (heavyball, optional) and K-FAC
+configurations (``dkfac.bench.peers``; Adam on request). The protocol is
+``dkfac.bench.sweep``'s: equal-size lr grids, a recorded sweep on ``--sweep-seed`` (the lr
+with the least time to target, then the highest final accuracy, wins), then ``--seeds``
+seeds interleaved (seed-major, optimizers inner) so that machine noise hits all alike.
 
-1. **Sweep** (recorded): every optimizer runs once per learning rate of its grid on the
-   sweep seed; the lr with the least time to target (then the highest final accuracy) wins.
-2. **Seeds**: every optimizer runs with its chosen lr on ``--seeds`` seeds, interleaved
-   (seed-major, optimizers inner) so that machine noise hits all alike.
+Default grids (four learning rates each): SGD 0.05 0.1 0.2 0.4; Adam and AdamW 0.001 0.003
+0.01 0.03; Muon 0.01 0.02 0.05 0.1 (its AdamW part at 0.01, ``muon:adamw_lr``); SOAP 0.001
+0.003 0.01 0.03; K-FAC 0.1 0.2 0.3 0.6.
 
 Only training steps are timed (forward, backward, preconditioning, update); the test
-accuracy is measured after every step outside the clock. The split of the data is fixed
-(seed 0); the training seed sets the initialisation and the shuffling.
+accuracy and loss are measured after every step outside the clock. The split of the data is
+fixed (seed 0); the training seed sets the initialisation and the shuffling.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,11 +37,18 @@ from dkfac.bench.common import (
     first_reaching,
     format_table,
     machine_info,
-    parse_options,
     write_result,
 )
-from dkfac.optimizer import KFACOptimizer
-from dkfac.preconditioner import KFACPreconditioner
+from dkfac.bench.peers import OptimizerSpec, build_optimizer
+from dkfac.bench.sweep import (
+    add_peer_arguments,
+    build_specs,
+    plot_runs,
+    split_available,
+    sweep_then_seeds,
+)
+
+__all__ = ["GRIDS", "OptimizerSpec", "main", "run", "summarise", "train_to_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,39 +59,30 @@ DEFAULT_KFAC = (
     "damping=0.03,kl_clip=0.01",
 )
 
+GRIDS: dict[str, tuple[float, ...]] = {
+    "sgd": (0.05, 0.1, 0.2, 0.4),
+    "adam": (0.001, 0.003, 0.01, 0.03),
+    "adamw": (0.001, 0.003, 0.01, 0.03),
+    "muon": (0.01, 0.02, 0.05, 0.1),
+    "soap": (0.001, 0.003, 0.01, 0.03),
+    "kfac": (0.1, 0.2, 0.3, 0.6),
+}
+"""Default learning-rate grids, the same size for every kind."""
 
-@dataclass
-class OptimizerSpec:
-    """One optimizer under test: ``kind`` is sgd, adam or kfac (with preconditioner options)."""
-
-    name: str
-    kind: str
-    lrs: list[float]
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-def make_optimizer(
-    spec: OptimizerSpec, model: nn.Module, lr: float, momentum: float
-) -> torch.optim.Optimizer:
-    """The optimizer of ``spec`` over ``model`` at learning rate ``lr``."""
-    if spec.kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
-    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    if spec.kind == "sgd":
-        return sgd
-    if spec.kind == "kfac":
-        return KFACOptimizer(sgd, KFACPreconditioner(model, lr=lr, **spec.options))
-    raise ValueError(f"optimizer kind must be sgd, adam or kfac, got {spec.kind!r}")
+TASK_OPTIONS = {"muon": {"adamw_lr": 0.01}}
+"""Muon's AdamW part at Adam's best lr on this task (BENCHMARKS.md §2, runs 1-3)."""
 
 
-def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
-    """Fraction of ``x`` classified as ``y`` (eval mode, no gradients)."""
+def evaluate(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)`` (eval mode, no gradients)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        acc = (model(x).argmax(dim=1) == y).float().mean().item()
+        logits = model(x)
+        acc = (logits.argmax(dim=1) == y).float().mean().item()
+        loss = F.cross_entropy(logits, y).item()
     model.train(was_training)
-    return float(acc)
+    return float(acc), float(loss)
 
 
 def train_to_target(
@@ -101,16 +101,18 @@ def train_to_target(
     """Trains until the test accuracy reaches ``target`` (or a step / time cap).
 
     Returns:
-        ``{"lr", "seed", "trace": [[step, seconds, test_acc], ...], "reached": [step, s] |
-        None, "steps", "seconds", "final_acc", "diverged"}``.
+        ``{"lr", "seed", "trace": [[step, seconds, test_acc], ...], "loss_trace": [[step,
+        seconds, test_loss], ...], "reached": [step, s] | None, "steps", "seconds",
+        "final_acc", "diverged"}``.
     """
     torch.manual_seed(seed)
     model = build_model(
         "cnn", in_channels=data.in_channels, image_size=data.image_size, num_classes=10
     )
-    optimizer = make_optimizer(spec, model, lr, momentum)
+    optimizer = build_optimizer(spec, model, lr, momentum)
     gen = torch.Generator().manual_seed(seed)
     trace: list[tuple[int, float, float]] = []
+    losses: list[tuple[int, float, float]] = []
     elapsed, step, diverged = 0.0, 0, False
     while step < max_steps and elapsed < max_seconds and not diverged:
         for xb, yb in batches(
@@ -123,8 +125,9 @@ def train_to_target(
             optimizer.step()
             elapsed += clock() - start
             step += 1
-            acc = accuracy(model, data.x_test, data.y_test)
+            acc, test_loss = evaluate(model, data.x_test, data.y_test)
             trace.append((step, elapsed, acc))
+            losses.append((step, elapsed, test_loss))
             diverged = not math.isfinite(loss.item())
             if acc >= target or step >= max_steps or elapsed >= max_seconds or diverged:
                 break
@@ -135,6 +138,7 @@ def train_to_target(
         "lr": lr,
         "seed": seed,
         "trace": [list(t) for t in trace],
+        "loss_trace": [list(t) for t in losses],
         "reached": None if reached is None else list(reached),
         "steps": step,
         "seconds": elapsed,
@@ -150,15 +154,21 @@ def _score(run: dict[str, Any]) -> tuple[float, float]:
 
 
 def add_time_ratios(summary: dict[str, dict[str, Any]]) -> None:
-    """Sets each entry's ``time_vs_sgd``: its median time over SGD's.
+    """Sets each entry's ``time_vs_sgd`` and ``time_vs_fastest``: its median time over SGD's,
+    and over the least median time of any optimizer.
 
-    ``None`` when SGD's median is not a finite positive time (SGD missed the target in most
+    ``None`` when the base is not a finite positive time (e.g. SGD missed the target in most
     seeds): a ratio to an infinite time would read as 0, a win it does not measure.
     """
-    base = summary.get("sgd", {}).get("median_seconds")
-    valid = base is not None and math.isfinite(base) and base > 0
-    for entry in summary.values():
-        entry["time_vs_sgd"] = entry["median_seconds"] / base if valid else None
+    fastest = min((e["median_seconds"] for e in summary.values()), default=math.inf)
+    bases = {
+        "time_vs_sgd": summary.get("sgd", {}).get("median_seconds"),
+        "time_vs_fastest": fastest,
+    }
+    for key, base in bases.items():
+        valid = base is not None and math.isfinite(base) and base > 0
+        for entry in summary.values():
+            entry[key] = entry["median_seconds"] / base if valid else None
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -176,23 +186,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def build_specs(args: argparse.Namespace) -> list[OptimizerSpec]:
-    """The optimizers of the run, from the command line."""
-    specs = [
-        OptimizerSpec("sgd", "sgd", list(args.sgd_lrs)),
-        OptimizerSpec("adam", "adam", list(args.adam_lrs)),
-    ]
-    for text in args.kfac or DEFAULT_KFAC:
-        name, _, opts = text.partition(":")
-        specs.append(OptimizerSpec(name, "kfac", list(args.kfac_lrs), parse_options(opts)))
-    only = set(args.only or [])
-    return [s for s in specs if not only or s.name in only]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the JSON payload."""
     data = load_digits(seed=0)
-    specs = build_specs(args)
+    specs, skipped = split_available(build_specs(args, DEFAULT_KFAC, TASK_OPTIONS))
     common = {
         "batch_size": args.batch_size,
         "target": args.target,
@@ -200,61 +197,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_seconds": args.max_seconds,
         "momentum": args.momentum,
     }
-    sweep: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
-    if args.no_sweep:  # the first lr of each grid, e.g. a winner of an earlier recorded sweep
-        specs = [OptimizerSpec(s.name, s.kind, s.lrs[:1], s.options) for s in specs]
-    for i in range(0 if args.no_sweep else max(len(s.lrs) for s in specs)):
-        for s in specs:
-            if i < len(s.lrs):
-                result = train_to_target(s, s.lrs[i], args.sweep_seed, data, **common)
-                logger.info("sweep %s lr=%g: %s", s.name, s.lrs[i], result["reached"])
-                sweep[s.name].append(result)
-    chosen = {
-        s.name: min(sweep[s.name], key=_score)["lr"] if sweep[s.name] else s.lrs[0] for s in specs
-    }
-    seeded: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
-    for seed in range(args.seeds):
-        for s in specs:
-            seeded[s.name].append(train_to_target(s, chosen[s.name], seed, data, **common))
-    summary = {name: {"lr": chosen[name], **summarise(runs)} for name, runs in seeded.items()}
+
+    def train(spec: OptimizerSpec, lr: float, seed: int, sweeping: bool) -> dict[str, Any]:
+        return train_to_target(spec, lr, seed, data, **common)
+
+    runs = sweep_then_seeds(
+        specs, train, _score, sweep_seed=args.sweep_seed, seeds=args.seeds, no_sweep=args.no_sweep
+    )
+    summary = {name: {"lr": runs.chosen[name], **summarise(r)} for name, r in runs.seeded.items()}
     add_time_ratios(summary)
     return {
         "benchmark": "tta",
         "machine": machine_info("cpu"),
         "settings": {**vars(args), "specs": [vars(s) for s in specs]},
-        "sweep": {name: [_strip(r) for r in runs] for name, runs in sweep.items()},
-        "runs": seeded,
+        "skipped": skipped,
+        "sweep": {name: [_strip(r) for r in sweep] for name, sweep in runs.sweep.items()},
+        "runs": runs.seeded,
         "summary": summary,
     }
 
 
 def _strip(run: dict[str, Any]) -> dict[str, Any]:
-    """A sweep run without its per-step trace (kept small in the JSON)."""
-    return {k: v for k, v in run.items() if k != "trace"}
+    """A sweep run without its per-step traces (kept small in the JSON)."""
+    return {k: v for k, v in run.items() if k not in ("trace", "loss_trace")}
 
 
 def plot(payload: dict[str, Any], path: str) -> None:
-    """Test accuracy against training seconds and steps, seed 0 of every optimizer."""
+    """Test accuracy and loss against training seconds, accuracy against steps: every seed
+    of every optimizer on one figure, one colour per optimizer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_t, ax_l, ax_s) = plt.subplots(1, 3, figsize=(16, 4.5))
+    lrs = {name: entry["lr"] for name, entry in payload["summary"].items()}
+    plot_runs(ax_t, payload["runs"], "trace", 1, 2, lrs)
+    plot_runs(ax_l, payload["runs"], "loss_trace", 1, 2, lrs)
+    plot_runs(ax_s, payload["runs"], "trace", 0, 2, lrs)
     target = payload["settings"]["target"]
-    for name, runs in payload["runs"].items():
-        trace = runs[0]["trace"]
-        lr = payload["summary"][name]["lr"]
-        ax_t.plot([t[1] for t in trace], [t[2] for t in trace], label=f"{name} (lr {lr:g})")
-        ax_s.plot([t[0] for t in trace], [t[2] for t in trace], label=name)
     for ax, xlabel in ((ax_t, "training seconds"), (ax_s, "steps")):
         ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0.8, 1.0)
+    ax_l.set_xlabel("training seconds")
+    ax_l.set_ylabel("test cross-entropy")
+    ax_l.set_yscale("log")
+    for ax in (ax_t, ax_l, ax_s):
         ax.grid(alpha=0.3)
     ax_t.legend(fontsize=8)
-    fig.suptitle(f"digits SmallCNN, batch {payload['settings']['batch_size']} (seed 0)")
+    seeds = payload["settings"]["seeds"]
+    fig.suptitle(f"digits SmallCNN, batch {payload['settings']['batch_size']} ({seeds} seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -266,21 +260,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=0.975)
     p.add_argument("--max-steps", type=int, default=120)
     p.add_argument("--max-seconds", type=float, default=40.0)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9, help="of SGD and K-FAC's SGD")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--sweep-seed", type=int, default=100)
-    p.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
-    p.add_argument("--adam-lrs", type=float, nargs="+", default=[0.001, 0.003, 0.01])
-    p.add_argument("--kfac-lrs", type=float, nargs="+", default=[0.05, 0.1, 0.2])
-    p.add_argument("--kfac", action="append", help="NAME:key=value,... (repeatable)")
-    p.add_argument("--only", nargs="+", help="run only these optimizer names")
-    p.add_argument(
-        "--no-sweep", action="store_true", help="skip the sweep: use the first lr of each grid"
-    )
+    add_peer_arguments(p, GRIDS)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--name", default="tta_digits")
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--plot", default=None, help="PNG path for the accuracy-vs-time plot")
+    p.add_argument("--plot", default=None, help="PNG path for the accuracy/loss-vs-time plot")
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -288,8 +274,12 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--batch-size, --max-steps, --seeds and --max-seconds must be positive")
     if not 0 < args.target <= 1:
         p.error(f"--target must be in (0, 1], got {args.target}")
-    if any(lr <= 0 for lr in [*args.sgd_lrs, *args.adam_lrs, *args.kfac_lrs]):
-        p.error("learning rates must be > 0")
+    if not 0 <= args.momentum < 1:
+        p.error(f"--momentum must be in [0, 1), got {args.momentum}")
+    try:
+        build_specs(args, DEFAULT_KFAC, TASK_OPTIONS)
+    except ValueError as error:
+        p.error(str(error))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
             e["median_seconds"],
             e["seconds_per_step"],
             "-" if e["time_vs_sgd"] is None else e["time_vs_sgd"],
+            "-" if e["time_vs_fastest"] is None else e["time_vs_fastest"],
         ]
         for name, e in payload["summary"].items()
     ]
     print(f"target test accuracy {args.target}, batch {args.batch_size}, median over seeds")
-    headers = ["optimizer", "lr", "reached", "steps", "seconds", "s/step", "time × SGD"]
+    headers = ["optimizer", "lr", "reached", "steps", "seconds", "s/step", "× SGD", "× fastest"]
     print(format_table(headers, rows))
+    for name, reason in payload["skipped"].items():
+        print(f"{name}: skipped ({reason})")
     return 0

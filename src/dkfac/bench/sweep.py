@@ -1,0 +1,230 @@
+"""The protocol of a peer comparison: lr grids of equal size, a sweep, then seeds.
+
+Shared by ``bench tta`` and ``bench autoencoder``:
+
+1. **Optimizers**: ``--optimizers`` picks kinds (:data:`dkfac.bench.peers.KINDS`); ``kfac``
+   stands for every ``--kfac NAME:options`` variant. One whose optional package is missing
+   (SOAP without heavyball) is skipped with a log line and recorded as skipped.
+2. **Grids**: every optimizer gets the same number of learning rates (``--<kind>-lrs``), so
+   none is tuned harder than another.
+3. **Sweep** (recorded): round ``i`` runs the ``i``-th learning rate of every optimizer on the
+   sweep seed, optimizers interleaved; the best run by the task's score picks the lr.
+4. **Seeds**: every optimizer runs at its chosen lr on seeds ``0 .. --seeds-1``, seed-major,
+   optimizers inner, so machine noise hits all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dkfac.bench.common import parse_options
+from dkfac.bench.peers import KINDS, PEER_OPTIONS, OptimizerSpec, resolve_options
+from dkfac.bench.peers import unavailable_reason as _unavailable_reason
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OPTIMIZERS = ("sgd", "adamw", "muon", "soap", "kfac")
+"""Kinds run unless ``--optimizers`` says otherwise (``adam`` only when asked for)."""
+
+Run = dict[str, Any]
+Train = Callable[[OptimizerSpec, float, int, bool], Run]
+"""``train(spec, lr, seed, sweeping)`` -> one run's record."""
+
+
+@dataclass
+class Comparison:
+    """Every run of a comparison: the sweep, the chosen lrs and the seeded runs."""
+
+    sweep: dict[str, list[Run]]
+    chosen: dict[str, float]
+    seeded: dict[str, list[Run]]
+
+
+def add_peer_arguments(
+    parser: argparse.ArgumentParser,
+    grids: Mapping[str, Sequence[float]],
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Adds the optimizer-selection, grid and sweep flags.
+
+    Args:
+        parser: The benchmark's parser.
+        grids: Kind -> its default learning-rate grid (every kind of ``KINDS``).
+        aliases: Kind -> an older spelling of its grid flag that stays accepted.
+    """
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=KINDS,
+        default=list(DEFAULT_OPTIMIZERS),
+        help="optimizer kinds to run; kfac runs every --kfac variant (default: %(default)s)",
+    )
+    for kind in KINDS:
+        flags = [f"--{kind}-lrs", *([aliases[kind]] if aliases and kind in aliases else [])]
+        parser.add_argument(
+            *flags,
+            dest=f"{kind}_lrs",
+            type=float,
+            nargs="+",
+            default=list(grids[kind]),
+            help=f"{kind}'s learning-rate grid (default: %(default)s)",
+        )
+    parser.add_argument("--kfac", action="append", help="NAME:key=value,... (repeatable)")
+    parser.add_argument(
+        "--peer-options",
+        action="append",
+        default=[],
+        metavar="KIND:key=value,...",
+        help="options of a peer kind, e.g. muon:adamw_lr=0.003 (repeatable)",
+    )
+    parser.add_argument("--only", nargs="+", help="run only these optimizer names")
+    parser.add_argument(
+        "--no-sweep", action="store_true", help="skip the sweep: use the first lr of each grid"
+    )
+    parser.add_argument("--sweep-seed", type=int, default=100)
+
+
+def peer_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["muon:adamw_lr=0.003", ...]`` -> ``{"muon": {"adamw_lr": 0.003}}``.
+
+    Raises:
+        ValueError: For a kind that takes no peer options, or a malformed item.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        kind, sep, text = item.partition(":")
+        if not sep or kind not in PEER_OPTIONS:
+            raise ValueError(
+                f"--peer-options {item!r}: expected KIND:key=value,... with KIND one of "
+                f"{', '.join(PEER_OPTIONS)}"
+            )
+        out.setdefault(kind, {}).update(parse_options(text))
+    return out
+
+
+def build_specs(
+    args: argparse.Namespace,
+    default_kfac: Sequence[str],
+    task_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[OptimizerSpec]:
+    """The optimizers of the run, from the flags of :func:`add_peer_arguments`.
+
+    Args:
+        args: Parsed flags.
+        default_kfac: ``NAME:options`` K-FAC variants used when no ``--kfac`` is given.
+        task_options: Kind -> the task's defaults over :data:`~dkfac.bench.peers.DEFAULT_OPTIONS`
+            (``--peer-options`` overrides both).
+
+    Raises:
+        ValueError: For a bad option, an unknown ``--only`` name, duplicate names, a learning
+            rate <= 0, or grids of different sizes (unless ``--no-sweep``).
+    """
+    given = peer_options(args.peer_options)
+    specs: list[OptimizerSpec] = []
+    for kind in dict.fromkeys(args.optimizers):
+        lrs = list(getattr(args, f"{kind}_lrs"))
+        if kind != "kfac":
+            options = resolve_options(kind, (task_options or {}).get(kind), given.get(kind))
+            specs.append(OptimizerSpec(kind, kind, lrs, options))
+            continue
+        for text in args.kfac or default_kfac:
+            name, _, opts = text.partition(":")
+            specs.append(OptimizerSpec(name, "kfac", lrs, parse_options(opts)))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"optimizer names must be unique, got {', '.join(names)}")
+    if unknown := sorted(set(args.only or []) - set(names)):
+        raise ValueError(f"--only: no optimizer named {', '.join(unknown)} (have {names})")
+    specs = [s for s in specs if not args.only or s.name in args.only]
+    if any(lr <= 0 for s in specs for lr in s.lrs):
+        raise ValueError("learning rates must be > 0")
+    if not args.no_sweep:
+        check_grids(specs)
+    return specs
+
+
+def check_grids(specs: Sequence[OptimizerSpec]) -> None:
+    """Every optimizer must sweep the same number of learning rates.
+
+    Raises:
+        ValueError: Naming each grid's size when they differ.
+    """
+    sizes = {s.name: len(s.lrs) for s in specs}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name} {n}" for name, n in sizes.items())
+        raise ValueError(
+            f"every optimizer needs the same number of learning rates, got {listed} "
+            "(or pass --no-sweep to run the first of each)"
+        )
+
+
+def split_available(
+    specs: Sequence[OptimizerSpec],
+    unavailable_reason: Callable[[str], str | None] = _unavailable_reason,
+) -> tuple[list[OptimizerSpec], dict[str, str]]:
+    """The specs that can run here, and ``name -> reason`` for those skipped (logged)."""
+    runnable, skipped = [], {}
+    for spec in specs:
+        reason = unavailable_reason(spec.kind)
+        if reason is None:
+            runnable.append(spec)
+        else:
+            logger.warning("skipping %s: %s", spec.name, reason)
+            skipped[spec.name] = reason
+    return runnable, skipped
+
+
+def sweep_then_seeds(
+    specs: Sequence[OptimizerSpec],
+    train: Train,
+    score: Callable[[Run], tuple[float, ...]],
+    *,
+    sweep_seed: int,
+    seeds: int,
+    no_sweep: bool,
+) -> Comparison:
+    """Runs the sweep (unless ``no_sweep``: then the first lr of each grid) and the seeds.
+
+    Args:
+        specs: The optimizers, in the order they interleave.
+        train: Runs one optimizer at one lr on one seed (``sweeping`` tells it which phase).
+        score: Sort key of a sweep run, lowest best.
+        sweep_seed: Seed of the sweep runs.
+        seeds: Seeds ``0 .. seeds-1`` of the measured runs.
+        no_sweep: Skip the sweep.
+    """
+    sweep: dict[str, list[Run]] = {s.name: [] for s in specs}
+    for i in range(0 if no_sweep else max((len(s.lrs) for s in specs), default=0)):
+        for s in specs:
+            if i < len(s.lrs):
+                sweep[s.name].append(train(s, s.lrs[i], sweep_seed, True))
+                logger.info("sweep %s lr=%g done", s.name, s.lrs[i])
+    chosen = {
+        s.name: min(sweep[s.name], key=score)["lr"] if sweep[s.name] else s.lrs[0] for s in specs
+    }
+    seeded: dict[str, list[Run]] = {s.name: [] for s in specs}
+    for seed in range(seeds):
+        for s in specs:
+            seeded[s.name].append(train(s, chosen[s.name], seed, False))
+    return Comparison(sweep, chosen, seeded)
+
+
+def plot_runs(
+    ax: Any, runs: Mapping[str, Sequence[Run]], key: str, x: int, y: int, lrs: Mapping[str, float]
+) -> None:
+    """Draws column ``y`` against column ``x`` of every run's ``key`` trace, one colour per
+    optimizer (every seed; the legend names each optimizer once, with its lr)."""
+    for i, (name, seeded) in enumerate(runs.items()):
+        for j, run in enumerate(seeded):
+            ax.plot(
+                [t[x] for t in run[key]],
+                [t[y] for t in run[key]],
+                color=f"C{i % 10}",
+                alpha=0.8,
+                linewidth=1.0,
+                label=f"{name} (lr {lrs[name]:g})" if j == 0 else None,
+            )

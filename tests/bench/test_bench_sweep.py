@@ -1,0 +1,167 @@
+"""The peer-comparison protocol and tiny real runs of ``bench tta`` / ``bench autoencoder``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dkfac.bench import autoencoder, tta
+from dkfac.bench.peers import KINDS, OptimizerSpec, unavailable_reason
+from dkfac.bench.sweep import check_grids, sweep_then_seeds
+
+HAS_HEAVYBALL = unavailable_reason("soap") is None
+ONE_KFAC = "kfac-chol:method=cholesky,factor_update_interval=1,inverse_update_interval=2"
+
+
+@pytest.mark.parametrize("grids", [tta.GRIDS, autoencoder.GRIDS])
+def test_default_grids_have_one_size_for_every_kind(grids: dict[str, tuple[float, ...]]) -> None:
+    assert set(grids) == set(KINDS)
+    assert len({len(lrs) for lrs in grids.values()}) == 1
+    assert all(lr > 0 for lrs in grids.values() for lr in lrs)
+
+
+def test_check_grids_names_each_size() -> None:
+    specs = [OptimizerSpec("sgd", "sgd", [0.1, 0.2]), OptimizerSpec("muon", "muon", [0.02])]
+    with pytest.raises(ValueError, match="same number of learning rates, got sgd 2, muon 1"):
+        check_grids(specs)
+    check_grids(specs[:1])
+
+
+def test_sweep_interleaves_lrs_then_seeds_and_picks_the_best_score() -> None:
+    calls: list[tuple[str, float, int, bool]] = []
+
+    def train(spec: OptimizerSpec, lr: float, seed: int, sweeping: bool) -> dict[str, Any]:
+        calls.append((spec.name, lr, seed, sweeping))
+        return {"lr": lr, "loss": abs(lr - 0.2)}  # best lr: the one nearest 0.2
+
+    specs = [OptimizerSpec("a", "sgd", [0.1, 0.3, 0.19]), OptimizerSpec("b", "adamw", [1, 2, 3])]
+    result = sweep_then_seeds(
+        specs, train, lambda r: (r["loss"],), sweep_seed=7, seeds=2, no_sweep=False
+    )
+    assert calls == [
+        ("a", 0.1, 7, True),
+        ("b", 1, 7, True),
+        ("a", 0.3, 7, True),
+        ("b", 2, 7, True),
+        ("a", 0.19, 7, True),
+        ("b", 3, 7, True),
+        ("a", 0.19, 0, False),
+        ("b", 1, 0, False),
+        ("a", 0.19, 1, False),
+        ("b", 1, 1, False),
+    ]
+    assert result.chosen == {"a": 0.19, "b": 1}
+    assert [len(result.sweep[n]) for n in "ab"] == [3, 3]
+    assert [r["lr"] for r in result.seeded["a"]] == [0.19, 0.19]
+    calls.clear()
+    result = sweep_then_seeds(specs, train, lambda r: (0,), sweep_seed=7, seeds=1, no_sweep=True)
+    assert calls == [("a", 0.1, 0, False), ("b", 1, 0, False)]
+    assert result.sweep == {"a": [], "b": []}
+
+
+def _tta(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    argv = ["--seeds", "1", "--max-steps", "1", "--batch-size", "64", "--kfac", ONE_KFAC]
+    argv += ["--name", "t", "--out-dir", str(tmp_path), *flags]
+    assert tta.main(argv) == 0
+    payload: dict[str, Any] = json.loads((tmp_path / "t.json").read_text())
+    return payload
+
+
+def test_tiny_tta_run_with_every_peer_records_every_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lrs = {"sgd": 0.1, "adam": 0.01, "adamw": 0.003, "muon": 0.02, "soap": 0.01, "kfac": 0.3}
+    grids = [x for kind, lr in lrs.items() for x in [f"--{kind}-lrs", str(lr)]]
+    png = tmp_path / "tta.png"
+    payload = _tta(tmp_path, "--optimizers", *KINDS, *grids, "--plot", str(png))
+    names = ["sgd", "adam", "adamw", "muon", "soap", "kfac-chol"]
+    ran = [n for n in names if HAS_HEAVYBALL or n != "soap"]
+    assert list(payload["runs"]) == ran == list(payload["summary"]) == list(payload["sweep"])
+    assert payload["skipped"] == ({} if HAS_HEAVYBALL else {"soap": unavailable_reason("soap")})
+    for name in ran:
+        lr = lrs["kfac" if name == "kfac-chol" else name]
+        (swept,) = payload["sweep"][name]
+        assert (swept["lr"], swept["seed"], swept["steps"]) == (lr, 100, 1)
+        (seeded,) = payload["runs"][name]
+        assert (seeded["lr"], seeded["seed"], payload["summary"][name]["lr"]) == (lr, 0, lr)
+        assert [t[0] for t in seeded["trace"]] == [1] == [t[0] for t in seeded["loss_trace"]]
+        assert all(t[2] > 0 for t in seeded["loss_trace"])
+    specs = {s["name"]: s for s in payload["settings"]["specs"]}
+    assert specs["muon"]["options"]["adamw_lr"] == tta.TASK_OPTIONS["muon"]["adamw_lr"]
+    assert png.stat().st_size > 0
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in ran)
+
+
+def test_tta_skips_soap_without_heavyball_and_records_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "heavyball", None)
+    with caplog.at_level(logging.WARNING, logger="dkfac.bench.sweep"):
+        payload = _tta(tmp_path, "--optimizers", "sgd", "soap", "--no-sweep")
+    assert list(payload["runs"]) == ["sgd"] and list(payload["summary"]) == ["sgd"]
+    assert "heavyball is not installed" in payload["skipped"]["soap"]
+    assert "skipping soap: heavyball is not installed" in caplog.text
+    assert "soap: skipped (heavyball is not installed" in capsys.readouterr().out
+
+
+def test_tta_records_peer_options_and_old_flags(tmp_path: Path) -> None:
+    flags = ["--optimizers", "sgd", "adam", "muon", "--no-sweep", "--adam-lrs", "0.02"]
+    payload = _tta(tmp_path, *flags, "--peer-options", "muon:adamw_lr=0.004,momentum=0.9")
+    specs = {s["name"]: s for s in payload["settings"]["specs"]}
+    assert specs["muon"]["options"]["adamw_lr"] == 0.004
+    assert specs["muon"]["options"]["momentum"] == 0.9
+    assert payload["summary"]["adam"]["lr"] == 0.02
+    assert payload["summary"]["sgd"]["lr"] == tta.GRIDS["sgd"][0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sgd-lrs", "0.1"], "same number of learning rates, got sgd 1, adamw 4"),
+        (["--peer-options", "lion:lr=1"], "expected KIND:key=value"),
+        (["--peer-options", "muon:betas=1"], "muon takes no option betas"),
+        (["--only", "nope"], "--only: no optimizer named nope"),
+        (["--muon-lrs", "0", "1", "2", "3"], "learning rates must be > 0"),
+        (["--kfac", "sgd:damping=0.1", "--no-sweep"], "names must be unique"),
+    ],
+)
+def test_tta_rejects_bad_peer_flags_in_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        tta.main(flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("dkfac bench tta: error:")
+
+
+def test_tiny_autoencoder_run_with_peers_and_old_single_lr_flags(tmp_path: Path) -> None:
+    """Wiring only: SOAP and K-FAC on the 1000-wide autoencoder are the slow ones (their
+    steps are tested on small models); the old single-lr flags still set the grids."""
+    argv = ["--optimizers", "sgd", "adamw", "muon", "--sgd-lr", "0.5", "--seeds", "1"]
+    argv += ["--adamw-lrs", "0.001", "--muon-lrs", "0.02"]
+    argv += ["--seconds", "1e-9", "--sweep-seconds", "1e-9", "--eval-every", "1"]
+    argv += ["--target-loss", "10", "--name", "ae", "--out-dir", str(tmp_path)]
+    assert autoencoder.main([*argv, "--plot", str(tmp_path / "ae.png")]) == 0
+    payload = json.loads((tmp_path / "ae.json").read_text())
+    assert list(payload["runs"]) == ["sgd", "adamw", "muon"] == list(payload["sweep"])
+    for name, lr in {"sgd": 0.5, "adamw": 0.001, "muon": 0.02}.items():
+        (swept,) = payload["sweep"][name]
+        (seeded,) = payload["runs"][name]
+        assert (swept["seed"], seeded["seed"], seeded["steps"], seeded["lr"]) == (100, 0, 1, lr)
+        entry = payload["summary"][name]
+        # one step within a 1e-9 s budget; the initial loss (< 10) already meets the target
+        assert entry["median_seconds_to_target"] == 0.0 and entry["reached_target"] == 1
+    assert payload["sgd_final_loss"] == payload["runs"]["sgd"][0]["final_loss"]
+    assert (tmp_path / "ae.png").stat().st_size > 0
+    old = autoencoder.build_parser().parse_args(["--kfac-lr", "1.0", "--adam-lr", "0.002"])
+    assert (old.kfac_lrs, old.adam_lrs) == ([1.0], [0.002])
