@@ -14,22 +14,31 @@ import sys
 from collections.abc import Sequence
 
 from dkfac.app.data import DATASETS
-from dkfac.app.models import MODELS
+from dkfac.app.gpt import add_gpt_arguments, size_problem
+from dkfac.app.models import LANGUAGE_MODELS, ModelError, check_model_name, model_names
 from dkfac.app.runconfig import (
     ConfigError,
     add_kfac_arguments,
     config_file_tokens,
+    format_value,
     kfac_config_from_args,
     load_config_file,
     optional,
 )
 from dkfac.app.schedules import SCHEDULES, parse_piecewise
+from dkfac.app.text import DEFAULT_GLOB, DEFAULT_TEXT_BYTES
 from dkfac.config import check_schedule_value
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "kfac", "kfac-adam")
 AMP_MODES = ("none", "bf16", "fp16")
 MIXUP_MODES = ("standard", "running")
 EXTERNAL = {"bench": "dkfac.bench", "plan": "dkfac.app.plan"}
+COMMANDS = {
+    "train": "train one model",
+    "compare": "train with several optimizers, one report",
+    "bench": "benchmarks: step cost, time to accuracy, ...",
+    "plan": "predict distributed strategies' costs, pick one",
+}
 
 EPILOG = """\
 Config file: TOML, one `key = value` per flag (dashes or underscores), e.g. `lr = 0.05`;
@@ -41,11 +50,58 @@ the global batch of one optimizer step).
 """
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's layout and ends every option's help with its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default is argparse.SUPPRESS
+            or "%(default)" in text
+            or "(default:" in text
+        ):
+            return text
+        return f"{text} (default: {format_value(action.default)})".lstrip()
+
+
+def _model_name(text: str) -> str:
+    """argparse ``type`` of ``--model``: a built-in name or an importable factory."""
+    try:
+        return check_model_name(text)
+    except ModelError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_text_arguments(g: argparse._ArgumentGroup) -> None:
+    """The language-model flags: GPT sizes and the byte-level text."""
+    add_gpt_arguments(g)
+    g.add_argument(
+        "--text-path",
+        type=optional(str),
+        default=None,
+        help="--data text: a text file or a folder (default: none = the Python standard "
+        "library's source folder)",
+    )
+    g.add_argument(
+        "--text-bytes", type=int, default=DEFAULT_TEXT_BYTES, help="--data text: bytes read"
+    )
+    g.add_argument(
+        "--text-glob", default=DEFAULT_GLOB, help="--data text: file names read from a folder"
+    )
+
+
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``train`` and ``compare``."""
     opt = optional
     g = p.add_argument_group("data and model")
-    g.add_argument("--model", choices=sorted(MODELS), default="cnn", help="model (default: cnn)")
+    g.add_argument(
+        "--model",
+        type=_model_name,
+        default="cnn",
+        metavar="NAME|PKG.MOD:FACTORY",
+        help=f"{', '.join(model_names())}, or a callable returning an nn.Module",
+    )
     g.add_argument("--data", choices=DATASETS, default="digits", help="dataset (default: digits)")
     g.add_argument(
         "--data-dir", type=opt(str), default=None, help="CIFAR archive (.tar.gz) or its folder"
@@ -66,6 +122,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         default=False,
         help="cnn only: BatchNorm after each convolution",
     )
+    _add_text_arguments(g)
 
     g = p.add_argument_group("optimisation")
     g.add_argument(
@@ -81,7 +138,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--lr", type=float, default=0.05, help="base learning rate (default: 0.05)")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum / Adam beta1")
-    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument(
+        "--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum"
+    )
     g.add_argument("--weight-decay", type=float, default=5e-4, help="(default: 5e-4)")
     g.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="LR schedule")
     g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up")
@@ -90,7 +149,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--gamma", type=float, default=0.1, help="step-schedule decay factor")
     g.add_argument("--power", type=float, default=2.0, help="poly-schedule exponent")
-    g.add_argument("--label-smoothing", type=float, default=0.0)
+    g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy smoothing")
     g.add_argument("--mixup", type=float, default=0.0, help="mixup Beta(a, a) parameter; 0 = off")
     g.add_argument(
         "--mixup-mode",
@@ -114,7 +173,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step"
     )
     g.add_argument("--amp", choices=AMP_MODES, default="none", help="autocast precision")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the model, data order and K-FAC")
 
     g = p.add_argument_group("run")
     g.add_argument("--config", type=str, default=None, help="TOML file of flag values")
@@ -145,7 +204,12 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="report steps and seconds to reach this test accuracy",
     )
-    g.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument(
+        "--stop-at-target",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="stop once --target-accuracy is reached",
+    )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--threads", type=opt(int), default=None, help="torch CPU threads")
     g.add_argument(
@@ -163,15 +227,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = argparse.ArgumentParser(
         prog="dkfac",
         description="Distributed K-FAC training program.",
-        epilog="Also: dkfac bench ... and dkfac plan ... (see their --help).",
+        epilog="Each command has its own --help, e.g. dkfac train --help.",
+        formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="{train,compare,bench,plan}")
-    kinds = argparse.RawDescriptionHelpFormatter
-    train = sub.add_parser("train", help="train one model", epilog=EPILOG, formatter_class=kinds)
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    kinds = HelpFormatter
+    train = sub.add_parser("train", help=COMMANDS["train"], epilog=EPILOG, formatter_class=kinds)
     _add_training_arguments(train)
     compare = sub.add_parser(
         "compare",
-        help="train with several optimizers, one report",
+        help=COMMANDS["compare"],
         epilog=EPILOG,
         formatter_class=kinds,
     )
@@ -179,6 +244,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     compare.add_argument(
         "--optimizers", default="sgd,kfac", help=f"comma-separated, from {', '.join(OPTIMIZERS)}"
     )
+    for name in EXTERNAL:  # listed for --help; main() hands them to their own programs
+        sub.add_parser(name, help=COMMANDS[name], add_help=False)
     return parser, {"train": train, "compare": compare}
 
 
@@ -227,6 +294,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not args.dist_timeout > 0:
         parser.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
     _check_recipe(args, parser)
+    _check_language_model(args, parser)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.command == "compare":
@@ -261,6 +329,25 @@ def _check_recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--batch-norm applies to --model cnn (got {args.model})")
 
 
+def _check_language_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Checks of ``--model gpt``, ``--data text`` and their flags."""
+    problem = size_problem(args.layers, args.width, args.heads, args.seq_len)
+    if problem is not None:
+        parser.error(problem)
+    if args.text_bytes < 1:
+        parser.error(f"--text-bytes must be >= 1, got {args.text_bytes}")
+    factory = ":" in args.model
+    if args.model in LANGUAGE_MODELS and args.data != "text":
+        parser.error(f"--model {args.model} reads token ids: use it with --data text")
+    if args.data == "text" and args.model not in LANGUAGE_MODELS and not factory:
+        parser.error(
+            f"--data text needs a language model: --model {' or '.join(LANGUAGE_MODELS)} "
+            f"or package.module:factory (got {args.model})"
+        )
+    if args.data == "text" and (args.mixup or args.augment == "on"):
+        parser.error("--mixup and --augment on apply to images, not to --data text")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parses ``train`` / ``compare`` arguments, merging a ``--config`` file under the flags.
 
@@ -273,6 +360,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if first.command is None:
         parser.print_usage(sys.stderr)
         parser.exit(2, "dkfac: error: give a command: train, compare, bench or plan\n")
+    if first.command in EXTERNAL:
+        parser.error(f"dkfac {first.command} is its own program: run it through main()")
     sub = subs[first.command]
     if first.config is not None:
         try:

@@ -4,7 +4,7 @@ Datasets are small enough to live in memory as tensors: :func:`load_dataset` ret
 :class:`Splits` with float32 images ``(N, C, H, W)`` and int64 labels. :func:`batches` iterates
 mini-batches and :func:`shard_indices` splits an epoch across ranks exactly like
 ``torch.utils.data.DistributedSampler``. The CIFAR file format lives in
-:mod:`dkfac.app.cifar`.
+:mod:`dkfac.app.cifar`, the byte-level text of the language-model task in :mod:`dkfac.app.text`.
 """
 
 from __future__ import annotations
@@ -47,12 +47,15 @@ __all__ = [
     "write_cifar_archive",
 ]
 
-DATASETS = ("digits", "cifar10", "cifar100", "synthetic")
+DATASETS = ("digits", "cifar10", "cifar100", "synthetic", "text")
 
 
 @dataclass(frozen=True)
 class Splits:
     """A dataset held in memory: train and test tensors plus their shape.
+
+    For ``"text"`` (see :mod:`dkfac.app.text`) inputs and targets are int64 byte windows
+    ``(N, seq_len)``, ``image_size`` is ``seq_len`` and ``num_classes`` the vocabulary (256).
 
     Attributes:
         name: Dataset name (``"digits"``, ``"cifar10"``, ...).
@@ -243,11 +246,15 @@ def load_dataset(
     in_channels: int = 3,
     image_size: int = 32,
     num_classes: int = 10,
+    text_path: PathLike | None = None,
+    text_bytes: int | None = None,
+    text_glob: str | None = None,
+    seq_len: int = 128,
 ) -> Splits:
     """Loads a dataset by name.
 
     Args:
-        name: ``"digits"``, ``"cifar10"``, ``"cifar100"`` or ``"synthetic"``.
+        name: ``"digits"``, ``"cifar10"``, ``"cifar100"``, ``"synthetic"`` or ``"text"``.
         data_dir: Where the CIFAR archive is (required for CIFAR, ignored otherwise).
         seed: Seed of the digits split or of the synthetic data.
         normalize: Standardise digits / CIFAR with their train statistics.
@@ -256,6 +263,11 @@ def load_dataset(
         in_channels: Synthetic channels.
         image_size: Synthetic height and width.
         num_classes: Synthetic classes.
+        text_path: Text file or folder (``None``: the standard library's source).
+        text_bytes: Bytes of text to read at most (``None``: the default of
+            :func:`~dkfac.app.text.load_text`).
+        text_glob: File-name pattern of a text folder (``None``: ``*.py``).
+        seq_len: Tokens per text sample.
 
     Returns:
         The dataset's :class:`Splits`.
@@ -275,6 +287,15 @@ def load_dataset(
         return load_cifar(data_dir, lay.num_classes, normalize)
     if name == "synthetic":
         return synthetic(num_samples, in_channels, image_size, num_classes, seed)
+    if name == "text":
+        from dkfac.app import text  # text imports Splits from here
+
+        return text.load_text(
+            text_path,
+            seq_len,
+            text.DEFAULT_TEXT_BYTES if text_bytes is None else text_bytes,
+            text.DEFAULT_GLOB if text_glob is None else text_glob,
+        )
     raise DataError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
 
 

@@ -5,7 +5,8 @@ layers (the layers K-FAC preconditions) plus normalisation, pooling and activati
 ``Linear`` / ``Conv2d`` module is called exactly once per forward pass, and every activation is
 ``nn.ReLU(inplace=False)`` so that module hooks always see unmodified tensors.
 
-:func:`build_model` builds any model of :data:`MODELS` from a dataset's shape.
+:func:`build_model` builds any model of :data:`MODELS` from a dataset's shape, the GPT of
+:mod:`dkfac.app.gpt` (``"gpt"``) or a user's model from ``"package.module:factory"``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from dkfac.app.factory import ModelError, build_from_factory, load_factory
 
 logger = logging.getLogger(__name__)
 
@@ -442,28 +446,65 @@ features (a reconstruction of the flattened input).
 """
 
 
-def build_model(name: str, *, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
-    """Builds the registered model ``name`` for inputs of shape ``(in_channels, size, size)``.
+LANGUAGE_MODELS = ("gpt",)
+"""Built-in models on token ids ``(N, T)`` (``--data text``): :class:`~dkfac.app.gpt.GPT`."""
+
+
+def model_names() -> list[str]:
+    """Every built-in model name: :data:`MODELS` and :data:`LANGUAGE_MODELS`."""
+    return sorted([*MODELS, *LANGUAGE_MODELS])
+
+
+def check_model_name(name: str) -> str:
+    """``name`` when it is a built-in model or an importable ``package.module:factory``.
+
+    Raises:
+        ModelError: Otherwise, saying what is allowed.
+    """
+    if ":" in name:
+        load_factory(name)
+    elif name not in MODELS and name not in LANGUAGE_MODELS:
+        raise ModelError(
+            f"unknown model {name!r}; choose from {', '.join(model_names())} "
+            "or give package.module:factory"
+        )
+    return name
+
+
+def build_model(
+    name: str, *, in_channels: int, image_size: int, num_classes: int, **options: Any
+) -> nn.Module:
+    """Builds model ``name`` for inputs of shape ``(in_channels, size, size)`` or tokens.
 
     Args:
-        name: A key of :data:`MODELS`.
+        name: A key of :data:`MODELS`, ``"gpt"`` or ``"package.module:factory"``.
         in_channels: Input channels.
         image_size: Input height and width; ``"mlp"`` and ``"autoencoder"`` take
-            ``in_channels * image_size**2`` flat features.
-        num_classes: Number of output logits (ignored by ``"autoencoder"``).
+            ``in_channels * image_size**2`` flat features; ``"gpt"``'s context length.
+        num_classes: Number of output logits (ignored by ``"autoencoder"``); ``"gpt"``'s
+            vocabulary.
+        options: ``"gpt"``: ``layers``, ``width``, ``heads``. A factory is offered these
+            and the three sizes above as keywords, and gets those its signature names.
 
     Returns:
         The freshly initialised model.
 
     Raises:
-        ValueError: If ``name`` is not registered.
+        ModelError: If ``name`` is unknown, a factory fails to load or returns no module, or
+            a registered image model is given options.
     """
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model {name!r}; choose from {', '.join(sorted(MODELS))}"
-        ) from None
-    model = builder(in_channels=in_channels, image_size=image_size, num_classes=num_classes)
+    check_model_name(name)
+    sizes = {"in_channels": in_channels, "image_size": image_size, "num_classes": num_classes}
+    model: nn.Module
+    if ":" in name:
+        model = build_from_factory(name, **sizes, **options)
+    elif name == "gpt":
+        from dkfac.app.gpt import GPT
+
+        model = GPT(vocab_size=num_classes, context=image_size, **options)
+    elif options:
+        raise ModelError(f"model {name!r} takes no options, got {sorted(options)}")
+    else:
+        model = MODELS[name](**sizes)
     logger.debug("built %s: %d parameters", name, sum(p.numel() for p in model.parameters()))
     return model

@@ -5,7 +5,9 @@ steps) or ``"eval"`` (test-set evaluation), and the keys ``step``, ``epoch``, ``
 ``accuracy``, ``lr``, ``wall_seconds`` (since the run started, across resumes) and
 ``train_seconds`` (time in training steps only, without evaluation and checkpoints); train
 records also carry ``time_forward_backward`` and ``time_optimizer`` (mean seconds per step;
-for K-FAC the optimizer time is the preconditioner step plus the inner step).
+for K-FAC the optimizer time is the preconditioner step plus the inner step). Runs on
+byte-level text (``--data text``) add ``bits_per_byte`` (the loss, in nats per byte, over
+ln 2); their loss and accuracy are per byte (next-byte prediction).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 Record = dict[str, Any]
+
+
+def bits_per_byte(loss: float) -> float:
+    """Bits per byte of a mean cross-entropy in nats per byte: ``loss / ln 2``."""
+    return loss / math.log(2.0)
 
 
 class MetricsWriter:
@@ -94,6 +101,8 @@ def summary_fields(record: Record) -> str:
     parts = [f"step={record['step']}", f"epoch={record['epoch']:.2f}"]
     if record.get("loss") is not None:
         parts.append(f"loss={record['loss']:.4f}")
+    if record.get("bits_per_byte") is not None:
+        parts.append(f"bpb={record['bits_per_byte']:.4f}")
     if record.get("accuracy") is not None:
         parts.append(f"acc={record['accuracy']:.4f}")
     if record.get("lr") is not None:
@@ -111,8 +120,10 @@ def final_line(
 ) -> str:
     """The one-line summary printed at the end of a run."""
     acc = "" if final["accuracy"] is None else f"test accuracy {final['accuracy']:.4f}, "
+    bpb = final.get("bits_per_byte")
+    per_byte = "" if bpb is None else f" ({bpb:.4f} bits per byte)"
     text = (
-        f"{label}final: {acc}test loss {final['loss']:.4f}, {final['step']} steps, "
+        f"{label}final: {acc}test loss {final['loss']:.4f}{per_byte}, {final['step']} steps, "
         f"{final['train_seconds']:.1f} s training"
     )
     if target is not None:
@@ -193,6 +204,7 @@ def run_summary(label: str, records: Sequence[Record], target: float | None) -> 
         "final_accuracy": None if last is None else last.get("accuracy"),
         "best_accuracy": max(accuracies) if accuracies else None,
         "final_loss": None if last is None else last["loss"],
+        "final_bits_per_byte": None if last is None else last.get("bits_per_byte"),
         "steps": steps,
         "train_seconds": seconds,
         "seconds_per_step": seconds / steps if steps else None,
@@ -219,11 +231,17 @@ def markdown_table(rows: Sequence[Record]) -> str:
         ("final_accuracy", "final test acc"),
         ("best_accuracy", "best test acc"),
         ("final_loss", "final test loss"),
+        ("final_bits_per_byte", "final test bits/byte"),
         ("steps", "steps"),
         ("train_seconds", "train s"),
         ("seconds_per_step", "s/step"),
         ("steps_to_target", "steps to target"),
         ("seconds_to_target", "s to target"),
+    ]
+    columns = [
+        (key, head)
+        for key, head in columns
+        if key != "final_bits_per_byte" or any(row.get(key) is not None for row in rows)
     ]
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:

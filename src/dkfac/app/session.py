@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
 from dkfac.app.data import DataError, Splits, load_dataset, random_crop_flip, shard_indices
-from dkfac.app.models import SmallCNN, build_model
+from dkfac.app.gpt import gpt_options
+from dkfac.app.models import ModelError, SmallCNN, build_model
 from dkfac.app.recipe import RunningMixup, mixing_weight, rescale_weights, scale_momentum
 from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.app.schedules import make_lr_lambda
@@ -37,6 +38,8 @@ from dkfac.optimizer import KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+EVAL_ROWS = 512  # samples per evaluation forward pass
+EVAL_TOKENS = 2**15  # target tokens per evaluation forward pass of a sequence model
 
 
 class UsageError(ValueError):
@@ -105,6 +108,10 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
             in_channels=args.in_channels,
             image_size=args.image_size,
             num_classes=args.num_classes,
+            text_path=getattr(args, "text_path", None),
+            text_bytes=getattr(args, "text_bytes", None),
+            text_glob=getattr(args, "text_glob", None),
+            seq_len=getattr(args, "seq_len", 128),
         )
     except DataError as err:
         raise UsageError(str(err)) from None
@@ -130,12 +137,7 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
             data.in_channels, data.num_classes, data.image_size, batch_norm=True
         ).to(device)
     else:
-        bare = build_model(
-            args.model,
-            in_channels=data.in_channels,
-            image_size=data.image_size,
-            num_classes=data.num_classes,
-        ).to(device)
+        bare = _build_model(args, data).to(device)
     model: nn.Module = bare
     if world > 1 and getattr(args, "strategy", None) != "spngd":
         ids = [device.index] if device.type == "cuda" else None
@@ -200,12 +202,34 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
     return run
 
 
+def _build_model(args: argparse.Namespace, data: Splits) -> nn.Module:
+    """The model of ``--model`` for ``data``: built-in, GPT with its sizes, or a factory's."""
+    options: dict[str, int] = {}
+    if args.model == "gpt":
+        options = gpt_options(args)
+    elif ":" in args.model and data.name == "text":
+        options = {"seq_len": data.image_size}
+    try:
+        return build_model(
+            args.model,
+            in_channels=data.in_channels,
+            image_size=data.image_size,
+            num_classes=data.num_classes,
+            **options,
+        )
+    except ModelError as err:
+        raise UsageError(str(err)) from None
+
+
 def compute_loss(
     run: Session, out: Tensor, x: Tensor, y: Tensor, y2: Tensor | None, lam: float
 ) -> Tensor:
     out = out.float()
     if run.reconstruct:
         return 0.5 * (out - x.flatten(1).float()).pow(2).sum(1).mean()
+    if out.dim() > 2:  # a sequence model: (N, T, classes) logits, (N, T) targets
+        out, y = out.flatten(0, -2), y.flatten()
+        y2 = None if y2 is None else y2.flatten()
     smooth = run.args.label_smoothing
     loss = F.cross_entropy(out, y, label_smoothing=smooth)
     if y2 is not None:
@@ -253,11 +277,11 @@ def train_step(run: Session, indices: list[int], step: int) -> tuple[list[float]
                 pre.sample_fisher(out.float(), "mse" if run.reconstruct else "cross_entropy")
             scaled = loss / k
             (run.scaler.scale(scaled) if run.scaler is not None else scaled).backward()
-        n = len(y)
+        n = y.numel()  # samples, or tokens of a sequence model (loss and accuracy per token)
         sums[0] += float(loss.detach()) * n
         sums[2] += n
         if not run.reconstruct:
-            sums[1] += float((out.detach().argmax(1) == y).sum())
+            sums[1] += float((out.detach().argmax(-1) == y).sum())
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     t1 = time.perf_counter()
@@ -279,19 +303,26 @@ def train_step(run: Session, indices: list[int], step: int) -> tuple[list[float]
 
 @torch.no_grad()
 def evaluate(run: Session) -> tuple[float, float | None]:
-    """Test loss and accuracy, each rank on its slice of the test set, summed over ranks."""
+    """Test loss and accuracy, each rank on its slice of the test set, summed over ranks.
+
+    For a sequence model both are per token: the mean cross-entropy of every target token
+    (nats per byte for ``--data text``) and the fraction of next tokens predicted.
+    """
     run.bare.eval()
     x_all, y_all = run.data.x_test, run.data.y_test
     mine = torch.arange(run.rank, len(y_all), run.world)
     sums = [0.0, 0.0, 0.0]
-    for start in range(0, len(mine), 512):
-        idx = mine[start : start + 512]
+    rows = EVAL_ROWS
+    if y_all.dim() > 1 and len(y_all):  # sequences: about EVAL_TOKENS target tokens a chunk
+        rows = max(1, EVAL_TOKENS // y_all[0].numel())
+    for start in range(0, len(mine), rows):
+        idx = mine[start : start + rows]
         x, y = x_all[idx].to(run.device), y_all[idx].to(run.device)
         with autocast(run):
             out = run.bare(x)
-        sums[0] += float(compute_loss(run, out, x, y, None, 1.0)) * len(y)
-        sums[1] += float((out.argmax(1) == y).sum()) if not run.reconstruct else 0.0
-        sums[2] += len(y)
+        sums[0] += float(compute_loss(run, out, x, y, None, 1.0)) * y.numel()
+        sums[1] += float((out.argmax(-1) == y).sum()) if not run.reconstruct else 0.0
+        sums[2] += y.numel()
     run.bare.train()
     loss, correct, count = all_sum(sums, run.device)
     return loss / max(count, 1), None if run.reconstruct else correct / max(count, 1)

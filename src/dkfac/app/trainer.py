@@ -140,6 +140,8 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
             "train_seconds": train_s,
             **extra,
         }
+        if run.data.name == "text":  # byte-level: the loss is in nats per byte
+            rec["bits_per_byte"] = report.bits_per_byte(loss)
         writer.write(rec)
         return rec
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from dkfac.app.gpt import add_gpt_arguments, gpt_options
 from dkfac.app.models import build_model
 from dkfac.bench.common import (
     command_line,
@@ -84,7 +85,7 @@ def _make_case(
         with torch.autocast(
             x.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
         ):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
         loss.backward()
         if pre is not None:
             pre.step()
@@ -223,15 +224,30 @@ def plot_breakdown(payload: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _model_and_batch(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model and a random batch: images and 10 classes, or bytes for ``--model gpt``."""
+    if args.model == "gpt":
+        model = build_model(
+            "gpt", in_channels=1, image_size=args.seq_len, num_classes=256, **gpt_options(args)
+        )
+        shape: tuple[int, ...] = (args.batch_size, args.seq_len)
+        x = torch.randint(0, 256, shape, device=device)
+        return model.to(device), x, torch.randint(0, 256, shape, device=device)
+    model = build_model(
+        args.model, in_channels=args.channels, image_size=args.image_size, num_classes=10
+    )
+    size = args.image_size
+    x = torch.randn(args.batch_size, args.channels, size, size, device=device)
+    return model.to(device), x, torch.randint(0, 10, (args.batch_size,), device=device)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark described by ``args``; returns the JSON payload."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = build_model(
-        args.model, in_channels=args.channels, image_size=args.image_size, num_classes=10
-    ).to(device)
-    x = torch.randn(args.batch_size, args.channels, args.image_size, args.image_size, device=device)
-    y = torch.randint(0, 10, (args.batch_size,), device=device)
+    model, x, y = _model_and_batch(args, device)
     autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
     configs: dict[str, dict[str, Any]] = {"exact": {}}
     if args.with_reduction:
@@ -297,10 +313,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench step`` flags."""
-    parser.add_argument("--model", default="resnet20")
+    parser.add_argument("--model", default="resnet20", help="a model of dkfac train, or gpt")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--channels", type=int, default=3)
+    add_gpt_arguments(parser)  # --layers --width --heads --seq-len of --model gpt
     parser.add_argument("--method", default="eigen", choices=["eigen", "cholesky"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"])
