@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from dkfac.blocks.base import kronecker_cost
 from dkfac.distributed.assignment import (
     LayerPlacement,
     assign_lpt,
@@ -15,7 +16,6 @@ from dkfac.distributed.assignment import (
     grad_worker_count,
     grad_worker_groups,
     grad_workers_for,
-    layer_cost,
     plan_placement,
     shard_offsets,
     shard_sizes,
@@ -28,10 +28,10 @@ COSTS = {"a": 10.0, "b": 8.0, "c": 6.0, "d": 5.0, "e": 4.0}
 
 
 def test_layer_cost_exact() -> None:
-    assert layer_cost(28, 16, "compute") == 28**3 + 16**3 == 26048
-    assert layer_cost(28, 16, "memory") == 28**2 + 16**2 == 1040
-    assert layer_cost(1, 1) == 2.0  # default kind is compute
-    assert isinstance(layer_cost(3, 4, "memory"), float)
+    assert kronecker_cost(28, 16, "compute") == 28**3 + 16**3 == 26048
+    assert kronecker_cost(28, 16, "memory") == 28**2 + 16**2 == 1040
+    assert kronecker_cost(1, 1) == 2.0  # default kind is compute
+    assert isinstance(kronecker_cost(3, 4, "memory"), float)
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_layer_cost_exact() -> None:
 )
 def test_layer_cost_validation(args: tuple, word: str) -> None:
     with pytest.raises(ValueError, match=word):
-        layer_cost(*args)
+        kronecker_cost(*args)
 
 
 # -- assign_lpt ----------------------------------------------------------------------------
@@ -64,9 +64,9 @@ def test_lpt_ties_broken_by_name_then_rank() -> None:
 
 def test_lpt_layer_costs_from_shapes() -> None:
     costs = {
-        "conv1": layer_cost(28, 16),  # 26,048
-        "conv2": layer_cost(145, 32),  # 3,081,393
-        "fc": layer_cost(513, 10),  # 135,006,697
+        "conv1": kronecker_cost(28, 16),  # 26,048
+        "conv2": kronecker_cost(145, 32),  # 3,081,393
+        "fc": kronecker_cost(513, 10),  # 135,006,697
     }
     assert assign_lpt(costs, 2) == {"conv1": 1, "conv2": 1, "fc": 0}
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from dkfac.app.models import build_model
 from dkfac.app.plan import main as plan_main
+from dkfac.blocks.base import kronecker_cost
 from dkfac.costmodel import (
     DeviceRates,
     KFACLayer,
@@ -40,7 +41,7 @@ from dkfac.costmodel import (
     predict_memory,
     recommend,
 )
-from dkfac.distributed.assignment import layer_cost, plan_placement
+from dkfac.distributed.assignment import plan_placement
 
 
 def tiny_model() -> nn.Module:
@@ -154,7 +155,7 @@ def test_ledger_bytes_other_params_and_dtypes() -> None:
 def test_placement_matches_assignment_module(spec: ModelSpec) -> None:
     for world in (1, 2, 3, 4, 7):
         place = placement_for(spec, world, "mem-opt")
-        costs = {x.name: layer_cost(x.a_dim, x.g_dim) for x in spec.layers}
+        costs = {x.name: kronecker_cost(x.a_dim, x.g_dim) for x in spec.layers}
         expected = plan_placement(costs, world, 1.0 / world)
         assert place.owners == tuple(expected[x.name].inverse_owner for x in spec.layers)
     assert placement_for(spec, 2, "mem-opt").owners == (1, 0)

@@ -10,6 +10,7 @@ the argument and the step.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
@@ -128,7 +129,9 @@ class KFACConfig:
         accumulation_steps: Micro-batches (forward/backward passes) per ``step()``.
         fisher: ``"empirical"`` (the training backward feeds the factors) or ``"mc"`` (one
             Monte-Carlo sampled backward through :meth:`KFACPreconditioner.sample_fisher`).
-        eigen_dtype: Precision of the eigendecompositions / inversions.
+        eigen_dtype: Precision of the eigendecompositions / inversions (SMW's too):
+            ``torch.float32``, ``torch.float64`` or ``None`` (default): the factors' dtype,
+            at least float32 (a float64 model gets float64 decompositions).
         factor_dtype: Precision the factors are stored in (default: the parameters' dtype).
         capture_dtype: Precision of the inputs of the factor products: activations and
             output gradients are cast to it before their outer products are summed (the
@@ -139,8 +142,9 @@ class KFACConfig:
             (products accumulate in fp32; each product's sum is rounded once to bf16).
             Applies to dense Kronecker factors; low-rank (SMW) rows and BatchNorm's
             unit-wise statistics keep ``factor_dtype``.
-        skip_layers: Regular expressions; a module whose name or class name matches one
-            fully is not preconditioned.
+        skip_layers: Regular expressions; a module whose qualified name or class name
+            contains a match of one (``re.search``: anchor with ``^...$`` for a full match)
+            is not preconditioned.
         conv_reduction: Spatial reduction of convolution factors: ``None`` (expand
             convention), ``"sum"`` or ``"subsample"`` (SKFAC).
         subsample_positions: Output positions sampled per image for ``"subsample"``.
@@ -197,7 +201,7 @@ class KFACConfig:
     lr: Schedule = 0.1
     accumulation_steps: int = 1
     fisher: FisherType = "empirical"
-    eigen_dtype: torch.dtype = torch.float32
+    eigen_dtype: torch.dtype | None = None
     factor_dtype: torch.dtype | None = None
     capture_dtype: torch.dtype | None = None
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
@@ -249,9 +253,9 @@ class KFACConfig:
             raise ValueError(
                 f"accumulation_steps must be an integer >= 1, got {self.accumulation_steps!r}"
             )
-        if self.eigen_dtype not in (torch.float32, torch.float64):
+        if self.eigen_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(
-                f"eigen_dtype must be torch.float32 or torch.float64, got {self.eigen_dtype}"
+                f"eigen_dtype must be None, torch.float32 or torch.float64, got {self.eigen_dtype}"
             )
         if self.factor_dtype is not None and not self.factor_dtype.is_floating_point:
             raise ValueError(f"factor_dtype must be a floating dtype, got {self.factor_dtype}")
@@ -268,6 +272,13 @@ class KFACConfig:
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
         if not all(isinstance(p, str) for p in self.skip_layers):
             raise TypeError("skip_layers must be a string or a sequence of regex strings")
+        for pattern in self.skip_layers:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"skip_layers: {pattern!r} is not a regular expression ({err})"
+                ) from None
         if self.conv_reduction not in CONV_REDUCTIONS:
             raise ValueError(
                 f"conv_reduction must be one of {CONV_REDUCTIONS}, got {self.conv_reduction!r}"

@@ -224,9 +224,8 @@ class KFACPreconditioner:
                 self.update_inverses(damping)
         with record_function("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
-            finals, ready = precondition(
-                self.layers, self.strategy, grads, finite, damping, bn_damping or damping, step
-            )
+            dampings = {"damping": damping, "bn_damping": bn_damping or damping}
+            finals, ready = precondition(self.layers, self.strategy, grads, finite, dampings, step)
         with record_function("dkfac.distribute"):
             delivered = self.strategy.distribute(finals, ready)
         with record_function("dkfac.kl_clip"):

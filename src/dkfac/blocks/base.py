@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,56 @@ class Rows:
     def scaled(self) -> Tensor:
         """``rows / sqrt(normaliser)``: the ``(r, d)`` matrix ``Uᵀ`` with factor ``U Uᵀ``."""
         return self.rows / self.normaliser**0.5
+
+
+CostKind = Literal["compute", "memory"]
+
+
+def kronecker_cost(a_dim: int, g_dim: int, kind: CostKind = "compute") -> float:
+    """Relative cost of a Kronecker layer's second-order work, used to balance owners.
+
+    Args:
+        a_dim: Side length of the activation factor A (d_in, plus 1 with a bias).
+        g_dim: Side length of the gradient factor G (d_out).
+        kind: ``"compute"``: ``a_dim³ + g_dim³``, the scaling of two eigendecompositions;
+            ``"memory"``: ``a_dim² + g_dim²``, the number of stored factor entries.
+
+    Returns:
+        The cost as a float (only ratios between layers matter).
+
+    Raises:
+        ValueError: If a dimension is not a positive integer or ``kind`` is unknown.
+    """
+    for name, dim in (("a_dim", a_dim), ("g_dim", g_dim)):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"{name} must be a positive integer, got {dim!r}")
+    if kind == "compute":
+        return float(a_dim**3 + g_dim**3)
+    if kind == "memory":
+        return float(a_dim**2 + g_dim**2)
+    raise ValueError(f"kind must be 'compute' or 'memory', got {kind!r}")
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """What the cost model needs to know of a block (:meth:`Block.cost_description`).
+
+    Attributes:
+        kind: The cost model's name of the layer kind (``"linear"``, ``"conv2d"``,
+            ``"embedding"``, ``"batchnorm"``; ``None`` for a block it cannot describe).
+        a_dim: Side of the input factor A (2 for a unit-wise block: the unit ``(γ, β)``).
+        g_dim: Side of the output-gradient factor G (channels of a unit-wise block).
+        unitwise: A unit-wise 2×2 block per channel (statistic ``g_dim·2·2``) instead of a
+            Kronecker pair.
+        forward_flops: Whether the forward pass costs ``2·T·a_dim·g_dim`` flops (a matrix
+            product per output position; an embedding lookup does not).
+    """
+
+    kind: str | None
+    a_dim: int
+    g_dim: int
+    unitwise: bool = False
+    forward_flops: bool = True
 
 
 class StatisticSink(Protocol):
@@ -90,6 +140,21 @@ class Block(ABC):
 
     solver_name: ClassVar[str | None] = None
     grad_statistics: ClassVar[tuple[str, ...]] = ("G",)
+    damping_key: ClassVar[str] = "damping"
+    """Which damping of the step applies: ``"damping"`` or ``"bn_damping"``."""
+    cost_kind: ClassVar[str | None] = None
+    """The cost model's name of the layer kind (:class:`BlockCost`); ``None``: the cost
+    model cannot describe the block (``strategy="auto"`` then falls back to its rule)."""
+
+    @classmethod
+    def declines(cls, module: nn.Module, **options: Any) -> str | None:
+        """Why this block cannot precondition ``module`` with these options, or ``None``.
+
+        The registry asks before building a block; the reason is logged and reported as
+        the reason the module's parameters are left to the inner optimizer.
+        """
+        del module, options
+        return None
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
@@ -143,11 +208,26 @@ class Block(ABC):
         if "G" in sinks:
             sinks["G"].add(self.g_rows(grad_output), scale)
 
-    def placement_cost(self, kind: str = "compute") -> float:
-        """Relative cost of the layer's second-order work (``"compute"`` or ``"memory"``)."""
-        from dkfac.distributed.assignment import layer_cost
+    def placement_cost(self, kind: CostKind = "compute") -> float:
+        """Relative cost of the layer's second-order work (:func:`kronecker_cost`)."""
+        return kronecker_cost(self.a_dim, self.g_dim, kind)
 
-        return layer_cost(self.a_dim, self.g_dim, kind)  # type: ignore[arg-type]
+    def cost_description(self) -> BlockCost:
+        """The layer as the cost model sees it."""
+        return BlockCost(self.cost_kind, self.a_dim, self.g_dim)
+
+    def output_positions(self, output: Tensor) -> int:
+        """Output positions ``T`` per sample in a forward output (1 by default)."""
+        del output
+        return 1
+
+    def hooked_input(self, inputs: tuple[Any, ...]) -> Tensor | None:
+        """The forward input the capture hook reads (the first positional one)."""
+        return inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+
+    def hooked_output(self, output: Any) -> Tensor | None:
+        """The forward output whose gradient the backward hook reads."""
+        return output if isinstance(output, Tensor) else None
 
     def set_step(self, step: int) -> None:
         """Tells the block the preconditioner's step counter before a step's passes.

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dkfac.blocks.base import Block, Rows, StatisticSink
+from dkfac.blocks.base import Block, BlockCost, CostKind, Rows, StatisticSink
 from dkfac.blocks.unitwise_stats import batch_moments, per_sample_grads, unit_fisher
 
 
@@ -30,7 +30,22 @@ class BatchNormBlock(Block):
 
     solver_name: ClassVar[str | None] = "unitwise"
     grad_statistics: ClassVar[tuple[str, ...]] = ("F",)
+    damping_key: ClassVar[str] = "bn_damping"
+    cost_kind: ClassVar[str] = "batchnorm"
     module: _BatchNorm
+
+    @classmethod
+    def declines(cls, module: nn.Module, *, unitwise: bool = True, **options: Any) -> str | None:
+        """Without affine parameters there is nothing to train; ``unitwise=False``
+        (``KFACConfig.unitwise_bn``) leaves BatchNorm to the inner optimizer."""
+        del options
+        if not getattr(module, "affine", False):
+            return "no affine parameters"
+        return None if unitwise else "unitwise_bn=False"
+
+    def cost_description(self) -> BlockCost:
+        """A unit-wise 2×2 block per channel."""
+        return BlockCost(self.cost_kind, 2, self.channels, unitwise=True, forward_flops=False)
 
     def __init__(self, name: str, module: nn.Module) -> None:
         if not isinstance(module, _BatchNorm):
@@ -93,7 +108,7 @@ class BatchNormBlock(Block):
         )
         sinks["F"].add_sum(unit_fisher(g_gamma, g_beta), float(grad_output.shape[0]), scale)
 
-    def placement_cost(self, kind: str = "compute") -> float:
+    def placement_cost(self, kind: CostKind = "compute") -> float:
         """A closed-form 2×2 solve per channel: ``8C`` (compute) or ``4C`` (memory)."""
         return float((8 if kind == "compute" else 4) * self.channels)
 

@@ -93,6 +93,19 @@ class Conv2dBlock(Block):
     """
 
     module: nn.Conv2d
+    cost_kind = "conv2d"
+
+    @classmethod
+    def declines(cls, module: nn.Module, **options: Any) -> str | None:
+        """Grouped convolutions: one Kronecker pair would describe their block-diagonal
+        weight wrongly."""
+        del options
+        groups = getattr(module, "groups", 1)
+        return None if groups == 1 else f"grouped convolution (groups={groups}) is not supported"
+
+    def output_positions(self, output: Tensor) -> int:
+        """``H_out · W_out``."""
+        return int(output.shape[-1] * output.shape[-2])
 
     def __init__(
         self,

@@ -16,17 +16,30 @@ vocabularies of small models; very large vocabularies should be listed in ``skip
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block, Rows
+from dkfac.blocks.base import Block, BlockCost, Rows
 
 
 class EmbeddingBlock(Block):
     """Kronecker factors of an embedding table (no bias)."""
 
     module: nn.Embedding
+    cost_kind = "embedding"
+
+    @classmethod
+    def declines(cls, module: nn.Module, **options: Any) -> str | None:
+        """Sparse embedding gradients are not supported."""
+        del options
+        return "sparse embedding gradients are not supported" if module.sparse else None
+
+    def cost_description(self) -> BlockCost:
+        """A lookup, not a matrix product: no forward flops."""
+        return BlockCost(self.cost_kind, self.a_dim, self.g_dim, forward_flops=False)
 
     def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__(name, module)

@@ -14,6 +14,11 @@ class LinearBlock(Block):
     """Kronecker factors of a fully connected layer."""
 
     module: nn.Linear
+    cost_kind = "linear"
+
+    def output_positions(self, output: Tensor) -> int:
+        """Every leading dimension but the batch is a position (a sequence's length)."""
+        return max(1, int(output.numel() // (output.shape[0] * output.shape[-1])))
 
     @property
     def a_dim(self) -> int:

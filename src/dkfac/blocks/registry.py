@@ -54,39 +54,53 @@ def _accepted(factory: BlockFactory, options: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in options.items() if key in params}
 
 
-def make_block(name: str, module: nn.Module, **options: Any) -> Block | None:
-    """The block for ``module``, or ``None`` when its type is not supported.
+def find_factory(module: nn.Module) -> BlockFactory | None:
+    """The factory registered for ``module``'s type or its nearest base, or ``None``."""
+    for klass in type(module).__mro__:
+        factory = _REGISTRY.get(klass)
+        if factory is not None:
+            return factory
+    return None
 
-    Grouped convolutions are skipped with a warning (their weight is block-diagonal over
-    groups, which one Kronecker pair would describe wrongly), and so are sparse embeddings.
+
+def block_or_reason(name: str, module: nn.Module, **options: Any) -> Block | str | None:
+    """The block for ``module``, the reason it is declined, or ``None`` for an unknown type.
+
+    A factory that is a :class:`Block` subclass is first asked
+    :meth:`~dkfac.blocks.base.Block.declines` (grouped convolutions, sparse embeddings,
+    BatchNorm without affine parameters or with ``unitwise=False``...).
 
     Args:
         name: The module's qualified name.
         module: The module.
         **options: Keyword options for the factories that accept them (by parameter name),
             e.g. ``reduction``, ``positions`` and ``seed`` of
-            :class:`~dkfac.blocks.conv2d.Conv2dBlock`; others ignore them.
+            :class:`~dkfac.blocks.conv2d.Conv2dBlock`, ``unitwise`` of BatchNorm.
     """
-    for klass in type(module).__mro__:
-        factory = _REGISTRY.get(klass)
-        if factory is None:
-            continue
-        if isinstance(module, nn.Conv2d) and module.groups != 1:
-            logger.warning(
-                "skipping %s: grouped convolution (groups=%d) is not supported; it keeps its "
-                "plain gradient",
-                name,
-                module.groups,
-            )
-            return None
-        if isinstance(module, _BatchNorm) and not module.affine:
-            return None  # no parameters: nothing to precondition
-        if isinstance(module, nn.Embedding) and module.sparse:
-            logger.warning(
-                "skipping %s: sparse embedding gradients are not supported; it keeps its "
-                "plain gradient",
-                name,
-            )
-            return None
-        return factory(name, module, **_accepted(factory, options))
-    return None
+    factory = find_factory(module)
+    if factory is None:
+        return None
+    if isinstance(factory, type) and issubclass(factory, Block):
+        reason = factory.declines(module, **options)
+        if reason is not None:
+            return reason
+    return factory(name, module, **_accepted(factory, options))
+
+
+def make_block(name: str, module: nn.Module, **options: Any) -> Block | None:
+    """The block for ``module``, or ``None`` when its type is not supported or declined.
+
+    A declined module (:func:`block_or_reason`) is logged with its reason, at WARNING
+    unless the user chose it (``unitwise_bn=False``) or it has nothing to train.
+    """
+    found = block_or_reason(name, module, **options)
+    if isinstance(found, str):
+        quiet = found in ("no affine parameters", "unitwise_bn=False")
+        logger.log(
+            logging.INFO if quiet else logging.WARNING,
+            "skipping %s: %s; it keeps its plain gradient",
+            name,
+            found,
+        )
+        return None
+    return found

@@ -29,11 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block
-from dkfac.blocks.batchnorm import BatchNormBlock
-from dkfac.blocks.conv2d import Conv2dBlock
-from dkfac.blocks.embedding import EmbeddingBlock
-from dkfac.distributed.assignment import layer_cost
+from dkfac.blocks.base import Block, BlockCost, kronecker_cost
+from dkfac.blocks.registry import block_or_reason
 
 __all__ = ["LAYER_KINDS", "BNLayer", "KFACLayer", "ModelSpec", "extract_layers", "spec_from_blocks"]
 
@@ -91,7 +88,7 @@ class KFACLayer:
             if cost_kind not in ("compute", "memory"):
                 raise ValueError(f"kind must be 'compute' or 'memory', got {cost_kind!r}")
             return float((8 if cost_kind == "compute" else 4) * self.g_dim)
-        return layer_cost(self.a_dim, self.g_dim, cost_kind)  # type: ignore[arg-type]
+        return kronecker_cost(self.a_dim, self.g_dim, cost_kind)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,10 +150,6 @@ class ModelSpec:
         return self.kfac_param_numel + self.other_param_numel
 
 
-def _is_kfac_conv(module: nn.Module) -> bool:
-    return isinstance(module, nn.Conv2d) and module.groups == 1
-
-
 def extract_layers(
     model: nn.Module, input_shape: Sequence[int] | None = None, *, unitwise_bn: bool = True
 ) -> ModelSpec:
@@ -185,36 +178,23 @@ def extract_layers(
         shape = tuple(input_shape)
         if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
             raise ValueError(f"input_shape must be positive integers, got {input_shape!r}")
-    positions = _count_positions(inner, input_shape) if input_shape is not None else {}
+    blocks = _blocks(inner)
+    positions = _count_positions(inner, blocks, input_shape) if input_shape is not None else {}
     layers: list[KFACLayer] = []
     bn_layers: list[BNLayer] = []
     kfac_params: set[int] = set()
     flops = 0.0
-    for name, module in inner.named_modules():
-        weight = getattr(module, "weight", None)
-        trainable = isinstance(weight, Tensor) and weight.requires_grad
-        if trainable and isinstance(module, nn.Linear):
-            bias = 1 if module.bias is not None else 0
-            a_dim, g_dim, kind = module.in_features + bias, module.out_features, "linear"
-        elif trainable and _is_kfac_conv(module):
-            assert isinstance(module, nn.Conv2d)
-            kh, kw = module.kernel_size
-            bias = 1 if module.bias is not None else 0
-            a_dim, g_dim, kind = module.in_channels * kh * kw + bias, module.out_channels, "conv2d"
-        elif trainable and isinstance(module, nn.Embedding):
-            a_dim, g_dim, kind = module.num_embeddings, module.embedding_dim, "embedding"
-        elif trainable and isinstance(module, nn.modules.batchnorm._BatchNorm):
-            bn_layers.append(BNLayer(name=name, channels=int(module.num_features)))
-            if not unitwise_bn or module.bias is None:
+    for name, block in blocks.items():
+        cost = block.cost_description()
+        if cost.unitwise:
+            bn_layers.append(BNLayer(name=name, channels=cost.g_dim))
+            if not unitwise_bn:
                 continue
-            a_dim, g_dim, kind = 2, int(module.num_features), "batchnorm"
-        else:
-            continue
         t = positions.get(name, 1)
-        layers.append(KFACLayer(name=name, a_dim=a_dim, g_dim=g_dim, positions=t, kind=kind))
-        if kind in ("linear", "conv2d"):
-            flops += 2.0 * t * a_dim * g_dim
-        kfac_params.update(id(p) for p in module.parameters(recurse=False))
+        layers.append(_layer(name, cost, t))
+        if cost.forward_flops:
+            flops += 2.0 * t * cost.a_dim * cost.g_dim
+        kfac_params.update(id(p) for p in block.parameters())
     if not layers:
         raise ValueError("model has no nn.Linear or nn.Conv2d (groups=1) layer to precondition")
     other = sum(
@@ -243,43 +223,51 @@ def spec_from_blocks(blocks: Mapping[str, Block], other_param_numel: int = 0) ->
             ``a × a`` and ``G`` of ``g × g``) nor a unit-wise BatchNorm block, e.g. a block
             type registered by the user, or ``blocks`` is empty.
     """
-    layers: list[KFACLayer] = []
-    for name, block in blocks.items():
-        shapes = block.statistic_shapes()
-        if isinstance(block, BatchNormBlock):
-            layers.append(KFACLayer(name=name, a_dim=2, g_dim=block.channels, kind="batchnorm"))
-            continue
-        a, g = block.a_dim, block.g_dim
-        if block.solver_name is not None or shapes != {"A": (a, a), "G": (g, g)}:
-            raise ValueError(f"block {name!r} ({type(block).__name__}) is not described")
-        kind = (
-            "conv2d"
-            if isinstance(block, Conv2dBlock)
-            else "embedding"
-            if isinstance(block, EmbeddingBlock)
-            else "linear"
-        )
-        layers.append(KFACLayer(name=name, a_dim=a, g_dim=g, kind=kind))
+    if not blocks:
+        raise ValueError("blocks must not be empty")
+    layers = [_layer(name, block.cost_description(), 1) for name, block in blocks.items()]
     return ModelSpec(layers=tuple(layers), other_param_numel=other_param_numel)
 
 
-def _count_positions(model: nn.Module, input_shape: Sequence[int]) -> dict[str, int]:
-    """Output positions per sample of every Linear / Conv2d, from one forward pass."""
+def _blocks(model: nn.Module) -> dict[str, Block]:
+    """The blocks of the modules with a trainable weight (BatchNorm always, for BNLayer)."""
+    blocks: dict[str, Block] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, Tensor) or not weight.requires_grad:
+            continue
+        found = block_or_reason(name, module, unitwise=True)
+        if isinstance(found, Block):
+            blocks[name] = found
+    return blocks
+
+
+def _layer(name: str, cost: BlockCost, positions: int) -> KFACLayer:
+    """The cost model's layer of a block's cost description."""
+    if cost.kind is None or cost.kind not in LAYER_KINDS:
+        raise ValueError(f"block {name!r} of kind {cost.kind!r} is not described")
+    return KFACLayer(
+        name=name, a_dim=cost.a_dim, g_dim=cost.g_dim, positions=positions, kind=cost.kind
+    )
+
+
+def _count_positions(
+    model: nn.Module, blocks: Mapping[str, Block], input_shape: Sequence[int]
+) -> dict[str, int]:
+    """Output positions per sample of every block that prices forward flops, from one
+    forward pass."""
     found: dict[str, int] = {}
     handles = []
+    modules = dict(model.named_modules())
 
-    def hook(name: str, module: nn.Module, inputs: object, output: object) -> None:
-        if not isinstance(output, Tensor):
-            return
-        if isinstance(module, nn.Conv2d):
-            found[name] = int(output.shape[-1] * output.shape[-2])
-        else:  # Linear: every leading dimension except the batch is a position
-            found[name] = max(1, int(output.numel() // (output.shape[0] * output.shape[-1])))
+    def hook(name: str, output: object) -> None:
+        if isinstance(output, Tensor):
+            found[name] = blocks[name].output_positions(output)
 
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or _is_kfac_conv(module):
+    for name, block in blocks.items():
+        if block.cost_description().forward_flops:
             handles.append(
-                module.register_forward_hook(lambda m, i, o, name=name: hook(name, m, i, o))
+                modules[name].register_forward_hook(lambda m, i, o, name=name: hook(name, o))
             )
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")

@@ -13,7 +13,7 @@ What each strategy does (read from ``dkfac.distributed.strategies`` and checked 
 real ledger at 2 and 4 ranks by ``tests/test_costmodel_ledger.py``):
 
 * Placement: ``plan_placement({name: placement cost}, P, f)`` with the blocks' placement costs
-  (Kronecker ``layer_cost(a, g)``, BatchNorm ``8C`` / ``4C``); ``f = 1`` for ``replicated``,
+  (Kronecker ``kronecker_cost(a, g)``, BatchNorm ``8C`` / ``4C``); ``f = 1`` for ``replicated``,
   ``1/P`` for ``mem-opt``, ``dp`` and ``spngd``.
 * ``replicated`` / ``kaisa``: every rank all-reduces every layer's statistics (kind
   ``factors``; unpacked unless ``pack_triangles``); each inverse owner broadcasts the layer's
@@ -46,9 +46,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from dkfac.blocks.base import CostKind
 from dkfac.costmodel.layers import KFACLayer, ModelSpec
 from dkfac.distributed.assignment import (
-    CostKind,
     grad_worker_count,
     plan_placement,
 )
@@ -255,7 +255,7 @@ def predict_ledger_bytes(
         dtypes: Element sizes (default: all fp32).
         factor_step: The step updates factors.
         inverse_step: The step updates inverses.
-        cost_kind: Placement cost (see :func:`~dkfac.distributed.assignment.layer_cost`).
+        cost_kind: Placement cost (see :func:`~dkfac.blocks.base.kronecker_cost`).
         pack_triangles: ``KFACConfig.pack_triangles``; ``None``: on for ``spngd`` only.
 
     Returns:

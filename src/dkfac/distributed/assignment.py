@@ -9,7 +9,7 @@ Placement has two parts:
 1. **Inverse owners.** Each layer (its A and G factors together, one indivisible unit) is
    given to one rank that computes its damped inverse / eigendecomposition. Owners are chosen
    by longest-processing-time (LPT) greedy scheduling on a per-layer cost
-   (:func:`layer_cost`, :func:`assign_lpt`).
+   (a block's ``placement_cost``, :func:`assign_lpt`).
 2. **Gradient workers (KAISA).** With ``P`` ranks and gradient-worker fraction ``f``, every
    layer is preconditioned by ``n = round(f·P)`` ranks, its *gradient workers*. The ranks are
    partitioned into ``P/n`` *grad-worker groups* of ``n`` ranks each, by stride::
@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 __all__ = [
     "LayerPlacement",
@@ -43,43 +42,15 @@ __all__ = [
     "grad_worker_count",
     "grad_worker_groups",
     "grad_workers_for",
-    "layer_cost",
     "plan_placement",
     "shard_offsets",
     "shard_sizes",
 ]
 
-CostKind = Literal["compute", "memory"]
-
 
 def _check_world_size(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-
-
-def layer_cost(a_dim: int, g_dim: int, kind: CostKind = "compute") -> float:
-    """Relative cost of one layer's second-order work, used to balance owners.
-
-    Args:
-        a_dim: Side length of the activation factor A (d_in, plus 1 with a bias).
-        g_dim: Side length of the gradient factor G (d_out).
-        kind: ``"compute"``: ``a_dim³ + g_dim³``, the scaling of two eigendecompositions;
-            ``"memory"``: ``a_dim² + g_dim²``, the number of stored factor entries.
-
-    Returns:
-        The cost as a float (only ratios between layers matter).
-
-    Raises:
-        ValueError: If a dimension is not a positive integer or ``kind`` is unknown.
-    """
-    for name, dim in (("a_dim", a_dim), ("g_dim", g_dim)):
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"{name} must be a positive integer, got {dim!r}")
-    if kind == "compute":
-        return float(a_dim**3 + g_dim**3)
-    if kind == "memory":
-        return float(a_dim**2 + g_dim**2)
-    raise ValueError(f"kind must be 'compute' or 'memory', got {kind!r}")
 
 
 def assign_lpt(costs: Mapping[str, float], world_size: int) -> dict[str, int]:
@@ -92,7 +63,7 @@ def assign_lpt(costs: Mapping[str, float], world_size: int) -> dict[str, int]:
     With more ranks than layers some ranks own nothing.
 
     Args:
-        costs: Layer name -> non-negative finite cost (for example :func:`layer_cost`).
+        costs: Layer name -> non-negative finite cost (for example a block's ``placement_cost``).
         world_size: Number of ranks, at least 1.
 
     Returns:

@@ -63,9 +63,10 @@ class FactorCapture:
             return
         if not (module.training and torch.is_grad_enabled()):
             return
-        if not inputs or not isinstance(inputs[0], Tensor):
+        x = layer.block.hooked_input(inputs)
+        if x is None:
             return
-        x = inputs[0].detach()
+        x = x.detach()
         batch = layer.block.batch_size(x)
         # The G scale is that of the whole micro-batch's mean loss, whatever rows are kept.
         scale = float(batch * self.config.accumulation_steps) ** 2
@@ -76,7 +77,8 @@ class FactorCapture:
             x = x[:keep]
         with record_function("dkfac.capture_a"):
             context = layer.block.capture_input(x, layer.due_sinks())
-        if isinstance(output, Tensor) and output.requires_grad:
+        output = layer.block.hooked_output(output)
+        if output is not None and output.requires_grad:
             hook = functools.partial(self._grad_hook, layer, scale, context, keep)
             output.register_hook(hook)
             if self.config.fisher == "mc":

@@ -14,10 +14,10 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import Tensor, nn
 
 from dkfac.blocks.base import Block
-from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.registry import make_block
 from dkfac.config import KFACConfig, resolve
 from dkfac.engine.layer_state import LayerState
@@ -45,7 +45,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_skipped(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
-    """Whether a regular expression of ``patterns`` matches the module's name or type name."""
+    """Whether a regular expression of ``patterns`` is found (``re.search``) in the module's
+    qualified name or its type name."""
     return any(
         re.search(pattern, name) or re.search(pattern, type(module).__name__)
         for pattern in patterns
@@ -70,8 +71,8 @@ def find_blocks(model: nn.Module, config: KFACConfig) -> dict[str, Block]:
     for name, module in model.named_modules():
         if is_skipped(name, module, config.skip_layers):
             continue
-        block = make_block(name, module, seed=config.seed, **conv)
-        if block is None or (isinstance(block, BatchNormBlock) and not config.unitwise_bn):
+        block = make_block(name, module, seed=config.seed, unitwise=config.unitwise_bn, **conv)
+        if block is None:
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, Tensor) or not weight.requires_grad:
@@ -125,7 +126,8 @@ def create_layers(
         method = block.solver_name or config.method
         if method == "auto" and not kronecker:
             method = "smw"
-        solver = make_solver(method, config.eigen_dtype, rule if kronecker else None)
+        compute = config.eigen_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
+        solver = make_solver(method, compute, rule if kronecker else None)
         layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)
     return layers
 

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError
@@ -126,8 +125,7 @@ def precondition(
     strategy: Strategy,
     grads: Mapping[str, Tensor | None],
     finite: Mapping[str, tuple[bool, bool]],
-    damping: float,
-    bn_damping: float,
+    dampings: Mapping[str, float],
     step: int,
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Final gradient matrices (or receive buffers) and the layers ready to precondition.
@@ -139,8 +137,8 @@ def precondition(
         strategy: Says which layers this rank preconditions and which are ready.
         grads: Gradient matrices by layer (``None``: the layer had no gradient).
         finite: :func:`finite_flags` of this step.
-        damping: The damping of the Kronecker blocks.
-        bn_damping: The damping of unit-wise BatchNorm blocks.
+        dampings: This step's dampings by name (``"damping"``, ``"bn_damping"``); each block
+            says which applies to it (``damping_key``).
         step: The step number (for the warning).
 
     Returns:
@@ -166,7 +164,7 @@ def precondition(
         if not strategy.preconditions(name):
             finals[name] = torch.empty_like(grad)
         elif is_ready and layer.solver_state is not None:
-            layer_damping = bn_damping if isinstance(layer.block, BatchNormBlock) else damping
+            layer_damping = dampings[layer.block.damping_key]
             finals[name] = layer.solver.apply(layer.solver_state, grad, layer_damping)
         else:
             finals[name] = grad
