@@ -24,7 +24,7 @@ from dkfac.costmodel import (
     recommend,
     select_strategy,
 )
-from dkfac.distributed.strategies import build_strategy
+from dkfac.engine.strategy_choice import build_strategy
 
 
 def fake_comm(world: int) -> Any:

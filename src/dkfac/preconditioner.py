@@ -50,7 +50,7 @@ from torch.profiler import record_function
 
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.comm import Communicator
-from dkfac.distributed.strategies import Strategy, build_strategy
+from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.checkpoint import layers_state, load_layers_state
 from dkfac.engine.eager import build_eager
@@ -73,6 +73,7 @@ from dkfac.engine.step_math import (
     update_inverses,
     write_back,
 )
+from dkfac.engine.strategy_choice import build_strategy
 
 
 class KFACPreconditioner:

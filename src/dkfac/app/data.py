@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from dkfac.app import text
 from dkfac.app.cifar import (
     CIFAR10,
     CIFAR100,
@@ -27,6 +27,7 @@ from dkfac.app.cifar import (
     read_cifar,
     write_cifar_archive,
 )
+from dkfac.app.splits import DatasetSpec, Splits
 
 logger = logging.getLogger(__name__)
 
@@ -48,42 +49,6 @@ __all__ = [
 ]
 
 DATASETS = ("digits", "cifar10", "cifar100", "synthetic", "text")
-
-
-@dataclass(frozen=True)
-class Splits:
-    """A dataset held in memory: train and test tensors plus their shape.
-
-    For ``"text"`` (see :mod:`dkfac.app.text`) inputs and targets are int64 byte windows
-    ``(N, seq_len)``, ``image_size`` is ``seq_len`` and ``num_classes`` the vocabulary (256).
-
-    Attributes:
-        name: Dataset name (``"digits"``, ``"cifar10"``, ...).
-        x_train: float32 images ``(N_train, C, H, W)``.
-        y_train: int64 labels ``(N_train,)``.
-        x_test: float32 images ``(N_test, C, H, W)``.
-        y_test: int64 labels ``(N_test,)``.
-        in_channels: ``C``.
-        image_size: ``H == W``.
-        num_classes: Number of classes.
-        mean: Per-channel mean subtracted from the raw [0, 1] pixels (empty if none was).
-        std: Per-channel standard deviation divided out (empty if none was).
-    """
-
-    name: str
-    x_train: Tensor
-    y_train: Tensor
-    x_test: Tensor
-    y_test: Tensor
-    in_channels: int
-    image_size: int
-    num_classes: int
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
-
-
-DatasetSpec = Splits
-"""Alias of :class:`Splits`."""
 
 
 def _standardize(
@@ -288,8 +253,6 @@ def load_dataset(
     if name == "synthetic":
         return synthetic(num_samples, in_channels, image_size, num_classes, seed)
     if name == "text":
-        from dkfac.app import text  # text imports Splits from here
-
         return text.load_text(
             text_path,
             seq_len,

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from dkfac.app.cifar import DataError, PathLike
-from dkfac.app.data import Splits
+from dkfac.app.splits import Splits
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def load_text(
         pattern: File-name pattern for a folder.
 
     Returns:
-        :class:`~dkfac.app.data.Splits` with int64 token windows ``(N, seq_len)`` as inputs
+        :class:`~dkfac.app.splits.Splits` with int64 token windows ``(N, seq_len)`` as inputs
         and targets, ``num_classes`` 256 (the vocabulary), ``image_size`` ``seq_len`` and
         ``in_channels`` 1; the test split is the validation split.
 

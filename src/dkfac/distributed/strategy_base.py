@@ -24,7 +24,6 @@ from torch import Tensor
 
 from dkfac.distributed.assignment import plan_placement
 from dkfac.distributed.comm import CommHandle, CommLedger, Communicator
-from dkfac.solvers.base import SolverState
 
 __all__ = ["FactorReduction", "Strategy", "join_handles"]
 
@@ -32,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 FactorReduction = Literal["all_reduce", "reduce_scatter", "none"]
 Signature = list[tuple[str, tuple[int, ...], torch.dtype]]
+SolverState = dict[str, Tensor]
+"""A solver state as strategies move it: named tensors."""
 
 
 def join_handles(handles: Iterable[CommHandle]) -> CommHandle:
