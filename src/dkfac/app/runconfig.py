@@ -224,7 +224,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raw = tomllib.load(handle)
     except FileNotFoundError:
         raise ConfigError(f"config file {file} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as err:
+    except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError included
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from None
     values: dict[str, Any] = {}
     for key, value in raw.items():

@@ -50,11 +50,21 @@ def world_info() -> tuple[int, int]:
 
 
 def pick_device(name: str) -> torch.device:
-    if name != "auto":
+    """The device of ``--device``; ``auto`` and a bare ``cuda`` take this rank's local GPU."""
+    if name not in ("auto", "cuda"):
         return torch.device(name)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if name == "cuda":
+        raise UsageError("--device cuda: no CUDA device is available here")
     return torch.device("cpu")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure (CUDA or CPU) rather than a bug."""
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
 
 
 def all_sum(values: list[float], device: torch.device) -> list[float]:
@@ -94,6 +104,25 @@ class Session:
 
 
 def build_session(args: argparse.Namespace, device: torch.device) -> Session:
+    """The session of parsed options on this rank.
+
+    Raises:
+        UsageError: For options that do not fit the data, the model, the world size or the
+            memory of this machine.
+    """
+    try:
+        return _build_session(args, device)
+    except Exception as err:
+        if is_out_of_memory(err):
+            raise UsageError(
+                "not enough memory for this run's data and model "
+                f"({str(err).splitlines()[0][:200]}); reduce --num-classes, --image-size, "
+                "--in-channels, --synthetic-samples or --batch-size"
+            ) from None
+        raise
+
+
+def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
     rank, world = world_info()
     torch.manual_seed(args.seed)
     try:
@@ -130,12 +159,15 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
             data.in_channels, data.num_classes, data.image_size, batch_norm=True
         ).to(device)
     else:
-        bare = build_model(
-            args.model,
-            in_channels=data.in_channels,
-            image_size=data.image_size,
-            num_classes=data.num_classes,
-        ).to(device)
+        try:
+            bare = build_model(
+                args.model,
+                in_channels=data.in_channels,
+                image_size=data.image_size,
+                num_classes=data.num_classes,
+            ).to(device)
+        except ValueError as err:  # a shape this model cannot take
+            raise UsageError(f"--model {args.model}: {err}") from None
     model: nn.Module = bare
     if world > 1 and getattr(args, "strategy", None) != "spngd":
         ids = [device.index] if device.type == "cuda" else None

@@ -38,6 +38,7 @@ from dkfac.app import faults, report, session
 from dkfac.app.checkpoint import CheckpointError, choose_resume, save_rotating
 from dkfac.app.data import shard_indices
 from dkfac.app.runconfig import write_resolved_config
+from dkfac.app.runfolder import RunFolderError, prepare_run_folder
 from dkfac.app.session import UsageError
 
 __all__ = ["RunResult", "UsageError", "compare", "run_command", "train"]
@@ -62,28 +63,42 @@ class RunResult:
     steps: int
 
 
-def _run_folder(args: argparse.Namespace, rank: int, world: int) -> Path:
-    name = args.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
-    if world > 1:  # every rank uses rank 0's folder name
-        box = [name]
+def _on_rank0(decide: Callable[[], Any], world: int) -> Any:
+    """Runs ``decide`` on rank 0 and gives every rank its result or its refusal.
+
+    A :class:`UsageError`, :class:`RunFolderError` or :class:`CheckpointError` raised on rank
+    0 is raised on every rank, so no rank goes on into a collective that the others left.
+    """
+    box: list[Any] = [None, None, None]
+    if world == 1 or dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except (UsageError, RunFolderError, CheckpointError) as err:
+            box[1], box[2] = type(err).__name__, str(err)
+    if world > 1:
         dist.broadcast_object_list(box, src=0)
-        name = box[0]
-    return Path(name)
+    if box[1] is not None:
+        kinds = {"UsageError": UsageError, "RunFolderError": RunFolderError}
+        raise kinds.get(box[1], CheckpointError)(box[2])
+    return box[0]
+
+
+def _run_folder(args: argparse.Namespace, world: int, write: bool) -> Path:
+    """Rank 0's run folder (``--out`` or ``runs/<timestamp>``), created and checked when written."""
+
+    def decide() -> str:
+        name = args.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
+        if write:
+            prepare_run_folder(Path(name))
+        return str(name)
+
+    return Path(_on_rank0(decide, world))
 
 
 def _agree_resume(resume: str | None, folder: Path, world: int) -> Path | None:
     """Rank 0 picks the checkpoint (:func:`choose_resume`); every rank gets its choice."""
-    box: list[Any] = [None, None]
-    if world == 1 or dist.get_rank() == 0:
-        try:
-            box[0] = choose_resume(resume, folder)
-        except CheckpointError as err:
-            box[1] = str(err)
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise CheckpointError(box[1])
-    return None if box[0] is None else Path(box[0])
+    choice = _on_rank0(lambda: choose_resume(resume, folder), world)
+    return None if choice is None else Path(choice)
 
 
 def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> RunResult:
@@ -104,10 +119,10 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     device = session.pick_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    folder = _run_folder(args, session.world_info()[1], write)
+    args.out = str(folder)
     run = session.build_session(args, device)
     rank, world = run.rank, run.world
-    folder = _run_folder(args, rank, world)
-    args.out = str(folder)
     main = rank == 0 and write
     resume = _agree_resume(args.resume, folder, world)
     pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
@@ -229,7 +244,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
 def compare(args: argparse.Namespace) -> list[report.Record]:
     """Trains once per ``--optimizers`` entry on the same data and seed; writes the report."""
     rank, world = session.world_info()
-    folder = _run_folder(args, rank, world)
+    folder = _run_folder(args, world, write=True)
     runs: dict[str, list[report.Record]] = {}
     for name in args.optimizers.split(","):
         sub = copy.copy(args)
@@ -271,7 +286,7 @@ def run_command(args: argparse.Namespace) -> int:
     entry: Callable[[argparse.Namespace], Any] = compare if args.command == "compare" else train
     try:
         entry(args)
-    except (UsageError, CheckpointError) as err:
+    except (UsageError, RunFolderError, CheckpointError) as err:
         print(f"dkfac {args.command}: error: {err}", file=sys.stderr)
         return 2
     finally:
