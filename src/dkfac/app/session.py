@@ -75,6 +75,12 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
+def weights_finite(run: Session) -> bool:
+    """Whether every parameter is finite on every rank (a collective with several ranks)."""
+    bad = sum(int(not bool(torch.isfinite(p).all())) for p in run.bare.parameters())
+    return all_sum([float(bad)], run.device)[0] == 0
+
+
 def step_generator(seed: int, rank: int, step: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device if device.type == "cuda" else "cpu")
     gen.manual_seed((seed * 1_000_003 + rank * 7_919 + step) % (2**63))

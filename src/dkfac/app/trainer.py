@@ -15,6 +15,11 @@ epoch: rank ``r`` of ``P`` takes every ``P``-th sample of the epoch's shared per
 global batch ``k`` holds the same samples at any world size and a run resumed on a different
 number of ranks continues with the next global batch (if the new world size gives the epoch
 fewer full batches, it moves on to the next epoch).
+
+:func:`run_command` returns the exit code: 0 for a run that trained, :data:`EXIT_USAGE` (2)
+for input that cannot work (options, run folder, checkpoint), :data:`EXIT_DIVERGED` (3) for a
+run that ended without training (:func:`~dkfac.app.report.diagnose` says why). Weights that
+are not finite are never checkpointed, so the last good checkpoint survives a divergence.
 """
 
 from __future__ import annotations
@@ -41,7 +46,18 @@ from dkfac.app.runconfig import write_resolved_config
 from dkfac.app.runfolder import RunFolderError, prepare_run_folder
 from dkfac.app.session import UsageError
 
-__all__ = ["RunResult", "UsageError", "compare", "run_command", "train"]
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_USAGE",
+    "RunResult",
+    "UsageError",
+    "compare",
+    "run_command",
+    "train",
+]
+
+EXIT_USAGE = 2  # bad input: options, run folder, checkpoint
+EXIT_DIVERGED = 3  # the run ended but did not train (report.diagnose)
 
 
 @dataclasses.dataclass
@@ -54,6 +70,7 @@ class RunResult:
         final: The last evaluation record.
         model: The trained model (unwrapped from DDP).
         steps: Optimizer steps taken in total.
+        problem: Why the run did not train (:func:`~dkfac.app.report.diagnose`), else ``None``.
     """
 
     folder: Path | None
@@ -61,6 +78,7 @@ class RunResult:
     final: report.Record
     model: nn.Module
     steps: int
+    problem: str | None = None
 
 
 def _on_rank0(decide: Callable[[], Any], world: int) -> Any:
@@ -181,6 +199,9 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         }
         if not write:
             return
+        if not session.weights_finite(run):  # keep the last good checkpoint
+            progress.log(f"{label}step {step}: the weights are not finite; checkpoint not written")
+            return
         state = session.checkpoint_state(run, position)  # a collective: every rank
         if main:
             save_rotating(state, folder)
@@ -233,30 +254,32 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         report.plot_runs(
             {args.optimizer: writer.records}, folder / "metrics.png", f"{args.model} on {args.data}"
         )
+    skipped = int(getattr(run.optimizer, "skipped_steps", 0))
     if rank == 0:
-        print(
-            report.final_line(label, final, hit, args.target_accuracy, folder if main else None),
-            flush=True,
-        )
-    return RunResult(folder if main else None, writer.records, final, run.bare, step)
+        shown = folder if main else None
+        line = report.final_line(label, final, hit, args.target_accuracy, shown, skipped)
+        print(line, flush=True)
+    classes = None if run.reconstruct else run.data.num_classes
+    problem = report.diagnose(writer.records, final, skipped, step, classes)
+    return RunResult(folder if main else None, writer.records, final, run.bare, step, problem)
 
 
-def compare(args: argparse.Namespace) -> list[report.Record]:
+def compare(args: argparse.Namespace) -> dict[str, RunResult]:
     """Trains once per ``--optimizers`` entry on the same data and seed; writes the report."""
     rank, world = session.world_info()
     folder = _run_folder(args, world, write=True)
-    runs: dict[str, list[report.Record]] = {}
+    results: dict[str, RunResult] = {}
     for name in args.optimizers.split(","):
         sub = copy.copy(args)
         sub.optimizer, sub.out = name, str(folder / name)
-        runs[name] = train(sub, label=f"[{name}] ").records
-    rows: list[report.Record] = []
+        results[name] = train(sub, label=f"[{name}] ")
     if rank == 0:
+        runs = {name: result.records for name, result in results.items()}
         rows = report.write_comparison(
             runs, folder, args.target_accuracy, f"{args.model} on {args.data}"
         )
         print(report.markdown_table(rows) + f"report: {folder}/compare.md, compare.png", flush=True)
-    return rows
+    return results
 
 
 def _init_process_group(backend: str, timeout_s: float) -> None:
@@ -283,13 +306,17 @@ def run_command(args: argparse.Namespace) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         _init_process_group("nccl" if cuda else "gloo", float(args.dist_timeout))
         created = True
-    entry: Callable[[argparse.Namespace], Any] = compare if args.command == "compare" else train
     try:
-        entry(args)
+        results = compare(args) if args.command == "compare" else {"": train(args)}
     except (UsageError, RunFolderError, CheckpointError) as err:
         print(f"dkfac {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     finally:
         if created:
             dist.destroy_process_group()
-    return 0
+    failed = [(name, r.problem) for name, r in results.items() if r.problem is not None]
+    for name, problem in failed:
+        if session.world_info()[0] == 0:
+            label = f" [{name}]" if name else ""
+            print(f"dkfac {args.command}: error:{label} {problem}", file=sys.stderr)
+    return EXIT_DIVERGED if failed else 0
