@@ -124,10 +124,16 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", type=str, default=None, help="TOML file of flag values")
     g.add_argument("--out", type=opt(str), default=None, help="run folder (runs/<timestamp>)")
     g.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="start afresh in an --out folder that holds an earlier run (deletes its checkpoints)",
+    )
+    g.add_argument(
         "--resume",
         type=opt(str),
         default=None,
-        help="checkpoint file, or 'auto' for the run folder's latest",
+        help="checkpoint file, run folder (its newest good checkpoint), or 'auto' (--out's)",
     )
     g.add_argument(
         "--checkpoint-every",
@@ -208,6 +214,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("the autoencoder has no accuracy; drop --target-accuracy")
     if message := device_error(args.device):
         parser.error(message)
+    if args.resume is not None and args.overwrite:
+        parser.error("--overwrite starts the run folder afresh; it cannot go with --resume")
     _check_recipe(args, parser)
     if args.command == "compare":
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]

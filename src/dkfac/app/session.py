@@ -19,7 +19,6 @@ import dataclasses
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
 from dkfac.app.data import DataError, Splits, load_dataset, random_crop_flip, shard_indices
 from dkfac.app.models import SmallCNN, build_model
 from dkfac.app.recipe import RunningMixup, mixing_weight, rescale_weights, scale_momentum
@@ -333,36 +331,3 @@ def evaluate(run: Session) -> tuple[float, float | None]:
     run.bare.train()
     loss, correct, count = all_sum(sums, run.device)
     return loss / max(count, 1), None if run.reconstruct else correct / max(count, 1)
-
-
-def checkpoint_state(run: Session, position: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "model": run.bare.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": None if run.scaler is None else run.scaler.state_dict(),
-        "rng": rng_state(),
-        "position": position,
-        # Rank 0's chain; with several ranks a resume restarts the chains (see restore).
-        "running_mixup": None if run.running_mixup is None else run.running_mixup.state_dict(),
-    }
-
-
-def restore(run: Session, path: Path) -> dict[str, Any]:
-    state = load_checkpoint(path)
-    try:
-        run.bare.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        if run.scaler is not None and state.get("scaler") is not None:
-            run.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        mixup_state = state.get("running_mixup")
-        if run.running_mixup is not None and mixup_state is not None and run.world == 1:
-            kept = mixup_state["inputs"]
-            if kept is None or len(kept) == run.micro_batch:
-                run.running_mixup.load_state_dict(mixup_state)  # several ranks: chains restart
-        position: dict[str, Any] = dict(state["position"])
-    except (KeyError, ValueError, RuntimeError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {path} does not match this run: {err}") from None
-    return position

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dkfac.app import faults, report, session
-from dkfac.app.checkpoint import CheckpointError, choose_resume, save_rotating
+from dkfac.app import resume as resume_state
+from dkfac.app.checkpoint import LATEST, CheckpointError, choose_resume, save_rotating
 from dkfac.app.data import shard_indices
 from dkfac.app.runconfig import write_resolved_config
 from dkfac.app.runfolder import RunFolderError, prepare_run_folder
@@ -107,7 +108,8 @@ def _run_folder(args: argparse.Namespace, world: int, write: bool) -> Path:
     def decide() -> str:
         name = args.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         if write:
-            prepare_run_folder(Path(name))
+            overwrite = bool(getattr(args, "overwrite", False))
+            prepare_run_folder(Path(name), resume=args.resume, overwrite=overwrite)
         return str(name)
 
     return Path(_on_rank0(decide, world))
@@ -145,7 +147,10 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     resume = _agree_resume(args.resume, folder, world)
     pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
     if resume is not None:
-        pos.update(session.restore(run, resume))
+        pos.update(resume_state.restore(run, resume))
+    # Rotate the folder's latest checkpoint into the backup only once it is known good: after
+    # a fallback to the backup (latest damaged or missing) the first save replaces it.
+    latest_good = resume is not None and resume.resolve() == (folder / LATEST).resolve()
     if main:
         write_resolved_config(args, folder)
     writer = report.MetricsWriter(
@@ -190,6 +195,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         return hit is not None and args.stop_at_target
 
     def checkpoint(next_epoch: int, next_in_epoch: int) -> None:
+        nonlocal latest_good
         position = {
             "epoch": next_epoch,
             "step_in_epoch": next_in_epoch,
@@ -202,9 +208,10 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         if not session.weights_finite(run):  # keep the last good checkpoint
             progress.log(f"{label}step {step}: the weights are not finite; checkpoint not written")
             return
-        state = session.checkpoint_state(run, position)  # a collective: every rank
+        state = resume_state.checkpoint_state(run, position)  # a collective: every rank
         if main:
-            save_rotating(state, folder)
+            save_rotating(state, folder, rotate=latest_good)
+        latest_good = True
         if world > 1:
             dist.barrier()
 

@@ -66,7 +66,7 @@ def _train_argv(opts: argparse.Namespace, folder: str) -> list[str]:
 
 
 def _worker(rank: int, opts: argparse.Namespace, port: int, folder: str, queue: Any) -> None:
-    from dkfac.app import session
+    from dkfac.app import resume, session
     from dkfac.app.checkpoint import save_rotating
     from dkfac.app.cli import parse_args
     from dkfac.app.data import shard_indices
@@ -94,7 +94,7 @@ def _worker(rank: int, opts: argparse.Namespace, port: int, folder: str, queue: 
             if opts.eval_every and done % opts.eval_every == 0:
                 session.evaluate(run)
             if opts.checkpoint_every and done % opts.checkpoint_every == 0:
-                state = session.checkpoint_state(run, {"step": done})
+                state = resume.checkpoint_state(run, {"step": done})
                 if rank == 0:
                     save_rotating(state, folder)
                 del state
