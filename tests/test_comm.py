@@ -74,6 +74,7 @@ def test_ledger_steps_and_totals() -> None:
         "current_step": _step({"preconditioned": 12}, {"broadcast": 12}),
         "per_step": [step1],
         "steps": 1,
+        "first_step_in_window": 0,
     }
     stats["per_step"][0]["bytes"] = -1  # a snapshot, not a view
     assert ledger.stats()["per_step"][0]["bytes"] == 108
@@ -264,6 +265,7 @@ def test_collectives_exact_values_and_bytes(world_size: int) -> None:
         "current_step": _step({}, {}),
         "per_step": [step1, step2],
         "steps": 2,
+        "first_step_in_window": 0,
     }
     assert results == [expected] * world_size  # every rank records the same bytes
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dkfac.app import session
+from dkfac.app import resume, session
 from dkfac.app.checkpoint import LATEST, load_checkpoint
 from dkfac.app.cli import parse_args
 from dkfac.app.trainer import train
@@ -63,10 +63,10 @@ def _save_then_reload(
         train(parse_args(argv))  # checkpoint at the end (step 4), written by rank 0
         # What this rank keeps, read from a session restored on the same 2 ranks.
         same = session.build_session(parse_args(argv), torch.device("cpu"))
-        session.restore(same, Path(folder) / LATEST)
+        resume.restore(same, Path(folder) / LATEST)
         other_argv = [*BASE, *STRATEGIES[OTHER[strategy]], "--steps", "4", "--out", folder]
         other = session.build_session(parse_args(other_argv), torch.device("cpu"))
-        session.restore(other, Path(folder) / LATEST)
+        resume.restore(other, Path(folder) / LATEST)
         out[strategy] = {"same": _running(same), "other": _running(other)}
     return out
 
@@ -111,7 +111,7 @@ def _check(strategy: str, folder: Path, ranks: list[dict[str, Any]]) -> None:
     # 2 ranks -> 1 process (replicated there): all statistics land, training goes on.
     argv = [*BASE, "--steps", "8", "--out", str(folder), "--resume", str(folder / LATEST)]
     single = session.build_session(parse_args(argv), torch.device("cpu"))
-    position = session.restore(single, folder / LATEST)
+    position = resume.restore(single, folder / LATEST)
     assert position["step"] == 4 and position["step_in_epoch"] == 4
     assert _assert_held_equal_saved(_running(single), saved) == statistics, strategy
     result = train(parse_args(argv))

@@ -10,9 +10,9 @@ Every checkpoint carries a BLAKE2b digest of its contents (tensor bytes, dtypes,
 the plain values), checked on load: a file damaged on disk in a way the zip container does
 not notice (a flipped byte inside a tensor) is refused like a truncated one.
 :func:`save_rotating` keeps the previous checkpoint as ``checkpoint.prev.pt``, and
-:func:`choose_resume` with ``"auto"`` falls back to it, with a warning naming the bad file,
-when the newest one does not verify. Loading never runs code: ``weights_only=True`` refuses
-any pickled object other than tensors and plain containers.
+:func:`choose_resume` with ``"auto"`` or a run folder falls back to it, with a warning naming
+the bad file, when the newest one is missing or does not verify. Loading never runs code:
+``weights_only=True`` refuses any pickled object other than tensors and plain containers.
 """
 
 from __future__ import annotations
@@ -153,46 +153,85 @@ def content_digest(value: Any) -> str:
     return hasher.hexdigest()
 
 
-def save_rotating(state: dict[str, Any], folder: str | Path) -> Path:
+def save_rotating(state: dict[str, Any], folder: str | Path, *, rotate: bool = True) -> Path:
     """Saves ``state`` as the folder's :data:`LATEST`, keeping the one before as :data:`PREVIOUS`.
 
     The old latest is renamed (atomically) before the new one is written, so at every instant
-    the folder holds at least one complete checkpoint once it has held one.
+    the folder holds at least one complete checkpoint once it has held one. Temporary files
+    that killed writes left behind are removed first.
+
+    Args:
+        state: Tensors and plain containers only.
+        folder: The run folder.
+        rotate: Keep the current latest as the backup. Pass ``False`` when the latest is not
+            known to be good (the run resumed from the backup because the latest was damaged
+            or missing): the damaged file is then replaced and the good backup kept.
     """
     base = Path(folder)
     latest = base / LATEST
-    if latest.is_file():
+    remove_temporaries(base)
+    if rotate and latest.is_file():
         os.replace(latest, base / PREVIOUS)
     return save_checkpoint(state, latest)
 
 
-def choose_resume(resume: str | None, run_folder: Path) -> Path | None:
-    """Like :func:`resolve_resume`, but ``"auto"`` verifies and falls back.
+def remove_temporaries(folder: Path) -> list[Path]:
+    """Deletes the temporary files of checkpoint writes that never finished; returns them.
 
-    With ``"auto"`` the newest checkpoint of the run folder that loads and verifies is
-    chosen (:data:`LATEST`, else :data:`PREVIOUS`); each one that does not is named in a
-    warning. A fresh start (``None``) if neither exists.
+    Only one process writes a run folder's checkpoints, so any such file is from a write
+    that was killed (a 13 MB file per kill otherwise piles up forever).
+    """
+    stale = [p for name in (LATEST, PREVIOUS) for p in folder.glob(f".{name}.*.tmp") if p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        logger.warning("removed %d unfinished checkpoint file(s) in %s", len(stale), folder)
+    return stale
+
+
+def choose_resume(resume: str | None, run_folder: Path) -> Path | None:
+    """The checkpoint to resume from, verified where a folder was named.
+
+    ``"auto"`` and an explicit run folder both mean the newest checkpoint of that folder that
+    loads and verifies (:data:`LATEST`, else :data:`PREVIOUS`); each one that does not is
+    named in a warning. ``"auto"`` starts afresh (``None``) when the folder holds neither;
+    an explicit folder must hold one. An explicit file is returned as it is (loading it
+    verifies it).
 
     Raises:
-        CheckpointError: If an explicit path does not exist, or with ``"auto"`` if every
+        CheckpointError: If an explicit file or folder holds no checkpoint, or every
             checkpoint present is damaged (never silently start over from scratch).
     """
-    if resume != "auto":
-        return resolve_resume(resume, run_folder)
-    present = [run_folder / n for n in (LATEST, PREVIOUS) if (run_folder / n).is_file()]
+    if resume is None:
+        return None
+    if resume == "auto":
+        return newest_good(run_folder, "--resume auto", required=False)
+    file = Path(resume)
+    if file.is_dir():
+        return newest_good(file, f"--resume {file}", required=True)
+    if not file.is_file():
+        raise CheckpointError(f"--resume: checkpoint {file} does not exist")
+    return file
+
+
+def newest_good(folder: Path, what: str, *, required: bool) -> Path | None:
+    """The newest checkpoint of ``folder`` that verifies (see :func:`choose_resume`)."""
+    present = [folder / n for n in (LATEST, PREVIOUS) if (folder / n).is_file()]
     problems = []
     for file in present:
         try:
             load_checkpoint(file)
         except CheckpointError as err:
-            logger.warning("--resume auto: skipping %s: %s", file, err)
+            logger.warning("%s: skipping %s: %s", what, file, err)
             problems.append(str(err))
             continue
-        if problems:
-            logger.warning("--resume auto: resuming from the previous checkpoint %s", file)
+        if file.name != LATEST:
+            logger.warning("%s: resuming from the previous checkpoint %s", what, file)
         return file
     if problems:
-        raise CheckpointError("--resume auto: no usable checkpoint: " + "; ".join(problems))
+        raise CheckpointError(f"{what}: no usable checkpoint: " + "; ".join(problems))
+    if required:
+        raise CheckpointError(f"{what}: the folder holds no checkpoint ({LATEST} or {PREVIOUS})")
     return None
 
 

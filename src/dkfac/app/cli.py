@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from dkfac.app.data import DATASETS
+from dkfac.app.domains import check_domains
 from dkfac.app.gpt import add_gpt_arguments, size_problem
 from dkfac.app.models import LANGUAGE_MODELS, ModelError, check_model_name, model_names
 from dkfac.app.runconfig import (
@@ -179,10 +183,16 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", type=str, default=None, help="TOML file of flag values")
     g.add_argument("--out", type=opt(str), default=None, help="run folder (runs/<timestamp>)")
     g.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="start afresh in an --out folder that holds an earlier run (deletes its checkpoints)",
+    )
+    g.add_argument(
         "--resume",
         type=opt(str),
         default=None,
-        help="checkpoint file, or 'auto' for the run folder's latest",
+        help="checkpoint file, run folder (its newest good checkpoint), or 'auto' (--out's)",
     )
     g.add_argument(
         "--checkpoint-every",
@@ -251,35 +261,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Range and consistency checks; calls ``parser.error`` (exit 2) on the first problem."""
-    positive = ("epochs", "batch_size", "accumulation_steps", "log_every")
-    for name in positive:
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in (
-        "checkpoint_every",
-        "checkpoint_epochs",
-        "eval_every",
-        "weight_decay",
-        "warmup_epochs",
-        "mixup",
-    ):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
-    if not 0 <= args.momentum < 1:
-        parser.error(f"--momentum must be in [0, 1), got {args.momentum}")
-    if not 0 <= args.label_smoothing < 1:
-        parser.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
-    if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
-        parser.error(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    if message := check_domains(args):
+        parser.error(message)
     if args.nesterov and (args.momentum == 0 or "adam" in args.optimizer):
         parser.error("--nesterov needs SGD (sgd or kfac) with --momentum > 0")
     if args.warmup_epochs > args.epochs:
         parser.error(f"--warmup-epochs ({args.warmup_epochs}) exceeds --epochs ({args.epochs})")
-    if list(args.milestones) != sorted(args.milestones) or any(m < 0 for m in args.milestones):
+    if list(args.milestones) != sorted(args.milestones):
         parser.error(f"--milestones must be increasing epochs >= 0, got {args.milestones}")
     if args.schedule == "step" and not args.milestones:
         parser.error("--schedule step needs --milestones")
@@ -291,12 +279,12 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--mixup and --label-smoothing apply to classifiers, not the autoencoder")
     if args.model == "autoencoder" and args.target_accuracy is not None:
         parser.error("the autoencoder has no accuracy; drop --target-accuracy")
-    if not args.dist_timeout > 0:
-        parser.error(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    if message := device_error(args.device):
+        parser.error(message)
+    if args.resume is not None and args.overwrite:
+        parser.error("--overwrite starts the run folder afresh; it cannot go with --resume")
     _check_recipe(args, parser)
     _check_language_model(args, parser)
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.command == "compare":
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         bad = [n for n in names if n not in OPTIMIZERS]
@@ -307,6 +295,16 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         args.optimizers = ",".join(names)
         if args.resume not in (None, "auto"):
             parser.error("dkfac compare takes --resume auto (each optimizer's own folder)")
+    _check_kfac(args, parser)
+
+
+def _check_kfac(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The K-FAC flags: :class:`KFACConfig`'s own checks, schedules, ``--skip-layers`` regexes."""
+    for pattern in args.skip_layers:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            parser.error(f"--skip-layers {pattern!r} is not a regular expression: {err}")
     try:
         kfac_config_from_args(args)
         for name, value in vars(args).items():
@@ -317,6 +315,29 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                         check_schedule_value(field, piece)
     except (ValueError, TypeError) as err:
         parser.error(f"invalid K-FAC option: {err}")
+
+
+def device_error(name: str) -> str | None:
+    """Why ``--device name`` cannot be used on this machine (``None``: it can)."""
+    if name == "auto":
+        return None
+    allowed = "--device must be auto, cpu, cuda or cuda:N"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"{allowed}, got {name!r}"
+    if device.type not in ("cpu", "cuda"):
+        return f"{allowed}, got {name!r}"
+    if device.type == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        return f"--device {name}: no CUDA device is available here; use --device cpu or auto"
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return (
+            f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    return None
 
 
 def _check_recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

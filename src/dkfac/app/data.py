@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -186,8 +187,12 @@ def synthetic(
         The random splits (not normalised).
     """
     n_test = max(1, num_samples // 4) if num_test is None else num_test
-    if num_samples < 0 or n_test < 0 or num_classes < 1:
-        raise DataError(f"bad synthetic sizes: {num_samples=}, {n_test=}, {num_classes=}")
+    if num_samples < 0 or n_test < 0 or num_classes < 1 or in_channels < 1 or image_size < 1:
+        raise DataError(
+            f"bad synthetic sizes: {num_samples=}, {n_test=}, {num_classes=}, "
+            f"{in_channels=}, {image_size=}"
+        )
+    _check_synthetic_memory(num_samples + n_test + num_classes, in_channels * image_size**2)
     g = torch.Generator().manual_seed(seed)
     shape = (in_channels, image_size, image_size)
     prototypes = torch.randn((num_classes, *shape), generator=g)
@@ -198,6 +203,22 @@ def synthetic(
         "synthetic", x[:num_samples], y[:num_samples], x[num_samples:], y[num_samples:],
         num_classes, normalize=False,
     )  # fmt: skip
+
+
+def _check_synthetic_memory(images: int, pixels: int) -> None:
+    """Refuses synthetic data that would not fit in half of this machine's memory."""
+    need = 4 * images * pixels  # float32 images and class prototypes
+    try:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (AttributeError, OSError, ValueError):  # not on this platform
+        budget = 16 * 2**30
+    if need > budget:
+        raise DataError(
+            f"synthetic data of {images} images of {pixels} values would take "
+            f"{need / 2**30:.1f} GiB, more than half of this machine's memory "
+            f"({budget / 2**30:.1f} GiB); reduce --synthetic-samples, --num-classes, "
+            "--image-size or --in-channels"
+        )
 
 
 def load_dataset(

@@ -117,6 +117,7 @@ def final_line(
     hit: Record | None,
     target: float | None,
     folder: Path | None,
+    skipped: int = 0,
 ) -> str:
     """The one-line summary printed at the end of a run."""
     acc = "" if final["accuracy"] is None else f"test accuracy {final['accuracy']:.4f}, "
@@ -132,7 +133,58 @@ def final_line(
             if hit
             else f", target {target} not reached"
         )
+    if skipped:
+        text += f", {skipped} steps skipped (non-finite gradients)"
     return text + (f"; run folder {folder}" if folder is not None else "")
+
+
+# A final test loss this many times the reference loss is a diverged run: no classifier that
+# learns ends 100x above uniform guessing (ln(classes)), no autoencoder 100x above its first
+# logged training loss.
+DIVERGED_FACTOR = 100.0
+
+
+def diagnose(
+    records: Sequence[Record],
+    final: Record,
+    skipped: int,
+    steps: int,
+    num_classes: int | None,
+) -> str | None:
+    """Why a finished run did not train, in one sentence (``None``: it did).
+
+    A run fails when its final test loss is not finite, when more than half of its optimizer
+    steps were skipped for non-finite gradients, or when its final test loss is at least
+    :data:`DIVERGED_FACTOR` times the reference: ``ln(num_classes)`` (the loss of a uniform
+    guess) for a classifier, the first logged training loss for the autoencoder.
+
+    Args:
+        records: The run's metric records.
+        final: The final evaluation record.
+        skipped: Optimizer steps skipped for non-finite gradients (K-FAC's count).
+        steps: Optimizer steps taken in total.
+        num_classes: Classes of a classifier; ``None`` for the autoencoder.
+    """
+    hint = "lower --lr or raise --damping"
+    loss = float(final["loss"])
+    if not math.isfinite(loss):
+        return f"the final test loss is {loss}: the run diverged ({hint})"
+    if steps and 2 * skipped > steps:
+        return (
+            f"{skipped} of {steps} optimizer steps were skipped for non-finite gradients: "
+            f"the run did not train ({hint})"
+        )
+    if num_classes is not None:
+        reference, what = math.log(num_classes), f"a uniform guess over {num_classes} classes"
+    else:
+        first = [r["loss"] for r in records if r["kind"] == "train" and math.isfinite(r["loss"])]
+        reference, what = (first[0] if first else math.inf), "the first logged training loss"
+    if loss >= DIVERGED_FACTOR * reference:
+        return (
+            f"the final test loss {loss:.4g} is over {DIVERGED_FACTOR:g} times that of {what} "
+            f"({reference:.4g}): the run diverged ({hint})"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------- plots

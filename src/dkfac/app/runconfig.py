@@ -43,6 +43,9 @@ DTYPES = {
     "float64": torch.float64,
 }
 SKIPPED_KEYS = ("command", "config")
+# Decisions about one launch, not properties of the run: its config.toml saves them off, so
+# running that file again never wipes the folder it came from.
+ONE_LAUNCH = {"overwrite": False}
 
 
 class ConfigError(ValueError):
@@ -224,7 +227,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raw = tomllib.load(handle)
     except FileNotFoundError:
         raise ConfigError(f"config file {file} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as err:
+    except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError included
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from None
     values: dict[str, Any] = {}
     for key, value in raw.items():
@@ -300,7 +303,8 @@ def _plain(value: Any) -> Any:
 
 def resolved_config(args: argparse.Namespace) -> dict[str, Any]:
     """Every option of a run, in plain values, keyed by flag destination."""
-    return {k: _plain(v) for k, v in sorted(vars(args).items()) if k not in SKIPPED_KEYS}
+    values = {**vars(args), **{k: v for k, v in ONE_LAUNCH.items() if hasattr(args, k)}}
+    return {k: _plain(v) for k, v in sorted(values.items()) if k not in SKIPPED_KEYS}
 
 
 def _toml_value(value: Any) -> str:

@@ -50,10 +50,11 @@ def lr_factor(
         power: Exponent of the ``poly`` schedule.
 
     Returns:
-        The factor (>= 0).
+        The factor, in [0, 1].
 
     Raises:
-        ValueError: For an unknown schedule or out-of-range sizes.
+        ValueError: For an unknown schedule, out-of-range sizes, or options outside their
+            domains (non-finite values, ``gamma`` outside (0, 1], ``power <= 0``).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -61,8 +62,7 @@ def lr_factor(
         raise ValueError(
             f"steps_per_epoch and total_steps must be >= 1, got {steps_per_epoch}, {total_steps}"
         )
-    if warmup_epochs < 0:
-        raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}")
+    _check_lr_options(warmup_epochs, milestones, gamma, power)
     warmup = round(warmup_epochs * steps_per_epoch)
     factor = 1.0
     if schedule == "step":
@@ -78,6 +78,20 @@ def lr_factor(
     if step < warmup:
         factor *= (step + 1) / warmup
     return factor
+
+
+def _check_lr_options(
+    warmup_epochs: float, milestones: Sequence[float], gamma: float, power: float
+) -> None:
+    """The domains of :func:`lr_factor`'s options (every one finite)."""
+    if not (math.isfinite(warmup_epochs) and warmup_epochs >= 0):
+        raise ValueError(f"warmup_epochs must be finite and >= 0, got {warmup_epochs}")
+    if not all(math.isfinite(m) and m >= 0 for m in milestones):
+        raise ValueError(f"milestones must be finite epochs >= 0, got {list(milestones)}")
+    if not (math.isfinite(gamma) and 0 < gamma <= 1):
+        raise ValueError(f"gamma must be a decay factor in (0, 1], got {gamma}")
+    if not (math.isfinite(power) and power > 0):
+        raise ValueError(f"power must be finite and > 0, got {power}")
 
 
 def make_lr_lambda(
@@ -104,7 +118,7 @@ def make_lr_lambda(
     bound = tuple(milestones)
 
     def factor(step: int) -> float:
-        return lr_factor(
+        value = lr_factor(
             step,
             schedule=schedule,
             steps_per_epoch=steps_per_epoch,
@@ -114,6 +128,9 @@ def make_lr_lambda(
             gamma=gamma,
             power=power,
         )
+        if not (math.isfinite(value) and 0 <= value <= 1):  # cannot happen with valid options
+            raise ValueError(f"the learning-rate schedule gave factor {value} at step {step}")
+        return value
 
     return factor
 

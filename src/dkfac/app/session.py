@@ -19,7 +19,6 @@ import dataclasses
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
 from dkfac.app.data import DataError, Splits, load_dataset, random_crop_flip, shard_indices
 from dkfac.app.gpt import gpt_options
 from dkfac.app.models import ModelError, SmallCNN, build_model
@@ -53,11 +51,21 @@ def world_info() -> tuple[int, int]:
 
 
 def pick_device(name: str) -> torch.device:
-    if name != "auto":
+    """The device of ``--device``; ``auto`` and a bare ``cuda`` take this rank's local GPU."""
+    if name not in ("auto", "cuda"):
         return torch.device(name)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if name == "cuda":
+        raise UsageError("--device cuda: no CUDA device is available here")
     return torch.device("cpu")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure (CUDA or CPU) rather than a bug."""
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
 
 
 def all_sum(values: list[float], device: torch.device) -> list[float]:
@@ -66,6 +74,12 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     if world_info()[1] > 1:
         dist.all_reduce(t)
     return [float(v) for v in t.tolist()]
+
+
+def weights_finite(run: Session) -> bool:
+    """Whether every parameter is finite on every rank (a collective with several ranks)."""
+    bad = sum(int(not bool(torch.isfinite(p).all())) for p in run.bare.parameters())
+    return all_sum([float(bad)], run.device)[0] == 0
 
 
 def step_generator(seed: int, rank: int, step: int, device: torch.device) -> torch.Generator:
@@ -97,6 +111,25 @@ class Session:
 
 
 def build_session(args: argparse.Namespace, device: torch.device) -> Session:
+    """The session of parsed options on this rank.
+
+    Raises:
+        UsageError: For options that do not fit the data, the model, the world size or the
+            memory of this machine.
+    """
+    try:
+        return _build_session(args, device)
+    except Exception as err:
+        if is_out_of_memory(err):
+            raise UsageError(
+                "not enough memory for this run's data and model "
+                f"({str(err).splitlines()[0][:200]}); reduce --num-classes, --image-size, "
+                "--in-channels, --synthetic-samples or --batch-size"
+            ) from None
+        raise
+
+
+def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
     rank, world = world_info()
     torch.manual_seed(args.seed)
     try:
@@ -137,7 +170,10 @@ def build_session(args: argparse.Namespace, device: torch.device) -> Session:
             data.in_channels, data.num_classes, data.image_size, batch_norm=True
         ).to(device)
     else:
-        bare = _build_model(args, data).to(device)
+        try:
+            bare = _build_model(args, data).to(device)
+        except ValueError as err:  # a shape this model cannot take
+            raise UsageError(f"--model {args.model}: {err}") from None
     model: nn.Module = bare
     if world > 1 and getattr(args, "strategy", None) != "spngd":
         ids = [device.index] if device.type == "cuda" else None
@@ -326,36 +362,3 @@ def evaluate(run: Session) -> tuple[float, float | None]:
     run.bare.train()
     loss, correct, count = all_sum(sums, run.device)
     return loss / max(count, 1), None if run.reconstruct else correct / max(count, 1)
-
-
-def checkpoint_state(run: Session, position: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "model": run.bare.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": None if run.scaler is None else run.scaler.state_dict(),
-        "rng": rng_state(),
-        "position": position,
-        # Rank 0's chain; with several ranks a resume restarts the chains (see restore).
-        "running_mixup": None if run.running_mixup is None else run.running_mixup.state_dict(),
-    }
-
-
-def restore(run: Session, path: Path) -> dict[str, Any]:
-    state = load_checkpoint(path)
-    try:
-        run.bare.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        if run.scaler is not None and state.get("scaler") is not None:
-            run.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        mixup_state = state.get("running_mixup")
-        if run.running_mixup is not None and mixup_state is not None and run.world == 1:
-            kept = mixup_state["inputs"]
-            if kept is None or len(kept) == run.micro_batch:
-                run.running_mixup.load_state_dict(mixup_state)  # several ranks: chains restart
-        position: dict[str, Any] = dict(state["position"])
-    except (KeyError, ValueError, RuntimeError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {path} does not match this run: {err}") from None
-    return position

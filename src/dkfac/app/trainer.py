@@ -15,6 +15,11 @@ epoch: rank ``r`` of ``P`` takes every ``P``-th sample of the epoch's shared per
 global batch ``k`` holds the same samples at any world size and a run resumed on a different
 number of ranks continues with the next global batch (if the new world size gives the epoch
 fewer full batches, it moves on to the next epoch).
+
+:func:`run_command` returns the exit code: 0 for a run that trained, :data:`EXIT_USAGE` (2)
+for input that cannot work (options, run folder, checkpoint), :data:`EXIT_DIVERGED` (3) for a
+run that ended without training (:func:`~dkfac.app.report.diagnose` says why). Weights that
+are not finite are never checkpointed, so the last good checkpoint survives a divergence.
 """
 
 from __future__ import annotations
@@ -35,12 +40,25 @@ import torch.distributed as dist
 from torch import nn
 
 from dkfac.app import faults, report, session
-from dkfac.app.checkpoint import CheckpointError, choose_resume, save_rotating
+from dkfac.app import resume as resume_state
+from dkfac.app.checkpoint import LATEST, CheckpointError, choose_resume, save_rotating
 from dkfac.app.data import shard_indices
 from dkfac.app.runconfig import write_resolved_config
+from dkfac.app.runfolder import RunFolderError, prepare_run_folder
 from dkfac.app.session import UsageError
 
-__all__ = ["RunResult", "UsageError", "compare", "run_command", "train"]
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_USAGE",
+    "RunResult",
+    "UsageError",
+    "compare",
+    "run_command",
+    "train",
+]
+
+EXIT_USAGE = 2  # bad input: options, run folder, checkpoint
+EXIT_DIVERGED = 3  # the run ended but did not train (report.diagnose)
 
 
 @dataclasses.dataclass
@@ -53,6 +71,7 @@ class RunResult:
         final: The last evaluation record.
         model: The trained model (unwrapped from DDP).
         steps: Optimizer steps taken in total.
+        problem: Why the run did not train (:func:`~dkfac.app.report.diagnose`), else ``None``.
     """
 
     folder: Path | None
@@ -60,30 +79,46 @@ class RunResult:
     final: report.Record
     model: nn.Module
     steps: int
+    problem: str | None = None
 
 
-def _run_folder(args: argparse.Namespace, rank: int, world: int) -> Path:
-    name = args.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
-    if world > 1:  # every rank uses rank 0's folder name
-        box = [name]
+def _on_rank0(decide: Callable[[], Any], world: int) -> Any:
+    """Runs ``decide`` on rank 0 and gives every rank its result or its refusal.
+
+    A :class:`UsageError`, :class:`RunFolderError` or :class:`CheckpointError` raised on rank
+    0 is raised on every rank, so no rank goes on into a collective that the others left.
+    """
+    box: list[Any] = [None, None, None]
+    if world == 1 or dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except (UsageError, RunFolderError, CheckpointError) as err:
+            box[1], box[2] = type(err).__name__, str(err)
+    if world > 1:
         dist.broadcast_object_list(box, src=0)
-        name = box[0]
-    return Path(name)
+    if box[1] is not None:
+        kinds = {"UsageError": UsageError, "RunFolderError": RunFolderError}
+        raise kinds.get(box[1], CheckpointError)(box[2])
+    return box[0]
+
+
+def _run_folder(args: argparse.Namespace, world: int, write: bool) -> Path:
+    """Rank 0's run folder (``--out`` or ``runs/<timestamp>``), created and checked when written."""
+
+    def decide() -> str:
+        name = args.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
+        if write:
+            overwrite = bool(getattr(args, "overwrite", False))
+            prepare_run_folder(Path(name), resume=args.resume, overwrite=overwrite)
+        return str(name)
+
+    return Path(_on_rank0(decide, world))
 
 
 def _agree_resume(resume: str | None, folder: Path, world: int) -> Path | None:
     """Rank 0 picks the checkpoint (:func:`choose_resume`); every rank gets its choice."""
-    box: list[Any] = [None, None]
-    if world == 1 or dist.get_rank() == 0:
-        try:
-            box[0] = choose_resume(resume, folder)
-        except CheckpointError as err:
-            box[1] = str(err)
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise CheckpointError(box[1])
-    return None if box[0] is None else Path(box[0])
+    choice = _on_rank0(lambda: choose_resume(resume, folder), world)
+    return None if choice is None else Path(choice)
 
 
 def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> RunResult:
@@ -104,15 +139,18 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     device = session.pick_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    folder = _run_folder(args, session.world_info()[1], write)
+    args.out = str(folder)
     run = session.build_session(args, device)
     rank, world = run.rank, run.world
-    folder = _run_folder(args, rank, world)
-    args.out = str(folder)
     main = rank == 0 and write
     resume = _agree_resume(args.resume, folder, world)
     pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
     if resume is not None:
-        pos.update(session.restore(run, resume))
+        pos.update(resume_state.restore(run, resume))
+    # Rotate the folder's latest checkpoint into the backup only once it is known good: after
+    # a fallback to the backup (latest damaged or missing) the first save replaces it.
+    latest_good = resume is not None and resume.resolve() == (folder / LATEST).resolve()
     if main:
         write_resolved_config(args, folder)
     writer = report.MetricsWriter(
@@ -159,6 +197,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         return hit is not None and args.stop_at_target
 
     def checkpoint(next_epoch: int, next_in_epoch: int) -> None:
+        nonlocal latest_good
         position = {
             "epoch": next_epoch,
             "step_in_epoch": next_in_epoch,
@@ -168,9 +207,13 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         }
         if not write:
             return
-        state = session.checkpoint_state(run, position)  # a collective: every rank
+        if not session.weights_finite(run):  # keep the last good checkpoint
+            progress.log(f"{label}step {step}: the weights are not finite; checkpoint not written")
+            return
+        state = resume_state.checkpoint_state(run, position)  # a collective: every rank
         if main:
-            save_rotating(state, folder)
+            save_rotating(state, folder, rotate=latest_good)
+        latest_good = True
         if world > 1:
             dist.barrier()
 
@@ -220,30 +263,32 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         report.plot_runs(
             {args.optimizer: writer.records}, folder / "metrics.png", f"{args.model} on {args.data}"
         )
+    skipped = int(getattr(run.optimizer, "skipped_steps", 0))
     if rank == 0:
-        print(
-            report.final_line(label, final, hit, args.target_accuracy, folder if main else None),
-            flush=True,
-        )
-    return RunResult(folder if main else None, writer.records, final, run.bare, step)
+        shown = folder if main else None
+        line = report.final_line(label, final, hit, args.target_accuracy, shown, skipped)
+        print(line, flush=True)
+    classes = None if run.reconstruct else run.data.num_classes
+    problem = report.diagnose(writer.records, final, skipped, step, classes)
+    return RunResult(folder if main else None, writer.records, final, run.bare, step, problem)
 
 
-def compare(args: argparse.Namespace) -> list[report.Record]:
+def compare(args: argparse.Namespace) -> dict[str, RunResult]:
     """Trains once per ``--optimizers`` entry on the same data and seed; writes the report."""
     rank, world = session.world_info()
-    folder = _run_folder(args, rank, world)
-    runs: dict[str, list[report.Record]] = {}
+    folder = _run_folder(args, world, write=True)
+    results: dict[str, RunResult] = {}
     for name in args.optimizers.split(","):
         sub = copy.copy(args)
         sub.optimizer, sub.out = name, str(folder / name)
-        runs[name] = train(sub, label=f"[{name}] ").records
-    rows: list[report.Record] = []
+        results[name] = train(sub, label=f"[{name}] ")
     if rank == 0:
+        runs = {name: result.records for name, result in results.items()}
         rows = report.write_comparison(
             runs, folder, args.target_accuracy, f"{args.model} on {args.data}"
         )
         print(report.markdown_table(rows) + f"report: {folder}/compare.md, compare.png", flush=True)
-    return rows
+    return results
 
 
 def _init_process_group(backend: str, timeout_s: float) -> None:
@@ -270,13 +315,17 @@ def run_command(args: argparse.Namespace) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         _init_process_group("nccl" if cuda else "gloo", float(args.dist_timeout))
         created = True
-    entry: Callable[[argparse.Namespace], Any] = compare if args.command == "compare" else train
     try:
-        entry(args)
-    except (UsageError, CheckpointError) as err:
+        results = compare(args) if args.command == "compare" else {"": train(args)}
+    except (UsageError, RunFolderError, CheckpointError) as err:
         print(f"dkfac {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     finally:
         if created:
             dist.destroy_process_group()
-    return 0
+    failed = [(name, r.problem) for name, r in results.items() if r.problem is not None]
+    for name, problem in failed:
+        if session.world_info()[0] == 0:
+            label = f" [{name}]" if name else ""
+            print(f"dkfac {args.command}: error:{label} {problem}", file=sys.stderr)
+    return EXIT_DIVERGED if failed else 0

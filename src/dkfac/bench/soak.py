@@ -7,12 +7,16 @@ processes (gloo on CPU), builds the training program's session on each (the same
 epoch. Every ``--checkpoint-every`` steps each rank gathers the full checkpoint state (the
 collective K-FAC state dict) and rank 0 writes it (rotating), every ``--eval-every`` steps
 the test set is evaluated, so the long-lived paths of a real run are exercised too.
+``--method`` soaks one K-FAC method (eigen, cholesky, smw, auto).
 
 Each rank samples its resident set size (``VmRSS`` of ``/proc/self/status``) every
 ``--sample-every`` steps. The result, written to
 ``benchmarks/results/soak-<data>-<N>ranks.json`` with a PNG plot, holds every sample and,
 per rank, the growth from the end of the first 10% of the steps (after warm-up allocations)
-to the end: a leak shows as steady growth, a healthy run as a flat line.
+to the end and the least-squares slope over that span (MiB per 1000 steps), plus how many
+per-step records the communication ledger holds at the end (bounded by its window): a leak
+shows as steady growth, a healthy run as a flat line. ``--steps 10000`` is the soak of
+issue 20.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dkfac.bench.common import RESULTS_DIR, machine_info
+from dkfac.config import METHODS
 
 
 def rss_mib() -> float:
@@ -61,12 +66,12 @@ def _train_argv(opts: argparse.Namespace, folder: str) -> list[str]:
         *("--epochs", "100000", "--steps", str(opts.steps), "--schedule", "cosine"),
         *("--lr", str(opts.lr), "--damping", str(opts.damping), "--kl-clip", "0.01"),
         *("--inverse-update-interval", "10", "--device", "cpu", "--threads", "1"),
-        *("--out", folder),
+        *("--method", opts.method, "--out", folder),
     ]
 
 
 def _worker(rank: int, opts: argparse.Namespace, port: int, folder: str, queue: Any) -> None:
-    from dkfac.app import session
+    from dkfac.app import resume, session
     from dkfac.app.checkpoint import save_rotating
     from dkfac.app.cli import parse_args
     from dkfac.app.data import shard_indices
@@ -94,7 +99,7 @@ def _worker(rank: int, opts: argparse.Namespace, port: int, folder: str, queue: 
             if opts.eval_every and done % opts.eval_every == 0:
                 session.evaluate(run)
             if opts.checkpoint_every and done % opts.checkpoint_every == 0:
-                state = session.checkpoint_state(run, {"step": done})
+                state = resume.checkpoint_state(run, {"step": done})
                 if rank == 0:
                     save_rotating(state, folder)
                 del state
@@ -110,20 +115,38 @@ def _worker(rank: int, opts: argparse.Namespace, port: int, folder: str, queue: 
                 )
                 losses = [0.0, 0.0]
         _, accuracy = session.evaluate(run)
+        assert run.preconditioner is not None
+        ledger = run.preconditioner.comm.ledger  # bounded: at most ledger.window records
+        mine = {"samples": samples, "ledger_records": ledger.records_held}
         gathered: list[Any] = [None] * run.world
-        dist.all_gather_object(gathered, samples)
+        dist.all_gather_object(gathered, mine)
         if rank == 0:
-            queue.put({"samples": gathered, "test_accuracy": accuracy})
+            queue.put({"ranks": gathered, "test_accuracy": accuracy})
     finally:
         dist.destroy_process_group()
 
 
+def slope_mib_per_1000_steps(samples: list[dict[str, float]]) -> float:
+    """Least-squares slope of RSS against the step, in MiB per 1000 steps (0 for < 2 samples)."""
+    if len(samples) < 2:
+        return 0.0
+    xs = [s["step"] for s in samples]
+    ys = [s["rss_mib"] for s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    return 1000.0 * sxy / sxx if sxx else 0.0
+
+
 def _growth(samples: list[dict[str, float]], steps: int) -> dict[str, float]:
-    """RSS at the first sample at or after 10% of the steps, at the end, and the change."""
+    """RSS at the first sample at or after 10% of the steps, at the end, the change, the slope."""
     early = next(s for s in samples if s["step"] >= 0.1 * steps)
     end = samples[-1]
     later = [s["rss_mib"] for s in samples if s["step"] >= early["step"]]
     return {
+        "slope_mib_per_1000_steps": slope_mib_per_1000_steps(
+            [s for s in samples if s["step"] >= early["step"]]
+        ),
         "rss_mib_at_10pct": early["rss_mib"],
         "rss_mib_at_end": end["rss_mib"],
         "growth_mib": end["rss_mib"] - early["rss_mib"],
@@ -169,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="mlp")
     p.add_argument("--data", default="digits")
     p.add_argument("--strategy", default="replicated")
+    p.add_argument(
+        "--method", choices=METHODS, default="eigen", help="K-FAC --method (default: eigen)"
+    )
     p.add_argument("--lr", type=float, default=0.02, help="peak of a cosine schedule")
     p.add_argument("--damping", type=float, default=0.03)
     p.add_argument("--out-dir", default=str(RESULTS_DIR), help="folder of the JSON result")
@@ -197,9 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             start_method="spawn",
         )
         outcome = queue.get()
-    per_rank: list[list[dict[str, float]]] = outcome["samples"]
+    per_rank: list[list[dict[str, float]]] = [r["samples"] for r in outcome["ranks"]]
     growth = [_growth(samples, opts.steps) for samples in per_rank]
-    name = f"soak-{opts.data}-{opts.world_size}ranks"
+    suffix = "" if opts.method == "eigen" else f"-{opts.method}"
+    name = f"soak-{opts.data}-{opts.world_size}ranks{suffix}"
     payload = {
         "command": " ".join(["python -m dkfac.bench.soak", *(argv or sys.argv[1:])]),
         "machine": machine_info("cpu"),
@@ -207,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_seconds": time.perf_counter() - start,
         "test_accuracy": outcome["test_accuracy"],
         "growth_after_first_10pct": growth,
+        "ledger_records_at_end": [r["ledger_records"] for r in outcome["ranks"]],
         "samples": per_rank,
     }
     out = Path(opts.out_dir) / f"{name}.json"
@@ -222,7 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"rank {rank}: RSS {g['rss_mib_at_10pct']:.1f} MiB at step {g['step_at_10pct']} -> "
             f"{g['rss_mib_at_end']:.1f} MiB at step {opts.steps} "
-            f"({g['growth_mib']:+.1f} MiB, {g['growth_percent']:+.2f}%)"
+            f"({g['growth_mib']:+.1f} MiB, {g['growth_percent']:+.2f}%; slope "
+            f"{g['slope_mib_per_1000_steps']:+.2f} MiB per 1000 steps); "
+            f"{outcome['ranks'][rank]['ledger_records']} ledger records held"
         )
     print(f"test accuracy {outcome['test_accuracy']:.4f}; wrote {out}", flush=True)
     return 0

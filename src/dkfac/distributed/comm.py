@@ -72,13 +72,27 @@ COLLECTIVES: tuple[str, ...] = ("all_reduce", "broadcast", "reduce_scatter", "al
 
 
 class CommLedger:
-    """Counts bytes communicated, by kind and by collective, per step and in total.
+    """Counts bytes communicated, by kind and by collective: per step and in total.
 
-    See the module docstring for exactly what one operation records.
+    Memory does not grow with the number of steps: the totals are running sums, and only
+    the records of the last ``window`` closed steps are kept (a record per step forever
+    cost about 560 bytes a step). See the module docstring for exactly what one operation
+    records.
+
+    Args:
+        window: How many closed steps keep their per-step record (>= 1).
+
+    Raises:
+        ValueError: If ``window`` is not an integer >= 1.
     """
 
-    def __init__(self) -> None:
+    WINDOW = 1024
+
+    def __init__(self, window: int = WINDOW) -> None:
         """Create an empty ledger with an open step 0."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.window = window
         self.reset()
 
     def reset(self) -> None:
@@ -87,6 +101,7 @@ class CommLedger:
         self._by_collective = dict.fromkeys(COLLECTIVES, 0)
         self._current = self._empty_step()
         self._steps: list[dict[str, Any]] = []
+        self._closed = 0
 
     @staticmethod
     def _empty_step() -> dict[str, Any]:
@@ -116,8 +131,11 @@ class CommLedger:
         self._current["bytes"] += n
 
     def end_step(self) -> None:
-        """Close the open step (append it to ``per_step``) and open a new one."""
+        """Close the open step (keep its record, dropping the oldest beyond the window)."""
         self._steps.append(self._current)
+        if len(self._steps) > self.window:
+            del self._steps[0]
+        self._closed += 1
         self._current = self._empty_step()
 
     @property
@@ -125,16 +143,25 @@ class CommLedger:
         """All bytes recorded so far, including the open step."""
         return sum(self._total.values())
 
+    @property
+    def records_held(self) -> int:
+        """Per-step records kept now (at most :attr:`window`)."""
+        return len(self._steps)
+
     def stats(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot.
 
         Returns:
             ``{"total": {kind: bytes}, "total_bytes": int, "by_collective": {coll: bytes},
             "last_step": step, "current_step": step, "per_step": [step, ...],
-            "steps": n}`` where a step is ``{"by_kind": {kind: bytes},
-            "by_collective": {coll: bytes}, "bytes": int}``. Totals include the open step;
-            ``last_step`` is the last closed step (all zeros before the first
-            :meth:`end_step`); ``steps`` counts closed steps.
+            "steps": n, "first_step_in_window": k}`` where a step is
+            ``{"by_kind": {kind: bytes}, "by_collective": {coll: bytes}, "bytes": int}``.
+            Totals include the open step and every step since the start (or
+            :meth:`reset`); ``last_step`` is the last closed step (all zeros before the first
+            :meth:`end_step`); ``steps`` counts closed steps; ``per_step`` holds the last
+            ``min(steps, window)`` closed steps, the first of them step
+            ``first_step_in_window`` (0-based), so with fewer than ``window`` steps
+            ``per_step[i]`` is step ``i``.
         """
 
         return {
@@ -144,7 +171,8 @@ class CommLedger:
             "last_step": deepcopy(self._steps[-1] if self._steps else self._empty_step()),
             "current_step": deepcopy(self._current),
             "per_step": deepcopy(self._steps),
-            "steps": len(self._steps),
+            "steps": self._closed,
+            "first_step_in_window": self._closed - len(self._steps),
         }
 
 

@@ -1,0 +1,63 @@
+"""The run folder of ``dkfac train`` (``--out``): created and checked before any work starts.
+
+:func:`prepare_run_folder` runs on rank 0 before the data is loaded, so that an ``--out``
+that is a file, lies under a file or cannot be written ends the run at once with one
+message (exit 2) instead of a traceback after the data and model were built.
+
+A folder that holds an earlier run (a checkpoint or ``metrics.jsonl``) is refused unless the
+run resumes (``--resume``) or the user asks to start afresh there (``--overwrite``, which
+deletes the old checkpoints so that no later ``--resume auto`` can pick one of them up).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from dkfac.app.checkpoint import LATEST, PREVIOUS, remove_temporaries
+
+METRICS = "metrics.jsonl"
+RUN_FILES = (LATEST, PREVIOUS, METRICS)
+
+
+class RunFolderError(ValueError):
+    """An ``--out`` folder that cannot hold this run."""
+
+
+def prepare_run_folder(folder: Path, *, resume: str | None, overwrite: bool) -> None:
+    """Creates ``folder`` (and its parents), checks that it can be written and is free.
+
+    Args:
+        folder: The run folder.
+        resume: The ``--resume`` value; any resume may use a folder that holds a run.
+        overwrite: Start afresh in a folder that holds a run, deleting its checkpoints.
+
+    Raises:
+        RunFolderError: If ``folder`` is a file, lies under one, cannot be created or
+            written, or holds a run while neither ``resume`` nor ``overwrite`` is given.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"--out {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(
+            f"--out {folder}: cannot create the run folder ({err.strerror or err})"
+        ) from None
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise RunFolderError(
+            f"--out {folder}: cannot write in the run folder ({err.strerror or err})"
+        ) from None
+    held = [name for name in RUN_FILES if (folder / name).exists()]
+    if held and resume is None:
+        if not overwrite:
+            raise RunFolderError(
+                f"--out {folder} holds an earlier run ({', '.join(held)}); pass --resume auto "
+                "to continue it, --overwrite to start afresh there, or another --out"
+            )
+        for name in (LATEST, PREVIOUS):
+            (folder / name).unlink(missing_ok=True)
+    remove_temporaries(folder)
