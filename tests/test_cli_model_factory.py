@@ -109,9 +109,18 @@ def test_factory_returning_no_module_exits_2(
         (["--model", "gpt"], "--model gpt reads token ids: use it with --data text"),
         (["--data", "text"], "--data text needs a language model: --model gpt"),
         (["--model", "gpt", "--data", "text", "--width", "30"], "--width (30) must be a multiple"),
-        (["--model", "gpt", "--data", "text", "--heads", "0"], "--heads must be >= 1, got 0"),
-        (["--model", "gpt", "--data", "text", "--seq-len", "0"], "--seq-len must be >= 1"),
-        (["--model", "gpt", "--data", "text", "--text-bytes", "0"], "--text-bytes must be >= 1"),
+        (
+            ["--model", "gpt", "--data", "text", "--heads", "0"],
+            "--heads must be in [1, 4096], got 0",
+        ),
+        (
+            ["--model", "gpt", "--data", "text", "--seq-len", "0"],
+            "--seq-len must be in [1, 1000000]",
+        ),
+        (
+            ["--model", "gpt", "--data", "text", "--text-bytes", "0"],
+            "--text-bytes must be in [1, 1000000000000]",
+        ),
         (["--model", "gpt", "--data", "text", "--mixup", "0.2"], "apply to images"),
     ],
 )

@@ -355,8 +355,6 @@ def _check_language_model(args: argparse.Namespace, parser: argparse.ArgumentPar
     problem = size_problem(args.layers, args.width, args.heads, args.seq_len)
     if problem is not None:
         parser.error(problem)
-    if args.text_bytes < 1:
-        parser.error(f"--text-bytes must be >= 1, got {args.text_bytes}")
     factory = ":" in args.model
     if args.model in LANGUAGE_MODELS and args.data != "text":
         parser.error(f"--model {args.model} reads token ids: use it with --data text")

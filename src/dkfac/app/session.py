@@ -172,6 +172,8 @@ def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
     else:
         try:
             bare = _build_model(args, data).to(device)
+        except UsageError:
+            raise
         except ValueError as err:  # a shape this model cannot take
             raise UsageError(f"--model {args.model}: {err}") from None
     model: nn.Module = bare
