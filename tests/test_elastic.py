@@ -121,7 +121,7 @@ def test_raising_rank_stops_the_whole_job(tmp_path: Path) -> None:
 def test_hung_rank_times_out_after_dist_timeout(tmp_path: Path) -> None:
     # Rank 1 stops participating (alive, silent). Rank 0 waits in its next collective for
     # --dist-timeout seconds, then fails; torchrun then stops rank 1. With the default
-    # timeout (30 min) this test would run into LIMIT_S instead.
+    # timeout (5 min) this test would run into LIMIT_S instead.
     fault = {"DKFAC_FAULT_HANG_AT_STEP": "3", "DKFAC_FAULT_RANK": "1"}
     done, _ = _torchrun(tmp_path / "run", ["--dist-timeout", "5"], fault, restarts=0)
     assert done.returncode != 0, _explain(done)

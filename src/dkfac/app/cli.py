@@ -225,8 +225,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dist-timeout",
         type=float,
-        default=1800.0,
-        help="seconds a rank waits in a collective before the job fails (default: 1800)",
+        default=300.0,
+        help="seconds a rank waits in a collective before the job fails (default: 300)",
     )
     reserved = {a.dest for a in p._actions}
     add_kfac_arguments(p, reserved)

@@ -15,10 +15,19 @@ So before anything is loaded, :func:`restore` checks the plain values the run re
 
 A value that fails is a :class:`~dkfac.app.checkpoint.CheckpointError` naming the file and
 the field (exit 2), never a traceback later in the run.
+
+Every checkpoint also records what it was made with (:func:`made_with`: model, BatchNorm,
+dataset and its shape, optimizer, K-FAC method). Resuming it in a run that differs in any of
+these is refused with a message naming both sides, except the K-FAC method, which is
+converted: the factors are method-independent statistics, so the saved inverses (and
+per-layer solver plans) are dropped and the preconditioner recomputes them from the factors
+with the new method (refused when the saved factors are low-rank ``smw`` factors and the new
+method needs full ones). Checkpoints from before this record load as before.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -28,7 +37,10 @@ import torch
 from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
 from dkfac.app.session import Session
 
+logger = logging.getLogger(__name__)
+
 POSITION_INTEGERS = ("epoch", "step_in_epoch", "step")
+LOWRANK_METHODS = ("smw", "auto")
 POSITION_SECONDS = ("train_seconds", "wall_seconds")
 
 
@@ -43,7 +55,82 @@ def checkpoint_state(run: Session, position: dict[str, Any]) -> dict[str, Any]:
         "position": position,
         # Rank 0's chain; with several ranks a resume restarts the chains (see restore).
         "running_mixup": None if run.running_mixup is None else run.running_mixup.state_dict(),
+        "made_with": made_with(run),
     }
+
+
+def made_with(run: Session) -> dict[str, Any]:
+    """What a run's checkpoint must match to be resumed in it, keyed by flag."""
+    args, data = run.args, run.data
+    record: dict[str, Any] = {
+        "--model": args.model,
+        "--batch-norm": bool(getattr(args, "batch_norm", False)),
+        "--data": args.data,
+        "data shape": f"{data.in_channels}x{data.image_size}x{data.image_size} images, "
+        f"{data.num_classes} classes, {len(data.y_train)} training samples",
+        "--optimizer": args.optimizer,
+    }
+    if run.preconditioner is not None:
+        record["--method"] = run.preconditioner.config.method
+    return record
+
+
+def match_run(saved: Any, run: Session) -> None:
+    """Refuses a checkpoint made with another model, data or optimizer; converts the method.
+
+    Args:
+        saved: The checkpoint's state (its ``made_with`` and optimizer state are read, and
+            the optimizer state is converted in place for another K-FAC method).
+        run: The session to resume.
+
+    Raises:
+        RunMismatchError: Naming each difference, checkpoint side and run side.
+    """
+    theirs = saved.get("made_with")
+    if not isinstance(theirs, dict):  # made before checkpoints recorded it
+        return
+    mine = made_with(run)
+    differ = [k for k in mine if k != "--method" and theirs.get(k) != mine[k]]
+    if differ:
+        raise RunMismatchError(
+            "; ".join(f"{k} {_show(theirs.get(k))} there, {_show(mine[k])} here" for k in differ)
+        )
+    if "--method" in mine and theirs.get("--method") != mine["--method"]:
+        convert_method(saved["optimizer"], str(theirs.get("--method")), mine["--method"])
+
+
+def convert_method(optimizer_state: dict[str, Any], old: str, new: str) -> None:
+    """Prepares a K-FAC optimizer state made with method ``old`` for method ``new``, in place.
+
+    Drops the saved inverses and solver plans so that loading recomputes them from the
+    factors with ``new``.
+
+    Raises:
+        RunMismatchError: If the state holds low-rank factors and ``new`` needs full ones.
+    """
+    layers = optimizer_state["preconditioner"]["layers"]
+    lowrank = sorted(n for n, e in layers.items() if (e.get("plan") or {}).get("lowrank"))
+    if lowrank and new not in LOWRANK_METHODS:
+        raise RunMismatchError(
+            f"--method {old} there holds low-rank factors of {', '.join(lowrank)}, which "
+            f"--method {new} here cannot use; resume with --method {old}"
+        )
+    for name, entry in layers.items():
+        entry.pop("inverse", None)
+        if name not in lowrank:
+            entry.pop("plan", None)
+    logger.warning(
+        "the checkpoint was made with --method %s; converted to --method %s (inverses "
+        "recomputed from the saved factors)",
+        old,
+        new,
+    )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def restore(run: Session, path: Path) -> dict[str, Any]:
@@ -55,6 +142,7 @@ def restore(run: Session, path: Path) -> dict[str, Any]:
     """
     state = load_checkpoint(path)
     try:
+        match_run(state, run)
         position = check_state(state, run)
         run.bare.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
@@ -67,6 +155,8 @@ def restore(run: Session, path: Path) -> dict[str, Any]:
             kept = mixup_state["inputs"]
             if kept is None or len(kept) == run.micro_batch:
                 run.running_mixup.load_state_dict(mixup_state)  # several ranks: chains restart
+    except RunMismatchError as err:
+        raise CheckpointError(f"checkpoint {path} was made with another setup: {err}") from None
     except UnusableValueError as err:
         raise CheckpointError(f"checkpoint {path} is not usable: {err}") from None
     except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as err:
@@ -76,6 +166,10 @@ def restore(run: Session, path: Path) -> dict[str, Any]:
 
 class UnusableValueError(ValueError):
     """A plain value of a checkpoint outside what the run can use."""
+
+
+class RunMismatchError(ValueError):
+    """A checkpoint made with another model, dataset, optimizer or (unconvertible) method."""
 
 
 def _is_number(value: Any) -> bool:

@@ -41,6 +41,7 @@ from torch import nn
 
 from dkfac.app import faults, report, session
 from dkfac.app import resume as resume_state
+from dkfac.app.beacon import Beacon
 from dkfac.app.checkpoint import LATEST, CheckpointError, choose_resume, save_rotating
 from dkfac.app.data import shard_indices
 from dkfac.app.runconfig import write_resolved_config
@@ -121,13 +122,20 @@ def _agree_resume(resume: str | None, folder: Path, world: int) -> Path | None:
     return None if choice is None else Path(choice)
 
 
-def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> RunResult:
+def train(
+    args: argparse.Namespace,
+    *,
+    write: bool = True,
+    label: str = "",
+    beacon: Beacon | None = None,
+) -> RunResult:
     """Trains as ``args`` (a namespace from :func:`dkfac.app.cli.parse_args`) says.
 
     Args:
         args: The parsed options.
         write: Write the run folder (rank 0 only); tests may switch it off.
         label: Prefix of progress lines (the optimizer name in ``compare``).
+        beacon: Where this rank's phases are announced (:mod:`dkfac.app.beacon`).
 
     Raises:
         UsageError: For options that do not fit the data or the world size.
@@ -139,7 +147,10 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     device = session.pick_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    folder = _run_folder(args, session.world_info()[1], write)
+    rank, world = session.world_info()
+    beacon = beacon or Beacon(None, rank, world)
+    beacon.enter(f"{label}setup", 0)
+    folder = _run_folder(args, world, write)
     args.out = str(folder)
     run = session.build_session(args, device)
     rank, world = run.rank, run.world
@@ -147,6 +158,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     resume = _agree_resume(args.resume, folder, world)
     pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
     if resume is not None:
+        beacon.enter(f"{label}resume from {resume.name}", 0)
         pos.update(resume_state.restore(run, resume))
     # Rotate the folder's latest checkpoint into the backup only once it is known good: after
     # a fallback to the backup (latest damaged or missing) the first save replaces it.
@@ -185,6 +197,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
 
     def do_eval() -> bool:
         nonlocal hit
+        beacon.enter(f"{label}evaluation after step {step}", step)
         loss, acc = session.evaluate(run)
         rec = record("eval", loss, acc)
         progress.update(0, rec)
@@ -207,6 +220,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         }
         if not write:
             return
+        beacon.enter(f"{label}checkpoint after step {step}", step)
         if not session.weights_finite(run):  # keep the last good checkpoint
             progress.log(f"{label}step {step}: the weights are not finite; checkpoint not written")
             return
@@ -223,6 +237,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         order = shard_indices(len(run.data.y_train), rank, world, epoch, seed=args.seed)
         for k in range(first, run.steps_per_epoch):
             batch = order[k * per_step : (k + 1) * per_step]
+            beacon.enter(f"{label}training step {step + 1}", step + 1)
             sums, t_fb, t_opt = session.train_step(run, batch, step)
             step, train_s = step + 1, train_s + t_fb + t_opt
             faults.maybe_inject(step, rank)
@@ -231,6 +246,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
             end_of_epoch = k == run.steps_per_epoch - 1
             stop = step >= run.total_steps
             if step % args.log_every == 0 or stop or end_of_epoch:
+                beacon.enter(f"{label}metrics after step {step}", step)
                 loss_n, correct, n = session.all_sum(window[:3], device)
                 rec = record(
                     "train",
@@ -258,6 +274,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
         epoch, first = epoch + 1, 0
     progress.close()
     evals = [r for r in writer.records if r["kind"] == "eval"]
+    beacon.enter(f"{label}end of the run", step)
     final = evals[-1] if evals else record("eval", *session.evaluate(run))
     if main:
         report.plot_runs(
@@ -273,7 +290,7 @@ def train(args: argparse.Namespace, *, write: bool = True, label: str = "") -> R
     return RunResult(folder if main else None, writer.records, final, run.bare, step, problem)
 
 
-def compare(args: argparse.Namespace) -> dict[str, RunResult]:
+def compare(args: argparse.Namespace, beacon: Beacon | None = None) -> dict[str, RunResult]:
     """Trains once per ``--optimizers`` entry on the same data and seed; writes the report."""
     rank, world = session.world_info()
     folder = _run_folder(args, world, write=True)
@@ -281,7 +298,7 @@ def compare(args: argparse.Namespace) -> dict[str, RunResult]:
     for name in args.optimizers.split(","):
         sub = copy.copy(args)
         sub.optimizer, sub.out = name, str(folder / name)
-        results[name] = train(sub, label=f"[{name}] ")
+        results[name] = train(sub, label=f"[{name}] ", beacon=beacon)
     if rank == 0:
         runs = {name: result.records for name, result in results.items()}
         rows = report.write_comparison(
@@ -291,7 +308,7 @@ def compare(args: argparse.Namespace) -> dict[str, RunResult]:
     return results
 
 
-def _init_process_group(backend: str, timeout_s: float) -> None:
+def _init_process_group(backend: str, timeout_s: float) -> dist.Store:
     """``init_process_group`` from torchrun's environment, with a store fresh to this attempt.
 
     After an elastic restart torchrun hands the new workers the same rendezvous store as the
@@ -304,23 +321,40 @@ def _init_process_group(backend: str, timeout_s: float) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"dkfac/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return store
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Runs ``train`` or ``compare``, initialising the process group under ``torchrun``."""
-    created = False
+    created, store = False, None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         cuda = torch.cuda.is_available() and args.device != "cpu"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        _init_process_group("nccl" if cuda else "gloo", float(args.dist_timeout))
+        store = _init_process_group("nccl" if cuda else "gloo", float(args.dist_timeout))
         created = True
+    rank, world = session.world_info()
+    beacon = Beacon(store, rank, world, stall_after_s=float(args.dist_timeout) / 2)
     try:
-        results = compare(args) if args.command == "compare" else {"": train(args)}
+        if args.command == "compare":
+            results = compare(args, beacon)
+        else:
+            results = {"": train(args, beacon=beacon)}
     except (UsageError, RunFolderError, CheckpointError) as err:
         print(f"dkfac {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as err:
+        if world > 1:  # say where every rank was; torchrun prints the traceback
+            first = str(err).splitlines()[0] if str(err) else ""
+            print(
+                f"dkfac {args.command}: rank {rank} failed in {beacon.where[0]} "
+                f"({type(err).__name__}: {first[:300]}); {beacon.report()}",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise
     finally:
+        beacon.close()
         if created:
             dist.destroy_process_group()
     failed = [(name, r.problem) for name, r in results.items() if r.problem is not None]
