@@ -1,7 +1,7 @@
 """KFACPreconditioner: registers blocks and hooks, and runs one K-FAC step.
 
 Construction registers every supported layer (:mod:`~dkfac.engine.registration`), attaches the
-capture hooks (:class:`~dkfac.engine.layer_state.FactorCapture`) and builds the strategy
+capture hooks (:class:`~dkfac.engine.capture.FactorCapture`) and builds the strategy
 (:mod:`~dkfac.distributed.strategies`, ``pre.strategy``), which decides where each piece of
 work runs and what travels between ranks; the math never branches on the rank. A step has
 five phases, each under a ``torch.profiler.record_function`` label; this class sequences
@@ -31,7 +31,7 @@ them, the per-layer math is in :mod:`~dkfac.engine.step_math`.
    :func:`~dkfac.engine.step_math.kl_clip_scale`) and written back
    (:func:`~dkfac.engine.step_math.write_back`).
 
-Scale convention (see :class:`~dkfac.engine.layer_state.FactorCapture`): factors are on the
+Scale convention (see :class:`~dkfac.engine.capture.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
 ``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
 unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient clipping).

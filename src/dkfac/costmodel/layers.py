@@ -258,7 +258,6 @@ def _count_positions(
     forward pass."""
     found: dict[str, int] = {}
     handles = []
-    modules = dict(model.named_modules())
 
     def hook(name: str, output: object) -> None:
         if isinstance(output, Tensor):
@@ -267,7 +266,7 @@ def _count_positions(
     for name, block in blocks.items():
         if block.cost_description().forward_flops:
             handles.append(
-                modules[name].register_forward_hook(lambda m, i, o, name=name: hook(name, o))
+                block.module.register_forward_hook(lambda m, i, o, name=name: hook(name, o))
             )
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
