@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -48,6 +48,25 @@ class Solver(ABC):
     """Whether :meth:`compute` also takes :class:`~dkfac.solvers.lowrank.factor.LowRank` factors."""
     deferred: bool = False
     """Whether the solver is only decided at the first capture (:meth:`resolve`)."""
+    cost_rate: ClassVar[str] = "eigh"
+    """Which measured speed prices :meth:`compute` in the cost model: ``"eigh"`` (symmetric
+    eigendecompositions) or ``"cholesky"`` (Cholesky inverses); ``n³`` per second either way."""
+    apply_products: ClassVar[int] = 4
+    """``c`` in the cost model's ``c·(a²g + ag²)`` flops of one :meth:`apply` (two products
+    per side for a change of basis, one for an inverse)."""
+
+    @classmethod
+    def state_elements(cls, a_dim: int, g_dim: int) -> int:
+        """Elements of the solver state of one ``a_dim × g_dim`` Kronecker layer, as stored
+        and sent (the cost model's bytes and memory): eigenvectors and eigenvalues by default."""
+        return a_dim * a_dim + a_dim + g_dim * g_dim + g_dim
+
+    @classmethod
+    def moment_elements(cls, a_dim: int, g_dim: int) -> int:
+        """Elements of per-layer state kept between steps where the layer is preconditioned
+        (none by default; a solver with moments of the gradient counts them here)."""
+        del a_dim, g_dim
+        return 0
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         self.compute_dtype = compute_dtype

@@ -38,6 +38,13 @@ class CholeskySolver(Solver):
     """Cholesky-inverse solver: state ``a_inv, g_inv``."""
 
     name = "cholesky"
+    cost_rate = "cholesky"
+    apply_products = 2
+
+    @classmethod
+    def state_elements(cls, a_dim: int, g_dim: int) -> int:
+        """``A⁻¹`` and ``G⁻¹``: ``a² + g²``."""
+        return a_dim * a_dim + g_dim * g_dim
 
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Inverts the π-damped factors."""
