@@ -17,6 +17,8 @@ PACKAGE = SRC / "dkfac"
 ROOMS = ("dkfac.blocks", "dkfac.solvers", "dkfac.distributed")
 """The three axes: each imports nothing of the package outside itself."""
 LIBRARY_ROOT = {"__init__", "__main__", "config", "preconditioner", "optimizer"}
+"""The public faces at the package root (``config`` is a package of its groups)."""
+PACKAGES = {"app", "bench", "blocks", "config", "costmodel", "distributed", "engine", "solvers"}
 
 
 def _module_name(path: Path) -> str:
@@ -52,7 +54,9 @@ def _room(module: str) -> str | None:
 
 def test_the_package_root_holds_only_the_public_faces() -> None:
     loose = {p.stem for p in PACKAGE.glob("*.py")}
-    assert loose == LIBRARY_ROOT
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert loose | {"config"} == LIBRARY_ROOT
+    assert packages == PACKAGES
 
 
 @pytest.mark.parametrize("room", ROOMS)

@@ -163,10 +163,11 @@ def test_placement_matches_assignment_module(spec: ModelSpec) -> None:
 
 def test_memory_by_hand_and_sums(spec: ModelSpec) -> None:
     rep = predict_memory(spec, 2, "replicated")
-    assert rep[0] == rep[1] == {"factors": 324, "inverses": 392, "accumulators": 324}
+    assert rep[0] == rep[1] == {"factors": 324, "inverses": 392, "moments": 0, "accumulators": 324}
     mem = predict_memory(spec, 2, "mem-opt")
-    assert mem[0] == {"factors": 160, "inverses": 192, "accumulators": 324}  # owns fc2
-    assert mem[1] == {"factors": 164, "inverses": 200, "accumulators": 324}  # owns fc1
+    # rank 0 owns fc2, rank 1 owns fc1
+    assert mem[0] == {"factors": 160, "inverses": 192, "moments": 0, "accumulators": 324}
+    assert mem[1] == {"factors": 164, "inverses": 200, "moments": 0, "accumulators": 324}
     dp = predict_memory(spec, 2, "dp")
     assert [dp[r]["accumulators"] for r in range(2)] == [160, 164]
     # Owner-only strategies partition the state: per-rank sums equal the replicated totals.

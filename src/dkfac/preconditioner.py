@@ -325,8 +325,9 @@ class KFACPreconditioner:
         return self.comm.ledger.stats()
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank, by kind: ``factors``, ``inverses`` and ``accumulators``."""
-        usage = {"factors": 0, "inverses": 0, "accumulators": 0}
+        """Bytes held on this rank, by kind: ``factors``, ``inverses``, ``moments`` (state a
+        solver keeps between steps) and ``accumulators``."""
+        usage = {"factors": 0, "inverses": 0, "moments": 0, "accumulators": 0}
         for layer in self.layers.values():
             for kind, nbytes in layer.memory().items():
                 usage[kind] += nbytes

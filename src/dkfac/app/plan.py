@@ -27,7 +27,9 @@ import torch
 
 from dkfac.app.models import MODELS, build_model
 from dkfac.costmodel import (
+    METHODS,
     PHASES,
+    STRATEGIES,
     DeviceRates,
     DtypeBytes,
     StrategyPrediction,
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-gbps", type=_positive(float, "--bandwidth-gbps"), default=100.0)
     p.add_argument("--latency-us", type=_non_negative_float, default=5.0)
     p.add_argument("--memory-budget-gb", type=_positive(float, "--memory-budget-gb"))
-    p.add_argument("--method", choices=["eigen", "cholesky"], default="eigen")
+    p.add_argument("--method", choices=METHODS, default="eigen")
     p.add_argument("--factor-interval", type=_positive(int, "--factor-interval"), default=10)
     p.add_argument("--inverse-interval", type=_positive(int, "--inverse-interval"), default=100)
     p.add_argument(
@@ -104,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategies",
         nargs="+",
-        choices=["replicated", "kaisa", "mem-opt", "dp", "spngd"],
+        choices=STRATEGIES,
         help="strategies to consider (default: all)",
     )
     p.add_argument("--in-channels", type=_positive(int, "--in-channels"))

@@ -9,12 +9,13 @@ Pure functions of layer shapes, world size and device rates (no process group):
 - :func:`predict`: time by phase, bytes and memory of one strategy; :func:`recommend` picks
   the fastest that fits a memory budget (used by ``dkfac plan`` and ``strategy="auto"``).
 
-The per-strategy traffic choices are one table, :data:`RULES` (see :mod:`.traffic`).
+The per-strategy traffic choices are the strategies' own rules (:data:`RULES`, read from
+:data:`dkfac.distributed.strategies.STRATEGIES`); solver state sizes and speeds come from the
+solver classes (:data:`dkfac.solvers.SOLVERS`); layers from the blocks' cost descriptions.
 """
 
 from dkfac.costmodel.auto import AUTO_BATCH_PER_RANK, auto_candidates, select_strategy
 from dkfac.costmodel.layers import (
-    LAYER_KINDS,
     BNLayer,
     KFACLayer,
     ModelSpec,
@@ -32,6 +33,7 @@ from dkfac.costmodel.predict import (
 )
 from dkfac.costmodel.traffic import (
     KINDS,
+    METHODS,
     RULES,
     STRATEGIES,
     DtypeBytes,
@@ -46,7 +48,7 @@ from dkfac.costmodel.traffic import (
 __all__ = [
     "AUTO_BATCH_PER_RANK",
     "KINDS",
-    "LAYER_KINDS",
+    "METHODS",
     "PHASES",
     "RULES",
     "STRATEGIES",

@@ -32,9 +32,7 @@ from torch import Tensor, nn
 from dkfac.blocks.base import Block, BlockCost, kronecker_cost
 from dkfac.blocks.registry import block_or_reason
 
-__all__ = ["LAYER_KINDS", "BNLayer", "KFACLayer", "ModelSpec", "extract_layers", "spec_from_blocks"]
-
-LAYER_KINDS = ("linear", "conv2d", "embedding", "batchnorm")
+__all__ = ["BNLayer", "KFACLayer", "ModelSpec", "extract_layers", "spec_from_blocks"]
 
 
 def _check_positive_int(name: str, value: int) -> None:
@@ -51,8 +49,11 @@ class KFACLayer:
         a_dim: Side of the activation factor A (inputs per output position, plus 1 for a bias).
         g_dim: Side of the gradient factor G (outputs).
         positions: Output positions per sample ``T`` (1 for Linear, ``H_out·W_out`` for conv).
-        kind: ``"linear"``, ``"conv2d"``, ``"embedding"`` (Kronecker pairs, informative only)
-            or ``"batchnorm"`` (unit-wise 2×2 blocks; sizes as in the module notes).
+        kind: The block's name of its layer kind (:attr:`dkfac.blocks.base.Block.cost_kind`:
+            ``"linear"``, ``"conv2d"``, ``"embedding"``... informative only), or
+            ``"batchnorm"``, which implies ``unitwise``.
+        unitwise: Unit-wise 2×2 blocks per channel instead of a Kronecker pair (``a_dim`` 2,
+            ``g_dim`` channels; sizes as in the module notes).
     """
 
     name: str
@@ -60,6 +61,7 @@ class KFACLayer:
     g_dim: int
     positions: int = 1
     kind: str = "linear"
+    unitwise: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -67,20 +69,17 @@ class KFACLayer:
         _check_positive_int("a_dim", self.a_dim)
         _check_positive_int("g_dim", self.g_dim)
         _check_positive_int("positions", self.positions)
-        if self.kind not in LAYER_KINDS:
-            raise ValueError(f"kind must be one of {LAYER_KINDS}, got {self.kind!r}")
-        if self.kind == "batchnorm" and self.a_dim != 2:
-            raise ValueError(f"a batchnorm layer has a_dim 2, got {self.a_dim}")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"kind must be a non-empty string, got {self.kind!r}")
+        if self.kind == "batchnorm":
+            object.__setattr__(self, "unitwise", True)
+        if self.unitwise and self.a_dim != 2:
+            raise ValueError(f"a unit-wise layer has a_dim 2, got {self.a_dim}")
 
     @property
     def grad_numel(self) -> int:
         """Gradient elements of weight and bias together: ``a_dim · g_dim``."""
         return self.a_dim * self.g_dim
-
-    @property
-    def unitwise(self) -> bool:
-        """Whether the layer is a unit-wise BatchNorm block (not a Kronecker pair)."""
-        return self.kind == "batchnorm"
 
     def placement_cost(self, cost_kind: str = "compute") -> float:
         """The engine's placement cost (the block's ``placement_cost``)."""
@@ -244,10 +243,15 @@ def _blocks(model: nn.Module) -> dict[str, Block]:
 
 def _layer(name: str, cost: BlockCost, positions: int) -> KFACLayer:
     """The cost model's layer of a block's cost description."""
-    if cost.kind is None or cost.kind not in LAYER_KINDS:
-        raise ValueError(f"block {name!r} of kind {cost.kind!r} is not described")
+    if cost.kind is None:
+        raise ValueError(f"block {name!r} has no cost description (its cost_kind is None)")
     return KFACLayer(
-        name=name, a_dim=cost.a_dim, g_dim=cost.g_dim, positions=positions, kind=cost.kind
+        name=name,
+        a_dim=cost.a_dim,
+        g_dim=cost.g_dim,
+        positions=positions,
+        kind=cost.kind,
+        unitwise=cost.unitwise,
     )
 
 

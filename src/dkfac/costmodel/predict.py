@@ -46,6 +46,7 @@ from dkfac.costmodel.traffic import (
     predict_ledger_bytes,
     predict_memory,
 )
+from dkfac.solvers import SOLVERS
 
 __all__ = [
     "PHASES",
@@ -248,8 +249,9 @@ def predict(
 
     counts = [element_counts(layer, method, rule.pack_factors) for layer in spec.layers]
     b = batch_per_rank
-    inv_rate = rates.eigh_rate if method == "eigen" else rates.cholesky_rate
-    c = 4.0 if method == "eigen" else 2.0
+    solver = SOLVERS[method]
+    inv_rate = rates.eigh_rate if solver.cost_rate == "eigh" else rates.cholesky_rate
+    c = float(solver.apply_products)
     build, invert, precond = [], [], []
     for lay in spec.layers:
         a, g = lay.a_dim, lay.g_dim

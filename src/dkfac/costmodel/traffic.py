@@ -5,9 +5,11 @@ every *participating* rank, the logical message size (sum of ``numel × element_
 tensors it covers; a packed symmetric ``n×n`` matrix counts ``n(n+1)/2`` elements). A
 collective on a group of one rank records nothing, and nothing is recorded at world size 1.
 
-All strategy-specific choices live in two small tables, :data:`RULES` (who builds, sends and
-keeps what) and :func:`element_counts` (how many elements each kind of message holds per
-layer), so they can be aligned with the strategies' implementation in one place.
+Nothing here names a strategy or a solver: what a strategy builds, sends and keeps is its
+:class:`~dkfac.distributed.strategy_base.StrategyRule` (:data:`RULES` is read from the table
+:data:`dkfac.distributed.strategies.STRATEGIES`), and the size of a solver's state and
+moments comes from its class in :data:`dkfac.solvers.SOLVERS` (:func:`element_counts`), so a
+new strategy or solver is priced by the class that implements it.
 
 What each strategy does (read from ``dkfac.distributed.strategies`` and checked against the
 real ledger at 2 and 4 ranks by ``tests/test_costmodel_ledger.py``):
@@ -44,14 +46,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from dkfac.blocks.base import CostKind
 from dkfac.costmodel.layers import KFACLayer, ModelSpec
-from dkfac.distributed.assignment import (
-    grad_worker_count,
-    plan_placement,
-)
+from dkfac.distributed.assignment import grad_worker_count, plan_placement
+from dkfac.distributed.strategies import STRATEGIES as STRATEGY_TABLE
+from dkfac.distributed.strategy_base import StrategyRule
+from dkfac.solvers import METHODS as SOLVER_METHODS
+from dkfac.solvers import SOLVERS
 
 __all__ = [
     "KINDS",
@@ -68,49 +70,14 @@ __all__ = [
 ]
 
 KINDS = ("gradients", "factors", "inverses", "preconditioned")
-STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "spngd")
-METHODS = ("eigen", "cholesky")
-
-
-@dataclass(frozen=True)
-class StrategyRule:
-    """Who builds, communicates and keeps what under one strategy (see the module notes).
-
-    Attributes:
-        builders: ``"all"`` ranks build every layer's factors, or only the ``"owner"``.
-        factor_collective: ``"all_reduce"``, ``"reduce_scatter"`` or ``None``.
-        pack_factors: Factors are sent as packed upper triangles.
-        inverse_broadcast: Solver state broadcast inside the grad-worker group.
-        preconditioned: ``"receivers"`` (broadcast inside each grad-receiver block),
-            ``"all_gather"`` (from owners to all) or ``None``.
-        gradients: ``"ddp"`` (outside the ledger) or ``"reduce_scatter"`` (by the strategy).
-        factors_kept: Running factors kept for ``"all"`` layers or only ``"owner"``'s.
-        fraction: Fixed grad-worker fraction: ``"one"`` (1), ``"inverse_p"`` (1/P) or
-            ``"given"`` (the caller's ``grad_worker_fraction``).
-    """
-
-    builders: Literal["all", "owner"]
-    factor_collective: Literal["all_reduce", "reduce_scatter"] | None
-    pack_factors: bool
-    inverse_broadcast: bool
-    preconditioned: Literal["receivers", "all_gather"] | None
-    gradients: Literal["ddp", "reduce_scatter"]
-    factors_kept: Literal["all", "owner"]
-    fraction: Literal["one", "inverse_p", "given"]
-
-
-RULES: dict[str, StrategyRule] = {
-    "replicated": StrategyRule("all", "all_reduce", False, True, "receivers", "ddp", "all", "one"),
-    "kaisa": StrategyRule("all", "all_reduce", False, True, "receivers", "ddp", "owner", "given"),
-    "mem-opt": StrategyRule(
-        "all", "all_reduce", False, True, "receivers", "ddp", "owner", "inverse_p"
-    ),
-    "dp": StrategyRule("owner", None, False, True, "receivers", "ddp", "owner", "inverse_p"),
-    "spngd": StrategyRule(
-        "all", "reduce_scatter", True, False, "all_gather", "reduce_scatter", "owner", "inverse_p"
-    ),
-}
-"""Strategy -> :class:`StrategyRule`: the single table of per-strategy traffic choices."""
+STRATEGIES: tuple[str, ...] = tuple(STRATEGY_TABLE)
+"""The strategies the cost model prices: every entry of the strategy table."""
+METHODS: tuple[str, ...] = tuple(
+    name for name in SOLVER_METHODS if name in SOLVERS and SOLVERS[name].fixed_size_state
+)
+"""The methods whose state size is known from the shapes alone (not the low-rank ones)."""
+RULES: dict[str, StrategyRule] = {name: cls.rule for name, cls in STRATEGY_TABLE.items()}
+"""Strategy -> its :class:`StrategyRule`, read from the strategy classes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,27 +111,34 @@ def element_counts(layer: KFACLayer, method: str, packed: bool) -> dict[str, int
 
     Args:
         layer: The layer.
-        method: ``"eigen"`` or ``"cholesky"`` (BatchNorm layers always use the unit-wise
-            solver).
+        method: One of :data:`METHODS` (BatchNorm layers always use the unit-wise solver).
         packed: Square statistics sent as packed triangles.
 
     Returns:
-        ``{"factors_sent", "factors_stored", "inverse", "grad"}`` element counts. Kronecker:
-        factors sent ``a²+g²`` (packed ``a(a+1)/2 + g(g+1)/2``); stored ``a²+g²``; solver
-        state (eigen ``a²+a+g²+g``, cholesky ``a²+g²``); gradient ``a·g``. BatchNorm
-        (``a = 2``, ``g = C``): statistic ``4C`` sent and stored (never packed), state
-        ``4C``, gradient ``2C``.
+        ``{"factors_sent", "factors_stored", "inverse", "moments", "grad"}`` element counts.
+        Kronecker: factors sent ``a²+g²`` (packed ``a(a+1)/2 + g(g+1)/2``); stored
+        ``a²+g²``; solver state and moments as the solver's class counts them
+        (:meth:`~dkfac.solvers.Solver.state_elements`: eigen ``a²+a+g²+g``, cholesky
+        ``a²+g²``); gradient ``a·g``. BatchNorm (``a = 2``, ``g = C``): statistic ``4C``
+        sent and stored (never packed), state ``4C``, no moments, gradient ``2C``.
     """
     a, g = layer.a_dim, layer.g_dim
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if layer.unitwise:
-        return {"factors_sent": 4 * g, "factors_stored": 4 * g, "inverse": 4 * g, "grad": 2 * g}
-    inverse = a * a + a + g * g + g if method == "eigen" else a * a + g * g
+        return {
+            "factors_sent": 4 * g,
+            "factors_stored": 4 * g,
+            "inverse": 4 * g,
+            "moments": 0,
+            "grad": 2 * g,
+        }
+    solver = SOLVERS[method]
     return {
         "factors_sent": _tri(a) + _tri(g) if packed else a * a + g * g,
         "factors_stored": a * a + g * g,
-        "inverse": inverse,
+        "inverse": solver.state_elements(a, g),
+        "moments": solver.moment_elements(a, g),
         "grad": a * g,
     }
 
@@ -187,12 +161,7 @@ class Placement:
 def _fraction(strategy: str, world_size: int, grad_worker_fraction: float) -> float:
     if strategy not in RULES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    kind = RULES[strategy].fraction
-    if kind == "one":
-        return 1.0
-    if kind == "inverse_p":
-        return 1.0 / world_size
-    return grad_worker_fraction
+    return RULES[strategy].worker_fraction(world_size, grad_worker_fraction)
 
 
 def placement_for(
@@ -310,7 +279,9 @@ def predict_memory(
     (``memory_usage()`` reads 0 after ``step()`` has consumed them).
 
     Returns:
-        ``{rank: {"factors", "inverses", "accumulators": bytes}}``.
+        ``{rank: {"factors", "inverses", "moments", "accumulators": bytes}}``; ``moments``:
+        the per-layer state a solver keeps between steps on the ranks that precondition
+        the layer (0 for eigen and cholesky).
 
     Raises:
         ValueError: As :func:`predict_ledger_bytes`.
@@ -323,14 +294,17 @@ def predict_memory(
     stored_all = sum(c["factors_stored"] for c in counts) * dt.factor
     owned = [0] * world_size
     group_inv = [0] * place.n_groups
+    group_moments = [0] * place.n_groups
     for owner, c in zip(place.owners, counts, strict=True):
         owned[owner] += c["factors_stored"] * dt.factor
         group_inv[owner % place.n_groups] += c["inverse"] * dt.inverse
+        group_moments[owner % place.n_groups] += c["moments"] * dt.inverse
     out: dict[int, dict[str, int]] = {}
     for r in range(world_size):
         out[r] = {
             "factors": stored_all if rule.factors_kept == "all" else owned[r],
             "inverses": group_inv[r % place.n_groups],
+            "moments": group_moments[r % place.n_groups],
             "accumulators": stored_all if rule.builders == "all" else owned[r],
         }
     return out

@@ -28,22 +28,27 @@ Placement uses indices ``0..P-1`` into the communicator's ranks; collectives use
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import Literal, get_args
 
 from torch import Tensor
 
 from dkfac.distributed.comm import CommHandle, Communicator, Kind
-from dkfac.distributed.strategy_base import Strategy, join_handles
+from dkfac.distributed.strategy_base import Strategy, StrategyRule, join_handles
 
 __all__ = [
+    "STRATEGIES",
+    "STRATEGY_NAMES",
     "DPStrategy",
     "KaisaStrategy",
     "MemOptStrategy",
     "ReplicatedStrategy",
     "SPNGDStrategy",
     "Strategy",
+    "StrategyName",
+    "StrategyRule",
     "choose_strategy",
     "make_strategy",
 ]
@@ -51,55 +56,62 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class KaisaStrategy(Strategy):
-    """KAISA hybrid: factors all-reduced, ``f·P`` grad workers per layer."""
-
-    name = "kaisa"
+StrategyName = Literal["replicated", "kaisa", "mem-opt", "dp", "spngd"]
+"""The strategies by name (the keys of :data:`STRATEGIES`)."""
 
 
-class ReplicatedStrategy(KaisaStrategy):
+class ReplicatedStrategy(Strategy):
     """SC20 / KAISA COMM-OPT: every rank keeps the factors and preconditions every layer."""
 
     name = "replicated"
+    rule = StrategyRule(
+        builders="all",
+        factor_collective="all_reduce",
+        pack_factors=False,
+        inverse_broadcast=True,
+        preconditioned="receivers",
+        gradients="ddp",
+        factors_kept="all",
+        fraction="one",
+    )
 
-    def __init__(
-        self, comm: Communicator, costs: Mapping[str, float], *, pack_triangles: bool = False
-    ) -> None:
-        super().__init__(comm, costs, grad_worker_fraction=1.0, pack_triangles=pack_triangles)
 
-    def keeps_statistics(self, name: str) -> bool:
-        """Every rank keeps every layer's factors (they arrive all-reduced anyway)."""
-        return True
+class KaisaStrategy(Strategy):
+    """KAISA hybrid: factors all-reduced and kept by the owner, ``f·P`` grad workers per layer."""
+
+    name = "kaisa"
+    rule = dataclasses.replace(ReplicatedStrategy.rule, factors_kept="owner", fraction="given")
 
 
-class MemOptStrategy(KaisaStrategy):
+class MemOptStrategy(Strategy):
     """KAISA MEM-OPT (f = 1/P): only the owner keeps, inverts and preconditions a layer."""
 
     name = "mem-opt"
-
-    def __init__(
-        self, comm: Communicator, costs: Mapping[str, float], *, pack_triangles: bool = False
-    ) -> None:
-        fraction = 1.0 / comm.world_size
-        super().__init__(comm, costs, grad_worker_fraction=fraction, pack_triangles=pack_triangles)
+    rule = dataclasses.replace(KaisaStrategy.rule, fraction="inverse_p")
 
 
-class DPStrategy(MemOptStrategy):
-    """DP-KFAC: a layer's factors are built only on its owner, from its local batch."""
+class DPStrategy(Strategy):
+    """DP-KFAC: a layer's factors are built only on its owner, from its local batch, and never
+    sent; the owner inverts and preconditions it and broadcasts the result."""
 
     name = "dp"
-    factor_reduction = "none"
-
-    def captures(self, name: str) -> bool:
-        """Only the owner's hooks do any work for the layer."""
-        return self.is_owner(name)
+    rule = dataclasses.replace(MemOptStrategy.rule, builders="owner", factor_collective=None)
 
 
-class SPNGDStrategy(MemOptStrategy):
+class SPNGDStrategy(Strategy):
     """SP-NGD: gradients and factors reduce-scattered to owners, results all-gathered."""
 
     name = "spngd"
-    factor_reduction = "reduce_scatter"
+    rule = StrategyRule(
+        builders="all",
+        factor_collective="reduce_scatter",
+        pack_factors=True,
+        inverse_broadcast=False,
+        preconditioned="all_gather",
+        gradients="reduce_scatter",
+        factors_kept="owner",
+        fraction="inverse_p",
+    )
 
     @property
     def reduces_gradients(self) -> bool:
@@ -173,13 +185,12 @@ class SPNGDStrategy(MemOptStrategy):
         return self.comm.sum_control(partial)
 
 
-_STRATEGIES: dict[str, type[Strategy]] = {
-    "replicated": ReplicatedStrategy,
-    "kaisa": KaisaStrategy,
-    "mem-opt": MemOptStrategy,
-    "dp": DPStrategy,
-    "spngd": SPNGDStrategy,
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (ReplicatedStrategy, KaisaStrategy, MemOptStrategy, DPStrategy, SPNGDStrategy)
 }
+"""Name -> class: the one table of strategies (the cost model reads their rules)."""
+STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
 
 
 def choose_strategy(
@@ -232,18 +243,13 @@ def make_strategy(
         comm: The communicator over the training ranks.
         costs: Layer name -> placement cost.
         grad_worker_fraction: KAISA fraction (``"kaisa"`` only).
-        pack_triangles: ``None``: on for ``"spngd"`` only.
+        pack_triangles: ``None``: the strategy's default (its rule's ``pack_factors``).
 
     Raises:
         ValueError: For an unknown name or a fraction that does not fit the world size.
     """
-    if name not in _STRATEGIES:
-        raise ValueError(f"strategy must be one of {tuple(_STRATEGIES)}, got {name!r}")
-    pack = (name == "spngd") if pack_triangles is None else pack_triangles
-    if name == "kaisa":
-        return KaisaStrategy(
-            comm, costs, grad_worker_fraction=grad_worker_fraction, pack_triangles=pack
-        )
-    klass: Any = _STRATEGIES[name]
-    strategy: Strategy = klass(comm, costs, pack_triangles=pack)
-    return strategy
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {name!r}")
+    return STRATEGIES[name](
+        comm, costs, grad_worker_fraction=grad_worker_fraction, pack_triangles=pack_triangles
+    )

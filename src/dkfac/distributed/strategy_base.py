@@ -3,9 +3,11 @@
 A :class:`Strategy` answers, for every layer, which ranks capture its statistics, keep its
 running factors, compute its solver state (the inverse owner) and apply it (the grad
 workers), and moves the tensors of each phase through the
-:class:`~dkfac.distributed.comm.Communicator`. The defaults implement KAISA with a
-gradient-worker fraction; :mod:`dkfac.distributed.strategies` fixes one row of the
-DESIGN.md table per subclass. Statistics are named tensors and solver states flat
+:class:`~dkfac.distributed.comm.Communicator`. What a strategy builds, sends and keeps is its
+:class:`StrategyRule` (one row of the DESIGN.md table); the base class reads it, and the cost
+model reads the same rules, so a strategy is described once. Each concrete strategy in
+:mod:`dkfac.distributed.strategies` is a direct subclass with its rule and the overrides its
+traffic needs. Statistics are named tensors and solver states flat
 ``dict[str, Tensor]``, so blocks and solvers other than the Kronecker pair plug in unchanged.
 
 Placement uses indices ``0..P-1`` into the communicator's ranks; collectives use global ranks.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -25,7 +28,7 @@ from torch import Tensor
 from dkfac.distributed.assignment import plan_placement
 from dkfac.distributed.comm import CommHandle, CommLedger, Communicator
 
-__all__ = ["FactorReduction", "Strategy", "join_handles"]
+__all__ = ["FactorReduction", "Strategy", "StrategyRule", "join_handles"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,45 @@ FactorReduction = Literal["all_reduce", "reduce_scatter", "none"]
 Signature = list[tuple[str, tuple[int, ...], torch.dtype]]
 SolverState = dict[str, Tensor]
 """A solver state as strategies move it: named tensors."""
+
+
+@dataclass(frozen=True)
+class StrategyRule:
+    """Who builds, communicates and keeps what under one strategy.
+
+    Attributes:
+        builders: ``"all"`` ranks build every layer's statistics, or only the ``"owner"``
+            (from its local batch).
+        factor_collective: How statistics reach the keepers: ``"all_reduce"``,
+            ``"reduce_scatter"`` (to the owner, with the gradients) or ``None`` (not sent).
+        pack_factors: Square statistics are sent as packed upper triangles by default.
+        inverse_broadcast: The owner broadcasts the solver state inside the grad-worker group.
+        preconditioned: ``"receivers"`` (the grad worker broadcasts the preconditioned
+            gradient inside each grad-receiver block), ``"all_gather"`` (from owners to all)
+            or ``None``.
+        gradients: ``"ddp"`` (averaged outside, by DDP) or ``"reduce_scatter"`` (by the
+            strategy itself).
+        factors_kept: Running statistics kept for ``"all"`` layers or only the ``"owner"``'s.
+        fraction: Grad-worker fraction: ``"one"`` (1), ``"inverse_p"`` (1/P) or ``"given"``
+            (``grad_worker_fraction``).
+    """
+
+    builders: Literal["all", "owner"]
+    factor_collective: Literal["all_reduce", "reduce_scatter"] | None
+    pack_factors: bool
+    inverse_broadcast: bool
+    preconditioned: Literal["receivers", "all_gather"] | None
+    gradients: Literal["ddp", "reduce_scatter"]
+    factors_kept: Literal["all", "owner"]
+    fraction: Literal["one", "inverse_p", "given"]
+
+    def worker_fraction(self, world_size: int, requested: float) -> float:
+        """The grad-worker fraction at ``world_size`` (``requested`` where it is ``given``)."""
+        if self.fraction == "one":
+            return 1.0
+        if self.fraction == "inverse_p":
+            return 1.0 / world_size
+        return requested
 
 
 def join_handles(handles: Iterable[CommHandle]) -> CommHandle:
@@ -49,18 +91,23 @@ def _buffers(signature: Signature, device: torch.device) -> dict[str, Tensor]:
 
 
 class Strategy:
-    """KAISA-style placement and traffic; the subclasses below fix the table's rows.
+    """Placement and traffic of one distribution strategy, as its :attr:`rule` says.
 
     Args:
         comm: The communicator over the ranks that train together.
         costs: Layer name -> placement cost (LPT balances inverse owners by it).
-        grad_worker_fraction: KAISA fraction ``f``; each layer is preconditioned by
-            ``f × P`` ranks.
-        pack_triangles: Send square statistics as upper triangles.
+        grad_worker_fraction: Fraction ``f`` of ranks that precondition each layer, used
+            where the rule's fraction is ``"given"`` (KAISA); other rules fix it.
+        pack_triangles: Send square statistics as upper triangles; ``None``: the rule's
+            default.
+
+    Attributes:
+        name: The strategy's name in the table of :mod:`dkfac.distributed.strategies`.
+        rule: What it builds, sends and keeps (set by every concrete strategy).
     """
 
     name: ClassVar[str] = "strategy"
-    factor_reduction: ClassVar[FactorReduction] = "all_reduce"
+    rule: ClassVar[StrategyRule]
 
     def __init__(
         self,
@@ -68,17 +115,25 @@ class Strategy:
         costs: Mapping[str, float],
         *,
         grad_worker_fraction: float = 1.0,
-        pack_triangles: bool = False,
+        pack_triangles: bool | None = None,
     ) -> None:
+        if not hasattr(type(self), "rule"):
+            raise TypeError(f"{type(self).__name__} has no StrategyRule (class attribute 'rule')")
         self.comm = comm
         self.world_size = comm.world_size
         self.index = comm.ranks.index(comm.rank) if comm.rank in comm.ranks else 0
-        self.pack_triangles = pack_triangles
-        self.placement = plan_placement(costs, self.world_size, grad_worker_fraction)
-        self.workers_per_layer = max(round(grad_worker_fraction * self.world_size), 1)
+        self.pack_triangles = self.rule.pack_factors if pack_triangles is None else pack_triangles
+        fraction = self.rule.worker_fraction(self.world_size, grad_worker_fraction)
+        self.placement = plan_placement(costs, self.world_size, fraction)
+        self.workers_per_layer = max(round(fraction * self.world_size), 1)
         self.ready: set[str] = set()
         self._groups: dict[tuple[int, ...], Communicator] = {}
         self._make_group_communicators()
+
+    @property
+    def factor_reduction(self) -> FactorReduction:
+        """How statistics are reduced: the rule's collective, or ``"none"``."""
+        return self.rule.factor_collective or "none"
 
     # ------------------------------------------------------------------ placement queries
     def owner(self, name: str) -> int:
@@ -90,12 +145,12 @@ class Strategy:
         return self.owner(name) == self.index
 
     def captures(self, name: str) -> bool:
-        """Whether this rank's hooks build the layer's statistics."""
-        return True
+        """Whether this rank's hooks build the layer's statistics (every rank, or the owner)."""
+        return self.rule.builders == "all" or self.is_owner(name)
 
     def keeps_statistics(self, name: str) -> bool:
-        """Whether this rank keeps the layer's running statistics."""
-        return self.is_owner(name)
+        """Whether this rank keeps the layer's running statistics (every rank, or the owner)."""
+        return self.rule.factors_kept == "all" or self.is_owner(name)
 
     def preconditions(self, name: str) -> bool:
         """Whether this rank applies the layer's solver (is one of its grad workers)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dkfac.config import Schedule, resolve
+from dkfac.config import Schedule, check_int, check_range, resolve
 
 REFRESH_POLICIES = ("fixed", "adaptive")
 
@@ -117,18 +117,8 @@ class AdaptiveRefresh(RefreshPolicy):
     _entries: dict[str, _Entry] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise TypeError(f"refresh_threshold must be a number, got {self.threshold!r}")
-        if not (0 < self.threshold < math.inf):
-            raise ValueError(f"refresh_threshold must be in (0, inf), got {self.threshold!r}")
-        if (
-            isinstance(self.max_interval, bool)
-            or not isinstance(self.max_interval, int)
-            or self.max_interval < 1
-        ):
-            raise ValueError(
-                f"refresh_max_interval must be an integer >= 1, got {self.max_interval!r}"
-            )
+        check_range("refresh_threshold", self.threshold, low=0.0)
+        check_int("refresh_max_interval", self.max_interval)
 
     def _entry(self, key: str) -> _Entry:
         return self._entries.setdefault(key, _Entry())

@@ -48,6 +48,9 @@ class Solver(ABC):
     """Whether :meth:`compute` also takes :class:`~dkfac.solvers.lowrank.factor.LowRank` factors."""
     deferred: bool = False
     """Whether the solver is only decided at the first capture (:meth:`resolve`)."""
+    fixed_size_state: ClassVar[bool] = True
+    """Whether :meth:`state_elements` follows from the shapes alone (a low-rank state's size
+    depends on the rows seen, so the cost model cannot price it)."""
     cost_rate: ClassVar[str] = "eigh"
     """Which measured speed prices :meth:`compute` in the cost model: ``"eigh"`` (symmetric
     eigendecompositions) or ``"cholesky"`` (Cholesky inverses); ``n³`` per second either way."""

@@ -101,6 +101,7 @@ class SMWSolver(Solver):
     """
 
     name = "smw"
+    fixed_size_state = False
     accepts_lowrank = True
 
     def __init__(

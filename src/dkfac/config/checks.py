@@ -1,0 +1,93 @@
+"""Validation helpers: one check per kind of domain, with messages that name the argument.
+
+Every configuration field, and every value a schedule produces, goes through one of these, so
+a bad value fails where it enters with what was wrong and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+__all__ = ["check_bool", "check_choice", "check_dtype", "check_int", "check_range"]
+
+
+def check_range(
+    name: str,
+    value: Any,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_inclusive: bool = False,
+    high_inclusive: bool = False,
+) -> None:
+    """A finite number in the interval (``inf`` as a bound means unbounded, never allowed).
+
+    Raises:
+        TypeError: If ``value`` is not an int or float (a bool is not a number here).
+        ValueError: If it is not finite or lies outside the interval.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    ok_low = value >= low if low_inclusive else value > low
+    ok_high = value <= high if high_inclusive else value < high
+    interval = f"{'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
+    if not (math.isfinite(value) and ok_low and ok_high):
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+
+
+def check_int(name: str, value: Any, *, low: int = 1, optional: bool = False) -> None:
+    """An integer ``>= low`` (or ``None`` when ``optional``); a bool is not an integer here.
+
+    Raises:
+        ValueError: Otherwise.
+    """
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        allowed = f"{'None or ' if optional else ''}an integer >= {low}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
+    """One of ``choices``.
+
+    Raises:
+        ValueError: Otherwise, listing the choices.
+    """
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
+    """``True`` or ``False`` (or ``None`` when ``optional``).
+
+    Raises:
+        TypeError: Otherwise.
+    """
+    if optional and value is None:
+        return
+    if not isinstance(value, bool):
+        allowed = "True, False or None" if optional else "a bool"
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_dtype(
+    name: str, value: Any, *, allowed: Collection[torch.dtype] | None = None, optional: bool = True
+) -> None:
+    """A floating ``torch.dtype`` (one of ``allowed`` when given), or ``None`` when ``optional``.
+
+    Raises:
+        ValueError: Otherwise.
+    """
+    if optional and value is None:
+        return
+    ok = isinstance(value, torch.dtype) and value.is_floating_point
+    if ok and allowed is not None:
+        ok = value in allowed
+    if not ok:
+        kinds = ", ".join(str(d) for d in allowed) if allowed is not None else "a floating dtype"
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}{kinds}, got {value!r}")

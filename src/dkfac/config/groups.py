@@ -1,0 +1,260 @@
+"""The configuration by concern: estimation, solver, distribution, refresh.
+
+Each group is a frozen, keyword-only dataclass that validates its own fields; a group can be
+built and passed on alone (``KFACConfig.from_groups``). :class:`~dkfac.config.KFACConfig`
+inherits all four, so every field is also a flat keyword argument and attribute.
+The names a field accepts come from the table of its axis: methods from
+:data:`dkfac.solvers.METHODS`, strategies from :data:`dkfac.distributed.strategies.STRATEGIES`,
+convolution reductions from :mod:`dkfac.blocks.conv2d`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+from dkfac.blocks.conv2d import CONV_REDUCTIONS
+from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
+from dkfac.config.schedules import Schedule, check_schedules
+from dkfac.distributed.strategies import StrategyName
+from dkfac.solvers import METHODS, MethodName
+
+__all__ = [
+    "FISHER_TYPES",
+    "METHODS",
+    "OVERLAP_MODES",
+    "PLACEMENT_COSTS",
+    "REFRESH_KINDS",
+    "STRATEGY_CHOICES",
+    "DistributionConfig",
+    "EstimationConfig",
+    "FisherType",
+    "Method",
+    "OverlapMode",
+    "PlacementCost",
+    "RefreshConfig",
+    "RefreshKind",
+    "SolverConfig",
+    "StrategyChoice",
+]
+
+Method = MethodName
+FisherType = Literal["empirical", "mc"]
+FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
+StrategyChoice = Literal[StrategyName, "auto"]
+STRATEGY_CHOICES: tuple[str, ...] = get_args(StrategyChoice)
+PlacementCost = Literal["compute", "memory"]
+PLACEMENT_COSTS: tuple[str, ...] = get_args(PlacementCost)
+OverlapMode = Literal["auto", "on", "off"]
+OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
+RefreshKind = Literal["fixed", "adaptive"]
+REFRESH_KINDS: tuple[str, ...] = get_args(RefreshKind)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverConfig:
+    """How the damped inverse is applied, and the step it makes.
+
+    Attributes:
+        method: ``"eigen"`` (exact Tikhonov damping of A⊗G through eigendecompositions,
+            SC20), ``"cholesky"`` (factored damping with the π-correction), ``"smw"``
+            (Sherman–Morrison–Woodbury low-rank inverse, SKFAC) or ``"auto"`` (chosen per
+            layer from the shapes); the table is :data:`dkfac.solvers.METHODS`.
+        damping: Tikhonov damping λ > 0, constant or a schedule of the step. The default,
+            0.03, is relative to factors on the per-sample Fisher scale; with 1e-3 the
+            default ``dkfac train --optimizer kfac`` runs on digits diverged.
+        bn_damping: Damping of the unit-wise BatchNorm solve (constant or schedule);
+            ``None`` (default) uses ``damping`` itself.
+        kl_clip: KL-clip constant κ > 0, or ``None`` to disable the clip.
+        lr: Learning rate used by the KL-clip (constant or schedule); ``KFACOptimizer`` feeds
+            the inner optimizer's current value instead.
+        eigen_dtype: Precision of the eigendecompositions / inversions (SMW's too):
+            ``torch.float32``, ``torch.float64`` or ``None`` (default): the factors' dtype,
+            at least float32 (a float64 model gets float64 decompositions).
+    """
+
+    method: Method = "eigen"
+    damping: Schedule = 0.03
+    bn_damping: Schedule | None = None
+    kl_clip: Schedule | None = 1e-3
+    lr: Schedule = 0.1
+    eigen_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        self._check_solver()
+
+    def _check_solver(self) -> None:
+        check_choice("method", self.method, METHODS)
+        check_schedules(self, ("damping", "bn_damping", "kl_clip", "lr"), ("bn_damping", "kl_clip"))
+        check_dtype("eigen_dtype", self.eigen_dtype, allowed=(torch.float32, torch.float64))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimationConfig:
+    """How the curvature statistics are estimated from the forward and backward passes.
+
+    Attributes:
+        fisher: ``"empirical"`` (the training backward feeds the factors) or ``"mc"`` (one
+            Monte-Carlo sampled backward through :meth:`KFACPreconditioner.sample_fisher`).
+        factor_decay: Running-average decay of the factors in [0, 1); 0 keeps only the
+            newest factors.
+        accumulation_steps: Micro-batches (forward/backward passes) per ``step()``.
+        factor_dtype: Precision the factors are stored in (default: the parameters' dtype).
+        capture_dtype: Precision of the inputs of the factor products: activations and
+            output gradients are cast to it before their outer products are summed (the
+            sums are then stored in ``factor_dtype``). ``None`` (default): ``factor_dtype``.
+            ``torch.bfloat16`` about halves the cost of building the factors on GPUs and on
+            CPUs with bf16 matrix instructions (AVX512-BF16, AMX; measured 1.6x on
+            ResNet-20's factor step), for a relative error of the factors of a few 1e-3
+            (products accumulate in fp32; each product's sum is rounded once to bf16).
+            Applies to dense Kronecker factors; low-rank (SMW) rows and BatchNorm's
+            unit-wise statistics keep ``factor_dtype``.
+        skip_layers: Regular expressions; a module whose qualified name or class name
+            contains a match of one (``re.search``: anchor with ``^...$`` for a full match)
+            is not preconditioned.
+        conv_reduction: Spatial reduction of convolution factors: ``None`` (expand
+            convention), ``"sum"`` or ``"subsample"`` (SKFAC).
+        subsample_positions: Output positions sampled per image for ``"subsample"``.
+        factor_batch_size: Build the statistics from the first ``factor_batch_size``
+            samples of every micro-batch only (``None``: all of them). The factors stay on
+            the per-sample scale; their cost falls in proportion. BatchNorm's unit-wise
+            statistics then use the moments of those samples.
+        seed: Seed (an integer >= 0) for the Monte-Carlo targets and spatial subsampling
+            (rank ``r`` of a process group uses ``seed + r``).
+        unitwise_bn: Precondition affine BatchNorm layers with SP-NGD's unit-wise 2×2
+            Fisher per channel (on by default); off leaves them their plain gradient.
+    """
+
+    fisher: FisherType = "empirical"
+    factor_decay: Schedule = 0.95
+    accumulation_steps: int = 1
+    factor_dtype: torch.dtype | None = None
+    capture_dtype: torch.dtype | None = None
+    skip_layers: tuple[str, ...] = field(default_factory=tuple)
+    conv_reduction: str | None = None
+    subsample_positions: int = 1
+    factor_batch_size: int | None = None
+    seed: int = 0
+    unitwise_bn: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_estimation()
+
+    def _check_estimation(self) -> None:
+        check_choice("fisher", self.fisher, FISHER_TYPES)
+        check_schedules(self, ("factor_decay",))
+        check_int("accumulation_steps", self.accumulation_steps)
+        check_dtype("factor_dtype", self.factor_dtype)
+        check_dtype("capture_dtype", self.capture_dtype)
+        if isinstance(self.skip_layers, str):
+            object.__setattr__(self, "skip_layers", (self.skip_layers,))
+        try:
+            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        except TypeError:
+            raise TypeError("skip_layers must be a string or a sequence of regex strings") from None
+        for pattern in self.skip_layers:
+            if not isinstance(pattern, str):
+                raise TypeError("skip_layers must be a string or a sequence of regex strings")
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"skip_layers: {pattern!r} is not a regular expression ({err})"
+                ) from None
+        check_choice("conv_reduction", self.conv_reduction, CONV_REDUCTIONS)
+        check_int("subsample_positions", self.subsample_positions)
+        check_int("factor_batch_size", self.factor_batch_size, optional=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        check_int("seed", self.seed, low=0)
+        check_bool("unitwise_bn", self.unitwise_bn)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributionConfig:
+    """How the work is spread over ranks (DESIGN.md section 4; ``docs/distributed.md``).
+
+    Attributes:
+        strategy: ``"replicated"`` (SC20 / KAISA COMM-OPT), ``"kaisa"`` (gradient-worker
+            fraction ``grad_worker_fraction``), ``"mem-opt"`` (one gradient worker per
+            layer), ``"dp"`` (DP-KFAC), ``"spngd"`` (SP-NGD; takes an unwrapped model and
+            averages every gradient itself) or ``"auto"``: the cost model's
+            :func:`dkfac.costmodel.select_strategy` picks the fastest strategy that computes
+            the exact global-batch update and fits in memory (spngd when the model is not
+            wrapped in DDP on several ranks; the rule of
+            :func:`dkfac.distributed.strategies.choose_strategy` for models it cannot
+            describe). The table is :data:`dkfac.distributed.strategies.STRATEGIES`.
+        grad_worker_fraction: KAISA fraction f in (0, 1] of ranks that precondition each
+            layer (``"kaisa"`` only); ``f × world_size`` must divide the world size.
+        bucket_bytes: Maximum size in bytes of one flattened communication bucket.
+        pack_triangles: Send symmetric factors as upper triangles; ``None`` means the
+            strategy's own default (on for ``"spngd"``, off otherwise).
+        placement_cost: How layers are balanced over inverse owners: ``"compute"``
+            (``a_dim³ + g_dim³``) or ``"memory"`` (``a_dim² + g_dim²``).
+        overlap_comm: Launch each layer's statistic (and, for ``"spngd"``, gradient)
+            reduction from the backward hooks, in fixed buckets, so it overlaps the rest of
+            the backward (:mod:`dkfac.engine.eager`). Only correct when every rank runs
+            every registered layer on every step. ``"auto"`` (default): on when that is
+            guaranteed, i.e. several ranks and a ``DistributedDataParallel`` model with
+            ``find_unused_parameters=False``; ``"on"``: always (a rank that misses a layer
+            raises ``RuntimeError`` in ``step()``); ``"off"``: reduce everything in
+            ``step()`` after the ranks agree which layers ran (data-dependent branches).
+    """
+
+    strategy: StrategyChoice = "replicated"
+    grad_worker_fraction: float = 1.0
+    bucket_bytes: int = 25 * 2**20
+    pack_triangles: bool | None = None
+    placement_cost: PlacementCost = "compute"
+    overlap_comm: OverlapMode = "auto"
+
+    def __post_init__(self) -> None:
+        self._check_distribution()
+
+    def _check_distribution(self) -> None:
+        check_choice("strategy", self.strategy, STRATEGY_CHOICES)
+        check_range(
+            "grad_worker_fraction",
+            self.grad_worker_fraction,
+            low=0.0,
+            high=1.0,
+            high_inclusive=True,
+        )
+        check_int("bucket_bytes", self.bucket_bytes)
+        check_bool("pack_triangles", self.pack_triangles, optional=True)
+        check_choice("placement_cost", self.placement_cost, PLACEMENT_COSTS)
+        check_choice("overlap_comm", self.overlap_comm, OVERLAP_MODES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefreshConfig:
+    """When statistics and inverses are recomputed.
+
+    Attributes:
+        factor_update_interval: Steps between factor updates (>= 1, constant or schedule).
+        inverse_update_interval: Steps between inverse updates (>= 1, constant or schedule).
+        refresh: ``"fixed"`` (all statistics every ``factor_update_interval`` steps) or
+            ``"adaptive"`` (SP-NGD stale statistics: each statistic's own interval, doubled
+            when its relative Frobenius change is below ``refresh_threshold`` and halved
+            otherwise; ``factor_update_interval`` is then unused).
+        refresh_threshold: α of the adaptive policy, a finite number > 0 (SP-NGD's: 0.1).
+        refresh_max_interval: Cap of an adaptive interval, an integer >= 1.
+    """
+
+    factor_update_interval: Schedule = 1
+    inverse_update_interval: Schedule = 10
+    refresh: RefreshKind = "fixed"
+    refresh_threshold: float = 0.1
+    refresh_max_interval: int = 64
+
+    def __post_init__(self) -> None:
+        self._check_refresh()
+
+    def _check_refresh(self) -> None:
+        check_schedules(self, ("factor_update_interval", "inverse_update_interval"))
+        check_choice("refresh", self.refresh, REFRESH_KINDS)
+        check_range("refresh_threshold", self.refresh_threshold, low=0.0)
+        check_int("refresh_max_interval", self.refresh_max_interval)

@@ -1,0 +1,100 @@
+"""Schedules: hyperparameters that may change with the step, and the domain of each.
+
+A :data:`Schedule` is a constant or a callable of the preconditioner's step counter (the
+number of completed ``step()`` calls). Constants are checked when a configuration is built;
+a callable's values each time they are resolved (:func:`resolve`), so a bad schedule fails
+with a message naming the argument and the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple, TypeAlias
+
+import torch
+
+from dkfac.config.checks import check_range
+
+__all__ = ["SCHEDULE_DOMAINS", "Domain", "Schedule", "check_schedule_value", "resolve"]
+
+Schedule: TypeAlias = float | int | Callable[[int], float]
+
+
+class Domain(NamedTuple):
+    """The values a schedule may take: ``low``/``high`` bounds and whether it is an integer."""
+
+    low: float
+    high: float = math.inf
+    low_inclusive: bool = False
+    high_inclusive: bool = False
+    integer: bool = False
+
+
+SCHEDULE_DOMAINS: dict[str, Domain] = {
+    "damping": Domain(0.0),
+    "factor_decay": Domain(0.0, 1.0, low_inclusive=True),
+    "factor_update_interval": Domain(1, low_inclusive=True, integer=True),
+    "inverse_update_interval": Domain(1, low_inclusive=True, integer=True),
+    "kl_clip": Domain(0.0),
+    "lr": Domain(0.0, low_inclusive=True),
+    "bn_damping": Domain(0.0),
+}
+"""Schedule field -> its domain: the one table of what a schedule may produce."""
+
+
+def check_schedule_value(name: str, value: float) -> float:
+    """Validates one resolved hyperparameter value against its domain.
+
+    Args:
+        name: Hyperparameter name, a key of :data:`SCHEDULE_DOMAINS`.
+        value: The resolved value (a 0-d tensor is read as its number).
+
+    Returns:
+        The value, as an ``int`` for the update intervals and a ``float`` otherwise.
+
+    Raises:
+        TypeError: If the value is not a number.
+        ValueError: If it is not finite, outside the domain, or not an integer where one is
+            required.
+    """
+    domain = SCHEDULE_DOMAINS[name]
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    check_range(
+        name,
+        value,
+        low=domain.low,
+        high=domain.high,
+        low_inclusive=domain.low_inclusive,
+        high_inclusive=domain.high_inclusive,
+    )
+    if domain.integer:
+        if int(value) != value:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def resolve(name: str, value: Schedule | None, step: int) -> float | None:
+    """Resolves a schedule at ``step`` and validates the result (``None`` passes through)."""
+    if value is None:
+        return None
+    raw = value(step) if callable(value) else value
+    try:
+        return check_schedule_value(name, raw)
+    except (TypeError, ValueError) as err:
+        if callable(value):
+            raise type(err)(f"{err} (returned by the {name} schedule at step {step})") from None
+        raise
+
+
+def check_schedules(config: object, names: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Checks the constant schedules among ``names`` of ``config`` (callables are checked
+    when resolved); ``optional`` ones may be ``None``."""
+    for name in names:
+        value = getattr(config, name)
+        if value is None and name in optional:
+            continue
+        if not callable(value):
+            check_schedule_value(name, value)
