@@ -19,8 +19,8 @@ import torch
 from dkfac.blocks.conv2d import CONV_REDUCTIONS
 from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
 from dkfac.config.schedules import Schedule, check_schedules
-from dkfac.distributed.strategies import StrategyName
-from dkfac.solvers import METHODS, MethodName
+from dkfac.distributed.strategies import STRATEGIES, StrategyName
+from dkfac.solvers import METHODS, MethodName, method_names
 
 __all__ = [
     "FISHER_TYPES",
@@ -87,7 +87,7 @@ class SolverConfig:
         self._check_solver()
 
     def _check_solver(self) -> None:
-        check_choice("method", self.method, METHODS)
+        check_choice("method", self.method, method_names())
         check_schedules(self, ("damping", "bn_damping", "kl_clip", "lr"), ("bn_damping", "kl_clip"))
         check_dtype("eigen_dtype", self.eigen_dtype, allowed=(torch.float32, torch.float64))
 
@@ -215,7 +215,7 @@ class DistributionConfig:
         self._check_distribution()
 
     def _check_distribution(self) -> None:
-        check_choice("strategy", self.strategy, STRATEGY_CHOICES)
+        check_choice("strategy", self.strategy, (*STRATEGIES, "auto"))
         check_range(
             "grad_worker_fraction",
             self.grad_worker_fraction,

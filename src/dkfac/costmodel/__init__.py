@@ -9,7 +9,7 @@ Pure functions of layer shapes, world size and device rates (no process group):
 - :func:`predict`: time by phase, bytes and memory of one strategy; :func:`recommend` picks
   the fastest that fits a memory budget (used by ``dkfac plan`` and ``strategy="auto"``).
 
-The per-strategy traffic choices are the strategies' own rules (:data:`RULES`, read from
+The per-strategy traffic choices are the strategies' own rules (:func:`rule_of`, read from
 :data:`dkfac.distributed.strategies.STRATEGIES`); solver state sizes and speeds come from the
 solver classes (:data:`dkfac.solvers.SOLVERS`); layers from the blocks' cost descriptions.
 """
@@ -34,7 +34,6 @@ from dkfac.costmodel.predict import (
 from dkfac.costmodel.traffic import (
     KINDS,
     METHODS,
-    RULES,
     STRATEGIES,
     DtypeBytes,
     StrategyRule,
@@ -43,6 +42,8 @@ from dkfac.costmodel.traffic import (
     placement_for,
     predict_ledger_bytes,
     predict_memory,
+    priced_solver,
+    rule_of,
 )
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "KINDS",
     "METHODS",
     "PHASES",
-    "RULES",
     "STRATEGIES",
     "BNLayer",
     "DeviceRates",
@@ -69,7 +69,9 @@ __all__ = [
     "predict",
     "predict_ledger_bytes",
     "predict_memory",
+    "priced_solver",
     "recommend",
+    "rule_of",
     "select_strategy",
     "spec_from_blocks",
 ]

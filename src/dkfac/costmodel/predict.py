@@ -37,7 +37,6 @@ import torch
 from dkfac.costmodel.layers import ModelSpec
 from dkfac.costmodel.traffic import (
     KINDS,
-    RULES,
     DtypeBytes,
     ceil_log2,
     ddp_gradient_bytes,
@@ -45,8 +44,9 @@ from dkfac.costmodel.traffic import (
     placement_for,
     predict_ledger_bytes,
     predict_memory,
+    priced_solver,
+    rule_of,
 )
-from dkfac.solvers import SOLVERS
 
 __all__ = [
     "PHASES",
@@ -216,7 +216,7 @@ def predict(
     rates = rates or DeviceRates()
     dt = dtypes or DtypeBytes()
     p = world_size
-    rule = RULES.get(strategy)
+    rule = rule_of(strategy)
     kw = {"grad_worker_fraction": grad_worker_fraction, "method": method, "dtypes": dt}
     ledger = predict_ledger_bytes(spec, p, strategy, **kw)  # type: ignore[arg-type]
     plain = predict_ledger_bytes(
@@ -228,7 +228,6 @@ def predict(
         **kw,  # type: ignore[arg-type]
     )
     memory = predict_memory(spec, p, strategy, **kw)  # type: ignore[arg-type]
-    assert rule is not None
     place = placement_for(spec, p, strategy, grad_worker_fraction)
     f_int, i_int = factor_interval, inverse_interval
 
@@ -249,7 +248,7 @@ def predict(
 
     counts = [element_counts(layer, method, rule.pack_factors) for layer in spec.layers]
     b = batch_per_rank
-    solver = SOLVERS[method]
+    solver = priced_solver(method)
     inv_rate = rates.eigh_rate if solver.cost_rate == "eigh" else rates.cholesky_rate
     c = float(solver.apply_products)
     build, invert, precond = [], [], []

@@ -6,7 +6,7 @@ tensors it covers; a packed symmetric ``n×n`` matrix counts ``n(n+1)/2`` elemen
 collective on a group of one rank records nothing, and nothing is recorded at world size 1.
 
 Nothing here names a strategy or a solver: what a strategy builds, sends and keeps is its
-:class:`~dkfac.distributed.strategy_base.StrategyRule` (:data:`RULES` is read from the table
+:class:`~dkfac.distributed.strategy_base.StrategyRule` (:func:`rule_of` reads it from the table
 :data:`dkfac.distributed.strategies.STRATEGIES`), and the size of a solver's state and
 moments comes from its class in :data:`dkfac.solvers.SOLVERS` (:func:`element_counts`), so a
 new strategy or solver is priced by the class that implements it.
@@ -53,12 +53,11 @@ from dkfac.distributed.assignment import grad_worker_count, plan_placement
 from dkfac.distributed.strategies import STRATEGIES as STRATEGY_TABLE
 from dkfac.distributed.strategy_base import StrategyRule
 from dkfac.solvers import METHODS as SOLVER_METHODS
-from dkfac.solvers import SOLVERS
+from dkfac.solvers import SOLVERS, Solver, method_names
 
 __all__ = [
     "KINDS",
     "METHODS",
-    "RULES",
     "STRATEGIES",
     "DtypeBytes",
     "Placement",
@@ -67,6 +66,8 @@ __all__ = [
     "placement_for",
     "predict_ledger_bytes",
     "predict_memory",
+    "priced_solver",
+    "rule_of",
 ]
 
 KINDS = ("gradients", "factors", "inverses", "preconditioned")
@@ -76,8 +77,31 @@ METHODS: tuple[str, ...] = tuple(
     name for name in SOLVER_METHODS if name in SOLVERS and SOLVERS[name].fixed_size_state
 )
 """The methods whose state size is known from the shapes alone (not the low-rank ones)."""
-RULES: dict[str, StrategyRule] = {name: cls.rule for name, cls in STRATEGY_TABLE.items()}
-"""Strategy -> its :class:`StrategyRule`, read from the strategy classes."""
+
+
+def rule_of(strategy: str) -> StrategyRule:
+    """The :class:`StrategyRule` of a strategy of the table (registered ones included).
+
+    Raises:
+        ValueError: For a name not in the table.
+    """
+    cls = STRATEGY_TABLE.get(strategy)
+    if cls is None:
+        raise ValueError(f"strategy must be one of {tuple(STRATEGY_TABLE)}, got {strategy!r}")
+    return cls.rule
+
+
+def priced_solver(method: str) -> type[Solver]:
+    """The solver class of a method whose state size follows from the shapes.
+
+    Raises:
+        ValueError: For another method (unknown, deferred or low-rank).
+    """
+    cls = SOLVERS.get(method)
+    if method not in method_names() or cls is None or not cls.fixed_size_state:
+        priced = tuple(n for n in method_names() if n in SOLVERS and SOLVERS[n].fixed_size_state)
+        raise ValueError(f"method must be one of {priced}, got {method!r}")
+    return cls
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,8 +147,7 @@ def element_counts(layer: KFACLayer, method: str, packed: bool) -> dict[str, int
         sent and stored (never packed), state ``4C``, no moments, gradient ``2C``.
     """
     a, g = layer.a_dim, layer.g_dim
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    solver = priced_solver(method)
     if layer.unitwise:
         return {
             "factors_sent": 4 * g,
@@ -133,7 +156,6 @@ def element_counts(layer: KFACLayer, method: str, packed: bool) -> dict[str, int
             "moments": 0,
             "grad": 2 * g,
         }
-    solver = SOLVERS[method]
     return {
         "factors_sent": _tri(a) + _tri(g) if packed else a * a + g * g,
         "factors_stored": a * a + g * g,
@@ -159,9 +181,7 @@ class Placement:
 
 
 def _fraction(strategy: str, world_size: int, grad_worker_fraction: float) -> float:
-    if strategy not in RULES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    return RULES[strategy].worker_fraction(world_size, grad_worker_fraction)
+    return rule_of(strategy).worker_fraction(world_size, grad_worker_fraction)
 
 
 def placement_for(
@@ -196,8 +216,7 @@ def _placement(
 def _check(world_size: int, method: str) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    priced_solver(method)
 
 
 def predict_ledger_bytes(
@@ -235,9 +254,8 @@ def predict_ledger_bytes(
         ValueError: For an unknown strategy or method, or a bad world size or fraction.
     """
     _check(world_size, method)
-    rule, dt = RULES.get(strategy), dtypes or DtypeBytes()
+    rule, dt = rule_of(strategy), dtypes or DtypeBytes()
     place = placement_for(spec, world_size, strategy, grad_worker_fraction, cost_kind)
-    assert rule is not None
     zero = dict.fromkeys(KINDS, 0)
     if world_size == 1:
         return {0: dict(zero)}
@@ -287,9 +305,8 @@ def predict_memory(
         ValueError: As :func:`predict_ledger_bytes`.
     """
     _check(world_size, method)
-    rule, dt = RULES.get(strategy), dtypes or DtypeBytes()
+    rule, dt = rule_of(strategy), dtypes or DtypeBytes()
     place = placement_for(spec, world_size, strategy, grad_worker_fraction, cost_kind)
-    assert rule is not None
     counts = [element_counts(layer, method, False) for layer in spec.layers]
     stored_all = sum(c["factors_stored"] for c in counts) * dt.factor
     owned = [0] * world_size

@@ -51,6 +51,7 @@ __all__ = [
     "StrategyRule",
     "choose_strategy",
     "make_strategy",
+    "register_strategy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,25 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 """Name -> class: the one table of strategies (the cost model reads their rules)."""
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
+
+
+def register_strategy(cls: type[Strategy]) -> None:
+    """Adds (or replaces) a strategy users pick with ``KFACConfig(strategy=cls.name)``.
+
+    Built-in strategies are written into :data:`STRATEGIES` and :data:`StrategyName`
+    instead (see ``docs/adding-a-strategy.md``); this is for strategies defined outside.
+
+    Raises:
+        TypeError: If ``cls`` is not a Strategy subclass with a :class:`StrategyRule`.
+        ValueError: If its name is empty or ``"auto"``.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise TypeError(f"cls must be a Strategy subclass, got {cls!r}")
+    if not isinstance(getattr(cls, "rule", None), StrategyRule):
+        raise TypeError(f"{cls.__name__} needs a class attribute rule = StrategyRule(...)")
+    if not isinstance(cls.name, str) or not cls.name or cls.name in ("auto", "strategy"):
+        raise ValueError(f"a strategy's name must be a new non-empty string, got {cls.name!r}")
+    STRATEGIES[cls.name] = cls
 
 
 def choose_strategy(

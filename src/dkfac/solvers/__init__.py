@@ -4,7 +4,8 @@ The table of solvers is :data:`SOLVERS`; the methods a user can configure are
 :data:`METHODS` (their :data:`MethodName` ``Literal`` and the runtime tuple come from one
 source). Adding a solver touches this folder only: write the class, add it to
 :data:`SOLVERS` and, if users pick it by name, to :data:`MethodName` (see
-``docs/adding-a-solver.md``).
+``docs/adding-a-solver.md``); a solver defined outside the package is added with
+:func:`register_solver`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,37 @@ SOLVERS: dict[str, type[Solver]] = {
     "unitwise": UnitwiseSolver,
 }
 """Solver name -> class: the one table of solvers (``"unitwise"`` is BatchNorm's own)."""
+
+_REGISTERED: list[str] = []
+
+
+def register_solver(cls: type[Solver], name: str | None = None) -> None:
+    """Adds (or replaces) a solver that users pick with ``KFACConfig(method=name)``.
+
+    Built-in solvers are written into :data:`SOLVERS` and :data:`MethodName` instead (see
+    ``docs/adding-a-solver.md``); this is for solvers defined outside the package.
+
+    Args:
+        cls: A :class:`Solver` subclass, built as ``cls(compute_dtype)``.
+        name: The method's name (default: ``cls.name``).
+
+    Raises:
+        TypeError: If ``cls`` is not a Solver subclass.
+        ValueError: If the name is empty or one of the deferred methods (``"smw"``/``"auto"``).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Solver)):
+        raise TypeError(f"cls must be a Solver subclass, got {cls!r}")
+    name = cls.name if name is None else name
+    if not isinstance(name, str) or not name or name in DEFERRED_METHODS:
+        raise ValueError(f"a solver's name must be a new non-empty string, got {name!r}")
+    SOLVERS[name] = cls
+    if name not in METHODS and name not in _REGISTERED:
+        _REGISTERED.append(name)
+
+
+def method_names() -> tuple[str, ...]:
+    """Every method ``KFACConfig.method`` accepts now: :data:`METHODS` and registered ones."""
+    return (*METHODS, *_REGISTERED)
 
 
 def make_solver(
@@ -74,4 +106,6 @@ __all__ = [
     "UnitwiseSolver",
     "decided_solver",
     "make_solver",
+    "method_names",
+    "register_solver",
 ]
