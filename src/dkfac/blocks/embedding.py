@@ -47,6 +47,10 @@ class EmbeddingBlock(Block):
         if module.sparse:
             raise ValueError(f"{name}: sparse embedding gradients are not supported")
 
+    def output_positions(self, output: Tensor) -> int:
+        """Every index of a sample is a position (a sequence's length)."""
+        return max(1, int(output.numel() // (output.shape[0] * output.shape[-1])))
+
     @property
     def has_bias(self) -> bool:
         """Embeddings have no bias."""

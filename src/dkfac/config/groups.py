@@ -24,6 +24,7 @@ from dkfac.solvers import METHODS, MethodName, method_names
 
 __all__ = [
     "FISHER_TYPES",
+    "LOSS_AVERAGES",
     "METHODS",
     "OVERLAP_MODES",
     "PLACEMENT_COSTS",
@@ -32,6 +33,7 @@ __all__ = [
     "DistributionConfig",
     "EstimationConfig",
     "FisherType",
+    "LossAverage",
     "Method",
     "OverlapMode",
     "PlacementCost",
@@ -44,6 +46,8 @@ __all__ = [
 Method = MethodName
 FisherType = Literal["empirical", "mc"]
 FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
+LossAverage = Literal["samples", "positions"]
+LOSS_AVERAGES: tuple[str, ...] = get_args(LossAverage)
 StrategyChoice = Literal[StrategyName, "auto"]
 STRATEGY_CHOICES: tuple[str, ...] = get_args(StrategyChoice)
 PlacementCost = Literal["compute", "memory"]
@@ -102,6 +106,13 @@ class EstimationConfig:
         factor_decay: Running-average decay of the factors in [0, 1); 0 keeps only the
             newest factors.
         accumulation_steps: Micro-batches (forward/backward passes) per ``step()``.
+        loss_average: What the training loss is a mean over, which sets the scale of the
+            output-gradient factors G (they are kept on the scale of one term of the loss):
+            ``"samples"`` (default; a mean over the first dimension, e.g. classification) or
+            ``"positions"`` (a mean over every position of every sample, e.g. a language
+            model's mean over ``N·T`` tokens: each layer's G is then scaled by its own
+            ``(N·T)²`` and the Monte-Carlo loss divides by ``N·T``). With ``"samples"`` on
+            a token-mean loss, G is ``T²`` too small and the damping swamps it.
         factor_dtype: Precision the factors are stored in (default: the parameters' dtype).
         capture_dtype: Precision of the inputs of the factor products: activations and
             output gradients are cast to it before their outer products are summed (the
@@ -131,6 +142,7 @@ class EstimationConfig:
     fisher: FisherType = "empirical"
     factor_decay: Schedule = 0.95
     accumulation_steps: int = 1
+    loss_average: LossAverage = "samples"
     factor_dtype: torch.dtype | None = None
     capture_dtype: torch.dtype | None = None
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
@@ -147,6 +159,7 @@ class EstimationConfig:
         check_choice("fisher", self.fisher, FISHER_TYPES)
         check_schedules(self, ("factor_decay",))
         check_int("accumulation_steps", self.accumulation_steps)
+        check_choice("loss_average", self.loss_average, LOSS_AVERAGES)
         check_dtype("factor_dtype", self.factor_dtype)
         check_dtype("capture_dtype", self.capture_dtype)
         if isinstance(self.skip_layers, str):

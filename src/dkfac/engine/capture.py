@@ -24,7 +24,9 @@ class FactorCapture:
     Scale convention: the backward hook sees ``grad_output = g / (B · k)`` for a loss that
     is the mean over the ``B`` samples of a micro-batch divided by ``k =
     accumulation_steps``; it multiplies by ``B · k`` so the factors are on the per-sample
-    Fisher scale.
+    Fisher scale. With ``loss_average="positions"`` the loss is a mean over ``B · T``
+    terms (``T``: the layer's output positions, a sequence's length) and the hook
+    multiplies by ``B · T · k``: the factors are then on the scale of one term (a token).
 
     Args:
         config: The preconditioner's configuration.
@@ -68,8 +70,13 @@ class FactorCapture:
             return
         x = x.detach()
         batch = layer.block.batch_size(x)
-        # The G scale is that of the whole micro-batch's mean loss, whatever rows are kept.
-        scale = float(batch * self.config.accumulation_steps) ** 2
+        output = layer.block.hooked_output(output)
+        # The G scale is that of the whole micro-batch's mean loss, whatever rows are kept:
+        # the number of terms the loss averages over (samples, or every sample's positions).
+        terms = batch * self.config.accumulation_steps
+        if self.config.loss_average == "positions" and output is not None:
+            terms *= layer.block.output_positions(output)
+        scale = float(terms) ** 2
         keep = self.config.factor_batch_size
         if keep is None or batch <= keep or x.shape[0] != batch:
             keep = None
@@ -77,7 +84,6 @@ class FactorCapture:
             x = x[:keep]
         with record_function("dkfac.capture_a"):
             context = layer.block.capture_input(x, layer.due_sinks())
-        output = layer.block.hooked_output(output)
         if output is not None and output.requires_grad:
             hook = functools.partial(self._grad_hook, layer, scale, context, keep)
             output.register_hook(hook)
@@ -110,7 +116,9 @@ class FactorCapture:
         if self.generator is None or self.generator.device != outputs.device:
             self.generator = torch.Generator(device=outputs.device)
             self.generator.manual_seed(seed)
-        sampled = mc_sample_loss(outputs, loss, self.generator)
+        sampled = mc_sample_loss(
+            outputs, loss, self.generator, per_position=self.config.loss_average == "positions"
+        )
         self._mc_active = True
         try:
             torch.autograd.grad(sampled, roots or params, retain_graph=True, allow_unused=True)

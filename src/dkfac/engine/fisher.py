@@ -9,7 +9,9 @@ predictive distributions:
   ``½‖y − f‖²`` with respect to ``f`` is ``−ε`` with ``ε ~ N(0, I)``.
 
 The sampled loss is a *sum* over every element divided by the batch size (the first
-dimension), matching the "mean over B samples" convention the factors are scaled for.
+dimension), matching the "mean over B samples" convention the factors are scaled for, or,
+with ``per_position``, by the number of rows (every dimension but the last: ``B·T`` for a
+sequence), matching ``loss_average="positions"``.
 """
 
 from __future__ import annotations
@@ -24,23 +26,28 @@ MCLoss = Literal["cross_entropy", "mse"]
 MC_LOSSES: tuple[str, ...] = ("cross_entropy", "mse")
 
 
-def mc_sample_loss(outputs: Tensor, loss: str, generator: torch.Generator | None) -> Tensor:
+def mc_sample_loss(
+    outputs: Tensor, loss: str, generator: torch.Generator | None, *, per_position: bool = False
+) -> Tensor:
     """The negative log-likelihood of targets sampled from the model's own predictions.
 
     Args:
         outputs: Model outputs (logits for ``"cross_entropy"``), batch first.
         loss: ``"cross_entropy"`` or ``"mse"``.
         generator: Random generator on ``outputs.device`` (or ``None`` for the global one).
+        per_position: Divide by the rows (``B·T``) instead of the batch size ``B``.
 
     Returns:
-        A scalar whose gradient with respect to ``outputs`` is the sampled per-sample
-        gradient divided by the batch size.
+        A scalar whose gradient with respect to ``outputs`` is the sampled per-sample (or
+        per-position) gradient divided by the batch size (or the rows).
     """
     if loss not in MC_LOSSES:
         raise ValueError(f"loss must be one of {MC_LOSSES}, got {loss!r}")
     if outputs.dim() == 0:
         raise ValueError("outputs must have a batch dimension")
     batch = outputs.shape[0] if outputs.dim() > 1 else 1
+    if per_position and outputs.dim() > 1:
+        batch = outputs.numel() // outputs.shape[-1]
     if loss == "cross_entropy":
         logits = outputs.reshape(-1, outputs.shape[-1])
         with torch.no_grad():
