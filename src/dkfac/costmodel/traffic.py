@@ -12,7 +12,7 @@ moments comes from its class in :data:`dkfac.solvers.SOLVERS` (:func:`element_co
 new strategy or solver is priced by the class that implements it.
 
 What each strategy does (read from ``dkfac.distributed.strategies`` and checked against the
-real ledger at 2 and 4 ranks by ``tests/test_costmodel_ledger.py``):
+real ledger at 2 and 4 ranks by ``tests/costmodel/test_costmodel_ledger.py``):
 
 * Placement: ``plan_placement({name: placement cost}, P, f)`` with the blocks' placement costs
   (Kronecker ``kronecker_cost(a, g)``, BatchNorm ``8C`` / ``4C``); ``f = 1`` for ``replicated``,

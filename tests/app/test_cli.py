@@ -19,7 +19,7 @@ from dkfac.app.runconfig import kfac_config_from_args, resolved_config, write_re
 from dkfac.app.schedules import PiecewiseSchedule
 from dkfac.config import KFACConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_kfac_field_is_an_option_with_its_default() -> None:

@@ -1,10 +1,10 @@
 """Numerical robustness: failing decompositions, singular and ill-conditioned factors, freezing.
 
 Already covered elsewhere (not repeated here): NaN in the inputs and Inf in a gradient never
-reach the weights and the layer is logged (tests/test_preconditioner.py
+reach the weights and the layer is logged (tests/engine/test_preconditioner.py
 ``test_nonfinite_gradient_never_reaches_weights``, ``..._zeroed_by_preconditioner_alone``,
-and the 2-rank NaN test of tests/test_strategies_dist.py); layers without gradient on some
-steps do not hang (tests/test_unused_branch.py).
+and the 2-rank NaN test of tests/distributed/test_strategies_dist.py); layers without
+gradient on some steps do not hang (tests/distributed/test_unused_branch.py).
 """
 
 from __future__ import annotations

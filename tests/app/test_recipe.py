@@ -22,7 +22,7 @@ from dkfac.app.recipe import (
 )
 from dkfac.app.trainer import RunResult, train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DIGITS = ["--data", "digits", "--threads", "1", "--log-every", "100"]
 RECIPE = [
     "--batch-norm",

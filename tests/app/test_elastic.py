@@ -18,7 +18,7 @@ import torch
 
 from dkfac.app.checkpoint import LATEST, PREVIOUS, load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [
     "train",
     "--data",
