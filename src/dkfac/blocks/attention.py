@@ -271,14 +271,15 @@ def attention_blocks(name: str, module: nn.Module) -> list[Block]:
     if not isinstance(module, nn.MultiheadAttention):
         raise TypeError(f"{name}: expected nn.MultiheadAttention, got {type(module).__name__}")
     forward = shared_forward(module)
+    prefix = f"{name}." if name else ""  # the model itself may be the attention
     projections = [
-        AttentionProjectionBlock(f"{name}.{role}_proj", forward.projections[role], forward)
+        AttentionProjectionBlock(f"{prefix}{role}_proj", forward.projections[role], forward)
         for role in ROLES
     ]
     blocks: list[Block] = []
     if all(block.parameters()[0].requires_grad for block in projections):
         blocks.extend(projections)
-    blocks.append(AttentionOutputBlock(f"{name}.out_proj", module.out_proj, forward))
+    blocks.append(AttentionOutputBlock(f"{prefix}out_proj", module.out_proj, forward))
     return blocks
 
 
