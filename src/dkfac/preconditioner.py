@@ -344,18 +344,14 @@ class KFACPreconditioner:
         one, ``[a:b]`` for rows of one). ``method``: e.g. ``"eigen"``,
         ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until the first capture decides
         (:mod:`dkfac.solvers.lowrank.deferred`); likewise ``a_factor``/``g_factor``. A
-        parameter's row: ``name``, ``block="inner optimizer"``, ``reason``, ``parameters``,
-        ``numel`` (:mod:`~dkfac.engine.coverage`).
+        parameter's row (:mod:`~dkfac.engine.coverage`) has the same keys: ``name``,
+        ``block="inner optimizer"``, ``reason``, ``parameters``, ``numel``, the others
+        ``None``; a layer's ``reason`` is ``None`` and ``numel`` its gradient's entries.
         """
-        layers = [
-            {
-                **layer.summary(),
-                **self.strategy.describe(name),
-                "parameters": self.coverage.layers[name],
-            }
-            for name, layer in self.layers.items()
-        ]
-        return layers + self.coverage.rows()
+        rows = {
+            name: {**x.summary(), **self.strategy.describe(name)} for name, x in self.layers.items()
+        }
+        return self.coverage.table(rows)
 
     def state_dict(self, include_inverses: bool = False, gather: bool = True) -> dict[str, Any]:
         """Step counter and running factors keyed by module name.

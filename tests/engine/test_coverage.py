@@ -97,3 +97,13 @@ def test_a_layer_whose_hooks_never_fire_is_not_listed_as_registered() -> None:
     registered = [r["name"] for r in pre.describe() if r["block"] != "inner optimizer"]
     assert set(registered) == set(pre.factors())
     assert "1.self_attn.out_proj" in registered
+
+
+def test_every_row_has_the_same_keys() -> None:
+    """Code that reads a layer key (owner, method) from every row keeps working."""
+    pre = KFACPreconditioner(Mixed())
+    rows = pre.describe()
+    assert all(row.keys() == rows[0].keys() for row in rows)
+    fc, pos = rows[0], next(row for row in rows if row["name"] == "pos")
+    assert fc["reason"] is None and fc["numel"] == 6 * 7  # weight and bias
+    assert pos["owner"] is None and pos["method"] is None and pos["a_dim"] is None

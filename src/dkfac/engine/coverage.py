@@ -121,6 +121,7 @@ class Coverage:
             self._aliases.setdefault(id(param), []).append(name)
         self._reasons: dict[int, tuple[str, bool]] = {}
         self.layers: dict[str, list[str]] = {}
+        self.numel: dict[str, int] = {}
         self.left_out: list[LeftOut] = []
 
     def leave(self, module: nn.Module, reason: str, chosen: bool) -> None:
@@ -163,6 +164,9 @@ class Coverage:
         for name, block in blocks.items():
             parts = block.parameter_parts()
             self.layers[name] = [label for part in parts for label in self._labels(*part)]
+            self.numel[name] = sum(
+                (param if rows is None else param[rows]).numel() for param, rows in parts
+            )
             covered.update(id(param) for param, _ in parts)
         for name, param in self.model.named_parameters():
             if not param.requires_grad or id(param) in covered:
@@ -191,9 +195,23 @@ class Coverage:
             f"; and {more} more" if more else "",
         )
 
-    def rows(self) -> list[dict[str, Any]]:
-        """``describe()``'s rows of the parameters left to the inner optimizer."""
-        return [p.row() for p in self.left_out]
+    def table(self, layers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """``describe()``'s rows: the layers' rows, then those of the parameters left out.
+
+        Args:
+            layers: Layer name -> its row (summary and placement), in registration order.
+
+        Returns:
+            Every row with the same keys: a layer's gains ``parameters``, ``reason=None`` and
+            ``numel`` (the elements it preconditions); a left-out parameter's row has
+            ``None`` for the layer keys.
+        """
+        rows = [
+            {**row, "parameters": self.layers[name], "reason": None, "numel": self.numel[name]}
+            for name, row in layers.items()
+        ]
+        blank = dict.fromkeys(rows[0]) if rows else {}
+        return rows + [{**blank, **p.row()} for p in self.left_out]
 
 
 @dataclass
