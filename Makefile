@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[app,dev,bench]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[app,dev,bench,test]"
 	touch $(STAMP)
 
 # The main job: SGD and K-FAC side by side on digits; report in runs/digits/compare.md.

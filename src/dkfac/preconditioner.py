@@ -60,8 +60,8 @@ from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
 from dkfac.engine.registration import (
     create_layers,
-    find_blocks,
     other_parameters,
+    register,
     rows_rule,
     unwrap,
 )
@@ -132,7 +132,9 @@ class KFACPreconditioner:
             config.refresh_max_interval,
         )
         self.last_refreshed = 0
-        blocks = find_blocks(unwrap(model), config)
+        registration = register(unwrap(model), config)
+        self.coverage = registration.coverage
+        blocks = registration.blocks
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
             config,
@@ -336,16 +338,21 @@ class KFACPreconditioner:
         return usage
 
     def describe(self) -> list[dict[str, Any]]:
-        """One row per layer: name, block, dimensions, method, factor kinds, owner, workers.
+        """One row per layer, then one per parameter left to the inner optimizer.
 
-        ``method``: e.g. ``"eigen"``, ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until
-        the first capture decides (:mod:`dkfac.solvers.lowrank.deferred`); likewise
-        ``a_factor``/``g_factor``.
+        A layer's row: name, block, dimensions, method, factor kinds, owner, workers and
+        ``parameters`` (the names of the parameters it preconditions, every name of a tied
+        one, ``[a:b]`` for rows of one). ``method``: e.g. ``"eigen"``,
+        ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until the first capture decides
+        (:mod:`dkfac.solvers.lowrank.deferred`); likewise ``a_factor``/``g_factor``. A
+        parameter's row (:mod:`~dkfac.engine.coverage`) has the same keys: ``name``,
+        ``block="inner optimizer"``, ``reason``, ``parameters``, ``numel``, the others
+        ``None``; a layer's ``reason`` is ``None`` and ``numel`` its gradient's entries.
         """
-        return [
-            {**layer.summary(), **self.strategy.describe(name)}
-            for name, layer in self.layers.items()
-        ]
+        rows = {
+            name: {**x.summary(), **self.strategy.describe(name)} for name, x in self.layers.items()
+        }
+        return self.coverage.table(rows)
 
     def state_dict(self, include_inverses: bool = False, gather: bool = True) -> dict[str, Any]:
         """Step counter and running factors keyed by module name.

@@ -119,6 +119,17 @@ class StatisticSink(Protocol):
         """Adds a precomputed sum of outer products and its normaliser."""
 
 
+class Removable(Protocol):
+    """What :meth:`Block.install` returns: a handle whose ``remove()`` undoes the install."""
+
+    def remove(self) -> None:
+        """Undoes the install (a second call does nothing)."""
+
+
+ParameterPart = tuple[Tensor, slice | None]
+"""A parameter a block preconditions, and the rows of it (``None``: all of it)."""
+
+
 class Block(ABC):
     """Curvature estimation for one module: Kronecker factors by default.
 
@@ -221,6 +232,16 @@ class Block(ABC):
         del output
         return 1
 
+    def install(self) -> Removable | None:
+        """Prepares the model so that the capture hooks on :attr:`module` fire; ``None``: nothing.
+
+        Called once when the preconditioner attaches this block's hooks; the handle is removed
+        with them. A block whose layer is called functionally by its parent (the projections
+        of ``nn.MultiheadAttention``) swaps the parent's forward for one that calls hookable
+        pieces.
+        """
+        return None
+
     def hooked_input(self, inputs: tuple[Any, ...]) -> Tensor | None:
         """The forward input the capture hook reads (the first positional one)."""
         return inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
@@ -271,6 +292,14 @@ class Block(ABC):
         if self.has_bias:
             params.append(self.module.bias)
         return [p for p in params if isinstance(p, Tensor)]
+
+    def parameter_parts(self) -> list[ParameterPart]:
+        """Each parameter this block preconditions with the rows it owns (``None``: all).
+
+        Registration uses it to find tied weights (two blocks on overlapping parts of one
+        tensor) and to report which parameters each layer covers.
+        """
+        return [(param, None) for param in self.parameters()]
 
 
 def append_ones(rows: Tensor) -> Tensor:

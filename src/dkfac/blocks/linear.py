@@ -16,6 +16,16 @@ class LinearBlock(Block):
     module: nn.Linear
     cost_kind = "linear"
 
+    @property
+    def in_features(self) -> int:
+        """Input features of the layer (bias column not counted)."""
+        return int(self.module.in_features)
+
+    @property
+    def out_features(self) -> int:
+        """Output features of the layer."""
+        return int(self.module.out_features)
+
     def output_positions(self, output: Tensor) -> int:
         """Every leading dimension but the batch is a position (a sequence's length)."""
         return max(1, int(output.numel() // (output.shape[0] * output.shape[-1])))
@@ -23,21 +33,21 @@ class LinearBlock(Block):
     @property
     def a_dim(self) -> int:
         """Input features, plus one for the bias."""
-        return self.module.in_features + int(self.has_bias)
+        return self.in_features + int(self.has_bias)
 
     @property
     def g_dim(self) -> int:
         """Output features."""
-        return self.module.out_features
+        return self.out_features
 
     def a_rows(self, inputs: Tensor) -> Rows:
         """Every input row ``ā`` (bias column appended), averaged over all rows."""
-        rows = inputs.reshape(-1, self.module.in_features)
+        rows = inputs.reshape(-1, self.in_features)
         if self.has_bias:
             rows = append_ones(rows)
         return Rows(rows, float(rows.shape[0]))
 
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Every output-gradient row ``g``, averaged over all rows."""
-        rows = grad_output.reshape(-1, self.module.out_features)
+        rows = grad_output.reshape(-1, self.out_features)
         return Rows(rows, float(rows.shape[0]))

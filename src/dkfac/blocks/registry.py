@@ -1,43 +1,64 @@
-"""Which block handles which module type; users can register their own."""
+"""Which block handles which module type; users can register their own.
+
+A factory returns one block, or several for a module that holds several layers
+(``nn.MultiheadAttention``: its q, k, v and out projections). Types of optional packages are
+registered by qualified class name (``transformers.pytorch_utils.Conv1D``), so the package
+is never imported here: a class matches when its module and qualified name are those.
+"""
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dkfac.blocks.attention import attention_blocks, functional_children
 from dkfac.blocks.base import Block
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.conv2d import Conv2dBlock
 from dkfac.blocks.embedding import EmbeddingBlock
+from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
+from dkfac.blocks.hf_conv1d import HFConv1DBlock
 from dkfac.blocks.linear import LinearBlock
 
 logger = logging.getLogger(__name__)
 
-BlockFactory = Callable[..., Block]
+BlockFactory = Callable[..., Block | Sequence[Block]]
 
 _REGISTRY: dict[type[nn.Module], BlockFactory] = {
     nn.Linear: LinearBlock,
     nn.Conv2d: Conv2dBlock,
     nn.Embedding: EmbeddingBlock,
     _BatchNorm: BatchNormBlock,
+    nn.MultiheadAttention: attention_blocks,
 }
 
+_BY_NAME: dict[str, BlockFactory] = {HF_CONV1D: HFConv1DBlock}
+"""Factories of classes known by qualified name (``module.QualName``) only."""
 
-def register_block(module_type: type[nn.Module], factory: BlockFactory) -> None:
+
+def register_block(module_type: type[nn.Module] | str, factory: BlockFactory) -> None:
     """Registers (or replaces) the block used for ``module_type``.
 
     Args:
-        module_type: An ``nn.Module`` subclass; subclasses of it match too unless they have
-            their own entry.
+        module_type: An ``nn.Module`` subclass, or the qualified name of one
+            (``"package.module.ClassName"``) for a class of a package that need not be
+            installed; subclasses match too unless they have their own entry.
         factory: Called as ``factory(name, module)``, plus those keyword options of
             :func:`make_block` that its signature names (e.g. ``reduction``); returns a
-            :class:`Block`.
+            :class:`Block` or a sequence of blocks.
     """
+    if isinstance(module_type, str):
+        if "." not in module_type.strip("."):
+            raise ValueError(
+                f"a class name must be qualified (package.module.ClassName), got {module_type!r}"
+            )
+        _BY_NAME[module_type] = factory
+        return
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
     _REGISTRY[module_type] = factory
@@ -57,14 +78,35 @@ def _accepted(factory: BlockFactory, options: dict[str, Any]) -> dict[str, Any]:
 def find_factory(module: nn.Module) -> BlockFactory | None:
     """The factory registered for ``module``'s type or its nearest base, or ``None``."""
     for klass in type(module).__mro__:
-        factory = _REGISTRY.get(klass)
+        factory = _REGISTRY.get(klass) or _BY_NAME.get(f"{klass.__module__}.{klass.__qualname__}")
         if factory is not None:
             return factory
     return None
 
 
-def block_or_reason(name: str, module: nn.Module, **options: Any) -> Block | str | None:
+def owned_children(module: nn.Module) -> list[nn.Module]:
+    """Submodules that ``module`` calls functionally: their blocks come from ``module``'s
+    factory (``nn.MultiheadAttention``'s ``out_proj``), never from their own."""
+    return functional_children(module)
+
+
+def blocks_or_reason(name: str, module: nn.Module, **options: Any) -> list[Block] | str | None:
+    """The blocks for ``module``, the reason it is declined, or ``None`` for an unknown type.
+
+    Like :func:`block_or_reason`, with every factory's result as a list.
+    """
+    found = block_or_reason(name, module, **options)
+    if found is None or isinstance(found, str):
+        return found
+    return [found] if isinstance(found, Block) else found
+
+
+def block_or_reason(
+    name: str, module: nn.Module, **options: Any
+) -> Block | list[Block] | str | None:
     """The block for ``module``, the reason it is declined, or ``None`` for an unknown type.
+
+    A factory that gives several blocks (``nn.MultiheadAttention``) gives them as a list.
 
     A factory that is a :class:`Block` subclass is first asked
     :meth:`~dkfac.blocks.base.Block.declines` (grouped convolutions, sparse embeddings,
@@ -84,11 +126,12 @@ def block_or_reason(name: str, module: nn.Module, **options: Any) -> Block | str
         reason = factory.declines(module, **options)
         if reason is not None:
             return reason
-    return factory(name, module, **_accepted(factory, options))
+    made = factory(name, module, **_accepted(factory, options))
+    return made if isinstance(made, Block) else list(made)
 
 
-def make_block(name: str, module: nn.Module, **options: Any) -> Block | None:
-    """The block for ``module``, or ``None`` when its type is not supported or declined.
+def make_block(name: str, module: nn.Module, **options: Any) -> Block | list[Block] | None:
+    """The block(s) for ``module``, or ``None`` when its type is not supported or declined.
 
     A declined module (:func:`block_or_reason`) is logged with its reason, at WARNING
     unless the user chose it (``unitwise_bn=False``) or it has nothing to train.

@@ -48,12 +48,20 @@ class FactorCapture:
         self._handles: list[Any] = []
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
-        """Registers the forward hook (which registers the backward hook) on ``module``."""
+        """Registers the forward hook (which registers the backward hook) on ``module``.
+
+        First the block prepares the model (:meth:`~dkfac.blocks.base.Block.install`, e.g.
+        an attention's forward that calls its projections as modules); :meth:`remove`
+        undoes that with the hooks.
+        """
+        installed = layer.block.install()
+        if installed is not None:
+            self._handles.append(installed)
         hook = functools.partial(self._forward_hook, layer)
         self._handles.append(module.register_forward_hook(hook))
 
     def remove(self) -> None:
-        """Detaches every hook."""
+        """Detaches every hook and undoes the blocks' installs."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -1,11 +1,12 @@
 """Which layers of a model K-FAC preconditions, and the state each one gets.
 
-:func:`find_blocks` walks the (unwrapped) model once: every module that the block registry
-(:func:`~dkfac.blocks.registry.make_block`) knows, that ``skip_layers`` does not exclude and
-whose weight requires a gradient gets a block. Once the strategy is known,
-:func:`create_layers` gives each a :class:`~dkfac.engine.layer_state.LayerState` with its
-solver and accumulators. Every other parameter keeps its plain gradient
-(:func:`other_parameters`).
+:func:`register` walks the (unwrapped) model once: every module that the block registry
+(:func:`~dkfac.blocks.registry.blocks_or_reason`) knows, that ``skip_layers`` does not
+exclude and whose weight requires a gradient gets its block(s); what every other parameter
+gets, and why, is recorded in a :class:`~dkfac.engine.coverage.Coverage` (``describe()``).
+Once the strategy is known, :func:`create_layers` gives each a
+:class:`~dkfac.engine.layer_state.LayerState` with its solver and accumulators. Every other
+parameter keeps its plain gradient (:func:`other_parameters`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from dkfac.blocks.base import Block
-from dkfac.blocks.registry import make_block
+from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
+from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import RowsRule, make_solver
 
@@ -28,7 +30,9 @@ __all__ = [
     "find_blocks",
     "is_skipped",
     "other_parameters",
+    "register",
     "rows_rule",
+    "skip_pattern",
     "unwrap",
 ]
 
@@ -47,46 +51,94 @@ def unwrap(model: nn.Module) -> nn.Module:
 def is_skipped(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
     """Whether a regular expression of ``patterns`` is found (``re.search``) in the module's
     qualified name or its type name."""
-    return any(
-        re.search(pattern, name) or re.search(pattern, type(module).__name__)
-        for pattern in patterns
-    )
+    return skip_pattern(name, module, patterns) is not None
+
+
+def skip_pattern(name: str, module: nn.Module, patterns: Sequence[str]) -> str | None:
+    """The first pattern of ``patterns`` that :func:`is_skipped` finds, or ``None``."""
+    for pattern in patterns:
+        if re.search(pattern, name) or re.search(pattern, type(module).__name__):
+            return pattern
+    return None
 
 
 def find_blocks(model: nn.Module, config: KFACConfig) -> dict[str, Block]:
-    """The block of every layer K-FAC preconditions, in module order.
+    """The block of every layer K-FAC preconditions, in module order (see :func:`register`).
+
+    Raises:
+        ValueError: If no layer of the model can be preconditioned.
+    """
+    return register(model, config).blocks
+
+
+def register(model: nn.Module, config: KFACConfig) -> Registration:
+    """The blocks of the layers K-FAC preconditions, and what every other parameter gets.
+
+    Walks the modules in order: a module matched by ``skip_layers``, of a type without a
+    block, or declined by its block leaves its own parameters to the inner optimizer; a
+    module's blocks (several for ``nn.MultiheadAttention``) are kept when their weight
+    requires a gradient. A tensor used by several modules is preconditioned once, by the
+    last of them (:func:`~dkfac.engine.coverage.resolve_ties`). Parameters with two or more
+    dimensions left out by no choice of the user are named in one warning.
 
     Args:
         model: The bare model (see :func:`unwrap`).
         config: The preconditioner's configuration (``skip_layers``, block options...).
 
-    Returns:
-        Module name -> its block.
-
     Raises:
         ValueError: If no layer of the model can be preconditioned.
     """
+    coverage = Coverage(model)
     blocks: dict[str, Block] = {}
     conv = {"reduction": config.conv_reduction, "positions": config.subsample_positions}
+    claimed: set[int] = set()  # modules whose blocks came from their parent's factory
     for name, module in model.named_modules():
-        if is_skipped(name, module, config.skip_layers):
+        if id(module) in claimed:
             continue
-        block = make_block(name, module, seed=config.seed, unitwise=config.unitwise_bn, **conv)
-        if block is None:
+        pattern = skip_pattern(name, module, config.skip_layers)
+        children = owned_children(module)
+        claimed.update(id(child) for child in children)
+        if pattern is not None:
+            for part in (module, *children):
+                coverage.leave(part, f"skip_layers pattern {pattern!r}", chosen=True)
             continue
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, Tensor) or not weight.requires_grad:
-            logger.info("skipping %s: its weight does not require a gradient", name)
+        found = blocks_or_reason(
+            name, module, seed=config.seed, unitwise=config.unitwise_bn, **conv
+        )
+        if found is None:
+            coverage.leave(module, f"{type(module).__name__} has no K-FAC block", chosen=False)
             continue
-        blocks[name] = block
+        if isinstance(found, str):
+            chosen = found in USER_CHOICES
+            logger.info("skipping %s: %s; it keeps its plain gradient", name, found)
+            for part in (module, *children):
+                coverage.leave(part, f"declined by its block: {found}", chosen=chosen)
+            continue
+        for block in found:
+            blocks.update(_admitted(block, config, coverage))
+    blocks = coverage.resolve_ties(blocks)
     if not blocks:
         raise ValueError(
             "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv2d "
-            f"with groups=1, or types added with register_block); skip_layers="
-            f"{list(config.skip_layers)}"
+            "with groups=1, nn.Embedding, nn.MultiheadAttention, transformers' Conv1D, or "
+            f"types added with register_block); skip_layers={list(config.skip_layers)}"
         )
     logger.info("K-FAC registered %d layers: %s", len(blocks), list(blocks))
-    return blocks
+    coverage.finish(blocks)
+    return Registration(blocks, coverage)
+
+
+def _admitted(block: Block, config: KFACConfig, coverage: Coverage) -> dict[str, Block]:
+    """``{block.name: block}`` unless its own name is skipped or its weight is frozen."""
+    pattern = skip_pattern(block.name, block.module, config.skip_layers)
+    if pattern is not None:
+        coverage.leave(block.module, f"skip_layers pattern {pattern!r}", chosen=True)
+        return {}
+    if not block.parameters()[0].requires_grad:
+        logger.info("skipping %s: its weight does not require a gradient", block.name)
+        coverage.leave(block.module, "its layer's weight does not require a gradient", True)
+        return {}
+    return {block.name: block}
 
 
 def rows_rule(config: KFACConfig, gathered_ranks: int) -> RowsRule:

@@ -1,0 +1,109 @@
+"""describe() lists every trainable parameter once: with the layer whose block preconditions
+it, or as "inner optimizer" with the reason; registration warns once about weights left out
+by no choice of the user."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dkfac import KFACPreconditioner
+
+
+class Mixed(nn.Module):
+    """A Linear, a LayerNorm, a grouped conv, a frozen Linear and a raw 2-D parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, 6))  # held by the model itself
+        self.fc = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.grouped = nn.Conv2d(2, 4, 1, groups=2)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.weight.requires_grad_(False)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(N, 4, 6)``."""
+        y = self.norm(self.fc(x + self.pos))
+        z = self.grouped(y.reshape(-1, 2, 2, 6)).reshape(y.shape[0], 4, -1)[..., :6]
+        return self.head(self.frozen(y + z).mean(dim=1))
+
+
+def _rows(pre: KFACPreconditioner) -> dict[str, dict]:
+    return {row["name"]: row for row in pre.describe()}
+
+
+def test_every_trainable_parameter_is_listed_once_with_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = Mixed()
+    with caplog.at_level(logging.WARNING):
+        pre = KFACPreconditioner(model)
+    rows = _rows(pre)
+    listed = [name for row in rows.values() for name in row["parameters"]]
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert sorted(listed) == sorted(trainable)
+    assert [n for n, r in rows.items() if r["block"] != "inner optimizer"] == ["fc", "head"]
+    assert rows["fc"]["parameters"] == ["fc.weight", "fc.bias"]
+    assert rows["fc"]["method"] == "eigen" and rows["fc"]["a_dim"] == 7  # old keys kept
+    reasons = {n: r["reason"] for n, r in rows.items() if r["block"] == "inner optimizer"}
+    assert reasons == {
+        "pos": "Mixed has no K-FAC block",
+        "norm.weight": "LayerNorm has no K-FAC block",
+        "norm.bias": "LayerNorm has no K-FAC block",
+        "grouped.weight": "declined by its block: grouped convolution (groups=2) is not supported",
+        "grouped.bias": "declined by its block: grouped convolution (groups=2) is not supported",
+        "frozen.bias": "its layer's weight does not require a gradient",
+    }
+    assert rows["pos"]["numel"] == 24
+    # One warning, naming the weights left out by no choice of the user and their share.
+    warnings = [r for r in caplog.records if "to the inner optimizer" in r.getMessage()]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert f"{100 * (24 + 4 * 1 * 1 * 1) / total:.1f}%" in message
+    assert "K-FAC leaves 2 weight parameter(s)" in message
+    assert "pos (Mixed has no K-FAC block)" in message and "grouped.weight" in message
+    assert "norm.weight" not in message  # one dimension: nothing to precondition anyway
+
+
+def test_the_users_own_choices_are_reported_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)
+    )
+    with caplog.at_level(logging.WARNING):
+        pre = KFACPreconditioner(model, skip_layers=["^2$"], unitwise_bn=False)
+    assert "inner optimizer" not in caplog.text
+    reasons = {r["name"]: r.get("reason") for r in pre.describe()}
+    assert reasons["2.weight"] == "skip_layers pattern '^2$'"
+    assert reasons["1.weight"] == "declined by its block: unitwise_bn=False"
+    assert reasons["3.weight"] == "LayerNorm has no K-FAC block"
+
+
+def test_a_layer_whose_hooks_never_fire_is_not_listed_as_registered() -> None:
+    """The attention's out_proj is called functionally by torch: it is listed only because
+    dkfac's forward calls it as a module, and it does get factors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
+    pre = KFACPreconditioner(model)
+    model(torch.randn(2, 3, 4)).sum().backward()
+    pre.step()
+    registered = [r["name"] for r in pre.describe() if r["block"] != "inner optimizer"]
+    assert set(registered) == set(pre.factors())
+    assert "1.self_attn.out_proj" in registered
+
+
+def test_every_row_has_the_same_keys() -> None:
+    """Code that reads a layer key (owner, method) from every row keeps working."""
+    pre = KFACPreconditioner(Mixed())
+    rows = pre.describe()
+    assert all(row.keys() == rows[0].keys() for row in rows)
+    fc, pos = rows[0], next(row for row in rows if row["name"] == "pos")
+    assert fc["reason"] is None and fc["numel"] == 6 * 7  # weight and bias
+    assert pos["owner"] is None and pos["method"] is None and pos["a_dim"] is None
