@@ -80,7 +80,8 @@ def run_step(batch_sizes: list[int], repeats: int, device: torch.device) -> dict
             fn, pre = _step_case(batch, options, device)
             fn()  # the first capture decides the low-rank sides
             cases[name] = fn
-            kinds[name] = dict(Counter(row["method"] for row in pre.describe()))
+            rows = [row for row in pre.describe() if row["block"] != "inner optimizer"]
+            kinds[name] = dict(Counter(row["method"] for row in rows))
         times = interleaved(cases, repeats, device)
         med = {name: median(ts) for name, ts in times.items()}
         results[str(batch)] = {"median_s": med, "times_s": times, "layer_methods": kinds}

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from dkfac.blocks.base import Block, BlockCost, kronecker_cost
-from dkfac.blocks.registry import block_or_reason
+from dkfac.blocks.registry import blocks_or_reason, owned_children
+from dkfac.blocks.ties import resolve_ties
 
 __all__ = ["BNLayer", "KFACLayer", "ModelSpec", "extract_layers", "spec_from_blocks"]
 
@@ -229,16 +230,23 @@ def spec_from_blocks(blocks: Mapping[str, Block], other_param_numel: int = 0) ->
 
 
 def _blocks(model: nn.Module) -> dict[str, Block]:
-    """The blocks of the modules with a trainable weight (BatchNorm always, for BNLayer)."""
+    """The blocks K-FAC would register (BatchNorm always, for BNLayer), by the engine's rules:
+    a module's several blocks (attention), the children its factory owns skipped, frozen
+    weights left out, and a tied tensor counted once (:func:`~dkfac.blocks.ties.resolve_ties`).
+    """
     blocks: dict[str, Block] = {}
+    claimed: set[int] = set()
     for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, Tensor) or not weight.requires_grad:
+        if id(module) in claimed:
             continue
-        found = block_or_reason(name, module, unitwise=True)
-        if isinstance(found, Block):
-            blocks[name] = found
-    return blocks
+        claimed.update(id(child) for child in owned_children(module))
+        found = blocks_or_reason(name, module, unitwise=True)
+        if not isinstance(found, list):
+            continue
+        for block in found:
+            if block.parameters()[0].requires_grad:
+                blocks[block.name] = block
+    return resolve_ties(blocks)[0]
 
 
 def _layer(name: str, cost: BlockCost, positions: int) -> KFACLayer:

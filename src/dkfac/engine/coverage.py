@@ -27,9 +27,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block, ParameterPart
+from dkfac.blocks.base import Block
+from dkfac.blocks.ties import overlap, resolve_ties
 
-__all__ = ["USER_CHOICES", "Coverage", "LeftOut", "Registration", "resolve_ties"]
+__all__ = ["USER_CHOICES", "Coverage", "LeftOut", "Registration"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,44 +70,6 @@ class LeftOut:
         }
 
 
-def _overlap(first: ParameterPart, second: ParameterPart) -> bool:
-    """Whether two parameter parts share an element (same tensor, intersecting rows)."""
-    (a, rows_a), (b, rows_b) = first, second
-    if a is not b:
-        return False
-    if rows_a is None or rows_b is None:
-        return True
-    return max(rows_a.start, rows_b.start) < min(rows_a.stop, rows_b.stop)
-
-
-def resolve_ties(blocks: dict[str, Block]) -> tuple[dict[str, Block], dict[str, str]]:
-    """Keeps, of blocks sharing part of a parameter, the last one in model order.
-
-    Returns:
-        The kept blocks (in order) and ``dropped name -> keeper name``.
-    """
-    kept: list[Block] = []
-    dropped: dict[str, str] = {}
-    for block in reversed(list(blocks.values())):
-        keeper = next(
-            (
-                other
-                for other in kept
-                if any(
-                    _overlap(mine, theirs)
-                    for mine in block.parameter_parts()
-                    for theirs in other.parameter_parts()
-                )
-            ),
-            None,
-        )
-        if keeper is None:
-            kept.append(block)
-        else:
-            dropped[block.name] = keeper.name
-    return {block.name: block for block in reversed(kept)}, dropped
-
-
 class Coverage:
     """What every trainable parameter of a model gets: a block, or the inner optimizer.
 
@@ -137,7 +100,7 @@ class Coverage:
             shared = [
                 " = ".join(self._labels(param, rows))
                 for param, rows in block.parameter_parts()
-                if any(_overlap((param, rows), part) for part in kept[keeper].parameter_parts())
+                if any(overlap((param, rows), part) for part in kept[keeper].parameter_parts())
             ]
             logger.warning(
                 "parameter %s is shared by %s and %s: K-FAC preconditions it once, with the "

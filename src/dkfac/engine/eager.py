@@ -207,7 +207,7 @@ class EagerReducer:
                 shapes = layer.statistic_shapes()
                 nbytes += sum(math.prod(shapes[key]) for key in layer.due) * element
             if self.with_gradients:
-                nbytes += sum(p.numel() for p in layer.block.parameters()) * element
+                nbytes += layer.block.a_dim * layer.block.g_dim * element  # its g×a gradient
             if nbytes == 0:
                 continue
             if not self.buckets or size + nbytes > self.bucket_bytes:
