@@ -48,12 +48,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dkfac.config import KFACConfig, resolve
+from dkfac.config import KFACConfig, check_schedule_value, resolve
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.checkpoint import layers_state, load_layers_state
 from dkfac.engine.eager import build_eager
+from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
@@ -93,8 +94,9 @@ class KFACPreconditioner:
         **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).
 
     Raises:
-        ValueError: For a bad option value, a model with no supported layer, or a
-            DDP-wrapped model with ``strategy="spngd"``.
+        ValueError: For a bad option value, a model with no supported layer, a
+            DDP-wrapped model with ``strategy="spngd"``, or layers another live
+            preconditioner holds (call its ``remove_hooks()`` first).
         TypeError: For an unknown option or a value of the wrong type.
     """
 
@@ -133,6 +135,9 @@ class KFACPreconditioner:
         )
         self.last_refreshed = 0
         blocks = find_blocks(unwrap(model), config)
+        self._hooks = HookOwnership(self, {name: b.module for name, b in blocks.items()})
+        self._hooks.add(self.capture)
+        self._marks = GradientMarks()
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
             config,
@@ -152,6 +157,8 @@ class KFACPreconditioner:
         self.eager = build_eager(
             config, self.layers, self.capture, self.strategy, model=model, grad_scaled=scaled
         )
+        if self.eager is not None:
+            self._hooks.add(self.eager)
         self._other_params = other_parameters(unwrap(model), self.layers)
         self.schedule_captures(0)
         self.last_kl_scale: float | None = None
@@ -163,10 +170,14 @@ class KFACPreconditioner:
             layer.block.set_step(self._steps)
 
     def remove_hooks(self) -> None:
-        """Detaches every hook from the model (the preconditioner is unusable afterwards)."""
-        self.capture.remove()
-        if self.eager is not None:
-            self.eager.remove()
+        """Detaches every hook and frees the layers for another preconditioner.
+
+        ``step()`` and ``sample_fisher()`` raise afterwards; ``state_dict()`` still works.
+        """
+        self._hooks.remove(self)
+
+    def _params(self) -> dict[str, list[Tensor]]:
+        return {name: layer.block.parameters() for name, layer in self.layers.items()}
 
     def schedule_captures(self, step: int) -> None:
         """Asks the refresh policy which statistics the hooks capture at ``step``.
@@ -190,6 +201,7 @@ class KFACPreconditioner:
             outputs: The model's outputs of this forward pass (logits for cross-entropy).
             loss: ``"cross_entropy"`` (categorical) or ``"mse"`` (unit Gaussian).
         """
+        self._hooks.check("sample_fisher")
         if self.config.fisher != "mc":
             raise RuntimeError('sample_fisher() needs fisher="mc" in the preconditioner config')
         if not isinstance(outputs, Tensor) or not outputs.requires_grad:
@@ -207,8 +219,20 @@ class KFACPreconditioner:
         ``strategy="spngd"`` it also averages the gradients of every other parameter.
 
         Args:
-            lr: The learning rate for the KL-clip; defaults to the configured ``lr``.
+            lr: The learning rate for the KL-clip (finite, >= 0); defaults to the
+                configured ``lr``.
+
+        Raises:
+            RuntimeError: After :meth:`remove_hooks`, or when no backward wrote a layer's
+                gradients since the last step (they are already preconditioned).
+            ValueError: For a NaN, infinite or negative ``lr`` (TypeError: not a number).
         """
+        self._hooks.check("step")
+        try:
+            lr = None if lr is None else check_schedule_value("lr", lr)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"step(): {err}") from None
+        self._marks.check(self._params())
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -236,6 +260,7 @@ class KFACPreconditioner:
             write_back(self.layers, finals, delivered, ready, scale)
             self.last_kl_scale = None if scale is None else float(scale)
         self.comm.ledger.end_step()
+        self._marks.record(self._params())
         self._steps += 1
         self._set_block_steps()
         self.schedule_captures(self._steps)
@@ -285,7 +310,11 @@ class KFACPreconditioner:
 
         Phase 2 of a step, and checkpoint loading; a collective with several ranks (see
         :func:`dkfac.engine.step_math.update_inverses`).
+
+        Raises:
+            ValueError: For a damping that is not a finite number > 0.
         """
+        damping = check_schedule_value("damping", damping)
         update_inverses(self.layers, self.strategy, damping, names)
 
     def restore_step(self, step: int) -> None:
