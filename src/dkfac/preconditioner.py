@@ -52,7 +52,7 @@ from dkfac.config import KFACConfig, check_schedule_value, resolve
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
-from dkfac.engine.checkpoint import layers_state, load_layers_state
+from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.layer_state import LayerState
@@ -400,6 +400,17 @@ class KFACPreconditioner:
             "refresh": self.refresh.state_dict(),
         }
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing.
+
+        It checks the layer names, statistic shapes, low-rank plans, that every tensor is
+        finite, the step, the refresh and Monte-Carlo generator states.
+        """
+        check_state(state, self.layers, self.refresh, self._device())
+
+    def _device(self) -> torch.device:
+        return next(iter(self.layers.values())).block.parameters()[0].device
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (a collective with several ranks).
 
@@ -408,22 +419,15 @@ class KFACPreconditioner:
 
         Raises:
             ValueError: If the state is not a state dict of this model's preconditioner
-                (layer names, statistic shapes, low-rank plans, step); nothing is changed
-                then.
+                (see :meth:`check_state_dict`); nothing is changed then. Past the checks
+                only a failing collective can interrupt the load.
         """
-        if not isinstance(state, dict) or "layers" not in state or "step" not in state:
-            raise ValueError("not a KFACPreconditioner state dict (needs 'step' and 'layers')")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"state dict 'step' must be an integer >= 0, got {step!r}")
-        if not isinstance(state["layers"], dict):
-            raise ValueError("state dict 'layers' must be a dict of layer entries")
+        step = check_state(state, self.layers, self.refresh, self._device())
         stale = load_layers_state(self.layers, self.strategy, state["layers"])
         if state.get("refresh"):
-            self.refresh.load_state_dict(state["refresh"])
+            self.refresh.load_state_dict(dict(state["refresh"]))
         if state.get("mc_generator") is not None:
-            device = next(iter(self.layers.values())).block.parameters()[0].device
-            self.capture.generator = torch.Generator(device=device)
+            self.capture.generator = torch.Generator(device=self._device())
             self.capture.generator.set_state(state["mc_generator"])
         self.restore_step(step)
         damping = resolve("damping", self.config.damping, max(step - 1, 0))
