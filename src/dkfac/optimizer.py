@@ -101,11 +101,35 @@ class KFACOptimizer(Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict`."""
+        """Restores a :meth:`state_dict`, all or nothing.
+
+        The preconditioner part is checked first (without changing anything); the inner
+        optimizer is then loaded and, if anything after that fails, put back as it was
+        (its own ``state`` and ``param_groups`` objects, nothing copied). Either way the
+        wrapper's ``param_groups`` and ``state`` stay the inner optimizer's.
+
+        Raises:
+            ValueError: If the state dict is not one of this optimizer; nothing is changed.
+        """
         if not isinstance(state_dict, dict) or not {"inner", "preconditioner"} <= set(state_dict):
             raise ValueError("not a KFACOptimizer state dict (needs 'inner' and 'preconditioner')")
-        self.inner.load_state_dict(state_dict["inner"])
-        self.preconditioner.load_state_dict(state_dict["preconditioner"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
+        inner = state_dict["inner"]
+        if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
+            raise ValueError(
+                "'inner' is not an optimizer state dict (needs 'state', 'param_groups')"
+            )
+        skipped = state_dict.get("skipped_steps", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
+        self.preconditioner.check_state_dict(state_dict["preconditioner"])
+        before = {"state": self.inner.state, "param_groups": self.inner.param_groups}
+        try:
+            self.inner.load_state_dict(inner)
+            self.preconditioner.load_state_dict(state_dict["preconditioner"])
+        except BaseException:
+            self.inner.__setstate__(before)
+            raise
+        finally:
+            self.param_groups = self.inner.param_groups
+            self.state = self.inner.state
+        self.skipped_steps = skipped

@@ -48,12 +48,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dkfac.config import KFACConfig, resolve
+from dkfac.config import KFACConfig, check_schedule_value, resolve
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
-from dkfac.engine.checkpoint import layers_state, load_layers_state
+from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
 from dkfac.engine.eager import build_eager
+from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
@@ -93,8 +94,9 @@ class KFACPreconditioner:
         **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).
 
     Raises:
-        ValueError: For a bad option value, a model with no supported layer, or a
-            DDP-wrapped model with ``strategy="spngd"``.
+        ValueError: For a bad option value, a model with no supported layer, a
+            DDP-wrapped model with ``strategy="spngd"``, or layers another live
+            preconditioner holds (call its ``remove_hooks()`` first).
         TypeError: For an unknown option or a value of the wrong type.
     """
 
@@ -135,6 +137,9 @@ class KFACPreconditioner:
         registration = register(unwrap(model), config)
         self.coverage = registration.coverage
         blocks = registration.blocks
+        self._hooks = HookOwnership(self, {name: b.module for name, b in blocks.items()})
+        self._hooks.add(self.capture)
+        self._marks = GradientMarks()
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
         self.strategy: Strategy = build_strategy(
             config,
@@ -154,6 +159,8 @@ class KFACPreconditioner:
         self.eager = build_eager(
             config, self.layers, self.capture, self.strategy, model=model, grad_scaled=scaled
         )
+        if self.eager is not None:
+            self._hooks.add(self.eager)
         self._other_params = other_parameters(unwrap(model), self.layers)
         self.schedule_captures(0)
         self.last_kl_scale: float | None = None
@@ -165,10 +172,14 @@ class KFACPreconditioner:
             layer.block.set_step(self._steps)
 
     def remove_hooks(self) -> None:
-        """Detaches every hook from the model (the preconditioner is unusable afterwards)."""
-        self.capture.remove()
-        if self.eager is not None:
-            self.eager.remove()
+        """Detaches every hook and frees the layers for another preconditioner.
+
+        ``step()`` and ``sample_fisher()`` raise afterwards; ``state_dict()`` still works.
+        """
+        self._hooks.remove(self)
+
+    def _params(self) -> dict[str, list[Tensor]]:
+        return {name: layer.block.parameters() for name, layer in self.layers.items()}
 
     def schedule_captures(self, step: int) -> None:
         """Asks the refresh policy which statistics the hooks capture at ``step``.
@@ -192,6 +203,7 @@ class KFACPreconditioner:
             outputs: The model's outputs of this forward pass (logits for cross-entropy).
             loss: ``"cross_entropy"`` (categorical) or ``"mse"`` (unit Gaussian).
         """
+        self._hooks.check("sample_fisher")
         if self.config.fisher != "mc":
             raise RuntimeError('sample_fisher() needs fisher="mc" in the preconditioner config')
         if not isinstance(outputs, Tensor) or not outputs.requires_grad:
@@ -209,8 +221,20 @@ class KFACPreconditioner:
         ``strategy="spngd"`` it also averages the gradients of every other parameter.
 
         Args:
-            lr: The learning rate for the KL-clip; defaults to the configured ``lr``.
+            lr: The learning rate for the KL-clip (finite, >= 0); defaults to the
+                configured ``lr``.
+
+        Raises:
+            RuntimeError: After :meth:`remove_hooks`, or when no backward wrote a layer's
+                gradients since the last step (they are already preconditioned).
+            ValueError: For a NaN, infinite or negative ``lr`` (TypeError: not a number).
         """
+        self._hooks.check("step")
+        try:
+            lr = None if lr is None else check_schedule_value("lr", lr)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"step(): {err}") from None
+        self._marks.check(self._params())
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -238,6 +262,7 @@ class KFACPreconditioner:
             write_back(self.layers, finals, delivered, ready, scale)
             self.last_kl_scale = None if scale is None else float(scale)
         self.comm.ledger.end_step()
+        self._marks.record(self._params())
         self._steps += 1
         self._set_block_steps()
         self.schedule_captures(self._steps)
@@ -287,7 +312,11 @@ class KFACPreconditioner:
 
         Phase 2 of a step, and checkpoint loading; a collective with several ranks (see
         :func:`dkfac.engine.step_math.update_inverses`).
+
+        Raises:
+            ValueError: For a damping that is not a finite number > 0.
         """
+        damping = check_schedule_value("damping", damping)
         update_inverses(self.layers, self.strategy, damping, names)
 
     def restore_step(self, step: int) -> None:
@@ -379,6 +408,17 @@ class KFACPreconditioner:
             "refresh": self.refresh.state_dict(),
         }
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing.
+
+        It checks the layer names, statistic shapes, low-rank plans, that every tensor is
+        finite, the step, the refresh and Monte-Carlo generator states.
+        """
+        check_state(state, self.layers, self.refresh, self._device())
+
+    def _device(self) -> torch.device:
+        return next(iter(self.layers.values())).block.parameters()[0].device
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (a collective with several ranks).
 
@@ -387,22 +427,15 @@ class KFACPreconditioner:
 
         Raises:
             ValueError: If the state is not a state dict of this model's preconditioner
-                (layer names, statistic shapes, low-rank plans, step); nothing is changed
-                then.
+                (see :meth:`check_state_dict`); nothing is changed then. Past the checks
+                only a failing collective can interrupt the load.
         """
-        if not isinstance(state, dict) or "layers" not in state or "step" not in state:
-            raise ValueError("not a KFACPreconditioner state dict (needs 'step' and 'layers')")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"state dict 'step' must be an integer >= 0, got {step!r}")
-        if not isinstance(state["layers"], dict):
-            raise ValueError("state dict 'layers' must be a dict of layer entries")
+        step = check_state(state, self.layers, self.refresh, self._device())
         stale = load_layers_state(self.layers, self.strategy, state["layers"])
         if state.get("refresh"):
-            self.refresh.load_state_dict(state["refresh"])
+            self.refresh.load_state_dict(dict(state["refresh"]))
         if state.get("mc_generator") is not None:
-            device = next(iter(self.layers.values())).block.parameters()[0].device
-            self.capture.generator = torch.Generator(device=device)
+            self.capture.generator = torch.Generator(device=self._device())
             self.capture.generator.set_state(state["mc_generator"])
         self.restore_step(step)
         damping = resolve("damping", self.config.damping, max(step - 1, 0))

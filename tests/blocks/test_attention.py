@@ -224,13 +224,15 @@ def test_describe_lists_rows_of_in_proj_and_remove_hooks_restores_forward() -> N
         "attention.out_proj.bias",
     ]
     assert "forward" in net.attention.__dict__
-    second = KFACPreconditioner(net)  # shares the replacement: both get factors
     x = torch.randn(N, L, E, dtype=torch.float64)
     F.cross_entropy(net(x, x, x), torch.zeros(N, dtype=torch.long)).backward()
-    for p in (pre, second):
-        p.step()
-        assert set(p.factors()) == set(p.layers)
+    pre.step()
+    assert set(pre.factors()) == set(pre.layers)
+    with pytest.raises(ValueError, match="already preconditioned"):
+        KFACPreconditioner(net)  # one live preconditioner per module
     pre.remove_hooks()
+    assert "forward" not in net.attention.__dict__
+    second = KFACPreconditioner(net)  # the model is free again
     assert "forward" in net.attention.__dict__
     second.remove_hooks()
     assert "forward" not in net.attention.__dict__

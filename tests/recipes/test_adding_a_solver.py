@@ -58,8 +58,8 @@ def test_a_registered_solver_runs_checkpoints_and_is_priced(diagonal: None) -> N
     torch.testing.assert_close(layer.weight.grad, expected[:, :-1], rtol=1e-12, atol=0)
 
     state = pre.state_dict(include_inverses=True)
-    again = KFACPreconditioner(layer, method="diagonal", kl_clip=None)
     pre.remove_hooks()
+    again = KFACPreconditioner(layer, method="diagonal", kl_clip=None)
     again.load_state_dict(state)
     torch.testing.assert_close(again.layers[""].solver_state, pre.layers[""].solver_state)
 

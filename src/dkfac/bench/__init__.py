@@ -9,6 +9,7 @@ does not break the others.
     python -m dkfac.bench tta --seeds 3   # SGD, AdamW, Muon, SOAP, K-FAC (dkfac.bench.peers)
     python -m dkfac.bench autoencoder
     python -m dkfac.bench comm      # and: memory
+    python -m dkfac.bench soak --steps 10000 --method eigen
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
     "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
     "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),
+    "soak": ("dkfac.bench.soak", "thousands of K-FAC steps on gloo ranks: resident memory"),
 }
 """Sub-benchmark name -> (``module`` or ``module:function``, one-line description)."""
 

@@ -21,6 +21,7 @@ saved factors.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -31,9 +32,10 @@ from torch import Tensor
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.layer_state import LayerState
+from dkfac.engine.refresh import RefreshPolicy
 from dkfac.solvers import DenseStatistic, decided_solver
 
-__all__ = ["layers_state", "load_layers_state"]
+__all__ = ["check_state", "layers_state", "load_layers_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,52 @@ def layers_state(
     return entries
 
 
+_PLAN_SOLVERS = ("smw", "eigen", "cholesky")
+
+
+def _check_plan(name: str, plan: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raises ValueError unless ``plan`` is a decision as :meth:`Solver.decision` saves it."""
+    if not isinstance(plan, Mapping) or set(plan) != {"solver", "lowrank"}:
+        raise ValueError(
+            f"{name}: a saved plan must be a dict with keys 'solver' and 'lowrank', got {plan!r}"
+        )
+    solver, lowrank = plan["solver"], plan["lowrank"]
+    if solver not in _PLAN_SOLVERS:
+        raise ValueError(
+            f"{name}: a saved plan's solver must be one of {_PLAN_SOLVERS}, got {solver!r}"
+        )
+    if not isinstance(lowrank, Mapping) or any(
+        key not in shapes or isinstance(rank, bool) or not isinstance(rank, int) or rank < 1
+        for key, rank in lowrank.items()
+    ):
+        raise ValueError(
+            f"{name}: a saved plan's 'lowrank' must map statistics of {sorted(shapes)} to "
+            f"ranks >= 1, got {lowrank!r}"
+        )
+    if lowrank and solver != "smw":
+        raise ValueError(f"{name}: a saved plan gives low-rank sides to {solver!r}, not 'smw'")
+
+
+def _check_tensors(label: str, values: Mapping[str, Any]) -> None:
+    """Raises ValueError unless every value is a finite tensor (a host sync per tensor)."""
+    for key, value in values.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{label} {key} must be a tensor, got {type(value).__name__}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{label} {key} is not finite")
+
+
+def _check_inverse(name: str, entry: Mapping[str, Any]) -> None:
+    """Raises ValueError unless a saved solver state is a dict of finite tensors."""
+    inverse = entry.get("inverse")
+    if inverse is not None and not isinstance(inverse, Mapping):
+        raise ValueError(f"{name}: a saved inverse must be a dict of tensors")
+    _check_tensors(f"{name}: saved inverse", inverse or {})
+    made_by = entry.get("inverse_solver")
+    if made_by is not None and not isinstance(made_by, str):
+        raise ValueError(f"{name}: 'inverse_solver' must be a solver name, got {made_by!r}")
+
+
 def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -> None:
     """Raises ValueError unless every saved entry fits its layer (nothing is changed)."""
     if set(saved) != set(layers):
@@ -102,14 +150,17 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
         layer = layers[name]
         if not isinstance(entry, Mapping):
             raise ValueError(f"{name}: a layer entry must be a dict, got {type(entry).__name__}")
+        shapes = layer.statistic_shapes()
         plan = entry.get("plan")
+        if plan is not None:
+            _check_plan(name, plan, shapes)
+        _check_inverse(name, entry)
         deferrable = layer.solver.deferred or layer.decided is not None
         if plan is not None and plan["lowrank"] and not deferrable:
             raise ValueError(
                 f"{name}: the state dict holds a {plan['solver']!r} low-rank plan; load it into "
                 "a preconditioner with method='smw' or 'auto'"
             )
-        shapes = layer.statistic_shapes()
         if plan is not None and deferrable:
             kinds = decided_solver(plan["solver"], torch.float32, plan["lowrank"]).statistics(
                 shapes
@@ -124,6 +175,46 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
                 raise ValueError(f"{name}: saved {key} must be a tensor or None")
             kind = kinds.get(key, DenseStatistic())  # a pending layer's sides are dense
             kind.check_saved(f"{name}: saved {key}", shape, tuple(value.shape))
+            _check_tensors(f"{name}: saved", {key: value})
+
+
+def check_state(
+    state: Any,
+    layers: Mapping[str, LayerState],
+    refresh: RefreshPolicy,
+    device: torch.device,
+) -> int:
+    """Checks a preconditioner state dict against the layers; its step. Changes nothing.
+
+    Args:
+        state: What ``KFACPreconditioner.state_dict()`` returned.
+        layers: The registered layers.
+        refresh: The refresh policy (its state is tried on a copy).
+        device: Where the Monte-Carlo generator lives.
+
+    Raises:
+        ValueError: If loading ``state`` would fail: not such a dict, a bad step, layer
+            names, statistic shapes, plans, non-finite tensors, refresh or generator state.
+    """
+    if not isinstance(state, Mapping) or "layers" not in state or "step" not in state:
+        raise ValueError("not a KFACPreconditioner state dict (needs 'step' and 'layers')")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"state dict 'step' must be an integer >= 0, got {step!r}")
+    if not isinstance(state["layers"], Mapping):
+        raise ValueError("state dict 'layers' must be a dict of layer entries")
+    _check_entries(layers, state["layers"])
+    if state.get("refresh"):
+        try:
+            copy.copy(refresh).load_state_dict(dict(state["refresh"]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"state dict 'refresh' is not usable: {err}") from None
+    if state.get("mc_generator") is not None:
+        try:
+            torch.Generator(device=device).set_state(state["mc_generator"])
+        except (TypeError, RuntimeError) as err:
+            raise ValueError(f"state dict 'mc_generator' is not a generator state: {err}") from None
+    return step
 
 
 def load_layers_state(

@@ -1,0 +1,171 @@
+"""Guards against library misuse that would silently corrupt training (issue 20, class 6).
+
+- :class:`GradientMarks`: ``step()`` twice after one backward would precondition the
+  already preconditioned gradients again. After each step the marks record which gradient
+  tensor every registered parameter holds and its version counter (bumped by every in-place
+  write: a backward accumulating into it, ``zero_grad(set_to_none=False)``, unscaling,
+  clipping, DDP's averaging); a new backward either bumps the counter or, after
+  ``zero_grad()``, creates a new tensor. A layer whose gradients are all unchanged is stale.
+  Reading the counters is host-side metadata: no device synchronisation.
+- :func:`claim_modules` / :func:`release_modules`: a module is hooked by at most one live
+  preconditioner. The registry holds the modules and their owners weakly, so a
+  preconditioner that is garbage-collected (or whose hooks were removed) frees its modules.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["GradientMarks", "HookOwnership", "claim_modules", "release_modules"]
+
+# module -> the preconditioner whose hooks are on it (both held weakly)
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[object]] = weakref.WeakKeyDictionary()
+
+
+def _held_by_others(owner: object, modules: Mapping[str, nn.Module]) -> list[str]:
+    """Names of the ``modules`` another live preconditioner holds."""
+    held = []
+    for name, module in modules.items():
+        ref = _OWNERS.get(module)
+        other = None if ref is None else ref()
+        if other is not None and other is not owner:
+            held.append(name)
+    return held
+
+
+def claim_modules(owner: object, modules: Mapping[str, nn.Module]) -> None:
+    """Registers ``owner`` as the one preconditioner hooked on ``modules``.
+
+    Args:
+        owner: The preconditioner (held weakly).
+        modules: Qualified name -> module it registers.
+
+    Raises:
+        ValueError: If another live preconditioner holds some of the modules (named).
+    """
+    held = _held_by_others(owner, modules)
+    if held:
+        gc.collect()  # an unreachable preconditioner in a reference cycle is freed here
+        held = _held_by_others(owner, modules)
+    if held:
+        shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+        raise ValueError(
+            f"modules {shown} are already preconditioned by another live KFACPreconditioner: "
+            "two would capture twice and precondition each gradient twice; call "
+            "remove_hooks() on the other one first, or build this one on another model"
+        )
+    ref = weakref.ref(owner)
+    for module in modules.values():
+        _OWNERS[module] = ref
+
+
+def release_modules(owner: object, modules: Iterable[nn.Module]) -> None:
+    """Frees the ``modules`` that ``owner`` holds (after its hooks were removed)."""
+    for module in modules:
+        ref = _OWNERS.get(module)
+        if ref is not None and ref() is owner:
+            del _OWNERS[module]
+
+
+def _remove_all(hooked: list[Any]) -> None:
+    """Detaches the hooks of every holder (a finalizer: it must not refer to the owner)."""
+    for holder in hooked:
+        holder.remove()
+
+
+class HookOwnership:
+    """The hooks a preconditioner put on its modules, and its claim on those modules.
+
+    The hooks are detached by :meth:`remove` or when the owner is garbage-collected (they
+    do not refer to it, so a forgotten preconditioner does not keep capturing).
+
+    Args:
+        owner: The preconditioner.
+        modules: Qualified name -> module it registers (claimed here, see
+            :func:`claim_modules`).
+    """
+
+    def __init__(self, owner: object, modules: Mapping[str, nn.Module]) -> None:
+        claim_modules(owner, modules)
+        self._modules = list(modules.values())
+        self._hooked: list[Any] = []
+        self._detach = weakref.finalize(owner, _remove_all, self._hooked)
+        self._detach.atexit = False
+
+    def add(self, holder: Any) -> None:
+        """Adds an object whose ``remove()`` detaches hooks it attached."""
+        self._hooked.append(holder)
+
+    def remove(self, owner: object) -> None:
+        """Detaches every hook and frees the modules for another preconditioner."""
+        self._detach()
+        release_modules(owner, self._modules)
+
+    def check(self, call: str) -> None:
+        """Raises RuntimeError after :meth:`remove` (no statistics would be captured)."""
+        if not self._detach.alive:
+            raise RuntimeError(
+                f"{call}() after remove_hooks(): this preconditioner no longer captures "
+                "statistics; build a new KFACPreconditioner to precondition again"
+            )
+
+
+# one entry per parameter: the gradient tensor (weakly) and its version counter
+_Mark = tuple["weakref.ref[Tensor]", int]
+
+
+class GradientMarks:
+    """The gradients each layer's parameters held when the last ``step()`` ended."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, list[_Mark | None]] = {}
+
+    def record(self, params: Mapping[str, Sequence[Tensor]]) -> None:
+        """Notes every parameter's current gradient (call it at the end of a step).
+
+        Args:
+            params: Layer name -> the parameters its block preconditions.
+        """
+        self._marks = {
+            name: [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in ps]
+            for name, ps in params.items()
+        }
+
+    def stale(self, params: Mapping[str, Sequence[Tensor]]) -> list[str]:
+        """The layers whose every gradient is the one recorded, unchanged since then.
+
+        A layer without gradients is not stale (an unused branch); neither is one with a
+        gradient that is new or was written to since the last step.
+        """
+        stale = []
+        for name, ps in params.items():
+            marks = self._marks.get(name)
+            if marks is None or len(marks) != len(ps):
+                continue
+            grads = [(p.grad, mark) for p, mark in zip(ps, marks, strict=True)]
+            present = [(g, mark) for g, mark in grads if g is not None]
+            if present and all(
+                mark is not None and mark[0]() is g and mark[1] == g._version for g, mark in present
+            ):
+                stale.append(name)
+        return stale
+
+    def check(self, params: Mapping[str, Sequence[Tensor]]) -> None:
+        """Raises RuntimeError if some layer's gradients are those the last step wrote.
+
+        Args:
+            params: Layer name -> the parameters its block preconditions.
+        """
+        stale = self.stale(params)
+        if stale:
+            raise RuntimeError(
+                f"step() without a new backward: the gradients of {stale} are the ones the "
+                "last step() already preconditioned (again would corrupt them); run "
+                "zero_grad() and loss.backward() before each step() (with gradient "
+                "accumulation: step() once after the last backward)"
+            )

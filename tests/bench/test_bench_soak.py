@@ -1,0 +1,27 @@
+"""``dkfac bench soak``: the soak benchmark is reachable through the bench dispatcher."""
+
+from __future__ import annotations
+
+import pytest
+
+from dkfac.bench import SUBCOMMANDS
+from dkfac.bench import main as bench_main
+
+
+def test_soak_is_listed_in_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert SUBCOMMANDS["soak"][0] == "dkfac.bench.soak"
+    assert bench_main(["--help"]) == 0
+    assert "  soak " in capsys.readouterr().out
+
+
+def test_bench_soak_dispatches_to_the_soak_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["soak", "--steps", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m dkfac.bench.soak")
+    assert "error: --steps must be >= 1, got 0" in err
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["soak", "--help"])
+    assert exit_info.value.code == 0
+    assert "--checkpoint-every" in capsys.readouterr().out

@@ -1,0 +1,245 @@
+"""Red team, library misuse that silently corrupted (issue 20, class 6).
+
+Before: ``step()`` twice after one backward preconditioned the already preconditioned
+gradients again; ``step()`` after ``remove_hooks()``, two preconditioners on one model and
+``step(lr=nan)`` (NaN through the KL-clip into the gradients) went unnoticed. Now each
+raises a clear error before anything changes, and the legitimate neighbours (gradient
+accumulation, an unused branch, gradients set by hand, DDP) keep working.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac import KFACOptimizer, KFACPreconditioner
+from tests.distributed_utils import run_distributed
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(seed: int = 1) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+
+
+def _backward(model: nn.Module, seed: int = 1) -> None:
+    x, y = _batch(seed)
+    F.cross_entropy(model(x), y).backward()
+
+
+def _grads(model: nn.Module) -> list[Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _forward_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+# ----------------------------------------------------------------- step() twice
+
+
+def test_second_step_without_backward_raises_and_leaves_the_gradients() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model, damping=0.1)
+    _backward(model)
+    pre.step()
+    once = _grads(model)
+    with pytest.raises(RuntimeError, match=r"step\(\) without a new backward: .*\['0', '2'\]"):
+        pre.step()
+    assert all(torch.equal(a, b) for a, b in zip(once, _grads(model), strict=True))
+    assert pre.steps == 1
+    model.zero_grad()
+    _backward(model)
+    pre.step()  # the next real step works
+    assert pre.steps == 2
+
+
+def test_optimizer_step_twice_raises_and_leaves_the_weights() -> None:
+    model = _mlp()
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), KFACPreconditioner(model))
+    _backward(model)
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="without a new backward"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+def test_gradient_accumulation_is_one_step_on_the_summed_gradient() -> None:
+    """Two backwards then one step equals one backward of the summed loss, then one step."""
+    accumulated, summed = _mlp(), _mlp()
+    pre_a = KFACPreconditioner(accumulated, damping=0.1, accumulation_steps=2)
+    pre_s = KFACPreconditioner(summed, damping=0.1, accumulation_steps=2)
+    for _ in range(2):
+        accumulated.zero_grad()
+        summed.zero_grad()
+        _backward(accumulated, seed=1)
+        _backward(accumulated, seed=2)
+        (x1, y1), (x2, y2) = _batch(1), _batch(2)
+        (F.cross_entropy(summed(x1), y1) + F.cross_entropy(summed(x2), y2)).backward()
+        pre_a.step()
+        pre_s.step()
+        for a, s in zip(_grads(accumulated), _grads(summed), strict=True):
+            torch.testing.assert_close(a, s, rtol=1e-5, atol=1e-6)
+
+
+def test_unused_branch_and_hand_set_gradients_are_fresh() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})
+    pre = KFACPreconditioner(model, damping=0.1)
+    x = torch.randn(8, 4)
+    (model["a"](x).square().mean() + model["b"](x).square().mean()).backward()
+    pre.step()
+    model.zero_grad(set_to_none=True)  # b gets no gradient this step: fine
+    model["a"](x).square().mean().backward()
+    pre.step()
+    model.zero_grad(set_to_none=False)  # zeroed in place: a new (zero) gradient for b
+    model["a"](x).square().mean().backward()
+    pre.step()
+    for p in model.parameters():  # gradients set by hand are new tensors
+        p.grad = torch.ones_like(p)
+    pre.step()
+    assert pre.steps == 4
+
+
+def test_a_layer_left_with_its_preconditioned_gradient_is_named() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})
+    pre = KFACPreconditioner(model, damping=0.1)
+    x = torch.randn(8, 4)
+    (model["a"](x).square().mean() + model["b"](x).square().mean()).backward()
+    pre.step()
+    model["a"](x).square().mean().backward()  # no zero_grad: b still holds step 1's result
+    with pytest.raises(RuntimeError, match=r"the gradients of \['b'\] are the ones"):
+        pre.step()
+
+
+def _ddp_double_step(rank: int, world_size: int) -> list[str]:
+    model = nn.parallel.DistributedDataParallel(_mlp())
+    pre = KFACPreconditioner(model, damping=0.1)
+    events = []
+    for step in range(3):
+        model.zero_grad(set_to_none=step % 2 == 0)
+        _backward(model, seed=10 + rank)
+        pre.step()
+        events.append("step")
+    try:
+        pre.step()
+    except RuntimeError as err:
+        events.append(str(err).split(":")[0])
+    return events
+
+
+def test_ddp_steps_are_fresh_and_a_second_step_raises_on_every_rank() -> None:
+    results = run_distributed(_ddp_double_step, 2, timeout=120)
+    assert results == [["step"] * 3 + ["step() without a new backward"]] * 2
+
+
+# ----------------------------------------------------------------- remove_hooks()
+
+
+def test_step_after_remove_hooks_raises() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model, fisher="mc")
+    assert _forward_hooks(model) == 2
+    pre.remove_hooks()
+    assert _forward_hooks(model) == 0
+    _backward(model)
+    grads = _grads(model)
+    with pytest.raises(RuntimeError, match=r"step\(\) after remove_hooks\(\).*build a new"):
+        pre.step()
+    with pytest.raises(RuntimeError, match=r"sample_fisher\(\) after remove_hooks\(\)"):
+        pre.sample_fisher(model(_batch()[0]))
+    assert all(torch.equal(a, b) for a, b in zip(grads, _grads(model), strict=True))
+    assert set(pre.state_dict()["layers"]) == {"0", "2"}  # reading the state still works
+
+
+# ----------------------------------------------------------------- two preconditioners
+
+
+def test_second_preconditioner_on_the_same_layers_is_refused() -> None:
+    model = _mlp()
+    first = KFACPreconditioner(model)
+    with pytest.raises(ValueError, match=r"modules 0, 2 are already preconditioned .*remove_hooks"):
+        KFACPreconditioner(model)
+    with pytest.raises(ValueError, match=r"modules 2 are already"):
+        KFACPreconditioner(model, skip_layers=["^0$"])
+    assert _forward_hooks(model) == 2  # the refused ones left no hook behind
+    KFACPreconditioner(copy.deepcopy(model))  # a copy is another model
+    first.remove_hooks()
+    KFACPreconditioner(model)  # freed by remove_hooks()
+
+
+def test_a_collected_preconditioner_frees_its_layers_and_hooks() -> None:
+    model = _mlp()
+    first = KFACPreconditioner(model)
+    first.cycle = first  # type: ignore[attr-defined]  # only the cycle collector frees it
+    del first
+    second = KFACPreconditioner(model)  # the registry collects the cycle, then succeeds
+    assert _forward_hooks(model) == 2  # only the second one's
+    del second
+    assert _forward_hooks(model) == 0
+
+
+# ----------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize("lr", [math.nan, math.inf, -0.1])
+def test_bad_lr_raises_before_anything_changes(lr: float) -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model, damping=0.1)
+    _backward(model)
+    grads = _grads(model)
+    with pytest.raises(ValueError, match=r"step\(\): lr must be in \[0.0, inf\), got"):
+        pre.step(lr=lr)
+    assert all(torch.equal(a, b) for a, b in zip(grads, _grads(model), strict=True))
+    assert pre.steps == 0
+    pre.step(lr=0.0)  # the gradients are still fresh; lr 0 turns the KL-clip off
+    assert all(torch.isfinite(g).all() for g in _grads(model))
+
+
+def test_non_number_lr_is_a_type_error() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    _backward(model)
+    with pytest.raises(TypeError, match="step\\(\\): lr must be a number, got str"):
+        pre.step(lr="0.1")  # type: ignore[arg-type]
+
+
+def test_optimizer_lr_nan_reaches_no_gradient() -> None:
+    model = _mlp()
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), KFACPreconditioner(model))
+    opt.param_groups[0]["lr"] = math.nan  # e.g. a broken scheduler
+    _backward(model)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="lr must be in"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("damping", [math.nan, 0.0, -1.0])
+def test_update_inverses_refuses_a_bad_damping(damping: float) -> None:
+    pre = KFACPreconditioner(_mlp())
+    with pytest.raises(ValueError, match="damping must be in"):
+        pre.update_inverses(damping)
+
+
+def test_the_registry_does_not_keep_models_alive() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    pre.remove_hooks()
+    ref = weakref.ref(model)
+    del pre, model
+    gc.collect()
+    assert ref() is None

@@ -1,0 +1,192 @@
+"""Red team, loading a state dict that does not fit (issue 20, classes 3 and 4, library side).
+
+Before: ``KFACOptimizer.load_state_dict`` loaded the inner optimizer first; when the
+preconditioner part was then refused the inner optimizer kept the new state (lr 0.5 inside,
+0.1 in the wrapper) and the wrapper's ``param_groups`` were no longer the inner ones. A
+tampered low-rank ``plan`` ended in ``TypeError``/``KeyError``. Now the preconditioner part
+is checked before anything changes, the inner optimizer is put back on any later failure,
+and every bad part is a ``ValueError`` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac import KFACOptimizer, KFACPreconditioner
+
+
+def _setup(seed: int = 0, lr: float = 0.1, **options: Any) -> tuple[nn.Module, KFACOptimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return model, KFACOptimizer(inner, KFACPreconditioner(model, damping=0.1, **options))
+
+
+def _train(model: nn.Module, opt: KFACOptimizer, steps: int, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _snapshot(model: nn.Module, opt: KFACOptimizer) -> dict[str, Any]:
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+        "lr": [g["lr"] for g in opt.param_groups],
+        "groups": opt.inner.param_groups,
+        "steps": opt.preconditioner.steps,
+        "factors": {
+            n: (a.clone(), g.clone()) for n, (a, g) in opt.preconditioner.factors().items()
+        },
+    }
+
+
+def _assert_unchanged(model: nn.Module, opt: KFACOptimizer, before: dict[str, Any]) -> None:
+    assert opt.param_groups is opt.inner.param_groups is before["groups"]
+    assert opt.state is opt.inner.state
+    assert [g["lr"] for g in opt.param_groups] == before["lr"]
+    assert opt.preconditioner.steps == before["steps"]
+    for a, b in zip(before["weights"], model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, p in zip(before["momentum"], model.parameters(), strict=True):
+        assert torch.equal(a, opt.state[p]["momentum_buffer"])
+    factors = opt.preconditioner.factors()
+    for name, (a, g) in before["factors"].items():
+        assert torch.equal(a, factors[name][0]) and torch.equal(g, factors[name][1])
+
+
+def _saved_elsewhere() -> dict[str, Any]:
+    """A state dict of the same model trained otherwise (lr 0.5, 5 steps, other data)."""
+    model, opt = _setup(seed=3, lr=0.5)
+    _train(model, opt, 5, seed=7)
+    return copy.deepcopy(opt.state_dict())
+
+
+def _set_step(state: dict[str, Any]) -> None:
+    state["preconditioner"]["step"] = "4"
+
+
+def _nan_factor(state: dict[str, Any]) -> None:
+    state["preconditioner"]["layers"]["2"]["A"][0, 0] = math.nan
+
+
+def _missing_layer(state: dict[str, Any]) -> None:
+    del state["preconditioner"]["layers"]["2"]
+
+
+def _bad_refresh(state: dict[str, Any]) -> None:
+    state["preconditioner"]["refresh"] = {"0.A": [1, 2]}
+
+
+def _bad_generator(state: dict[str, Any]) -> None:
+    state["preconditioner"]["mc_generator"] = torch.zeros(3)
+
+
+def _bad_inverse(state: dict[str, Any]) -> None:
+    state["preconditioner"]["layers"]["0"]["inverse"] = "qa"
+
+
+def _other_inner(state: dict[str, Any]) -> None:  # the inner part does not fit: 3 params
+    state["inner"]["param_groups"][0]["params"] = [0, 1, 2]
+
+
+TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "string step": (_set_step, "'step' must be an integer >= 0, got '4'"),
+    "NaN factor": (_nan_factor, "2: saved A is not finite"),
+    "missing layer": (_missing_layer, r"missing \['2'\]"),
+    "bad refresh": (_bad_refresh, "'refresh' is not usable"),
+    "bad generator": (_bad_generator, "'mc_generator' is not a generator state"),
+    "bad inverse": (_bad_inverse, "0: a saved inverse must be a dict of tensors"),
+    "inner of another model": (_other_inner, "doesn't match the size"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERS))
+def test_a_refused_state_dict_changes_nothing(case: str) -> None:
+    tamper, message = TAMPERS[case]
+    state = _saved_elsewhere()
+    tamper(state)
+    model, opt = _setup(refresh="adaptive" if case == "bad refresh" else "fixed")
+    _train(model, opt, 3)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(state)
+    _assert_unchanged(model, opt, before)
+    _train(model, opt, 1)  # and it still trains
+    assert opt.preconditioner.steps == 4
+
+
+def test_a_good_state_dict_round_trips() -> None:
+    model_a, opt_a = _setup(seed=0)
+    _train(model_a, opt_a, 4)
+    state = copy.deepcopy(opt_a.state_dict())
+    model_b, opt_b = _setup(seed=5, lr=0.5)
+    _train(model_b, opt_b, 2, seed=9)
+    model_b.load_state_dict(model_a.state_dict())
+    opt_b.load_state_dict(state)
+    assert opt_b.param_groups is opt_b.inner.param_groups and opt_b.state is opt_b.inner.state
+    assert opt_b.param_groups[0]["lr"] == 0.1 and opt_b.preconditioner.steps == 4
+    _train(model_a, opt_a, 2, seed=11)
+    _train(model_b, opt_b, 2, seed=11)
+    for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_failure_after_the_inner_load_puts_the_inner_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the checks only a collective can fail; the inner optimizer is restored then."""
+    state = _saved_elsewhere()
+    model, opt = _setup()
+    _train(model, opt, 3)
+    before = _snapshot(model, opt)
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("a collective failed")
+
+    monkeypatch.setattr(opt.preconditioner, "load_state_dict", broken)
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        opt.load_state_dict(state)
+    _assert_unchanged(model, opt, before)
+
+
+# ----------------------------------------------------------------- tampered plans
+
+
+def _smw_state() -> tuple[KFACPreconditioner, dict[str, Any]]:
+    model, opt = _setup(method="smw")
+    _train(model, opt, 2)
+    return opt.preconditioner, copy.deepcopy(opt.preconditioner.state_dict())
+
+
+PLANS: dict[str, tuple[Any, str]] = {
+    "a string": ("smw", "0: a saved plan must be a dict with keys 'solver' and 'lowrank'"),
+    "no lowrank": ({"solver": "smw"}, "must be a dict with keys"),
+    "unknown solver": ({"solver": "qr", "lowrank": {}}, "solver must be one of"),
+    "lowrank a list": ({"solver": "smw", "lowrank": ["A"]}, "'lowrank' must map statistics"),
+    "unknown side": ({"solver": "smw", "lowrank": {"X": 4}}, "'lowrank' must map statistics"),
+    "rank 0": ({"solver": "smw", "lowrank": {"A": 0}}, "ranks >= 1"),
+    "lowrank eigen": ({"solver": "eigen", "lowrank": {"A": 4}}, "low-rank sides to 'eigen'"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLANS))
+def test_a_tampered_plan_is_a_value_error(case: str) -> None:
+    pre, state = _smw_state()
+    plan, message = PLANS[case]
+    state["layers"]["0"]["plan"] = plan
+    before = {name: layer.decided for name, layer in pre.layers.items()}
+    with pytest.raises(ValueError, match=message):
+        pre.load_state_dict(state)
+    assert {name: layer.decided for name, layer in pre.layers.items()} == before
