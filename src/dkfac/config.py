@@ -17,9 +17,11 @@ from typing import Literal, TypeAlias
 
 import torch
 
+from dkfac import solvers
+
 Schedule: TypeAlias = float | int | Callable[[int], float]
 
-METHODS = ("eigen", "cholesky", "smw", "auto")
+METHODS = solvers.METHODS
 FISHER_TYPES = ("empirical", "mc")
 STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "spngd", "auto")
 CONV_REDUCTIONS = (None, "sum", "subsample")
@@ -27,7 +29,7 @@ CONV_REDUCTIONS = (None, "sum", "subsample")
 PLACEMENT_COSTS = ("compute", "memory")
 OVERLAP_MODES = ("auto", "on", "off")
 
-Method = Literal["eigen", "cholesky", "smw", "auto"]
+Method = solvers.MethodName
 FisherType = Literal["empirical", "mc"]
 RefreshKind = Literal["fixed", "adaptive"]
 StrategyName = Literal["replicated", "kaisa", "mem-opt", "dp", "spngd", "auto"]
@@ -190,6 +192,19 @@ class KFACConfig:
             ``find_unused_parameters=False``; ``"on"``: always (a rank that misses a layer
             raises ``RuntimeError`` in ``step()``); ``"off"``: reduce everything in
             ``step()`` after the ranks agree which layers ran (data-dependent branches).
+
+        moment_beta1: β₁ in [0, 1) of the first moment (``"eigen_adam"``).
+        moment_beta2: β₂ in [0, 1) of the second moment (``"ekfac"``, ``"eigen_adam"``).
+        moment_eps: ε > 0 added to ``√v̂`` (``"eigen_adam"``).
+        moment_bias_correction: Divide the moments by ``1 − βᵗ``.
+        moment_nesterov: Nesterov's look-ahead first moment (``"eigen_adam"``).
+        basis_refresh: How the eigenbasis is refreshed at the inverse interval: ``"eigh"``
+            (a full eigendecomposition) or ``"power"`` (one power-iteration step and a QR
+            from the previous basis; the first refresh is a full eigendecomposition).
+        moment_carry: What the moments become when the basis is refreshed: ``"reset"``,
+            ``"keep_v"`` (the first moment rotated exactly, the second kept, as SOAP does)
+            or ``"rotate"`` (the second moment rotated approximately too). Formulas:
+            :mod:`dkfac.solvers.eigen_moments`.
     """
 
     method: Method = "eigen"
@@ -220,6 +235,16 @@ class KFACConfig:
     refresh_threshold: float = 0.1
     refresh_max_interval: int = 64
     overlap_comm: OverlapMode = "auto"
+
+    # --- Moments in the Kronecker eigenbasis (method "ekfac" / "eigen_adam"; issue 18).
+    # Formulas, refresh and carry rules: dkfac.solvers.eigen_moments.
+    moment_beta1: float = 0.9
+    moment_beta2: float = 0.95
+    moment_eps: float = 1e-8
+    moment_bias_correction: bool = True
+    moment_nesterov: bool = False
+    basis_refresh: solvers.BasisRefresh = "eigh"
+    moment_carry: solvers.MomentCarry = "keep_v"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -327,4 +352,23 @@ class KFACConfig:
         if self.placement_cost not in PLACEMENT_COSTS:
             raise ValueError(
                 f"placement_cost must be one of {PLACEMENT_COSTS}, got {self.placement_cost!r}"
+            )
+        self._check_moments()
+
+    def _check_moments(self) -> None:
+        """Validates the eigenbasis-moment block (messages name the config fields)."""
+        for name in ("moment_beta1", "moment_beta2"):
+            _check_range(name, getattr(self, name), low=0.0, low_inclusive=True, high=1.0)
+        _check_range("moment_eps", self.moment_eps, low=0.0)
+        for name in ("moment_bias_correction", "moment_nesterov"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.basis_refresh not in solvers.BASIS_REFRESHES:
+            raise ValueError(
+                f"basis_refresh must be one of {solvers.BASIS_REFRESHES}, "
+                f"got {self.basis_refresh!r}"
+            )
+        if self.moment_carry not in solvers.MOMENT_CARRIES:
+            raise ValueError(
+                f"moment_carry must be one of {solvers.MOMENT_CARRIES}, got {self.moment_carry!r}"
             )
