@@ -14,7 +14,10 @@ Kinds (each run at the learning rate of its grid that the benchmark is sweeping)
   decay 0.01), run eagerly like every other optimizer here (heavyball's ``torch.compile``
   would put minutes of compilation into the first timed steps on a CPU).
 * ``kfac``: ``KFACOptimizer`` over SGD with the benchmark's momentum and the preconditioner
-  options of the spec.
+  options of the spec; the spec keys ``inner_momentum`` and ``inner_weight_decay`` set the
+  SGD's momentum (instead of the benchmark's) and weight decay (e.g. ``method=eigen_adam,
+  inner_momentum=0``: the preconditioner is the whole optimizer, the decay is decoupled), and
+  ``True`` / ``False`` are read as booleans.
 
 Options of a kind (``--peer-options KIND:key=value,...``) are checked against
 :data:`PEER_OPTIONS`; :func:`resolve_options` merges them over :data:`DEFAULT_OPTIONS` so that
@@ -36,6 +39,7 @@ from dkfac.preconditioner import KFACPreconditioner
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "KFAC_INNER_OPTIONS",
     "KINDS",
     "PEER_OPTIONS",
     "MuonSplit",
@@ -64,6 +68,9 @@ PEER_OPTIONS: dict[str, frozenset[str]] = {
     ),
 }
 """Kind -> the options ``--peer-options`` may set (K-FAC's are the preconditioner's)."""
+
+KFAC_INNER_OPTIONS = frozenset({"inner_momentum", "inner_weight_decay"})
+"""Keys of a K-FAC spec that set its inner SGD rather than the preconditioner."""
 
 DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "sgd": {},
@@ -267,8 +274,19 @@ def build_optimizer(spec: OptimizerSpec, model: nn.Module, lr: float, momentum: 
         return _soap(params, lr, opts)
     if spec.kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, **opts)
-    sgd = torch.optim.SGD(params, lr=lr, momentum=momentum)
-    return KFACOptimizer(sgd, KFACPreconditioner(model, lr=lr, **opts))
+    inner = {key: opts.pop(key) for key in list(opts) if key.startswith("inner_")}
+    if bad := sorted(set(inner) - KFAC_INNER_OPTIONS):
+        raise ValueError(
+            f"kfac takes no option {', '.join(bad)}; inner ones: inner_momentum, inner_weight_decay"
+        )
+    sgd = torch.optim.SGD(
+        params,
+        lr=lr,
+        momentum=float(inner.get("inner_momentum", momentum)),
+        weight_decay=float(inner.get("inner_weight_decay", 0.0)),
+    )
+    flags = {key: value == "True" for key, value in opts.items() if value in ("True", "False")}
+    return KFACOptimizer(sgd, KFACPreconditioner(model, lr=lr, **{**opts, **flags}))
 
 
 def _soap(params: Iterable[Tensor], lr: float, options: Mapping[str, Any]) -> Stepper:

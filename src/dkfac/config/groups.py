@@ -20,7 +20,15 @@ from dkfac.blocks.conv2d import CONV_REDUCTIONS
 from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
 from dkfac.config.schedules import Schedule, check_schedules
 from dkfac.distributed.strategies import STRATEGIES, StrategyName
-from dkfac.solvers import METHODS, MethodName, method_names
+from dkfac.solvers import (
+    BASIS_REFRESHES,
+    METHODS,
+    MOMENT_CARRIES,
+    BasisRefresh,
+    MethodName,
+    MomentCarry,
+    method_names,
+)
 
 __all__ = [
     "FISHER_TYPES",
@@ -78,6 +86,18 @@ class SolverConfig:
         eigen_dtype: Precision of the eigendecompositions / inversions (SMW's too):
             ``torch.float32``, ``torch.float64`` or ``None`` (default): the factors' dtype,
             at least float32 (a float64 model gets float64 decompositions).
+        moment_beta1: β₁ in [0, 1) of the first moment (``"eigen_adam"``).
+        moment_beta2: β₂ in [0, 1) of the second moment (``"ekfac"``, ``"eigen_adam"``).
+        moment_eps: ε > 0 added to ``√v̂`` (``"eigen_adam"``).
+        moment_bias_correction: Divide the moments by ``1 − βᵗ``.
+        moment_nesterov: Nesterov's look-ahead first moment (``"eigen_adam"``).
+        basis_refresh: How the eigenbasis is refreshed at the inverse interval: ``"eigh"``
+            (a full eigendecomposition) or ``"power"`` (one power-iteration step and a QR
+            from the previous basis; the first refresh is a full eigendecomposition).
+        moment_carry: What the moments become when the basis is refreshed: ``"reset"``,
+            ``"keep_v"`` (the first moment rotated exactly, the second kept, as SOAP does)
+            or ``"rotate"`` (the second moment rotated approximately too). Formulas:
+            :mod:`dkfac.solvers.eigen_moments`.
     """
 
     method: Method = "eigen"
@@ -86,6 +106,13 @@ class SolverConfig:
     kl_clip: Schedule | None = 1e-3
     lr: Schedule = 0.1
     eigen_dtype: torch.dtype | None = None
+    moment_beta1: float = 0.9
+    moment_beta2: float = 0.95
+    moment_eps: float = 1e-8
+    moment_bias_correction: bool = True
+    moment_nesterov: bool = False
+    basis_refresh: BasisRefresh = "eigh"
+    moment_carry: MomentCarry = "keep_v"
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -94,6 +121,13 @@ class SolverConfig:
         check_choice("method", self.method, method_names())
         check_schedules(self, ("damping", "bn_damping", "kl_clip", "lr"), ("bn_damping", "kl_clip"))
         check_dtype("eigen_dtype", self.eigen_dtype, allowed=(torch.float32, torch.float64))
+        for name in ("moment_beta1", "moment_beta2"):
+            check_range(name, getattr(self, name), low=0.0, low_inclusive=True, high=1.0)
+        check_range("moment_eps", self.moment_eps, low=0.0)
+        check_bool("moment_bias_correction", self.moment_bias_correction)
+        check_bool("moment_nesterov", self.moment_nesterov)
+        check_choice("basis_refresh", self.basis_refresh, BASIS_REFRESHES)
+        check_choice("moment_carry", self.moment_carry, MOMENT_CARRIES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,13 @@ solver that made it (``"inverse_solver"``). A saved value is checked against its
 kind (a low-rank side is saved as its ``U`` of shape ``(d, r)``). A solver state made by
 another solver than the layer now has (a method switch) is dropped and recomputed from the
 saved factors.
+
+A stateful solver's moments (``"ekfac"``, ``"eigen_adam"``) are saved as ``"moments"``,
+taken from the owner (which always preconditions its layers), together with the solver
+state whatever ``include_inverses`` says: they are coordinates in its basis. They load on
+every rank that preconditions the layer, and only with that basis: when the state is
+dropped (a method switch, or a checkpoint without it) the moments start afresh, and a layer
+whose solver keeps no moments ignores saved ones.
 """
 
 from __future__ import annotations
@@ -70,10 +77,17 @@ def layers_state(
         for name, layer in layers.items()
     }
     plans = {name: layer.decided for name, layer in layers.items()}
+    stateful = any(layer.solver.stateful for layer in layers.values())
+    moments: dict[str, dict[str, Tensor] | None] = {
+        name: None if layer.moments is None else dict(layer.moments)
+        for name, layer in layers.items()
+    }
     if gather:
         running = strategy.gather_to_all(running, devices)
-        if include_inverses:
+        if include_inverses or stateful:
             inverses = strategy.gather_to_all(inverses, devices)
+        if stateful:
+            moments = strategy.gather_to_all(moments, devices)
         # The same answer on every rank: under dp only owners capture, hence decide.
         if any(layer.solver.deferred or layer.decided for layer in layers.values()):
             for part in comm.exchange_objects(
@@ -86,9 +100,11 @@ def layers_state(
         entry: dict[str, Any] = {key: held.get(key) for key in layer.statistic_shapes()}
         if plans[name] is not None:
             entry["plan"] = plans[name]
-        if include_inverses and inverses[name] is not None:
+        if (include_inverses or layer.solver.stateful) and inverses[name] is not None:
             entry["inverse"] = inverses[name]
             entry["inverse_solver"] = layer.solver.name
+        if moments[name] is not None:
+            entry["moments"] = moments[name]
         entries[name] = entry
     return entries
 
@@ -176,6 +192,25 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
             kind = kinds.get(key, DenseStatistic())  # a pending layer's sides are dense
             kind.check_saved(f"{name}: saved {key}", shape, tuple(value.shape))
             _check_tensors(f"{name}: saved", {key: value})
+        _check_moments(name, layer, entry.get("moments"))
+
+
+def _check_moments(name: str, layer: LayerState, moments: Any) -> None:
+    """Raises ValueError unless saved moments are named tensors, matrices of the gradient's
+    ``g_dim × a_dim`` shape or 1-element counts."""
+    if moments is None:
+        return
+    if not isinstance(moments, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in moments.items()
+    ):
+        raise ValueError(f"{name}: saved moments must be a dict of named tensors")
+    grad_shape = (layer.block.g_dim, layer.block.a_dim)
+    for key, value in moments.items():
+        if tuple(value.shape) not in (grad_shape, (1,)):
+            raise ValueError(
+                f"{name}: saved moments {key!r} has shape {tuple(value.shape)}, expected "
+                f"{grad_shape} or (1,)"
+            )
 
 
 def check_state(
@@ -258,5 +293,23 @@ def load_layers_state(
         )
         if inverse is None:
             stale.append(name)
+        layer.moments = _loaded_moments(layer, strategy, entry.get("moments"), inverse)
         layer.reset_accumulators()
     return stale
+
+
+def _loaded_moments(
+    layer: LayerState, strategy: Strategy, saved: Mapping[str, Tensor] | None, inverse: Any
+) -> dict[str, Tensor] | None:
+    """The moments this rank keeps of a saved entry (see the module notes)."""
+    if saved is None or not strategy.preconditions(layer.name):
+        return None
+    if not layer.solver.stateful or inverse is None:
+        logger.info(
+            "%s: saved moments dropped (%s)",
+            layer.name,
+            "the solver keeps none" if not layer.solver.stateful else "their basis was not kept",
+        )
+        return None
+    device = _device(layer)
+    return {key: value.to(device).clone() for key, value in saved.items()}

@@ -51,6 +51,9 @@ class LayerState:
             leave all of the capture work to the layer's owner).
         due: The statistics captured this step (set by the refresh policy before a step).
         decided: What a deferred solver decided (``None`` before, or without one).
+        moments: A :attr:`~dkfac.solvers.base.Solver.stateful` solver's moments of the
+            gradient, kept on every rank that preconditions the layer (identical copies);
+            ``None`` before its first preconditioned step and elsewhere.
     """
 
     block: Block
@@ -64,6 +67,7 @@ class LayerState:
     captures: bool = True
     due: frozenset[str] = frozenset()
     decided: dict[str, Any] | None = None
+    moments: SolverState | None = None
 
     @classmethod
     def create(
@@ -81,6 +85,7 @@ class LayerState:
     def install(self, solver: Solver) -> None:
         """Makes ``solver`` the layer's: its statistic kinds and fresh accumulators."""
         self.solver = solver
+        self.moments = None
         shapes = self.block.statistic_shapes()
         if solver.deferred:
             self.kinds = {}
@@ -188,10 +193,12 @@ class LayerState:
         }
 
     def memory(self) -> dict[str, int]:
-        """Bytes of running ``factors``, solver state (``inverses``) and ``accumulators``."""
+        """Bytes of running ``factors``, solver state (``inverses``), a stateful solver's
+        ``moments`` and ``accumulators``."""
         groups = {
             "factors": list(self.running.values()),
             "inverses": list((self.solver_state or {}).values()),
+            "moments": list((self.moments or {}).values()),
             "accumulators": [t for acc in self.accumulators.values() for t in acc.tensors()],
         }
         return {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in groups.items()}

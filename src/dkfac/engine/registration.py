@@ -23,7 +23,7 @@ from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.layer_state import LayerState
-from dkfac.solvers import RowsRule, make_solver
+from dkfac.solvers import MomentOptions, RowsRule, make_solver
 
 __all__ = [
     "create_layers",
@@ -179,7 +179,20 @@ def create_layers(
         if method == "auto" and not kronecker:
             method = "smw"
         compute = config.eigen_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)
-        solver = make_solver(method, compute, rule if kronecker else None)
+        solver = make_solver(
+            method,
+            compute,
+            rule if kronecker else None,
+            MomentOptions(
+                beta1=config.moment_beta1,
+                beta2=config.moment_beta2,
+                eps=config.moment_eps,
+                bias_correction=config.moment_bias_correction,
+                nesterov=config.moment_nesterov,
+                basis_refresh=config.basis_refresh,
+                carry=config.moment_carry,
+            ),
+        )
         layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)
     return layers
 

@@ -22,9 +22,10 @@ from torch import Tensor
 
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.layer_state import LayerState
-from dkfac.solvers import SolverError
+from dkfac.solvers import SolverError, SolverState
 
 __all__ = [
+    "carry_moments",
     "finite_flags",
     "kept_statistics",
     "kl_clip_scale",
@@ -99,18 +100,25 @@ def update_inverses(
 ) -> None:
     """Owners recompute their layers' solver states; the strategy shares them.
 
+    An owner's solver gets its previous state of the layer (a basis refreshed by power
+    iteration follows it). Afterwards every rank that preconditions a layer with moments
+    carries them into the new state (:meth:`~dkfac.solvers.base.Solver.carry_moments`).
+
     Args:
         layers: The registered layers; their ``solver_state`` is replaced.
         strategy: Says which layers this rank owns and sends the states to the workers.
         damping: The damping of this inverse update.
         names: The layers to recompute (default: all); every layer's state is shared.
     """
+    previous = {name: layer.solver_state for name, layer in layers.items()}
     for name in layers if names is None else names:
         layer = layers[name]
         if not strategy.is_owner(name) or not layer.complete:
             continue
         try:
-            layer.solver_state = layer.solver.compute_statistics(layer.solver_inputs(), damping)
+            layer.solver_state = layer.solver.compute_statistics(
+                layer.solver_inputs(), damping, previous[name]
+            )
         except SolverError as err:
             logger.warning("%s: %s; keeping the last good inverse", name, err)
     states = {name: layer.solver_state for name, layer in layers.items()}
@@ -118,6 +126,17 @@ def update_inverses(
     strategy.share_solver_states(states, devices)
     for name, layer in layers.items():
         layer.solver_state = states[name]
+        carry_moments(layer, previous[name])
+
+
+def carry_moments(layer: LayerState, previous: SolverState | None) -> None:
+    """The layer's moments in its new solver state (dropped where it has none)."""
+    if layer.moments is None:
+        return
+    if layer.solver_state is None:
+        layer.moments = None
+        return
+    layer.moments = layer.solver.carry_moments(previous, layer.solver_state, layer.moments)
 
 
 def precondition(
@@ -130,7 +149,9 @@ def precondition(
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Final gradient matrices (or receive buffers) and the layers ready to precondition.
 
-    A non-finite gradient is zeroed (with a warning) and the layer left out.
+    A non-finite gradient is zeroed (with a warning) and the layer left out. A stateful
+    solver's moments advance only on a step whose gradients are finite in every layer
+    (the step :class:`~dkfac.optimizer.KFACOptimizer` skips leaves them as they were).
 
     Args:
         layers: The registered layers.
@@ -148,6 +169,7 @@ def precondition(
     """
     finals: dict[str, Tensor] = {}
     ready: list[str] = []
+    all_finite = all(flags[1] for flags in finite.values())
     for name, layer in layers.items():
         grad = grads[name]
         if grad is None:
@@ -165,7 +187,11 @@ def precondition(
             finals[name] = torch.empty_like(grad)
         elif is_ready and layer.solver_state is not None:
             layer_damping = dampings[layer.block.damping_key]
-            finals[name] = layer.solver.apply(layer.solver_state, grad, layer_damping)
+            finals[name], moments = layer.solver.apply_with_moments(
+                layer.solver_state, layer.moments, grad, layer_damping
+            )
+            if all_finite:
+                layer.moments = moments
         else:
             finals[name] = grad
     return finals, ready

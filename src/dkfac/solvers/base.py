@@ -57,6 +57,9 @@ class Solver(ABC):
     apply_products: ClassVar[int] = 4
     """``c`` in the cost model's ``c·(a²g + ag²)`` flops of one :meth:`apply` (two products
     per side for a change of basis, one for an inverse)."""
+    stateful: ClassVar[bool] = False
+    """Whether the solver keeps *moments* between steps on every rank that preconditions a
+    layer (:meth:`apply_with_moments`, :meth:`carry_moments`, :meth:`moment_elements`)."""
 
     @classmethod
     def state_elements(cls, a_dim: int, g_dim: int) -> int:
@@ -97,17 +100,48 @@ class Solver(ABC):
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Builds the solver state from the factors ``A`` (d_in×d_in) and ``G``."""
 
-    def compute_statistics(self, stats: Mapping[str, Any], damping: float) -> SolverState:
+    def compute_statistics(
+        self, stats: Mapping[str, Any], damping: float, previous: SolverState | None = None
+    ) -> SolverState:
         """Builds the solver state from a layer's named running statistics.
 
         Kronecker solvers take ``stats["A"]`` and ``stats["G"]``; other solvers (unit-wise
         BatchNorm) override this to read the statistics their block produces.
+
+        Args:
+            stats: The running statistics by name.
+            damping: The damping of this update.
+            previous: The owner's last state of the layer (``None`` before the first), for
+                a solver that updates its state from the previous one instead of anew.
         """
+        del previous
         return self.compute(stats["A"], stats["G"], damping)
 
     @abstractmethod
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """Returns the preconditioned ``g_dim × a_dim`` gradient matrix."""
+
+    def apply_with_moments(
+        self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
+    ) -> tuple[Tensor, SolverState | None]:
+        """The preconditioned gradient and the layer's moments after ``grad`` (pure).
+
+        A :attr:`stateful` solver reads ``moments`` (``None``: start from zero) and returns
+        new ones, leaving the given tensors unchanged so that the caller can drop the result
+        (a step whose gradient is not finite). The default is :meth:`apply` and no moments.
+        """
+        return self.apply(state, grad, damping), moments
+
+    def carry_moments(
+        self, old: SolverState | None, new: SolverState, moments: SolverState
+    ) -> SolverState | None:
+        """The moments after the state changed from ``old`` to ``new`` (an inverse update).
+
+        Runs on every rank that preconditions the layer, with the same inputs, so the
+        copies stay identical. The default keeps them.
+        """
+        del old, new
+        return moments
 
     def with_retry(self, fn: Callable[[torch.dtype], SolverState]) -> SolverState:
         """Runs ``fn(dtype)`` in the compute dtype, then once more in float64 on failure.

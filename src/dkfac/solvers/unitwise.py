@@ -44,7 +44,9 @@ class UnitwiseSolver(Solver):
         """Not a Kronecker solver: use :meth:`compute_statistics` with ``{"F": ...}``."""
         raise TypeError("UnitwiseSolver takes the BatchNorm statistic 'F', not an (A, G) pair")
 
-    def compute_statistics(self, stats: Mapping[str, Any], damping: float) -> SolverState:
+    def compute_statistics(
+        self, stats: Mapping[str, Any], damping: float, previous: SolverState | None = None
+    ) -> SolverState:
         """Keeps a symmetrised copy of the running per-channel Fisher."""
         fisher = stats["F"]
         if not bool(torch.isfinite(fisher).all()):

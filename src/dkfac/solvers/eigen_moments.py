@@ -1,0 +1,294 @@
+"""Moments of the gradient in the Kronecker eigenbasis: EKFAC and eigen-Adam.
+
+With ``A = Q_A Λ_A Q_Aᵀ`` and ``G = Q_G Λ_G Q_Gᵀ`` (the columns in descending order of
+eigenvalue), the rotated gradient is ``R = Q_Gᵀ ∇W Q_A``. Instead of ``λ_G λ_Aᵀ`` (the
+``"eigen"`` solver), running moments of ``R`` scale it, one per entry, kept between steps on
+every rank that preconditions the layer (:meth:`Solver.apply_with_moments`). ``t`` counts the
+moment updates since the moments started.
+
+``"eigen_adam"`` (Adam in K-FAC's eigenbasis; what SOAP does with Shampoo's bases)::
+
+    m ← β₁ m + (1−β₁) R        v ← β₂ v + (1−β₂) R∘R        t ← t + 1
+    m̂ = m / (1−β₁ᵗ)            v̂ = v / (1−β₂ᵗ)               (bias correction; off: m̂ = m, v̂ = v)
+    Nesterov: m̂ = (β₁ m + (1−β₁) R) / (1−β₁ᵗ⁺¹)
+    V = Q_G [m̂ ⊘ (√v̂ + ε)] Q_Aᵀ
+
+The damping is not used (``ε`` plays its part). Run it under an inner SGD without momentum
+whose learning rate is the step size; the inner SGD's ``weight_decay`` then acts on ``V``
+plus the weights, i.e. it is AdamW's decoupled decay (``W ← W − lr·(V + wd·W)``).
+
+``"ekfac"`` (eigenvalue-corrected K-FAC, George et al. 2018)::
+
+    v ← β₂ v + (1−β₂) R∘R      t ← t + 1      v̂ = v / (1−β₂ᵗ)   (or v̂ = v)
+    V = Q_G [R ⊘ (v̂ + λ)] Q_Aᵀ
+
+George et al. take ``v`` from the per-sample gradients; the engine captures ``A`` and ``G``,
+not per-sample gradients, so ``v`` here is the second moment of the mini-batch gradient
+(smaller than the per-sample one, by up to the batch size when the gradient is noise).
+
+**Basis refresh** (at the inverse interval, on the layer's owner): ``"eigh"`` eigendecomposes
+both factors; ``"power"`` follows the previous basis with one step of subspace iteration,
+``Q ← qr(F Q_prev)`` (column signs fixed so that ``diag R > 0``, so a converged basis is a
+fixed point), eigenvalue estimates ``diag(Q_prevᵀ F Q_prev)`` (SOAP's update). The first
+refresh, or one without a fitting previous state, is a full ``eigh``.
+
+**Carrying the moments across a refresh** (``Q → Q'``; on every rank that preconditions the
+layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
+
+* ``"reset"``: ``m = v = 0``, ``t = 0`` (the bias correction starts again);
+* ``"keep_v"``: ``m ← P_G m P_Aᵀ`` (exact: ``Q_G' m' Q_A'ᵀ = Q_G m Q_Aᵀ``), ``v`` kept as it
+  is (SOAP's choice);
+* ``"rotate"``: ``m`` as above, ``v ← (P_G∘P_G) v (P_A∘P_A)ᵀ`` (the diagonal second moment
+  carried to the new basis, its off-diagonal part dropped).
+
+A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
+one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refresh every
+1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps ``"reset"`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, get_args
+
+import torch
+from torch import Tensor
+
+from dkfac.solvers.base import Solver, SolverState
+from dkfac.solvers.eigen import symmetric_eigh
+
+__all__ = [
+    "BASIS_REFRESHES",
+    "MOMENT_CARRIES",
+    "BasisRefresh",
+    "EKFACSolver",
+    "EigenAdamSolver",
+    "EigenMomentsSolver",
+    "MomentCarry",
+    "MomentOptions",
+    "power_refresh",
+]
+
+BasisRefresh = Literal["eigh", "power"]
+MomentCarry = Literal["reset", "keep_v", "rotate"]
+BASIS_REFRESHES: tuple[str, ...] = get_args(BasisRefresh)
+MOMENT_CARRIES: tuple[str, ...] = get_args(MomentCarry)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MomentOptions:
+    """Hyperparameters of the eigenbasis-moment solvers (see the module notes).
+
+    Attributes:
+        beta1: First-moment decay β₁ in [0, 1) (``"eigen_adam"`` only).
+        beta2: Second-moment decay β₂ in [0, 1).
+        eps: ``ε`` > 0 added to ``√v̂`` (``"eigen_adam"``; ``"ekfac"`` adds the damping).
+        bias_correction: Divide the moments by ``1−βᵗ``.
+        nesterov: Nesterov's look-ahead first moment (``"eigen_adam"`` only).
+        basis_refresh: ``"eigh"`` or ``"power"``.
+        carry: ``"reset"``, ``"keep_v"`` or ``"rotate"``.
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    bias_correction: bool = True
+    nesterov: bool = False
+    basis_refresh: BasisRefresh = "eigh"
+    carry: MomentCarry = "keep_v"
+
+    def __post_init__(self) -> None:
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise TypeError(f"eps must be a number, got {type(self.eps).__name__}")
+        if not 0.0 < self.eps < float("inf"):
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        for name in ("bias_correction", "nesterov"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.basis_refresh not in BASIS_REFRESHES:
+            raise ValueError(
+                f"basis_refresh must be one of {BASIS_REFRESHES}, got {self.basis_refresh!r}"
+            )
+        if self.carry not in MOMENT_CARRIES:
+            raise ValueError(f"carry must be one of {MOMENT_CARRIES}, got {self.carry!r}")
+
+
+def descending_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, largest first."""
+    values, vectors = symmetric_eigh(matrix, dtype)
+    return values.flip(0), vectors.flip(1)
+
+
+def power_refresh(matrix: Tensor, previous: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One step of subspace iteration from the basis ``previous``: ``(estimates, Q)``.
+
+    ``Q = qr(F Q_prev)`` with the signs of its columns chosen so that ``diag R > 0``;
+    estimates ``diag(Q_prevᵀ F Q_prev)`` clamped at 0.
+    """
+    sym = matrix.to(dtype)
+    sym = (sym + sym.T) / 2
+    prev = previous.to(dtype)
+    product = sym @ prev
+    estimates = (prev * product).sum(dim=0).clamp(min=0.0)
+    q, r = torch.linalg.qr(product)
+    signs = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(dtype)
+    return estimates, q * signs
+
+
+class EigenMomentsSolver(Solver):
+    """Shared part of :class:`EigenAdamSolver` and :class:`EKFACSolver`: the basis, its
+    refresh and the carrying of the moments. State ``qa, da, qg, dg`` (descending order).
+
+    Args:
+        compute_dtype: Precision of the decompositions.
+        options: The moment hyperparameters (defaults: :class:`MomentOptions`).
+    """
+
+    stateful = True
+    keys: ClassVar[tuple[str, ...]] = ("v",)
+    """The moment matrices the solver keeps (besides the count ``t``)."""
+
+    def __init__(
+        self, compute_dtype: torch.dtype = torch.float32, options: MomentOptions | None = None
+    ) -> None:
+        super().__init__(compute_dtype)
+        if options is not None and not isinstance(options, MomentOptions):
+            raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
+        self.options = options or MomentOptions()
+
+    @classmethod
+    def moment_elements(cls, a_dim: int, g_dim: int) -> int:
+        """Each moment matrix (``g_dim × a_dim``) and the count ``t``."""
+        return len(cls.keys) * a_dim * g_dim + 1
+
+    def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
+        """Eigendecomposes both factors (descending order; ``damping`` is used at apply)."""
+        return self.compute_statistics({"A": a, "G": g}, damping)
+
+    def compute_statistics(
+        self, stats: Mapping[str, Any], damping: float, previous: SolverState | None = None
+    ) -> SolverState:
+        """The new basis: ``eigh``, or one power step from ``previous`` (see the module notes)."""
+        a, g = stats["A"], stats["G"]
+        storage = a.dtype
+        follow = self.options.basis_refresh == "power" and _fits(previous, a, g)
+
+        def run(dtype: torch.dtype) -> SolverState:
+            if follow:
+                assert previous is not None
+                da, qa = power_refresh(a, previous["qa"], dtype)
+                dg, qg = power_refresh(g, previous["qg"], dtype)
+            else:
+                da, qa = descending_eigh(a, dtype)
+                dg, qg = descending_eigh(g, dtype)
+            pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg}
+            return {key: value.to(storage) for key, value in pairs.items()}
+
+        return self.with_retry(run)
+
+    def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
+        """The update from fresh moments (:meth:`apply_with_moments` with none)."""
+        return self.apply_with_moments(state, None, grad, damping)[0]
+
+    def apply_with_moments(
+        self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
+    ) -> tuple[Tensor, SolverState]:
+        """``(V, moments after this gradient)``; ``None`` moments start from zero."""
+        qa, qg = state["qa"].to(grad.dtype), state["qg"].to(grad.dtype)
+        rotated = qg.T @ grad @ qa
+        if moments is None:
+            moments = self.zero_moments(rotated)
+        new = self.update_moments(moments, rotated)
+        return qg @ self.scaled(new, rotated, damping) @ qa.T, new
+
+    def zero_moments(self, like: Tensor) -> SolverState:
+        """Zero moments of the shape of ``like`` and ``t = 0``."""
+        zeros = {key: torch.zeros_like(like) for key in self.keys}
+        return {**zeros, "t": torch.zeros(1, dtype=torch.float64, device=like.device)}
+
+    def update_moments(self, moments: SolverState, rotated: Tensor) -> SolverState:
+        """The moments after the rotated gradient ``rotated`` (new tensors; the old kept)."""
+        beta2 = self.options.beta2
+        return {
+            "v": moments["v"] * beta2 + (rotated * rotated) * (1.0 - beta2),
+            "t": moments["t"] + 1.0,
+        }
+
+    def correction(self, beta: float, t: Tensor, like: Tensor) -> Tensor:
+        """``1 − βᵗ`` as a 0-d tensor of ``like``'s dtype (1 without bias correction)."""
+        if not self.options.bias_correction:
+            return torch.ones((), dtype=like.dtype, device=like.device)
+        return (1.0 - torch.pow(beta, t[0])).to(like.dtype)
+
+    def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
+        """The update in the eigenbasis (each method's formula)."""
+        raise NotImplementedError
+
+    def carry_moments(
+        self, old: SolverState | None, new: SolverState, moments: SolverState
+    ) -> SolverState:
+        """The moments in the basis ``new`` after a refresh from ``old`` (module notes)."""
+        if old is None or all(torch.equal(old[k], new[k]) for k in ("qa", "qg")):
+            return moments
+        if self.options.carry == "reset":
+            return self.zero_moments(moments["v"])
+        dtype = moments["v"].dtype
+        p_g = new["qg"].to(dtype).T @ old["qg"].to(dtype)
+        p_a = new["qa"].to(dtype).T @ old["qa"].to(dtype)
+        carried = dict(moments)
+        if "m" in moments:
+            carried["m"] = p_g @ moments["m"] @ p_a.T
+        if self.options.carry == "rotate":
+            carried["v"] = (p_g * p_g) @ moments["v"] @ (p_a * p_a).T
+        return carried
+
+
+def _fits(previous: SolverState | None, a: Tensor, g: Tensor) -> bool:
+    """Whether ``previous`` holds bases of the shapes of ``A`` and ``G``."""
+    if previous is None or "qa" not in previous or "qg" not in previous:
+        return False
+    return previous["qa"].shape == a.shape and previous["qg"].shape == g.shape
+
+
+class EigenAdamSolver(EigenMomentsSolver):
+    """Adam's moments in the Kronecker eigenbasis: moments ``m, v, t`` (module notes)."""
+
+    name = "eigen_adam"
+    keys = ("m", "v")
+
+    def update_moments(self, moments: SolverState, rotated: Tensor) -> SolverState:
+        """``m ← β₁ m + (1−β₁) R``, ``v ← β₂ v + (1−β₂) R∘R``, ``t ← t + 1``."""
+        beta1 = self.options.beta1
+        new = super().update_moments(moments, rotated)
+        new["m"] = moments["m"] * beta1 + rotated * (1.0 - beta1)
+        return new
+
+    def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
+        """``m̂ ⊘ (√v̂ + ε)`` (Nesterov: the look-ahead ``m̂``)."""
+        del damping
+        beta1, t = self.options.beta1, moments["t"]
+        m = moments["m"]
+        if self.options.nesterov:
+            m = m * beta1 + rotated * (1.0 - beta1)
+            t = t + 1.0
+        m_hat = m / self.correction(beta1, t, m)
+        v_hat = moments["v"] / self.correction(self.options.beta2, moments["t"], m)
+        return m_hat / (v_hat.sqrt() + self.options.eps)
+
+
+class EKFACSolver(EigenMomentsSolver):
+    """Eigenvalue-corrected K-FAC: moments ``v, t`` (module notes)."""
+
+    name = "ekfac"
+
+    def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
+        """``R ⊘ (v̂ + λ)``."""
+        v_hat = moments["v"] / self.correction(self.options.beta2, moments["t"], rotated)
+        return rotated / (v_hat + damping)

@@ -1,0 +1,202 @@
+"""The engine's seam for stateful solvers: moments advance, carry, skip and checkpoint.
+
+Single process; the distributed side is tests/engine/test_moments_dist.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
+from tests.oracles import weight_grad_matrix
+from tests.strategy_cases import global_batch, make_model
+
+OPTIONS: dict[str, Any] = {
+    "method": "eigen_adam",
+    "kl_clip": None,
+    "factor_decay": 0.9,
+    "inverse_update_interval": 2,
+    "eigen_dtype": torch.float64,
+}
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x, y = global_batch(step, 1)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _trained(steps: int, **options: Any) -> tuple[nn.Module, KFACOptimizer]:
+    model = make_model()
+    pre = KFACPreconditioner(model, **{**OPTIONS, **options})
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), pre)
+    for step in range(steps):
+        _step(model, opt, step)
+    return model, opt
+
+
+def test_engine_update_is_adam_in_the_basis_of_the_layer_state() -> None:
+    """Between two refreshes the engine's update equals Adam on ``Q_Gᵀ ∇W Q_A``."""
+    model = make_model()
+    pre = KFACPreconditioner(model, **{**OPTIONS, "inverse_update_interval": 10})
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    m: dict[str, Tensor] = {}
+    v: dict[str, Tensor] = {}
+    for t in range(1, 4):
+        x, y = global_batch(t, 1)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raw = {n: weight_grad_matrix(layer.block.module).clone() for n, layer in pre.layers.items()}
+        pre.step()
+        for name, layer in pre.layers.items():
+            state = layer.solver_state
+            assert state is not None
+            r = state["qg"].T @ raw[name] @ state["qa"]
+            m[name] = b1 * m.get(name, 0 * r) + (1 - b1) * r
+            v[name] = b2 * v.get(name, 0 * r) + (1 - b2) * r * r
+            scaled = (m[name] / (1 - b1**t)) / ((v[name] / (1 - b2**t)).sqrt() + eps)
+            want = state["qg"] @ scaled @ state["qa"].T
+            torch.testing.assert_close(weight_grad_matrix(layer.block.module), want)
+            assert layer.moments is not None and layer.moments["t"].tolist() == [float(t)]
+
+
+@pytest.mark.parametrize(("carry", "count"), [("reset", 1.0), ("keep_v", 3.0)])
+def test_a_refresh_carries_the_moments_by_the_rule(carry: str, count: float) -> None:
+    _, opt = _trained(3, moment_carry=carry)  # refreshes at steps 0 and 2
+    for layer in opt.preconditioner.layers.values():
+        assert layer.moments is not None and layer.moments["t"].tolist() == [count]
+
+
+def test_moments_stay_put_on_a_step_with_a_non_finite_gradient() -> None:
+    model, opt = _trained(3)  # step 3 refreshes no basis
+    pre = opt.preconditioner
+    before = {
+        n: {k: v.clone() for k, v in (layer.moments or {}).items()}
+        for n, layer in pre.layers.items()
+    }
+    weights = [p.detach().clone() for p in model.parameters()]
+    x, y = global_batch(5, 1)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    model[0].weight.grad[0, 0, 0, 0] = float("nan")  # one layer's gradient only
+    opt.step()
+    for name, layer in pre.layers.items():
+        assert layer.moments is not None
+        for key, value in before[name].items():
+            assert torch.equal(layer.moments[key], value), (name, key)
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+def test_inner_sgd_weight_decay_is_decoupled_from_the_preconditioner() -> None:
+    """``W ← W − lr·(V + wd·W)``: the decay does not pass through the moments (AdamW)."""
+    lr, wd = 0.01, 0.1
+    results = []
+    for decay in (0.0, wd):
+        model = make_model()
+        pre = KFACPreconditioner(model, **OPTIONS)
+        opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=lr, weight_decay=decay), pre)
+        _step(model, opt, 0)
+        start = [p.detach().clone() for p in make_model().parameters()]
+        results.append(([p.detach().clone() for p in model.parameters()], start))
+    (plain, start), (decayed, _) = results
+    for p0, p1, w in zip(plain, decayed, start, strict=True):
+        torch.testing.assert_close(p1 - p0, -lr * wd * w)
+
+
+def _continue(model: nn.Module, opt: KFACOptimizer, first: int, last: int) -> list[Tensor]:
+    for step in range(first, last):
+        _step(model, opt, step)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("refresh", ["eigh", "power"])
+def test_checkpoint_round_trip_continues_bit_identically(refresh: str) -> None:
+    options = {"basis_refresh": refresh, "inverse_update_interval": 2}
+    model, opt = _trained(3, **options)
+    saved = copy.deepcopy(opt.state_dict())  # the live tensors change as training goes on
+    assert all(
+        "moments" in e and "inverse" in e for e in saved["preconditioner"]["layers"].values()
+    )
+    params = [p.detach().clone() for p in model.parameters()]
+    want = _continue(model, opt, 3, 6)
+
+    fresh = make_model()
+    with torch.no_grad():
+        for p, q in zip(fresh.parameters(), params, strict=True):
+            p.copy_(q)
+    pre = KFACPreconditioner(fresh, **{**OPTIONS, **options})
+    again = KFACOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.01), pre)
+    again.load_state_dict(saved)
+    got = _continue(fresh, again, 3, 6)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_method_switch_drops_or_starts_the_moments() -> None:
+    _, opt = _trained(3)
+    saved = opt.preconditioner.state_dict()
+    eigen = KFACPreconditioner(make_model(), **{**OPTIONS, "method": "eigen"})
+    eigen.load_state_dict(saved)  # eigen keeps no moments: the saved ones are ignored
+    assert all(layer.moments is None for layer in eigen.layers.values())
+    assert all(layer.solver_state is not None for layer in eigen.layers.values())
+    ekfac = KFACPreconditioner(make_model(), **{**OPTIONS, "method": "ekfac"})
+    ekfac.load_state_dict(saved)  # another solver's basis: recomputed, moments afresh
+    assert all(layer.moments is None for layer in ekfac.layers.values())
+    from_eigen = KFACPreconditioner(make_model(), **OPTIONS)
+    from_eigen.load_state_dict(eigen.state_dict(include_inverses=True))
+    assert all(layer.moments is None for layer in from_eigen.layers.values())
+    assert all(layer.solver_state is not None for layer in from_eigen.layers.values())
+
+
+def test_saved_moments_of_a_wrong_shape_are_refused() -> None:
+    _, opt = _trained(1)
+    saved = opt.preconditioner.state_dict()
+    entry = saved["layers"]["0"]
+    entry["moments"] = {**entry["moments"], "m": torch.zeros(2, 2, dtype=torch.float64)}
+    pre = KFACPreconditioner(make_model(), **OPTIONS)
+    with pytest.raises(ValueError, match=r"0: saved moments 'm' has shape \(2, 2\)"):
+        pre.load_state_dict(saved)
+
+
+def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
+    _, opt = _trained(1)
+    pre = opt.preconditioner
+    state = sum(
+        t.numel() * 8 for layer in pre.layers.values() for t in (layer.solver_state or {}).values()
+    )
+    moments = sum(
+        layer.solver.moment_elements(layer.block.a_dim, layer.block.g_dim) * 8
+        for layer in pre.layers.values()
+    )
+    usage = pre.memory_usage()
+    assert (usage["inverses"], usage["moments"]) == (state, moments)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("moment_beta1", 1.0, ValueError),
+        ("moment_beta2", -0.5, ValueError),
+        ("moment_eps", 0.0, ValueError),
+        ("moment_bias_correction", "yes", TypeError),
+        ("moment_nesterov", 1, TypeError),
+        ("basis_refresh", "qr", ValueError),
+        ("moment_carry", "keep", ValueError),
+    ],
+)
+def test_config_validates_the_moment_fields(field: str, value: object, error: type) -> None:
+    with pytest.raises(error, match=field):
+        KFACConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_accepts_the_new_methods() -> None:
+    assert KFACConfig(method="ekfac").method == "ekfac"
+    with pytest.raises(ValueError, match="eigen_adam"):
+        KFACConfig(method="adam")  # type: ignore[arg-type]

@@ -1,0 +1,264 @@
+"""The eigenbasis-moment solvers against dense, explicit formulas (solvers/eigen_moments.py).
+
+The oracles work on ``vec(∇W)`` (column-major) with the Kronecker basis ``K = Q_A ⊗ Q_G``:
+the rotated gradient is ``Kᵀ vec(∇W)`` and the update ``K s`` for the scaled vector ``s``;
+the factors are built from known orthogonal bases and distinct eigenvalues, so the basis
+is known up to column signs (which the updates do not depend on).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, make_solver
+from dkfac.solvers.eigen_moments import descending_eigh, power_refresh
+
+DT = torch.float64
+A_DIM, G_DIM = 5, 3
+
+
+def _orthogonal(n: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
+    return q
+
+
+def _factor(q: Tensor, values: list[float]) -> Tensor:
+    return q @ torch.diag(torch.tensor(values, dtype=DT)) @ q.T
+
+
+QA, QG = _orthogonal(A_DIM, 1), _orthogonal(G_DIM, 2)
+A = _factor(QA, [4.0, 2.0, 1.0, 0.5, 0.25])
+G = _factor(QG, [3.0, 1.0, 0.2])
+K = torch.kron(QA, QG)  # vec(Q_G X Q_Aᵀ) = K vec(X)
+
+
+def vec(x: Tensor) -> Tensor:
+    return x.T.reshape(-1)
+
+
+def unvec(v: Tensor) -> Tensor:
+    return v.reshape(A_DIM, G_DIM).T
+
+
+def _grads(n: int) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(G_DIM, A_DIM, generator=gen, dtype=DT) for _ in range(n)]
+
+
+def _run(solver, grads: list[Tensor], damping: float = 0.1) -> list[Tensor]:
+    state = solver.compute(A, G, damping)
+    moments, out = None, []
+    for grad in grads:
+        update, moments = solver.apply_with_moments(state, moments, grad, damping)
+        out.append(update)
+    return out
+
+
+def _adam_oracle(
+    grads: list[Tensor], b1: float, b2: float, eps: float, *, bias: bool, nesterov: bool
+) -> list[Tensor]:
+    m = torch.zeros(A_DIM * G_DIM, dtype=DT)
+    v = torch.zeros_like(m)
+    out = []
+    for t, grad in enumerate(grads, start=1):
+        r = K.T @ vec(grad)
+        m = b1 * m + (1 - b1) * r
+        v = b2 * v + (1 - b2) * r**2
+        num = b1 * m + (1 - b1) * r if nesterov else m
+        c1 = (1 - b1 ** (t + 1 if nesterov else t)) if bias else 1.0
+        c2 = (1 - b2**t) if bias else 1.0
+        out.append(unvec(K @ ((num / c1) / ((v / c2).sqrt() + eps))))
+    return out
+
+
+def _ekfac_oracle(grads: list[Tensor], b2: float, damping: float, *, bias: bool) -> list[Tensor]:
+    """EKFAC: ``(Q_A⊗Q_G) diag(s + λ)^{-1} (Q_A⊗Q_G)ᵀ vec(∇W)`` with ``s`` the running
+    second moment of the rotated gradient."""
+    v = torch.zeros(A_DIM * G_DIM, dtype=DT)
+    out = []
+    for t, grad in enumerate(grads, start=1):
+        r = K.T @ vec(grad)
+        v = b2 * v + (1 - b2) * r**2
+        s = v / ((1 - b2**t) if bias else 1.0)
+        out.append(unvec(K @ torch.diag(1.0 / (s + damping)) @ K.T @ vec(grad)))
+    return out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_eigen_adam_equals_adam_in_the_kronecker_eigenbasis(bias: bool, nesterov: bool) -> None:
+    options = MomentOptions(beta1=0.8, beta2=0.9, eps=1e-3, bias_correction=bias, nesterov=nesterov)
+    grads = _grads(4)
+    got = _run(EigenAdamSolver(DT, options), grads)
+    want = _adam_oracle(grads, 0.8, 0.9, 1e-3, bias=bias, nesterov=nesterov)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_first_eigen_adam_step_is_the_rotated_sign() -> None:
+    """Bias-corrected, the first step is ``Q_G sign(R)·|R|/(|R|+ε) Q_Aᵀ`` for any β."""
+    grad = _grads(1)[0]
+    got = EigenAdamSolver(DT, MomentOptions(eps=1e-12)).apply(
+        EigenAdamSolver(DT).compute(A, G, 0.1), grad, 0.1
+    )
+    r = QG.T @ grad @ QA
+    torch.testing.assert_close(got, QG @ torch.sign(r) @ QA.T)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_ekfac_equals_the_explicit_formula(bias: bool) -> None:
+    grads = _grads(3)
+    got = _run(EKFACSolver(DT, MomentOptions(beta2=0.7, bias_correction=bias)), grads, 0.05)
+    for g, w in zip(got, _ekfac_oracle(grads, 0.7, 0.05, bias=bias), strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_ekfac_with_beta_zero_scales_by_the_current_squares() -> None:
+    grad = _grads(1)[0]
+    got = _run(EKFACSolver(DT, MomentOptions(beta2=0.0)), [grad], 0.05)[0]
+    r = QG.T @ grad @ QA
+    torch.testing.assert_close(got, QG @ (r / (r * r + 0.05)) @ QA.T)
+
+
+def test_apply_with_moments_leaves_the_given_moments_alone() -> None:
+    solver = EigenAdamSolver(DT)
+    state = solver.compute(A, G, 0.1)
+    _, first = solver.apply_with_moments(state, None, _grads(1)[0], 0.1)
+    assert first is not None
+    saved = {k: v.clone() for k, v in first.items()}
+    solver.apply_with_moments(state, first, _grads(2)[1], 0.1)
+    for key, value in saved.items():
+        assert torch.equal(first[key], value)
+    assert first["t"].tolist() == [1.0]
+
+
+def test_basis_is_descending_and_matches_the_factors() -> None:
+    state = EigenAdamSolver(DT).compute(A, G, 0.1)
+    torch.testing.assert_close(state["da"], torch.tensor([4.0, 2.0, 1.0, 0.5, 0.25], dtype=DT))
+    torch.testing.assert_close(state["dg"], torch.tensor([3.0, 1.0, 0.2], dtype=DT))
+    torch.testing.assert_close((state["qa"].T @ QA).abs(), torch.eye(A_DIM, dtype=DT))
+
+
+def test_power_refresh_converges_to_the_eigh_basis() -> None:
+    values = [2.0**-i for i in range(6)]
+    target = _orthogonal(6, 7)
+    matrix = _factor(target, values)
+    q = _orthogonal(6, 8)  # an unrelated start
+    for _ in range(80):
+        estimates, q = power_refresh(matrix, q, DT)
+    torch.testing.assert_close((q.T @ target).abs(), torch.eye(6, dtype=DT), atol=1e-10, rtol=0)
+    torch.testing.assert_close(estimates, torch.tensor(values, dtype=DT), atol=1e-10, rtol=0)
+
+
+def test_a_converged_basis_is_a_fixed_point_of_the_power_refresh() -> None:
+    _, q = descending_eigh(A, DT)
+    estimates, again = power_refresh(A, q, DT)
+    torch.testing.assert_close(again, q, atol=1e-12, rtol=0)
+    torch.testing.assert_close(estimates, torch.tensor([4.0, 2.0, 1.0, 0.5, 0.25], dtype=DT))
+
+
+def test_power_option_follows_the_previous_state_and_starts_with_eigh() -> None:
+    solver = EigenAdamSolver(DT, MomentOptions(basis_refresh="power"))
+    first = solver.compute_statistics({"A": A, "G": G}, 0.1)
+    torch.testing.assert_close((first["qa"].T @ QA).abs(), torch.eye(A_DIM, dtype=DT))
+    moved = _factor(_orthogonal(A_DIM, 9), [5.0, 3.0, 1.0, 0.5, 0.1])
+    second = solver.compute_statistics({"A": moved, "G": G}, 0.1, first)
+    _, want = power_refresh(moved, first["qa"], DT)
+    torch.testing.assert_close(second["qa"], want)
+    eigh = EigenAdamSolver(DT).compute_statistics({"A": moved, "G": G}, 0.1, first)
+    assert not torch.allclose(eigh["qa"].abs(), second["qa"].abs())
+
+
+def _moments(solver, state) -> dict[str, Tensor]:
+    moments = None
+    for grad in _grads(3):
+        _, moments = solver.apply_with_moments(state, moments, grad, 0.1)
+    return moments
+
+
+def _new_state() -> dict[str, Tensor]:
+    a2 = _factor(_orthogonal(A_DIM, 11), [4.0, 2.0, 1.0, 0.5, 0.25])
+    g2 = _factor(_orthogonal(G_DIM, 12), [3.0, 1.0, 0.2])
+    return EigenAdamSolver(DT).compute(a2, g2, 0.1)
+
+
+@pytest.mark.parametrize("carry", ["keep_v", "rotate"])
+def test_carry_rotates_the_first_moment_exactly(carry: str) -> None:
+    solver = EigenAdamSolver(DT, MomentOptions(carry=carry))
+    old, new = solver.compute(A, G, 0.1), _new_state()
+    moments = _moments(solver, old)
+    carried = solver.carry_moments(old, new, moments)
+    torch.testing.assert_close(
+        new["qg"] @ carried["m"] @ new["qa"].T, old["qg"] @ moments["m"] @ old["qa"].T
+    )
+    assert torch.equal(carried["t"], moments["t"])
+    if carry == "keep_v":
+        assert torch.equal(carried["v"], moments["v"])
+    else:
+        p_g, p_a = new["qg"].T @ old["qg"], new["qa"].T @ old["qa"]
+        want = torch.einsum("ik,jl,kl->ij", p_g**2, p_a**2, moments["v"])
+        torch.testing.assert_close(carried["v"], want)
+
+
+def test_rotate_carries_the_second_moment_exactly_through_a_permutation() -> None:
+    solver = EKFACSolver(DT, MomentOptions(carry="rotate"))
+    old = solver.compute(A, G, 0.1)
+    perm_a, perm_g = torch.tensor([2, 0, 4, 1, 3]), torch.tensor([1, 2, 0])
+    new = {**old, "qa": -old["qa"][:, perm_a], "qg": old["qg"][:, perm_g]}
+    moments = _moments(solver, old)
+    carried = solver.carry_moments(old, new, moments)
+    torch.testing.assert_close(carried["v"], moments["v"][perm_g][:, perm_a])
+
+
+def test_reset_starts_the_moments_again() -> None:
+    solver = EigenAdamSolver(DT, MomentOptions(carry="reset"))
+    old, new = solver.compute(A, G, 0.1), _new_state()
+    carried = solver.carry_moments(old, new, _moments(solver, old))
+    assert carried["t"].tolist() == [0.0]
+    assert not carried["m"].any() and not carried["v"].any()
+
+
+def test_an_unchanged_basis_carries_nothing() -> None:
+    solver = EigenAdamSolver(DT, MomentOptions(carry="reset"))
+    old = solver.compute(A, G, 0.1)
+    moments = _moments(solver, old)
+    same = {k: v.clone() for k, v in old.items()}
+    assert solver.carry_moments(old, same, moments) is moments
+
+
+def test_costs_and_elements() -> None:
+    assert EigenAdamSolver.moment_elements(10, 4) == 2 * 40 + 1
+    assert EKFACSolver.moment_elements(10, 4) == 40 + 1
+    assert EigenAdamSolver.state_elements(10, 4) == 100 + 10 + 16 + 4
+    assert EigenAdamSolver.stateful and not make_solver("eigen").stateful
+    assert EigenAdamSolver.apply_products == 4
+
+
+def test_make_solver_passes_the_options() -> None:
+    options = MomentOptions(beta1=0.5, carry="reset")
+    solver = make_solver("eigen_adam", DT, moments=options)
+    assert isinstance(solver, EigenAdamSolver) and solver.options is options
+    assert isinstance(make_solver("ekfac"), EKFACSolver)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("beta1", 1.0, ValueError),
+        ("beta2", -0.1, ValueError),
+        ("eps", 0.0, ValueError),
+        ("eps", math.inf, ValueError),
+        ("beta1", "0.9", TypeError),
+        ("bias_correction", 1, TypeError),
+        ("basis_refresh", "lanczos", ValueError),
+        ("carry", "keep", ValueError),
+    ],
+)
+def test_options_are_validated(field: str, value: object, error: type) -> None:
+    with pytest.raises(error, match=field):
+        MomentOptions(**{field: value})  # type: ignore[arg-type]
