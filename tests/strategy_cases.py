@@ -50,6 +50,14 @@ def global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
+def average_gradients(model: nn.Module, world_size: int) -> None:
+    """What DDP would do: every parameter's gradient averaged over the ranks."""
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+
+
 def train(
     rank: int,
     world_size: int,
@@ -81,10 +89,7 @@ def train(
         opt.zero_grad()
         F.cross_entropy(wrapped(x[shard]), y[shard]).backward()
         if world_size > 1 and not ddp and strategy != "spngd":
-            for p in model.parameters():
-                assert p.grad is not None
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
+            average_gradients(model, world_size)
         pre.step(lr=0.1)
         opt.step()
     return model, pre

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from dkfac import KFACPreconditioner
 from tests.distributed_utils import run_distributed
+from tests.strategy_cases import average_gradients
 
 DT = torch.float64
 
@@ -186,9 +186,7 @@ def _train(rank: int, world: int, strategy: str, serial: bool) -> list[torch.Ten
             part = slice(r * PER_RANK, (r + 1) * PER_RANK)
             (F.cross_entropy(model(x[part]), y[part]) / accumulation).backward()
         if not serial and strategy != "spngd":
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
+            average_gradients(model, world)
         pre.step(lr=0.1)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]

@@ -20,13 +20,12 @@ import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac import KFACPreconditioner
 from tests.distributed_utils import run_distributed
-from tests.strategy_cases import OPTIONS, STEPS, make_model
+from tests.strategy_cases import OPTIONS, STEPS, average_gradients, make_model
 
 MOMENTS: dict[str, Any] = {
     "method": "eigen_adam",
@@ -61,10 +60,7 @@ def _steps(
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         if world > 1 and pre.strategy.name != "spngd":
-            for p in model.parameters():
-                assert p.grad is not None
-                dist.all_reduce(p.grad)
-                p.grad /= world
+            average_gradients(model, world)
         pre.step(lr=0.1)
         opt.step()
 

@@ -52,7 +52,6 @@ from dkfac.costmodel.layers import KFACLayer, ModelSpec
 from dkfac.distributed.assignment import grad_worker_count, plan_placement
 from dkfac.distributed.strategies import STRATEGIES as STRATEGY_TABLE
 from dkfac.distributed.strategy_base import StrategyRule
-from dkfac.solvers import METHODS as SOLVER_METHODS
 from dkfac.solvers import SOLVERS, Solver, method_names
 
 __all__ = [
@@ -73,10 +72,6 @@ __all__ = [
 KINDS = ("gradients", "factors", "inverses", "preconditioned")
 STRATEGIES: tuple[str, ...] = tuple(STRATEGY_TABLE)
 """The strategies the cost model prices: every entry of the strategy table."""
-METHODS: tuple[str, ...] = tuple(
-    name for name in SOLVER_METHODS if name in SOLVERS and SOLVERS[name].fixed_size_state
-)
-"""The methods whose state size is known from the shapes alone (not the low-rank ones)."""
 
 
 def rule_of(strategy: str) -> StrategyRule:
@@ -91,17 +86,26 @@ def rule_of(strategy: str) -> StrategyRule:
     return cls.rule
 
 
+def priced_methods() -> tuple[str, ...]:
+    """The methods (registered ones included) whose state size follows from the shapes
+    alone: not the low-rank ones."""
+    return tuple(n for n in method_names() if n in SOLVERS and SOLVERS[n].fixed_size_state)
+
+
+METHODS: tuple[str, ...] = priced_methods()
+"""The built-in methods the cost model prices (:func:`priced_methods` at import)."""
+
+
 def priced_solver(method: str) -> type[Solver]:
     """The solver class of a method whose state size follows from the shapes.
 
     Raises:
         ValueError: For another method (unknown, deferred or low-rank).
     """
-    cls = SOLVERS.get(method)
-    if method not in method_names() or cls is None or not cls.fixed_size_state:
-        priced = tuple(n for n in method_names() if n in SOLVERS and SOLVERS[n].fixed_size_state)
+    priced = priced_methods()
+    if method not in priced:
         raise ValueError(f"method must be one of {priced}, got {method!r}")
-    return cls
+    return SOLVERS[method]
 
 
 @dataclass(frozen=True, kw_only=True)
