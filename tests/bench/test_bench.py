@@ -90,6 +90,10 @@ def test_parse_options() -> None:
     }
     with pytest.raises(ValueError, match="key=value"):
         parse_options("damping")
+    assert parse_options("moment_nesterov=True,moment_bias_correction=False") == {
+        "moment_nesterov": True,
+        "moment_bias_correction": False,
+    }
 
 
 def test_train_to_target_times_only_training_steps() -> None:
@@ -187,6 +191,8 @@ def test_step_summary_amortises_and_pools_the_plain_steps() -> None:
         times[f"{name}/inverse"] = [inverse]
     summary = summarise(times, list(kinds))
     assert summary["control_ratio"] == pytest.approx(1.1)
+    assert summary["adamw_seconds"] is None
+    assert summary["configs"]["a"]["amortised"]["1,1"]["ratio_to_adamw"] is None
     assert summary["pooled"] == {
         "plain_seconds": 1.1,
         "sgd_seconds": pytest.approx(1.05),
@@ -243,3 +249,40 @@ def test_bench_step_rejects_a_bad_skip_pattern() -> None:
 
     with pytest.raises(SystemExit):
         step.main(["--skip-layers", "Batch(Norm"])
+
+
+def test_step_summary_prices_every_cost_against_the_adamw_step() -> None:
+    from dkfac.bench.step import summarise
+
+    times = {"sgd": [1.0], "sgd-control": [1.0], "adamw": [1.5, 2.0, 2.5]}
+    times |= {"a/plain": [1.2], "a/factor": [2.2], "a/inverse": [4.2]}
+    summary = summarise(times, ["a"])
+    assert summary["adamw_seconds"] == 2.0
+    amortised = summary["configs"]["a"]["amortised"]
+    assert amortised["1,1"]["ratio_to_adamw"] == pytest.approx(4.2 / 2.0)
+    assert amortised["10,100"]["ratio_to_adamw"] == pytest.approx((1.2 + 0.1 + 0.02) / 2.0)
+
+
+def test_bench_step_runs_any_method_with_extra_options(tmp_path: Path) -> None:
+    payload = _tiny_step_run(
+        tmp_path, "--method", "eigen_adam", "--options", "basis_refresh=power,moment_nesterov=True"
+    )
+    assert payload["settings"]["method"] == "eigen_adam"
+    assert payload["settings"]["options"] == {"basis_refresh": "power", "moment_nesterov": True}
+    assert len(payload["times"]["adamw"]) == len(payload["times"]["sgd"])
+    entry = payload["summary"]["configs"]["exact"]["amortised"]["1,1"]
+    assert entry["ratio_to_adamw"] == pytest.approx(
+        entry["seconds"] / payload["summary"]["adamw_seconds"]
+    )
+
+
+@pytest.mark.parametrize("options", ["method=eigen", "inverse_update_interval=2", "damping"])
+def test_bench_step_refuses_options_it_sets_itself(
+    options: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dkfac.bench import step
+
+    with pytest.raises(SystemExit) as exit_info:
+        step.main(["--options", options])
+    assert exit_info.value.code == 2
+    assert "--options" in capsys.readouterr().err

@@ -163,7 +163,7 @@ def first_reaching(
 
 
 def parse_options(text: str) -> dict[str, Any]:
-    """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}`` (ints, floats, None, strings).
+    """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}`` (ints, floats, None, bools, strings).
 
     A key ending in ``_dtype`` takes a torch dtype by name (``capture_dtype=bfloat16``).
 
@@ -178,6 +178,8 @@ def parse_options(text: str) -> dict[str, Any]:
         value: Any = raw
         if raw == "None":
             value = None
+        elif raw in ("True", "False"):
+            value = raw == "True"
         elif key.strip().endswith("_dtype"):
             try:
                 value = dtype(raw)

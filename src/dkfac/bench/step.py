@@ -16,6 +16,10 @@ the same side-by-side medians: forward/backward/update = ``t_sgd``, precondition
 each kind also records the ``record_function`` totals of the engine's labels; the profiler
 inflates them, so use those only for shares *within* a phase (e.g. A versus G capture).
 
+An AdamW step (torch's defaults) on another copy is measured in the same rounds too, so every
+amortised cost also has ``ratio_to_adamw``: a K-FAC method that replaces Adam (``eigen_adam``
+over SGD without momentum) is compared with the step it replaces.
+
 A second SGD case, an identical copy of the model measured in the same rounds, gives
 ``control_ratio``: how far two equal steps differ here, i.e. the noise floor of every ratio.
 The *pooled* ratios use, for every configuration, the median plain step of all of them (the
@@ -41,13 +45,15 @@ from dkfac.app.gpt import add_gpt_arguments, gpt_options
 from dkfac.app.models import build_model
 from dkfac.bench.common import (
     command_line,
-    format_table,
     interleaved,
     machine_info,
     median,
+    parse_options,
     write_result,
 )
+from dkfac.bench.step_report import plot_breakdown, summary_text
 from dkfac.preconditioner import KFACPreconditioner
+from dkfac.solvers import METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,7 @@ PHASE_LABELS = {
     "precondition": ("dkfac.precondition", "dkfac.kl_clip", "dkfac.comm.preconditioned"),
 }
 KINDS = {"plain": (NEVER, NEVER), "factor": (1, NEVER), "inverse": (1, 1)}
+FIXED_OPTIONS = frozenset({"method", "factor_update_interval", "inverse_update_interval", "lr"})
 
 
 def _make_case(
@@ -69,14 +76,21 @@ def _make_case(
     batch: tuple[torch.Tensor, torch.Tensor],
     kfac_options: dict[str, Any] | None,
     autocast: torch.dtype | None,
+    adamw: bool = False,
 ) -> tuple[Callable[[], None], KFACPreconditioner | None]:
     """One training step on a private copy of ``model`` (K-FAC when options are given).
 
+    The step's optimizer is SGD with momentum 0.9, or AdamW (torch's defaults) if ``adamw``.
+
     Returns:
-        The step, and the preconditioner it uses (``None`` for SGD).
+        The step, and the preconditioner it uses (``None`` without K-FAC).
     """
     model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    optimizer: torch.optim.Optimizer
+    if adamw:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     pre = None if kfac_options is None else KFACPreconditioner(model, **kfac_options)
     x, y = batch
 
@@ -143,14 +157,16 @@ def summarise(
     that ``control_ratio`` shows.
 
     Args:
-        times: Case name -> measured seconds (``sgd``, ``sgd-control``, ``<config>/<kind>``).
+        times: Case name -> measured seconds (``sgd``, ``sgd-control``, ``<config>/<kind>``
+            and optionally ``adamw``).
         configs: The configuration names.
         layer_sets: Configuration -> a label of the layers it preconditions; plain steps
             are pooled within a label only. Default: every configuration preconditions the
             same layers (label ``"all"``).
 
     Returns:
-        ``sgd_seconds``, ``control_ratio``, ``pooled`` (``sgd_seconds``, ``plain_seconds``
+        ``sgd_seconds``, ``adamw_seconds`` (``None`` without an ``adamw`` case),
+        ``control_ratio``, ``pooled`` (``sgd_seconds``, ``plain_seconds``
         of the first configuration's layer set and ``plain_seconds_by_layer_set``) and
         ``configs``: per configuration its ``layer_set``, ``kind_seconds`` and
         ``amortised`` costs keyed ``"f,i"``.
@@ -163,8 +179,10 @@ def summarise(
         for label in dict.fromkeys(sets[c] for c in configs)
     }
     pooled_sgd = median(times["sgd"] + times["sgd-control"])
+    adamw = median(times["adamw"]) if "adamw" in times else None
     summary: dict[str, Any] = {
         "sgd_seconds": sgd,
+        "adamw_seconds": adamw,
         "control_ratio": median(times["sgd-control"]) / sgd,
         "pooled": {
             "plain_seconds": plain_by_set[sets[configs[0]]],
@@ -182,6 +200,7 @@ def summarise(
                 "seconds": t["plain"] + extra,
                 "ratio_to_sgd": (t["plain"] + extra) / sgd,
                 "pooled_ratio_to_sgd": (pooled_plain + extra) / pooled_sgd,
+                "ratio_to_adamw": None if adamw is None else (t["plain"] + extra) / adamw,
                 "breakdown": breakdown(sgd, t, f_int, i_int),
             }
         summary["configs"][cname] = {
@@ -190,38 +209,6 @@ def summarise(
             "amortised": amortised,
         }
     return summary
-
-
-def plot_breakdown(payload: dict[str, Any], path: str) -> None:
-    """Stacked bars of the per-step phase breakdown, SGD and every configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = ["sgd"]
-    stacks: list[dict[str, float]] = [
-        {"forward/backward/update": payload["summary"]["sgd_seconds"]}
-    ]
-    for cname, entry in payload["summary"]["configs"].items():
-        for key in ("1,10", "10,100"):
-            labels.append(f"{cname}\n({key})")
-            stacks.append(entry["amortised"][key]["breakdown"])
-    phases = ["forward/backward/update", "precondition", "factor build", "inverse"]
-    fig, ax = plt.subplots(figsize=(0.7 * len(labels) + 2, 5))
-    bottom = [0.0] * len(labels)
-    for phase in phases:
-        values = [max(stack.get(phase, 0.0), 0.0) for stack in stacks]
-        ax.bar(labels, values, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_ylabel("seconds per step")
-    ax.tick_params(axis="x", labelrotation=70, labelsize=7)
-    settings = payload["settings"]
-    ax.set_title(f"{settings['model']} batch {settings['batch_size']} on {settings['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _model_and_batch(
@@ -280,18 +267,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cases = {
         "sgd": _make_case(model, (x, y), None, autocast)[0],
         "sgd-control": _make_case(model, (x, y), None, autocast)[0],
+        "adamw": _make_case(model, (x, y), None, autocast, adamw=True)[0],
     }
     preconditioned: dict[str, list[str]] = {}
     for cname, options in configs.items():
         for kind, (f_int, i_int) in KINDS.items():
-            kfac = dict(
-                method=args.method,
-                factor_update_interval=f_int,
-                inverse_update_interval=i_int,
-                damping=1e-3,
-                lr=1e-4,
+            kfac = {
+                "damping": 1e-3,
+                **args.options,
+                "method": args.method,
+                "factor_update_interval": f_int,
+                "inverse_update_interval": i_int,
+                "lr": 1e-4,
                 **options,
-            )
+            }
             cases[f"{cname}/{kind}"], pre = _make_case(model, (x, y), kfac, autocast)
             assert pre is not None
             preconditioned[cname] = list(pre.layers)
@@ -318,7 +307,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--channels", type=int, default=3)
     add_gpt_arguments(parser)  # --layers --width --heads --seq-len of --model gpt
-    parser.add_argument("--method", default="eigen", choices=["eigen", "cholesky"])
+    parser.add_argument("--method", default="eigen", choices=METHODS)
+    parser.add_argument(
+        "--options",
+        type=_options,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="more preconditioner options for every configuration, e.g. "
+        "basis_refresh=power,damping=0.01 (not the intervals, which each kind sets)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"])
     parser.add_argument("--repeats", type=int, default=5)
@@ -359,6 +356,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
 
 
+def _options(text: str) -> dict[str, Any]:
+    """``--options``: preconditioner keywords, without the ones every kind sets itself."""
+    try:
+        options = parse_options(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if taken := sorted(set(options) & FIXED_OPTIONS):
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(taken)} cannot be set: --method and each step kind set them"
+        )
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench step``."""
     parser = argparse.ArgumentParser(prog="dkfac bench step", description=__doc__)
@@ -376,28 +386,5 @@ def main(argv: list[str] | None = None) -> int:
     write_result(name, payload, args.out_dir, command_line("dkfac bench step", argv))
     if args.plot:
         plot_breakdown(payload, args.plot)
-    rows = []
-    for cname, entry in payload["summary"]["configs"].items():
-        for key, value in entry["amortised"].items():
-            b = value["breakdown"]
-            rows.append(
-                [
-                    cname,
-                    key,
-                    value["seconds"],
-                    value["ratio_to_sgd"],
-                    value["pooled_ratio_to_sgd"],
-                    b["precondition"],
-                    b["factor build"],
-                    b["inverse"],
-                ]
-            )
-    summary = payload["summary"]
-    print(
-        f"SGD: {summary['sgd_seconds']:.3f} s/step; an identical SGD copy measured "
-        f"{summary['control_ratio']:.3f}x (the noise floor of the ratios)"
-    )
-    headers = ["factors", "(f,i)", "s/step", "× SGD", "pooled × SGD"]
-    headers += ["precond s", "factor s", "inverse s"]
-    print(format_table(headers, rows))
+    print(summary_text(payload))
     return 0
