@@ -42,10 +42,18 @@ def _trained(steps: int, **options: Any) -> tuple[nn.Module, KFACOptimizer]:
     return model, opt
 
 
-def test_engine_update_is_adam_in_the_basis_of_the_layer_state() -> None:
-    """Between two refreshes the engine's update equals Adam on ``Q_Gᵀ ∇W Q_A``."""
+def _basis(q: Tensor, dim: int) -> Tensor:
+    """A side's basis: the identity where the state keeps none (one-sided)."""
+    return q if q.numel() else torch.eye(dim, dtype=q.dtype)
+
+
+@pytest.mark.parametrize("max_dim", [None, 10], ids=["two-sided", "one-sided-above-10"])
+def test_engine_update_is_adam_in_the_basis_of_the_layer_state(max_dim: int | None) -> None:
+    """Between two refreshes the engine's update equals Adam on ``Q_Gᵀ ∇W Q_A``; with
+    ``basis_max_dim=10`` the A factors wider than 10 (19 and 49; not 7) keep ``I``."""
     model = make_model()
-    pre = KFACPreconditioner(model, **{**OPTIONS, "inverse_update_interval": 10})
+    options = {**OPTIONS, "inverse_update_interval": 10, "basis_max_dim": max_dim}
+    pre = KFACPreconditioner(model, **options)
     b1, b2, eps = 0.9, 0.95, 1e-8
     m: dict[str, Tensor] = {}
     v: dict[str, Tensor] = {}
@@ -58,11 +66,14 @@ def test_engine_update_is_adam_in_the_basis_of_the_layer_state() -> None:
         for name, layer in pre.layers.items():
             state = layer.solver_state
             assert state is not None
-            r = state["qg"].T @ raw[name] @ state["qa"]
+            g_dim, a_dim = raw[name].shape
+            qa, qg = _basis(state["qa"], a_dim), _basis(state["qg"], g_dim)
+            assert (state["qa"].numel() == 0) == (max_dim is not None and a_dim > max_dim)
+            r = qg.T @ raw[name] @ qa
             m[name] = b1 * m.get(name, 0 * r) + (1 - b1) * r
             v[name] = b2 * v.get(name, 0 * r) + (1 - b2) * r * r
             scaled = (m[name] / (1 - b1**t)) / ((v[name] / (1 - b2**t)).sqrt() + eps)
-            want = state["qg"] @ scaled @ state["qa"].T
+            want = qg @ scaled @ qa.T
             torch.testing.assert_close(weight_grad_matrix(layer.block.module), want)
             assert layer.moments is not None and layer.moments["t"].tolist() == [float(t)]
 
@@ -117,9 +128,9 @@ def _continue(model: nn.Module, opt: KFACOptimizer, first: int, last: int) -> li
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("refresh", ["eigh", "power"])
-def test_checkpoint_round_trip_continues_bit_identically(refresh: str) -> None:
-    options = {"basis_refresh": refresh, "inverse_update_interval": 2}
+@pytest.mark.parametrize(("refresh", "max_dim"), [("eigh", None), ("power", None), ("power", 10)])
+def test_checkpoint_round_trip_continues_bit_identically(refresh: str, max_dim: int | None) -> None:
+    options = {"basis_refresh": refresh, "inverse_update_interval": 2, "basis_max_dim": max_dim}
     model, opt = _trained(3, **options)
     saved = copy.deepcopy(opt.state_dict())  # the live tensors change as training goes on
     assert all(
@@ -189,6 +200,8 @@ def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
         ("moment_nesterov", 1, TypeError),
         ("basis_refresh", "qr", ValueError),
         ("moment_carry", "keep", ValueError),
+        ("basis_max_dim", 0, ValueError),
+        ("basis_max_dim", 8.0, ValueError),
     ],
 )
 def test_config_validates_the_moment_fields(field: str, value: object, error: type) -> None:

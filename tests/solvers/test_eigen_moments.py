@@ -60,19 +60,26 @@ def _run(solver, grads: list[Tensor], damping: float = 0.1) -> list[Tensor]:
 
 
 def _adam_oracle(
-    grads: list[Tensor], b1: float, b2: float, eps: float, *, bias: bool, nesterov: bool
+    grads: list[Tensor],
+    b1: float,
+    b2: float,
+    eps: float,
+    *,
+    bias: bool,
+    nesterov: bool,
+    basis: Tensor = K,
 ) -> list[Tensor]:
     m = torch.zeros(A_DIM * G_DIM, dtype=DT)
     v = torch.zeros_like(m)
     out = []
     for t, grad in enumerate(grads, start=1):
-        r = K.T @ vec(grad)
+        r = basis.T @ vec(grad)
         m = b1 * m + (1 - b1) * r
         v = b2 * v + (1 - b2) * r**2
         num = b1 * m + (1 - b1) * r if nesterov else m
         c1 = (1 - b1 ** (t + 1 if nesterov else t)) if bias else 1.0
         c2 = (1 - b2**t) if bias else 1.0
-        out.append(unvec(K @ ((num / c1) / ((v / c2).sqrt() + eps))))
+        out.append(unvec(basis @ ((num / c1) / ((v / c2).sqrt() + eps))))
     return out
 
 
@@ -257,8 +264,52 @@ def test_make_solver_passes_the_options() -> None:
         ("bias_correction", 1, TypeError),
         ("basis_refresh", "lanczos", ValueError),
         ("carry", "keep", ValueError),
+        ("max_dim", 0, ValueError),
+        ("max_dim", True, ValueError),
+        ("max_dim", 2.0, ValueError),
     ],
 )
 def test_options_are_validated(field: str, value: object, error: type) -> None:
     with pytest.raises(error, match=field):
         MomentOptions(**{field: value})  # type: ignore[arg-type]
+
+
+EYE_A, EYE_G = torch.eye(A_DIM, dtype=DT), torch.eye(G_DIM, dtype=DT)
+
+
+@pytest.mark.parametrize(
+    ("max_dim", "basis"),
+    [(4, torch.kron(EYE_A, QG.contiguous())), (2, torch.kron(EYE_A, EYE_G)), (5, K)],
+    ids=["wide-input-side", "both-sides-wide", "none-wide"],
+)
+def test_one_sided_eigen_adam_is_adam_in_the_basis_of_the_narrow_factors(
+    max_dim: int, basis: Tensor
+) -> None:
+    """A factor wider than ``max_dim`` keeps the identity: ``K = I ⊗ Q_G`` (or ``I``)."""
+    options = MomentOptions(beta1=0.8, beta2=0.9, eps=1e-3, nesterov=True, max_dim=max_dim)
+    grads = _grads(4)
+    got = _run(EigenAdamSolver(DT, options), grads)
+    want = _adam_oracle(grads, 0.8, 0.9, 1e-3, bias=True, nesterov=True, basis=basis)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_wide_factor_is_never_decomposed_and_keeps_an_empty_basis() -> None:
+    solver = EKFACSolver(DT, MomentOptions(max_dim=4, basis_refresh="power"))
+    first = solver.compute(A, G, 0.1)
+    assert first["qa"].shape == (0, 0) and first["da"].shape == (0,)
+    nan_a = torch.full_like(A, float("nan"))  # never read: no decomposition of the wide side
+    again = solver.compute_statistics({"A": nan_a, "G": G}, 0.1, previous=first)
+    assert again["qa"].shape == (0, 0)
+    want_dg, want_qg = power_refresh(G, first["qg"], DT)
+    torch.testing.assert_close(again["qg"], want_qg)
+    torch.testing.assert_close(again["dg"], want_dg)
+
+
+def test_one_sided_carry_rotates_the_first_moment_exactly() -> None:
+    solver = EigenAdamSolver(DT, MomentOptions(max_dim=4))
+    old = solver.compute(A, G, 0.1)
+    new = solver.compute(A, _factor(_orthogonal(G_DIM, 12), [3.0, 1.0, 0.2]), 0.1)
+    moments = _moments(solver, old)
+    carried = solver.carry_moments(old, new, moments)
+    torch.testing.assert_close(new["qg"] @ carried["m"], old["qg"] @ moments["m"])

@@ -98,6 +98,10 @@ class SolverConfig:
             ``"keep_v"`` (the first moment rotated exactly, the second kept, as SOAP does)
             or ``"rotate"`` (the second moment rotated approximately too). Formulas:
             :mod:`dkfac.solvers.eigen_moments`.
+        basis_max_dim: ``"ekfac"``/``"eigen_adam"``: a factor of a larger dimension keeps the
+            identity as its basis and is never decomposed, so a very wide layer is
+            preconditioned on its other side only (one-sided, like SOAP's
+            ``max_precond_dim``); ``None`` (default): every factor is rotated.
     """
 
     method: Method = "eigen"
@@ -113,6 +117,7 @@ class SolverConfig:
     moment_nesterov: bool = False
     basis_refresh: BasisRefresh = "eigh"
     moment_carry: MomentCarry = "keep_v"
+    basis_max_dim: int | None = None
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -128,6 +133,7 @@ class SolverConfig:
         check_bool("moment_nesterov", self.moment_nesterov)
         check_choice("basis_refresh", self.basis_refresh, BASIS_REFRESHES)
         check_choice("moment_carry", self.moment_carry, MOMENT_CARRIES)
+        check_int("basis_max_dim", self.basis_max_dim, optional=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -191,6 +191,7 @@ def create_layers(
                 nesterov=config.moment_nesterov,
                 basis_refresh=config.basis_refresh,
                 carry=config.moment_carry,
+                max_dim=config.basis_max_dim,
             ),
         )
         layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)

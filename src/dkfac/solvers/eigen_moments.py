@@ -41,6 +41,12 @@ layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A
 * ``"rotate"``: ``m`` as above, ``v ← (P_G∘P_G) v (P_A∘P_A)ᵀ`` (the diagonal second moment
   carried to the new basis, its off-diagonal part dropped).
 
+**One-sided** (``max_dim``): a factor wider than ``max_dim`` keeps the identity as its basis
+(stored as an empty ``q``/``d`` pair, and never decomposed): the layer's moments live in the
+eigenbasis of its other factor only, ``R = Q_Gᵀ ∇W`` for a wide input side (SOAP's
+``max_precond_dim``). A layer with both factors wider is Adam (or its EKFAC analogue) on the
+raw gradient.
+
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
 one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refresh every
 1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps ``"reset"`` does.
@@ -68,6 +74,7 @@ __all__ = [
     "MomentCarry",
     "MomentOptions",
     "power_refresh",
+    "rotate",
 ]
 
 BasisRefresh = Literal["eigh", "power"]
@@ -88,6 +95,8 @@ class MomentOptions:
         nesterov: Nesterov's look-ahead first moment (``"eigen_adam"`` only).
         basis_refresh: ``"eigh"`` or ``"power"``.
         carry: ``"reset"``, ``"keep_v"`` or ``"rotate"``.
+        max_dim: A factor of a larger dimension keeps the identity basis (one-sided);
+            ``None``: every factor is rotated.
     """
 
     beta1: float = 0.9
@@ -97,8 +106,13 @@ class MomentOptions:
     nesterov: bool = False
     basis_refresh: BasisRefresh = "eigh"
     carry: MomentCarry = "keep_v"
+    max_dim: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_dim is not None and (
+            isinstance(self.max_dim, bool) or not isinstance(self.max_dim, int) or self.max_dim < 1
+        ):
+            raise ValueError(f"max_dim must be an integer >= 1 or None, got {self.max_dim!r}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -178,20 +192,26 @@ class EigenMomentsSolver(Solver):
         """The new basis: ``eigh``, or one power step from ``previous`` (see the module notes)."""
         a, g = stats["A"], stats["G"]
         storage = a.dtype
-        follow = self.options.basis_refresh == "power" and _fits(previous, a, g)
 
         def run(dtype: torch.dtype) -> SolverState:
-            if follow:
-                assert previous is not None
-                da, qa = power_refresh(a, previous["qa"], dtype)
-                dg, qg = power_refresh(g, previous["qg"], dtype)
-            else:
-                da, qa = descending_eigh(a, dtype)
-                dg, qg = descending_eigh(g, dtype)
+            da, qa = self._side(a, None if previous is None else previous.get("qa"), dtype)
+            dg, qg = self._side(g, None if previous is None else previous.get("qg"), dtype)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg}
             return {key: value.to(storage) for key, value in pairs.items()}
 
         return self.with_retry(run)
+
+    def _side(
+        self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """``(d, Q)`` of one factor: the identity (empty pair) when wider than ``max_dim``,
+        else one power step from a fitting ``previous`` basis or a full ``eigh``."""
+        if self.options.max_dim is not None and factor.shape[0] > self.options.max_dim:
+            return factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
+        power = self.options.basis_refresh == "power"
+        if power and previous is not None and previous.shape == factor.shape:
+            return power_refresh(factor, previous, dtype)
+        return descending_eigh(factor, dtype)
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """The update from fresh moments (:meth:`apply_with_moments` with none)."""
@@ -202,11 +222,11 @@ class EigenMomentsSolver(Solver):
     ) -> tuple[Tensor, SolverState]:
         """``(V, moments after this gradient)``; ``None`` moments start from zero."""
         qa, qg = state["qa"].to(grad.dtype), state["qg"].to(grad.dtype)
-        rotated = qg.T @ grad @ qa
+        rotated = rotate(grad, qg.T, qa)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
-        return qg @ self.scaled(new, rotated, damping) @ qa.T, new
+        return rotate(self.scaled(new, rotated, damping), qg, qa.T), new
 
     def zero_moments(self, like: Tensor) -> SolverState:
         """Zero moments of the shape of ``like`` and ``t = 0``."""
@@ -240,21 +260,36 @@ class EigenMomentsSolver(Solver):
         if self.options.carry == "reset":
             return self.zero_moments(moments["v"])
         dtype = moments["v"].dtype
-        p_g = new["qg"].to(dtype).T @ old["qg"].to(dtype)
-        p_a = new["qa"].to(dtype).T @ old["qa"].to(dtype)
+        p_g = _transition(new["qg"].to(dtype), old["qg"].to(dtype))
+        p_a = _transition(new["qa"].to(dtype), old["qa"].to(dtype))
         carried = dict(moments)
         if "m" in moments:
-            carried["m"] = p_g @ moments["m"] @ p_a.T
+            carried["m"] = rotate(moments["m"], p_g, p_a.T)
         if self.options.carry == "rotate":
-            carried["v"] = (p_g * p_g) @ moments["v"] @ (p_a * p_a).T
+            carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
         return carried
 
 
-def _fits(previous: SolverState | None, a: Tensor, g: Tensor) -> bool:
-    """Whether ``previous`` holds bases of the shapes of ``A`` and ``G``."""
-    if previous is None or "qa" not in previous or "qg" not in previous:
-        return False
-    return previous["qa"].shape == a.shape and previous["qg"].shape == g.shape
+def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """``left @ matrix @ right``, an empty ``left`` or ``right`` standing for the identity."""
+    if left.numel():
+        matrix = left @ matrix
+    return matrix @ right if right.numel() else matrix
+
+
+def _transition(new: Tensor, old: Tensor) -> Tensor:
+    """``Q'ᵀ Q`` from basis ``old`` to ``new``; empty (the identity) when both are identities.
+
+    A side that switches between the identity and a basis (a checkpoint of another
+    ``max_dim``) gets that basis itself (or its transpose), the other being the identity.
+    """
+    if not new.numel() and not old.numel():
+        return new
+    if not new.numel():
+        return old
+    if not old.numel():
+        return new.T
+    return new.T @ old
 
 
 class EigenAdamSolver(EigenMomentsSolver):
