@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dkfac.bench.common import parse_options
-from dkfac.bench.peers import KINDS, PEER_OPTIONS, OptimizerSpec, resolve_options
+from dkfac.bench.peers import (
+    KINDS,
+    PEER_OPTIONS,
+    OptimizerSpec,
+    check_kfac_options,
+    resolve_options,
+)
 from dkfac.bench.peers import unavailable_reason as _unavailable_reason
 
 logger = logging.getLogger(__name__)
@@ -133,7 +139,9 @@ def build_specs(
             continue
         for text in args.kfac or default_kfac:
             name, _, opts = text.partition(":")
-            specs.append(OptimizerSpec(name, "kfac", lrs, parse_options(opts)))
+            options = parse_options(opts)
+            check_kfac_options(options)
+            specs.append(OptimizerSpec(name, "kfac", lrs, options))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"optimizer names must be unique, got {', '.join(names)}")
