@@ -117,12 +117,15 @@ class OptimizerSpec:
         kind: One of :data:`KINDS`.
         lrs: Its learning-rate grid.
         options: Keyword options of the kind (K-FAC: of the preconditioner).
+        recipe: For a K-FAC recipe (``dkfac.bench.recipes``): its file, its values and the
+            keys the benchmark ignored; ``None`` otherwise.
     """
 
     name: str
     kind: str
     lrs: list[float]
     options: dict[str, Any] = field(default_factory=dict)
+    recipe: dict[str, Any] | None = None
 
 
 class Stepper(Protocol):

@@ -3,10 +3,14 @@
 Shared by ``bench tta`` and ``bench autoencoder``:
 
 1. **Optimizers**: ``--optimizers`` picks kinds (:data:`dkfac.bench.peers.KINDS`); ``kfac``
-   stands for every ``--kfac NAME:options`` variant. One whose optional package is missing
-   (SOAP without heavyball) is skipped with a log line and recorded as skipped.
-2. **Grids**: every optimizer gets the same number of learning rates (``--<kind>-lrs``), so
-   none is tuned harder than another.
+   stands for every ``--kfac NAME:options`` variant and every ``--recipe FILE``
+   (:mod:`dkfac.bench.recipes`: a ``dkfac train --config`` file, named after its stem), or
+   for the benchmark's default variants when neither flag is given; a ``--recipe`` without
+   ``kfac`` among ``--optimizers`` is an error. One whose optional package is missing (SOAP
+   without heavyball) is skipped with a log line and recorded as skipped.
+2. **Grids**: every optimizer gets the same number of learning rates (``--<kind>-lrs``; a
+   recipe's are its lr times powers of two, :func:`dkfac.bench.recipes.recipe_grid`), so none
+   is tuned harder than another.
 3. **Sweep** (recorded): round ``i`` runs the ``i``-th learning rate of every optimizer on the
    sweep seed, optimizers interleaved; the best run by the task's score picks the lr.
 4. **Seeds**: every optimizer runs at its chosen lr on seeds ``0 .. --seeds-1``, seed-major,
@@ -30,6 +34,7 @@ from dkfac.bench.peers import (
     resolve_options,
 )
 from dkfac.bench.peers import unavailable_reason as _unavailable_reason
+from dkfac.bench.recipes import load_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +72,8 @@ def add_peer_arguments(
         nargs="+",
         choices=KINDS,
         default=list(DEFAULT_OPTIMIZERS),
-        help="optimizer kinds to run; kfac runs every --kfac variant (default: %(default)s)",
+        help="optimizer kinds to run; kfac runs every --kfac variant and --recipe "
+        "(default: %(default)s)",
     )
     for kind in KINDS:
         flags = [f"--{kind}-lrs", *([aliases[kind]] if aliases and kind in aliases else [])]
@@ -80,6 +86,14 @@ def add_peer_arguments(
             help=f"{kind}'s learning-rate grid (default: %(default)s)",
         )
     parser.add_argument("--kfac", action="append", help="NAME:key=value,... (repeatable)")
+    parser.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a K-FAC recipe: a dkfac train --config TOML file, run as a kfac variant named "
+        "after the file (repeatable)",
+    )
     parser.add_argument(
         "--peer-options",
         action="append",
@@ -126,10 +140,14 @@ def build_specs(
             (``--peer-options`` overrides both).
 
     Raises:
-        ValueError: For a bad option, an unknown ``--only`` name, duplicate names, a learning
-            rate <= 0, or grids of different sizes (unless ``--no-sweep``).
+        ValueError: For a bad option or recipe, a ``--recipe`` without ``kfac`` among
+            ``--optimizers``, an unknown ``--only`` name, duplicate names, a learning rate
+            <= 0, or grids of different sizes (unless ``--no-sweep``).
     """
     given = peer_options(args.peer_options)
+    recipes = [load_recipe(path) for path in args.recipe]
+    if recipes and "kfac" not in args.optimizers:
+        raise ValueError("--recipe adds a K-FAC variant: keep kfac among --optimizers")
     specs: list[OptimizerSpec] = []
     for kind in dict.fromkeys(args.optimizers):
         lrs = list(getattr(args, f"{kind}_lrs"))
@@ -137,11 +155,13 @@ def build_specs(
             options = resolve_options(kind, (task_options or {}).get(kind), given.get(kind))
             specs.append(OptimizerSpec(kind, kind, lrs, options))
             continue
-        for text in args.kfac or default_kfac:
+        for text in args.kfac or ([] if recipes else default_kfac):
             name, _, opts = text.partition(":")
             options = parse_options(opts)
             check_kfac_options(options)
             specs.append(OptimizerSpec(name, "kfac", lrs, options))
+        size = _other_grid_size(args)
+        specs += [recipe.spec(size, sweep=not args.no_sweep) for recipe in recipes]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"optimizer names must be unique, got {', '.join(names)}")
@@ -153,6 +173,13 @@ def build_specs(
     if not args.no_sweep:
         check_grids(specs)
     return specs
+
+
+def _other_grid_size(args: argparse.Namespace) -> int:
+    """The grid size a recipe matches: that of the first other optimizer that runs (the
+    first peer kind, else the ``--kfac`` variants' grid)."""
+    peers = [kind for kind in args.optimizers if kind != "kfac"]
+    return len(getattr(args, f"{peers[0]}_lrs" if peers else "kfac_lrs"))
 
 
 def check_grids(specs: Sequence[OptimizerSpec]) -> None:
