@@ -1,6 +1,6 @@
 """The protocol of a peer comparison: lr grids of equal size, a sweep, then seeds.
 
-Shared by ``bench tta`` and ``bench autoencoder``:
+Shared by ``bench tta``, ``bench autoencoder`` and ``bench lm``:
 
 1. **Optimizers**: ``--optimizers`` picks kinds (:data:`dkfac.bench.peers.KINDS`); ``kfac``
    stands for every ``--kfac NAME:options`` variant and every ``--recipe FILE``
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ def add_peer_arguments(
     parser: argparse.ArgumentParser,
     grids: Mapping[str, Sequence[float]],
     aliases: Mapping[str, str] | None = None,
+    optimizers: Sequence[str] = DEFAULT_OPTIMIZERS,
 ) -> None:
     """Adds the optimizer-selection, grid and sweep flags.
 
@@ -66,12 +68,13 @@ def add_peer_arguments(
         parser: The benchmark's parser.
         grids: Kind -> its default learning-rate grid (every kind of ``KINDS``).
         aliases: Kind -> an older spelling of its grid flag that stays accepted.
+        optimizers: The kinds run unless ``--optimizers`` says otherwise.
     """
     parser.add_argument(
         "--optimizers",
         nargs="+",
         choices=KINDS,
-        default=list(DEFAULT_OPTIMIZERS),
+        default=list(optimizers),
         help="optimizer kinds to run; kfac runs every --kfac variant and --recipe "
         "(default: %(default)s)",
     )
@@ -248,6 +251,12 @@ def sweep_then_seeds(
     return Comparison(sweep, chosen, seeded)
 
 
+def table_cell(value: float | None) -> float | str:
+    """A summary figure for :func:`~dkfac.bench.common.format_table`: ``-`` when it is
+    undefined (``None``) or not finite (a missed target, a diverged run)."""
+    return "-" if value is None or not math.isfinite(value) else value
+
+
 def plot_runs(
     ax: Any, runs: Mapping[str, Sequence[Run]], key: str, x: int, y: int, lrs: Mapping[str, float]
 ) -> None:
@@ -263,3 +272,37 @@ def plot_runs(
                 linewidth=1.0,
                 label=f"{name} (lr {lrs[name]:g})" if j == 0 else None,
             )
+
+
+def plot_loss_vs_time_and_steps(
+    payload: Mapping[str, Any],
+    path: str,
+    *,
+    ylabel: str,
+    title: str,
+    target: float | None = None,
+) -> None:
+    """Saves a PNG of two panels, a loss against training seconds and against steps: every
+    seed of every optimizer of ``payload["runs"]`` (traces ``[step, seconds, loss]``), log
+    scale, a dashed line at ``target`` when given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lrs = {name: entry["lr"] for name, entry in payload["summary"].items()}
+    plot_runs(ax_t, payload["runs"], "trace", 1, 2, lrs)
+    plot_runs(ax_s, payload["runs"], "trace", 0, 2, lrs)
+    for ax, xlabel in ((ax_t, "training seconds"), (ax_s, "steps")):
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
