@@ -69,7 +69,7 @@ def test_muon_split_of_the_small_cnn_by_name() -> None:
 
 
 class _TiedLM(nn.Module):
-    """Embedding, two hidden matrices around a LayerNorm, and a head tied to the embedding."""
+    """Embedding, three hidden matrices around a LayerNorm, and a head tied to the embedding."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -89,10 +89,10 @@ class _TiedLM(nn.Module):
 
 def test_muon_split_sends_embeddings_norms_tied_heads_and_ends_to_adamw() -> None:
     split = muon_split(_TiedLM())
-    assert split.muon == ["mid.weight", "out.weight"]
+    # the embedding is the input layer: the first Linear is hidden like the others
+    assert split.muon == ["inp.weight", "mid.weight", "out.weight"]
     assert split.adamw == [
         "emb.weight",  # also the head's weight: listed once, under its first name
-        "inp.weight",
         "inp.bias",
         "norm.weight",
         "norm.bias",
@@ -100,6 +100,8 @@ def test_muon_split_sends_embeddings_norms_tied_heads_and_ends_to_adamw() -> Non
     ]  # the frozen parameter is in neither
     with pytest.raises(ValueError, match="no hidden weight matrix"):
         muon_split(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match="no hidden weight matrix"):
+        muon_split(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)))
 
 
 def _set_grads(model: nn.Module) -> None:

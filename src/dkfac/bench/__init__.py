@@ -8,6 +8,8 @@ does not break the others.
     python -m dkfac.bench step --model resnet20 --batch-size 128
     python -m dkfac.bench tta --seeds 3   # SGD, AdamW, Muon, SOAP, K-FAC (dkfac.bench.peers)
     python -m dkfac.bench autoencoder
+    python -m dkfac.bench lm --seconds 90   # byte-level GPT: AdamW, Muon, SOAP, K-FAC
+    python -m dkfac.bench tta --recipe benchmarks/recipes/digits-cnn.toml   # a K-FAC recipe
     python -m dkfac.bench comm      # and: memory
     python -m dkfac.bench soak --steps 10000 --method eigen
 """
@@ -24,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "step": ("dkfac.bench.step", "per-step time of SGD vs K-FAC configurations, phases"),
     "tta": ("dkfac.bench.tta", "digits: time and steps to a test accuracy, K-FAC and peers"),
     "autoencoder": ("dkfac.bench.autoencoder", "digits autoencoder: loss vs time, K-FAC and peers"),
+    "lm": ("dkfac.bench.lm", "byte-level GPT: validation loss vs time, K-FAC and peers"),
     "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
     "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
     "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),

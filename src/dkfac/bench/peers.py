@@ -13,11 +13,19 @@ Kinds (each run at the learning rate of its grid that the benchmark is sweeping)
   defaults (betas (0.9, 0.95), shampoo_beta 0.95, eigenbases refreshed every 2 steps, weight
   decay 0.01), run eagerly like every other optimizer here (heavyball's ``torch.compile``
   would put minutes of compilation into the first timed steps on a CPU).
-* ``kfac``: ``KFACOptimizer`` over SGD with the benchmark's momentum and the preconditioner
-  options of the spec; the spec keys ``inner_momentum`` and ``inner_weight_decay`` set the
-  SGD's momentum (instead of the benchmark's) and weight decay (e.g. ``method=eigen_adam,
-  inner_momentum=0``: the preconditioner is the whole optimizer, the decay is decoupled), and
-  ``True`` / ``False`` are read as booleans.
+* ``kfac``: ``KFACOptimizer`` over an inner optimizer, with the preconditioner options of
+  the spec (``True`` / ``False`` are read as booleans). The spec keys of
+  :data:`KFAC_INNER_OPTIONS` choose the inner optimizer (:func:`kfac_parts`):
+
+  - ``inner=sgd`` (the default): ``torch.optim.SGD(lr, momentum=inner_momentum,
+    weight_decay=inner_weight_decay)``, the momentum being the benchmark's when
+    ``inner_momentum`` is not given and the decay 0 (e.g. ``method=eigen_adam,
+    inner_momentum=0``: the preconditioner is the whole optimizer, the decay is decoupled);
+  - ``inner=adamw``: ``torch.optim.AdamW(lr, betas=(inner_momentum, 0.999), eps=1e-8,
+    weight_decay=inner_weight_decay)``, with ``inner_momentum`` 0.9 when not given (Adam's
+    usual beta1, not the benchmark's SGD momentum) and the decay 0; AdamW's decay is
+    decoupled (``dkfac train --optimizer kfac-adam`` uses ``torch.optim.Adam``, whose decay
+    is an L2 term in the gradient).
 
 Options of a kind (``--peer-options KIND:key=value,...``) are checked against
 :data:`PEER_OPTIONS`; :func:`resolve_options` merges them over :data:`DEFAULT_OPTIONS` so that
@@ -27,6 +35,7 @@ every result records what ran.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from dkfac.config import KFACConfig
 from dkfac.optimizer import KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -47,6 +57,8 @@ __all__ = [
     "OptimizerSpec",
     "Stepper",
     "build_optimizer",
+    "check_kfac_options",
+    "kfac_parts",
     "muon_split",
     "resolve_options",
     "unavailable_reason",
@@ -69,8 +81,11 @@ PEER_OPTIONS: dict[str, frozenset[str]] = {
 }
 """Kind -> the options ``--peer-options`` may set (K-FAC's are the preconditioner's)."""
 
-KFAC_INNER_OPTIONS = frozenset({"inner_momentum", "inner_weight_decay"})
-"""Keys of a K-FAC spec that set its inner SGD rather than the preconditioner."""
+KFAC_INNER_OPTIONS = frozenset({"inner", "inner_momentum", "inner_weight_decay"})
+"""Keys of a K-FAC spec that set its inner optimizer rather than the preconditioner."""
+
+KFAC_INNER_KINDS = ("sgd", "adamw")
+"""Values of a K-FAC spec's ``inner`` key."""
 
 DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "sgd": {},
@@ -102,12 +117,15 @@ class OptimizerSpec:
         kind: One of :data:`KINDS`.
         lrs: Its learning-rate grid.
         options: Keyword options of the kind (K-FAC: of the preconditioner).
+        recipe: For a K-FAC recipe (``dkfac.bench.recipes``): its file, its values and the
+            keys the benchmark ignored; ``None`` otherwise.
     """
 
     name: str
     kind: str
     lrs: list[float]
     options: dict[str, Any] = field(default_factory=dict)
+    recipe: dict[str, Any] | None = None
 
 
 class Stepper(Protocol):
@@ -131,21 +149,23 @@ class MuonSplit:
 def muon_split(model: nn.Module) -> MuonSplit:
     """Splits ``model``'s trainable parameters between Muon and AdamW, as is standard.
 
-    Muon takes the ``weight`` of every ``nn.Linear`` and ``nn.Conv1d/2d/3d`` except the first
-    and the last such module in registration order (``model.named_modules()``: the input layer
-    and the output head for sequentially built models). AdamW takes everything else: biases,
-    normalisation parameters, embeddings (also a head tied to an embedding), the first layer,
-    the head, and any other parameter. A parameter shared by several modules is listed once,
-    under its first name.
+    Muon takes the ``weight`` of every ``nn.Linear`` and ``nn.Conv1d/2d/3d`` except the
+    model's input layer and its output head. The head is the last such module in registration
+    order (``model.named_modules()``); the input layer is the first such module, unless the
+    model has an ``nn.Embedding``: then the embedding is the input layer (a language model's
+    token embedding) and every such module but the last is hidden (a transformer's first
+    query projection is a hidden matrix like the others). AdamW takes everything else:
+    biases, normalisation parameters, embeddings (also a head tied to an embedding), the input
+    layer, the head, and any other parameter. A parameter shared by several modules is listed
+    once, under its first name.
 
     Raises:
         ValueError: If no parameter is left for Muon (fewer than three such layers).
     """
     layers = [m for m in model.modules() if isinstance(m, _HIDDEN_TYPES)]
-    embedded = {
-        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-    }
-    hidden = {id(m.weight) for m in layers[1:-1]} - embedded
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embedded = {id(p) for m in embeddings for p in m.parameters()}
+    hidden = {id(m.weight) for m in layers[0 if embeddings else 1 : -1]} - embedded
     muon: list[str] = []
     adamw: list[str] = []
     for name, param in model.named_parameters():  # shared parameters come once
@@ -154,7 +174,8 @@ def muon_split(model: nn.Module) -> MuonSplit:
     if not muon:
         raise ValueError(
             f"muon: {type(model).__name__} has no hidden weight matrix (it needs at least three "
-            "Linear/Conv layers: the first and the last go to AdamW)"
+            "Linear/Conv layers, or an embedding and two: the input layer and the head go to "
+            "AdamW)"
         )
     return MuonSplit(muon, adamw)
 
@@ -256,7 +277,8 @@ def build_optimizer(spec: OptimizerSpec, model: nn.Module, lr: float, momentum: 
         spec: Kind and options (see the module docstring for each kind's defaults).
         model: The freshly built model.
         lr: The learning rate (Muon's for ``muon``; its AdamW part uses ``adamw_lr``).
-        momentum: SGD's momentum (for ``sgd`` and the SGD inside ``kfac``).
+        momentum: SGD's momentum (for ``sgd``, and the SGD inside ``kfac`` when the spec has
+            no ``inner_momentum``).
 
     Raises:
         ValueError: For an unknown kind or option.
@@ -274,19 +296,70 @@ def build_optimizer(spec: OptimizerSpec, model: nn.Module, lr: float, momentum: 
         return _soap(params, lr, opts)
     if spec.kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, **opts)
-    inner = {key: opts.pop(key) for key in list(opts) if key.startswith("inner_")}
-    if bad := sorted(set(inner) - KFAC_INNER_OPTIONS):
-        raise ValueError(
-            f"kfac takes no option {', '.join(bad)}; inner ones: inner_momentum, inner_weight_decay"
+    inner, options = kfac_parts(opts)
+    optimizer: torch.optim.Optimizer
+    if inner["inner"] == "adamw":
+        beta1 = float(inner.get("inner_momentum", 0.9))
+        decay = float(inner.get("inner_weight_decay", 0.0))
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=(beta1, 0.999), weight_decay=decay)
+    else:
+        optimizer = torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=float(inner.get("inner_momentum", momentum)),
+            weight_decay=float(inner.get("inner_weight_decay", 0.0)),
         )
-    sgd = torch.optim.SGD(
-        params,
-        lr=lr,
-        momentum=float(inner.get("inner_momentum", momentum)),
-        weight_decay=float(inner.get("inner_weight_decay", 0.0)),
-    )
-    flags = {key: value == "True" for key, value in opts.items() if value in ("True", "False")}
-    return KFACOptimizer(sgd, KFACPreconditioner(model, lr=lr, **{**opts, **flags}))
+    return KFACOptimizer(optimizer, KFACPreconditioner(model, lr=lr, **options))
+
+
+def kfac_parts(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Splits a K-FAC spec's options into its inner optimizer's and the preconditioner's.
+
+    Returns:
+        ``(inner, preconditioner)``: ``inner`` holds the keys of :data:`KFAC_INNER_OPTIONS`
+        that were given, with ``inner`` always set (``"sgd"`` by default); the preconditioner's
+        options have ``"True"`` / ``"False"`` strings read as booleans.
+
+    Raises:
+        ValueError: For an unknown ``inner_*`` key, an ``inner`` outside
+            :data:`KFAC_INNER_KINDS`, a momentum outside [0, 1) or a negative weight decay.
+    """
+    inner = {k: v for k, v in options.items() if k == "inner" or k.startswith("inner_")}
+    if bad := sorted(set(inner) - KFAC_INNER_OPTIONS):
+        allowed = ", ".join(sorted(KFAC_INNER_OPTIONS))
+        raise ValueError(f"kfac takes no option {', '.join(bad)}; inner ones: {allowed}")
+    inner.setdefault("inner", "sgd")
+    if inner["inner"] not in KFAC_INNER_KINDS:
+        raise ValueError(
+            f"kfac option inner must be {' or '.join(KFAC_INNER_KINDS)}, got {inner['inner']!r}"
+        )
+    for key, low, high in (("inner_momentum", 0.0, 1.0), ("inner_weight_decay", 0.0, math.inf)):
+        value = inner.get(key, low)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not low <= value < high
+        ):
+            shown = "[0, 1)" if high == 1.0 else ">= 0"
+            raise ValueError(f"kfac option {key} must be a number in {shown}, got {value!r}")
+    rest = {k: v for k, v in options.items() if k not in inner}
+    flags = {key: value == "True" for key, value in rest.items() if value in ("True", "False")}
+    return inner, {**rest, **flags}
+
+
+def check_kfac_options(options: Mapping[str, Any]) -> None:
+    """Checks a K-FAC spec's options as :func:`build_optimizer` will use them, before any run.
+
+    Raises:
+        ValueError: For a bad inner option (:func:`kfac_parts`) or a preconditioner option
+            that :class:`~dkfac.KFACConfig` refuses (an unknown name, a value outside its
+            domain); the message is one line.
+    """
+    _, preconditioner = kfac_parts(options)
+    try:
+        KFACConfig(**preconditioner)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"kfac option: {error}") from None
 
 
 def _soap(params: Iterable[Tensor], lr: float, options: Mapping[str, Any]) -> Stepper:

@@ -1,12 +1,16 @@
 """The protocol of a peer comparison: lr grids of equal size, a sweep, then seeds.
 
-Shared by ``bench tta`` and ``bench autoencoder``:
+Shared by ``bench tta``, ``bench autoencoder`` and ``bench lm``:
 
 1. **Optimizers**: ``--optimizers`` picks kinds (:data:`dkfac.bench.peers.KINDS`); ``kfac``
-   stands for every ``--kfac NAME:options`` variant. One whose optional package is missing
-   (SOAP without heavyball) is skipped with a log line and recorded as skipped.
-2. **Grids**: every optimizer gets the same number of learning rates (``--<kind>-lrs``), so
-   none is tuned harder than another.
+   stands for every ``--kfac NAME:options`` variant and every ``--recipe FILE``
+   (:mod:`dkfac.bench.recipes`: a ``dkfac train --config`` file, named after its stem), or
+   for the benchmark's default variants when neither flag is given; a ``--recipe`` without
+   ``kfac`` among ``--optimizers`` is an error. One whose optional package is missing (SOAP
+   without heavyball) is skipped with a log line and recorded as skipped.
+2. **Grids**: every optimizer gets the same number of learning rates (``--<kind>-lrs``; a
+   recipe's are its lr times powers of two, :func:`dkfac.bench.recipes.recipe_grid`), so none
+   is tuned harder than another.
 3. **Sweep** (recorded): round ``i`` runs the ``i``-th learning rate of every optimizer on the
    sweep seed, optimizers interleaved; the best run by the task's score picks the lr.
 4. **Seeds**: every optimizer runs at its chosen lr on seeds ``0 .. --seeds-1``, seed-major,
@@ -17,13 +21,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dkfac.bench.common import parse_options
-from dkfac.bench.peers import KINDS, PEER_OPTIONS, OptimizerSpec, resolve_options
+from dkfac.bench.peers import (
+    KINDS,
+    PEER_OPTIONS,
+    OptimizerSpec,
+    check_kfac_options,
+    resolve_options,
+)
 from dkfac.bench.peers import unavailable_reason as _unavailable_reason
+from dkfac.bench.recipes import load_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +60,7 @@ def add_peer_arguments(
     parser: argparse.ArgumentParser,
     grids: Mapping[str, Sequence[float]],
     aliases: Mapping[str, str] | None = None,
+    optimizers: Sequence[str] = DEFAULT_OPTIMIZERS,
 ) -> None:
     """Adds the optimizer-selection, grid and sweep flags.
 
@@ -55,13 +68,15 @@ def add_peer_arguments(
         parser: The benchmark's parser.
         grids: Kind -> its default learning-rate grid (every kind of ``KINDS``).
         aliases: Kind -> an older spelling of its grid flag that stays accepted.
+        optimizers: The kinds run unless ``--optimizers`` says otherwise.
     """
     parser.add_argument(
         "--optimizers",
         nargs="+",
         choices=KINDS,
-        default=list(DEFAULT_OPTIMIZERS),
-        help="optimizer kinds to run; kfac runs every --kfac variant (default: %(default)s)",
+        default=list(optimizers),
+        help="optimizer kinds to run; kfac runs every --kfac variant and --recipe "
+        "(default: %(default)s)",
     )
     for kind in KINDS:
         flags = [f"--{kind}-lrs", *([aliases[kind]] if aliases and kind in aliases else [])]
@@ -74,6 +89,14 @@ def add_peer_arguments(
             help=f"{kind}'s learning-rate grid (default: %(default)s)",
         )
     parser.add_argument("--kfac", action="append", help="NAME:key=value,... (repeatable)")
+    parser.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a K-FAC recipe: a dkfac train --config TOML file, run as a kfac variant named "
+        "after the file (repeatable)",
+    )
     parser.add_argument(
         "--peer-options",
         action="append",
@@ -120,10 +143,14 @@ def build_specs(
             (``--peer-options`` overrides both).
 
     Raises:
-        ValueError: For a bad option, an unknown ``--only`` name, duplicate names, a learning
-            rate <= 0, or grids of different sizes (unless ``--no-sweep``).
+        ValueError: For a bad option or recipe, a ``--recipe`` without ``kfac`` among
+            ``--optimizers``, an unknown ``--only`` name, duplicate names, a learning rate
+            <= 0, or grids of different sizes (unless ``--no-sweep``).
     """
     given = peer_options(args.peer_options)
+    recipes = [load_recipe(path) for path in args.recipe]
+    if recipes and "kfac" not in args.optimizers:
+        raise ValueError("--recipe adds a K-FAC variant: keep kfac among --optimizers")
     specs: list[OptimizerSpec] = []
     for kind in dict.fromkeys(args.optimizers):
         lrs = list(getattr(args, f"{kind}_lrs"))
@@ -131,9 +158,13 @@ def build_specs(
             options = resolve_options(kind, (task_options or {}).get(kind), given.get(kind))
             specs.append(OptimizerSpec(kind, kind, lrs, options))
             continue
-        for text in args.kfac or default_kfac:
+        for text in args.kfac or ([] if recipes else default_kfac):
             name, _, opts = text.partition(":")
-            specs.append(OptimizerSpec(name, "kfac", lrs, parse_options(opts)))
+            options = parse_options(opts)
+            check_kfac_options(options)
+            specs.append(OptimizerSpec(name, "kfac", lrs, options))
+        size = _other_grid_size(args)
+        specs += [recipe.spec(size, sweep=not args.no_sweep) for recipe in recipes]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"optimizer names must be unique, got {', '.join(names)}")
@@ -145,6 +176,13 @@ def build_specs(
     if not args.no_sweep:
         check_grids(specs)
     return specs
+
+
+def _other_grid_size(args: argparse.Namespace) -> int:
+    """The grid size a recipe matches: that of the first other optimizer that runs (the
+    first peer kind, else the ``--kfac`` variants' grid)."""
+    peers = [kind for kind in args.optimizers if kind != "kfac"]
+    return len(getattr(args, f"{peers[0]}_lrs" if peers else "kfac_lrs"))
 
 
 def check_grids(specs: Sequence[OptimizerSpec]) -> None:
@@ -213,6 +251,12 @@ def sweep_then_seeds(
     return Comparison(sweep, chosen, seeded)
 
 
+def table_cell(value: float | None) -> float | str:
+    """A summary figure for :func:`~dkfac.bench.common.format_table`: ``-`` when it is
+    undefined (``None``) or not finite (a missed target, a diverged run)."""
+    return "-" if value is None or not math.isfinite(value) else value
+
+
 def plot_runs(
     ax: Any, runs: Mapping[str, Sequence[Run]], key: str, x: int, y: int, lrs: Mapping[str, float]
 ) -> None:
@@ -228,3 +272,37 @@ def plot_runs(
                 linewidth=1.0,
                 label=f"{name} (lr {lrs[name]:g})" if j == 0 else None,
             )
+
+
+def plot_loss_vs_time_and_steps(
+    payload: Mapping[str, Any],
+    path: str,
+    *,
+    ylabel: str,
+    title: str,
+    target: float | None = None,
+) -> None:
+    """Saves a PNG of two panels, a loss against training seconds and against steps: every
+    seed of every optimizer of ``payload["runs"]`` (traces ``[step, seconds, loss]``), log
+    scale, a dashed line at ``target`` when given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lrs = {name: entry["lr"] for name, entry in payload["summary"].items()}
+    plot_runs(ax_t, payload["runs"], "trace", 1, 2, lrs)
+    plot_runs(ax_s, payload["runs"], "trace", 0, 2, lrs)
+    for ax, xlabel in ((ax_t, "training seconds"), (ax_s, "steps")):
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -110,6 +110,7 @@ def train_to_target(
         "cnn", in_channels=data.in_channels, image_size=data.image_size, num_classes=10
     )
     optimizer = build_optimizer(spec, model, lr, momentum)
+    mc_fisher = spec.kind == "kfac" and spec.options.get("fisher") == "mc"  # e.g. a --recipe
     gen = torch.Generator().manual_seed(seed)
     trace: list[tuple[int, float, float]] = []
     losses: list[tuple[int, float, float]] = []
@@ -120,7 +121,10 @@ def train_to_target(
         ):
             start = clock()
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xb), yb)
+            logits = model(xb)
+            if mc_fisher:  # G from sampled labels
+                optimizer.preconditioner.sample_fisher(logits)  # type: ignore[attr-defined]
+            loss = F.cross_entropy(logits, yb)
             loss.backward()
             optimizer.step()
             elapsed += clock() - start
