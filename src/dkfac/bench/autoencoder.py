@@ -43,9 +43,10 @@ from dkfac.bench.peers import OptimizerSpec, build_optimizer
 from dkfac.bench.sweep import (
     add_peer_arguments,
     build_specs,
-    plot_runs,
+    plot_loss_vs_time_and_steps,
     split_available,
     sweep_then_seeds,
+    table_cell,
 )
 
 # The best configuration measured (BENCHMARKS.md §3, update 2): MC Fisher, statistics from
@@ -213,26 +214,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(payload: dict[str, Any], path: str) -> None:
     """Training loss against seconds and steps, every seed of every optimizer, log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
-    lrs = {name: entry["lr"] for name, entry in payload["summary"].items()}
-    plot_runs(ax_t, payload["runs"], "trace", 1, 2, lrs)
-    plot_runs(ax_s, payload["runs"], "trace", 0, 2, lrs)
-    for ax, xlabel in ((ax_t, "training seconds"), (ax_s, "steps")):
-        ax.axhline(payload["settings"]["target_loss"], color="grey", linestyle="--", lw=0.8)
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("training MSE")
-        ax.grid(alpha=0.3)
-    ax_t.legend(fontsize=8)
-    fig.suptitle(f"digits deep autoencoder ({payload['settings']['seeds']} seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_loss_vs_time_and_steps(
+        payload,
+        path,
+        ylabel="training MSE",
+        title=f"digits deep autoencoder ({payload['settings']['seeds']} seeds)",
+        target=payload["settings"]["target_loss"],
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,10 +265,6 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(error))
 
 
-def _cell(value: float | None) -> float | str:
-    return "-" if value is None or not math.isfinite(value) else value
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench autoencoder``."""
     p = build_parser()
@@ -299,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             e["median_steps"],
             e["median_final_loss"],
             f"{e['reached_target']}/{args.seeds}",
-            _cell(e["median_steps_to_target"]),
-            _cell(e["median_seconds_to_target"]),
-            _cell(e["time_vs_fastest"]),
-            _cell(e.get("median_seconds_to_sgd_final")),
+            table_cell(e["median_steps_to_target"]),
+            table_cell(e["median_seconds_to_target"]),
+            table_cell(e["time_vs_fastest"]),
+            table_cell(e.get("median_seconds_to_sgd_final")),
         ]
         for name, e in payload["summary"].items()
     ]
