@@ -36,7 +36,8 @@ refresh, or one without a fitting previous state, is a full ``eigh``.
 layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
 
 * ``"reset"``: ``m = v = 0``, ``t = 0`` (the bias correction starts again);
-* ``"keep_v"``: ``m ← P_G m P_Aᵀ`` (exact: ``Q_G' m' Q_A'ᵀ = Q_G m Q_Aᵀ``), ``v`` kept as it
+* ``"keep_v"``: ``m ← P_G m P_Aᵀ``, computed as ``Q_G'ᵀ (Q_G m Q_Aᵀ) Q_A'`` (exact:
+  ``Q_G' m' Q_A'ᵀ = Q_G m Q_Aᵀ``; no ``n³`` product for ``P``), ``v`` kept as it
   is (SOAP's choice);
 * ``"rotate"``: ``m`` as above, ``v ← (P_G∘P_G) v (P_A∘P_A)ᵀ`` (the diagonal second moment
   carried to the new basis, its off-diagonal part dropped).
@@ -260,12 +261,13 @@ class EigenMomentsSolver(Solver):
         if self.options.carry == "reset":
             return self.zero_moments(moments["v"])
         dtype = moments["v"].dtype
-        p_g = _transition(new["qg"].to(dtype), old["qg"].to(dtype))
-        p_a = _transition(new["qa"].to(dtype), old["qa"].to(dtype))
+        old_g, old_a = old["qg"].to(dtype), old["qa"].to(dtype)
+        new_g, new_a = new["qg"].to(dtype), new["qa"].to(dtype)
         carried = dict(moments)
-        if "m" in moments:
-            carried["m"] = rotate(moments["m"], p_g, p_a.T)
+        if "m" in moments:  # through the weight space: 2(g²a + ga²) flops, not a³ + g³ more
+            carried["m"] = rotate(rotate(moments["m"], old_g, old_a.T), new_g.T, new_a)
         if self.options.carry == "rotate":
+            p_g, p_a = _transition(new_g, old_g), _transition(new_a, old_a)
             carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
         return carried
 
