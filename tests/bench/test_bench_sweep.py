@@ -62,6 +62,30 @@ def test_sweep_interleaves_lrs_then_seeds_and_picks_the_best_score() -> None:
     result = sweep_then_seeds(specs, train, lambda r: (0,), sweep_seed=7, seeds=1, no_sweep=True)
     assert calls == [("a", 0.1, 0, False), ("b", 1, 0, False)]
     assert result.sweep == {"a": [], "b": []}
+    calls.clear()
+    sweep_then_seeds(
+        specs, train, lambda r: (0,), sweep_seed=7, seeds=2, no_sweep=True, first_seed=10
+    )
+    assert calls == [
+        ("a", 0.1, 10, False),
+        ("b", 1, 10, False),
+        ("a", 0.1, 11, False),
+        ("b", 1, 11, False),
+    ]
+
+
+def test_tta_held_out_seeds_and_a_second_split(tmp_path: Path) -> None:
+    """``--first-seed`` moves the measured seeds; ``--split-seed`` changes the test set."""
+    payload = _tta(tmp_path, "--optimizers", "sgd", "--no-sweep", "--first-seed", "5")
+    assert [run["seed"] for run in payload["runs"]["sgd"]] == [5]
+    first = payload["runs"]["sgd"][0]["trace"][-1][2]
+    again = _tta(tmp_path, "--optimizers", "sgd", "--no-sweep", "--first-seed", "5")
+    other = _tta(
+        tmp_path, "--optimizers", "sgd", "--no-sweep", "--first-seed", "5", "--split-seed", "1"
+    )
+    assert again["runs"]["sgd"][0]["trace"][-1][2] == first
+    assert other["runs"]["sgd"][0]["trace"][-1][2] != first
+    assert other["settings"]["split_seed"] == 1
 
 
 def _tta(tmp_path: Path, *flags: str) -> dict[str, Any]:
@@ -132,6 +156,8 @@ def test_tta_records_peer_options_and_old_flags(tmp_path: Path) -> None:
         (["--only", "nope"], "--only: no optimizer named nope"),
         (["--muon-lrs", "0", "1", "2", "3"], "learning rates must be > 0"),
         (["--kfac", "sgd:damping=0.1", "--no-sweep"], "names must be unique"),
+        (["--first-seed", "-1"], "--first-seed must be >= 0, got -1"),
+        (["--split-seed", "-2"], "--split-seed must be >= 0, got -2"),
     ],
 )
 def test_tta_rejects_bad_peer_flags_in_one_line(

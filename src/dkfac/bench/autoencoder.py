@@ -169,7 +169,7 @@ def add_time_vs_fastest(summary: dict[str, dict[str, Any]]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the JSON payload."""
-    x = load_digits(seed=0, normalize=False).x_train
+    x = load_digits(seed=args.split_seed, normalize=False).x_train
     specs, skipped = split_available(build_specs(args, DEFAULT_KFAC, TASK_OPTIONS))
 
     def train(spec: OptimizerSpec, lr: float, seed: int, sweeping: bool) -> dict[str, Any]:
@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sweep_seed=args.sweep_seed,
         seeds=args.seeds,
         no_sweep=args.no_sweep,
+        first_seed=args.first_seed,
     )
     summary = {
         name: {"lr": runs.chosen[name], **summarise(seeded, args.target_loss)}
@@ -229,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--seconds", type=float, default=40.0, help="training budget per run")
     p.add_argument("--sweep-seconds", type=float, default=10.0, help="budget of a sweep run")
+    p.add_argument(
+        "--split-seed", type=int, default=0, help="seed of the split whose train part is used"
+    )
     p.add_argument("--target-loss", type=float, default=0.02, help="training MSE to reach")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seeds", type=int, default=3)

@@ -253,6 +253,7 @@ def run(args: argparse.Namespace, task: TextTask) -> dict[str, Any]:
         sweep_seed=args.sweep_seed,
         seeds=args.seeds,
         no_sweep=args.no_sweep,
+        first_seed=args.first_seed,
     )
     summary = {
         name: {"lr": runs.chosen[name], **summarise(seeded, args.seconds)}

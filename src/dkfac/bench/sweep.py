@@ -109,6 +109,12 @@ def add_peer_arguments(
         "--no-sweep", action="store_true", help="skip the sweep: use the first lr of each grid"
     )
     parser.add_argument("--sweep-seed", type=int, default=100)
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the measured runs use seeds FIRST .. FIRST+seeds-1 (held-out seeds: e.g. 10)",
+    )
 
 
 def peer_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -145,8 +151,11 @@ def build_specs(
     Raises:
         ValueError: For a bad option or recipe, a ``--recipe`` without ``kfac`` among
             ``--optimizers``, an unknown ``--only`` name, duplicate names, a learning rate
-            <= 0, or grids of different sizes (unless ``--no-sweep``).
+            <= 0, grids of different sizes (unless ``--no-sweep``), or a negative seed.
     """
+    for flag in ("first_seed", "sweep_seed", "split_seed"):
+        if getattr(args, flag, 0) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     given = peer_options(args.peer_options)
     recipes = [load_recipe(path) for path in args.recipe]
     if recipes and "kfac" not in args.optimizers:
@@ -224,6 +233,7 @@ def sweep_then_seeds(
     sweep_seed: int,
     seeds: int,
     no_sweep: bool,
+    first_seed: int = 0,
 ) -> Comparison:
     """Runs the sweep (unless ``no_sweep``: then the first lr of each grid) and the seeds.
 
@@ -232,8 +242,9 @@ def sweep_then_seeds(
         train: Runs one optimizer at one lr on one seed (``sweeping`` tells it which phase).
         score: Sort key of a sweep run, lowest best.
         sweep_seed: Seed of the sweep runs.
-        seeds: Seeds ``0 .. seeds-1`` of the measured runs.
+        seeds: How many seeds the measured runs use: ``first_seed .. first_seed+seeds-1``.
         no_sweep: Skip the sweep.
+        first_seed: The first seed of the measured runs.
     """
     sweep: dict[str, list[Run]] = {s.name: [] for s in specs}
     for i in range(0 if no_sweep else max((len(s.lrs) for s in specs), default=0)):
@@ -245,7 +256,7 @@ def sweep_then_seeds(
         s.name: min(sweep[s.name], key=score)["lr"] if sweep[s.name] else s.lrs[0] for s in specs
     }
     seeded: dict[str, list[Run]] = {s.name: [] for s in specs}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         for s in specs:
             seeded[s.name].append(train(s, chosen[s.name], seed, False))
     return Comparison(sweep, chosen, seeded)
