@@ -87,15 +87,14 @@ def test_config_field_and_cli_flag() -> None:
 
 
 # ---------------------------------------------------------------- one process
-def _one_process(mode: str, strategy: str = "replicated", micro: int = MICRO) -> Run:
+def _one_process(mode: str) -> Run:
     return train_sharded(
         None,
         1,
-        micro=micro,
+        micro=MICRO,
         model_fn=make_model,
         batch_fn=functools.partial(global_batch, world_size=1),
         steps=STEPS,
-        strategy=strategy,
         overlap_comm=mode,
         **BASE,
     )
