@@ -253,7 +253,7 @@ def train_sharded(
     )
     hooks = hooks or Hooks()
     group = _group_size()
-    average = group > 1 and not ddp and not run.pre.strategy.reduces_gradients
+    average_over = group if group > 1 and not ddp and not run.pre.strategy.reduces_gradients else 1
     mc = options.get("fisher") == "mc"
     if hooks.setup is not None:
         hooks.setup(run)
@@ -262,28 +262,35 @@ def train_sharded(
         if hooks.before_forward is not None:
             hooks.before_forward(run)
         x, y = batch_fn(step)
-        run.optimizer.zero_grad()
-        parts = micro_batch_rows(x.shape[0], world, rank, micro)
-        losses = [
-            _backward(run, x[rows], y[rows], micro=micro, sync=k == micro - 1, mc=mc)
-            for k, rows in enumerate(parts)
-        ]
-        run.losses.append(torch.stack(losses).sum())
-        if average:
-            average_gradients(run.model, group)
-        if hooks.after_backward is not None:
-            hooks.after_backward(run)
-        if run.scaler is not None:
-            run.scaler.unscale_(run.optimizer)
-        run.pre.step(lr=lr)
-        if run.scaler is not None:
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-        else:
-            run.optimizer.step()
-        if hooks.after_step is not None:
-            hooks.after_step(run)
+        rows = micro_batch_rows(x.shape[0], world, rank, micro)
+        _train_step(run, [(x[r], y[r]) for r in rows], average_over, mc, lr, hooks)
     return run
+
+
+def _train_step(
+    run: Run, parts: list[Batch], average_over: int, mc: bool, lr: float, hooks: Hooks
+) -> None:
+    """One step on the micro-batches ``parts``: backward each, average, precondition, step."""
+    run.optimizer.zero_grad()
+    losses = [
+        _backward(run, x, y, micro=len(parts), sync=k == len(parts) - 1, mc=mc)
+        for k, (x, y) in enumerate(parts)
+    ]
+    run.losses.append(torch.stack(losses).sum())
+    if average_over > 1:
+        average_gradients(run.model, average_over)
+    if hooks.after_backward is not None:
+        hooks.after_backward(run)
+    if run.scaler is not None:
+        run.scaler.unscale_(run.optimizer)
+    run.pre.step(lr=lr)
+    if run.scaler is not None:
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+    if hooks.after_step is not None:
+        hooks.after_step(run)
 
 
 def once_per_key(compute: Callable[[K], V]) -> Callable[[K], V]:
