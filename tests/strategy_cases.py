@@ -1,4 +1,4 @@
-"""Shared model, data and training loop of the strategy tests (serial and per rank).
+"""Shared model and data of the strategy tests, trained by tests/serial_vs_distributed.py.
 
 The model has three K-FAC layers of different sizes and a LayerNorm, whose parameters
 K-FAC does not precondition (so ``spngd`` must average their gradients itself). LayerNorm
@@ -7,14 +7,13 @@ normalises each sample on its own, so a sharded batch gives exactly the serial g
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from dkfac import KFACPreconditioner
+from tests.serial_vs_distributed import Run, train_sharded
 
 PER_RANK = 8
 STEPS = 4
@@ -26,8 +25,7 @@ OPTIONS: dict[str, Any] = {
     "factor_decay": 0.9,
     "damping": 0.01,
     "kl_clip": 1e-3,
-    "lr": 0.1,
-}
+}  # lr 0.1 for SGD and pre.step: train_sharded's default
 
 
 def make_model() -> nn.Module:
@@ -50,57 +48,42 @@ def global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
-def average_gradients(model: nn.Module, world_size: int) -> None:
-    """What DDP would do: every parameter's gradient averaged over the ranks."""
-    for p in model.parameters():
-        assert p.grad is not None
-        dist.all_reduce(p.grad)
-        p.grad /= world_size
-
-
 def train(
-    rank: int,
-    world_size: int,
-    data_world: int,
+    rank: int | None,
+    world: int,
     strategy: str,
     *,
     fraction: float = 1.0,
     ddp: bool = False,
     steps: int = STEPS,
     **options: Any,
-) -> tuple[nn.Module, KFACPreconditioner]:
-    """``steps`` SGD-momentum steps on this rank's shard of ``data_world`` ranks' batches.
+) -> Run:
+    """``steps`` SGD-momentum steps of :func:`make_model` on ``global_batch(step, world)``.
 
-    Without DDP and with a strategy that expects averaged gradients, the gradients are
-    averaged by hand (an all-reduce) before ``pre.step()``.
+    ``rank`` trains its shard; ``rank=None`` is the serial twin on the whole batch (see
+    :func:`tests.serial_vs_distributed.train_sharded` for who averages the gradients).
     """
-    model = make_model()
-    wrapped: nn.Module = model
-    if ddp:
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    pre = KFACPreconditioner(
-        wrapped, strategy=strategy, grad_worker_fraction=fraction, **{**OPTIONS, **options}
+    return train_sharded(
+        rank,
+        world,
+        model_fn=make_model,
+        batch_fn=functools.partial(global_batch, world_size=world),
+        steps=steps,
+        ddp=ddp,
+        strategy=strategy,
+        grad_worker_fraction=fraction,
+        **{**OPTIONS, **options},
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        x, y = global_batch(step, data_world)
-        size = x.shape[0] // world_size
-        shard = slice(rank * size, (rank + 1) * size)
-        opt.zero_grad()
-        F.cross_entropy(wrapped(x[shard]), y[shard]).backward()
-        if world_size > 1 and not ddp and strategy != "spngd":
-            average_gradients(model, world_size)
-        pre.step(lr=0.1)
-        opt.step()
-    return model, pre
 
 
-def summary(model: nn.Module, pre: KFACPreconditioner) -> dict[str, Any]:
+def summary(run: Run) -> dict[str, Any]:
+    """What the strategy tests compare: parameters, ledger, memory, placement, statistics."""
+    pre = run.pre
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": run.params(),
         "stats": pre.comm_stats(),
         "memory": pre.memory_usage(),
         "describe": pre.describe(),
-        "factors": {n: (a.clone(), g.clone()) for n, (a, g) in pre.factors().items()},
+        "factors": run.factors(),
         "inverse_layers": sorted(n for n, s in pre.layers.items() if s.solver_state is not None),
     }

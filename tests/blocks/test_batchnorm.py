@@ -3,11 +3,13 @@
 Oracles: per-sample gradients of (γ, β) from torch.func (vmap of grad of each sample's own
 loss, with x̂ built from the batch moments by an explicit formula), a dense 2×2 solve per
 channel, and, on 2 gloo ranks, a serial run that feeds the same per-rank shards as
-micro-batches (so BatchNorm sees the same batch statistics).
+micro-batches (so BatchNorm sees the same batch statistics), through
+tests/serial_vs_distributed.py.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from torch.func import functional_call, grad, vmap
 
 from dkfac import KFACPreconditioner
 from tests.distributed_utils import run_distributed
-from tests.strategy_cases import average_gradients
+from tests.serial_vs_distributed import assert_ranks_match, train_sharded
 
 DT = torch.float64
 
@@ -172,36 +174,43 @@ def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 4, (PER_RANK * world,), generator=gen)
 
 
-def _train(rank: int, world: int, strategy: str, serial: bool) -> list[torch.Tensor]:
-    """``serial``: one process, each rank's shard as a micro-batch (same BN statistics)."""
-    model = _conv_bn_model()
-    accumulation = world if serial else 1
-    pre = KFACPreconditioner(model, strategy=strategy, accumulation_steps=accumulation, **OPTIONS)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = _batch(step, world)
-        opt.zero_grad()
-        shards = range(world) if serial else [rank]
-        for r in shards:
-            part = slice(r * PER_RANK, (r + 1) * PER_RANK)
-            (F.cross_entropy(model(x[part]), y[part]) / accumulation).backward()
-        if not serial and strategy != "spngd":
-            average_gradients(model, world)
-        pre.step(lr=0.1)
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+STRATEGIES = ("replicated", "spngd")
+
+
+def _train(rank: int | None, world: int, strategy: str) -> list[torch.Tensor]:
+    """Rank ``rank``'s shard of ``world``; ``rank=None``: the serial twin, one process
+    feeding each rank's shard as a micro-batch (so BatchNorm sees the same statistics)."""
+    run = train_sharded(
+        0 if rank is None else rank,
+        1 if rank is None else world,
+        micro=world if rank is None else 1,
+        model_fn=_conv_bn_model,
+        batch_fn=functools.partial(_batch, world=world),
+        steps=STEPS,
+        strategy=strategy,
+        **OPTIONS,
+    )
+    return run.params()
 
 
 def _rank_main(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
-    return {s: _train(rank, world, s, serial=False) for s in ("replicated", "spngd")}
+    return {s: _train(rank, world, s) for s in STRATEGIES}
 
 
-def test_batchnorm_two_ranks_equal_serial_for_replicated_and_spngd() -> None:
-    results = run_distributed(_rank_main, 2, timeout=120)
-    for strategy in ("replicated", "spngd"):
-        reference = _train(0, 2, strategy, serial=True)
-        for rank, result in enumerate(results):
-            for got, want in zip(result[strategy], reference, strict=True):
-                torch.testing.assert_close(
-                    got, want, rtol=1e-10, atol=1e-12, msg=f"{strategy} rank {rank}"
-                )
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, list[torch.Tensor]]]:
+    """Both strategies in one spawn of 2 ranks."""
+    return run_distributed(_rank_main, 2, timeout=120)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_batchnorm_two_ranks_equal_serial(
+    strategy: str, two_ranks: list[dict[str, list[torch.Tensor]]]
+) -> None:
+    assert_ranks_match(
+        [result[strategy] for result in two_ranks],
+        _train(None, 2, strategy),
+        label=strategy,
+        rtol=1e-10,
+        atol=1e-12,
+    )

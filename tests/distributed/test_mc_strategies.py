@@ -8,77 +8,77 @@ every rank ends the step with the same preconditioned gradients.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from dkfac import KFACPreconditioner
 from tests import strategy_cases as cases
 from tests.distributed_utils import run_distributed
+from tests.serial_vs_distributed import (
+    Run,
+    assert_factors_close,
+    assert_tensors_close,
+    train_sharded,
+)
 
+WORLD = 2
 STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "spngd")
 OPTIONS: dict[str, Any] = {"fisher": "mc", "factor_decay": 0.0, "seed": 11, "kl_clip": None}
 
 
-def _shard(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = cases.global_batch(0, world)
-    size = x.shape[0] // world
-    return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
-
-
-def _one_step(
-    model: nn.Module, pre: KFACPreconditioner, x: torch.Tensor, y: torch.Tensor, world: int
-) -> None:
-    out = model(x)
-    pre.sample_fisher(out)
-    F.cross_entropy(out, y).backward()
-    if world > 1 and pre.config.strategy != "spngd":
-        for p in model.parameters():
-            torch.distributed.all_reduce(p.grad)
-            p.grad /= world
-    pre.step(lr=0.1)
+def _one_step(rank: int, **options: Any) -> Run:
+    """One step on ``rank``'s shard (in a process group: averaged as the strategy wants)."""
+    return train_sharded(
+        rank,
+        WORLD,
+        model_fn=cases.make_model,
+        batch_fn=functools.partial(cases.global_batch, world_size=WORLD),
+        steps=1,
+        **{**OPTIONS, **options},
+    )
 
 
 def _rank_main(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in STRATEGIES:
-        model = cases.make_model()
         fraction = 0.5 if strategy == "kaisa" else 1.0
-        pre = KFACPreconditioner(model, strategy=strategy, grad_worker_fraction=fraction, **OPTIONS)
-        _one_step(model, pre, *_shard(rank, world), world)
+        run = _one_step(rank, strategy=strategy, grad_worker_fraction=fraction)
         out[strategy] = {
-            "factors": {n: (a.clone(), g.clone()) for n, (a, g) in pre.factors().items()},
-            "grads": [p.grad.clone() for p in model.parameters()],
+            "factors": run.factors(),
+            "grads": [p.grad.clone() for p in run.model.parameters() if p.grad is not None],
         }
     return out
 
 
-def _serial_factors(rank: int, world: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    model = cases.make_model()
-    pre = KFACPreconditioner(model, **{**OPTIONS, "seed": OPTIONS["seed"] + rank})
-    _one_step(model, pre, *_shard(rank, world), 1)
-    return pre.factors()
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """Every strategy in one spawn of 2 ranks."""
+    return run_distributed(_rank_main, WORLD, timeout=120)
 
 
-def test_mc_fisher_under_every_strategy_equals_per_shard_single_process() -> None:
-    world = 2
-    results = run_distributed(_rank_main, world, timeout=120)
-    shards = [_serial_factors(r, world) for r in range(world)]
-    for strategy in STRATEGIES:
-        for rank, result in enumerate(results):
-            factors = result[strategy]["factors"]
-            assert factors, f"{strategy}: rank {rank} keeps no factor at all"
-            for name, (a, g) in factors.items():
-                if strategy == "dp":
-                    want_a, want_g = shards[rank][name]
-                else:
-                    want_a = (shards[0][name][0] + shards[1][name][0]) / 2
-                    want_g = (shards[0][name][1] + shards[1][name][1]) / 2
-                torch.testing.assert_close(a, want_a, msg=f"{strategy} {name} A")
-                torch.testing.assert_close(g, want_g, msg=f"{strategy} {name} G")
-        for got, want in zip(
-            results[0][strategy]["grads"], results[1][strategy]["grads"], strict=True
-        ):
-            torch.testing.assert_close(got, want, msg=f"{strategy}: ranks disagree")
+@pytest.fixture(scope="module")
+def shards() -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Each shard's factors in a single process, sampled with that rank's seed."""
+    return [_one_step(r, seed=OPTIONS["seed"] + r).factors() for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_mc_fisher_equals_per_shard_single_process(
+    strategy: str,
+    two_ranks: list[dict[str, Any]],
+    shards: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+) -> None:
+    mean = {
+        name: ((a + shards[1][name][0]) / 2, (g + shards[1][name][1]) / 2)
+        for name, (a, g) in shards[0].items()
+    }
+    for rank, result in enumerate(two_ranks):
+        factors = result[strategy]["factors"]
+        assert factors, f"{strategy}: rank {rank} keeps no factor at all"
+        want = shards[rank] if strategy == "dp" else mean
+        assert_factors_close(factors, want, label=f"{strategy}, rank {rank}", kept_only=True)
+    grads = [result[strategy]["grads"] for result in two_ranks]
+    assert len(grads[0]) == len(list(cases.make_model().parameters()))
+    assert_tensors_close(grads[1], grads[0], label=f"{strategy}: ranks disagree")

@@ -9,6 +9,7 @@ layers the backward has already passed, launched before ``loss.backward()`` retu
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -22,13 +23,21 @@ from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.engine.eager import resolve_overlap
 from dkfac.engine.refresh import AdaptiveRefresh
 from tests.distributed_utils import run_distributed
+from tests.serial_vs_distributed import (
+    Hooks,
+    Run,
+    assert_factors_close,
+    assert_ranks_match,
+    assert_tensors_close,
+    train_sharded,
+)
 from tests.strategy_cases import DIMS, OPTIONS, global_batch, make_model
 
 F64 = 8
 STEPS = 4
 MICRO = 2
 WORLD = 2
-BASE = {**OPTIONS, "accumulation_steps": MICRO, "factor_update_interval": 2}
+BASE = {**OPTIONS, "factor_update_interval": 2}
 # Layers "6" and "3" are behind the backward when it reaches layer "0"'s output gradient.
 LATE = ("6", "3")
 CASES = [  # (strategy, grad_worker_fraction, ddp)
@@ -38,6 +47,7 @@ CASES = [  # (strategy, grad_worker_fraction, ddp)
     ("dp", 1.0, True),
     ("spngd", 1.0, False),
 ]
+SCALED = [CASES[0], CASES[-1]]  # also run with a GradScaler
 
 
 def _factor_bytes(names: tuple[str, ...], packed: bool) -> int:
@@ -77,33 +87,25 @@ def test_config_field_and_cli_flag() -> None:
 
 
 # ---------------------------------------------------------------- one process
-def _one_process(mode: str, strategy: str = "replicated", micro: int = MICRO) -> Any:
-    model = make_model()
-    pre = KFACPreconditioner(
-        model, strategy=strategy, overlap_comm=mode, **{**BASE, "accumulation_steps": micro}
+def _one_process(mode: str) -> Run:
+    return train_sharded(
+        None,
+        1,
+        micro=MICRO,
+        model_fn=make_model,
+        batch_fn=functools.partial(global_batch, world_size=1),
+        steps=STEPS,
+        overlap_comm=mode,
+        **BASE,
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = global_batch(step, 1)
-        opt.zero_grad()
-        for part in range(micro):
-            rows = slice(part * x.shape[0] // micro, (part + 1) * x.shape[0] // micro)
-            (F.cross_entropy(model(x[rows]), y[rows]) / micro).backward()
-        pre.step(lr=0.1)
-        opt.step()
-    return model, pre
 
 
 def test_one_process_overlap_on_matches_off() -> None:
     """The eager machinery (hooks, buckets, leftovers) on one rank changes nothing."""
-    on_model, on = _one_process("on")
-    off_model, off = _one_process("off")
-    assert on.eager is not None and off.eager is None
-    for p, q in zip(on_model.parameters(), off_model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
-    for name, (a, g) in off.factors().items():
-        torch.testing.assert_close(on.factors()[name][0], a, rtol=0, atol=0)
-        torch.testing.assert_close(on.factors()[name][1], g, rtol=0, atol=0)
+    on, off = _one_process("on"), _one_process("off")
+    assert on.pre.eager is not None and off.pre.eager is None
+    assert_tensors_close(on.params(), off.params(), label="on vs off", rtol=0, atol=0)
+    assert_factors_close(on.factors(), off.factors(), label="on vs off", rtol=0, atol=0)
 
 
 def test_on_raises_for_a_skipped_layer_and_extra_backward() -> None:
@@ -123,163 +125,161 @@ def test_on_raises_for_a_skipped_layer_and_extra_backward() -> None:
 
 
 # ---------------------------------------------------------------- two ranks
+def _by_kind(run: Run) -> dict[str, int]:
+    """The ledger's bytes by kind so far in the current step."""
+    return dict(run.pre.comm.ledger.stats()["current_step"]["by_kind"])
+
+
 def _train(
-    rank: int,
-    world: int,
+    rank: int | None,
     strategy: str,
-    fraction: float,
-    ddp: bool,
-    mode: str,
-    spy: bool,
+    *,
+    fraction: float = 1.0,
+    ddp: bool = False,
+    mode: str = "off",
+    spy: bool = False,
     scaled: bool = False,
 ) -> dict[str, Any]:
-    model = make_model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
-    wrapped: nn.Module = nn.parallel.DistributedDataParallel(model) if ddp else model
-    pre = KFACPreconditioner(
-        wrapped,
+    """``rank``'s shard of 2 in ``MICRO`` micro-batches (``None``: the serial twin).
+
+    ``spy``: one bucket per layer, and the ledger read whenever the backward reaches layer
+    0's output gradient. Before every ``pre.step()`` the ledger is read too.
+    """
+    seen: list[dict[str, int]] = []
+    before_step: list[dict[str, int]] = []
+
+    def watch_layer_0(run: Run) -> None:
+        def watch(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+            out.register_hook(lambda _grad: seen.append(_by_kind(run)))
+
+        run.model[0].register_forward_hook(watch)
+
+    run = train_sharded(
+        rank,
+        WORLD,
+        micro=MICRO,
+        model_fn=make_model,
+        batch_fn=functools.partial(global_batch, world_size=WORLD),
+        steps=STEPS,
+        ddp=ddp,
+        grad_scale=2.0**10 if scaled else None,
+        hooks=Hooks(
+            setup=watch_layer_0 if spy else None,
+            after_backward=lambda run: before_step.append(_by_kind(run)),
+        ),
         strategy=strategy,
         grad_worker_fraction=fraction,
         overlap_comm=mode,
-        grad_scaler=scaler,
-        bucket_bytes=1 if spy else 25 * 2**20,  # one bucket per layer for the spy
+        bucket_bytes=1 if spy else 25 * 2**20,
         **BASE,
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    seen: list[dict[str, int]] = []
-
-    def look(_grad: torch.Tensor) -> None:
-        seen.append(dict(pre.comm.ledger.stats()["current_step"]["by_kind"]))
-
-    def watch(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
-        out.register_hook(look)
-
-    model[0].register_forward_hook(watch)
-    before_step: list[dict[str, int]] = []
-    for step in range(STEPS):
-        x, y = global_batch(step, world)
-        size = x.shape[0] // world
-        opt.zero_grad()
-        for part in range(MICRO):
-            lo = rank * size + part * size // MICRO
-            rows = slice(lo, lo + size // MICRO)
-            loss = scaler.scale(F.cross_entropy(wrapped(x[rows]), y[rows]) / MICRO)
-            if ddp and part < MICRO - 1:
-                with wrapped.no_sync():  # type: ignore[operator]
-                    loss.backward()
-            else:
-                loss.backward()
-        before_step.append(dict(pre.comm.ledger.stats()["current_step"]["by_kind"]))
-        scaler.unscale_(opt)
-        pre.step(lr=0.1)
-        scaler.step(opt)
-        scaler.update()
-    stats = pre.comm_stats()
+    stats = run.pre.comm_stats()
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": run.params(),
         "per_step": [s["by_kind"] for s in stats["per_step"]],
         "by_collective": stats["by_collective"],
         "before_step": before_step,
         "spy": seen,
-        "eager": pre.eager is not None,
+        "eager": run.pre.eager is not None,
     }
 
 
 def _rank_main(rank: int, world: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for strategy, fraction, ddp in CASES:
+        config = {"fraction": fraction, "ddp": ddp}
         for mode in ("on", "off", "auto"):
-            out[(strategy, mode)] = _train(rank, world, strategy, fraction, ddp, mode, False)
-        out[(strategy, "spy")] = _train(rank, world, strategy, fraction, ddp, "on", True)
-    for strategy, fraction, ddp in (CASES[0], CASES[-1]):  # with a GradScaler
+            out[(strategy, mode)] = _train(rank, strategy, mode=mode, **config)
+        out[(strategy, "spy")] = _train(rank, strategy, mode="on", spy=True, **config)
+    for strategy, fraction, ddp in SCALED:
         for mode in ("on", "off"):
-            run = _train(rank, world, strategy, fraction, ddp, mode, False, scaled=True)
+            run = _train(rank, strategy, fraction=fraction, ddp=ddp, mode=mode, scaled=True)
             out[(strategy, f"scaled-{mode}")] = run
     return out
 
 
-def _serial(strategy: str) -> list[torch.Tensor]:
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[Any, Any]]:
+    """Every case, mode and spy in one spawn of 2 ranks."""
+    return run_distributed(_rank_main, WORLD, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def serial() -> list[torch.Tensor]:
     """One process on the global batch (every rank's micro-batch k is its micro-batch k)."""
-    model = make_model()
-    pre = KFACPreconditioner(model, strategy=strategy, overlap_comm="off", **BASE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = global_batch(step, WORLD)
-        size = x.shape[0] // WORLD
-        opt.zero_grad()
-        for part in range(MICRO):
-            idx = torch.cat(
-                [
-                    torch.arange(
-                        r * size + part * size // MICRO, r * size + (part + 1) * size // MICRO
-                    )
-                    for r in range(WORLD)
-                ]
-            )
-            (F.cross_entropy(model(x[idx]), y[idx]) / MICRO).backward()
-        pre.step(lr=0.1)
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return _train(None, "replicated")["params"]
 
 
-def test_two_ranks_overlap_matches_off_serial_and_ledger() -> None:
-    results = run_distributed(_rank_main, WORLD, timeout=120)
-    serial = _serial("replicated")
-    for strategy, _, ddp in CASES:
-        packed = strategy == "spngd"
-        factor_steps = [step % 2 == 0 for step in range(STEPS)]
-        for rank, res in enumerate(results):
-            on, off, auto = (res[(strategy, m)] for m in ("on", "off", "auto"))
-            label = f"{strategy} rank {rank}"
-            assert on["eager"] and not off["eager"], label
-            assert auto["eager"] == ddp, label  # auto: on for DDP (find_unused=False) only
-            for p, q in zip(on["params"], off["params"], strict=True):
-                torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=label)
-            if strategy != "dp":  # dp's factors are local: not the global-batch update
-                for p, q in zip(on["params"], serial, strict=True):
-                    torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11, msg=label)
-            # Same bytes per kind and collective, step by step (spngd: fused, same split).
-            assert on["per_step"] == off["per_step"], label
-            assert on["by_collective"] == off["by_collective"], label
-            assert len(on["per_step"]) == STEPS
-            # Before pre.step(): "on" has launched every statistic (and spngd gradient).
-            all_layers = tuple(DIMS)
-            for step, factor_step in enumerate(factor_steps):
-                expect_f = (
-                    _factor_bytes(all_layers, packed) if factor_step and strategy != "dp" else 0
-                )
-                expect_g = _grad_bytes(all_layers) if strategy == "spngd" else 0
-                assert on["before_step"][step]["factors"] == expect_f, (label, step)
-                assert on["before_step"][step]["gradients"] == expect_g, (label, step)
-                assert off["before_step"][step] == dict.fromkeys(off["before_step"][step], 0)
-                assert on["per_step"][step]["factors"] == expect_f, (label, step)
-            # The spy at layer 0's output gradient, during the backward of each micro-batch:
-            # nothing on the first micro-batch, layers 6 and 3 already launched on the last.
-            spy = res[(strategy, "spy")]["spy"]
-            assert len(spy) == STEPS * MICRO, label
-            for step, factor_step in enumerate(factor_steps):
-                first, last = spy[step * MICRO], spy[(step + 1) * MICRO - 1]
-                assert first["factors"] == first["gradients"] == 0, (label, step)
-                late_f = _factor_bytes(LATE, packed) if factor_step and strategy != "dp" else 0
-                late_g = _grad_bytes(LATE) if strategy == "spngd" else 0
-                assert last["factors"] == late_f, (label, step)
-                assert last["gradients"] == late_g, (label, step)
-            if strategy in ("replicated", "spngd"):  # something to overlap on factor steps
-                assert spy[MICRO - 1]["factors"] > 0, label
-    for strategy in ("replicated", "spngd"):  # GradScaler: G scaled after the reduction
-        packed = strategy == "spngd"
-        for rank, res in enumerate(results):
-            on, off = res[(strategy, "scaled-on")], res[(strategy, "scaled-off")]
-            label = f"{strategy} with GradScaler, rank {rank}"
-            for p, q in zip(on["params"], serial, strict=True):  # powers of two: exact
-                torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11, msg=label)
-            assert on["per_step"] == off["per_step"], label
-            # spngd: gradients wait for unscale_() in step(); statistics still overlap.
-            assert on["before_step"][0]["factors"] == _factor_bytes(tuple(DIMS), packed)
-            assert on["before_step"][0]["gradients"] == 0, label
-    for key in results[0]:  # every rank ends with the same parameters
-        for p, q in zip(results[0][key]["params"], results[1][key]["params"], strict=True):
-            torch.testing.assert_close(p, q, rtol=0, atol=0)
+def _assert_ranks_agree(results: list[dict[Any, Any]], keys: list[Any]) -> None:
+    """Every rank ends with the same parameters, bit for bit."""
+    for key in keys:
+        params = [res[key]["params"] for res in results]
+        assert_ranks_match(params, params[0], label=f"{key}: ranks disagree", rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy,fraction,ddp", CASES, ids=[c[0] for c in CASES])
+def test_two_ranks_overlap_matches_off_serial_and_ledger(
+    strategy: str,
+    fraction: float,
+    ddp: bool,
+    two_ranks: list[dict[Any, Any]],
+    serial: list[torch.Tensor],
+) -> None:
+    packed = strategy == "spngd"
+    factor_steps = [step % 2 == 0 for step in range(STEPS)]
+    for rank, res in enumerate(two_ranks):
+        on, off, auto = (res[(strategy, m)] for m in ("on", "off", "auto"))
+        label = f"{strategy}, rank {rank}"
+        assert on["eager"] and not off["eager"], label
+        assert auto["eager"] == ddp, label  # auto: on for DDP (find_unused=False) only
+        assert_tensors_close(on["params"], off["params"], label=label, rtol=1e-12, atol=1e-14)
+        if strategy != "dp":  # dp's factors are local: not the global-batch update
+            assert_tensors_close(on["params"], serial, label=label, rtol=1e-9, atol=1e-11)
+        # Same bytes per kind and collective, step by step (spngd: fused, same split).
+        assert on["per_step"] == off["per_step"], label
+        assert on["by_collective"] == off["by_collective"], label
+        assert len(on["per_step"]) == STEPS
+        # Before pre.step(): "on" has launched every statistic (and spngd gradient).
+        all_layers = tuple(DIMS)
+        for step, factor_step in enumerate(factor_steps):
+            expect_f = _factor_bytes(all_layers, packed) if factor_step and strategy != "dp" else 0
+            expect_g = _grad_bytes(all_layers) if strategy == "spngd" else 0
+            assert on["before_step"][step]["factors"] == expect_f, (label, step)
+            assert on["before_step"][step]["gradients"] == expect_g, (label, step)
+            assert off["before_step"][step] == dict.fromkeys(off["before_step"][step], 0)
+            assert on["per_step"][step]["factors"] == expect_f, (label, step)
+        # The spy at layer 0's output gradient, during the backward of each micro-batch:
+        # nothing on the first micro-batch, layers 6 and 3 already launched on the last.
+        spy = res[(strategy, "spy")]["spy"]
+        assert len(spy) == STEPS * MICRO, label
+        for step, factor_step in enumerate(factor_steps):
+            first, last = spy[step * MICRO], spy[(step + 1) * MICRO - 1]
+            assert first["factors"] == first["gradients"] == 0, (label, step)
+            late_f = _factor_bytes(LATE, packed) if factor_step and strategy != "dp" else 0
+            late_g = _grad_bytes(LATE) if strategy == "spngd" else 0
+            assert last["factors"] == late_f, (label, step)
+            assert last["gradients"] == late_g, (label, step)
+        if strategy in ("replicated", "spngd"):  # something to overlap on factor steps
+            assert spy[MICRO - 1]["factors"] > 0, label
+    _assert_ranks_agree(two_ranks, [(strategy, m) for m in ("on", "off", "auto", "spy")])
+
+
+@pytest.mark.parametrize("strategy", [c[0] for c in SCALED])
+def test_two_ranks_overlap_with_grad_scaler_matches_serial(
+    strategy: str, two_ranks: list[dict[Any, Any]], serial: list[torch.Tensor]
+) -> None:
+    """GradScaler: G scaled after the reduction."""
+    packed = strategy == "spngd"
+    for rank, res in enumerate(two_ranks):
+        on, off = res[(strategy, "scaled-on")], res[(strategy, "scaled-off")]
+        label = f"{strategy} with GradScaler, rank {rank}"
+        # Powers of two: exact.
+        assert_tensors_close(on["params"], serial, label=label, rtol=1e-9, atol=1e-11)
+        assert on["per_step"] == off["per_step"], label
+        # spngd: gradients wait for unscale_() in step(); statistics still overlap.
+        assert on["before_step"][0]["factors"] == _factor_bytes(tuple(DIMS), packed)
+        assert on["before_step"][0]["gradients"] == 0, label
+    _assert_ranks_agree(two_ranks, [(strategy, m) for m in ("scaled-on", "scaled-off")])
 
 
 # ---------------------------------------------------------------- host synchronisations

@@ -9,40 +9,64 @@ buffers are row-major, and the two layouts ran different matmul kernels (a 3e-8 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dkfac import KFACPreconditioner
 from dkfac.app.models import build_model
 from tests.distributed_utils import run_distributed
+from tests.serial_vs_distributed import Batch, assert_ranks_match, train_sharded
 
 STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp")
+PER_RANK = 16
 
 
-def _train(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("cnn", in_channels=1, image_size=8, num_classes=10)
+
+
+def _batches(world: int) -> Callable[[int], Batch]:
+    """Global batches drawn one after the other from one generator (seed 1)."""
+    gen = torch.Generator().manual_seed(1)
+
+    def batch(step: int) -> Batch:
+        x = torch.randn(PER_RANK * world, 1, 8, 8, generator=gen)
+        return x, torch.randint(0, 10, (PER_RANK * world,), generator=gen)
+
+    return batch
+
+
+def _train(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     out = {}
     for strategy in STRATEGIES:
-        torch.manual_seed(0)
-        model = build_model("cnn", in_channels=1, image_size=8, num_classes=10)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        pre = KFACPreconditioner(ddp, strategy=strategy, kl_clip=0.01, damping=0.03)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(6):
-            x = torch.randn(16 * world, 1, 8, 8, generator=gen)
-            y = torch.randint(0, 10, (16 * world,), generator=gen)
-            part = slice(rank * 16, (rank + 1) * 16)
-            opt.zero_grad()
-            F.cross_entropy(ddp(x[part]), y[part]).backward()
-            pre.step(lr=0.05)
-            opt.step()
-        out[strategy] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        run = train_sharded(
+            rank,
+            world,
+            model_fn=_model,
+            batch_fn=_batches(world),
+            steps=6,
+            ddp=True,
+            lr=0.05,
+            strategy=strategy,
+            kl_clip=0.01,
+            damping=0.03,
+        )
+        out[strategy] = run.params()
     return out
 
 
-def test_ranks_hold_bitwise_identical_parameters() -> None:
-    results = run_distributed(_train, 2, timeout=120)
-    for strategy in STRATEGIES:
-        for name, value in results[0][strategy].items():
-            assert torch.equal(value, results[1][strategy][name]), f"{strategy}: {name} differs"
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, list[torch.Tensor]]]:
+    """Every strategy in one spawn of 2 ranks."""
+    return run_distributed(_train, 2, timeout=120)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ranks_hold_bitwise_identical_parameters(
+    strategy: str, two_ranks: list[dict[str, list[torch.Tensor]]]
+) -> None:
+    params = [result[strategy] for result in two_ranks]
+    assert_ranks_match(params, params[0], label=f"{strategy}: ranks differ", rtol=0, atol=0)

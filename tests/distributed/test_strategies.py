@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -12,26 +14,34 @@ from tests.strategy_cases import DIMS, make_model, summary, train
 STRATEGIES = ["replicated", "kaisa", "mem-opt", "dp", "spngd", "auto"]
 
 
-def test_every_strategy_on_one_process_is_the_serial_engine() -> None:
-    reference = summary(*train(0, 1, 1, "replicated"))
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return summary(train(None, 1, "replicated"))
+
+
+def test_replicated_on_one_process_sends_nothing(reference: dict[str, Any]) -> None:
     assert reference["stats"]["total_bytes"] == 0
-    for name in STRATEGIES[1:]:
-        got = summary(*train(0, 1, 1, name))
-        for p, q in zip(reference["params"], got["params"], strict=True):
-            assert torch.equal(p, q), name
-        for layer, (a, g) in reference["factors"].items():
-            assert torch.equal(a, got["factors"][layer][0]), name
-            assert torch.equal(g, got["factors"][layer][1]), name
-        assert got["stats"]["total_bytes"] == 0
-        assert got["stats"]["steps"] == 4
-        assert got["memory"] == reference["memory"]
-        layers = [row for row in got["describe"] if row["block"] != "inner optimizer"]
-        assert {row["owner"] for row in layers} == {0}
+
+
+@pytest.mark.parametrize("name", STRATEGIES[1:])
+def test_every_strategy_on_one_process_is_the_serial_engine(
+    name: str, reference: dict[str, Any]
+) -> None:
+    got = summary(train(None, 1, name))
+    for p, q in zip(reference["params"], got["params"], strict=True):
+        assert torch.equal(p, q), name
+    for layer, (a, g) in reference["factors"].items():
+        assert torch.equal(a, got["factors"][layer][0]), name
+        assert torch.equal(g, got["factors"][layer][1]), name
+    assert got["stats"]["total_bytes"] == 0
+    assert got["stats"]["steps"] == 4
+    assert got["memory"] == reference["memory"]
+    layers = [row for row in got["describe"] if row["block"] != "inner optimizer"]
+    assert {row["owner"] for row in layers} == {0}
 
 
 def test_one_process_memory_holds_every_layer() -> None:
-    _, pre = train(0, 1, 1, "mem-opt", steps=1)
-    usage = pre.memory_usage()
+    usage = train(None, 1, "mem-opt", steps=1).pre.memory_usage()
     assert usage["factors"] == 8 * sum(a * a + g * g for a, g in DIMS.values())
     assert usage["inverses"] == 8 * sum(a * a + a + g * g + g for a, g in DIMS.values())
 

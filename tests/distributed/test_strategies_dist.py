@@ -1,11 +1,14 @@
 """Strategies on 2 and 4 gloo ranks against the serial engine and hand-derived byte counts.
 
-Every rank runs several configurations inside one spawned process group (spawning is the
-slow part); the parent compares each with a single process on the same global batch.
+Every rank runs all configurations of its world size inside one spawned process group
+(spawning is the slow part, so a module fixture spawns once per world size); each
+configuration is its own test, which compares it with a single process on the same global
+batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,11 +20,18 @@ from torch import nn
 from dkfac import KFACPreconditioner
 from tests.distributed_utils import run_distributed
 from tests.oracles import with_ones
+from tests.serial_vs_distributed import (
+    assert_factors_close,
+    assert_tensors_close,
+    once_per_key,
+    train_sharded,
+)
 from tests.strategy_cases import DIMS, LAYERNORM_PARAMS, STEPS, make_model, summary, train
 
 # LPT by a³ + g³: "3" (117865) > "0" (6886) > "6" (370).
 OWNERS = {2: {"0": 1, "3": 0, "6": 1}, 4: {"0": 1, "3": 0, "6": 2}}
 INVERSE_STEPS = 2  # steps 0 and 2 of 4 with inverse_update_interval=2
+TOL = {"rtol": 1e-9, "atol": 1e-11}
 
 F64 = 8
 FACTORS = sum(a * a + g * g for a, g in DIMS.values()) * F64
@@ -34,14 +44,44 @@ def _eigen_state(name: str) -> int:  # qa, da, qg, dg
     return (a * a + a + g * g + g) * F64
 
 
+Config = tuple[str, float, bool]  # (strategy, grad_worker_fraction, ddp)
+CONFIGS: dict[int, list[Config]] = {
+    2: [
+        ("replicated", 1.0, True),
+        ("replicated", 1.0, False),
+        ("mem-opt", 1.0, True),
+        ("mem-opt", 1.0, False),
+        ("kaisa", 0.5, True),
+        ("spngd", 1.0, False),
+        ("dp", 1.0, True),
+    ],
+    4: [
+        ("replicated", 1.0, True),
+        ("kaisa", 0.5, True),
+        ("kaisa", 0.5, False),
+        ("kaisa", 0.25, True),
+        ("mem-opt", 1.0, False),
+        ("spngd", 1.0, False),
+        ("dp", 1.0, True),
+    ],
+}
+
+
+def _key(config: Config) -> str:
+    strategy, fraction, ddp = config
+    return f"{strategy}-{fraction}-{'ddp' if ddp else 'bare'}"
+
+
 # ---------------------------------------------------------------- rank bodies
-def _rank_main(rank: int, world: int, configs: list[tuple[str, float, bool]]) -> dict[str, Any]:
+def _rank_main(rank: int, world: int, configs: list[Config]) -> dict[str, Any]:
+    """Every configuration in one process group (spawning is the slow part)."""
     out: dict[str, Any] = {}
-    for strategy, fraction, ddp in configs:
-        model, pre = train(rank, world, world, strategy, fraction=fraction, ddp=ddp)
-        out[f"{strategy}/{fraction}/{ddp}"] = summary(model, pre)
-        if strategy == "mem-opt":
-            out["checkpoint"] = pre.state_dict(include_inverses=True)
+    for config in configs:
+        strategy, fraction, ddp = config
+        run = train(rank, world, strategy, fraction=fraction, ddp=ddp)
+        out[_key(config)] = summary(run)
+        if strategy == "mem-opt":  # the last mem-opt configuration's gathered state
+            out["checkpoint"] = run.pre.state_dict(include_inverses=True)
     out["dp_local"] = _dp_local_factors(rank, world)
     out["dp_losses"] = _dp_training(rank, world)
     if world == 2:
@@ -85,26 +125,33 @@ def _dp_local_factors(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _dp_problem(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed learnable global batch: rank ``r``'s 8 rows drawn with seed ``r``."""
+    xs = [
+        torch.randn(8, 2, 4, 4, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        for r in range(world)
+    ]
+    x = torch.cat(xs)
+    return x, (x.sum(dim=(1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 1).long()
+
+
 def _dp_training(rank: int, world: int) -> list[float]:
-    """dp with DDP on a fixed learnable problem: the global loss before and after."""
-    model = make_model()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    pre = KFACPreconditioner(ddp, strategy="dp", damping=0.01, inverse_update_interval=2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(8, 2, 4, 4, generator=gen, dtype=torch.float64)
-    y = (x.sum(dim=(1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 1).long()
-    losses = []
-    for _ in range(20):
-        opt.zero_grad()
-        loss = F.cross_entropy(ddp(x), y)
-        loss.backward()
-        pre.step(lr=0.1)
-        opt.step()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(float(global_loss) / world)
-    return losses
+    """dp with DDP on a fixed learnable problem: the global loss of each of 20 steps."""
+    problem = _dp_problem(world)
+    run = train_sharded(
+        rank,
+        world,
+        model_fn=make_model,
+        batch_fn=lambda step: problem,
+        steps=20,
+        ddp=True,
+        strategy="dp",
+        damping=0.01,
+        inverse_update_interval=2,
+    )
+    losses = torch.stack(run.losses)
+    dist.all_reduce(losses)
+    return (losses / world).tolist()
 
 
 def _rank_nonfinite(rank: int, world: int) -> dict[str, Any]:
@@ -135,13 +182,18 @@ def _rank_nonfinite(rank: int, world: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- parent-side checks
-def _serial(world: int, strategy: str = "replicated") -> dict[str, Any]:
-    return summary(*train(0, 1, world, strategy))
+def _world_run(world: int) -> dict[str, Any]:
+    """One spawn for all configurations of a world size, and the serial twin."""
+    return {
+        "world": world,
+        "ranks": run_distributed(_rank_main, world, CONFIGS[world], timeout=120),
+        "serial": summary(train(None, world, "replicated")),
+    }
 
 
-def _assert_params_close(got: dict[str, Any], ref: dict[str, Any], label: str) -> None:
-    for p, q in zip(got["params"], ref["params"], strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11, msg=lambda m: f"{label}: {m}")
+@pytest.fixture(scope="module")
+def world_run() -> Callable[[int], dict[str, Any]]:
+    return once_per_key(_world_run)
 
 
 def _expected_bytes(world: int, rank: int, strategy: str, fraction: float) -> dict[str, int]:
@@ -175,97 +227,86 @@ def _expected_bytes(world: int, rank: int, strategy: str, fraction: float) -> di
     }
 
 
-def _check_world(world: int, configs: list[tuple[str, float, bool]]) -> None:
-    results = run_distributed(_rank_main, world, configs, timeout=120)
-    serial = _serial(world)
-    for strategy, fraction, ddp in configs:
-        key = f"{strategy}/{fraction}/{ddp}"
-        for rank, res in enumerate(results):
-            got = res[key]
-            label = f"{key} rank {rank}"
-            if strategy != "dp":
-                _assert_params_close(got, serial, label)
-            for row in got["describe"]:
-                if row["block"] != "inner optimizer":  # LayerNorm's rows
-                    assert row["owner"] == OWNERS[world][row["name"]], label
-            expected = _expected_bytes(world, rank, strategy, fraction)
-            assert {k: v for k, v in got["stats"]["total"].items() if v} == expected, label
-            per_step = [step["bytes"] for step in got["stats"]["per_step"]]
-            if strategy == "replicated":  # inverse broadcasts on steps 0 and 2 only
-                inverses = sum(map(_eigen_state, DIMS))
-                assert per_step == [FACTORS + inverses, FACTORS] * 2, label
-            if strategy == "spngd":
-                assert got["stats"]["last_step"]["by_collective"] == {
-                    "all_reduce": LAYERNORM_PARAMS * F64,
-                    "broadcast": 0,
-                    "reduce_scatter": PACKED_FACTORS + GRADS,
-                    "all_gather": GRADS,
-                    "reduce": 0,
-                }, label
-            owned = [n for n in DIMS if OWNERS[world][n] == rank]
-            if strategy != "replicated":  # only owned layers' factors are kept
-                assert sorted(got["factors"]) == sorted(owned), label
-                bytes_owned = sum(a * a + g * g for n, (a, g) in DIMS.items() if n in owned)
-                assert got["memory"]["factors"] == bytes_owned * F64, label
-            if strategy in ("mem-opt", "dp", "spngd"):
-                assert got["inverse_layers"] == sorted(owned), label
-            if strategy not in ("dp", "mem-opt", "spngd") and fraction == 1.0:
-                for name, (a, g) in serial["factors"].items():
-                    torch.testing.assert_close(got["factors"][name][0], a, rtol=1e-9, atol=1e-11)
-                    torch.testing.assert_close(got["factors"][name][1], g, rtol=1e-9, atol=1e-11)
-    for res in results:
+CASES = [pytest.param(w, c, id=f"{w}ranks-{_key(c)}") for w in CONFIGS for c in CONFIGS[w]]
+WORLDS = [pytest.param(w, id=f"{w}ranks") for w in CONFIGS]
+WorldRun = Callable[[int], dict[str, Any]]
+
+
+@pytest.mark.parametrize("world,config", CASES)
+def test_case_matches_serial_and_ledger(world: int, config: Config, world_run: WorldRun) -> None:
+    serial = world_run(world)["serial"]
+    strategy, fraction, _ = config
+    for rank, res in enumerate(world_run(world)["ranks"]):
+        got = res[_key(config)]
+        label = f"{world} ranks, {_key(config)}, rank {rank}"
+        if strategy != "dp":
+            assert_tensors_close(got["params"], serial["params"], label=label, **TOL)
+        for row in got["describe"]:
+            if row["block"] != "inner optimizer":  # LayerNorm's rows
+                assert row["owner"] == OWNERS[world][row["name"]], label
+        expected = _expected_bytes(world, rank, strategy, fraction)
+        assert {k: v for k, v in got["stats"]["total"].items() if v} == expected, label
+        per_step = [step["bytes"] for step in got["stats"]["per_step"]]
+        if strategy == "replicated":  # inverse broadcasts on steps 0 and 2 only
+            inverses = sum(map(_eigen_state, DIMS))
+            assert per_step == [FACTORS + inverses, FACTORS] * 2, label
+        if strategy == "spngd":
+            assert got["stats"]["last_step"]["by_collective"] == {
+                "all_reduce": LAYERNORM_PARAMS * F64,
+                "broadcast": 0,
+                "reduce_scatter": PACKED_FACTORS + GRADS,
+                "all_gather": GRADS,
+                "reduce": 0,
+            }, label
+        owned = [n for n in DIMS if OWNERS[world][n] == rank]
+        if strategy != "replicated":  # only owned layers' factors are kept
+            assert sorted(got["factors"]) == sorted(owned), label
+            bytes_owned = sum(a * a + g * g for n, (a, g) in DIMS.items() if n in owned)
+            assert got["memory"]["factors"] == bytes_owned * F64, label
+        if strategy in ("mem-opt", "dp", "spngd"):
+            assert got["inverse_layers"] == sorted(owned), label
+        if strategy not in ("dp", "mem-opt", "spngd") and fraction == 1.0:
+            assert_factors_close(got["factors"], serial["factors"], label=label, **TOL)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dp_factors_are_local_and_dp_training_learns(world: int, world_run: WorldRun) -> None:
+    results = world_run(world)["ranks"]
+    for rank, res in enumerate(results):
+        label = f"{world} ranks, rank {rank}"
         losses = res["dp_losses"]
-        assert losses == results[0]["dp_losses"]
-        assert losses[-1] < 0.5 * losses[0], losses
+        assert losses == results[0]["dp_losses"], label
+        assert losses[-1] < 0.5 * losses[0], (label, losses)
         local = res["dp_local"]
-        assert local["factor_bytes"] == 0
-        assert sorted(local["factors"]) == sorted(local["accumulated"])
-        for name, (a, g) in local["factors"].items():
-            torch.testing.assert_close(a, local["expected"][name][0], rtol=1e-9, atol=1e-11)
-            torch.testing.assert_close(g, local["expected"][name][1], rtol=1e-9, atol=1e-11)
-    if world == 2:  # a NaN on rank 1 only: both ranks zero every K-FAC gradient, keep factors
-        assert [res["nonfinite"] for res in results] == [{"zeroed": True, "kept": True}] * 2
-    if any(s == "mem-opt" for s, _, _ in configs):
-        _check_checkpoint(world, [res["checkpoint"] for res in results], serial)
+        assert local["factor_bytes"] == 0, label
+        assert sorted(local["factors"]) == sorted(local["accumulated"]), label
+        assert_factors_close(
+            local["factors"], local["expected"], label=label, kept_only=True, **TOL
+        )
 
 
-def _check_checkpoint(world: int, states: list[dict[str, Any]], serial: dict[str, Any]) -> None:
-    """Gathered state dicts: full, identical on every rank, equal to serial, loadable at 1."""
-    for state in states:
+def test_nan_on_one_rank_zeroes_every_kfac_gradient_and_keeps_factors(
+    world_run: WorldRun,
+) -> None:
+    """spngd on 2 ranks, a NaN on rank 1 only: both zero every K-FAC gradient, keep factors."""
+    assert [res["nonfinite"] for res in world_run(2)["ranks"]] == [
+        {"zeroed": True, "kept": True}
+    ] * 2
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gathered_checkpoint_is_full_equal_to_serial_and_loads_on_one_rank(
+    world: int, world_run: WorldRun
+) -> None:
+    """mem-opt's gathered state dicts: full, equal to serial, loadable at 1 rank."""
+    serial = world_run(world)["serial"]
+    for rank, res in enumerate(world_run(world)["ranks"]):
+        state = res["checkpoint"]
         for name, (a, g) in serial["factors"].items():
-            torch.testing.assert_close(state["layers"][name]["A"], a, rtol=1e-9, atol=1e-11)
-            torch.testing.assert_close(state["layers"][name]["G"], g, rtol=1e-9, atol=1e-11)
-            assert set(state["layers"][name]["inverse"]) == {"qa", "da", "qg", "dg"}
+            label = f"{world} ranks, rank {rank}, layer {name}"
+            torch.testing.assert_close(state["layers"][name]["A"], a, **TOL, msg=label)
+            torch.testing.assert_close(state["layers"][name]["G"], g, **TOL, msg=label)
+            assert set(state["layers"][name]["inverse"]) == {"qa", "da", "qg", "dg"}, label
     pre = KFACPreconditioner(make_model(), strategy="replicated")
-    pre.load_state_dict(states[0])
+    pre.load_state_dict(world_run(world)["ranks"][0]["checkpoint"])
     assert pre.steps == STEPS and sorted(pre.factors()) == sorted(DIMS)
-
-
-def test_two_ranks_match_serial_and_ledger() -> None:
-    _check_world(
-        2,
-        [
-            ("replicated", 1.0, True),
-            ("replicated", 1.0, False),
-            ("mem-opt", 1.0, True),
-            ("mem-opt", 1.0, False),
-            ("kaisa", 0.5, True),
-            ("spngd", 1.0, False),
-            ("dp", 1.0, True),
-        ],
-    )
-
-
-def test_four_ranks_match_serial_and_ledger() -> None:
-    _check_world(
-        4,
-        [
-            ("replicated", 1.0, True),
-            ("kaisa", 0.5, True),
-            ("kaisa", 0.5, False),
-            ("kaisa", 0.25, True),
-            ("mem-opt", 1.0, False),
-            ("spngd", 1.0, False),
-            ("dp", 1.0, True),
-        ],
-    )

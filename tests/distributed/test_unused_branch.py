@@ -11,20 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from dkfac import KFACPreconditioner
 from tests.distributed_utils import run_distributed
 from tests.oracles import with_ones
+from tests.serial_vs_distributed import Hooks, Run, assert_ranks_match, train_sharded
 
 DT = torch.float64
 USES = {0: {1}, 1: {0, 1}, 2: set()}  # step -> ranks that run the branch
 
 
 class _Branchy(nn.Module):
+    """Runs ``branch`` only while ``use_branch`` is set."""
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -32,62 +33,78 @@ class _Branchy(nn.Module):
         self.branch = nn.Linear(5, 5)
         self.head = nn.Linear(5, 3)
         self.scale = nn.Parameter(torch.ones(5))  # not a K-FAC layer
+        self.use_branch = False
 
-    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.stem(x))
-        if use_branch:
+        if self.use_branch:
             h = h + torch.tanh(self.branch(h)) * self.scale
         return self.head(h)
 
 
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(6, 4, generator=gen, dtype=DT), torch.randint(0, 3, (6,), generator=gen)
+def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: rank ``r``'s 6 rows drawn with the seed ``10 · step + r``."""
+    parts = []
+    for rank in range(world):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        parts.append(
+            (torch.randn(6, 4, generator=gen, dtype=DT), torch.randint(0, 3, (6,), generator=gen))
+        )
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
 def _rank_main(rank: int, world: int, strategy: str) -> dict[str, Any]:
-    model = _Branchy().double()
-    pre = KFACPreconditioner(
-        model, strategy=strategy, factor_decay=0.0, inverse_update_interval=1, kl_clip=None
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     factors_after: list[dict[str, Any]] = []
     branch_inputs: list[torch.Tensor] = []
-    for step in range(3):
-        x, y = _batch(step, rank)
-        opt.zero_grad()
-        use = rank in USES[step]
-        if use and step == 1:
-            with torch.no_grad():
-                branch_inputs.append(torch.tanh(model.stem(x)))
-        F.cross_entropy(model(x, use), y).backward()
-        if strategy != "spngd":
-            for p in model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        pre.step(lr=0.1)
-        opt.step()
-        factors_after.append({n: a.clone() for n, (a, _) in pre.factors().items()})
+
+    def setup(run: Run) -> None:
+        def keep_input(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            if run.step == 1:  # every rank runs the branch
+                branch_inputs.append(inputs[0].detach().clone())
+
+        run.model.branch.register_forward_pre_hook(keep_input)
+
+    def choose(run: Run) -> None:
+        run.model.use_branch = rank in USES[run.step]
+
+    run = train_sharded(
+        rank,
+        world,
+        model_fn=lambda: _Branchy().double(),
+        batch_fn=lambda step: _batch(step, world),
+        steps=len(USES),
+        momentum=0.0,
+        hooks=Hooks(
+            setup=setup,
+            before_forward=choose,
+            after_step=lambda run: factors_after.append(
+                {n: a.clone() for n, (a, _) in run.pre.factors().items()}
+            ),
+        ),
+        strategy=strategy,
+        factor_decay=0.0,
+        inverse_update_interval=1,
+        kl_clip=None,
+    )
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": run.params(),
         "factors": factors_after,
-        "branch_a_rows": with_ones(branch_inputs[0]),
+        "branch_a_rows": with_ones(branch_inputs[0]) if branch_inputs else None,
     }
 
 
-def test_unused_branch_does_not_hang_and_ranks_agree() -> None:
-    for strategy in ("replicated", "spngd"):
-        results = run_distributed(_rank_main, 2, strategy, timeout=90)
-        for got, want in zip(results[0]["params"], results[1]["params"], strict=True):
-            torch.testing.assert_close(got, want, msg=strategy)
-            assert bool(torch.isfinite(got).all())
-        for result in results:
-            assert "branch" not in result["factors"][0], strategy
-        rows = [r["branch_a_rows"] for r in results]
-        expected = sum(r.T @ r / r.shape[0] for r in rows) / 2
-        owners = [r for r in results if "branch" in r["factors"][1]]
-        assert owners, f"{strategy}: nobody keeps the branch factors after step 1"
-        for result in owners:
-            torch.testing.assert_close(result["factors"][1]["branch"], expected)
+@pytest.mark.parametrize("strategy", ["replicated", "spngd"])
+def test_unused_branch_does_not_hang_and_ranks_agree(strategy: str) -> None:
+    results = run_distributed(_rank_main, 2, strategy, timeout=90)
+    params = [r["params"] for r in results]
+    assert_ranks_match(params, params[0], label=strategy)
+    assert all(bool(torch.isfinite(p).all()) for p in params[0]), strategy
+    for result in results:
+        assert "branch" not in result["factors"][0], strategy
+    rows = [r["branch_a_rows"] for r in results]
+    assert all(r is not None for r in rows), "both ranks run the branch at step 1"
+    expected = sum(r.T @ r / r.shape[0] for r in rows) / 2
+    owners = [r for r in results if "branch" in r["factors"][1]]
+    assert owners, f"{strategy}: nobody keeps the branch factors after step 1"
+    for result in owners:
+        torch.testing.assert_close(result["factors"][1]["branch"], expected, msg=strategy)

@@ -16,16 +16,21 @@ in the one-dimensional null space softmax and LayerNorm leave in ``G``.
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any
 
+import pytest
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from dkfac import KFACPreconditioner
 from tests.distributed_utils import run_distributed
-from tests.strategy_cases import OPTIONS, STEPS, average_gradients, make_model
+from tests.serial_vs_distributed import (
+    Hooks,
+    assert_ranks_match,
+    assert_tensors_close,
+    train_sharded,
+)
+from tests.strategy_cases import OPTIONS, STEPS, global_batch, make_model
 
 MOMENTS: dict[str, Any] = {
     "method": "eigen_adam",
@@ -33,104 +38,97 @@ MOMENTS: dict[str, Any] = {
     "moment_carry": "rotate",
     "moment_eps": 1e-6,
 }
-BATCH = 64
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+# The global batch: 64 rows (global_batch's seeds, as for 8 ranks of 8).
+_batch = functools.partial(global_batch, world_size=8)
 CONFIGS = [("replicated", 1.0), ("kaisa", 0.5), ("kaisa", 1.0), ("mem-opt", 1.0), ("spngd", 1.0)]
 RESUME = ("replicated", "mem-opt", "spngd")
 SPLIT = 2  # the serial checkpoint is taken after this many steps
 
 
-def _steps(
-    model: nn.Module,
-    pre: KFACPreconditioner,
-    opt: torch.optim.Optimizer,
-    steps: range,
-    rank: int,
-    world: int,
-    *,
-    shard: bool = True,
-) -> None:
-    """SGD-momentum steps on this rank's shard (``shard=False``: the whole batch)."""
-    for step in steps:
-        gen = torch.Generator().manual_seed(1000 + step)
-        x = torch.randn(BATCH, 2, 4, 4, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, 3, (BATCH,), generator=gen)
-        if shard:
-            size = x.shape[0] // world
-            x, y = x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        if world > 1 and pre.strategy.name != "spngd":
-            average_gradients(model, world)
-        pre.step(lr=0.1)
-        opt.step()
-
-
 def _run(
-    rank: int, world: int, strategy: str, *, start: dict[str, Any] | None = None, **kw: Any
+    rank: int | None, strategy: str, *, start: dict[str, Any] | None = None, **kw: Any
 ) -> tuple[list[Tensor], dict[str, Any]]:
-    """Steps ``[SPLIT, STEPS)`` from ``start`` (model, optimizer, preconditioner states), or
-    all steps from scratch; the parameters and the gathered preconditioner state."""
-    model = make_model()
-    pre = KFACPreconditioner(model, strategy=strategy, **{**OPTIONS, **MOMENTS, **kw})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    first = 0
-    if start is not None:
-        start = copy.deepcopy(start)  # SGD's load_state_dict keeps the momentum tensors
-        model.load_state_dict(start["model"])
-        opt.load_state_dict(start["opt"])
-        pre.load_state_dict(start["pre"])
-        first = SPLIT
-    _steps(model, pre, opt, range(first, STEPS), rank, world, shard=strategy != "dp")
-    return [p.detach().clone() for p in model.parameters()], pre.state_dict()
+    """Steps ``[SPLIT, STEPS)`` from ``start`` (a :meth:`Run.checkpoint`), or all steps
+    from scratch, on ``rank``'s shard of 2 (``None``: the whole batch); the parameters and
+    the gathered preconditioner state."""
+    resume = Hooks(setup=lambda run: run.restore(start)) if start is not None else None
+    run = train_sharded(
+        rank,
+        2,
+        model_fn=make_model,
+        batch_fn=_batch,
+        steps=STEPS if start is None else range(SPLIT, STEPS),
+        hooks=resume,
+        strategy=strategy,
+        **{**OPTIONS, **MOMENTS, **kw},
+    )
+    return run.params(), run.pre.state_dict()
 
 
 def _rank_main(rank: int, world: int, start: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy, fraction in CONFIGS:
-        params, state = _run(rank, world, strategy, grad_worker_fraction=fraction)
-        out[f"{strategy}/{fraction}"] = (params, state)
-    out["dp"] = _run(rank, world, "dp")
+        out[f"{strategy}/{fraction}"] = _run(rank, strategy, grad_worker_fraction=fraction)
+    out["dp"] = _run(None, "dp")  # every rank on the whole batch
     for strategy in RESUME:
-        out[f"resume/{strategy}"] = _run(rank, world, strategy, start=start)[0]
+        out[f"resume/{strategy}"] = _run(rank, strategy, start=start)[0]
     return out
 
 
 def _serial_start() -> dict[str, Any]:
-    model = make_model()
-    pre = KFACPreconditioner(model, **{**OPTIONS, **MOMENTS})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    _steps(model, pre, opt, range(SPLIT), 0, 1)
-    return copy.deepcopy(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "pre": pre.state_dict()}
+    """The serial run's model, optimizer and preconditioner states after ``SPLIT`` steps."""
+    return train_sharded(
+        None, 2, model_fn=make_model, batch_fn=_batch, steps=SPLIT, **{**OPTIONS, **MOMENTS}
+    ).checkpoint()
+
+
+@pytest.fixture(scope="module")
+def serial() -> tuple[list[Tensor], dict[str, Any]]:
+    return _run(None, "replicated")
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """Every configuration in one spawn of 2 ranks."""
+    return run_distributed(_rank_main, 2, _serial_start(), timeout=180)
+
+
+@pytest.mark.parametrize("label", [f"{s}/{f}" for s, f in CONFIGS])
+def test_moments_on_two_ranks_equal_serial(
+    label: str,
+    two_ranks: list[dict[str, Any]],
+    serial: tuple[list[Tensor], dict[str, Any]],
+) -> None:
+    serial_params, serial_state = serial
+    for rank, out in enumerate(two_ranks):
+        params, state = out[label]
+        assert_tensors_close(params, serial_params, label=f"{label}, rank {rank}", **TOL)
+        for name, entry in state["layers"].items():
+            want = serial_state["layers"][name]["moments"]
+            assert set(entry["moments"]) == {"m", "v", "t"}
+            for key, value in want.items():
+                torch.testing.assert_close(
+                    entry["moments"][key], value, **TOL, msg=f"{label}, rank {rank}, {name} {key}"
+                )
+
+
+def test_dp_on_two_ranks_with_the_same_batch_equals_serial(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    dp_params, _ = _run(None, "dp")
+    assert_ranks_match([out["dp"][0] for out in two_ranks], dp_params, label="dp", **TOL)
+
+
+@pytest.mark.parametrize("strategy", RESUME)
+def test_serial_checkpoint_resumed_on_two_ranks_continues_like_serial(
+    strategy: str,
+    two_ranks: list[dict[str, Any]],
+    serial: tuple[list[Tensor], dict[str, Any]],
+) -> None:
+    assert_ranks_match(
+        [out[f"resume/{strategy}"] for out in two_ranks],
+        serial[0],
+        label=f"resume {strategy}",
+        **TOL,
     )
-
-
-def _close(got: list[Tensor], want: list[Tensor], label: str) -> None:
-    for p, q in zip(got, want, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11, msg=lambda m: f"{label}: {m}")
-
-
-def test_moments_on_two_ranks_equal_serial_for_every_strategy() -> None:
-    serial_params, serial_state = _run(0, 1, "replicated")
-    dp_params, _ = _run(0, 1, "dp")
-    start = _serial_start()
-    results = run_distributed(_rank_main, 2, start, timeout=180)
-    for label in [f"{s}/{f}" for s, f in CONFIGS]:
-        for rank, out in enumerate(results):
-            params, state = out[label]
-            _close(params, serial_params, f"{label} rank {rank}")
-            for name, entry in state["layers"].items():
-                want = serial_state["layers"][name]["moments"]
-                assert set(entry["moments"]) == {"m", "v", "t"}
-                for key, value in want.items():
-                    torch.testing.assert_close(
-                        entry["moments"][key],
-                        value,
-                        rtol=1e-9,
-                        atol=1e-11,
-                        msg=f"{label} {name} {key}",
-                    )
-    for rank, out in enumerate(results):
-        _close(out["dp"][0], dp_params, f"dp rank {rank}")
-        for strategy in RESUME:
-            _close(out[f"resume/{strategy}"], serial_params, f"resume {strategy} rank {rank}")

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACPreconditioner
 from tests import strategy_cases as cases
 from tests.distributed_utils import run_distributed
+from tests.serial_vs_distributed import Hooks, Run, assert_tensors_close
 
 DT = torch.float64
 
@@ -107,52 +107,54 @@ ADAPTIVE = {"refresh": "adaptive", "refresh_threshold": 0.5, "refresh_max_interv
 STEPS = 8
 
 
-def _train(rank: int, world: int, data_world: int, strategy: str) -> dict[str, Any]:
-    model = cases.make_model()
-    pre = KFACPreconditioner(model, strategy=strategy, **{**cases.OPTIONS, **ADAPTIVE})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+STRATEGIES = ("replicated", "spngd")
+
+
+def _train(rank: int | None, strategy: str) -> dict[str, Any]:
+    """Rank ``rank``'s shard of 2 (``None``: the serial twin); which statistics were due."""
     due: list[dict[str, list[str]]] = []
-    for step in range(STEPS):
-        due.append({n: sorted(layer.due) for n, layer in pre.layers.items()})
-        x, y = cases.global_batch(step, data_world)
-        size = x.shape[0] // world
-        part = slice(rank * size, (rank + 1) * size)
-        opt.zero_grad()
-        F.cross_entropy(model(x[part]), y[part]).backward()
-        if world > 1 and strategy != "spngd":
-            for p in model.parameters():
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= world
-        pre.step(lr=0.1)
-        opt.step()
+
+    def record_due(run: Run) -> None:
+        due.append({n: sorted(layer.due) for n, layer in run.pre.layers.items()})
+
+    run = cases.train(
+        rank, 2, strategy, steps=STEPS, hooks=Hooks(before_forward=record_due), **ADAPTIVE
+    )
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": run.params(),
         "due": due,
-        "factor_bytes": [s["by_kind"]["factors"] for s in pre.comm_stats()["per_step"]],
+        "factor_bytes": [s["by_kind"]["factors"] for s in run.pre.comm_stats()["per_step"]],
     }
 
 
 def _rank_main(rank: int, world: int) -> dict[str, Any]:
-    return {s: _train(rank, world, world, s) for s in ("replicated", "spngd")}
+    return {s: _train(rank, s) for s in STRATEGIES}
 
 
-def test_two_ranks_adaptive_equals_serial_and_skipped_statistics_send_nothing() -> None:
-    results = run_distributed(_rank_main, 2, timeout=120)
-    for strategy in ("replicated", "spngd"):
-        serial = _train(0, 1, 2, strategy)
-        skipped = sum(len(d[n]) < 2 for d in serial["due"] for n in d)
-        assert skipped > 0, "the scripted run must skip some statistics"
-        for rank, result in enumerate(results):
-            result = result[strategy]
-            assert result["due"] == serial["due"], f"{strategy} rank {rank}"
-            for got, want in zip(result["params"], serial["params"], strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-            packed = strategy == "spngd"
-            for step, due in enumerate(result["due"]):
-                expected = 0
-                for name, keys in due.items():
-                    a_dim, g_dim = cases.DIMS[name]
-                    for key in keys:
-                        n = a_dim if key == "A" else g_dim
-                        expected += (n * (n + 1) // 2 if packed else n * n) * 8
-                assert result["factor_bytes"][step] == expected, (strategy, rank, step)
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """Both strategies in one spawn of 2 ranks."""
+    return run_distributed(_rank_main, 2, timeout=120)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_adaptive_equals_serial_and_skipped_statistics_send_nothing(
+    strategy: str, two_ranks: list[dict[str, Any]]
+) -> None:
+    serial = _train(None, strategy)
+    skipped = sum(len(d[n]) < 2 for d in serial["due"] for n in d)
+    assert skipped > 0, "the scripted run must skip some statistics"
+    packed = strategy == "spngd"
+    for rank, result in enumerate(two_ranks):
+        result = result[strategy]
+        label = f"{strategy}, rank {rank}"
+        assert result["due"] == serial["due"], label
+        assert_tensors_close(result["params"], serial["params"], label=label, rtol=1e-9, atol=1e-12)
+        for step, due in enumerate(result["due"]):
+            expected = 0
+            for name, keys in due.items():
+                a_dim, g_dim = cases.DIMS[name]
+                for key in keys:
+                    n = a_dim if key == "A" else g_dim
+                    expected += (n * (n + 1) // 2 if packed else n * n) * 8
+            assert result["factor_bytes"][step] == expected, (label, step)
