@@ -44,6 +44,9 @@ _batch = functools.partial(global_batch, world_size=8)
 CONFIGS = [("replicated", 1.0), ("kaisa", 0.5), ("kaisa", 1.0), ("mem-opt", 1.0), ("spngd", 1.0)]
 RESUME = ("replicated", "mem-opt", "spngd")
 SPLIT = 2  # the serial checkpoint is taken after this many steps
+# basis_max_dim=10: the A factors wider than 10 (19 and 49) keep the identity basis, stored
+# empty; their owners must still send the (partly empty) state to the grad workers.
+ONE_SIDED = [("kaisa", 0.5), ("mem-opt", 1.0)]
 
 
 def _run(
@@ -71,6 +74,10 @@ def _rank_main(rank: int, world: int, start: dict[str, Any]) -> dict[str, Any]:
     for strategy, fraction in CONFIGS:
         out[f"{strategy}/{fraction}"] = _run(rank, strategy, grad_worker_fraction=fraction)
     out["dp"] = _run(None, "dp")  # every rank on the whole batch
+    for strategy, fraction in ONE_SIDED:
+        out[f"one-sided/{strategy}/{fraction}"] = _run(
+            rank, strategy, grad_worker_fraction=fraction, basis_max_dim=10
+        )
     for strategy in RESUME:
         out[f"resume/{strategy}"] = _run(rank, strategy, start=start)[0]
     return out
@@ -132,3 +139,14 @@ def test_serial_checkpoint_resumed_on_two_ranks_continues_like_serial(
         label=f"resume {strategy}",
         **TOL,
     )
+
+
+@pytest.mark.parametrize("label", [f"one-sided/{s}/{f}" for s, f in ONE_SIDED])
+def test_one_sided_moments_on_two_ranks_equal_serial(
+    label: str, two_ranks: list[dict[str, Any]]
+) -> None:
+    serial_params, serial_state = _run(None, "replicated", basis_max_dim=10)
+    assert any(entry["inverse"]["qa"].numel() == 0 for entry in serial_state["layers"].values()), (
+        "no layer is one-sided: the case tests nothing"
+    )
+    assert_ranks_match([out[label][0] for out in two_ranks], serial_params, label=label, **TOL)
