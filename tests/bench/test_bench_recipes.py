@@ -258,3 +258,28 @@ def test_tta_refuses_a_bad_recipe_in_one_line(
         f"dkfac bench tta: error: --recipe {recipe}: optimizer 'sgd' is not K-FAC; a recipe's "
         "optimizer is kfac or kfac-adam"
     )
+
+
+RECIPES = sorted((Path(__file__).parents[2] / "benchmarks" / "recipes").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_committed_recipe_loads_in_bench_and_train_and_builds(path: Path) -> None:
+    """The files BENCHMARKS.md measures: valid for `dkfac bench` and `dkfac train --config`."""
+    recipe = load_recipe(path)
+    args = parse_args(["train", "--config", str(path)])
+    assert (args.optimizer, args.lr, args.method) == ("kfac", recipe.lr, "eigen_adam")
+    assert recipe.options["method"] == "eigen_adam"
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = build_optimizer(recipe.spec(4), model, recipe.lr, 0.9)
+    assert isinstance(optimizer, KFACOptimizer)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_committed_recipes_are_found() -> None:
+    assert {p.stem for p in RECIPES} >= {"digits-cnn", "digits-autoencoder", "gpt-text"}
