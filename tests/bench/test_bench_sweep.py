@@ -191,3 +191,23 @@ def test_tiny_autoencoder_run_with_peers_and_old_single_lr_flags(tmp_path: Path)
     assert (tmp_path / "ae.png").stat().st_size > 0
     old = autoencoder.build_parser().parse_args(["--kfac-lr", "1.0", "--adam-lr", "0.002"])
     assert (old.kfac_lrs, old.adam_lrs) == ([1.0], [0.002])
+
+
+@pytest.mark.parametrize(
+    ("main", "flags", "message"),
+    [
+        (tta.main, ["--max-steps", "0"], "--batch-size, --max-steps, --seeds and --max-seconds"),
+        (tta.main, ["--target", "2"], "--target must be in (0, 1], got 2.0"),
+        (tta.main, ["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
+        (autoencoder.main, ["--seconds", "0"], "--eval-every and --seeds must be positive"),
+        (autoencoder.main, ["--target-loss", "0"], "--target-loss must be > 0, got 0.0"),
+        (autoencoder.main, ["--kfac-momentum", "1.5"], "--kfac-momentum must be in [0, 1)"),
+    ],
+)
+def test_peer_benchmarks_check_their_flags_in_one_line(
+    main: Any, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]

@@ -43,6 +43,7 @@ from dkfac.bench.peers import OptimizerSpec, build_optimizer
 from dkfac.bench.sweep import (
     add_peer_arguments,
     build_specs,
+    check_peer_flags,
     plot_loss_vs_time_and_steps,
     split_available,
     sweep_then_seeds,
@@ -253,20 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    positive = (args.batch_size, args.seconds, args.sweep_seconds, args.eval_every, args.seeds)
-    if min(positive) <= 0:
-        p.error(
-            "--batch-size, --seconds, --sweep-seconds, --eval-every and --seeds must be positive"
-        )
-    if args.target_loss <= 0:
-        p.error(f"--target-loss must be > 0, got {args.target_loss}")
-    for flag, value in (("--momentum", args.momentum), ("--kfac-momentum", args.kfac_momentum)):
-        if not 0 <= value < 1:
-            p.error(f"{flag} must be in [0, 1), got {value}")
-    try:
-        build_specs(args, DEFAULT_KFAC, TASK_OPTIONS)
-    except ValueError as error:
-        p.error(str(error))
+    target = f"--target-loss must be > 0, got {args.target_loss}" if args.target_loss <= 0 else None
+    check_peer_flags(
+        p,
+        args,
+        positive=("batch_size", "seconds", "sweep_seconds", "eval_every", "seeds"),
+        problems=(target,),
+        momenta=("momentum", "kfac_momentum"),
+        default_kfac=DEFAULT_KFAC,
+        task_options=TASK_OPTIONS,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

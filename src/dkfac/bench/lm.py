@@ -52,6 +52,7 @@ from dkfac.bench.peers import OptimizerSpec, build_optimizer
 from dkfac.bench.sweep import (
     add_peer_arguments,
     build_specs,
+    check_peer_flags,
     plot_loss_vs_time_and_steps,
     split_available,
     sweep_then_seeds,
@@ -314,20 +315,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    positive = (args.batch_size, args.seconds, args.sweep_seconds, args.eval_every, args.seeds)
-    if min(positive) <= 0 or args.eval_batches < 1 or args.text_bytes < 1:
-        p.error(
-            "--batch-size, --seconds, --sweep-seconds, --eval-every, --eval-batches, --seeds "
-            "and --text-bytes must be positive"
-        )
-    if not 0 <= args.momentum < 1:
-        p.error(f"--momentum must be in [0, 1), got {args.momentum}")
-    if problem := size_problem(args.layers, args.width, args.heads, args.seq_len):
-        p.error(problem)
-    try:
-        build_specs(args, DEFAULT_KFAC, TASK_OPTIONS)
-    except ValueError as error:
-        p.error(str(error))
+    check_peer_flags(
+        p,
+        args,
+        positive=(
+            "batch_size",
+            "seconds",
+            "sweep_seconds",
+            "eval_every",
+            "eval_batches",
+            "seeds",
+            "text_bytes",
+        ),
+        problems=(size_problem(args.layers, args.width, args.heads, args.seq_len),),
+        default_kfac=DEFAULT_KFAC,
+        task_options=TASK_OPTIONS,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

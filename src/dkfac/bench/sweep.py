@@ -194,6 +194,43 @@ def _other_grid_size(args: argparse.Namespace) -> int:
     return len(getattr(args, f"{peers[0]}_lrs" if peers else "kfac_lrs"))
 
 
+def check_peer_flags(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    *,
+    positive: Sequence[str],
+    problems: Sequence[str | None] = (),
+    momenta: Sequence[str] = ("momentum",),
+    default_kfac: Sequence[str],
+    task_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:
+    """The checks every peer benchmark makes of its flags, each a one-line ``parser.error``.
+
+    Args:
+        parser: The benchmark's parser.
+        args: Its parsed flags.
+        positive: Destinations of the flags that must be > 0, in the order the error names them.
+        problems: The benchmark's own findings, checked next: the first message that is not
+            ``None`` is the error.
+        momenta: Destinations of the flags that must be in [0, 1).
+        default_kfac: As for :func:`build_specs`, which checks the optimizers last.
+        task_options: As for :func:`build_specs`.
+    """
+    if any(getattr(args, name) <= 0 for name in positive):
+        flags = [f"--{name.replace('_', '-')}" for name in positive]
+        listed = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+        parser.error(f"{listed} must be positive")
+    if problem := next((found for found in problems if found is not None), None):
+        parser.error(problem)
+    for name in momenta:
+        if not 0 <= (value := getattr(args, name)) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+    try:
+        build_specs(args, default_kfac, task_options)
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def check_grids(specs: Sequence[OptimizerSpec]) -> None:
     """Every optimizer must sweep the same number of learning rates.
 

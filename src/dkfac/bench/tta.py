@@ -44,6 +44,7 @@ from dkfac.bench.peers import OptimizerSpec, build_optimizer
 from dkfac.bench.sweep import (
     add_peer_arguments,
     build_specs,
+    check_peer_flags,
     plot_runs,
     split_available,
     sweep_then_seeds,
@@ -282,16 +283,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.batch_size < 1 or args.max_steps < 1 or args.seeds < 1 or args.max_seconds <= 0:
-        p.error("--batch-size, --max-steps, --seeds and --max-seconds must be positive")
-    if not 0 < args.target <= 1:
-        p.error(f"--target must be in (0, 1], got {args.target}")
-    if not 0 <= args.momentum < 1:
-        p.error(f"--momentum must be in [0, 1), got {args.momentum}")
-    try:
-        build_specs(args, DEFAULT_KFAC, TASK_OPTIONS)
-    except ValueError as error:
-        p.error(str(error))
+    target = None if 0 < args.target <= 1 else f"--target must be in (0, 1], got {args.target}"
+    check_peer_flags(
+        p,
+        args,
+        positive=("batch_size", "max_steps", "seeds", "max_seconds"),
+        problems=(target,),
+        default_kfac=DEFAULT_KFAC,
+        task_options=TASK_OPTIONS,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
