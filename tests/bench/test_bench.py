@@ -94,6 +94,12 @@ def test_parse_options() -> None:
         "moment_nesterov": True,
         "moment_bias_correction": False,
     }
+    # The spellings of a recipe and of `dkfac train` flags are read the same way.
+    assert parse_options("kl_clip=none,moment_nesterov=true,moment_bias_correction=FALSE") == {
+        "kl_clip": None,
+        "moment_nesterov": True,
+        "moment_bias_correction": False,
+    }
 
 
 def test_train_to_target_times_only_training_steps() -> None:
@@ -286,3 +292,18 @@ def test_bench_step_refuses_options_it_sets_itself(
         step.main(["--options", options])
     assert exit_info.value.code == 2
     assert "--options" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [("kl_clip=bogus", "kl_clip must be a number"), ("no_such_option=1", "no_such_option")],
+)
+def test_bench_step_answers_a_bad_option_value_in_one_line(
+    options: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dkfac.bench import step
+
+    with pytest.raises(SystemExit) as exit_info:
+        step.main(["--options", options])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -165,7 +165,9 @@ def first_reaching(
 def parse_options(text: str) -> dict[str, Any]:
     """``"a=1,b=x,c=0.5"`` -> ``{"a": 1, "b": "x", "c": 0.5}`` (ints, floats, None, bools, strings).
 
-    A key ending in ``_dtype`` takes a torch dtype by name (``capture_dtype=bfloat16``).
+    ``none``/``true``/``false`` are read in any case (``kl_clip=none``, ``moment_nesterov=true``,
+    as a recipe or ``dkfac train`` writes them). A key ending in ``_dtype`` takes a torch dtype
+    by name (``capture_dtype=bfloat16``).
 
     Raises:
         ValueError: For an item without ``=``, or an unknown dtype name.
@@ -176,10 +178,10 @@ def parse_options(text: str) -> dict[str, Any]:
         if not sep or not key:
             raise ValueError(f"option {item!r} is not of the form key=value")
         value: Any = raw
-        if raw == "None":
+        if raw.lower() == "none":
             value = None
-        elif raw in ("True", "False"):
-            value = raw == "True"
+        elif raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
         elif key.strip().endswith("_dtype"):
             try:
                 value = dtype(raw)

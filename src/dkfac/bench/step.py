@@ -52,6 +52,7 @@ from dkfac.bench.common import (
     write_result,
 )
 from dkfac.bench.step_report import plot_breakdown, summary_text
+from dkfac.config import KFACConfig
 from dkfac.preconditioner import KFACPreconditioner
 from dkfac.solvers import METHODS
 
@@ -379,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             re.compile(pattern)
         except re.error as err:
             parser.error(f"--skip-layers: {pattern!r} is not a regular expression ({err})")
+    try:  # a bad --options value is the user's, not a traceback halfway through the run
+        KFACConfig(**{**args.options, "method": args.method})
+    except (TypeError, ValueError) as err:
+        parser.error(f"--options: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
     payload = run(args)
