@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.strategy_base import Strategy
+from dkfac.engine.finite import all_finite
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError, SolverState
 
@@ -59,12 +60,10 @@ def finite_flags(
     for name in names:
         stats = new.get(name, {})
         grad = grads[name]
-        ok = [torch.isfinite(t).all().to(device) for t in stats.values()]
+        ok = [all_finite(t).to(device) for t in stats.values()]
         checks.append(torch.stack(ok).all() if ok else torch.tensor(True, device=device))
         checks.append(
-            torch.isfinite(grad).all().to(device)
-            if grad is not None
-            else torch.tensor(True, device=device)
+            all_finite(grad).to(device) if grad is not None else torch.tensor(True, device=device)
         )
     values = strategy.agree(torch.stack(checks)).tolist()
     return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
