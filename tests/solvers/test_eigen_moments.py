@@ -68,6 +68,7 @@ def _adam_oracle(
     bias: bool,
     nesterov: bool,
     basis: Tensor = K,
+    out_basis: Tensor | None = None,
 ) -> list[Tensor]:
     m = torch.zeros(A_DIM * G_DIM, dtype=DT)
     v = torch.zeros_like(m)
@@ -79,7 +80,13 @@ def _adam_oracle(
         num = b1 * m + (1 - b1) * r if nesterov else m
         c1 = (1 - b1 ** (t + 1 if nesterov else t)) if bias else 1.0
         c2 = (1 - b2**t) if bias else 1.0
-        out.append(unvec(basis @ ((num / c1) / ((v / c2).sqrt() + eps))))
+        scaled = (num / c1) / ((v / c2).sqrt() + eps)
+        if out_basis is not None:  # the rotation out of the basis with rounded inputs
+            basis_out = out_basis
+            scaled = scaled.float().double()
+        else:
+            basis_out = basis
+        out.append(unvec(basis_out @ scaled))
     return out
 
 
@@ -313,3 +320,45 @@ def test_one_sided_carry_rotates_the_first_moment_exactly() -> None:
     moments = _moments(solver, old)
     carried = solver.carry_moments(old, new, moments)
     torch.testing.assert_close(new["qg"] @ carried["m"], old["qg"] @ moments["m"])
+
+
+def test_a_lower_rotation_precision_rounds_only_the_rotation_out_of_the_basis() -> None:
+    """float32 ``rotation_dtype`` with float64 gradients: the oracle whose last product
+    ``K s`` takes ``K`` and ``s`` rounded to float32; the moments stay exact."""
+    options = MomentOptions(beta1=0.8, beta2=0.9, eps=1e-3, rotation_dtype=torch.float32)
+    grads = _grads(4)
+    got = _run(EigenAdamSolver(DT, options), grads)
+    assert all(g.dtype == DT for g in got)
+    exact = _adam_oracle(grads, 0.8, 0.9, 1e-3, bias=True, nesterov=False)
+    rounded = torch.kron(QA.float().double(), QG.float().double())
+    want = _adam_oracle(grads, 0.8, 0.9, 1e-3, bias=True, nesterov=False, out_basis=rounded)
+    for g, w, e in zip(got, want, exact, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(g, e)  # the precision was lowered
+
+
+def test_bf16_rotation_stays_within_bf16_of_the_exact_update() -> None:
+    options = MomentOptions(eps=1e-3, nesterov=True, rotation_dtype=torch.bfloat16)
+    grads = _grads(4)
+    got = _run(EigenAdamSolver(DT, options), grads)
+    want = _adam_oracle(grads, 0.9, 0.95, 1e-3, bias=True, nesterov=True)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == DT
+        assert (g - w).norm() <= 2e-2 * w.norm()
+
+
+def test_the_carry_keeps_the_moments_precision_under_a_bf16_rotation() -> None:
+    """The carried ``m`` is exact: in bf16 its error would be divided by ``√v``."""
+    exact = EigenAdamSolver(DT)
+    low = EigenAdamSolver(DT, MomentOptions(rotation_dtype=torch.bfloat16))
+    old, new = exact.compute(A, G, 0.1), _new_state()
+    moments = _moments(exact, old)
+    assert torch.equal(
+        low.carry_moments(old, new, moments)["m"], exact.carry_moments(old, new, moments)["m"]
+    )
+
+
+@pytest.mark.parametrize("value", ["bfloat16", torch.int32])
+def test_rotation_dtype_is_validated(value: object) -> None:
+    with pytest.raises(ValueError, match="rotation_dtype"):
+        MomentOptions(rotation_dtype=value)  # type: ignore[arg-type]

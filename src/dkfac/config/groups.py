@@ -102,6 +102,12 @@ class SolverConfig:
             identity as its basis and is never decomposed, so a very wide layer is
             preconditioned on its other side only (one-sided, like SOAP's
             ``max_precond_dim``); ``None`` (default): every factor is rotated.
+        rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of the update
+            out of the eigenbasis (half of their per-step cost): ``None`` (default) the
+            gradient's; ``torch.bfloat16`` runs it 2-3x faster on CPUs with bf16 matrix
+            instructions and on GPUs, for an error of about 1% of the update; the rotation
+            into the basis, the moments and the basis keep their own precision
+            (:mod:`dkfac.solvers.eigen_moments`; measured in BENCHMARKS.md section 12).
     """
 
     method: Method = "eigen"
@@ -118,6 +124,7 @@ class SolverConfig:
     basis_refresh: BasisRefresh = "eigh"
     moment_carry: MomentCarry = "keep_v"
     basis_max_dim: int | None = None
+    rotation_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -134,6 +141,7 @@ class SolverConfig:
         check_choice("basis_refresh", self.basis_refresh, BASIS_REFRESHES)
         check_choice("moment_carry", self.moment_carry, MOMENT_CARRIES)
         check_int("basis_max_dim", self.basis_max_dim, optional=True)
+        check_dtype("rotation_dtype", self.rotation_dtype)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -192,6 +192,7 @@ def create_layers(
                 basis_refresh=config.basis_refresh,
                 carry=config.moment_carry,
                 max_dim=config.basis_max_dim,
+                rotation_dtype=config.rotation_dtype,
             ),
         )
         layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)
