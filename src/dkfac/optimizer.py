@@ -3,20 +3,48 @@
 It shares the inner optimizer's ``param_groups`` (and ``state``), so LR schedulers, gradient
 clipping utilities and checkpointing code written for plain optimizers work unchanged. Each
 ``step()`` feeds the inner optimizer's current learning rate to the KL-clip.
+
+:meth:`KFACOptimizer.for_model` builds the best general method measured (BENCHMARKS.md
+sections 10-12) from nothing but the model: :data:`DEFAULT_OPTIONS` under an SGD without
+momentum.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
+from dkfac.engine.finite import all_finite
 from dkfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_LR: Final = 3e-3
+"""The step size of :meth:`KFACOptimizer.for_model` (the recipes' lr on the autoencoder and
+the language model; the digits CNN's recipe takes 0.02)."""
+
+DEFAULT_OPTIONS: Final[dict[str, object]] = {
+    "method": "eigen_adam",
+    "moment_nesterov": True,
+    "basis_refresh": "power",
+    "moment_carry": "reset",
+    "kl_clip": None,
+    "factor_update_interval": 1,
+    "inverse_update_interval": 10,
+}
+"""The preconditioner of :meth:`KFACOptimizer.for_model`: Adam's moments in the eigenbasis of
+K-FAC's factors (SOAP's update with K-FAC's bases), Nesterov's first moment, factors every
+step, the basis followed by one power-iteration step every 10 steps with the moments
+restarted (reset beats keeping them at that interval), no KL-clip (Adam's normalisation
+bounds the step). Why each, and what it reaches against AdamW, Muon and SOAP: BENCHMARKS.md
+section 12. ``rotation_dtype=torch.bfloat16`` is left out: it pays only where bf16 matrix
+products are fast (GPUs, CPUs with AVX512-BF16 or AMX)."""
 
 
 class KFACOptimizer(Optimizer):
@@ -53,10 +81,48 @@ class KFACOptimizer(Optimizer):
         self.param_groups = inner.param_groups
         self.state = inner.state
 
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        lr: float = DEFAULT_LR,
+        *,
+        weight_decay: float = 0.0,
+        **options: object,
+    ) -> KFACOptimizer:
+        """The best general method for ``model``, built from the model alone.
+
+        :data:`DEFAULT_OPTIONS` (``method="eigen_adam"``, see there) with ``options`` over
+        them, under ``torch.optim.SGD(lr=lr, momentum=0, weight_decay=weight_decay)``: the
+        preconditioner's update is the whole step, and SGD's weight decay acts on the update
+        plus the weights, i.e. AdamW's decoupled decay. Parameters the preconditioner does
+        not take (LayerNorm, raw ``nn.Parameter``s; ``pre.describe()`` lists them) get plain
+        SGD steps at ``lr``.
+
+        Args:
+            model: The model to train (its trainable parameters go to the inner SGD).
+            lr: Step size > 0.
+            weight_decay: Decoupled weight decay >= 0.
+            **options: Any :class:`~dkfac.KFACConfig` field, over the defaults.
+
+        Raises:
+            ValueError: For a bad ``lr`` or ``weight_decay`` (or option: the config's errors).
+        """
+        for name, value, low_ok in (("lr", lr, False), ("weight_decay", weight_decay, True)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
+                shown = ">= 0" if low_ok else "> 0"
+                raise ValueError(f"{name} must be a finite number {shown}, got {value!r}")
+        preconditioner = KFACPreconditioner(model, **{**DEFAULT_OPTIONS, **options})
+        params = [p for p in model.parameters() if p.requires_grad]
+        inner = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=weight_decay)
+        return cls(inner, preconditioner)
+
     def _finite_flag(self) -> torch.Tensor | None:
         """A 0-d bool tensor: every parameter gradient is finite (``None``: no gradients)."""
         flags = [
-            torch.isfinite(p.grad).all()
+            all_finite(p.grad)
             for group in self.param_groups
             for p in group["params"]
             if p.grad is not None

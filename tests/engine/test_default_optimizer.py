@@ -1,0 +1,67 @@
+"""KFACOptimizer.for_model: the best general method from the model alone (issue 18 item 4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.optimizer import DEFAULT_LR, DEFAULT_OPTIONS
+from tests.strategy_cases import global_batch, make_model
+
+
+def _train(opt: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:
+    for step in range(steps):
+        x, y = global_batch(step, 1)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_for_model_is_the_documented_construction() -> None:
+    """Its weights after 12 steps (a refresh at 10) equal those of the explicit twin."""
+    model = make_model()
+    opt = KFACOptimizer.for_model(model)
+    twin_model = make_model()
+    twin = KFACOptimizer(
+        torch.optim.SGD(twin_model.parameters(), lr=DEFAULT_LR, momentum=0.0),
+        KFACPreconditioner(twin_model, **DEFAULT_OPTIONS),
+    )
+    _train(opt, model, 12)
+    _train(twin, twin_model, 12)
+    for a, b in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert opt.preconditioner.config.method == "eigen_adam"
+    group = opt.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (DEFAULT_LR, 0.0, 0.0)
+
+
+def test_options_and_weight_decay_go_where_they_belong() -> None:
+    opt = KFACOptimizer.for_model(
+        make_model(), 0.01, weight_decay=0.1, inverse_update_interval=2, moment_carry="keep_v"
+    )
+    config = opt.preconditioner.config
+    assert (config.inverse_update_interval, config.moment_carry) == (2, "keep_v")
+    assert config.basis_refresh == "power" and config.kl_clip is None
+    assert opt.param_groups[0]["lr"] == 0.01
+    assert opt.param_groups[0]["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"lr": -1.0}, "lr"),
+        ({"lr": math.nan}, "lr"),
+        ({"lr": "0.1"}, "lr"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"weight_decay": True}, "weight_decay"),
+        ({"method": "adam"}, "method"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        KFACOptimizer.for_model(make_model(), **kwargs)  # type: ignore[arg-type]
