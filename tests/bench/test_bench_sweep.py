@@ -147,6 +147,30 @@ def test_tta_records_peer_options_and_old_flags(tmp_path: Path) -> None:
     assert payload["summary"]["sgd"]["lr"] == tta.GRIDS["sgd"][0]
 
 
+def test_several_sweep_seeds_pick_the_lr_of_the_best_median_run() -> None:
+    """lr 0.1 has one lucky seed (score 0) and two bad ones; 0.3 is steady (1, 1, 1): one
+    sweep seed would pick 0.1, the median of three picks 0.3. Rounds are lr-major, seeds
+    next, optimizers innermost."""
+    calls: list[tuple[str, float, int]] = []
+    scores = {(0.1, 7): 0.0, (0.1, 8): 5.0, (0.1, 9): 5.0}
+
+    def train(spec: OptimizerSpec, lr: float, seed: int, sweeping: bool) -> dict[str, Any]:
+        calls.append((spec.name, lr, seed))
+        return {"lr": lr, "loss": scores.get((lr, seed), 1.0) if sweeping else 0.0}
+
+    specs = [OptimizerSpec("a", "sgd", [0.1, 0.3]), OptimizerSpec("b", "adamw", [1.0, 2.0])]
+    score = lambda r: (r["loss"],)  # noqa: E731
+    one = sweep_then_seeds(specs, train, score, sweep_seed=7, seeds=1, no_sweep=False)
+    assert one.chosen["a"] == 0.1
+    calls.clear()
+    three = sweep_then_seeds(
+        specs, train, score, sweep_seed=7, seeds=1, no_sweep=False, sweep_seeds=3
+    )
+    assert three.chosen == {"a": 0.3, "b": 1.0}
+    assert calls[:4] == [("a", 0.1, 7), ("b", 1.0, 7), ("a", 0.1, 8), ("b", 1.0, 8)]
+    assert len(three.sweep["a"]) == 6 and calls[-2:] == [("a", 0.3, 0), ("b", 1.0, 0)]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -158,6 +182,7 @@ def test_tta_records_peer_options_and_old_flags(tmp_path: Path) -> None:
         (["--kfac", "sgd:damping=0.1", "--no-sweep"], "names must be unique"),
         (["--first-seed", "-1"], "--first-seed must be >= 0, got -1"),
         (["--split-seed", "-2"], "--split-seed must be >= 0, got -2"),
+        (["--sweep-seeds", "0"], "--sweep-seeds must be >= 1, got 0"),
     ],
 )
 def test_tta_rejects_bad_peer_flags_in_one_line(

@@ -195,6 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seeds=args.seeds,
         no_sweep=args.no_sweep,
         first_seed=args.first_seed,
+        sweep_seeds=args.sweep_seeds,
     )
     summary = {
         name: {"lr": runs.chosen[name], **summarise(seeded, args.target_loss)}

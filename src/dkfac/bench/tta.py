@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seeds=args.seeds,
         no_sweep=args.no_sweep,
         first_seed=args.first_seed,
+        sweep_seeds=args.sweep_seeds,
     )
     summary = {name: {"lr": runs.chosen[name], **summarise(r)} for name, r in runs.seeded.items()}
     add_time_ratios(summary)
