@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACPreconditioner
-from dkfac.solvers import CholeskySolver, EigenSolver, SolverError
+from dkfac.solvers import CholeskySolver, EigenSolver, SolverError, eigen
 from tests.oracles import dense_eigen_solve, dense_factored_solve, weight_grad_matrix
 
 DT = torch.float64
@@ -101,3 +101,43 @@ def test_float32_eigen_close_to_float64() -> None:
         got = EigenSolver(torch.float32).apply(state, raw[name].float(), 0.01)
         expected = dense_eigen_solve(a, g, raw[name], 0.01)
         torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=1e-4)
+
+
+def test_eigh_that_does_not_converge_is_retried_on_a_shifted_matrix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first ``eigh`` that fails is redone on ``F + δI`` in the same dtype, ``δ`` taken off
+    the eigenvalues: the known spectrum and basis come back."""
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=torch.float64))
+    spectrum = torch.tensor([0.0, 0.0, 0.5, 1.0, 2.0, 4.0], dtype=torch.float64)
+    matrix = q @ torch.diag(spectrum) @ q.T
+    real_eigh = torch.linalg.eigh
+    seen: list[torch.Tensor] = []
+
+    def failing_once(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(m)
+        if len(seen) == 1:
+            raise torch.linalg.LinAlgError("did not converge")
+        return real_eigh(m)
+
+    monkeypatch.setattr(eigen.torch.linalg, "eigh", failing_once)
+    values, vectors = eigen.symmetric_eigh(matrix, torch.float64)
+    shift = eigen.SHIFT * float(torch.diagonal(matrix).mean())
+    torch.testing.assert_close(seen[1] - seen[0], shift * torch.eye(6, dtype=torch.float64))
+    torch.testing.assert_close(values, spectrum, atol=1e-12, rtol=0)
+    torch.testing.assert_close(vectors @ torch.diag(values) @ vectors.T, matrix)
+
+
+def test_a_factor_of_dead_units_decomposes_in_float32() -> None:
+    """Half of 1000 units dead (interleaved zero rows): LAPACK's float32 ``eigh`` does not
+    converge on this factor; the shifted retry gives a basis that rebuilds it."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(128, 1000, generator=gen))
+    x[:, torch.randperm(1000, generator=gen)[:509]] = 0
+    factor = x.T @ x / 128
+    values, vectors = eigen.symmetric_eigh(factor, torch.float32)
+    assert values.dtype == torch.float32 and bool((values >= 0).all())
+    rebuilt = vectors @ torch.diag(values) @ vectors.T
+    assert float((rebuilt - factor).abs().max()) < 2e-5 * float(factor.abs().max())
+    torch.testing.assert_close(vectors.T @ vectors, torch.eye(1000), atol=1e-5, rtol=0)

@@ -3,6 +3,13 @@
 With ``A = Q_A Λ_A Q_A^T`` and ``G = Q_G Λ_G Q_G^T`` (eigenvalues clamped at 0),
 ``V = Q_G [(Q_G^T ∇W Q_A) ⊘ (λ_G λ_A^T + λ)] Q_A^T`` solves ``(A ⊗ G + λI) vec(V) = vec(∇W)``
 exactly. Damping enters only at apply time, so a damping schedule takes effect at once.
+
+A factor with many exactly zero rows (the inputs or outputs of dead ReLU units) has as many
+equal zero eigenvalues, and LAPACK's divide-and-conquer ``eigh`` then fails to converge in
+float32 (a 1000-wide factor with half its units dead does). ``F + δI`` has the same
+eigenvectors and eigenvalues ``λ + δ``: :func:`symmetric_eigh` retries once with
+``δ = 1e-6 · mean(diag F)`` and subtracts it, rather than leave the whole layer to the
+solver's float64 retry (twice the cost, paid on the first step of the digits autoencoder).
 """
 
 from __future__ import annotations
@@ -12,12 +19,27 @@ from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverState
 
+SHIFT = 1e-6
+"""The relative diagonal shift of :func:`symmetric_eigh`'s retry (module notes)."""
+
 
 def symmetric_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix in ``dtype``."""
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix in ``dtype``.
+
+    Retries once on ``F + δI`` when LAPACK does not converge (module notes).
+
+    Raises:
+        torch.linalg.LinAlgError: If the shifted matrix fails too.
+    """
     sym = matrix.to(dtype)
     sym = (sym + sym.T) / 2
-    values, vectors = torch.linalg.eigh(sym)
+    try:
+        values, vectors = torch.linalg.eigh(sym)
+    except torch.linalg.LinAlgError:
+        shift = SHIFT * float(torch.diagonal(sym).abs().mean()) or SHIFT
+        eye = torch.eye(len(sym), dtype=dtype, device=sym.device)
+        values, vectors = torch.linalg.eigh(sym + shift * eye)
+        values = values - shift
     return values.clamp(min=0.0), vectors
 
 
