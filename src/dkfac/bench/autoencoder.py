@@ -10,7 +10,7 @@ seeds interleaved. The training loss over the whole training set is measured eve
 ``--eval-every`` steps outside the clock.
 
 Default grids (three learning rates each): SGD 0.2 0.5 1.0; Adam and AdamW 0.0003 0.001 0.003;
-Muon 0.01 0.02 0.05 (its AdamW part at 0.001, ``muon:adamw_lr``); SOAP 0.001 0.003 0.01;
+Muon 0.02 0.05 0.1 (its AdamW part at 0.001, ``muon:adamw_lr``); SOAP 0.001 0.003 0.01;
 K-FAC 0.3 1.0 3.0 (its KL-clip bounds the step, so its lr matters little above 1).
 
 Headline figures: the median time to ``--target-loss`` (0.02), and, when SGD runs, the time to
@@ -61,7 +61,7 @@ GRIDS: dict[str, tuple[float, ...]] = {
     "sgd": (0.2, 0.5, 1.0),
     "adam": (3e-4, 1e-3, 3e-3),
     "adamw": (3e-4, 1e-3, 3e-3),
-    "muon": (0.01, 0.02, 0.05),
+    "muon": (0.02, 0.05, 0.1),
     "soap": (1e-3, 3e-3, 1e-2),
     "kfac": (0.3, 1.0, 3.0),
 }

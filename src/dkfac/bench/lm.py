@@ -18,7 +18,7 @@ outside the clock on a fixed subset: ``--eval-batches`` x ``--batch-size`` non-o
 validation windows evenly spaced over the validation split, the same for every run.
 
 Default grids (three learning rates each): SGD 0.1 0.3 1.0; Adam, AdamW, SOAP and K-FAC
-0.001 0.003 0.01; Muon 0.01 0.02 0.05. Default K-FAC variants: ``kfac-adamw`` (K-FAC wrapping
+0.001 0.003 0.01; Muon 0.02 0.05 0.1. Default K-FAC variants: ``kfac-adamw`` (K-FAC wrapping
 AdamW: eigen, ``loss_average=positions``, damping 3, factors every 10 steps and the
 eigenbasis every 100, as ``configs/gpt-text.toml``) and ``eigen-adam`` (Adam's moments in
 K-FAC's eigenbasis, ``method=eigen_adam`` over SGD without momentum, ``loss_average=positions``,
@@ -74,7 +74,7 @@ GRIDS: dict[str, tuple[float, ...]] = {
     "sgd": (0.1, 0.3, 1.0),
     "adam": (1e-3, 3e-3, 1e-2),
     "adamw": (1e-3, 3e-3, 1e-2),
-    "muon": (0.01, 0.02, 0.05),
+    "muon": (0.02, 0.05, 0.1),
     "soap": (1e-3, 3e-3, 1e-2),
     "kfac": (1e-3, 3e-3, 1e-2),
 }
