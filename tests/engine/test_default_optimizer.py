@@ -22,7 +22,7 @@ def _train(opt: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> No
 
 
 def test_for_model_is_the_documented_construction() -> None:
-    """Its weights after 12 steps (a refresh at 10) equal those of the explicit twin."""
+    """Its weights after 12 steps (refreshes at 5 and 10) equal those of the explicit twin."""
     model = make_model()
     opt = KFACOptimizer.for_model(model)
     twin_model = make_model()
