@@ -53,6 +53,10 @@ ONE_SIDED = [("kaisa", 0.5), ("mem-opt", 1.0)]
 # applied at all is the solver tests' part (tests/solvers/test_eigen_moments.py).
 LOW_ROTATION = [("kaisa", 0.5), ("spngd", 1.0)]
 LOW_TOL = {"rtol": 1e-5, "atol": 1e-7}
+# flattened_inputs: the Linear(48→6) reads the flattened 3 × 16 output of the convolution;
+# its owner builds the structured basis and sends it like any other.
+STRUCTURED = [("kaisa", 0.5), ("spngd", 1.0)]
+MAP = {"3": (3, 16)}
 
 
 def _run(
@@ -87,6 +91,10 @@ def _rank_main(rank: int, world: int, start: dict[str, Any]) -> dict[str, Any]:
     for strategy, fraction in LOW_ROTATION:
         out[f"float32-rotation/{strategy}/{fraction}"] = _run(
             rank, strategy, grad_worker_fraction=fraction, rotation_dtype=torch.float32
+        )
+    for strategy, fraction in STRUCTURED:
+        out[f"structured/{strategy}/{fraction}"] = _run(
+            rank, strategy, grad_worker_fraction=fraction, flattened_inputs=MAP
         )
     for strategy in RESUME:
         out[f"resume/{strategy}"] = _run(rank, strategy, start=start)[0]
@@ -171,3 +179,20 @@ def test_low_precision_rotation_on_two_ranks_equals_serial(
     first, second = (out[label][0] for out in two_ranks)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True)), label
     assert_ranks_match([first, second], low_params, label=label, **LOW_TOL)
+
+
+@pytest.mark.parametrize("label", [f"structured/{s}/{f}" for s, f in STRUCTURED])
+def test_structured_input_basis_on_two_ranks_equals_serial(
+    label: str, two_ranks: list[dict[str, Any]], serial: tuple[list[Tensor], dict[str, Any]]
+) -> None:
+    structured_params, structured_state = _run(None, "replicated", flattened_inputs=MAP)
+    assert any(not torch.equal(a, b) for a, b in zip(structured_params, serial[0], strict=True))
+    for rank, out in enumerate(two_ranks):
+        params, state = out[label]
+        assert_tensors_close(params, structured_params, label=f"{label}, rank {rank}", **TOL)
+        torch.testing.assert_close(
+            state["layers"]["3"]["inverse"]["qa"],
+            structured_state["layers"]["3"]["inverse"]["qa"],
+            **TOL,
+            msg=f"{label}, rank {rank}",
+        )

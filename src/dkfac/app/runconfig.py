@@ -133,6 +133,8 @@ def _argument_spec(hint: Any) -> dict[str, Any]:
     if schedule:
         return {"type": wrap(number), "metavar": "NUMBER" + ("|none" if nullable else "")}
     origin = typing.get_origin(hint)
+    if origin in (collections.abc.Mapping, dict):  # KFACConfig.flattened_inputs: NAME=CxP ...
+        return {"type": str, "nargs": "*", "metavar": "NAME=CxP"}
     if origin is typing.Literal:
         choices = list(typing.get_args(hint)) + ([None] if nullable else [])
         return {"type": wrap(str), "choices": choices}
@@ -172,6 +174,8 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
             continue
         spec = _argument_spec(hints[field.name])
         default = _field_default(field)
+        if isinstance(default, collections.abc.Mapping):  # a list of NAME=CxP, as parsed
+            default = list(_plain(default))
         group.add_argument(
             _flag(field.name),
             "--kfac-" + field.name.replace("_", "-"),
@@ -294,6 +298,8 @@ def _plain(value: Any) -> Any:
         return format_value(value)
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, collections.abc.Mapping):  # {name: (C, P)} -> ["name=CxP", ...]
+        return [f"{k}={'x'.join(str(n) for n in v)}" for k, v in value.items()]
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if isinstance(value, (bool, int, float, str)):

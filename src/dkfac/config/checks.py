@@ -7,12 +7,22 @@ a bad value fails where it enters with what was wrong and what is allowed.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+import re
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["check_bool", "check_choice", "check_dtype", "check_int", "check_range"]
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_dtype",
+    "check_input_maps",
+    "check_int",
+    "check_range",
+]
+
+_INPUT_MAP = re.compile(r"^\s*(\S+?)\s*=\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 def check_range(
@@ -91,3 +101,43 @@ def check_dtype(
     if not ok:
         kinds = ", ".join(str(d) for d in allowed) if allowed is not None else "a floating dtype"
         raise ValueError(f"{name} must be {'None or ' if optional else ''}{kinds}, got {value!r}")
+
+
+def check_input_maps(name: str, value: Any) -> dict[str, tuple[int, int]]:
+    """Layer name -> ``(channels, positions)``, from a mapping or ``"NAME=CxP"`` strings.
+
+    The strings are the command line's spelling (``classifier.0=64x16``); one string alone
+    is one entry.
+
+    Raises:
+        TypeError: If ``value`` is neither a mapping nor strings.
+        ValueError: For a malformed entry, an empty name, a name given twice, or a count
+            that is not an integer >= 1.
+    """
+    allowed = "a mapping {layer name: (channels, positions)} or strings 'NAME=CxP'"
+    entries: list[tuple[Any, Any]] = []
+    if isinstance(value, Mapping):
+        entries = list(value.items())
+    elif isinstance(value, (str, list, tuple)):
+        for item in (value,) if isinstance(value, str) else value:
+            match = _INPUT_MAP.match(item) if isinstance(item, str) else None
+            if match is None:
+                raise ValueError(f"{name} must be {allowed}, got the entry {item!r}")
+            entries.append((match[1], (int(match[2]), int(match[3]))))
+    else:
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}")
+    maps: dict[str, tuple[int, int]] = {}
+    for layer, shape in entries:
+        if not isinstance(layer, str) or not layer:
+            raise ValueError(f"{name}: a layer name must be a non-empty string, got {layer!r}")
+        if layer in maps:
+            raise ValueError(f"{name}: layer {layer!r} is given twice")
+        counts = tuple(shape) if isinstance(shape, (list, tuple)) else ()
+        if len(counts) != 2 or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
+        ):
+            raise ValueError(
+                f"{name}[{layer!r}] must be (channels, positions), two integers >= 1, got {shape!r}"
+            )
+        maps[layer] = (counts[0], counts[1])
+    return maps

@@ -11,13 +11,21 @@ convolution reductions from :mod:`dkfac.blocks.conv2d`.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
 
 from dkfac.blocks.conv2d import CONV_REDUCTIONS
-from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
+from dkfac.config.checks import (
+    check_bool,
+    check_choice,
+    check_dtype,
+    check_input_maps,
+    check_int,
+    check_range,
+)
 from dkfac.config.schedules import Schedule, check_schedules
 from dkfac.distributed.strategies import STRATEGIES, StrategyName
 from dkfac.solvers import (
@@ -52,6 +60,8 @@ __all__ = [
 ]
 
 Method = MethodName
+MOMENT_METHODS = ("eigen_adam", "ekfac")
+"""The built-in methods with an eigenbasis of moments (``flattened_inputs`` needs one)."""
 FisherType = Literal["empirical", "mc"]
 FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
 LossAverage = Literal["samples", "positions"]
@@ -108,6 +118,15 @@ class SolverConfig:
             instructions and on GPUs, for an error of about 1% of the update; the rotation
             into the basis, the moments and the basis keep their own precision
             (:mod:`dkfac.solvers.eigen_moments`; measured in BENCHMARKS.md section 12).
+        flattened_inputs: ``"ekfac"``/``"eigen_adam"``: linear layers that read a flattened
+            ``channels × positions`` map (a convolution's output flattened channel-major,
+            ``torch.flatten``'s order), by qualified name: ``{"classifier.0": (64, 16)}``,
+            or strings ``"classifier.0=64x16"`` (the command line's spelling). Their input
+            factor gets a Kronecker-structured basis ``Q_C ⊗ Q_P`` from its two partial
+            traces (:mod:`dkfac.solvers.kron_basis`): a refresh of a 1025-wide factor in
+            milliseconds instead of a 1025³ product and QR, for the same steps on the
+            digits CNN (BENCHMARKS.md section 13). A name that is not a registered linear
+            layer with ``channels · positions`` inputs is an error at registration.
     """
 
     method: Method = "eigen"
@@ -125,6 +144,7 @@ class SolverConfig:
     moment_carry: MomentCarry = "keep_v"
     basis_max_dim: int | None = None
     rotation_dtype: torch.dtype | None = None
+    flattened_inputs: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -142,6 +162,13 @@ class SolverConfig:
         check_choice("moment_carry", self.moment_carry, MOMENT_CARRIES)
         check_int("basis_max_dim", self.basis_max_dim, optional=True)
         check_dtype("rotation_dtype", self.rotation_dtype)
+        maps = check_input_maps("flattened_inputs", self.flattened_inputs)
+        object.__setattr__(self, "flattened_inputs", maps)
+        if maps and self.method in METHODS and self.method not in MOMENT_METHODS:
+            raise ValueError(
+                f"flattened_inputs needs method 'eigen_adam' or 'ekfac' (a basis of moments), "
+                f"got method {self.method!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dkfac.blocks.base import Block
+from dkfac.blocks.linear import LinearBlock
 from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
@@ -28,6 +29,7 @@ from dkfac.solvers import MomentOptions, RowsRule, make_solver
 __all__ = [
     "create_layers",
     "find_blocks",
+    "input_maps",
     "is_skipped",
     "other_parameters",
     "register",
@@ -169,8 +171,13 @@ def create_layers(
     A block names its own solver (``solver_name``) or takes ``config.method``; a plain
     Kronecker pair (statistics ``"A"`` and ``"G"``) under ``"smw"``/``"auto"`` gets a
     deferred solver, decided by ``rule`` at the first capture; another block under
-    ``"auto"`` gets the SMW solver with dense sides.
+    ``"auto"`` gets the SMW solver with dense sides. A layer of ``flattened_inputs`` gets
+    its input map (:func:`input_maps`).
+
+    Raises:
+        ValueError: For a ``flattened_inputs`` entry that does not fit (:func:`input_maps`).
     """
+    maps = input_maps(blocks, config)
     layers: dict[str, LayerState] = {}
     for name, block in blocks.items():
         dtype = config.factor_dtype or block.parameters()[0].dtype
@@ -194,9 +201,35 @@ def create_layers(
                 max_dim=config.basis_max_dim,
                 rotation_dtype=config.rotation_dtype,
             ),
+            maps.get(name),
         )
         layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)
     return layers
+
+
+def input_maps(blocks: Mapping[str, Block], config: KFACConfig) -> dict[str, tuple[int, int]]:
+    """``config.flattened_inputs``, each checked against the layer it names.
+
+    Raises:
+        ValueError: If a name is not a registered linear layer (the message lists them), or
+            the layer's input features are not ``channels · positions``.
+    """
+    maps = dict(config.flattened_inputs)
+    linear = [name for name, block in blocks.items() if isinstance(block, LinearBlock)]
+    for name, (channels, positions) in maps.items():
+        block = blocks.get(name)
+        if not isinstance(block, LinearBlock):
+            what = "not a preconditioned layer" if block is None else type(block).__name__
+            raise ValueError(
+                f"flattened_inputs names {name!r}, which is {what}; the preconditioned "
+                f"linear layers are {linear}"
+            )
+        if block.in_features != channels * positions:
+            raise ValueError(
+                f"flattened_inputs[{name!r}] = ({channels}, {positions}) has "
+                f"{channels * positions} features, but the layer reads {block.in_features}"
+            )
+    return maps
 
 
 def other_parameters(model: nn.Module, layers: dict[str, LayerState]) -> list[Tensor]:

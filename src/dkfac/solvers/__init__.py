@@ -88,6 +88,7 @@ def make_solver(
     compute_dtype: torch.dtype = torch.float32,
     rule: RowsRule | None = None,
     moments: MomentOptions | None = None,
+    input_map: tuple[int, int] | None = None,
 ) -> Solver:
     """The solver for ``method`` (a name of :data:`SOLVERS`, or ``"auto"``).
 
@@ -99,14 +100,29 @@ def make_solver(
             sides dense; ``"auto"`` needs one.
         moments: Hyperparameters of the eigenbasis-moment solvers (``"ekfac"``,
             ``"eigen_adam"``; default :class:`MomentOptions`); other solvers ignore them.
+        input_map: ``(channels, positions)`` of a flattened input map: a Kronecker-structured
+            input basis (:mod:`dkfac.solvers.kron_basis`). Only the eigenbasis-moment
+            solvers take one.
+
+    Raises:
+        ValueError: For an unknown method, or an ``input_map`` for a solver without an
+            eigenbasis of moments.
     """
+    known = method in SOLVERS or (rule is not None and method in DEFERRED_METHODS)
+    if not known:
+        raise ValueError(f"method must be one of {(*SOLVERS, 'auto')}, got {method!r}")
+    cls = SOLVERS.get(method)
+    moment_solver = cls is not None and issubclass(cls, EigenMomentsSolver)
+    if input_map is not None and not moment_solver:
+        raise ValueError(
+            f"a structured input basis (input map {input_map!r}) needs an eigenbasis-moment "
+            f"method ('eigen_adam' or 'ekfac'), got method {method!r}"
+        )
     if rule is not None and method in DEFERRED_METHODS:
         return DeferredSolver(method, compute_dtype, rule)
-    if method not in SOLVERS:
-        raise ValueError(f"method must be one of {(*SOLVERS, 'auto')}, got {method!r}")
-    cls = SOLVERS[method]
+    assert cls is not None
     if issubclass(cls, EigenMomentsSolver):
-        return cls(compute_dtype, moments)
+        return cls(compute_dtype, moments, input_map)
     return cls(compute_dtype)
 
 

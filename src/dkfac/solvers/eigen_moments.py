@@ -74,6 +74,7 @@ from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.eigen import symmetric_eigh
+from dkfac.solvers.kron_basis import check_input_map, kronecker_basis
 
 __all__ = [
     "BASIS_REFRESHES",
@@ -182,6 +183,10 @@ class EigenMomentsSolver(Solver):
     Args:
         compute_dtype: Precision of the decompositions.
         options: The moment hyperparameters (defaults: :class:`MomentOptions`).
+        input_map: ``(channels, positions)`` of the flattened map the layer reads: its input
+            factor then gets the Kronecker-structured basis of
+            :mod:`dkfac.solvers.kron_basis`, recomputed at every refresh (no power step, and
+            never one-sided); ``None`` (default): a dense basis.
     """
 
     stateful = True
@@ -189,12 +194,23 @@ class EigenMomentsSolver(Solver):
     """The moment matrices the solver keeps (besides the count ``t``)."""
 
     def __init__(
-        self, compute_dtype: torch.dtype = torch.float32, options: MomentOptions | None = None
+        self,
+        compute_dtype: torch.dtype = torch.float32,
+        options: MomentOptions | None = None,
+        input_map: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(compute_dtype)
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
+        self.input_map = None if input_map is None else check_input_map(input_map)
+
+    @property
+    def label(self) -> str:
+        """The method, and the input map of a structured input basis."""
+        if self.input_map is None:
+            return self.name
+        return f"{self.name} (A basis {self.input_map[0]}x{self.input_map[1]})"
 
     @classmethod
     def moment_elements(cls, a_dim: int, g_dim: int) -> int:
@@ -213,7 +229,10 @@ class EigenMomentsSolver(Solver):
         storage = a.dtype
 
         def run(dtype: torch.dtype) -> SolverState:
-            da, qa = self._side(a, None if previous is None else previous.get("qa"), dtype)
+            if self.input_map is not None:
+                da, qa = kronecker_basis(a, self.input_map, dtype)
+            else:
+                da, qa = self._side(a, None if previous is None else previous.get("qa"), dtype)
             dg, qg = self._side(g, None if previous is None else previous.get("qg"), dtype)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg}
             return {key: value.to(storage) for key, value in pairs.items()}

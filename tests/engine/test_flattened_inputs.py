@@ -1,0 +1,168 @@
+"""``flattened_inputs``: a linear layer that reads a flattened map gets the structured basis.
+
+The model of tests/strategy_cases.py has ``Conv2d(2→3)`` on 4×4 images, flattened into
+``Linear(48→6)`` (module ``"3"``): a 3 × 16 map. Oracles: the layer's basis is
+:func:`~dkfac.solvers.kron_basis.kronecker_basis` of its own running factor, and the update
+is Adam on the gradient rotated into that basis; the rest of the model is unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
+from dkfac.app.cli import build_parser, parse_args
+from dkfac.app.runconfig import config_file_tokens, kfac_config_from_args, resolved_config
+from dkfac.solvers.kron_basis import kronecker_basis
+from tests.oracles import weight_grad_matrix
+from tests.strategy_cases import global_batch, make_model
+
+MAP = {"3": (3, 16)}
+OPTIONS: dict[str, Any] = {
+    "method": "eigen_adam",
+    "kl_clip": None,
+    "factor_decay": 0.9,
+    "inverse_update_interval": 1,
+    "eigen_dtype": torch.float64,
+    "basis_refresh": "power",
+    "flattened_inputs": MAP,
+}
+
+
+def test_the_layer_basis_is_the_structured_one_and_the_update_adam_in_it() -> None:
+    model = make_model()
+    pre = KFACPreconditioner(model, **OPTIONS)
+    reference = KFACPreconditioner(make_model(), **{**OPTIONS, "flattened_inputs": {}})
+    reference.remove_hooks()
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    m = v = torch.zeros(())
+    old: tuple[Tensor, Tensor] | None = None
+    for t in range(1, 4):
+        x, y = global_batch(t, 1)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raw = weight_grad_matrix(pre.layers["3"].block.module).clone()
+        pre.step()
+        layer = pre.layers["3"]
+        state = layer.solver_state
+        assert state is not None
+        _, qa = kronecker_basis(layer.running["A"], MAP["3"], torch.float64)
+        torch.testing.assert_close(state["qa"], qa, rtol=0, atol=0)
+        if old is not None:  # moment_carry="keep_v": m carried exactly, v kept
+            m = state["qg"].T @ (old[0] @ m @ old[1].T) @ qa
+        old = (state["qg"], qa)
+        r = state["qg"].T @ raw @ qa
+        m = b1 * m + (1 - b1) * r
+        v = b2 * v + (1 - b2) * r * r
+        scaled = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        torch.testing.assert_close(
+            weight_grad_matrix(layer.block.module), state["qg"] @ scaled @ qa.T
+        )
+    # The other layers keep the dense basis, a power step from the previous one.
+    dense = pre.layers["0"].solver_state
+    assert dense is not None and dense["qa"].shape == (19, 19)
+    labels = {row["name"]: row["method"] for row in pre.describe()}
+    assert labels["3"] == "eigen_adam (A basis 3x16)" and labels["6"] == "eigen_adam"
+    assert reference.describe()[1]["method"] == "eigen_adam"
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x, y = global_batch(step, 1)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_checkpoint_round_trip_continues_bit_identically() -> None:
+    model = make_model()
+    opt = KFACOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), KFACPreconditioner(model, **OPTIONS)
+    )
+    for step in range(3):
+        _step(model, opt, step)
+    saved = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in model.parameters()]
+    for step in range(3, 6):
+        _step(model, opt, step)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    fresh = make_model()
+    with torch.no_grad():
+        for p, q in zip(fresh.parameters(), params, strict=True):
+            p.copy_(q)
+    again = KFACOptimizer(
+        torch.optim.SGD(fresh.parameters(), lr=0.01), KFACPreconditioner(fresh, **OPTIONS)
+    )
+    again.load_state_dict(saved)
+    for step in range(3, 6):
+        _step(fresh, again, step)
+    assert all(torch.equal(p, w) for p, w in zip(fresh.parameters(), want, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("maps", "message"),
+    [
+        ({"7": (3, 16)}, "names '7', which is not a preconditioned layer; .* \\['3', '6'\\]"),
+        ({"0": (2, 9)}, "names '0', which is Conv2dBlock"),
+        ({"3": (4, 16)}, "= \\(4, 16\\) has 64 features, but the layer reads 48"),
+    ],
+)
+def test_an_entry_that_does_not_fit_the_model_is_refused(
+    maps: dict[str, tuple[int, int]], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        KFACPreconditioner(make_model(), **{**OPTIONS, "flattened_inputs": maps})
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ({"3": (3, 0)}, ValueError, "two integers >= 1, got \\(3, 0\\)"),
+        ({"3": (3,)}, ValueError, "two integers >= 1"),
+        ({"": (3, 16)}, ValueError, "non-empty string"),
+        (["3=3x16", "3=3x16"], ValueError, "given twice"),
+        (["3:3x16"], ValueError, "strings 'NAME=CxP', got the entry '3:3x16'"),
+        (5, TypeError, "got int"),
+    ],
+)
+def test_config_refuses_malformed_input_maps(value: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        KFACConfig(method="eigen_adam", flattened_inputs=value)  # type: ignore[arg-type]
+
+
+def test_config_reads_every_spelling_and_needs_a_moment_method() -> None:
+    for value in ({"3": (3, 16)}, {"3": [3, 16]}, "3=3x16", ["3 = 3X16"], ("3=3x16",)):
+        config = KFACConfig(method="ekfac", flattened_inputs=value)  # type: ignore[arg-type]
+        assert config.flattened_inputs == {"3": (3, 16)}
+    assert KFACConfig().flattened_inputs == {}
+    with pytest.raises(ValueError, match="needs method 'eigen_adam' or 'ekfac'"):
+        KFACConfig(method="eigen", flattened_inputs={"3": (3, 16)})
+
+
+def test_the_command_line_flag_and_the_resolved_config_round_trip() -> None:
+    flags = ["train", "--method", "eigen_adam", "--flattened-inputs", "3=3x16", "a.b=2x5"]
+    args = parse_args(flags)
+    config = kfac_config_from_args(args)
+    assert config.flattened_inputs == {"3": (3, 16), "a.b": (2, 5)}
+    values = resolved_config(args)
+    assert values["flattened_inputs"] == ["3=3x16", "a.b=2x5"]
+    _, subs = build_parser()
+    tokens = config_file_tokens(values, subs["train"], "config.toml")
+    assert kfac_config_from_args(parse_args(["train", *tokens])) == config
+    assert kfac_config_from_args(parse_args(["train"])).flattened_inputs == {}
+
+
+def test_a_bad_flag_value_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        kfac_config_from_args(
+            parse_args(["train", "--method", "eigen_adam", "--flattened-inputs", "x"])
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "flattened_inputs" in err[-1] and "got the entry 'x'" in err[-1]
