@@ -13,6 +13,7 @@ from torch import nn
 
 from dkfac import KFACOptimizer
 from dkfac.app.cli import build_parser, parse_args
+from dkfac.app.models import build_model
 from dkfac.bench import tta
 from dkfac.bench.peers import OptimizerSpec, build_optimizer
 from dkfac.bench.recipes import (
@@ -270,10 +271,15 @@ def test_every_committed_recipe_loads_in_bench_and_train_and_builds(path: Path) 
     args = parse_args(["train", "--config", str(path)])
     assert (args.optimizer, args.lr, args.method) == ("kfac", recipe.lr, "eigen_adam")
     assert recipe.options["method"] == "eigen_adam"
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    if args.model == "cnn":  # its options name the CNN's layers (flattened_inputs)
+        model: nn.Module = build_model("cnn", in_channels=1, image_size=8, num_classes=3)
+        x = torch.randn(16, 1, 8, 8)
+    else:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        x = torch.randn(16, 4)
     optimizer = build_optimizer(recipe.spec(4), model, recipe.lr, 0.9)
     assert isinstance(optimizer, KFACOptimizer)
-    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    y = torch.randint(0, 3, (16,))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
