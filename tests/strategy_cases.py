@@ -48,6 +48,14 @@ def global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
+def serial_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """One cross-entropy step of ``opt`` on ``global_batch(step, 1)``."""
+    x, y = global_batch(step, 1)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
 def train(
     rank: int | None,
     world: int,

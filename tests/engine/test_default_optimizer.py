@@ -6,19 +6,15 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.optimizer import DEFAULT_LR, DEFAULT_OPTIONS
-from tests.strategy_cases import global_batch, make_model
+from tests.strategy_cases import make_model, serial_step
 
 
 def _train(opt: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:
     for step in range(steps):
-        x, y = global_batch(step, 1)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        serial_step(model, opt, step)
 
 
 def test_for_model_is_the_documented_construction() -> None:

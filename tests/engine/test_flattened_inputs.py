@@ -3,12 +3,12 @@
 The model of tests/strategy_cases.py has ``Conv2d(2→3)`` on 4×4 images, flattened into
 ``Linear(48→6)`` (module ``"3"``): a 3 × 16 map. Oracles: the layer's basis is
 :func:`~dkfac.solvers.kron_basis.kronecker_basis` of its own running factor, and the update
-is Adam on the gradient rotated into that basis; the rest of the model is unchanged.
+is Adam on the gradient rotated into that basis; the rest of the model is unchanged. The
+checkpoint round trip is a case of tests/engine/test_moments.py.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
+from dkfac import KFACConfig, KFACPreconditioner
 from dkfac.app.cli import build_parser, parse_args
 from dkfac.app.runconfig import config_file_tokens, kfac_config_from_args, resolved_config
 from dkfac.solvers.kron_basis import kronecker_basis
@@ -70,39 +70,6 @@ def test_the_layer_basis_is_the_structured_one_and_the_update_adam_in_it() -> No
     labels = {row["name"]: row["method"] for row in pre.describe()}
     assert labels["3"] == "eigen_adam (A basis 3x16)" and labels["6"] == "eigen_adam"
     assert reference.describe()[1]["method"] == "eigen_adam"
-
-
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    x, y = global_batch(step, 1)
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-
-
-def test_checkpoint_round_trip_continues_bit_identically() -> None:
-    model = make_model()
-    opt = KFACOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), KFACPreconditioner(model, **OPTIONS)
-    )
-    for step in range(3):
-        _step(model, opt, step)
-    saved = copy.deepcopy(opt.state_dict())
-    params = [p.detach().clone() for p in model.parameters()]
-    for step in range(3, 6):
-        _step(model, opt, step)
-    want = [p.detach().clone() for p in model.parameters()]
-
-    fresh = make_model()
-    with torch.no_grad():
-        for p, q in zip(fresh.parameters(), params, strict=True):
-            p.copy_(q)
-    again = KFACOptimizer(
-        torch.optim.SGD(fresh.parameters(), lr=0.01), KFACPreconditioner(fresh, **OPTIONS)
-    )
-    again.load_state_dict(saved)
-    for step in range(3, 6):
-        _step(fresh, again, step)
-    assert all(torch.equal(p, w) for p, w in zip(fresh.parameters(), want, strict=True))
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
 from tests.oracles import weight_grad_matrix
-from tests.strategy_cases import global_batch, make_model
+from tests.strategy_cases import global_batch, make_model, serial_step
 
 OPTIONS: dict[str, Any] = {
     "method": "eigen_adam",
@@ -26,19 +26,12 @@ OPTIONS: dict[str, Any] = {
 }
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    x, y = global_batch(step, 1)
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-
-
 def _trained(steps: int, **options: Any) -> tuple[nn.Module, KFACOptimizer]:
     model = make_model()
     pre = KFACPreconditioner(model, **{**OPTIONS, **options})
     opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), pre)
     for step in range(steps):
-        _step(model, opt, step)
+        serial_step(model, opt, step)
     return model, opt
 
 
@@ -114,7 +107,7 @@ def test_inner_sgd_weight_decay_is_decoupled_from_the_preconditioner() -> None:
         model = make_model()
         pre = KFACPreconditioner(model, **OPTIONS)
         opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=lr, weight_decay=decay), pre)
-        _step(model, opt, 0)
+        serial_step(model, opt, 0)
         start = [p.detach().clone() for p in make_model().parameters()]
         results.append(([p.detach().clone() for p in model.parameters()], start))
     (plain, start), (decayed, _) = results
@@ -124,13 +117,24 @@ def test_inner_sgd_weight_decay_is_decoupled_from_the_preconditioner() -> None:
 
 def _continue(model: nn.Module, opt: KFACOptimizer, first: int, last: int) -> list[Tensor]:
     for step in range(first, last):
-        _step(model, opt, step)
+        serial_step(model, opt, step)
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize(("refresh", "max_dim"), [("eigh", None), ("power", None), ("power", 10)])
-def test_checkpoint_round_trip_continues_bit_identically(refresh: str, max_dim: int | None) -> None:
-    options = {"basis_refresh": refresh, "inverse_update_interval": 2, "basis_max_dim": max_dim}
+@pytest.mark.parametrize(
+    ("refresh", "max_dim", "maps"),
+    [("eigh", None, {}), ("power", None, {}), ("power", 10, {}), ("power", None, {"3": (3, 16)})],
+    ids=["eigh", "power", "power-one-sided", "power-flattened-input"],
+)
+def test_checkpoint_round_trip_continues_bit_identically(
+    refresh: str, max_dim: int | None, maps: dict[str, tuple[int, int]]
+) -> None:
+    options = {
+        "basis_refresh": refresh,
+        "inverse_update_interval": 2,
+        "basis_max_dim": max_dim,
+        "flattened_inputs": maps,
+    }
     model, opt = _trained(3, **options)
     saved = copy.deepcopy(opt.state_dict())  # the live tensors change as training goes on
     assert all(

@@ -175,7 +175,7 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
         spec = _argument_spec(hints[field.name])
         default = _field_default(field)
         if isinstance(default, collections.abc.Mapping):  # a list of NAME=CxP, as parsed
-            default = list(_plain(default))
+            default = _plain(default)
         group.add_argument(
             _flag(field.name),
             "--kfac-" + field.name.replace("_", "-"),

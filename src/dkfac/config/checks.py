@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from dkfac.solvers.kron_basis import check_input_map
+
 __all__ = [
     "check_bool",
     "check_choice",
@@ -132,12 +134,10 @@ def check_input_maps(name: str, value: Any) -> dict[str, tuple[int, int]]:
             raise ValueError(f"{name}: a layer name must be a non-empty string, got {layer!r}")
         if layer in maps:
             raise ValueError(f"{name}: layer {layer!r} is given twice")
-        counts = tuple(shape) if isinstance(shape, (list, tuple)) else ()
-        if len(counts) != 2 or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
-        ):
+        try:
+            maps[layer] = check_input_map(tuple(shape) if isinstance(shape, list) else shape)
+        except ValueError:
             raise ValueError(
                 f"{name}[{layer!r}] must be (channels, positions), two integers >= 1, got {shape!r}"
-            )
-        maps[layer] = (counts[0], counts[1])
+            ) from None
     return maps

@@ -108,22 +108,22 @@ def make_solver(
         ValueError: For an unknown method, or an ``input_map`` for a solver without an
             eigenbasis of moments.
     """
-    known = method in SOLVERS or (rule is not None and method in DEFERRED_METHODS)
-    if not known:
+    solver: Solver
+    if rule is not None and method in DEFERRED_METHODS:
+        solver = DeferredSolver(method, compute_dtype, rule)
+    elif method not in SOLVERS:
         raise ValueError(f"method must be one of {(*SOLVERS, 'auto')}, got {method!r}")
-    cls = SOLVERS.get(method)
-    moment_solver = cls is not None and issubclass(cls, EigenMomentsSolver)
-    if input_map is not None and not moment_solver:
+    else:
+        cls = SOLVERS[method]
+        if issubclass(cls, EigenMomentsSolver):
+            return cls(compute_dtype, moments, input_map)
+        solver = cls(compute_dtype)
+    if input_map is not None:
         raise ValueError(
             f"a structured input basis (input map {input_map!r}) needs an eigenbasis-moment "
             f"method ('eigen_adam' or 'ekfac'), got method {method!r}"
         )
-    if rule is not None and method in DEFERRED_METHODS:
-        return DeferredSolver(method, compute_dtype, rule)
-    assert cls is not None
-    if issubclass(cls, EigenMomentsSolver):
-        return cls(compute_dtype, moments, input_map)
-    return cls(compute_dtype)
+    return solver
 
 
 __all__ = [
