@@ -11,10 +11,12 @@ from torch import nn
 from dkfac import KFACPreconditioner
 from dkfac.blocks.conv2d import Conv2dBlock, conv_padding, pad_input
 from dkfac.blocks.conv_factor import (
+    auto_path,
     conv_input_factor_sum,
     segment_cost,
     shift_cost,
     strip_plan,
+    unfold_cost,
 )
 from dkfac.solvers.lowrank.factor import LowRankRowsAccumulator
 from dkfac.solvers.statistics import FactorAccumulator
@@ -152,13 +154,17 @@ def test_one_by_one_is_a_plain_channel_product() -> None:
 
 
 def test_path_choice_follows_the_cost_estimates() -> None:
-    """Thin channels on a large plane take the shift path, wide channels on 7x7 segments."""
-    assert shift_cost((128, 16, 34, 34), (3, 3), (1, 1), (1, 1, 1, 1)) < segment_cost(
-        (128, 16, 34, 34), (3, 3), (1, 1), (1, 1)
-    )
-    assert shift_cost((32, 512, 9, 9), (3, 3), (1, 1), (1, 1, 1, 1)) > segment_cost(
-        (32, 512, 9, 9), (3, 3), (1, 1), (1, 1)
-    )
+    """Thin channels on a large plane shift; tiny inputs (all overhead) and wide channels on
+    a 4x4 plane (whose blocks cost more to assemble than one product) are unfolded; strided
+    convolutions are always unfolded."""
+    pad = (1, 1, 1, 1)
+    shape = (128, 16, 34, 34)
+    costs = [shift_cost(shape, (3, 3), (1, 1), pad), segment_cost(shape, (3, 3), (1, 1), (1, 1))]
+    assert costs[0] < min(costs[1], unfold_cost(shape, (3, 3), (1, 1), (1, 1)))
+    assert auto_path(shape, (3, 3), (1, 1), (1, 1), pad) == "shift"
+    assert auto_path((50, 1, 10, 10), (3, 3), (1, 1), (1, 1), pad) == "unfold"
+    assert auto_path((8, 512, 6, 6), (3, 3), (1, 1), (1, 1), pad) == "unfold"
+    assert auto_path((128, 16, 34, 34), (3, 3), (2, 2), (1, 1), pad) == "unfold"
 
 
 def test_strip_plan_of_a_padded_three_by_three_layer() -> None:

@@ -28,8 +28,9 @@ channel slowest, then kernel row, then kernel column; bias last) up to rounding.
 
 For stride 1 a second exact path, :func:`flat_factor_sum`, needs no copies at all: one
 product per kernel shift over the whole flattened input, corrected by thin border strips.
-:func:`conv_input_factor_sum` picks the path with the smaller estimated cost
-(:func:`shift_cost`, :func:`segment_cost`) at stride 1; a strided convolution, whose
+:func:`conv_input_factor_sum` picks the path with the smallest estimated cost at stride 1
+(:func:`shift_cost`, :func:`segment_cost`, :func:`unfold_cost`: small inputs are mostly
+per-operation overhead, where one unfolded product wins); a strided convolution, whose
 sub-grids share few products, is unfolded (one ``RᵀR`` product; measured faster on
 ResNet-20's strided layers), its bias column still summed without a column of ones.
 """
@@ -151,8 +152,8 @@ def conv_input_factor_sum(
             skips the frame; the segment path pads first.
         path: ``"shift"`` (stride 1 only), ``"segment"``, ``"unfold"`` (the im2col rows,
             one product), or ``"auto"``: ``"unfold"`` for a strided convolution (its
-            sub-grids share few products; measured on ResNet-20), else the one of shift and
-            segment with the smaller :func:`shift_cost` / :func:`segment_cost`.
+            sub-grids share few products; measured on ResNet-20), else the one of the
+            three with the smallest estimated cost (:func:`auto_path`).
         compute_dtype: Precision of the products' inputs (default: the input's). The
             input is cast once, before the layout copy each path makes; every product is
             converted to ``out_dtype`` before the border corrections and block sums.
@@ -182,33 +183,34 @@ def conv_input_factor_sum(
         raise ValueError(f'path must be "auto", "shift", "segment" or "unfold", got {path!r}')
     if path == "shift" and (sh, sw) != (1, 1):
         raise ValueError(f'path="shift" needs stride 1, got {stride}')
-    if path == "auto" and (sh, sw) != (1, 1):
-        path = "unfold"
-    elif path == "auto":
-        shift_wins = shift_cost(shape, kernel_size, dilation, zero_padding) < segment_cost(
-            shape, kernel_size, stride, dilation
-        )
-        path = "shift" if shift_wins else "segment"
+    if path == "auto":
+        path = auto_path(shape, kernel_size, stride, dilation, tuple(zero_padding))
     dtypes = (compute_dtype or inputs.dtype, out_dtype or inputs.dtype)
     # Every product is in compute_dtype (an enclosing autocast would mix dtypes).
     with torch.autocast(inputs.device.type, enabled=False):
+        dim = channels * kh * kw
+        # With a bias the sum is the corner of a (D + 1)^2 buffer; the shift path writes
+        # into it in place, the others are copied in.
+        total = inputs.new_empty(dim + bias, dim + bias, dtype=dtypes[1])
         if path == "shift":
-            patch_sum = flat_factor_sum(inputs, kernel_size, dilation, zero_padding, *dtypes)
+            flat_factor_sum(
+                inputs, kernel_size, dilation, zero_padding, *dtypes, into=total[:dim, :dim]
+            )
         else:
             source = inputs.to(dtypes[0])  # cast before padding: the pad copies fewer bytes
             padded = F.pad(source, zero_padding) if any(zero_padding) else source
             by_path = _unfolded_sum if path == "unfold" else _factor_sum
             patch_sum = by_path(padded, kernel_size, stride, dilation, dtypes[1])
+            if not bias:
+                return patch_sum, float(batch * out_h * out_w)
+            total[:dim, :dim] = patch_sum
         count = batch * out_h * out_w
         if not bias:
-            return patch_sum, float(count)
+            return total, float(count)
         # The bias column: every patch entry summed over all patches, and the count.
-        image_sum = inputs.sum(dim=0, keepdim=True, dtype=patch_sum.dtype)
+        image_sum = inputs.sum(dim=0, keepdim=True, dtype=total.dtype)
         entry_sums = window_sums(image_sum, kernel_size, stride, dilation, zero_padding)
         entry_sums = entry_sums.reshape(-1)
-        dim = patch_sum.shape[0]
-        total = patch_sum.new_empty(dim + 1, dim + 1)
-        total[:dim, :dim] = patch_sum
         total[:dim, dim] = entry_sums
         total[dim, :dim] = entry_sums
         total[dim, dim] = count
@@ -362,6 +364,7 @@ def flat_factor_sum(
     zero_padding: tuple[int, int, int, int] = (0, 0, 0, 0),
     compute_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
+    into: Tensor | None = None,
 ) -> Tensor:
     """``Σ ā ā^T`` (no bias) of a stride-1 convolution by one product per kernel shift.
 
@@ -392,9 +395,12 @@ def flat_factor_sum(
         compute_dtype: Precision of the flat buffer and so of every product (default: the
             input's); the input is cast before it is copied into the buffer.
         out_dtype: Precision of the result and of the corrections (default: the input's).
+        into: A ``(C·kh·kw, C·kh·kw)`` tensor of ``out_dtype`` (any strides, e.g. a corner
+            of a larger buffer) to write the sum into; each block is written once, in
+            place, by a strided copy per shift.
 
     Returns:
-        The ``(C·kh·kw, C·kh·kw)`` sum in ``F.unfold`` order.
+        The ``(C·kh·kw, C·kh·kw)`` sum in ``F.unfold`` order (``into`` when given).
     """
     out = out_dtype or inputs.dtype
     (kh, kw), (dh, dw) = kernel_size, dilation
@@ -425,14 +431,14 @@ def flat_factor_sum(
     slots_w = 2 * kw - 1
 
     def strip_products(
-        start: int, shape: tuple[int, int], strides: tuple[int, int], slots: frozenset[Slot]
-    ) -> Tensor:
-        """``(kh, slots_w, C, C)`` products of a strip of positions with its partners.
+        into: Tensor, start: int, shape: tuple[int, int], strides: tuple[int, int],
+        slots: frozenset[Slot],
+    ) -> None:  # fmt: skip
+        """Writes a strip's products with its partners into ``into`` (``(kh, slots_w, C, C)``).
 
-        Only ``slots`` are multiplied (one product per kernel row ``u``, over the partners of
-        its needed slot range, a strided view); the other entries are zero.
+        Only ``slots`` are read back (one product per kernel row ``u``, over the partners of
+        its needed slot range, a strided view); the other entries are left unwritten.
         """
-        products = flat.new_zeros(kh, slots_w, channels, channels, dtype=out)
         own = flat.as_strided((*shape, channels), (strides[0] * channels, strides[1] * channels, 1),
                               (front + start) * channels).reshape(-1, channels)  # fmt: skip
         for u in range(kh):
@@ -446,28 +452,50 @@ def flat_factor_sum(
                 (front + start + u * dh * width + (lo - (kw - 1)) * dw) * channels,
             ).reshape(-1, (hi - lo) * channels)
             product = (own.T @ partners).view(channels, hi - lo, channels)
-            products[u, lo:hi] = product.transpose(0, 1)  # converted to ``out``
-        return products
+            into[u, lo:hi] = product.transpose(0, 1)  # converted to ``out``
+
+    def strip_sums(
+        starts: list[int], shape: tuple[int, int], strides: tuple[int, int],
+        slots: tuple[frozenset[Slot], ...],
+    ) -> Tensor:  # fmt: skip
+        """``(strips, kh, slots_w, C, C)`` products, one uninitialised buffer for all."""
+        sums = flat.new_empty(len(starts), kh, slots_w, channels, channels, dtype=out)
+        for k, (start, needed) in enumerate(zip(starts, slots, strict=True)):
+            strip_products(sums[k], start, shape, strides, needed)
+        return sums
+
+    def having(slots: tuple[frozenset[Slot], ...]) -> dict[Slot, list[int]]:
+        """Per slot, the strips that multiplied it (only those are read)."""
+        by_slot: dict[Slot, list[int]] = {}
+        for k, needed in enumerate(slots):
+            for slot in needed:
+                by_slot.setdefault(slot, []).append(k)
+        return by_slot
 
     # Strip products by (row | column | corner), then (u, slot, C, C); membership 0/1 masks.
     real_h = height - top_pad - bottom_pad
-    row_sums = _stack([
-        strip_products(r * width, (batch, width), (image, 1), slots)
-        for r, slots in zip(rows, plan.row_slots, strict=True)
-    ])  # fmt: skip
-    col_sums = _stack([
-        strip_products(top_pad * width + c, (batch, real_h), (image, width), slots)
-        for c, slots in zip(cols, plan.col_slots, strict=True)
-    ])  # fmt: skip
-    corners = _stack([
-        strip_products(r * width + c, (batch, 1), (image, 1), slots)
-        for (r, c), slots in zip(itertools.product(rows, cols), plan.corner_slots, strict=True)
-    ])  # fmt: skip
+    row_sums = strip_sums([r * width for r in rows], (batch, width), (image, 1), plan.row_slots)
+    col_sums = strip_sums(
+        [top_pad * width + c for c in cols], (batch, real_h), (image, width), plan.col_slots
+    )
+    corners = strip_sums(
+        [r * width + c for r, c in itertools.product(rows, cols)], (batch, 1), (image, 1),
+        plan.corner_slots,
+    )  # fmt: skip
+    row_has, col_has = having(plan.row_slots), having(plan.col_slots)
+    corner_has = having(plan.corner_slots)
+    corner_row = [k // max(len(cols), 1) for k in range(len(rows) * len(cols))]
+    corner_col = [k % max(len(cols), 1) for k in range(len(rows) * len(cols))]
     row_mask = inputs.new_tensor(plan.row_mask, dtype=out)
     col_mask = inputs.new_tensor(plan.col_mask, dtype=out)
     rows_all = flat[front : front + length]
-    values: list[Tensor] = []
-    index: list[tuple[int, int, int, int]] = []
+    dim = channels * kh * kw
+    result = inputs.new_empty(dim, dim, dtype=out) if into is None else into
+    # result[(c, i, j), (c', i', j')] is entry (c, c') of block ((i, j), (i', j')).
+    row_stride, col_stride = result.stride()
+    t_c, t_i, t_j = kh * kw * row_stride, kw * row_stride, row_stride
+    t_c2, t_i2, t_j2 = kh * kw * col_stride, kw * col_stride, col_stride
+
     for u in range(kh):
         for v in range(-(kw - 1), kw):
             if u == 0 and v < 0:
@@ -480,34 +508,66 @@ def flat_factor_sum(
             block_shape = (kh - u, hi - lo, channels, channels)
             pairs = full.expand(block_shape)
             in_rows, in_cols = row_mask[: kh - u], col_mask[lo:hi]
-            if rows:
-                outside = in_rows @ row_sums[:, u, slot].flatten(1)
+            # Each strip that multiplied this slot, weighted by the windows it lies outside
+            # of (a strip without the slot is outside none of them, or its partners are
+            # frame zeros).
+            if has := row_has.get((u, slot)):
+                outside = in_rows[:, has] @ row_sums[has, u, slot].flatten(1)
                 pairs = pairs - outside.view(kh - u, 1, channels, channels)
-            if cols:
-                outside = in_cols @ col_sums[:, u, slot].flatten(1)
+            if has := col_has.get((u, slot)):
+                outside = in_cols[:, has] @ col_sums[has, u, slot].flatten(1)
                 pairs = pairs - outside.view(1, hi - lo, channels, channels)
-            if rows and cols:
-                by_row = in_rows @ corners[:, u, slot].reshape(len(rows), -1)
-                both = in_cols @ by_row.view(kh - u, len(cols), -1)
+            if has := corner_has.get((u, slot)):
+                row_of = in_rows[:, [corner_row[k] for k in has]]  # (kh - u, corners)
+                col_of = in_cols[:, [corner_col[k] for k in has]]  # (hi - lo, corners)
+                weights = (row_of.unsqueeze(1) * col_of.unsqueeze(0)).flatten(0, 1)
+                both = weights @ corners[has, u, slot].flatten(1)
                 pairs = pairs + both.view(block_shape)
-            values.append(pairs.reshape(-1, channels, channels))
-            index += [(i, j, i + u, j + v) for i in range(kh - u) for j in range(lo, hi)]
-    pairs = torch.cat(values)
-    first, second, third, fourth = torch.tensor(index).T
-    blocks = inputs.new_empty(kh, kw, kh, kw, channels, channels, dtype=out)
-    blocks[third, fourth, first, second] = pairs.transpose(-1, -2)  # the negative shifts
-    blocks[first, second, third, fourth] = pairs  # last: shift (0, 0) keeps its own blocks
-    dim = channels * kh * kw
-    return blocks.permute(4, 0, 1, 5, 2, 3).reshape(dim, dim)
+            # Block ((i + u, j + v), (i, j)) is the transpose of block ((i, j), (i + u, j + v)),
+            # written first so that shift (0, 0) keeps its own blocks.
+            steps = (t_i + t_i2, t_j + t_j2)
+            transposed_start = lo * (t_j + t_j2) + u * t_i + v * t_j
+            result.as_strided(
+                block_shape, (*steps, t_c2, t_c), result.storage_offset() + transposed_start
+            ).copy_(pairs)
+            forward_start = lo * (t_j + t_j2) + u * t_i2 + v * t_j2
+            result.as_strided(
+                block_shape, (*steps, t_c, t_c2), result.storage_offset() + forward_start
+            ).copy_(pairs)
+    return result
 
 
-# Cost of copying one element, in multiply-adds (single-threaded CPU: strided copies run at
-# ~1 element/ns, the thin products at ~30 multiply-adds/ns). Only steers the path choice.
+# The path estimates below count multiply-adds and weight everything else in them. Fit on 24
+# stride-1 shapes (N 8-700, C 1-512, planes 2x2-32x32, 3x3 and 5x5 kernels, with and
+# without padding; one thread, ~40 multiply-adds/ns): the picked path's total time is 1.01x
+# the fastest path's there and 1.00x on 10 shapes left out of the fit, against 1.24x / 1.06x
+# for the earlier shift-or-segment choice without overhead terms (benchmarks/probes/
+# conv_factor_paths.py, benchmarks/results/conv_factor_paths.json). Only steers the path
+# choice; every path is exact.
+#
+# Copying one element (strided copies run at ~1 element/ns, products at 30-40/ns).
 COPY_WEIGHT = 30.0
-# The shift path ran ~1.4x slower than its count below on eight ResNet/VGG-like shapes (the
-# thin strip products and the per-shift corrections run far below peak); the count is scaled
-# by it so that the two estimates compare like with like.
+# The shift path ran ~1.4x slower than its count below (the thin strip products and the
+# per-shift corrections run far below peak); the count is scaled by it.
 SHIFT_OVERHEAD = 1.4
+# One dispatched tensor operation (~1 µs): small inputs are all overhead, and the segment
+# path issues ~4,000 operations for a 3x3 kernel where the unfolded one issues ~200.
+OP_WEIGHT = 40_000.0
+# Writing the (D, D) result, per entry: the shift and segment paths assemble it from C x C
+# blocks by index writes and a permuting copy; the unfolded product writes it once.
+ASSEMBLY_WEIGHT = {"shift": 100.0, "segment": 400.0, "unfold": 50.0}
+
+
+def _output_shape(
+    shape: Sequence[int],
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+) -> tuple[int, int, int, int]:
+    """``(N, C, Ho, Wo)`` of a convolution on a padded input of ``shape``."""
+    batch, channels, height, width = shape
+    out_h = output_size(height, kernel_size[0], stride[0], dilation[0])
+    return batch, channels, out_h, output_size(width, kernel_size[1], stride[1], dilation[1])
 
 
 def segment_cost(
@@ -516,18 +576,22 @@ def segment_cost(
     stride: tuple[int, int],
     dilation: tuple[int, int],
 ) -> float:
-    """Estimated multiply-adds of the segment path (copies weighted by ``COPY_WEIGHT``)."""
-    batch, channels, height, width = shape
+    """Estimated cost of the segment path, in multiply-adds (copies, operations weighted)."""
+    batch, channels, out_h, out_w = _output_shape(shape, kernel_size, stride, dilation)
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
-    out_h, out_w = output_size(height, kh, sh, dh), output_size(width, kw, sw, dw)
-    covered_h = {
-        g.key: sum(hi - lo for lo, hi in g.segments) for g in axis_groups(kh, sh, dh, out_h)
-    }
-    covered_w = {
-        g.key: sum(hi - lo for lo, hi in g.segments) for g in axis_groups(kw, sw, dw, out_w)
-    }
-    positions = sum(covered_h.values()) * sum(covered_w.values()) / 2  # transposes are free
-    return batch * positions * (channels**2 + 2 * COPY_WEIGHT * channels)
+    groups_h = axis_groups(kh, sh, dh, out_h)
+    groups_w = axis_groups(kw, sw, dw, out_w)
+    covered_h = sum(hi - lo for g in groups_h for lo, hi in g.segments)
+    covered_w = sum(hi - lo for g in groups_w for lo, hi in g.segments)
+    positions = covered_h * covered_w / 2  # transposes are free
+    products = sum(len(g.segments) for g in groups_h) * sum(len(g.segments) for g in groups_w)
+    operations = 24 * products / 2 + 170 * len(groups_h) * len(groups_w) / 2
+    dim = channels * kh * kw
+    return (
+        batch * positions * (channels**2 + 2 * COPY_WEIGHT * channels)
+        + OP_WEIGHT * operations
+        + ASSEMBLY_WEIGHT["segment"] * dim**2
+    )
 
 
 def shift_cost(
@@ -536,7 +600,7 @@ def shift_cost(
     dilation: tuple[int, int],
     zero_padding: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> float:
-    """Estimated multiply-adds of :func:`flat_factor_sum` (copies weighted as above)."""
+    """Estimated cost of :func:`flat_factor_sum`, in multiply-adds (as above)."""
     batch, channels, height, width = shape
     (kh, kw), (dh, dw) = kernel_size, dilation
     left, right, top, bottom = zero_padding
@@ -556,12 +620,62 @@ def shift_cost(
     )
     # Per shift, the windows' corrections: a few (C × C) passes for each offset pair.
     corrections = 3 * COPY_WEIGHT * (kh * kw) ** 2 / 2 * channels**2
-    return SHIFT_OVERHEAD * (batch * per_image + corrections)
+    plan = strip_plan((height, width), kernel_size, dilation, zero_padding)
+    strip_count = len(plan.rows) + len(plan.cols) + len(plan.rows) * len(plan.cols)
+    strip_products = sum(
+        len({u for u, _ in slots_of})
+        for slots_of in plan.row_slots + plan.col_slots + plan.corner_slots
+    )
+    operations = 155 * shifts + 13 * strip_count + 16 * strip_products
+    return (
+        SHIFT_OVERHEAD * (batch * per_image + corrections)
+        + OP_WEIGHT * operations
+        + ASSEMBLY_WEIGHT["shift"] * (channels * kh * kw) ** 2
+    )
 
 
-def _stack(products: list[Tensor]) -> Tensor:
-    """Stacks strip products (an empty list gives an empty placeholder)."""
-    return torch.stack(products) if products else torch.empty(0)
+def unfold_cost(
+    shape: Sequence[int],
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+) -> float:
+    """Estimated cost of the unfolded ``RᵀR`` product, in multiply-adds (as above)."""
+    batch, channels, out_h, out_w = _output_shape(shape, kernel_size, stride, dilation)
+    kh, kw = kernel_size
+    rows = batch * out_h * out_w
+    dim = channels * kh * kw
+    operations = 4 * batch + 12 * kh * kw + 80  # the unfold works image by image
+    return (
+        rows * dim**2
+        + 2 * COPY_WEIGHT * rows * dim
+        + OP_WEIGHT * operations
+        + ASSEMBLY_WEIGHT["unfold"] * dim**2
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def auto_path(
+    shape: tuple[int, int, int, int],
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    zero_padding: tuple[int, int, int, int],
+) -> str:
+    """The path ``"auto"`` takes for a padded input ``shape`` (a pure, cached function).
+
+    A strided convolution is unfolded (its sub-grids share few products; measured on
+    ResNet-20); at stride 1 the path with the smallest :func:`shift_cost`,
+    :func:`segment_cost` or :func:`unfold_cost`.
+    """
+    if stride != (1, 1):
+        return "unfold"
+    costs = {
+        "shift": shift_cost(shape, kernel_size, dilation, zero_padding),
+        "segment": segment_cost(shape, kernel_size, stride, dilation),
+        "unfold": unfold_cost(shape, kernel_size, stride, dilation),
+    }
+    return min(costs, key=costs.__getitem__)
 
 
 def _unfolded_sum(
