@@ -13,7 +13,13 @@ from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, make_solver
 from dkfac.solvers.eigen_moments import descending_eigh, power_refresh
-from dkfac.solvers.kron_basis import check_input_map, kronecker_basis, partial_traces
+from dkfac.solvers.kron_basis import (
+    check_input_map,
+    kronecker_basis,
+    partial_traces,
+    structured_basis,
+    times_basis,
+)
 
 DT = torch.float64
 C, P = 4, 3
@@ -152,3 +158,44 @@ def test_make_solver_gives_the_input_map_to_moment_solvers_only() -> None:
             make_solver(method, DT, input_map=(C, P))
     with pytest.raises(ValueError, match="pair \\(channels, positions\\)"):
         make_solver("eigen_adam", DT, input_map=(C, 0))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_parts_rebuild_the_dense_basis_and_multiply_like_it(bias: bool) -> None:
+    """``dense[:, k]`` is column ``order[k]`` of ``(Q_C ⊗ Q_P) ⊕ 1``, and ``times_basis``
+    equals ``X @ Q`` and ``X @ Qᵀ``."""
+    factor = _samples(rows=30, seed=11) if bias else _spd(C * P, 12)
+    basis = structured_basis(factor, (C, P), DT)
+    assert basis.order.dtype == torch.int64
+    structured = torch.kron(basis.channels, basis.positions)
+    if bias:
+        structured = torch.block_diag(structured, torch.ones(1, 1, dtype=DT))
+    torch.testing.assert_close(basis.dense, structured[:, basis.order], rtol=0, atol=1e-15)
+    x = torch.randn(5, len(factor), dtype=DT, generator=torch.Generator().manual_seed(3))
+    parts = (basis.channels, basis.positions, basis.order)
+    torch.testing.assert_close(times_basis(x, *parts), x @ basis.dense, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        times_basis(x, *parts, transpose=True), x @ basis.dense.T, rtol=1e-12, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("cls", [EigenAdamSolver, EKFACSolver])
+def test_a_structured_state_rotates_like_its_dense_basis(cls: type) -> None:
+    """The update and the carried moments through the parts equal those through the dense
+    ``qa`` alone (the same state without its parts)."""
+    solver = cls(DT, MomentOptions(carry="keep_v", rotation_dtype=torch.float32), (C, P))
+    old = solver.compute_statistics(_stats(20), 0.0)
+    new = solver.compute_statistics(_stats(21), 0.0, previous=old)
+    assert {"qa_channels", "qa_positions", "qa_order"} <= set(new)
+    dense_old, dense_new = ({k: s[k] for k in ("qa", "da", "qg", "dg")} for s in (old, new))
+    grad = torch.randn(2, C * P + 1, dtype=DT, generator=torch.Generator().manual_seed(4))
+    update, moments = solver.apply_with_moments(old, None, grad, 0.1)
+    dense_update, dense_moments = solver.apply_with_moments(dense_old, None, grad, 0.1)
+    # float32 rotation out: the same rounding either way, to float32's precision.
+    torch.testing.assert_close(update, dense_update, rtol=1e-5, atol=1e-6)
+    for key in moments:
+        torch.testing.assert_close(moments[key], dense_moments[key], rtol=1e-12, atol=1e-12)
+    carried = solver.carry_moments(old, new, moments)
+    dense_carried = solver.carry_moments(dense_old, dense_new, dense_moments)
+    for key in carried:
+        torch.testing.assert_close(carried[key], dense_carried[key], rtol=1e-12, atol=1e-12)

@@ -42,6 +42,11 @@ layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A
 * ``"rotate"``: ``m`` as above, ``v ← (P_G∘P_G) v (P_A∘P_A)ᵀ`` (the diagonal second moment
   carried to the new basis, its off-diagonal part dropped).
 
+**Structured input side** (``input_map``): the input basis is the Kronecker-structured one
+of :mod:`dkfac.solvers.kron_basis`, and the state also holds its parts (``qa_channels``,
+``qa_positions``, ``qa_order``), through which every rotation by ``Q_A`` runs
+(:func:`times_input_basis`; a state without them rotates by the dense ``qa``).
+
 **One-sided** (``max_dim``): a factor wider than ``max_dim`` keeps the identity as its basis
 (stored as an empty ``q``/``d`` pair, and never decomposed): the layer's moments live in the
 eigenbasis of its other factor only, ``R = Q_Gᵀ ∇W`` for a wide input side (SOAP's
@@ -74,7 +79,7 @@ from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.eigen import symmetric_eigh
-from dkfac.solvers.kron_basis import check_input_map, kronecker_basis
+from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
 
 __all__ = [
     "BASIS_REFRESHES",
@@ -87,6 +92,7 @@ __all__ = [
     "MomentOptions",
     "power_refresh",
     "rotate",
+    "times_input_basis",
 ]
 
 BasisRefresh = Literal["eigh", "power"]
@@ -229,13 +235,19 @@ class EigenMomentsSolver(Solver):
         storage = a.dtype
 
         def run(dtype: torch.dtype) -> SolverState:
+            parts: SolverState = {}
             if self.input_map is not None:
-                da, qa = kronecker_basis(a, self.input_map, dtype)
+                basis = structured_basis(a, self.input_map, dtype)
+                da, qa = basis.estimates, basis.dense
+                parts = {"qa_channels": basis.channels, "qa_positions": basis.positions}
             else:
                 da, qa = self._side(a, None if previous is None else previous.get("qa"), dtype)
             dg, qg = self._side(g, None if previous is None else previous.get("qg"), dtype)
-            pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg}
-            return {key: value.to(storage) for key, value in pairs.items()}
+            pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
+            state = {key: value.to(storage) for key, value in pairs.items()}
+            if self.input_map is not None:
+                state["qa_order"] = basis.order  # int64 indices, whatever the storage
+            return state
 
         return self.with_retry(run)
 
@@ -259,15 +271,19 @@ class EigenMomentsSolver(Solver):
         self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
     ) -> tuple[Tensor, SolverState]:
         """``(V, moments after this gradient)``; ``None`` moments start from zero."""
-        qa, qg = state["qa"].to(grad.dtype), state["qg"].to(grad.dtype)
-        rotated = rotate(grad, qg.T, qa)
+        qg = state["qg"].to(grad.dtype)
+        rotated = times_input_basis(rotate(grad, qg.T, _IDENTITY), state)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         scaled = self.scaled(new, rotated, damping)
         low = self.options.rotation_dtype
         if low is None or low == grad.dtype:
-            return rotate(scaled, qg, qa.T), new
+            return times_input_basis(rotate(scaled, qg, _IDENTITY), state, transpose=True), new
+        if "qa_order" in state:  # the structured side is cheap: only Q_G's product in ``low``
+            update = rotate(scaled.to(low), qg.to(low), _IDENTITY).to(grad.dtype)
+            return times_input_basis(update, state, transpose=True), new
+        qa = state["qa"]
         update = rotate(scaled.to(low), qg.to(low), qa.T.to(low))
         return update.to(grad.dtype), new
 
@@ -307,7 +323,8 @@ class EigenMomentsSolver(Solver):
         new_g, new_a = new["qg"].to(dtype), new["qa"].to(dtype)
         carried = dict(moments)
         if "m" in moments:  # through the weight space: 2(g²a + ga²) flops, not a³ + g³ more
-            carried["m"] = rotate(rotate(moments["m"], old_g, old_a.T), new_g.T, new_a)
+            weights = times_input_basis(rotate(moments["m"], old_g, _IDENTITY), old, True)
+            carried["m"] = times_input_basis(rotate(weights, new_g.T, _IDENTITY), new)
         if self.options.carry == "rotate":
             p_g, p_a = _transition(new_g, old_g), _transition(new_a, old_a)
             carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
@@ -319,6 +336,23 @@ def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
     if left.numel():
         matrix = left @ matrix
     return matrix @ right if right.numel() else matrix
+
+
+_IDENTITY = torch.empty(0, 0)
+"""An empty side of :func:`rotate`: the identity."""
+
+
+def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = False) -> Tensor:
+    """``matrix @ Q_A`` (or ``@ Q_Aᵀ``) of a state: through the Kronecker structure when
+    the state carries its parts (``qa_channels``, ``qa_positions``, ``qa_order``; the same
+    product as with the dense ``qa``, for ``(C + P)/(C·P)`` of its cost), else dense (an
+    empty ``qa`` is the identity)."""
+    if "qa_order" in state:
+        channels = state["qa_channels"].to(matrix.dtype)
+        positions = state["qa_positions"].to(matrix.dtype)
+        return times_basis(matrix, channels, positions, state["qa_order"], transpose)
+    qa = state["qa"].to(matrix.dtype)
+    return rotate(matrix, _IDENTITY, qa.T if transpose else qa)
 
 
 def _transition(new: Tensor, old: Tensor) -> Tensor:

@@ -13,6 +13,11 @@ bias row and column zero off the diagonal), ``Q`` diagonalises it exactly. The e
 estimates are the Rayleigh quotients ``d = diag(Qᵀ A Q)``, computed through the structure,
 and the columns are sorted by them in descending order, as every solver's basis is.
 
+The solver state keeps the dense ``Q`` (what checkpoints and the moment carry compare) and
+its parts ``Q_C``, ``Q_P`` and the column order, so that the rotations of every step, ``R Q``
+and ``R Qᵀ`` (:func:`times_basis`), cost ``(C + P)·C·P`` multiply-adds a row instead of
+``(C·P)²``: 80 against 1024 a row at 64 × 16.
+
 The eigenbasis-moment solvers (:mod:`dkfac.solvers.eigen_moments`) use it for a side given a
 map shape: their second moment rescales each direction of the basis by what the gradient
 shows there, so the basis has to be close, not exact (the argument of EKFAC). Measured on the
@@ -23,12 +28,41 @@ section 13).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from dkfac.solvers.eigen import symmetric_eigh
 
-__all__ = ["check_input_map", "kronecker_basis", "partial_traces"]
+__all__ = [
+    "KroneckerBasis",
+    "check_input_map",
+    "kronecker_basis",
+    "partial_traces",
+    "structured_basis",
+    "times_basis",
+]
+
+
+class KroneckerBasis(NamedTuple):
+    """The structured basis, dense and by its parts.
+
+    Attributes:
+        estimates: ``(D,)`` Rayleigh estimates, descending.
+        dense: ``(D, D)`` the basis ``Q`` (columns in the order of ``estimates``).
+        channels: ``(C, C)`` ``Q_C``.
+        positions: ``(P, P)`` ``Q_P``.
+        order: ``(D,)`` int64: column ``k`` of ``dense`` is column ``order[k]`` of
+            ``(Q_C ⊗ Q_P) ⊕ 1`` (index ``i·P + j`` for ``Q_C[:, i] ⊗ Q_P[:, j]``, ``C·P``
+            for the bias).
+    """
+
+    estimates: Tensor
+    dense: Tensor
+    channels: Tensor
+    positions: Tensor
+    order: Tensor
 
 
 def check_input_map(input_map: object) -> tuple[int, int]:
@@ -59,7 +93,15 @@ def partial_traces(features: Tensor, channels: int, positions: int) -> tuple[Ten
 def kronecker_basis(
     factor: Tensor, input_map: tuple[int, int], dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """``(d, Q)`` of ``factor`` in the structured basis (module notes), largest ``d`` first.
+    """``(d, Q)`` of ``factor`` in the structured basis (:func:`structured_basis`)."""
+    basis = structured_basis(factor, input_map, dtype)
+    return basis.estimates, basis.dense
+
+
+def structured_basis(
+    factor: Tensor, input_map: tuple[int, int], dtype: torch.dtype
+) -> KroneckerBasis:
+    """The structured basis of ``factor`` (module notes), largest estimate first.
 
     Args:
         factor: The symmetric PSD factor, ``C·P`` or ``C·P + 1`` (with a bias) wide.
@@ -103,4 +145,32 @@ def kronecker_basis(
         bias = int(torch.nonzero(order == width)[0, 0])
         basis[:width, bias] = 0.0
         basis[width, bias] = 1.0
-    return estimates[order].clamp(min=0.0), basis
+    return KroneckerBasis(estimates[order].clamp(min=0.0), basis, q_c, q_p, order)
+
+
+def times_basis(
+    matrix: Tensor, channels: Tensor, positions: Tensor, order: Tensor, transpose: bool = False
+) -> Tensor:
+    """``matrix @ Q`` (or ``matrix @ Qᵀ``) through the structure, for ``Q`` of a
+    :class:`KroneckerBasis`: ``(C + P)·C·P`` multiply-adds a row instead of ``(C·P)²``.
+
+    With ``X`` a row's ``C × P`` features, ``X ↦ Q_Cᵀ X Q_P`` (``Qᵀ``: ``X ↦ Q_C X Q_Pᵀ``); the
+    bias entry is its own coordinate; ``order`` sorts (or unsorts) the columns.
+
+    Args:
+        matrix: ``(rows, D)``.
+        channels: ``Q_C``.
+        positions: ``Q_P``.
+        order: The column order of the dense basis (int64).
+        transpose: Multiply by ``Qᵀ`` instead of ``Q``.
+    """
+    rows, width = matrix.shape[0], channels.shape[0] * positions.shape[0]
+    if transpose:
+        unsorted = torch.empty_like(matrix)
+        unsorted[:, order] = matrix
+        features = unsorted[:, :width].reshape(rows, channels.shape[0], positions.shape[0])
+        mapped = channels @ features @ positions.T
+        return torch.cat([mapped.reshape(rows, width), unsorted[:, width:]], dim=1)
+    features = matrix[:, :width].reshape(rows, channels.shape[0], positions.shape[0])
+    mapped = channels.T @ features @ positions
+    return torch.cat([mapped.reshape(rows, width), matrix[:, width:]], dim=1)[:, order]
