@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, make_solver
-from dkfac.solvers.eigen_moments import descending_eigh, power_refresh
+from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, eigen_moments, make_solver
+from dkfac.solvers.eigen_moments import descending_eigh, power_refresh, range_eigh
 
 DT = torch.float64
 A_DIM, G_DIM = 5, 3
@@ -362,3 +362,53 @@ def test_the_carry_keeps_the_moments_precision_under_a_bf16_rotation() -> None:
 def test_rotation_dtype_is_validated(value: object) -> None:
     with pytest.raises(ValueError, match="rotation_dtype"):
         MomentOptions(rotation_dtype=value)  # type: ignore[arg-type]
+
+
+def _low_rank(size: int, rank: int, seed: int) -> Tensor:
+    """A factor as ``rank`` rows build it (some units dead: zero rows and columns)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(rank, size, generator=gen, dtype=DT).relu()
+    return rows.T @ rows / rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_range_eigh_of_a_low_rank_factor_is_its_eigendecomposition(dtype: torch.dtype) -> None:
+    factor = _low_rank(64, 12, seed=1)
+    result = range_eigh(factor, dtype, rank=16)
+    assert result is not None
+    values, basis = result
+    assert values.dtype == basis.dtype == dtype
+    want = torch.linalg.eigvalsh(factor).flip(0)
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == DT else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(values.to(DT), want.clamp(min=0.0), **tol)
+    assert torch.all(values[:-1] >= values[1:])
+    eye = torch.eye(64, dtype=dtype)
+    torch.testing.assert_close(basis.T @ basis, eye, **tol)
+    rebuilt = basis @ torch.diag(values) @ basis.T
+    torch.testing.assert_close(rebuilt.to(DT), factor, **tol)
+
+
+def test_range_eigh_refuses_a_factor_of_higher_rank() -> None:
+    assert range_eigh(_low_rank(64, 40, seed=2), DT, rank=16) is None
+    nan = _low_rank(64, 8, seed=3)
+    nan[0, 0] = float("nan")
+    assert range_eigh(nan, DT, rank=16) is None
+
+
+def test_the_first_decomposition_of_a_wide_low_rank_factor_takes_the_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Wide enough and of low rank: the range basis; full rank: eigh; later: the power step."""
+    monkeypatch.setattr(eigen_moments, "RANGE_MIN_DIM", 32)
+    solver = EigenAdamSolver(DT, MomentOptions(basis_refresh="power"))
+    low = _low_rank(40, 6, seed=4)
+    first = solver.compute_statistics({"A": low, "G": G}, 0.1)
+    want = range_eigh(low, DT, rank=10)
+    assert want is not None
+    torch.testing.assert_close(first["qa"], want[1], rtol=0, atol=0)
+    torch.testing.assert_close(first["da"], want[0], rtol=0, atol=0)
+    second = solver.compute_statistics({"A": low, "G": G}, 0.1, first)
+    torch.testing.assert_close(second["qa"], power_refresh(low, first["qa"], DT)[1])
+    full = _low_rank(40, 200, seed=5)
+    fresh = solver.compute_statistics({"A": full, "G": G}, 0.1)
+    torch.testing.assert_close(fresh["qa"], descending_eigh(full, DT)[1], rtol=0, atol=0)

@@ -30,7 +30,9 @@ not per-sample gradients, so ``v`` here is the second moment of the mini-batch g
 both factors; ``"power"`` follows the previous basis with one step of subspace iteration,
 ``Q ← qr(F Q_prev)`` (column signs fixed so that ``diag R > 0``, so a converged basis is a
 fixed point), eigenvalue estimates ``diag(Q_prevᵀ F Q_prev)`` (SOAP's update). The first
-refresh, or one without a fitting previous state, is a full ``eigh``.
+refresh, or one without a fitting previous state, is a full ``eigh``, except that a factor
+at least ``RANGE_MIN_DIM`` wide first tries :func:`range_eigh` (exact when its rank is at
+most a quarter of its width, as a factor from a subsample of a wide layer's batch is).
 
 **Carrying the moments across a refresh** (``Q → Q'``; on every rank that preconditions the
 layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
@@ -91,6 +93,7 @@ __all__ = [
     "MomentCarry",
     "MomentOptions",
     "power_refresh",
+    "range_eigh",
     "rotate",
     "times_input_basis",
 ]
@@ -164,6 +167,52 @@ def descending_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]
     """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, largest first."""
     values, vectors = symmetric_eigh(matrix, dtype)
     return values.flip(0), vectors.flip(1)
+
+
+RANGE_MIN_DIM = 512
+"""Factors at least this wide try :func:`range_eigh` at their first decomposition."""
+RANGE_TOLERANCE = 1e-5
+"""Largest ``(tr F − tr B) / tr F`` :func:`range_eigh` accepts (rounding, not rank)."""
+
+
+def range_eigh(matrix: Tensor, dtype: torch.dtype, rank: int) -> tuple[Tensor, Tensor] | None:
+    """``(d, Q)`` of a symmetric PSD matrix of rank at most ``rank``, else ``None``.
+
+    A factor built from ``r`` rows (the first capture of a wide layer whose factors are
+    built from a subsample, ``factor_batch_size``) has rank ``<= r``. Then ``Y = qr(F Ω)``,
+    for a fixed Gaussian ``n × rank`` matrix ``Ω``, spans the range of ``F``, the Ritz pairs
+    of ``B = Yᵀ F Y`` are its non-zero eigenpairs, and any orthonormal completion of ``Y``
+    holds the zero ones: ``O(n² · rank)`` instead of an ``n³`` ``eigh`` (measured 45 against
+    85-250 ms at ``n = 1000``, where a singular factor also sends ``eigh`` to its retries).
+    The check is exact and free: for a PSD ``F``, ``tr F − tr B = tr((I − YYᵀ) F (I − YYᵀ))
+    >= 0``, zero exactly when the range of ``F`` lies in the span of ``Y``; above
+    ``RANGE_TOLERANCE · tr F`` the rank was higher and ``None`` is returned.
+
+    Args:
+        matrix: The ``n × n`` factor.
+        dtype: Precision of the computation and of the result.
+        rank: The rank to try (``< n``).
+
+    Returns:
+        Eigenvalues (descending, clamped at 0) and eigenvectors, or ``None``.
+    """
+    sym = matrix.to(dtype)
+    sym = (sym + sym.T) / 2
+    size = sym.shape[0]
+    generator = torch.Generator(device=sym.device).manual_seed(size)
+    probe = torch.randn(size, rank, generator=generator, dtype=dtype, device=sym.device)
+    span, _ = torch.linalg.qr(sym @ probe)
+    projected = span.T @ (sym @ span)
+    total = torch.trace(sym)
+    missed = float(total - torch.trace(projected))
+    if not missed <= RANGE_TOLERANCE * float(total.abs()):  # also NaN
+        return None
+    values, vectors = torch.linalg.eigh((projected + projected.T) / 2)
+    ritz = span @ vectors.flip(1)
+    basis, _ = torch.linalg.qr(ritz, mode="complete")
+    basis[:, :rank] = ritz  # the completion's first columns span the same space
+    values = torch.cat([values.flip(0).clamp(min=0.0), values.new_zeros(size - rank)])
+    return values, basis
 
 
 def power_refresh(matrix: Tensor, previous: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -255,12 +304,18 @@ class EigenMomentsSolver(Solver):
         self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
         """``(d, Q)`` of one factor: the identity (empty pair) when wider than ``max_dim``,
-        else one power step from a fitting ``previous`` basis or a full ``eigh``."""
+        else one power step from a fitting ``previous`` basis or a full ``eigh`` (the first
+        decomposition of a wide factor of low rank: :func:`range_eigh`)."""
         if self.options.max_dim is not None and factor.shape[0] > self.options.max_dim:
             return factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
         power = self.options.basis_refresh == "power"
         if power and previous is not None and previous.shape == factor.shape:
             return power_refresh(factor, previous, dtype)
+        if previous is None and factor.shape[0] >= RANGE_MIN_DIM:
+            # The first decomposition of a wide factor: often from fewer rows than n / 4.
+            low_rank = range_eigh(factor, dtype, factor.shape[0] // 4)
+            if low_rank is not None:
+                return low_rank
         return descending_eigh(factor, dtype)
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
