@@ -12,7 +12,6 @@ momentum.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from dkfac.config.checks import check_range
 from dkfac.engine.finite import all_finite
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -108,14 +108,13 @@ class KFACOptimizer(Optimizer):
             **options: Any :class:`~dkfac.KFACConfig` field, over the defaults.
 
         Raises:
-            ValueError: For a bad ``lr`` or ``weight_decay`` (or option: the config's errors).
+            TypeError: If ``lr`` or ``weight_decay`` is not a number (or an option has the
+                wrong type: the config's errors).
+            ValueError: If ``lr`` is not finite and > 0 or ``weight_decay`` not finite and
+                >= 0 (or an option's value is bad).
         """
-        for name, value, low_ok in (("lr", lr, False), ("weight_decay", weight_decay, True)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
-                shown = ">= 0" if low_ok else "> 0"
-                raise ValueError(f"{name} must be a finite number {shown}, got {value!r}")
+        check_range("lr", lr, low=0.0)
+        check_range("weight_decay", weight_decay, low=0.0, low_inclusive=True)
         preconditioner = KFACPreconditioner(model, **{**DEFAULT_OPTIONS, **options})
         params = [p for p in model.parameters() if p.requires_grad]
         inner = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=weight_decay)
