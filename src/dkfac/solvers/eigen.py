@@ -6,7 +6,9 @@ exactly. Damping enters only at apply time, so a damping schedule takes effect a
 
 A factor with many exactly zero rows (the inputs or outputs of dead ReLU units) has as many
 equal zero eigenvalues, and LAPACK's divide-and-conquer ``eigh`` then fails to converge in
-float32 (a 1000-wide factor with half its units dead does). ``F + δI`` has the same
+float32 (a 1000-wide factor with half its units dead does), or returns non-finite
+eigenvectors without an error (the digits autoencoder's 251- and 501-wide input factors at
+the first step). ``F + δI`` has the same
 eigenvectors and eigenvalues ``λ + δ``: :func:`symmetric_eigh` retries once with
 ``δ = 1e-6 · mean(diag F)`` and subtracts it, rather than leave the whole layer to the
 solver's float64 retry (twice the cost, paid on the first step of the digits autoencoder).
@@ -26,7 +28,8 @@ SHIFT = 1e-6
 def symmetric_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix in ``dtype``.
 
-    Retries once on ``F + δI`` when LAPACK does not converge (module notes).
+    Retries once on ``F + δI`` when LAPACK does not converge or returns non-finite
+    eigenvectors (module notes).
 
     Raises:
         torch.linalg.LinAlgError: If the shifted matrix fails too.
@@ -35,6 +38,8 @@ def symmetric_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     sym = (sym + sym.T) / 2
     try:
         values, vectors = torch.linalg.eigh(sym)
+        if not bool(torch.isfinite(vectors).all()):  # LAPACK's other way of failing
+            raise torch.linalg.LinAlgError("non-finite eigenvectors")
     except torch.linalg.LinAlgError:
         shift = SHIFT * float(torch.diagonal(sym).abs().mean()) or SHIFT
         eye = torch.eye(len(sym), dtype=dtype, device=sym.device)
