@@ -184,7 +184,7 @@ def conv_input_factor_sum(
     if path == "shift" and (sh, sw) != (1, 1):
         raise ValueError(f'path="shift" needs stride 1, got {stride}')
     if path == "auto":
-        path = auto_path(shape, kernel_size, stride, dilation, tuple(zero_padding))
+        path = auto_path(shape, (kh, kw), (sh, sw), (dh, dw), (left, right, top, bottom))
     dtypes = (compute_dtype or inputs.dtype, out_dtype or inputs.dtype)
     # Every product is in compute_dtype (an enclosing autocast would mix dtypes).
     with torch.autocast(inputs.device.type, enabled=False):
@@ -553,8 +553,8 @@ SHIFT_OVERHEAD = 1.4
 # One dispatched tensor operation (~1 µs): small inputs are all overhead, and the segment
 # path issues ~4,000 operations for a 3x3 kernel where the unfolded one issues ~200.
 OP_WEIGHT = 40_000.0
-# Writing the (D, D) result, per entry: the shift and segment paths assemble it from C x C
-# blocks by index writes and a permuting copy; the unfolded product writes it once.
+# Writing the (D, D) result, per entry: the shift path writes its C x C blocks by strided
+# copies, the segment path by index writes and a permuting copy, the unfolded product once.
 ASSEMBLY_WEIGHT = {"shift": 100.0, "segment": 400.0, "unfold": 50.0}
 
 
