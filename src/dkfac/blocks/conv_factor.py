@@ -188,11 +188,9 @@ def conv_input_factor_sum(
     dtypes = (compute_dtype or inputs.dtype, out_dtype or inputs.dtype)
     # Every product is in compute_dtype (an enclosing autocast would mix dtypes).
     with torch.autocast(inputs.device.type, enabled=False):
-        dim = channels * kh * kw
-        # With a bias the sum is the corner of a (D + 1)^2 buffer; the shift path writes
-        # into it in place, the others are copied in.
-        total = inputs.new_empty(dim + bias, dim + bias, dtype=dtypes[1])
-        if path == "shift":
+        dim, count = channels * kh * kw, batch * out_h * out_w
+        if path == "shift":  # written in place, into the corner of the (D + 1)² buffer
+            total = inputs.new_empty(dim + bias, dim + bias, dtype=dtypes[1])
             flat_factor_sum(
                 inputs, kernel_size, dilation, zero_padding, *dtypes, into=total[:dim, :dim]
             )
@@ -200,11 +198,9 @@ def conv_input_factor_sum(
             source = inputs.to(dtypes[0])  # cast before padding: the pad copies fewer bytes
             padded = F.pad(source, zero_padding) if any(zero_padding) else source
             by_path = _unfolded_sum if path == "unfold" else _factor_sum
-            patch_sum = by_path(padded, kernel_size, stride, dilation, dtypes[1])
-            if not bias:
-                return patch_sum, float(batch * out_h * out_w)
-            total[:dim, :dim] = patch_sum
-        count = batch * out_h * out_w
+            total = by_path(padded, kernel_size, stride, dilation, dtypes[1])
+            if bias:
+                total = F.pad(total, (0, 1, 0, 1))
         if not bias:
             return total, float(count)
         # The bias column: every patch entry summed over all patches, and the count.

@@ -332,15 +332,11 @@ class EigenMomentsSolver(Solver):
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         scaled = self.scaled(new, rotated, damping)
-        low = self.options.rotation_dtype
-        if low is None or low == grad.dtype:
-            return times_input_basis(rotate(scaled, qg, _IDENTITY), state, transpose=True), new
-        if "qa_order" in state:  # the structured side is cheap: only Q_G's product in ``low``
-            update = rotate(scaled.to(low), qg.to(low), _IDENTITY).to(grad.dtype)
-            return times_input_basis(update, state, transpose=True), new
-        qa = state["qa"]
-        update = rotate(scaled.to(low), qg.to(low), qa.T.to(low))
-        return update.to(grad.dtype), new
+        low = self.options.rotation_dtype or grad.dtype
+        update = rotate(scaled.to(low), qg.to(low), _IDENTITY)
+        if "qa_order" in state:  # the structured side is cheap: Q_A's product at full precision
+            update = update.to(grad.dtype)
+        return times_input_basis(update, state, transpose=True).to(grad.dtype), new
 
     def zero_moments(self, like: Tensor) -> SolverState:
         """Zero moments of the shape of ``like`` and ``t = 0``."""
