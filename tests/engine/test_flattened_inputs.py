@@ -2,7 +2,7 @@
 
 The model of tests/strategy_cases.py has ``Conv2d(2→3)`` on 4×4 images, flattened into
 ``Linear(48→6)`` (module ``"3"``): a 3 × 16 map. Oracles: the layer's basis is
-:func:`~dkfac.solvers.kron_basis.kronecker_basis` of its own running factor, and the update
+:func:`~dkfac.solvers.kron_basis.structured_basis` of its own running factor, and the update
 is Adam on the gradient rotated into that basis; the rest of the model is unchanged. The
 checkpoint round trip is a case of tests/engine/test_moments.py.
 """
@@ -19,7 +19,7 @@ from torch import Tensor
 from dkfac import KFACConfig, KFACPreconditioner
 from dkfac.app.cli import build_parser, parse_args
 from dkfac.app.runconfig import config_file_tokens, kfac_config_from_args, resolved_config
-from dkfac.solvers.kron_basis import kronecker_basis
+from dkfac.solvers.kron_basis import structured_basis
 from tests.oracles import weight_grad_matrix
 from tests.strategy_cases import global_batch, make_model
 
@@ -52,7 +52,7 @@ def test_the_layer_basis_is_the_structured_one_and_the_update_adam_in_it() -> No
         layer = pre.layers["3"]
         state = layer.solver_state
         assert state is not None
-        _, qa = kronecker_basis(layer.running["A"], MAP["3"], torch.float64)
+        _, qa = structured_basis(layer.running["A"], MAP["3"], torch.float64)[:2]
         torch.testing.assert_close(state["qa"], qa, rtol=0, atol=0)
         if old is not None:  # moment_carry="keep_v": m carried exactly, v kept
             m = state["qg"].T @ (old[0] @ m @ old[1].T) @ qa

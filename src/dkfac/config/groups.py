@@ -32,7 +32,9 @@ from dkfac.solvers import (
     BASIS_REFRESHES,
     METHODS,
     MOMENT_CARRIES,
+    SOLVERS,
     BasisRefresh,
+    EigenMomentsSolver,
     MethodName,
     MomentCarry,
     method_names,
@@ -60,7 +62,9 @@ __all__ = [
 ]
 
 Method = MethodName
-MOMENT_METHODS = ("eigen_adam", "ekfac")
+MOMENT_METHODS = tuple(
+    sorted(n for n, cls in SOLVERS.items() if n in METHODS and issubclass(cls, EigenMomentsSolver))
+)
 """The built-in methods with an eigenbasis of moments (``flattened_inputs`` needs one)."""
 FisherType = Literal["empirical", "mc"]
 FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
@@ -166,8 +170,8 @@ class SolverConfig:
         object.__setattr__(self, "flattened_inputs", maps)
         if maps and self.method in METHODS and self.method not in MOMENT_METHODS:
             raise ValueError(
-                f"flattened_inputs needs method 'eigen_adam' or 'ekfac' (a basis of moments), "
-                f"got method {self.method!r}"
+                f"flattened_inputs needs method {' or '.join(map(repr, MOMENT_METHODS))} "
+                f"(a basis of moments), got method {self.method!r}"
             )
 
 

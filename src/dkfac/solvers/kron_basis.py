@@ -38,7 +38,6 @@ from dkfac.solvers.eigen import symmetric_eigh
 __all__ = [
     "KroneckerBasis",
     "check_input_map",
-    "kronecker_basis",
     "partial_traces",
     "structured_basis",
     "times_basis",
@@ -88,14 +87,6 @@ def partial_traces(features: Tensor, channels: int, positions: int) -> tuple[Ten
     a_c = torch.einsum("ipjp->ij", blocks) / positions
     a_p = torch.einsum("cicj->ij", blocks) / channels
     return a_c, a_p
-
-
-def kronecker_basis(
-    factor: Tensor, input_map: tuple[int, int], dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """``(d, Q)`` of ``factor`` in the structured basis (:func:`structured_basis`)."""
-    basis = structured_basis(factor, input_map, dtype)
-    return basis.estimates, basis.dense
 
 
 def structured_basis(
