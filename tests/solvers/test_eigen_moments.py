@@ -103,6 +103,33 @@ def _ekfac_oracle(grads: list[Tensor], b2: float, damping: float, *, bias: bool)
     return out
 
 
+def _quintic_polar(matrix: Tensor, rms: float) -> Tensor:
+    """``rms·√max(m, n) · P φ⁵(Σ/‖U‖_F) Rᵀ`` from the SVD ``U = P Σ Rᵀ``: what five
+    Newton–Schulz steps do to the singular values (solvers/polar.py), written out."""
+    p, sigma, rt = torch.linalg.svd(matrix, full_matrices=False)
+    x = sigma / (torch.linalg.matrix_norm(matrix) + 1e-7)
+    for _ in range(5):
+        x = 3.4445 * x - 4.7750 * x**3 + 2.0315 * x**5
+    return (p * x) @ rt * (rms * max(matrix.shape) ** 0.5)
+
+
+@pytest.mark.parametrize("method", ["eigen_adam", "ekfac"])
+def test_an_orthogonalised_update_is_the_polar_factor_of_the_plain_one(method: str) -> None:
+    """Same moments as the plain solver; the update is its update's scaled polar factor."""
+    cls = EigenAdamSolver if method == "eigen_adam" else EKFACSolver
+    plain = cls(DT, MomentOptions(beta1=0.8, eps=1e-3))
+    orthogonal = cls(DT, MomentOptions(beta1=0.8, eps=1e-3, orthogonal_rms=0.7))
+    assert orthogonal.label == f"{method} (orthogonal, rms 0.7)"
+    state = plain.compute(A, G, 0.1)
+    moments_p = moments_o = None
+    for grad in _grads(3):
+        want, moments_p = plain.apply_with_moments(state, moments_p, grad, 0.1)
+        got, moments_o = orthogonal.apply_with_moments(state, moments_o, grad, 0.1)
+        torch.testing.assert_close(got, _quintic_polar(want, 0.7), rtol=1e-9, atol=1e-12)
+        for key, value in moments_p.items():
+            torch.testing.assert_close(moments_o[key], value, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_eigen_adam_equals_adam_in_the_kronecker_eigenbasis(bias: bool, nesterov: bool) -> None:
@@ -274,6 +301,10 @@ def test_make_solver_passes_the_options() -> None:
         ("max_dim", 0, ValueError),
         ("max_dim", True, ValueError),
         ("max_dim", 2.0, ValueError),
+        ("orthogonal_rms", 0.0, ValueError),
+        ("orthogonal_rms", math.inf, ValueError),
+        ("orthogonal_rms", "1", TypeError),
+        ("orthogonal_rms", True, TypeError),
     ],
 )
 def test_options_are_validated(field: str, value: object, error: type) -> None:

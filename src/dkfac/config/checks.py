@@ -21,6 +21,7 @@ __all__ = [
     "check_dtype",
     "check_input_maps",
     "check_int",
+    "check_patterns",
     "check_range",
 ]
 
@@ -141,3 +142,27 @@ def check_input_maps(name: str, value: Any) -> dict[str, tuple[int, int]]:
                 f"{name}[{layer!r}] must be (channels, positions), two integers >= 1, got {shape!r}"
             ) from None
     return maps
+
+
+def check_patterns(name: str, value: Any) -> tuple[str, ...]:
+    """Regular expressions, from one string or a sequence of them, as a tuple.
+
+    Raises:
+        TypeError: If ``value`` is not a string or a sequence of strings.
+        ValueError: For a string that is not a regular expression.
+    """
+    message = f"{name} must be a string or a sequence of regex strings"
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        patterns = tuple(value)
+    except TypeError:
+        raise TypeError(message) from None
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(message)
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"{name}: {pattern!r} is not a regular expression ({err})") from None
+    return patterns

@@ -10,7 +10,6 @@ convolution reductions from :mod:`dkfac.blocks.conv2d`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -24,6 +23,7 @@ from dkfac.config.checks import (
     check_dtype,
     check_input_maps,
     check_int,
+    check_patterns,
     check_range,
 )
 from dkfac.config.schedules import Schedule, check_schedules
@@ -66,6 +66,8 @@ MOMENT_METHODS = tuple(
     sorted(n for n, cls in SOLVERS.items() if n in METHODS and issubclass(cls, EigenMomentsSolver))
 )
 """The built-in methods with an eigenbasis of moments (``flattened_inputs`` needs one)."""
+ORTHOGONAL_RMS = 1.5
+"""Default RMS entry of an orthogonalised update per unit of learning rate (section 15)."""
 FisherType = Literal["empirical", "mc"]
 FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
 LossAverage = Literal["samples", "positions"]
@@ -131,6 +133,17 @@ class SolverConfig:
             milliseconds instead of a 1025³ product and QR, for the same steps on the
             digits CNN (BENCHMARKS.md section 13). A name that is not a registered linear
             layer with ``channels · positions`` inputs is an error at registration.
+        orthogonal_layers: ``"ekfac"``/``"eigen_adam"``: regular expressions; a
+            preconditioned layer whose qualified name or class name contains a match of one
+            (``re.search``, as ``skip_layers``) takes the orthogonal polar factor of its
+            update, scaled to ``orthogonal_rms`` (Muon's Newton–Schulz step applied to the
+            preconditioned update: :mod:`dkfac.solvers.eigen_moments`). Meant for a
+            transformer's hidden layers, e.g. ``("^blocks\\.",)``, leaving the embeddings
+            and the head to the plain method as Muon does (BENCHMARKS.md section 15). A
+            pattern that matches no preconditioned layer is an error at registration.
+        orthogonal_rms: RMS entry (> 0) of an orthogonalised update per unit of learning
+            rate (default 1.5: with ``lr=0.003`` a 128 × 128 layer steps like Muon at its
+            lr 0.05; an AdamW update's RMS is about 0.2–0.4 of its lr).
     """
 
     method: Method = "eigen"
@@ -149,6 +162,8 @@ class SolverConfig:
     basis_max_dim: int | None = None
     rotation_dtype: torch.dtype | None = None
     flattened_inputs: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    orthogonal_layers: tuple[str, ...] = field(default_factory=tuple)
+    orthogonal_rms: float = ORTHOGONAL_RMS
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -168,11 +183,15 @@ class SolverConfig:
         check_dtype("rotation_dtype", self.rotation_dtype)
         maps = check_input_maps("flattened_inputs", self.flattened_inputs)
         object.__setattr__(self, "flattened_inputs", maps)
-        if maps and self.method in METHODS and self.method not in MOMENT_METHODS:
-            raise ValueError(
-                f"flattened_inputs needs method {' or '.join(map(repr, MOMENT_METHODS))} "
-                f"(a basis of moments), got method {self.method!r}"
-            )
+        patterns = check_patterns("orthogonal_layers", self.orthogonal_layers)
+        object.__setattr__(self, "orthogonal_layers", patterns)
+        check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
+        for name, value in (("flattened_inputs", maps), ("orthogonal_layers", patterns)):
+            if value and self.method in METHODS and self.method not in MOMENT_METHODS:
+                raise ValueError(
+                    f"{name} needs method {' or '.join(map(repr, MOMENT_METHODS))} "
+                    f"(a basis of moments), got method {self.method!r}"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,21 +260,7 @@ class EstimationConfig:
         check_choice("loss_average", self.loss_average, LOSS_AVERAGES)
         check_dtype("factor_dtype", self.factor_dtype)
         check_dtype("capture_dtype", self.capture_dtype)
-        if isinstance(self.skip_layers, str):
-            object.__setattr__(self, "skip_layers", (self.skip_layers,))
-        try:
-            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
-        except TypeError:
-            raise TypeError("skip_layers must be a string or a sequence of regex strings") from None
-        for pattern in self.skip_layers:
-            if not isinstance(pattern, str):
-                raise TypeError("skip_layers must be a string or a sequence of regex strings")
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(
-                    f"skip_layers: {pattern!r} is not a regular expression ({err})"
-                ) from None
+        object.__setattr__(self, "skip_layers", check_patterns("skip_layers", self.skip_layers))
         check_choice("conv_reduction", self.conv_reduction, CONV_REDUCTIONS)
         check_int("subsample_positions", self.subsample_positions)
         check_int("factor_batch_size", self.factor_batch_size, optional=True)

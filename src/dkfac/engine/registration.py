@@ -31,6 +31,7 @@ __all__ = [
     "find_blocks",
     "input_maps",
     "is_skipped",
+    "orthogonal_layers",
     "other_parameters",
     "register",
     "rows_rule",
@@ -172,12 +173,15 @@ def create_layers(
     Kronecker pair (statistics ``"A"`` and ``"G"``) under ``"smw"``/``"auto"`` gets a
     deferred solver, decided by ``rule`` at the first capture; another block under
     ``"auto"`` gets the SMW solver with dense sides. A layer of ``flattened_inputs`` gets
-    its input map (:func:`input_maps`).
+    its input map (:func:`input_maps`), a layer of ``orthogonal_layers`` an orthogonalised
+    update (:func:`orthogonal_layers`).
 
     Raises:
-        ValueError: For a ``flattened_inputs`` entry that does not fit (:func:`input_maps`).
+        ValueError: For a ``flattened_inputs`` entry that does not fit (:func:`input_maps`),
+            or an ``orthogonal_layers`` pattern that matches no layer.
     """
     maps = input_maps(blocks, config)
+    orthogonal = orthogonal_layers(blocks, config)
     layers: dict[str, LayerState] = {}
     for name, block in blocks.items():
         dtype = config.factor_dtype or block.parameters()[0].dtype
@@ -200,6 +204,7 @@ def create_layers(
                 carry=config.moment_carry,
                 max_dim=config.basis_max_dim,
                 rotation_dtype=config.rotation_dtype,
+                orthogonal_rms=config.orthogonal_rms if name in orthogonal else None,
             ),
             maps.get(name),
         )
@@ -230,6 +235,25 @@ def input_maps(blocks: Mapping[str, Block], config: KFACConfig) -> dict[str, tup
                 f"{channels * positions} features, but the layer reads {block.in_features}"
             )
     return maps
+
+
+def orthogonal_layers(blocks: Mapping[str, Block], config: KFACConfig) -> set[str]:
+    """The layers ``config.orthogonal_layers`` picks (by name or class name, ``re.search``).
+
+    Raises:
+        ValueError: If a pattern matches no layer (the message lists them).
+    """
+    patterns = config.orthogonal_layers
+    picked = {name for name, block in blocks.items() if skip_pattern(name, block.module, patterns)}
+    for pattern in patterns:
+        if not any(skip_pattern(n, blocks[n].module, (pattern,)) for n in blocks):
+            raise ValueError(
+                f"orthogonal_layers pattern {pattern!r} matches none of the preconditioned "
+                f"layers {list(blocks)}"
+            )
+    if picked:
+        logger.info("K-FAC orthogonalises the updates of %s", sorted(picked))
+    return picked
 
 
 def other_parameters(model: nn.Module, layers: dict[str, LayerState]) -> list[Tensor]:

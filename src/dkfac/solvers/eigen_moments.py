@@ -65,6 +65,16 @@ and the carry of ``m`` keep the moments' precision: ``m̂ ⊘ √v̂`` divides b
 entry, so an error of 1% of the gradient's size becomes a large error in the entries whose
 ``v`` is small (measured: bf16 there made updates 10⁴ times too large after a carry).
 
+**Orthogonalised update** (``orthogonal_rms``): the update ``V`` (of the whole parameter
+matrix, the bias as its last column) is replaced by ``rms · √max(g, a) · O(V)``, ``O`` the
+orthogonal polar factor by Muon's Newton–Schulz iteration (:mod:`dkfac.solvers.polar`):
+every singular value of the step set to one, an RMS entry of ``rms`` per unit of learning
+rate. Orthogonalising the raw momentum is Muon; here the singular vectors are those of the
+preconditioned ``V``, which K-FAC's eigenbasis and Adam's second moment there have turned.
+The moments are those of ``"eigen_adam"`` / ``"ekfac"`` unchanged. Meant for a transformer's
+hidden layers (the engine's ``orthogonal_layers`` picks them; Muon's convention leaves the
+embeddings and the head out); measured in BENCHMARKS.md section 15.
+
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
 one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refresh every
 1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps ``"reset"`` does.
@@ -82,6 +92,7 @@ from torch import Tensor
 from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
+from dkfac.solvers.polar import orthogonal_update
 
 __all__ = [
     "BASIS_REFRESHES",
@@ -120,6 +131,9 @@ class MomentOptions:
             ``None``: every factor is rotated.
         rotation_dtype: Precision of the rotation of the update out of the basis (module
             notes); ``None``: the gradient's.
+        orthogonal_rms: The update ``V`` is replaced by its orthogonal polar factor scaled
+            to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes);
+            ``None``: ``V`` itself.
     """
 
     beta1: float = 0.9
@@ -131,6 +145,7 @@ class MomentOptions:
     carry: MomentCarry = "keep_v"
     max_dim: int | None = None
     rotation_dtype: torch.dtype | None = None
+    orthogonal_rms: float | None = None
 
     def __post_init__(self) -> None:
         if self.rotation_dtype is not None and not (
@@ -161,6 +176,11 @@ class MomentOptions:
             )
         if self.carry not in MOMENT_CARRIES:
             raise ValueError(f"carry must be one of {MOMENT_CARRIES}, got {self.carry!r}")
+        rms = self.orthogonal_rms
+        if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
+            raise TypeError(f"orthogonal_rms must be a number or None, got {type(rms).__name__}")
+        if rms is not None and not 0.0 < rms < float("inf"):
+            raise ValueError(f"orthogonal_rms must be a finite number > 0 or None, got {rms!r}")
 
 
 def descending_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -262,10 +282,13 @@ class EigenMomentsSolver(Solver):
 
     @property
     def label(self) -> str:
-        """The method, and the input map of a structured input basis."""
-        if self.input_map is None:
-            return self.name
-        return f"{self.name} (A basis {self.input_map[0]}x{self.input_map[1]})"
+        """The method, the input map of a structured input basis, an orthogonalised update."""
+        notes = []
+        if self.input_map is not None:
+            notes.append(f"A basis {self.input_map[0]}x{self.input_map[1]}")
+        if self.options.orthogonal_rms is not None:
+            notes.append(f"orthogonal, rms {self.options.orthogonal_rms:g}")
+        return f"{self.name} ({', '.join(notes)})" if notes else self.name
 
     @classmethod
     def moment_elements(cls, a_dim: int, g_dim: int) -> int:
@@ -336,7 +359,10 @@ class EigenMomentsSolver(Solver):
         update = rotate(scaled.to(low), qg.to(low), _IDENTITY)
         if "qa_order" in state:  # the structured side is cheap: Q_A's product at full precision
             update = update.to(grad.dtype)
-        return times_input_basis(update, state, transpose=True).to(grad.dtype), new
+        update = times_input_basis(update, state, transpose=True).to(grad.dtype)
+        if self.options.orthogonal_rms is not None:
+            update = orthogonal_update(update, self.options.orthogonal_rms)
+        return update, new
 
     def zero_moments(self, like: Tensor) -> SolverState:
         """Zero moments of the shape of ``like`` and ``t = 0``."""

@@ -1,0 +1,75 @@
+"""The orthogonal polar factor of an update, by Newton–Schulz iteration (Muon's step).
+
+For an ``m × n`` matrix ``U = P Σ Rᵀ`` (thin SVD, ``k = min(m, n)``), the polar factor is
+``O = P Rᵀ``: every non-zero singular value set to 1, the singular vectors kept. Starting
+from ``X₀ = U / (‖U‖_F + 1e-7)`` (singular values in [0, 1)), the odd quintic iteration
+
+    Xₜ₊₁ = a Xₜ + (b Xₜ Xₜᵀ + c (Xₜ Xₜᵀ)²) Xₜ,      (a, b, c) = (3.4445, −4.7750, 2.0315)
+
+maps each singular value ``σ`` to ``φ(σ) = aσ + bσ³ + cσ⁵`` and keeps the singular vectors.
+These coefficients (Keller Jordan's, also ``torch.optim.Muon``'s) make ``φ`` steep at 0, so
+that five steps bring every singular value above 2e-3 of ``‖U‖_F`` into [0.68, 1.21]
+(``φ⁵`` on that interval) instead of converging exactly: :func:`newton_schulz` is ``≈ O``,
+with the same singular vectors, which is what a Muon step needs. It runs on the wide orientation
+(``m <= n``; a tall matrix is transposed), so ``X Xᵀ`` is ``k × k``. Its cost is
+``steps · (2k²n + 2k³ + 2k²n)`` flops (the Gram matrix, its square and the product).
+
+:func:`orthogonal_update` scales the polar factor to a chosen root-mean-square entry:
+``O`` has ``k`` unit singular values, so ``‖O‖_F = √k`` and its RMS entry is
+``√(k / mn) = 1 / √max(m, n)``; ``rms · √max(m, n) · O`` has RMS ``rms`` whatever the shape
+(Moonshot's "match the RMS of AdamW" convention, with their 0.2 as one choice of ``rms``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["NORM_EPS", "NS_COEFFICIENTS", "NS_STEPS", "newton_schulz", "orthogonal_update"]
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""``(a, b, c)`` of the quintic iteration (module notes)."""
+NS_STEPS = 5
+"""Newton–Schulz steps per update."""
+NORM_EPS = 1e-7
+"""Added to ``‖U‖_F`` in ``X₀``, so that a zero update stays zero."""
+
+
+def newton_schulz(
+    matrix: Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """``≈`` the polar factor of a 2-D ``matrix`` (module notes), in ``matrix``'s dtype.
+
+    Args:
+        matrix: The ``m × n`` matrix.
+        steps: Newton–Schulz steps (>= 1).
+        dtype: Precision of the iteration (bf16, as Muon; float64 for a reference).
+
+    Raises:
+        ValueError: If ``matrix`` is not 2-D or ``steps < 1``.
+    """
+    if matrix.dim() != 2:
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if steps < 1:
+        raise ValueError(f"newton_schulz needs steps >= 1, got {steps}")
+    a, b, c = NS_COEFFICIENTS
+    tall = matrix.shape[0] > matrix.shape[1]
+    x = (matrix.T if tall else matrix).to(dtype)
+    norm = torch.linalg.matrix_norm(x.to(torch.promote_types(dtype, torch.float32)))
+    x = x / (norm.to(dtype) + NORM_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return (x.T if tall else x).to(matrix.dtype)
+
+
+def orthogonal_update(update: Tensor, rms: float) -> Tensor:
+    """``rms · √max(m, n) · newton_schulz(update)``: the polar factor of ``update`` with an
+    RMS entry of about ``rms`` (module notes). A zero ``update`` stays zero.
+
+    The iteration runs in bfloat16 (Muon's precision: the singular values land in a band
+    anyway), except for a float64 ``update``, which keeps float64: a float64 model asks for
+    precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
+    """
+    dtype = torch.float64 if update.dtype == torch.float64 else torch.bfloat16
+    return newton_schulz(update, dtype=dtype) * (rms * max(update.shape) ** 0.5)

@@ -1,0 +1,104 @@
+"""``orthogonal_layers``: the picked layers take the scaled polar factor of their update.
+
+Oracle: a twin preconditioner without the option on an identical model and batch; after
+each step the picked layer's preconditioned gradient is
+:func:`~dkfac.solvers.polar.orthogonal_update` of the twin's (float64: the iteration runs
+in float64, so the match is to rounding), and every other layer's equals the twin's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dkfac import KFACConfig, KFACPreconditioner
+from dkfac.app.cli import build_parser, parse_args
+from dkfac.app.runconfig import config_file_tokens, kfac_config_from_args, resolved_config
+from dkfac.solvers.polar import orthogonal_update
+from tests.oracles import weight_grad_matrix
+from tests.strategy_cases import global_batch, make_model
+
+OPTIONS: dict[str, Any] = {
+    "method": "eigen_adam",
+    "kl_clip": None,
+    "factor_decay": 0.9,
+    "inverse_update_interval": 2,
+    "basis_refresh": "power",
+}
+
+
+@pytest.mark.parametrize(
+    ("patterns", "picked"), [(("^3$",), {"3"}), (("Conv2d", "^6"), {"0", "6"})]
+)
+def test_picked_layers_take_the_polar_factor_of_the_plain_update(
+    patterns: tuple[str, ...], picked: set[str]
+) -> None:
+    model, twin = make_model(), make_model()
+    pre = KFACPreconditioner(model, orthogonal_layers=patterns, orthogonal_rms=0.4, **OPTIONS)
+    plain = KFACPreconditioner(twin, **OPTIONS)
+    labels = {row["name"]: row["method"] for row in pre.describe()}
+    assert {n for n, label in labels.items() if "orthogonal, rms 0.4" in (label or "")} == picked
+    for step in range(3):
+        x, y = global_batch(step, 1)
+        for m, p in ((model, pre), (twin, plain)):
+            m.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            p.step()
+        for name, layer in pre.layers.items():
+            got = weight_grad_matrix(layer.block.module)
+            want = weight_grad_matrix(plain.layers[name].block.module)
+            if name in picked:
+                want = orthogonal_update(want, 0.4)
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"{name} {step}")
+        with torch.no_grad():  # both models take the same (picked) step
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                a -= 0.1 * a.grad
+                b.copy_(a)
+
+
+def test_a_pattern_that_matches_no_layer_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"'\^blocks' matches none of .*\['0', '3', '6'\]"):
+        KFACPreconditioner(make_model(), orthogonal_layers=("^3$", "^blocks"), **OPTIONS)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"method": "eigen", "orthogonal_layers": ("^3$",)}, ValueError, "needs method"),
+        ({"method": "eigen_adam", "orthogonal_layers": ("(",)}, ValueError, "not a regular"),
+        ({"method": "eigen_adam", "orthogonal_layers": (3,)}, TypeError, "regex strings"),
+        ({"method": "eigen_adam", "orthogonal_rms": 0.0}, ValueError, "orthogonal_rms"),
+        ({"method": "eigen_adam", "orthogonal_rms": "1"}, TypeError, "orthogonal_rms"),
+    ],
+)
+def test_config_refuses_bad_values(options: dict[str, Any], error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        KFACConfig(**options)
+
+
+def test_config_takes_one_string_as_one_pattern() -> None:
+    config = KFACConfig(method="ekfac", orthogonal_layers="^3$")  # type: ignore[arg-type]
+    assert config.orthogonal_layers == ("^3$",)
+    assert KFACConfig().orthogonal_layers == ()
+
+
+def test_the_command_line_flags_and_the_resolved_config_round_trip() -> None:
+    flags = ["train", "--method", "eigen_adam", "--orthogonal-layers", "^blocks\\.", "mlp"]
+    args = parse_args([*flags, "--orthogonal-rms", "0.5"])
+    config = kfac_config_from_args(args)
+    assert config.orthogonal_layers == ("^blocks\\.", "mlp") and config.orthogonal_rms == 0.5
+    _, subs = build_parser()
+    tokens = config_file_tokens(resolved_config(args), subs["train"], "config.toml")
+    assert kfac_config_from_args(parse_args(["train", *tokens])) == config
+
+
+def test_a_bad_flag_value_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        kfac_config_from_args(
+            parse_args(["train", "--method", "eigen", "--orthogonal-layers", "x"])
+        )
+    assert exit_info.value.code == 2
+    assert "orthogonal_layers needs method" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -1,0 +1,100 @@
+"""Newton–Schulz polar factors (solvers/polar.py) against the SVD.
+
+Five quintic steps map each singular value ``σ`` of ``U`` to ``φ⁵(σ/‖U‖_F)`` and keep the
+singular vectors; in float64 that is checked to rounding against the SVD, in bfloat16 to
+bf16's precision, and the band the singular values land in against the exact polar factor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from dkfac.solvers.polar import NS_COEFFICIENTS, newton_schulz, orthogonal_update
+
+
+def _matrix(rows: int, cols: int, seed: int, spread: float = 1e-2) -> Tensor:
+    """A matrix with singular values spread log-evenly over [spread, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    k = min(rows, cols)
+    p, _ = torch.linalg.qr(torch.randn(rows, k, generator=gen, dtype=torch.float64))
+    r, _ = torch.linalg.qr(torch.randn(cols, k, generator=gen, dtype=torch.float64))
+    sigma = torch.logspace(0, torch.log10(torch.tensor(spread)).item(), k, dtype=torch.float64)
+    return (p * sigma) @ r.T
+
+
+def _svd_formula(matrix: Tensor, steps: int) -> Tensor:
+    p, sigma, rt = torch.linalg.svd(matrix, full_matrices=False)
+    x = sigma / (torch.linalg.matrix_norm(matrix) + 1e-7)
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        x = a * x + b * x**3 + c * x**5
+    return (p * x) @ rt
+
+
+SHAPES = [(6, 6), (4, 9), (9, 4), (1, 5)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("steps", [1, 5])
+def test_float64_iteration_maps_the_singular_values_by_the_quintic(
+    shape: tuple[int, int], steps: int
+) -> None:
+    u = _matrix(*shape, seed=1)
+    got = newton_schulz(u, steps, dtype=torch.float64)
+    torch.testing.assert_close(got, _svd_formula(u, steps), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_five_steps_land_in_the_band_around_the_exact_polar_factor(shape: tuple[int, int]) -> None:
+    u = _matrix(*shape, seed=2, spread=2e-2)
+    got = newton_schulz(u, dtype=torch.float64)
+    p, _, rt = torch.linalg.svd(u, full_matrices=False)
+    polar = p @ rt
+    # The same singular vectors: Pᵀ N R is diagonal, its entries in [0.68, 1.21].
+    inner = p.T @ got @ rt.T
+    diagonal = torch.diagonal(inner)
+    torch.testing.assert_close(inner, torch.diag(diagonal), rtol=0, atol=1e-10)
+    assert diagonal.min() > 0.68 and diagonal.max() < 1.21, diagonal
+    assert torch.linalg.matrix_norm(got - polar) < 0.35 * torch.linalg.matrix_norm(polar)
+
+
+def test_bf16_iteration_stays_within_bf16_of_the_exact_one() -> None:
+    u = _matrix(32, 48, seed=3).float()
+    got = newton_schulz(u)
+    assert got.dtype == torch.float32
+    want = newton_schulz(u.double(), dtype=torch.float64).float()
+    error = torch.linalg.matrix_norm(got - want) / torch.linalg.matrix_norm(want)
+    assert error < 5e-2, error
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (4, 16), (16, 4)], ids=str)
+def test_orthogonal_update_has_the_asked_rms(shape: tuple[int, int]) -> None:
+    """An orthogonal input is a fixed point up to the quintic's band: RMS within it."""
+    q = _matrix(*shape, seed=4, spread=1.0)  # every singular value 1
+    got = orthogonal_update(q, 0.3)
+    torch.testing.assert_close(got, _svd_formula(q, 5) * 0.3 * max(shape) ** 0.5)
+    rms = got.pow(2).mean().sqrt().item()
+    assert 0.68 * 0.3 < rms < 1.21 * 0.3
+
+
+def test_orthogonal_update_keeps_float64_and_runs_float32_in_bf16() -> None:
+    u = _matrix(5, 7, seed=5)
+    torch.testing.assert_close(orthogonal_update(u, 1.0), _svd_formula(u, 5) * 7**0.5)
+    low = orthogonal_update(u.float(), 1.0)
+    want = newton_schulz(u.float(), dtype=torch.bfloat16) * 7**0.5
+    torch.testing.assert_close(low, want, rtol=0, atol=0)
+
+
+def test_a_zero_update_stays_zero() -> None:
+    assert torch.equal(orthogonal_update(torch.zeros(3, 4), 1.0), torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize(
+    ("matrix", "steps", "match"),
+    [(torch.ones(3), 5, "2-D"), (torch.ones(2, 2, 2), 5, "2-D"), (torch.ones(2, 2), 0, "steps")],
+)
+def test_bad_arguments_are_refused(matrix: Tensor, steps: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        newton_schulz(matrix, steps)
