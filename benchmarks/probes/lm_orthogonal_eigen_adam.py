@@ -11,6 +11,9 @@ AdamW). Orthogonalising the raw momentum would be Muon itself (the polar factor 
 depend on the basis); the second moment in K-FAC's eigenbasis is what changes the direction.
 
 Not in the library: a probe. Every K-FAC entry of the run is patched (the recipe's too).
+Superseded by the library's ``orthogonal_layers`` / ``orthogonal_rms`` options (BENCHMARKS.md
+§15), which the recipe ``benchmarks/recipes/gpt-text.toml`` now uses; this script keeps the
+probe of §14 reproducible (run it with a recipe without those options).
 
     DKFAC_PROBE_SCALE=16.7 python benchmarks/probes/lm_orthogonal_eigen_adam.py \\
         --threads 1 --seeds 1 --no-sweep --seconds 30 --eval-every 25 --optimizers muon kfac \\

@@ -4,16 +4,19 @@ the same file in ``dkfac train --config``, and tiny real runs through ``--recipe
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from dkfac import KFACOptimizer
 from dkfac.app.cli import build_parser, parse_args
-from dkfac.app.models import build_model
+from dkfac.app.gpt import GPT
+from dkfac.app.models import DeepAutoencoder, build_model
 from dkfac.bench import tta
 from dkfac.bench.peers import OptimizerSpec, build_optimizer
 from dkfac.bench.recipes import (
@@ -264,25 +267,38 @@ def test_tta_refuses_a_bad_recipe_in_one_line(
 RECIPES = sorted((Path(__file__).parents[2] / "benchmarks" / "recipes").glob("*.toml"))
 
 
+def _task(stem: str) -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:
+    """A small model with the layer names the recipe's options name, a batch, its loss."""
+    if stem == "digits-cnn":  # flattened_inputs names the CNN's first Linear
+        y = torch.randint(0, 3, (16,))
+        model: nn.Module = build_model("cnn", in_channels=1, image_size=8, num_classes=3)
+        return model, torch.randn(16, 1, 8, 8), lambda out: F.cross_entropy(out, y)
+    if stem == "digits-autoencoder":  # orthogonal_layers names its hidden layers
+        x = torch.randn(16, 12)
+        return DeepAutoencoder(12, (10, 8, 6, 3)), x, lambda out: F.mse_loss(out, x)
+    if stem == "gpt-text":  # orthogonal_layers names the transformer blocks
+        ids = torch.randint(0, 16, (4, 8))
+        model = GPT(vocab_size=16, context=8, layers=1, width=8, heads=2)
+        return model, ids, lambda out: F.cross_entropy(out.flatten(0, 1), ids.flatten())
+    y = torch.randint(0, 3, (16,))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    return model, torch.randn(16, 4), lambda out: F.cross_entropy(out, y)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_committed_recipe_loads_in_bench_and_train_and_builds(path: Path) -> None:
-    """The files BENCHMARKS.md measures: valid for `dkfac bench` and `dkfac train --config`."""
+    """The files BENCHMARKS.md measures: valid for `dkfac bench` and `dkfac train --config`,
+    and one step of each on a small model of its task changes every parameter."""
     recipe = load_recipe(path)
     args = parse_args(["train", "--config", str(path)])
     assert (args.optimizer, args.lr, args.method) == ("kfac", recipe.lr, "eigen_adam")
     assert recipe.options["method"] == "eigen_adam"
-    if args.model == "cnn":  # its options name the CNN's layers (flattened_inputs)
-        model: nn.Module = build_model("cnn", in_channels=1, image_size=8, num_classes=3)
-        x = torch.randn(16, 1, 8, 8)
-    else:
-        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-        x = torch.randn(16, 4)
+    model, x, loss_fn = _task(path.stem)
     optimizer = build_optimizer(recipe.spec(4), model, recipe.lr, 0.9)
     assert isinstance(optimizer, KFACOptimizer)
-    y = torch.randint(0, 3, (16,))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
+    loss_fn(model(x)).backward()
     optimizer.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 

@@ -176,6 +176,8 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
         default = _field_default(field)
         if isinstance(default, collections.abc.Mapping):  # a list of NAME=CxP, as parsed
             default = _plain(default)
+        elif isinstance(default, tuple):  # a list, as parsed and as a config file gives it
+            default = list(default)
         group.add_argument(
             _flag(field.name),
             "--kfac-" + field.name.replace("_", "-"),
