@@ -70,3 +70,9 @@ def test_a_registered_solver_runs_checkpoints_and_is_priced(diagonal: None) -> N
 def test_an_unregistered_name_is_refused() -> None:
     with pytest.raises(ValueError, match="method must be one of"):
         KFACPreconditioner(nn.Linear(2, 2), method="diagonal")
+
+
+def test_orthogonal_layers_on_a_solver_without_moments_is_refused(diagonal: None) -> None:
+    """The config cannot tell a registered method's kind; registration can, and says so."""
+    with pytest.raises(ValueError, match="picks '', whose method 'diagonal' has no eigenbasis"):
+        KFACPreconditioner(nn.Linear(2, 2), method="diagonal", orthogonal_layers=("Linear",))

@@ -24,18 +24,18 @@ from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.layer_state import LayerState
-from dkfac.solvers import MomentOptions, RowsRule, make_solver
+from dkfac.solvers import EigenMomentsSolver, MomentOptions, RowsRule, make_solver
 
 __all__ = [
     "create_layers",
     "find_blocks",
     "input_maps",
     "is_skipped",
+    "matching_pattern",
     "orthogonal_layers",
     "other_parameters",
     "register",
     "rows_rule",
-    "skip_pattern",
     "unwrap",
 ]
 
@@ -54,11 +54,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 def is_skipped(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
     """Whether a regular expression of ``patterns`` is found (``re.search``) in the module's
     qualified name or its type name."""
-    return skip_pattern(name, module, patterns) is not None
+    return matching_pattern(name, module, patterns) is not None
 
 
-def skip_pattern(name: str, module: nn.Module, patterns: Sequence[str]) -> str | None:
-    """The first pattern of ``patterns`` that :func:`is_skipped` finds, or ``None``."""
+def matching_pattern(name: str, module: nn.Module, patterns: Sequence[str]) -> str | None:
+    """The first pattern of ``patterns`` found (``re.search``) in the module's qualified name
+    or its type name, or ``None`` (``skip_layers`` and ``orthogonal_layers`` match so)."""
     for pattern in patterns:
         if re.search(pattern, name) or re.search(pattern, type(module).__name__):
             return pattern
@@ -98,7 +99,7 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
     for name, module in model.named_modules():
         if id(module) in claimed:
             continue
-        pattern = skip_pattern(name, module, config.skip_layers)
+        pattern = matching_pattern(name, module, config.skip_layers)
         children = owned_children(module)
         claimed.update(id(child) for child in children)
         if pattern is not None:
@@ -133,7 +134,7 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
 
 def _admitted(block: Block, config: KFACConfig, coverage: Coverage) -> dict[str, Block]:
     """``{block.name: block}`` unless its own name is skipped or its weight is frozen."""
-    pattern = skip_pattern(block.name, block.module, config.skip_layers)
+    pattern = matching_pattern(block.name, block.module, config.skip_layers)
     if pattern is not None:
         coverage.leave(block.module, f"skip_layers pattern {pattern!r}", chosen=True)
         return {}
@@ -208,6 +209,11 @@ def create_layers(
             ),
             maps.get(name),
         )
+        if name in orthogonal and not isinstance(solver, EigenMomentsSolver):
+            raise ValueError(
+                f"orthogonal_layers picks {name!r}, whose method {method!r} has no eigenbasis "
+                "of moments to orthogonalise the update of"
+            )
         layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)
     return layers
 
@@ -244,9 +250,11 @@ def orthogonal_layers(blocks: Mapping[str, Block], config: KFACConfig) -> set[st
         ValueError: If a pattern matches no layer (the message lists them).
     """
     patterns = config.orthogonal_layers
-    picked = {name for name, block in blocks.items() if skip_pattern(name, block.module, patterns)}
+    picked = {
+        name for name, block in blocks.items() if matching_pattern(name, block.module, patterns)
+    }
     for pattern in patterns:
-        if not any(skip_pattern(n, blocks[n].module, (pattern,)) for n in blocks):
+        if not any(matching_pattern(n, blocks[n].module, (pattern,)) for n in blocks):
             raise ValueError(
                 f"orthogonal_layers pattern {pattern!r} matches none of the preconditioned "
                 f"layers {list(blocks)}"
