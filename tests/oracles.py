@@ -68,3 +68,14 @@ def weight_grad_matrix(module: nn.Module) -> Tensor:
     if module.bias is not None:
         grad = torch.cat([grad, module.bias.grad.reshape(-1, 1)], dim=1)
     return grad
+
+
+def quintic_polar(matrix: Tensor, steps: int = 5) -> Tensor:
+    """``P φᵗ(Σ / (‖U‖_F + 1e-7)) Rᵀ`` from the SVD ``U = P Σ Rᵀ``, ``φ(σ) = aσ + bσ³ + cσ⁵``
+    with Muon's coefficients: what ``steps`` Newton–Schulz steps do to the singular values
+    (solvers/polar.py), written out."""
+    p, sigma, rt = torch.linalg.svd(matrix, full_matrices=False)
+    x = sigma / (torch.linalg.matrix_norm(matrix) + 1e-7)
+    for _ in range(steps):
+        x = 3.4445 * x - 4.7750 * x**3 + 2.0315 * x**5
+    return (p * x) @ rt

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, eigen_moments, make_solver
 from dkfac.solvers.eigen_moments import descending_eigh, power_refresh, range_eigh
+from tests.oracles import quintic_polar
 
 DT = torch.float64
 A_DIM, G_DIM = 5, 3
@@ -103,16 +104,6 @@ def _ekfac_oracle(grads: list[Tensor], b2: float, damping: float, *, bias: bool)
     return out
 
 
-def _quintic_polar(matrix: Tensor, rms: float) -> Tensor:
-    """``rms·√max(m, n) · P φ⁵(Σ/‖U‖_F) Rᵀ`` from the SVD ``U = P Σ Rᵀ``: what five
-    Newton–Schulz steps do to the singular values (solvers/polar.py), written out."""
-    p, sigma, rt = torch.linalg.svd(matrix, full_matrices=False)
-    x = sigma / (torch.linalg.matrix_norm(matrix) + 1e-7)
-    for _ in range(5):
-        x = 3.4445 * x - 4.7750 * x**3 + 2.0315 * x**5
-    return (p * x) @ rt * (rms * max(matrix.shape) ** 0.5)
-
-
 @pytest.mark.parametrize("method", ["eigen_adam", "ekfac"])
 def test_an_orthogonalised_update_is_the_polar_factor_of_the_plain_one(method: str) -> None:
     """Same moments as the plain solver; the update is its update's scaled polar factor."""
@@ -125,7 +116,9 @@ def test_an_orthogonalised_update_is_the_polar_factor_of_the_plain_one(method: s
     for grad in _grads(3):
         want, moments_p = plain.apply_with_moments(state, moments_p, grad, 0.1)
         got, moments_o = orthogonal.apply_with_moments(state, moments_o, grad, 0.1)
-        torch.testing.assert_close(got, _quintic_polar(want, 0.7), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(
+            got, quintic_polar(want) * (0.7 * max(want.shape) ** 0.5), rtol=1e-9, atol=1e-12
+        )
         for key, value in moments_p.items():
             torch.testing.assert_close(moments_o[key], value, rtol=0, atol=0)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers.polar import NS_COEFFICIENTS, newton_schulz, orthogonal_update
+from dkfac.solvers.polar import newton_schulz, orthogonal_update
+from tests.oracles import quintic_polar
 
 
 def _matrix(rows: int, cols: int, seed: int, spread: float = 1e-2) -> Tensor:
@@ -24,15 +25,6 @@ def _matrix(rows: int, cols: int, seed: int, spread: float = 1e-2) -> Tensor:
     return (p * sigma) @ r.T
 
 
-def _svd_formula(matrix: Tensor, steps: int) -> Tensor:
-    p, sigma, rt = torch.linalg.svd(matrix, full_matrices=False)
-    x = sigma / (torch.linalg.matrix_norm(matrix) + 1e-7)
-    a, b, c = NS_COEFFICIENTS
-    for _ in range(steps):
-        x = a * x + b * x**3 + c * x**5
-    return (p * x) @ rt
-
-
 SHAPES = [(6, 6), (4, 9), (9, 4), (1, 5)]
 
 
@@ -43,7 +35,7 @@ def test_float64_iteration_maps_the_singular_values_by_the_quintic(
 ) -> None:
     u = _matrix(*shape, seed=1)
     got = newton_schulz(u, steps, dtype=torch.float64)
-    torch.testing.assert_close(got, _svd_formula(u, steps), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, quintic_polar(u, steps), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -74,14 +66,14 @@ def test_orthogonal_update_has_the_asked_rms(shape: tuple[int, int]) -> None:
     """An orthogonal input is a fixed point up to the quintic's band: RMS within it."""
     q = _matrix(*shape, seed=4, spread=1.0)  # every singular value 1
     got = orthogonal_update(q, 0.3)
-    torch.testing.assert_close(got, _svd_formula(q, 5) * 0.3 * max(shape) ** 0.5)
+    torch.testing.assert_close(got, quintic_polar(q, 5) * 0.3 * max(shape) ** 0.5)
     rms = got.pow(2).mean().sqrt().item()
     assert 0.68 * 0.3 < rms < 1.21 * 0.3
 
 
 def test_orthogonal_update_keeps_float64_and_runs_float32_in_bf16() -> None:
     u = _matrix(5, 7, seed=5)
-    torch.testing.assert_close(orthogonal_update(u, 1.0), _svd_formula(u, 5) * 7**0.5)
+    torch.testing.assert_close(orthogonal_update(u, 1.0), quintic_polar(u, 5) * 7**0.5)
     low = orthogonal_update(u.float(), 1.0)
     want = newton_schulz(u.float(), dtype=torch.bfloat16) * 7**0.5
     torch.testing.assert_close(low, want, rtol=0, atol=0)

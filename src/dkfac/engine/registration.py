@@ -249,16 +249,15 @@ def orthogonal_layers(blocks: Mapping[str, Block], config: KFACConfig) -> set[st
     Raises:
         ValueError: If a pattern matches no layer (the message lists them).
     """
-    patterns = config.orthogonal_layers
-    picked = {
-        name for name, block in blocks.items() if matching_pattern(name, block.module, patterns)
-    }
-    for pattern in patterns:
-        if not any(matching_pattern(n, blocks[n].module, (pattern,)) for n in blocks):
+    picked: set[str] = set()
+    for pattern in config.orthogonal_layers:
+        matched = {n for n, b in blocks.items() if matching_pattern(n, b.module, (pattern,))}
+        if not matched:
             raise ValueError(
                 f"orthogonal_layers pattern {pattern!r} matches none of the preconditioned "
                 f"layers {list(blocks)}"
             )
+        picked |= matched
     if picked:
         logger.info("K-FAC orthogonalises the updates of %s", sorted(picked))
     return picked
