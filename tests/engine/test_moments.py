@@ -40,12 +40,22 @@ def _basis(q: Tensor, dim: int) -> Tensor:
     return q if q.numel() else torch.eye(dim, dtype=q.dtype)
 
 
-@pytest.mark.parametrize("max_dim", [None, 10], ids=["two-sided", "one-sided-above-10"])
-def test_engine_update_is_adam_in_the_basis_of_the_layer_state(max_dim: int | None) -> None:
+@pytest.mark.parametrize(
+    ("max_dim", "into"),
+    [(None, None), (10, None), (None, torch.float32)],
+    ids=["two-sided", "one-sided-above-10", "float32-gradient-rotation"],
+)
+def test_engine_update_is_adam_in_the_basis_of_the_layer_state(
+    max_dim: int | None, into: torch.dtype | None
+) -> None:
     """Between two refreshes the engine's update equals Adam on ``Q_Gᵀ ∇W Q_A``; with
-    ``basis_max_dim=10`` the A factors wider than 10 (19 and 49; not 7) keep ``I``."""
+    ``basis_max_dim=10`` the A factors wider than 10 (19 and 49; not 7) keep ``I``; with
+    ``gradient_rotation_dtype`` that product is taken in that precision (the same products
+    in the same order, so to the bit), the rest in the model's."""
     model = make_model()
     options = {**OPTIONS, "inverse_update_interval": 10, "basis_max_dim": max_dim}
+    if into is not None:
+        options |= {"gradient_rotation_dtype": into, "moment_carry": "reset"}
     pre = KFACPreconditioner(model, **options)
     b1, b2, eps = 0.9, 0.95, 1e-8
     m: dict[str, Tensor] = {}
@@ -62,7 +72,8 @@ def test_engine_update_is_adam_in_the_basis_of_the_layer_state(max_dim: int | No
             g_dim, a_dim = raw[name].shape
             qa, qg = _basis(state["qa"], a_dim), _basis(state["qg"], g_dim)
             assert (state["qa"].numel() == 0) == (max_dim is not None and a_dim > max_dim)
-            r = qg.T @ raw[name] @ qa
+            low = into or raw[name].dtype
+            r = ((qg.T.to(low) @ raw[name].to(low)) @ qa.to(low)).to(raw[name].dtype)
             m[name] = b1 * m.get(name, 0 * r) + (1 - b1) * r
             v[name] = b2 * v.get(name, 0 * r) + (1 - b2) * r * r
             scaled = (m[name] / (1 - b1**t)) / ((v[name] / (1 - b2**t)).sqrt() + eps)
@@ -208,6 +219,8 @@ def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
         ("basis_max_dim", 8.0, ValueError),
         ("rotation_dtype", torch.int64, ValueError),
         ("rotation_dtype", "bfloat16", ValueError),
+        ("gradient_rotation_dtype", torch.int64, ValueError),
+        ("gradient_rotation_dtype", torch.bfloat16, ValueError),  # the default carry keep_v
     ],
 )
 def test_config_validates_the_moment_fields(field: str, value: object, error: type) -> None:

@@ -31,13 +31,16 @@ OPTIONS: dict[str, Any] = {
 
 
 @pytest.mark.parametrize(
-    ("patterns", "picked"), [(("^3$",), {"3"}), (("Conv2d", "^6"), {"0", "6"})]
+    ("patterns", "picked", "steps"),
+    [(("^3$",), {"3"}, 5), (("Conv2d", "^6"), {"0", "6"}, 5), (("^3$",), {"3"}, 3)],
 )
 def test_picked_layers_take_the_polar_factor_of_the_plain_update(
-    patterns: tuple[str, ...], picked: set[str]
+    patterns: tuple[str, ...], picked: set[str], steps: int
 ) -> None:
     model, twin = make_model(), make_model()
-    pre = KFACPreconditioner(model, orthogonal_layers=patterns, orthogonal_rms=0.4, **OPTIONS)
+    pre = KFACPreconditioner(
+        model, orthogonal_layers=patterns, orthogonal_rms=0.4, orthogonal_steps=steps, **OPTIONS
+    )
     plain = KFACPreconditioner(twin, **OPTIONS)
     labels = {row["name"]: row["method"] for row in pre.describe()}
     assert {n for n, label in labels.items() if "orthogonal, rms 0.4" in (label or "")} == picked
@@ -51,7 +54,7 @@ def test_picked_layers_take_the_polar_factor_of_the_plain_update(
             got = weight_grad_matrix(layer.block.module)
             want = weight_grad_matrix(plain.layers[name].block.module)
             if name in picked:
-                want = orthogonal_update(want, 0.4)
+                want = orthogonal_update(want, 0.4, steps)
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"{name} {step}")
         with torch.no_grad():  # both models take the same (picked) step
             for a, b in zip(model.parameters(), twin.parameters(), strict=True):
@@ -72,6 +75,8 @@ def test_a_pattern_that_matches_no_layer_is_refused() -> None:
         ({"method": "eigen_adam", "orthogonal_layers": (3,)}, TypeError, "regex strings"),
         ({"method": "eigen_adam", "orthogonal_rms": 0.0}, ValueError, "orthogonal_rms"),
         ({"method": "eigen_adam", "orthogonal_rms": "1"}, TypeError, "orthogonal_rms"),
+        ({"method": "eigen_adam", "orthogonal_steps": 0}, ValueError, "orthogonal_steps"),
+        ({"method": "eigen_adam", "orthogonal_steps": 2.5}, ValueError, "orthogonal_steps"),
     ],
 )
 def test_config_refuses_bad_values(options: dict[str, Any], error: type, message: str) -> None:
@@ -87,9 +92,12 @@ def test_config_takes_one_string_as_one_pattern() -> None:
 
 def test_the_command_line_flags_and_the_resolved_config_round_trip() -> None:
     flags = ["train", "--method", "eigen_adam", "--orthogonal-layers", "^blocks\\.", "mlp"]
-    args = parse_args([*flags, "--orthogonal-rms", "0.5"])
+    more = ["--orthogonal-steps", "3", "--moment-carry", "reset"]
+    more += ["--gradient-rotation-dtype", "bfloat16"]
+    args = parse_args([*flags, "--orthogonal-rms", "0.5", *more])
     config = kfac_config_from_args(args)
     assert config.orthogonal_layers == ("^blocks\\.", "mlp") and config.orthogonal_rms == 0.5
+    assert config.orthogonal_steps == 3 and config.gradient_rotation_dtype == torch.bfloat16
     _, subs = build_parser()
     tokens = config_file_tokens(resolved_config(args), subs["train"], "config.toml")
     assert kfac_config_from_args(parse_args(["train", *tokens])) == config

@@ -79,6 +79,27 @@ def test_orthogonal_update_keeps_float64_and_runs_float32_in_bf16() -> None:
     torch.testing.assert_close(low, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_orthogonal_update_takes_the_asked_number_of_steps(steps: int) -> None:
+    u = _matrix(6, 9, seed=6)
+    got = orthogonal_update(u, 0.5, steps)
+    torch.testing.assert_close(got, quintic_polar(u, steps) * 0.5 * 9**0.5, rtol=1e-10, atol=0)
+    assert not torch.allclose(got, orthogonal_update(u, 0.5), rtol=1e-3, atol=0)
+
+
+def test_three_steps_land_in_the_band_above_their_threshold() -> None:
+    """The documented soft polar factor: singular values above 1.8e-2 of ``‖U‖_F`` land in
+    [0.68, 1.21] after three steps, and one far below it is scaled by about ``a³``."""
+    u = _matrix(12, 20, seed=7, spread=1.0)
+    p, _, rt = torch.linalg.svd(u, full_matrices=False)
+    sigma = torch.tensor([1.0, 0.8, 0.5, 0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.04, 1e-4])
+    v = p @ torch.diag(sigma.double() / sigma.norm()) @ rt  # ‖V‖_F = 1: σ as given
+    got = torch.linalg.svdvals(newton_schulz(v, 3, torch.float64))
+    want_order = torch.linalg.svdvals(v)
+    assert ((got[:-1] >= 0.68) & (got[:-1] <= 1.21)).all(), got
+    assert got[-1] == pytest.approx(want_order[-1].item() * 3.4445**3, rel=1e-3)
+
+
 def test_a_zero_update_stays_zero() -> None:
     assert torch.equal(orthogonal_update(torch.zeros(3, 4), 1.0), torch.zeros(3, 4))
 

@@ -32,6 +32,7 @@ from dkfac.solvers import (
     BASIS_REFRESHES,
     METHODS,
     MOMENT_CARRIES,
+    NS_STEPS,
     SOLVERS,
     BasisRefresh,
     EigenMomentsSolver,
@@ -124,6 +125,14 @@ class SolverConfig:
             instructions and on GPUs, for an error of about 1% of the update; the rotation
             into the basis, the moments and the basis keep their own precision
             (:mod:`dkfac.solvers.eigen_moments`; measured in BENCHMARKS.md section 12).
+        gradient_rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of
+            the gradient into the eigenbasis (the other half of their per-step cost):
+            ``None`` (default) the gradient's; ``torch.bfloat16`` as above. Needs
+            ``moment_carry="reset"`` (a carried second moment would meet gradients rotated
+            with another rounding; the reason is in :mod:`dkfac.solvers.eigen_moments`).
+            The entries of the rotated gradient below the rounding then move with the sign
+            the rounding gives them, so distributed runs match serial ones only to that
+            rounding (the ranks agree to the bit). Measured in BENCHMARKS.md section 16.
         flattened_inputs: ``"ekfac"``/``"eigen_adam"``: linear layers that read a flattened
             ``channels × positions`` map (a convolution's output flattened channel-major,
             ``torch.flatten``'s order), by qualified name: ``{"classifier.0": (64, 16)}``,
@@ -145,6 +154,10 @@ class SolverConfig:
             rate (default 1.5, the language-model recipe's: at ``lr=0.003`` a 128 × 128
             layer then steps about as far as under Muon at its lr 0.05; an AdamW update's
             RMS entry is about 0.2–0.4 of its lr). Unused without ``orthogonal_layers``.
+        orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
+            Muon's); three cost 3/5 of the flops and leave the smallest singular values
+            short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
+            preconditioning (BENCHMARKS.md section 16). Unused without ``orthogonal_layers``.
     """
 
     method: Method = "eigen"
@@ -165,6 +178,8 @@ class SolverConfig:
     flattened_inputs: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     orthogonal_layers: tuple[str, ...] = field(default_factory=tuple)
     orthogonal_rms: float = ORTHOGONAL_RMS
+    orthogonal_steps: int = NS_STEPS
+    gradient_rotation_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -187,6 +202,13 @@ class SolverConfig:
         patterns = check_patterns("orthogonal_layers", self.orthogonal_layers)
         object.__setattr__(self, "orthogonal_layers", patterns)
         check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
+        check_int("orthogonal_steps", self.orthogonal_steps)
+        check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype)
+        if self.gradient_rotation_dtype is not None and self.moment_carry != "reset":
+            raise ValueError(
+                "gradient_rotation_dtype needs moment_carry 'reset' (a carried second moment "
+                f"meets gradients rotated with another rounding), got {self.moment_carry!r}"
+            )
         for name, value in (("flattened_inputs", maps), ("orthogonal_layers", patterns)):
             if value and self.method in METHODS and self.method not in MOMENT_METHODS:
                 raise ValueError(

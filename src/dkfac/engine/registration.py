@@ -206,6 +206,8 @@ def create_layers(
                 max_dim=config.basis_max_dim,
                 rotation_dtype=config.rotation_dtype,
                 orthogonal_rms=config.orthogonal_rms if name in orthogonal else None,
+                orthogonal_steps=config.orthogonal_steps,
+                gradient_rotation_dtype=config.gradient_rotation_dtype,
             ),
             maps.get(name),
         )

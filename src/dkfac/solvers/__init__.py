@@ -34,6 +34,7 @@ from dkfac.solvers.lowrank.deferred import (
     decided_solver,
 )
 from dkfac.solvers.lowrank.smw import SMWSolver
+from dkfac.solvers.polar import NS_STEPS
 from dkfac.solvers.statistics import DenseStatistic, StatisticKind
 from dkfac.solvers.unitwise import UnitwiseSolver
 
@@ -130,6 +131,7 @@ __all__ = [
     "BASIS_REFRESHES",
     "METHODS",
     "MOMENT_CARRIES",
+    "NS_STEPS",
     "SOLVERS",
     "BasisRefresh",
     "CholeskySolver",

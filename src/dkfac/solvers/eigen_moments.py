@@ -64,6 +64,18 @@ significant bits; Muon's whole update has that precision). The rotation *into* t
 and the carry of ``m`` keep the moments' precision: ``m̂ ⊘ √v̂`` divides by the scale of each
 entry, so an error of 1% of the gradient's size becomes a large error in the entries whose
 ``v`` is small (measured: bf16 there made updates 10⁴ times too large after a carry).
+``gradient_rotation_dtype`` lowers the rotation *into* the basis too, and is allowed only
+with ``carry="reset"``: then every ``m`` and ``v`` since the last refresh come from gradients
+rotated with the same rounding, and each entry of the step stays bounded whatever the
+rounding (by Cauchy–Schwarz, ``|m̂| / √v̂`` by a constant of β₁ and β₂; EKFAC's
+``|r| / (v̂ + λ)`` by ``1 / (2√((1−β₂)λ))``): the error changes which small entries move,
+not how far. Which ones is then decided by the rounding: Adam moves every entry by up to
+about the learning rate whatever its size, so the entries whose rotated gradient lies below
+the rounding of the products take their sign from it (on a small test CNN, three steps with
+a float32 rotation of float64 gradients differ from exact ones by a quarter of the
+movement; a distributed run matches a serial one only to the rounding, as the all-reduce
+sums in another order). Measured on the digits autoencoder and the language model
+(BENCHMARKS.md section 16): the same loss per step, 5-15% less time a step.
 
 **Orthogonalised update** (``orthogonal_rms``): the update ``V`` (of the whole parameter
 matrix, the bias as its last column) is replaced by ``rms · √max(g, a) · O(V)``, ``O`` the
@@ -73,7 +85,10 @@ rate. Orthogonalising the raw momentum is Muon; here the singular vectors are th
 preconditioned ``V``, which K-FAC's eigenbasis and Adam's second moment there have turned.
 The moments are those of ``"eigen_adam"`` / ``"ekfac"`` unchanged. Meant for a transformer's
 hidden layers (the engine's ``orthogonal_layers`` picks them; Muon's convention leaves the
-embeddings and the head out); measured in BENCHMARKS.md section 15.
+embeddings and the head out); measured in BENCHMARKS.md section 15. ``orthogonal_steps``
+sets the Newton–Schulz steps (default 5, Muon's): the preconditioned update's spectrum is
+flatter than a raw momentum's, and three steps (a softer polar factor,
+:mod:`dkfac.solvers.polar`) took the autoencoder to its target in the same steps as five.
 
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
 one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refresh every
@@ -92,7 +107,7 @@ from torch import Tensor
 from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
-from dkfac.solvers.polar import orthogonal_update
+from dkfac.solvers.polar import NS_STEPS, orthogonal_update
 
 __all__ = [
     "BASIS_REFRESHES",
@@ -134,6 +149,9 @@ class MomentOptions:
         orthogonal_rms: The update ``V`` is replaced by its orthogonal polar factor scaled
             to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes);
             ``None``: ``V`` itself.
+        orthogonal_steps: Newton–Schulz steps of that polar factor (>= 1; default 5).
+        gradient_rotation_dtype: Precision of the rotation of the gradient into the basis
+            (module notes); ``None``: the gradient's. Needs ``carry="reset"``.
     """
 
     beta1: float = 0.9
@@ -146,13 +164,24 @@ class MomentOptions:
     max_dim: int | None = None
     rotation_dtype: torch.dtype | None = None
     orthogonal_rms: float | None = None
+    orthogonal_steps: int = NS_STEPS
+    gradient_rotation_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if self.rotation_dtype is not None and not (
-            isinstance(self.rotation_dtype, torch.dtype) and self.rotation_dtype.is_floating_point
-        ):
-            shown = repr(self.rotation_dtype)
-            raise ValueError(f"rotation_dtype must be None or a floating torch.dtype, got {shown}")
+        for name in ("rotation_dtype", "gradient_rotation_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
+        if self.gradient_rotation_dtype is not None and self.carry != "reset":
+            raise ValueError(
+                "gradient_rotation_dtype needs carry 'reset' (a carried second moment meets "
+                f"gradients rotated with another rounding), got carry {self.carry!r}"
+            )
+        steps = self.orthogonal_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"orthogonal_steps must be an integer >= 1, got {steps!r}")
         if self.max_dim is not None and (
             isinstance(self.max_dim, bool) or not isinstance(self.max_dim, int) or self.max_dim < 1
         ):
@@ -287,7 +316,9 @@ class EigenMomentsSolver(Solver):
         if self.input_map is not None:
             notes.append(f"A basis {self.input_map[0]}x{self.input_map[1]}")
         if self.options.orthogonal_rms is not None:
-            notes.append(f"orthogonal, rms {self.options.orthogonal_rms:g}")
+            steps = self.options.orthogonal_steps
+            shown = "" if steps == NS_STEPS else f", {steps} steps"
+            notes.append(f"orthogonal, rms {self.options.orthogonal_rms:g}{shown}")
         return f"{self.name} ({', '.join(notes)})" if notes else self.name
 
     @classmethod
@@ -349,8 +380,9 @@ class EigenMomentsSolver(Solver):
         self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
     ) -> tuple[Tensor, SolverState]:
         """``(V, moments after this gradient)``; ``None`` moments start from zero."""
-        qg = state["qg"].to(grad.dtype)
-        rotated = times_input_basis(rotate(grad, qg.T, _IDENTITY), state)
+        into = self.options.gradient_rotation_dtype or grad.dtype
+        qg = state["qg"].to(into)
+        rotated = times_input_basis(rotate(grad.to(into), qg.T, _IDENTITY), state).to(grad.dtype)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
@@ -361,7 +393,9 @@ class EigenMomentsSolver(Solver):
             update = update.to(grad.dtype)
         update = times_input_basis(update, state, transpose=True).to(grad.dtype)
         if self.options.orthogonal_rms is not None:
-            update = orthogonal_update(update, self.options.orthogonal_rms)
+            update = orthogonal_update(
+                update, self.options.orthogonal_rms, self.options.orthogonal_steps
+            )
         return update, new
 
     def zero_moments(self, like: Tensor) -> SolverState:

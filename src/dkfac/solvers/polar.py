@@ -10,8 +10,12 @@ maps each singular value ``σ`` to ``φ(σ) = aσ + bσ³ + cσ⁵`` and keeps t
 These coefficients (Keller Jordan's, also ``torch.optim.Muon``'s) make ``φ`` steep at 0, so
 that five steps bring every singular value above 2e-3 of ``‖U‖_F`` into [0.68, 1.21]
 (``φ⁵`` on that interval) instead of converging exactly: :func:`newton_schulz` is ``≈ O``,
-with the same singular vectors, which is what a Muon step needs. It runs on the wide orientation
-(``m <= n``; a tall matrix is transposed), so ``X Xᵀ`` is ``k × k``. Its cost is
+with the same singular vectors, which is what a Muon step needs. Fewer steps leave the small
+singular values short of the band: after three, those above 1.8e-2 of ``‖U‖_F`` land in
+[0.68, 1.21] and smaller ones are scaled by about ``a³ ≈ 41`` (a soft polar factor, enough
+for an update whose spectrum is already flat, too little for a raw momentum: Muon itself
+needs twice the steps to its target with three, BENCHMARKS.md section 16). It runs on the
+wide orientation (``m <= n``; a tall matrix is transposed), so ``X Xᵀ`` is ``k × k``. Its cost is
 ``steps · (2k²n + 2k³ + 2k²n)`` flops (the Gram matrix, its square and the product).
 
 :func:`orthogonal_update` scales the polar factor to a chosen root-mean-square entry:
@@ -63,13 +67,13 @@ def newton_schulz(
     return (x.T if tall else x).to(matrix.dtype)
 
 
-def orthogonal_update(update: Tensor, rms: float) -> Tensor:
-    """``rms · √max(m, n) · newton_schulz(update)``: the polar factor of ``update`` with an
-    RMS entry of about ``rms`` (module notes). A zero ``update`` stays zero.
+def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tensor:
+    """``rms · √max(m, n) · newton_schulz(update, steps)``: the polar factor of ``update``
+    with an RMS entry of about ``rms`` (module notes). A zero ``update`` stays zero.
 
     The iteration runs in bfloat16 (Muon's precision: the singular values land in a band
     anyway), except for a float64 ``update``, which keeps float64: a float64 model asks for
     precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
     """
     dtype = torch.float64 if update.dtype == torch.float64 else torch.bfloat16
-    return newton_schulz(update, dtype=dtype) * (rms * max(update.shape) ** 0.5)
+    return newton_schulz(update, steps, dtype) * (rms * max(update.shape) ** 0.5)
