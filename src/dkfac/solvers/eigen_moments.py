@@ -72,7 +72,7 @@ rounding (by Cauchy–Schwarz, ``|m̂| / √v̂`` by a constant of β₁ and β�
 not how far. Which ones is then decided by the rounding: Adam moves every entry by up to
 about the learning rate whatever its size, so the entries whose rotated gradient lies below
 the rounding of the products take their sign from it (on a small test CNN, three steps with
-a float32 rotation of float64 gradients differ from exact ones by a quarter of the
+a float32 rotation of float64 gradients differ from exact ones by up to half of the
 movement; a distributed run matches a serial one only to the rounding, as the all-reduce
 sums in another order). Measured on the digits autoencoder and the language model
 (BENCHMARKS.md section 16): the same loss per step, 5-15% less time a step.
