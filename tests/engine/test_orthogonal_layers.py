@@ -77,6 +77,12 @@ def test_a_pattern_that_matches_no_layer_is_refused() -> None:
         ({"method": "eigen_adam", "orthogonal_rms": "1"}, TypeError, "orthogonal_rms"),
         ({"method": "eigen_adam", "orthogonal_steps": 0}, ValueError, "orthogonal_steps"),
         ({"method": "eigen_adam", "orthogonal_steps": 2.5}, ValueError, "orthogonal_steps"),
+        ({"method": "eigen_adam", "orthogonal_rms": 2.0}, ValueError, "rms sets .* names no"),
+        (
+            {"method": "eigen_adam", "orthogonal_rms": 2.0, "orthogonal_steps": 3},
+            ValueError,
+            "orthogonal_rms and orthogonal_steps set the update",
+        ),
     ],
 )
 def test_config_refuses_bad_values(options: dict[str, Any], error: type, message: str) -> None:

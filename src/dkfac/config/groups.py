@@ -153,11 +153,12 @@ class SolverConfig:
         orthogonal_rms: RMS entry (> 0) of an orthogonalised update per unit of learning
             rate (default 1.5, the language-model recipe's: at ``lr=0.003`` a 128 × 128
             layer then steps about as far as under Muon at its lr 0.05; an AdamW update's
-            RMS entry is about 0.2–0.4 of its lr). Unused without ``orthogonal_layers``.
+            RMS entry is about 0.2–0.4 of its lr). Set without ``orthogonal_layers``: an error.
         orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
             Muon's); three cost 3/5 of the flops and leave the smallest singular values
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
-            preconditioning (BENCHMARKS.md section 16). Unused without ``orthogonal_layers``.
+            preconditioning (BENCHMARKS.md section 16). Set without ``orthogonal_layers``: an
+            error.
     """
 
     method: Method = "eigen"
@@ -203,6 +204,19 @@ class SolverConfig:
         object.__setattr__(self, "orthogonal_layers", patterns)
         check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
         check_int("orthogonal_steps", self.orthogonal_steps)
+        changed = [
+            name
+            for name, value, default in (
+                ("orthogonal_rms", self.orthogonal_rms, ORTHOGONAL_RMS),
+                ("orthogonal_steps", self.orthogonal_steps, NS_STEPS),
+            )
+            if value != default
+        ]
+        if changed and not patterns:
+            raise ValueError(
+                f"{' and '.join(changed)} set{'s' if len(changed) == 1 else ''} the update of "
+                "orthogonal_layers, which names no layer: name the layers or drop the option"
+            )
         check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype)
         if self.gradient_rotation_dtype is not None and self.moment_carry != "reset":
             raise ValueError(
