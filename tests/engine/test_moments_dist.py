@@ -205,7 +205,7 @@ def test_low_precision_rotation_on_two_ranks_equals_serial(
     assert_ranks_match([first, second], low_params, label=label, **LOW_TOL)
 
 
-def test_low_precision_gradient_rotation_on_two_ranks_equals_serial(
+def test_low_precision_gradient_rotation_on_two_ranks_matches_serial_to_its_rounding(
     two_ranks: list[dict[str, Any]],
 ) -> None:
     label = "float32-gradient-rotation/kaisa/0.5"
