@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from dkfac.bench.common import machine_info
 from dkfac.bench.peers import DEFAULT_OPTIONS, OptimizerSpec
 from dkfac.bench.recipes import load_recipe
 
-RECIPE = "benchmarks/recipes/digits-autoencoder.toml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "digits-autoencoder.toml"
 TARGET = 0.02
 DTYPE_FIELDS = ("gradient_rotation_dtype", "rotation_dtype", "capture_dtype", "factor_dtype")
 
@@ -43,7 +44,7 @@ def spec_of(name: str, lr: float, changes: dict[str, Any]) -> OptimizerSpec:
     if name.startswith("muon"):
         options = {**DEFAULT_OPTIONS["muon"], **TASK_OPTIONS["muon"], **changes}
         return OptimizerSpec(name=name, kind="muon", lrs=(lr,), options=options)
-    options = {**load_recipe(RECIPE).options, **changes}
+    options = {**load_recipe(str(RECIPE)).options, **changes}
     for key in DTYPE_FIELDS:
         if isinstance(options.get(key), str):
             options[key] = getattr(torch, options[key])

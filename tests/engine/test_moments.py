@@ -221,6 +221,7 @@ def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
         ("rotation_dtype", "bfloat16", ValueError),
         ("gradient_rotation_dtype", torch.int64, ValueError),
         ("gradient_rotation_dtype", torch.bfloat16, ValueError),  # the default carry keep_v
+        ("gradient_rotation_dtype", torch.float16, ValueError),
     ],
 )
 def test_config_validates_the_moment_fields(field: str, value: object, error: type) -> None:

@@ -79,6 +79,11 @@ def test_a_pattern_that_matches_no_layer_is_refused() -> None:
         ({"method": "eigen_adam", "orthogonal_steps": 2.5}, ValueError, "orthogonal_steps"),
         ({"method": "eigen_adam", "orthogonal_rms": 2.0}, ValueError, "rms sets .* names no"),
         (
+            {"method": "eigen", "moment_carry": "reset", "gradient_rotation_dtype": torch.float32},
+            ValueError,
+            "gradient_rotation_dtype needs method",
+        ),
+        (
             {"method": "eigen_adam", "orthogonal_rms": 2.0, "orthogonal_steps": 3},
             ValueError,
             "orthogonal_rms and orthogonal_steps set the update",

@@ -283,22 +283,37 @@ def test_orthogonal_steps_sets_the_newton_schulz_steps() -> None:
         torch.testing.assert_close(got, quintic_polar(want, 3) * scale, rtol=1e-9, atol=1e-12)
 
 
-def test_a_lower_gradient_rotation_precision_rounds_the_rotation_into_the_basis() -> None:
-    """float32 ``gradient_rotation_dtype`` with float64 gradients: Adam on ``Kᵀ vec(∇W)``
-    with ``K`` and ``∇W`` rounded to float32; the moments and the rotation out exact."""
+@pytest.mark.parametrize("low", [torch.float32, torch.bfloat16], ids=str)
+def test_a_lower_gradient_rotation_precision_rounds_only_the_rotation_into_the_basis(
+    low: torch.dtype,
+) -> None:
+    """``gradient_rotation_dtype`` with float64 gradients: Adam on ``(Q_Gᵀ ∇W) Q_A`` taken
+    in ``low`` (the same products in the same order: to the bit), the moments and the
+    rotation out of the basis exact."""
     options = MomentOptions(
-        beta1=0.8, beta2=0.9, eps=1e-3, carry="reset", gradient_rotation_dtype=torch.float32
+        beta1=0.8, beta2=0.9, eps=1e-3, carry="reset", gradient_rotation_dtype=low
     )
+    solver = EigenAdamSolver(DT, options)
+    qa, qg = (solver.compute(A, G, 0.1)[key] for key in ("qa", "qg"))
     grads = _grads(4)
-    got = _run(EigenAdamSolver(DT, options), grads)
-    assert all(g.dtype == DT for g in got)
-    rounded = [g.float().double() for g in grads]
-    k_low = torch.kron(QA.float().double(), QG.float().double())
+    got = _run(solver, grads)
+    rotated = [((qg.T.to(low) @ g.to(low)) @ qa.to(low)).to(DT) for g in grads]
+    eye = torch.eye(A_DIM * G_DIM, dtype=DT)
+    want = _adam_oracle(rotated, 0.8, 0.9, 1e-3, bias=True, nesterov=False, basis=eye)
     exact = _adam_oracle(grads, 0.8, 0.9, 1e-3, bias=True, nesterov=False)
-    want = _adam_oracle(rounded, 0.8, 0.9, 1e-3, bias=True, nesterov=False, basis=k_low)
     for g, w, e in zip(got, want, exact, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert g.dtype == DT
+        torch.testing.assert_close(g, qg @ w @ qa.T, rtol=1e-10, atol=1e-12)
         assert not torch.equal(g, e)  # the precision was lowered
+
+
+def test_a_layer_with_no_basis_is_not_rounded() -> None:
+    """Both sides one-sided (identity bases): no product to lower, the gradient kept as is."""
+    both = {"max_dim": 2, "carry": "reset"}
+    low = EigenAdamSolver(DT, MomentOptions(gradient_rotation_dtype=torch.bfloat16, **both))
+    exact = EigenAdamSolver(DT, MomentOptions(**both))  # type: ignore[arg-type]
+    for g, w in zip(_run(low, _grads(3)), _run(exact, _grads(3)), strict=True):
+        assert torch.equal(g, w)
 
 
 def test_gradient_rotation_dtype_needs_the_reset_carry() -> None:
@@ -307,6 +322,8 @@ def test_gradient_rotation_dtype_needs_the_reset_carry() -> None:
             MomentOptions(carry=carry, gradient_rotation_dtype=torch.bfloat16)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gradient_rotation_dtype"):
         MomentOptions(carry="reset", gradient_rotation_dtype="bfloat16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="float16 would flush"):
+        MomentOptions(carry="reset", gradient_rotation_dtype=torch.float16)
 
 
 def test_make_solver_passes_the_options() -> None:
@@ -419,6 +436,9 @@ def test_bf16_rotation_stays_within_bf16_of_the_exact_update(
     for g, w in zip(got, want, strict=True):
         assert g.dtype == DT
         assert (g - w).norm() <= bound * w.norm()
+    out_only = MomentOptions(eps=1e-3, nesterov=True, carry="reset", rotation_dtype=torch.bfloat16)
+    if "gradient_rotation_dtype" in lowered:  # and the rotation in was lowered
+        assert not torch.equal(got[-1], _run(EigenAdamSolver(DT, out_only), grads)[-1])
 
 
 def test_the_carry_keeps_the_moments_precision_under_a_bf16_rotation() -> None:

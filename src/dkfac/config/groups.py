@@ -127,7 +127,8 @@ class SolverConfig:
             (:mod:`dkfac.solvers.eigen_moments`; measured in BENCHMARKS.md section 12).
         gradient_rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of
             the gradient into the eigenbasis (the other half of their per-step cost):
-            ``None`` (default) the gradient's; ``torch.bfloat16`` as above. Needs
+            ``None`` (default) the gradient's; ``torch.bfloat16`` as above (``torch.float32``
+            and ``torch.float64`` too; not float16, which flushes small gradients). Needs
             ``moment_carry="reset"`` (a carried second moment would meet gradients rotated
             with another rounding; the reason is in :mod:`dkfac.solvers.eigen_moments`).
             The entries of the rotated gradient below the rounding then move with the sign
@@ -153,12 +154,13 @@ class SolverConfig:
         orthogonal_rms: RMS entry (> 0) of an orthogonalised update per unit of learning
             rate (default 1.5, the language-model recipe's: at ``lr=0.003`` a 128 × 128
             layer then steps about as far as under Muon at its lr 0.05; an AdamW update's
-            RMS entry is about 0.2–0.4 of its lr). Set without ``orthogonal_layers``: an error.
+            RMS entry is about 0.2–0.4 of its lr). A value other than the default without
+            ``orthogonal_layers`` is an error.
         orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
             Muon's); three cost 3/5 of the flops and leave the smallest singular values
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
-            preconditioning (BENCHMARKS.md section 16). Set without ``orthogonal_layers``: an
-            error.
+            preconditioning (BENCHMARKS.md section 16). A value other than the default without
+            ``orthogonal_layers`` is an error.
     """
 
     method: Method = "eigen"
@@ -217,13 +219,18 @@ class SolverConfig:
                 f"{' and '.join(changed)} set{'s' if len(changed) == 1 else ''} the update of "
                 "orthogonal_layers, which names no layer: name the layers or drop the option"
             )
-        check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype)
+        lowered = (torch.bfloat16, torch.float32, torch.float64)
+        check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered)
         if self.gradient_rotation_dtype is not None and self.moment_carry != "reset":
             raise ValueError(
                 "gradient_rotation_dtype needs moment_carry 'reset' (a carried second moment "
                 f"meets gradients rotated with another rounding), got {self.moment_carry!r}"
             )
-        for name, value in (("flattened_inputs", maps), ("orthogonal_layers", patterns)):
+        for name, value in (
+            ("flattened_inputs", maps),
+            ("orthogonal_layers", patterns),
+            ("gradient_rotation_dtype", self.gradient_rotation_dtype),
+        ):
             if value and self.method in METHODS and self.method not in MOMENT_METHODS:
                 raise ValueError(
                     f"{name} needs method {' or '.join(map(repr, MOMENT_METHODS))} "

@@ -150,8 +150,9 @@ class MomentOptions:
             to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes);
             ``None``: ``V`` itself.
         orthogonal_steps: Newton–Schulz steps of that polar factor (>= 1; default 5).
-        gradient_rotation_dtype: Precision of the rotation of the gradient into the basis
-            (module notes); ``None``: the gradient's. Needs ``carry="reset"``.
+        gradient_rotation_dtype: Precision of the dense products of the rotation of the
+            gradient into the basis (module notes; not float16); ``None``: the gradient's.
+            Needs ``carry="reset"``.
     """
 
     beta1: float = 0.9
@@ -174,6 +175,11 @@ class MomentOptions:
                 isinstance(value, torch.dtype) and value.is_floating_point
             ):
                 raise ValueError(f"{name} must be None or a floating torch.dtype, got {value!r}")
+        if self.gradient_rotation_dtype == torch.float16:
+            raise ValueError(
+                "gradient_rotation_dtype float16 would flush gradients below 6e-8 to zero; "
+                "use torch.bfloat16, torch.float32 or torch.float64"
+            )
         if self.gradient_rotation_dtype is not None and self.carry != "reset":
             raise ValueError(
                 "gradient_rotation_dtype needs carry 'reset' (a carried second moment meets "
@@ -380,16 +386,20 @@ class EigenMomentsSolver(Solver):
         self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
     ) -> tuple[Tensor, SolverState]:
         """``(V, moments after this gradient)``; ``None`` moments start from zero."""
-        into = self.options.gradient_rotation_dtype or grad.dtype
-        qg = state["qg"].to(into)
-        rotated = times_input_basis(rotate(grad.to(into), qg.T, _IDENTITY), state).to(grad.dtype)
+        structured = "qa_order" in state  # the structured side is cheap: full precision
+        dense = state["qg"].numel() > 0 or (not structured and state["qa"].numel() > 0)
+        into = (self.options.gradient_rotation_dtype if dense else None) or grad.dtype
+        rotated = rotate(grad.to(into), state["qg"].to(into).T, _IDENTITY)
+        if structured:
+            rotated = rotated.to(grad.dtype)
+        rotated = times_input_basis(rotated, state).to(grad.dtype)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         scaled = self.scaled(new, rotated, damping)
         low = self.options.rotation_dtype or grad.dtype
-        update = rotate(scaled.to(low), qg.to(low), _IDENTITY)
-        if "qa_order" in state:  # the structured side is cheap: Q_A's product at full precision
+        update = rotate(scaled.to(low), state["qg"].to(low), _IDENTITY)
+        if structured:
             update = update.to(grad.dtype)
         update = times_input_basis(update, state, transpose=True).to(grad.dtype)
         if self.options.orthogonal_rms is not None:
