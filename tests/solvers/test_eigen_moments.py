@@ -308,9 +308,11 @@ def test_a_lower_gradient_rotation_precision_rounds_only_the_rotation_into_the_b
 
 
 def test_a_layer_with_no_basis_is_not_rounded() -> None:
-    """Both sides one-sided (identity bases): no product to lower, the gradient kept as is."""
+    """Both sides one-sided (identity bases): no product to lower either way, the gradient
+    and the update kept as they are."""
     both = {"max_dim": 2, "carry": "reset"}
-    low = EigenAdamSolver(DT, MomentOptions(gradient_rotation_dtype=torch.bfloat16, **both))
+    lowered = {"gradient_rotation_dtype": torch.bfloat16, "rotation_dtype": torch.bfloat16}
+    low = EigenAdamSolver(DT, MomentOptions(**lowered, **both))  # type: ignore[arg-type]
     exact = EigenAdamSolver(DT, MomentOptions(**both))  # type: ignore[arg-type]
     for g, w in zip(_run(low, _grads(3)), _run(exact, _grads(3)), strict=True):
         assert torch.equal(g, w)

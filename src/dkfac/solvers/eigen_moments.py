@@ -118,6 +118,7 @@ __all__ = [
     "EigenMomentsSolver",
     "MomentCarry",
     "MomentOptions",
+    "change_basis",
     "power_refresh",
     "range_eigh",
     "rotate",
@@ -185,13 +186,15 @@ class MomentOptions:
                 "gradient_rotation_dtype needs carry 'reset' (a carried second moment meets "
                 f"gradients rotated with another rounding), got carry {self.carry!r}"
             )
-        steps = self.orthogonal_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"orthogonal_steps must be an integer >= 1, got {steps!r}")
-        if self.max_dim is not None and (
-            isinstance(self.max_dim, bool) or not isinstance(self.max_dim, int) or self.max_dim < 1
+        for name, value, optional in (
+            ("orthogonal_steps", self.orthogonal_steps, False),
+            ("max_dim", self.max_dim, True),
         ):
-            raise ValueError(f"max_dim must be an integer >= 1 or None, got {self.max_dim!r}")
+            if optional and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                allowed = "an integer >= 1" + (" or None" if optional else "")
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -386,22 +389,12 @@ class EigenMomentsSolver(Solver):
         self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
     ) -> tuple[Tensor, SolverState]:
         """``(V, moments after this gradient)``; ``None`` moments start from zero."""
-        structured = "qa_order" in state  # the structured side is cheap: full precision
-        dense = state["qg"].numel() > 0 or (not structured and state["qa"].numel() > 0)
-        into = (self.options.gradient_rotation_dtype if dense else None) or grad.dtype
-        rotated = rotate(grad.to(into), state["qg"].to(into).T, _IDENTITY)
-        if structured:
-            rotated = rotated.to(grad.dtype)
-        rotated = times_input_basis(rotated, state).to(grad.dtype)
+        rotated = change_basis(grad, state, self.options.gradient_rotation_dtype)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         scaled = self.scaled(new, rotated, damping)
-        low = self.options.rotation_dtype or grad.dtype
-        update = rotate(scaled.to(low), state["qg"].to(low), _IDENTITY)
-        if structured:
-            update = update.to(grad.dtype)
-        update = times_input_basis(update, state, transpose=True).to(grad.dtype)
+        update = change_basis(scaled, state, self.options.rotation_dtype, out=True)
         if self.options.orthogonal_rms is not None:
             update = orthogonal_update(
                 update, self.options.orthogonal_rms, self.options.orthogonal_steps
@@ -439,15 +432,14 @@ class EigenMomentsSolver(Solver):
             return moments
         if self.options.carry == "reset":
             return self.zero_moments(moments["v"])
-        dtype = moments["v"].dtype
-        old_g, old_a = old["qg"].to(dtype), old["qa"].to(dtype)
-        new_g, new_a = new["qg"].to(dtype), new["qa"].to(dtype)
         carried = dict(moments)
         if "m" in moments:  # through the weight space: 2(g²a + ga²) flops, not a³ + g³ more
-            weights = times_input_basis(rotate(moments["m"], old_g, _IDENTITY), old, True)
-            carried["m"] = times_input_basis(rotate(weights, new_g.T, _IDENTITY), new)
+            weights = change_basis(moments["m"], old, None, out=True)
+            carried["m"] = change_basis(weights, new, None)
         if self.options.carry == "rotate":
-            p_g, p_a = _transition(new_g, old_g), _transition(new_a, old_a)
+            dtype = moments["v"].dtype
+            p_g = _transition(new["qg"].to(dtype), old["qg"].to(dtype))
+            p_a = _transition(new["qa"].to(dtype), old["qa"].to(dtype))
             carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
         return carried
 
@@ -461,6 +453,25 @@ def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
 
 _IDENTITY = torch.empty(0, 0)
 """An empty side of :func:`rotate`: the identity."""
+
+
+def change_basis(
+    matrix: Tensor, state: SolverState, dtype: torch.dtype | None, out: bool = False
+) -> Tensor:
+    """``Q_Gᵀ M Q_A`` (into the basis), or ``Q_G M Q_Aᵀ`` with ``out``, in ``matrix``'s dtype.
+
+    The dense products run in ``dtype`` (``None``: ``matrix``'s; the module notes on
+    rotation precision); the structured input side is cheap and keeps full precision, and
+    a state with no dense side (both one-sided) is not rounded at all.
+    """
+    structured = "qa_order" in state
+    dense = state["qg"].numel() > 0 or (not structured and state["qa"].numel() > 0)
+    low = (dtype if dense else None) or matrix.dtype
+    qg = state["qg"].to(low)
+    half = rotate(matrix.to(low), qg if out else qg.T, _IDENTITY)
+    if structured:
+        half = half.to(matrix.dtype)
+    return times_input_basis(half, state, transpose=out).to(matrix.dtype)
 
 
 def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = False) -> Tensor:
