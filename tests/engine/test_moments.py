@@ -133,18 +133,25 @@ def _continue(model: nn.Module, opt: KFACOptimizer, first: int, last: int) -> li
 
 
 @pytest.mark.parametrize(
-    ("refresh", "max_dim", "maps"),
-    [("eigh", None, {}), ("power", None, {}), ("power", 10, {}), ("power", None, {"3": (3, 16)})],
-    ids=["eigh", "power", "power-one-sided", "power-flattened-input"],
+    ("refresh", "max_dim", "maps", "power_rank"),
+    [
+        ("eigh", None, {}, None),
+        ("power", None, {}, None),
+        ("power", 10, {}, None),
+        ("power", None, {"3": (3, 16)}, None),
+        ("power", None, {}, 4),
+    ],
+    ids=["eigh", "power", "power-one-sided", "power-flattened-input", "power-rank"],
 )
 def test_checkpoint_round_trip_continues_bit_identically(
-    refresh: str, max_dim: int | None, maps: dict[str, tuple[int, int]]
+    refresh: str, max_dim: int | None, maps: dict[str, tuple[int, int]], power_rank: int | None
 ) -> None:
     options = {
         "basis_refresh": refresh,
         "inverse_update_interval": 2,
         "basis_max_dim": max_dim,
         "flattened_inputs": maps,
+        "power_rank": power_rank,
     }
     model, opt = _trained(3, **options)
     saved = copy.deepcopy(opt.state_dict())  # the live tensors change as training goes on
@@ -222,11 +229,22 @@ def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
         ("gradient_rotation_dtype", torch.int64, ValueError),
         ("gradient_rotation_dtype", torch.bfloat16, ValueError),  # the default carry keep_v
         ("gradient_rotation_dtype", torch.float16, ValueError),
+        ("power_rank", 0, ValueError),
+        ("power_rank", 4, ValueError),  # the default refresh eigh
     ],
 )
 def test_config_validates_the_moment_fields(field: str, value: object, error: type) -> None:
     with pytest.raises(error, match=field):
         KFACConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_power_rank_needs_the_power_refresh_of_a_moment_method() -> None:
+    with pytest.raises(ValueError, match=r"power_rank .* needs basis_refresh 'power'"):
+        KFACConfig(method="eigen_adam", power_rank=4)
+    with pytest.raises(ValueError, match="power_rank needs method"):
+        KFACConfig(method="eigen", basis_refresh="power", power_rank=4)
+    config = KFACConfig(method="ekfac", basis_refresh="power", power_rank=4)
+    assert config.power_rank == 4
 
 
 def test_config_accepts_the_new_methods() -> None:

@@ -71,6 +71,10 @@ MAP = {"3": (3, 16)}
 # polar factor amplifies the rounding of the update it is taken of, up to the slope of the
 # quintic map at 0 (3.4445⁵ ≈ 480, solvers/polar.py) in its small singular directions, so
 # the tolerance is that much wider than TOL, still far below the option's own effect.
+# power_rank=4: the power refresh at step 2 follows 4 columns of the 19-, 49- and 6-wide
+# factors and completes them where the layer is preconditioned; the completion is a
+# function of those columns, so the ranks match serial as closely as the full refresh does.
+POWER_RANK = [("kaisa", 0.5), ("spngd", 1.0)]
 ORTHOGONAL = [("kaisa", 0.5), ("mem-opt", 1.0), ("spngd", 1.0)]
 PICK = ("Linear",)
 ORTHOGONAL_TOL = {"rtol": 1e-6, "atol": 1e-8}
@@ -119,6 +123,10 @@ def _rank_main(rank: int, world: int, start: dict[str, Any]) -> dict[str, Any]:
     for strategy, fraction in ORTHOGONAL:
         out[f"orthogonal/{strategy}/{fraction}"] = _run(
             rank, strategy, grad_worker_fraction=fraction, orthogonal_layers=PICK
+        )[0]
+    for strategy, fraction in POWER_RANK:
+        out[f"power-rank/{strategy}/{fraction}"] = _run(
+            rank, strategy, grad_worker_fraction=fraction, power_rank=4
         )[0]
     for strategy in RESUME:
         out[f"resume/{strategy}"] = _run(rank, strategy, start=start)[0]
@@ -248,3 +256,13 @@ def test_orthogonalised_updates_on_two_ranks_equal_serial(
     assert_ranks_match(
         [out[label] for out in two_ranks], orthogonal_params, label=label, **ORTHOGONAL_TOL
     )
+
+
+@pytest.mark.parametrize("label", [f"power-rank/{s}/{f}" for s, f in POWER_RANK])
+def test_partial_power_refresh_on_two_ranks_equals_serial(
+    label: str, two_ranks: list[dict[str, Any]], serial: tuple[list[Tensor], dict[str, Any]]
+) -> None:
+    partial_params, _ = _run(None, "replicated", power_rank=4)
+    effect = max((a - b).abs().max() for a, b in zip(partial_params, serial[0], strict=True))
+    assert effect > 1e-3, effect
+    assert_ranks_match([out[label] for out in two_ranks], partial_params, label=label, **TOL)

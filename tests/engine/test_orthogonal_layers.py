@@ -104,11 +104,13 @@ def test_config_takes_one_string_as_one_pattern() -> None:
 def test_the_command_line_flags_and_the_resolved_config_round_trip() -> None:
     flags = ["train", "--method", "eigen_adam", "--orthogonal-layers", "^blocks\\.", "mlp"]
     more = ["--orthogonal-steps", "3", "--moment-carry", "reset"]
-    more += ["--gradient-rotation-dtype", "bfloat16"]
+    more += ["--gradient-rotation-dtype", "bfloat16", "--basis-refresh", "power"]
+    more += ["--power-rank", "256"]
     args = parse_args([*flags, "--orthogonal-rms", "0.5", *more])
     config = kfac_config_from_args(args)
     assert config.orthogonal_layers == ("^blocks\\.", "mlp") and config.orthogonal_rms == 0.5
     assert config.orthogonal_steps == 3 and config.gradient_rotation_dtype == torch.bfloat16
+    assert config.power_rank == 256
     _, subs = build_parser()
     tokens = config_file_tokens(resolved_config(args), subs["train"], "config.toml")
     assert kfac_config_from_args(parse_args(["train", *tokens])) == config

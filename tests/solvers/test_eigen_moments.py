@@ -208,6 +208,56 @@ def test_power_option_follows_the_previous_state_and_starts_with_eigh() -> None:
     assert not torch.allclose(eigh["qa"].abs(), second["qa"].abs())
 
 
+def test_a_partial_power_refresh_keeps_the_leading_columns_of_the_full_one() -> None:
+    """``rank = k``: the first ``k`` columns and estimates of the full step, an orthonormal
+    completion, and the rest of the trace shared equally by the other estimates."""
+    matrix = _low_rank(12, 30, seed=11)
+    previous = _orthogonal(12, 12)
+    full_estimates, full = power_refresh(matrix, previous, DT)
+    estimates, q = power_refresh(matrix, previous, DT, rank=4)
+    torch.testing.assert_close(q[:, :4], full[:, :4], rtol=0, atol=1e-12)
+    torch.testing.assert_close(estimates[:4], full_estimates[:4], rtol=0, atol=1e-12)
+    torch.testing.assert_close(q.T @ q, torch.eye(12, dtype=DT), rtol=0, atol=1e-12)
+    rest = (torch.trace(matrix) - full_estimates[:4].sum()) / 8
+    torch.testing.assert_close(estimates[4:], rest.expand(8), rtol=1e-12, atol=0)
+    assert not torch.allclose(q[:, 4:].abs(), full[:, 4:].abs(), atol=1e-3)  # unrelated
+    for rank in (12, 20):  # as wide as the factor or wider: the full step
+        same = power_refresh(matrix, previous, DT, rank=rank)
+        torch.testing.assert_close(same[1], full, rtol=0, atol=0)
+        torch.testing.assert_close(same[0], full_estimates, rtol=0, atol=0)
+
+
+def test_a_partial_power_refresh_converges_to_the_leading_eigenvectors() -> None:
+    values = [2.0**-i for i in range(8)]
+    target = _orthogonal(8, 13)
+    matrix = _factor(target, values)
+    q = _orthogonal(8, 14)
+    for _ in range(80):
+        estimates, q = power_refresh(matrix, q, DT, rank=3)
+    got = (q[:, :3].T @ target[:, :3]).abs()
+    torch.testing.assert_close(got, torch.eye(3, dtype=DT), atol=1e-10, rtol=0)
+    want = torch.tensor(values[:3], dtype=DT)
+    torch.testing.assert_close(estimates[:3], want, atol=1e-10, rtol=0)
+    torch.testing.assert_close(estimates[3:], torch.full((5,), sum(values[3:]) / 5, dtype=DT))
+
+
+def test_power_rank_refreshes_the_leading_columns_of_a_wider_factor() -> None:
+    """``power_rank=3``: the 5-wide input factor follows 3 columns, the 3-wide G all."""
+    solver = EigenAdamSolver(DT, MomentOptions(basis_refresh="power", power_rank=3))
+    first = solver.compute_statistics({"A": A, "G": G}, 0.1)
+    moved_a = _factor(_orthogonal(A_DIM, 9), [5.0, 3.0, 1.0, 0.5, 0.1])
+    moved_g = _factor(_orthogonal(G_DIM, 10), [2.0, 1.0, 0.5])
+    second = solver.compute_statistics({"A": moved_a, "G": moved_g}, 0.1, first)
+    want_da, want_qa = power_refresh(moved_a, first["qa"], DT, rank=3)
+    torch.testing.assert_close(second["qa"], want_qa, rtol=0, atol=0)
+    torch.testing.assert_close(second["da"], want_da, rtol=0, atol=0)
+    torch.testing.assert_close(second["qg"], power_refresh(moved_g, first["qg"], DT)[1])
+    full = EigenAdamSolver(DT, MomentOptions(basis_refresh="power"))
+    assert not torch.allclose(
+        full.compute_statistics({"A": moved_a, "G": moved_g}, 0.1, first)["qa"], second["qa"]
+    )
+
+
 def _moments(solver, state) -> dict[str, Tensor]:
     moments = None
     for grad in _grads(3):
@@ -318,6 +368,12 @@ def test_a_layer_with_no_basis_is_not_rounded() -> None:
         assert torch.equal(g, w)
 
 
+def test_power_rank_needs_the_power_refresh() -> None:
+    with pytest.raises(ValueError, match=r"power_rank .* needs basis_refresh 'power'"):
+        MomentOptions(power_rank=3)
+    assert MomentOptions(basis_refresh="power", power_rank=3).power_rank == 3
+
+
 def test_gradient_rotation_dtype_needs_the_reset_carry() -> None:
     for carry in ("keep_v", "rotate"):
         with pytest.raises(ValueError, match="gradient_rotation_dtype needs carry 'reset'"):
@@ -356,6 +412,9 @@ def test_make_solver_passes_the_options() -> None:
         ("orthogonal_steps", 0, ValueError),
         ("orthogonal_steps", 2.0, ValueError),
         ("orthogonal_steps", True, ValueError),
+        ("power_rank", 0, ValueError),
+        ("power_rank", 2.0, ValueError),
+        ("power_rank", True, ValueError),
     ],
 )
 def test_options_are_validated(field: str, value: object, error: type) -> None:

@@ -161,6 +161,12 @@ class SolverConfig:
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
             preconditioning (BENCHMARKS.md section 16). A value other than the default without
             ``orthogonal_layers`` is an error.
+        power_rank: ``basis_refresh="power"`` only: a refresh follows the leading
+            ``power_rank`` eigenvectors of a wider factor and completes them with an
+            orthonormal basis of the rest (unrelated to the previous one), instead of
+            following every column: about a third of the refresh of a 1000-wide factor at
+            256, for the same steps on the digits autoencoder (BENCHMARKS.md section 17).
+            ``None`` (default): every column follows.
     """
 
     method: Method = "eigen"
@@ -183,6 +189,7 @@ class SolverConfig:
     orthogonal_rms: float = ORTHOGONAL_RMS
     orthogonal_steps: int = NS_STEPS
     gradient_rotation_dtype: torch.dtype | None = None
+    power_rank: int | None = None
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -226,10 +233,17 @@ class SolverConfig:
                 "gradient_rotation_dtype needs moment_carry 'reset' (a carried second moment "
                 f"meets gradients rotated with another rounding), got {self.moment_carry!r}"
             )
+        check_int("power_rank", self.power_rank, optional=True)
+        if self.power_rank is not None and self.basis_refresh != "power":
+            raise ValueError(
+                "power_rank sets the columns a 'power' refresh follows; it needs "
+                f"basis_refresh 'power', got {self.basis_refresh!r}"
+            )
         for name, value in (
             ("flattened_inputs", maps),
             ("orthogonal_layers", patterns),
             ("gradient_rotation_dtype", self.gradient_rotation_dtype),
+            ("power_rank", self.power_rank),
         ):
             if value and self.method in METHODS and self.method not in MOMENT_METHODS:
                 raise ValueError(

@@ -208,6 +208,7 @@ def create_layers(
                 orthogonal_rms=config.orthogonal_rms if name in orthogonal else None,
                 orthogonal_steps=config.orthogonal_steps,
                 gradient_rotation_dtype=config.gradient_rotation_dtype,
+                power_rank=config.power_rank,
             ),
             maps.get(name),
         )

@@ -33,6 +33,11 @@ fixed point), eigenvalue estimates ``diag(Q_prevᵀ F Q_prev)`` (SOAP's update).
 refresh, or one without a fitting previous state, is a full ``eigh``, except that a factor
 at least ``RANGE_MIN_DIM`` wide first tries :func:`range_eigh` (exact when its rank is at
 most a quarter of its width, as a factor from a subsample of a wide layer's batch is).
+``power_rank = k`` makes the power step follow only the leading ``k`` eigenvectors of a
+wider factor and complete them with an orthonormal basis of the rest (unrelated to the
+previous one; their moments then mean other directions, which ``"reset"`` starts afresh
+anyway): about a third of the refresh of a 1000-wide factor at ``k = 256``, for the same
+steps on the digits autoencoder (BENCHMARKS.md section 17).
 
 **Carrying the moments across a refresh** (``Q → Q'``; on every rank that preconditions the
 layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
@@ -154,6 +159,9 @@ class MomentOptions:
         gradient_rotation_dtype: Precision of the dense products of the rotation of the
             gradient into the basis (module notes; not float16); ``None``: the gradient's.
             Needs ``carry="reset"``.
+        power_rank: A ``"power"`` refresh follows only the leading ``power_rank``
+            eigenvectors of a wider factor; the rest of its basis becomes an orthonormal
+            completion (:func:`power_refresh`); ``None``: every column follows.
     """
 
     beta1: float = 0.9
@@ -168,6 +176,7 @@ class MomentOptions:
     orthogonal_rms: float | None = None
     orthogonal_steps: int = NS_STEPS
     gradient_rotation_dtype: torch.dtype | None = None
+    power_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rotation_dtype", "gradient_rotation_dtype"):
@@ -189,6 +198,7 @@ class MomentOptions:
         for name, value, optional in (
             ("orthogonal_steps", self.orthogonal_steps, False),
             ("max_dim", self.max_dim, True),
+            ("power_rank", self.power_rank, True),
         ):
             if optional and value is None:
                 continue
@@ -214,6 +224,11 @@ class MomentOptions:
             )
         if self.carry not in MOMENT_CARRIES:
             raise ValueError(f"carry must be one of {MOMENT_CARRIES}, got {self.carry!r}")
+        if self.power_rank is not None and self.basis_refresh != "power":
+            raise ValueError(
+                "power_rank sets the columns a 'power' refresh follows; it needs "
+                f"basis_refresh 'power', got {self.basis_refresh!r}"
+            )
         rms = self.orthogonal_rms
         if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
             raise TypeError(f"orthogonal_rms must be a number or None, got {type(rms).__name__}")
@@ -237,14 +252,16 @@ def range_eigh(matrix: Tensor, dtype: torch.dtype, rank: int) -> tuple[Tensor, T
     """``(d, Q)`` of a symmetric PSD matrix of rank at most ``rank``, else ``None``.
 
     A factor built from ``r`` rows (the first capture of a wide layer whose factors are
-    built from a subsample, ``factor_batch_size``) has rank ``<= r``. Then ``Y = qr(F Ω)``,
-    for a fixed Gaussian ``n × rank`` matrix ``Ω``, spans the range of ``F``, the Ritz pairs
-    of ``B = Yᵀ F Y`` are its non-zero eigenpairs, and any orthonormal completion of ``Y``
-    holds the zero ones: ``O(n² · rank)`` instead of an ``n³`` ``eigh`` (measured 45 against
-    85-250 ms at ``n = 1000``, where a singular factor also sends ``eigh`` to its retries).
-    The check is exact and free: for a PSD ``F``, ``tr F − tr B = tr((I − YYᵀ) F (I − YYᵀ))
-    >= 0``, zero exactly when the range of ``F`` lies in the span of ``Y``; above
-    ``RANGE_TOLERANCE · tr F`` the rank was higher and ``None`` is returned.
+    built from a subsample, ``factor_batch_size``) has rank ``<= r``. Then the first ``rank``
+    columns ``Y`` of the complete QR of ``F Ω``, for a fixed Gaussian ``n × rank`` matrix
+    ``Ω``, span the range of ``F``, the Ritz pairs of ``B = Yᵀ F Y`` are its non-zero
+    eigenpairs, and the QR's other columns (orthogonal to ``Y``) hold the zero ones:
+    ``O(n² · rank)`` instead of an ``n³`` ``eigh`` (measured 32-37 against 85-250 ms at
+    ``n = 1000``, where a singular factor also sends ``eigh`` to its retries). The check is
+    exact and free: for a PSD ``F``, ``tr F − tr B = tr((I − YYᵀ) F (I − YYᵀ)) >= 0``, zero
+    exactly when the range of ``F`` lies in the span of ``Y``; above ``RANGE_TOLERANCE · tr
+    F`` the rank was higher and ``None`` is returned. ``F`` is taken as symmetric (the
+    factors are sums of ``RᵀR``; an asymmetry of rounding size moves nothing).
 
     Args:
         matrix: The ``n × n`` factor.
@@ -255,38 +272,57 @@ def range_eigh(matrix: Tensor, dtype: torch.dtype, rank: int) -> tuple[Tensor, T
         Eigenvalues (descending, clamped at 0) and eigenvectors, or ``None``.
     """
     sym = matrix.to(dtype)
-    sym = (sym + sym.T) / 2
     size = sym.shape[0]
     generator = torch.Generator(device=sym.device).manual_seed(size)
     probe = torch.randn(size, rank, generator=generator, dtype=dtype, device=sym.device)
-    span, _ = torch.linalg.qr(sym @ probe)
+    basis, _ = torch.linalg.qr(sym @ probe, mode="complete")
+    span = basis[:, :rank]
     projected = span.T @ (sym @ span)
     total = torch.trace(sym)
     missed = float(total - torch.trace(projected))
     if not missed <= RANGE_TOLERANCE * float(total.abs()):  # also NaN
         return None
     values, vectors = torch.linalg.eigh((projected + projected.T) / 2)
-    ritz = span @ vectors.flip(1)
-    basis, _ = torch.linalg.qr(ritz, mode="complete")
-    basis[:, :rank] = ritz  # the completion's first columns span the same space
+    basis[:, :rank] = span @ vectors.flip(1)  # the same span: still orthogonal to the rest
     values = torch.cat([values.flip(0).clamp(min=0.0), values.new_zeros(size - rank)])
     return values, basis
 
 
-def power_refresh(matrix: Tensor, previous: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def power_refresh(
+    matrix: Tensor, previous: Tensor, dtype: torch.dtype, rank: int | None = None
+) -> tuple[Tensor, Tensor]:
     """One step of subspace iteration from the basis ``previous``: ``(estimates, Q)``.
 
     ``Q = qr(F Q_prev)`` with the signs of its columns chosen so that ``diag R > 0``;
-    estimates ``diag(Q_prevᵀ F Q_prev)`` clamped at 0.
+    estimates ``diag(Q_prevᵀ F Q_prev)`` clamped at 0. ``F`` is taken as symmetric.
+
+    With ``rank = k < n`` only the leading ``k`` columns follow ``F``: ``Y = qr(F Q_prev[:,
+    :k])`` (the same ``k`` columns as the full step, since a QR's first columns depend only
+    on the first columns of its matrix), and the other ``n − k`` columns are the orthonormal
+    completion of ``Y`` that the same Householder reflectors give (a basis of the orthogonal
+    complement unrelated to the previous one), each with the estimate ``(tr F − Σ top
+    estimates) / (n − k)``. Cost ``2n²k`` for the product and about ``4n²k`` for the
+    reflectors and completion, instead of ``2n³ + (8/3)n³``: at ``n = 1000``, ``k = 256``,
+    23-27 against 67-82 ms here.
     """
     sym = matrix.to(dtype)
-    sym = (sym + sym.T) / 2
     prev = previous.to(dtype)
-    product = sym @ prev
-    estimates = (prev * product).sum(dim=0).clamp(min=0.0)
-    q, r = torch.linalg.qr(product)
-    signs = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(dtype)
-    return estimates, q * signs
+    size = sym.shape[0]
+    if rank is None or rank >= size:
+        product = sym @ prev
+        estimates = (prev * product).sum(dim=0).clamp(min=0.0)
+        q, r = torch.linalg.qr(product)
+        return estimates, q.mul_(torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(dtype))
+    lead = prev[:, :rank]
+    product = sym @ lead
+    top = (lead * product).sum(dim=0).clamp(min=0.0)
+    reflectors, tau = torch.geqrf(product)
+    padded = reflectors.new_zeros(size, size)
+    padded[:, :rank] = reflectors
+    q = torch.linalg.householder_product(padded, tau)  # n × n: the span and its completion
+    q[:, :rank].mul_(torch.where(torch.diagonal(reflectors) < 0, -1.0, 1.0).to(dtype))
+    rest = (torch.trace(sym) - top.sum()).clamp(min=0.0) / (size - rank)
+    return torch.cat([top, rest.expand(size - rank)]), q
 
 
 class EigenMomentsSolver(Solver):
@@ -373,7 +409,7 @@ class EigenMomentsSolver(Solver):
             return factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
         power = self.options.basis_refresh == "power"
         if power and previous is not None and previous.shape == factor.shape:
-            return power_refresh(factor, previous, dtype)
+            return power_refresh(factor, previous, dtype, self.options.power_rank)
         if previous is None and factor.shape[0] >= RANGE_MIN_DIM:
             # The first decomposition of a wide factor: often from fewer rows than n / 4.
             low_rank = range_eigh(factor, dtype, factor.shape[0] // 4)
