@@ -124,6 +124,7 @@ __all__ = [
     "MomentCarry",
     "MomentOptions",
     "change_basis",
+    "lowered_bases",
     "power_refresh",
     "range_eigh",
     "rotate",
@@ -425,12 +426,15 @@ class EigenMomentsSolver(Solver):
         self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
     ) -> tuple[Tensor, SolverState]:
         """``(V, moments after this gradient)``; ``None`` moments start from zero."""
-        rotated = change_basis(grad, state, self.options.gradient_rotation_dtype)
+        into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
+        if into is not None and into == out:  # cast each dense basis once for both rotations
+            state = lowered_bases(state, into)
+        rotated = change_basis(grad, state, into)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         scaled = self.scaled(new, rotated, damping)
-        update = change_basis(scaled, state, self.options.rotation_dtype, out=True)
+        update = change_basis(scaled, state, out, out=True)
         if self.options.orthogonal_rms is not None:
             update = orthogonal_update(
                 update, self.options.orthogonal_rms, self.options.orthogonal_steps
@@ -446,7 +450,7 @@ class EigenMomentsSolver(Solver):
         """The moments after the rotated gradient ``rotated`` (new tensors; the old kept)."""
         beta2 = self.options.beta2
         return {
-            "v": moments["v"] * beta2 + (rotated * rotated) * (1.0 - beta2),
+            "v": (moments["v"] * beta2).addcmul_(rotated, rotated, value=1.0 - beta2),
             "t": moments["t"] + 1.0,
         }
 
@@ -510,6 +514,15 @@ def change_basis(
     return times_input_basis(half, state, transpose=out).to(matrix.dtype)
 
 
+def lowered_bases(state: SolverState, dtype: torch.dtype) -> SolverState:
+    """``state`` with its dense bases cast to ``dtype`` (the structured input side's parts
+    kept): what :func:`change_basis` casts them to, done once for several rotations."""
+    lowered = {**state, "qg": state["qg"].to(dtype)}
+    if "qa_order" not in state:
+        lowered["qa"] = state["qa"].to(dtype)
+    return lowered
+
+
 def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = False) -> Tensor:
     """``matrix @ Q_A`` (or ``@ Q_Aᵀ``) of a state: through the Kronecker structure when
     the state carries its parts (``qa_channels``, ``qa_positions``, ``qa_order``; the same
@@ -548,20 +561,23 @@ class EigenAdamSolver(EigenMomentsSolver):
         """``m ← β₁ m + (1−β₁) R``, ``v ← β₂ v + (1−β₂) R∘R``, ``t ← t + 1``."""
         beta1 = self.options.beta1
         new = super().update_moments(moments, rotated)
-        new["m"] = moments["m"] * beta1 + rotated * (1.0 - beta1)
+        new["m"] = (moments["m"] * beta1).add_(rotated, alpha=1.0 - beta1)
         return new
 
     def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
-        """``m̂ ⊘ (√v̂ + ε)`` (Nesterov: the look-ahead ``m̂``)."""
+        """``m̂ ⊘ (√v̂ + ε)`` (Nesterov: the look-ahead ``m̂``), computed as ``(√c₂ / c₁) · m ⊘
+        (√v + ε√c₂)`` with ``c = 1 − βᵗ``: the same value in three passes over the moments
+        instead of five."""
         del damping
         beta1, t = self.options.beta1, moments["t"]
         m = moments["m"]
         if self.options.nesterov:
-            m = m * beta1 + rotated * (1.0 - beta1)
+            m = (m * beta1).add_(rotated, alpha=1.0 - beta1)
             t = t + 1.0
-        m_hat = m / self.correction(beta1, t, m)
-        v_hat = moments["v"] / self.correction(self.options.beta2, moments["t"], m)
-        return m_hat / (v_hat.sqrt() + self.options.eps)
+        c1 = self.correction(beta1, t, m)
+        root_c2 = self.correction(self.options.beta2, moments["t"], m).sqrt()
+        denominator = moments["v"].sqrt().add_(root_c2 * self.options.eps)
+        return torch.div(m, denominator).mul_(root_c2 / c1)
 
 
 class EKFACSolver(EigenMomentsSolver):
