@@ -247,6 +247,16 @@ def test_power_rank_needs_the_power_refresh_of_a_moment_method() -> None:
     assert config.power_rank == 4
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("rotation_dtype", torch.bfloat16), ("basis_max_dim", 64)]
+)
+def test_a_moment_option_with_another_method_is_an_error(field: str, value: object) -> None:
+    """Options only the moment solvers read are refused, not silently unused."""
+    with pytest.raises(ValueError, match=f"{field} needs method"):
+        KFACConfig(method="eigen", **{field: value})  # type: ignore[arg-type]
+    assert getattr(KFACConfig(method="ekfac", **{field: value}), field) == value  # type: ignore[arg-type]
+
+
 def test_config_accepts_the_new_methods() -> None:
     assert KFACConfig(method="ekfac").method == "ekfac"
     with pytest.raises(ValueError, match="eigen_adam"):

@@ -243,6 +243,8 @@ class SolverConfig:
             ("flattened_inputs", maps),
             ("orthogonal_layers", patterns),
             ("gradient_rotation_dtype", self.gradient_rotation_dtype),
+            ("rotation_dtype", self.rotation_dtype),
+            ("basis_max_dim", self.basis_max_dim),
             ("power_rank", self.power_rank),
         ):
             if value and self.method in METHODS and self.method not in MOMENT_METHODS:
