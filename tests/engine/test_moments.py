@@ -152,6 +152,7 @@ def test_checkpoint_round_trip_continues_bit_identically(
         "basis_max_dim": max_dim,
         "flattened_inputs": maps,
         "power_rank": power_rank,
+        "moment_carry": "keep_v" if power_rank is None else "rotate",
     }
     model, opt = _trained(3, **options)
     saved = copy.deepcopy(opt.state_dict())  # the live tensors change as training goes on
@@ -240,10 +241,12 @@ def test_config_validates_the_moment_fields(field: str, value: object, error: ty
 
 def test_power_rank_needs_the_power_refresh_of_a_moment_method() -> None:
     with pytest.raises(ValueError, match=r"power_rank .* needs basis_refresh 'power'"):
-        KFACConfig(method="eigen_adam", power_rank=4)
+        KFACConfig(method="eigen_adam", moment_carry="reset", power_rank=4)
+    with pytest.raises(ValueError, match="use moment_carry 'reset' or 'rotate'"):
+        KFACConfig(method="eigen_adam", basis_refresh="power", power_rank=4)
     with pytest.raises(ValueError, match="power_rank needs method"):
-        KFACConfig(method="eigen", basis_refresh="power", power_rank=4)
-    config = KFACConfig(method="ekfac", basis_refresh="power", power_rank=4)
+        KFACConfig(method="eigen", basis_refresh="power", moment_carry="reset", power_rank=4)
+    config = KFACConfig(method="ekfac", basis_refresh="power", moment_carry="reset", power_rank=4)
     assert config.power_rank == 4
 
 

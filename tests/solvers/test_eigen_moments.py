@@ -243,7 +243,8 @@ def test_a_partial_power_refresh_converges_to_the_leading_eigenvectors() -> None
 
 def test_power_rank_refreshes_the_leading_columns_of_a_wider_factor() -> None:
     """``power_rank=3``: the 5-wide input factor follows 3 columns, the 3-wide G all."""
-    solver = EigenAdamSolver(DT, MomentOptions(basis_refresh="power", power_rank=3))
+    options = MomentOptions(basis_refresh="power", carry="reset", power_rank=3)
+    solver = EigenAdamSolver(DT, options)
     first = solver.compute_statistics({"A": A, "G": G}, 0.1)
     moved_a = _factor(_orthogonal(A_DIM, 9), [5.0, 3.0, 1.0, 0.5, 0.1])
     moved_g = _factor(_orthogonal(G_DIM, 10), [2.0, 1.0, 0.5])
@@ -368,10 +369,58 @@ def test_a_layer_with_no_basis_is_not_rounded() -> None:
         assert torch.equal(g, w)
 
 
-def test_power_rank_needs_the_power_refresh() -> None:
+def _structured_case() -> tuple[EigenAdamSolver, Tensor, list[Tensor]]:
+    """A solver whose 13-wide input factor (a 4 × 3 map and the bias) is structured."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(40, 12, generator=gen, dtype=DT).relu() + 0.1
+    x = torch.cat([x, torch.ones(40, 1, dtype=DT)], dim=1)
+    grads = [torch.randn(G_DIM, 13, generator=gen, dtype=DT) for _ in range(3)]
+    options = MomentOptions(
+        carry="reset", gradient_rotation_dtype=torch.bfloat16, rotation_dtype=torch.bfloat16
+    )
+    return EigenAdamSolver(DT, options, input_map=(4, 3)), x.T @ x / 40, grads
+
+
+@pytest.mark.parametrize("case", ["dense", "one-sided", "structured", "out-only"])
+def test_one_cast_of_the_bases_for_both_rotations_changes_no_bit(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the same dtype both ways the bases are cast once (``lowered_bases``): the
+    updates and moments equal those of a cast in each rotation, bit for bit; with only the
+    rotation out lowered, the rotation in keeps the exact bases."""
+    if case == "structured":
+        solver, a, grads = _structured_case()
+    else:
+        options = MomentOptions(
+            carry="reset",
+            gradient_rotation_dtype=None if case == "out-only" else torch.bfloat16,
+            rotation_dtype=torch.bfloat16,
+            max_dim=4 if case == "one-sided" else None,
+        )
+        solver, a, grads = EigenAdamSolver(DT, options), A, _grads(3)
+    state = solver.compute(a, G, 0.1)
+
+    def run() -> list[Tensor]:
+        out, moments = [], None
+        for grad in grads:
+            update, moments = solver.apply_with_moments(state, moments, grad, 0.1)
+            out += [update, *moments.values()]
+        return out
+
+    once = run()
+    monkeypatch.setattr(eigen_moments, "lowered_bases", lambda state, dtype: state)
+    for got, want in zip(once, run(), strict=True):
+        assert torch.equal(got, want), case
+
+
+def test_power_rank_needs_the_power_refresh_and_a_carry_of_v() -> None:
     with pytest.raises(ValueError, match=r"power_rank .* needs basis_refresh 'power'"):
-        MomentOptions(power_rank=3)
-    assert MomentOptions(basis_refresh="power", power_rank=3).power_rank == 3
+        MomentOptions(carry="reset", power_rank=3)
+    with pytest.raises(ValueError, match="use carry 'reset' or 'rotate'"):
+        MomentOptions(basis_refresh="power", power_rank=3)  # the default carry keep_v
+    for carry in ("reset", "rotate"):
+        options = MomentOptions(basis_refresh="power", carry=carry, power_rank=3)  # type: ignore[arg-type]
+        assert options.power_rank == 3
 
 
 def test_gradient_rotation_dtype_needs_the_reset_carry() -> None:

@@ -166,7 +166,9 @@ class SolverConfig:
             orthonormal basis of the rest (unrelated to the previous one), instead of
             following every column: about a third of the refresh of a 1000-wide factor at
             256, for the same steps on the digits autoencoder (BENCHMARKS.md section 17).
-            ``None`` (default): every column follows.
+            Needs ``moment_carry`` ``"reset"`` or ``"rotate"`` (the rest of the basis
+            changes at every refresh, so a kept second moment would scale other
+            directions). ``None`` (default): every column follows.
     """
 
     method: Method = "eigen"
@@ -238,6 +240,12 @@ class SolverConfig:
             raise ValueError(
                 "power_rank sets the columns a 'power' refresh follows; it needs "
                 f"basis_refresh 'power', got {self.basis_refresh!r}"
+            )
+        if self.power_rank is not None and self.moment_carry == "keep_v":
+            raise ValueError(
+                "power_rank rebuilds the rest of the basis at each refresh, where a kept "
+                "second moment would scale other directions; use moment_carry 'reset' or "
+                "'rotate'"
             )
         for name, value in (
             ("flattened_inputs", maps),

@@ -35,9 +35,9 @@ at least ``RANGE_MIN_DIM`` wide first tries :func:`range_eigh` (exact when its r
 most a quarter of its width, as a factor from a subsample of a wide layer's batch is).
 ``power_rank = k`` makes the power step follow only the leading ``k`` eigenvectors of a
 wider factor and complete them with an orthonormal basis of the rest (unrelated to the
-previous one; their moments then mean other directions, which ``"reset"`` starts afresh
-anyway): about a third of the refresh of a 1000-wide factor at ``k = 256``, for the same
-steps on the digits autoencoder (BENCHMARKS.md section 17).
+previous one, so it needs the ``"reset"`` or ``"rotate"`` carry: a kept ``v`` would
+scale other directions): about a third of the refresh of a 1000-wide factor at
+``k = 256``, for the same steps on the digits autoencoder (BENCHMARKS.md section 17).
 
 **Carrying the moments across a refresh** (``Q → Q'``; on every rank that preconditions the
 layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
@@ -162,7 +162,9 @@ class MomentOptions:
             Needs ``carry="reset"``.
         power_rank: A ``"power"`` refresh follows only the leading ``power_rank``
             eigenvectors of a wider factor; the rest of its basis becomes an orthonormal
-            completion (:func:`power_refresh`); ``None``: every column follows.
+            completion (:func:`power_refresh`); ``None``: every column follows. Needs
+            ``carry`` ``"reset"`` or ``"rotate"`` (a kept ``v`` would belong to other
+            directions).
     """
 
     beta1: float = 0.9
@@ -229,6 +231,11 @@ class MomentOptions:
             raise ValueError(
                 "power_rank sets the columns a 'power' refresh follows; it needs "
                 f"basis_refresh 'power', got {self.basis_refresh!r}"
+            )
+        if self.power_rank is not None and self.carry == "keep_v":
+            raise ValueError(
+                "power_rank rebuilds the rest of the basis at each refresh, where a kept "
+                "second moment would scale other directions; use carry 'reset' or 'rotate'"
             )
         rms = self.orthogonal_rms
         if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
@@ -450,7 +457,9 @@ class EigenMomentsSolver(Solver):
         """The moments after the rotated gradient ``rotated`` (new tensors; the old kept)."""
         beta2 = self.options.beta2
         return {
-            "v": (moments["v"] * beta2).addcmul_(rotated, rotated, value=1.0 - beta2),
+            "v": (moments["v"].to(rotated.dtype) * beta2).addcmul_(
+                rotated, rotated, value=1.0 - beta2
+            ),
             "t": moments["t"] + 1.0,
         }
 
@@ -561,13 +570,13 @@ class EigenAdamSolver(EigenMomentsSolver):
         """``m ← β₁ m + (1−β₁) R``, ``v ← β₂ v + (1−β₂) R∘R``, ``t ← t + 1``."""
         beta1 = self.options.beta1
         new = super().update_moments(moments, rotated)
-        new["m"] = (moments["m"] * beta1).add_(rotated, alpha=1.0 - beta1)
+        new["m"] = (moments["m"].to(rotated.dtype) * beta1).add_(rotated, alpha=1.0 - beta1)
         return new
 
     def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
         """``m̂ ⊘ (√v̂ + ε)`` (Nesterov: the look-ahead ``m̂``), computed as ``(√c₂ / c₁) · m ⊘
-        (√v + ε√c₂)`` with ``c = 1 − βᵗ``: the same value in three passes over the moments
-        instead of five."""
+        (√v + ε√c₂)`` with ``c = 1 − βᵗ``: the same value in four elementwise passes instead
+        of five, two of them in place."""
         del damping
         beta1, t = self.options.beta1, moments["t"]
         m = moments["m"]
