@@ -413,6 +413,20 @@ def test_one_cast_of_the_bases_for_both_rotations_changes_no_bit(
         assert torch.equal(got, want), case
 
 
+def test_moments_of_a_narrower_dtype_take_the_gradient_s() -> None:
+    """Moments saved in float32 and resumed under a float64 model are updated in float64."""
+    solver = EigenAdamSolver(DT, MomentOptions(beta1=0.8))
+    state = solver.compute(A, G, 0.1)
+    grad = _grads(1)[0]
+    _, exact = solver.apply_with_moments(state, None, grad, 0.1)
+    narrow = {key: value.float() if key != "t" else value for key, value in exact.items()}
+    _, got = solver.apply_with_moments(state, narrow, grad, 0.1)
+    _, want = solver.apply_with_moments(state, exact, grad, 0.1)
+    for key in ("m", "v"):
+        assert got[key].dtype == DT, key
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
+
+
 def test_power_rank_needs_the_power_refresh_and_a_carry_of_v() -> None:
     with pytest.raises(ValueError, match=r"power_rank .* needs basis_refresh 'power'"):
         MomentOptions(carry="reset", power_rank=3)
