@@ -38,6 +38,7 @@ from dkfac.solvers import (
     EigenMomentsSolver,
     MethodName,
     MomentCarry,
+    check_moment_combinations,
     method_names,
 )
 
@@ -230,23 +231,14 @@ class SolverConfig:
             )
         lowered = (torch.bfloat16, torch.float32, torch.float64)
         check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered)
-        if self.gradient_rotation_dtype is not None and self.moment_carry != "reset":
-            raise ValueError(
-                "gradient_rotation_dtype needs moment_carry 'reset' (a carried second moment "
-                f"meets gradients rotated with another rounding), got {self.moment_carry!r}"
-            )
         check_int("power_rank", self.power_rank, optional=True)
-        if self.power_rank is not None and self.basis_refresh != "power":
-            raise ValueError(
-                "power_rank sets the columns a 'power' refresh follows; it needs "
-                f"basis_refresh 'power', got {self.basis_refresh!r}"
-            )
-        if self.power_rank is not None and self.moment_carry == "keep_v":
-            raise ValueError(
-                "power_rank rebuilds the rest of the basis at each refresh, where a kept "
-                "second moment would scale other directions; use moment_carry 'reset' or "
-                "'rotate'"
-            )
+        check_moment_combinations(
+            basis_refresh=self.basis_refresh,
+            carry=self.moment_carry,
+            gradient_rotation_dtype=self.gradient_rotation_dtype,
+            power_rank=self.power_rank,
+            carry_name="moment_carry",
+        )
         for name, value in (
             ("flattened_inputs", maps),
             ("orthogonal_layers", patterns),

@@ -26,6 +26,7 @@ from dkfac.solvers.eigen_moments import (
     EKFACSolver,
     MomentCarry,
     MomentOptions,
+    check_moment_combinations,
 )
 from dkfac.solvers.lowrank.deferred import (
     DEFERRED_METHODS,
@@ -150,6 +151,7 @@ __all__ = [
     "SolverState",
     "StatisticKind",
     "UnitwiseSolver",
+    "check_moment_combinations",
     "decided_solver",
     "make_solver",
     "method_names",

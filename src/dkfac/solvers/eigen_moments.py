@@ -124,6 +124,7 @@ __all__ = [
     "MomentCarry",
     "MomentOptions",
     "change_basis",
+    "check_moment_combinations",
     "lowered_bases",
     "power_refresh",
     "range_eigh",
@@ -193,11 +194,6 @@ class MomentOptions:
                 "gradient_rotation_dtype float16 would flush gradients below 6e-8 to zero; "
                 "use torch.bfloat16, torch.float32 or torch.float64"
             )
-        if self.gradient_rotation_dtype is not None and self.carry != "reset":
-            raise ValueError(
-                "gradient_rotation_dtype needs carry 'reset' (a carried second moment meets "
-                f"gradients rotated with another rounding), got carry {self.carry!r}"
-            )
         for name, value, optional in (
             ("orthogonal_steps", self.orthogonal_steps, False),
             ("max_dim", self.max_dim, True),
@@ -227,21 +223,50 @@ class MomentOptions:
             )
         if self.carry not in MOMENT_CARRIES:
             raise ValueError(f"carry must be one of {MOMENT_CARRIES}, got {self.carry!r}")
-        if self.power_rank is not None and self.basis_refresh != "power":
-            raise ValueError(
-                "power_rank sets the columns a 'power' refresh follows; it needs "
-                f"basis_refresh 'power', got {self.basis_refresh!r}"
-            )
-        if self.power_rank is not None and self.carry == "keep_v":
-            raise ValueError(
-                "power_rank rebuilds the rest of the basis at each refresh, where a kept "
-                "second moment would scale other directions; use carry 'reset' or 'rotate'"
-            )
+        check_moment_combinations(
+            basis_refresh=self.basis_refresh,
+            carry=self.carry,
+            gradient_rotation_dtype=self.gradient_rotation_dtype,
+            power_rank=self.power_rank,
+        )
         rms = self.orthogonal_rms
         if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
             raise TypeError(f"orthogonal_rms must be a number or None, got {type(rms).__name__}")
         if rms is not None and not 0.0 < rms < float("inf"):
             raise ValueError(f"orthogonal_rms must be a finite number > 0 or None, got {rms!r}")
+
+
+def check_moment_combinations(
+    *,
+    basis_refresh: str,
+    carry: str,
+    gradient_rotation_dtype: torch.dtype | None,
+    power_rank: int | None,
+    carry_name: str = "carry",
+) -> None:
+    """Raises ValueError for the option pairs the solvers cannot honour (shared by
+    :class:`MomentOptions` and the engine's config, which names the carry ``carry_name``).
+
+    A lowered gradient rotation needs the ``"reset"`` carry (a carried second moment would
+    meet gradients rotated with another rounding); ``power_rank`` needs the ``"power"``
+    refresh, and not the ``"keep_v"`` carry (the completion changes at every refresh, so a
+    kept second moment would scale other directions).
+    """
+    if gradient_rotation_dtype is not None and carry != "reset":
+        raise ValueError(
+            f"gradient_rotation_dtype needs {carry_name} 'reset' (a carried second moment "
+            f"meets gradients rotated with another rounding), got {carry_name} {carry!r}"
+        )
+    if power_rank is not None and basis_refresh != "power":
+        raise ValueError(
+            "power_rank sets the columns a 'power' refresh follows; it needs "
+            f"basis_refresh 'power', got {basis_refresh!r}"
+        )
+    if power_rank is not None and carry == "keep_v":
+        raise ValueError(
+            "power_rank rebuilds the rest of the basis at each refresh, where a kept second "
+            f"moment would scale other directions; use {carry_name} 'reset' or 'rotate'"
+        )
 
 
 def descending_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
