@@ -339,23 +339,22 @@ def power_refresh(
     23-27 against 67-82 ms here.
     """
     sym = matrix.to(dtype)
-    prev = previous.to(dtype)
     size = sym.shape[0]
-    if rank is None or rank >= size:
-        product = sym @ prev
-        estimates = (prev * product).sum(dim=0).clamp(min=0.0)
-        q, r = torch.linalg.qr(product)
-        return estimates, q.mul_(torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(dtype))
-    lead = prev[:, :rank]
+    kept = size if rank is None else min(rank, size)
+    lead = previous.to(dtype)[:, :kept]
     product = sym @ lead
     top = (lead * product).sum(dim=0).clamp(min=0.0)
-    reflectors, tau = torch.geqrf(product)
-    padded = reflectors.new_zeros(size, size)
-    padded[:, :rank] = reflectors
-    q = torch.linalg.householder_product(padded, tau)  # n × n: the span and its completion
-    q[:, :rank].mul_(torch.where(torch.diagonal(reflectors) < 0, -1.0, 1.0).to(dtype))
-    rest = (torch.trace(sym) - top.sum()).clamp(min=0.0) / (size - rank)
-    return torch.cat([top, rest.expand(size - rank)]), q
+    reflectors, tau = torch.geqrf(product)  # what torch.linalg.qr runs, R on the diagonal
+    if kept < size:  # the k reflectors, applied to all n columns: the span and its completion
+        padded = reflectors.new_zeros(size, size)
+        padded[:, :kept] = reflectors
+        reflectors = padded
+    q = torch.linalg.householder_product(reflectors, tau)
+    q[:, :kept].mul_(torch.where(torch.diagonal(reflectors)[:kept] < 0, -1.0, 1.0).to(dtype))
+    if kept == size:
+        return top, q
+    rest = (torch.trace(sym) - top.sum()).clamp(min=0.0) / (size - kept)
+    return torch.cat([top, rest.expand(size - kept)]), q
 
 
 class EigenMomentsSolver(Solver):
