@@ -307,3 +307,25 @@ def test_bench_step_answers_a_bad_option_value_in_one_line(
         step.main(["--options", options])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_phase_seconds_sums_every_event_of_a_label() -> None:
+    """With the CUDA activity a label comes twice (the host's range, and the GPU's annotation
+    with no host time): both count, in whichever order, and other keys are left out."""
+    from types import SimpleNamespace
+
+    from dkfac.bench import step
+
+    def event(key: str, micros: float) -> SimpleNamespace:
+        return SimpleNamespace(key=key, cpu_time_total=micros)
+
+    for events in (
+        [event("dkfac.precondition", 3000.0), event("dkfac.precondition", 0.0)],
+        [event("dkfac.precondition", 0.0), event("dkfac.precondition", 3000.0)],
+    ):
+        others = [event("dkfac.kl_clip", 500.0), event("dkfac.capture_a", 250.0)]
+        phases = step.phase_seconds([*events, *others, event("aten::mm", 9000.0)])
+        assert phases["precondition"] == pytest.approx(0.0035)
+        assert phases["capture A"] == pytest.approx(0.00025)
+        assert phases["inverse"] == 0.0
+        assert set(phases) == set(step.PHASE_LABELS)

@@ -33,7 +33,7 @@ import argparse
 import copy
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -116,12 +116,21 @@ def _phase_breakdown(fn: Callable[[], None], device: torch.device) -> dict[str, 
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         fn()
-    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
-    phases = {
+    return phase_seconds(prof.key_averages())
+
+
+def phase_seconds(events: Iterable[Any]) -> dict[str, float]:
+    """Seconds per phase: the host time (``cpu_time_total``, µs) of the events whose key is
+    one of the phase's labels, summed over every event of that key. With the CUDA activity
+    the profiler lists a label twice, as the host's range and as the GPU's annotation (no
+    host time); keeping one of them per key (the last) read 0 for every phase on a GPU."""
+    totals: dict[str, float] = {}
+    for event in events:
+        totals[event.key] = totals.get(event.key, 0.0) + event.cpu_time_total / 1e6
+    return {
         name: sum(totals.get(label, 0.0) for label in labels)
         for name, labels in PHASE_LABELS.items()
     }
-    return phases
 
 
 def breakdown(sgd: float, t: dict[str, float], f_int: int, i_int: int) -> dict[str, float]:
