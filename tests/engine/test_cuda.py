@@ -1,0 +1,205 @@
+"""CUDA equals CPU: every method, the moment options and a checkpoint, on a GPU.
+
+Skipped where torch sees no CUDA device (CI has none); run on a lent GPU with
+``python3 -m pytest tests/engine/test_cuda.py``. In float64 the two devices run the same
+formulas with different kernels (cuBLAS/cuSOLVER against MKL/LAPACK), so the weights after
+a few steps agree to rounding; bases are compared through what they determine (an
+eigenvector's sign is free, the sign-fixed QR of the power refresh is not). The batch (128)
+is wider than every factor (at most 65), so each factor is of full rank with distinct
+eigenvalues: its eigenbasis is unique up to signs, which Adam's elementwise moments do not
+see. (With fewer samples than a factor is wide, the basis of its null space is arbitrary, each
+library picks its own, and a step later the moments in that subspace differ.) Adam's
+``m / (√v + ε)`` magnifies rounding in a coordinate whose gradient is near ``ε``: a rotation
+of the bases by 1e-14 moved the weights after five steps by up to 3e-6 (relative) at ``ε =
+1e-8``, 5e-11 at ``ε = 1e-3`` (1e-8 with the orthogonalised update, whose Newton-Schulz steps
+magnify small singular values), so the moment cases run at ``ε = 1e-3`` and the weights are
+compared to 1e-7: a wrong basis, sign or carry moves them by far more.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.solvers.eigen_moments import power_refresh, range_eigh
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+STEPS = 5
+BASE: dict[str, Any] = {
+    "factor_decay": 0.9,
+    "damping": 0.01,
+    "inverse_update_interval": 2,
+    "eigen_dtype": torch.float64,
+}
+MOMENTS: dict[str, Any] = {**BASE, "method": "eigen_adam", "kl_clip": None, "moment_eps": 1e-3}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(4 * 16, 40),
+        nn.Tanh(),
+        nn.Linear(40, 24),
+        nn.Tanh(),
+        nn.Linear(24, 3),
+    ).double()
+
+
+def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(128, 2, 4, 4, generator=gen, dtype=torch.float64)
+    y = x.flatten(1)[:, :3].argmax(dim=1)  # learnable, so the loss can be followed
+    return x.to(device), y.to(device)
+
+
+def _train(
+    device: torch.device,
+    options: dict[str, Any],
+    steps: int = STEPS,
+    start: tuple[nn.Module, KFACOptimizer] | None = None,
+    first: int = 0,
+) -> tuple[nn.Module, KFACOptimizer]:
+    if start is None:
+        model = _model().to(device)
+        pre = KFACPreconditioner(model, **options)
+        opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), pre)
+    else:
+        model, opt = start
+    for step in range(first, first + steps):
+        x, y = _batch(step, device)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def _assert_same_weights(cpu: nn.Module, gpu: nn.Module, tol: float = 1e-7) -> None:
+    for (name, a), b in zip(cpu.named_parameters(), gpu.parameters(), strict=True):
+        torch.testing.assert_close(
+            b.detach().cpu(), a.detach(), rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {**BASE, "method": "eigen"},
+        {**BASE, "method": "cholesky"},
+        {**BASE, "method": "smw"},
+        {**MOMENTS, "method": "ekfac"},
+        MOMENTS,
+        {**MOMENTS, "moment_nesterov": True, "basis_refresh": "power", "moment_carry": "rotate"},
+        {
+            **MOMENTS,
+            "basis_refresh": "power",
+            "power_rank": 8,
+            "moment_carry": "reset",
+            "orthogonal_layers": ("^3$", "^5$"),
+            "orthogonal_steps": 3,
+        },
+    ],
+    ids=["eigen", "cholesky", "smw", "ekfac", "eigen_adam", "power-rotate", "power-rank-ortho"],
+)
+def test_a_cuda_run_equals_the_cpu_run(options: dict[str, Any]) -> None:
+    """Five steps (factors every step, the basis or inverse every two) in float64."""
+    cpu, _ = _train(torch.device("cpu"), options)
+    gpu, _ = _train(CUDA, options)
+    _assert_same_weights(cpu, gpu)
+
+
+@pytest.mark.parametrize("rank", [None, 24])
+def test_power_refresh_on_cuda_equals_the_cpu_step(rank: int | None) -> None:
+    """The sign-fixed QR is unique, so the basis itself (not only its span) must agree."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(400, 96, generator=gen, dtype=torch.float64)
+    factor = rows.T @ rows / 400
+    previous, _ = torch.linalg.qr(torch.randn(96, 96, generator=gen, dtype=torch.float64))
+    values, basis = power_refresh(factor, previous, torch.float64, rank)
+    gpu_values, gpu_basis = power_refresh(factor.to(CUDA), previous.to(CUDA), torch.float64, rank)
+    kept = 96 if rank is None else rank
+    torch.testing.assert_close(gpu_values.cpu(), values, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gpu_basis[:, :kept].cpu(), basis[:, :kept], rtol=0, atol=1e-10)
+    # The completion is any orthonormal basis of the same complement.
+    identity = torch.eye(96, dtype=torch.float64)
+    torch.testing.assert_close((gpu_basis.T @ gpu_basis).cpu(), identity, rtol=0, atol=1e-12)
+
+
+def test_range_eigh_on_cuda_gives_the_cpu_eigenpairs() -> None:
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randn(20, 120, generator=gen, dtype=torch.float64)
+    factor = rows.T @ rows
+    cpu = range_eigh(factor, torch.float64, 30)
+    gpu = range_eigh(factor.to(CUDA), torch.float64, 30)
+    assert cpu is not None and gpu is not None
+    torch.testing.assert_close(gpu[0].cpu(), cpu[0], rtol=1e-10, atol=1e-10)
+    rebuilt = (gpu[1] * gpu[0]) @ gpu[1].T
+    torch.testing.assert_close(rebuilt.cpu(), factor, rtol=1e-10, atol=1e-9)
+
+
+def test_a_cuda_checkpoint_resumes_on_the_cpu() -> None:
+    """Three steps on the GPU, the state to the CPU, two more there = five on the GPU."""
+    options = {**MOMENTS, "basis_refresh": "power", "moment_carry": "rotate"}
+    gpu_model, gpu_opt = _train(CUDA, options, steps=3)
+    saved = copy.deepcopy({"model": gpu_model.state_dict(), "opt": gpu_opt.state_dict()})
+    _train(CUDA, options, steps=2, start=(gpu_model, gpu_opt), first=3)
+
+    cpu_saved = torch.utils._pytree.tree_map(
+        lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, saved
+    )
+    model = _model()
+    model.load_state_dict(cpu_saved["model"])
+    opt = KFACOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), KFACPreconditioner(model, **options)
+    )
+    opt.load_state_dict(cpu_saved["opt"])
+    _train(torch.device("cpu"), options, steps=2, start=(model, opt), first=3)
+    _assert_same_weights(model, gpu_model)
+
+
+def test_the_autoencoder_recipe_under_bf16_autocast_follows_the_cpu_loss() -> None:
+    """The recipe's lowered precisions (bf16 rotations, capture under bf16 autocast) in
+    float32: not bitwise across devices, but the loss of every step within 0.03 of the CPU's
+    (on the CPU the same run and its float32 twin differ by at most 0.01) and falling."""
+    options = {
+        "method": "eigen_adam",
+        "kl_clip": None,
+        "moment_nesterov": True,
+        "moment_carry": "reset",
+        "basis_refresh": "power",
+        "power_rank": 16,
+        "inverse_update_interval": 2,
+        "rotation_dtype": torch.bfloat16,
+        "gradient_rotation_dtype": torch.bfloat16,
+        "orthogonal_layers": ("^3$", "^5$"),
+        "orthogonal_steps": 3,
+    }
+    losses = []
+    for device in (torch.device("cpu"), CUDA):
+        model = _model().float().to(device)
+        pre = KFACPreconditioner(model, **options)
+        opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), pre)
+        run = []
+        for step in range(10):
+            x, y = _batch(step, device)
+            opt.zero_grad()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x.float()), y)
+            loss.backward()
+            opt.step()
+            run.append(loss.item())
+        assert opt.skipped_steps == 0
+        losses.append(torch.tensor(run))
+    cpu, gpu = losses
+    assert (gpu - cpu).abs().max() < 0.03, (cpu, gpu)
+    assert gpu[-1] < gpu[0] - 0.15, gpu
