@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
-# Issue 7's GPU runs, in one command for a lent accelerator (none was lent so far).
+# The GPU runs (issue 7's step costs, and eigen_adam's), in one command for a lent accelerator.
 # Uses the machine's own python3 with PyTorch (nothing is installed); results go to $1
 # (default benchmarks/results). On the device tool: `bash benchmarks/gpu_runs.sh $OUT`.
-# About 6 minutes on an H100/H200; each run is interleaved SGD vs K-FAC, median of 5.
-set -euo pipefail
+# Each run is interleaved SGD / AdamW / K-FAC steps on one model and batch, the median of the
+# repeats. The runs go smallest first under one deadline ($GPU_RUNS_SECONDS, default 540 s),
+# so a short lease still brings back the small models; a run the deadline cuts writes nothing
+# and the script says so.
+set -uo pipefail
 out="${1:-benchmarks/results}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-py() { python3 -m dkfac bench step --device cuda --repeats 5 --out-dir "$out" "$@"; }
+end=$((SECONDS + ${GPU_RUNS_SECONDS:-540}))
+py() {
+  local left=$((end - SECONDS))
+  if ((left < 30)); then echo "not run (deadline): $*"; return; fi
+  echo "== $* (at most ${left} s)"
+  local start=$SECONDS
+  timeout "$left" python3 -m dkfac bench step --device cuda --out-dir "$out" "$@" \
+    || echo "FAILED or cut by the deadline (rc $?): $*"
+  echo "   $((SECONDS - start)) s"
+}
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
-py --model resnet50 --image-size 224 --batch-size 128 --autocast bf16 \
-   --with-reduction --factor-batch-size 32 --capture-dtype bfloat16 --name step_resnet50_cuda_bf16
 for model in resnet20 resnet32 resnet56; do
-  py --model "$model" --batch-size 128 --with-reduction --factor-batch-size 32 \
+  py --model "$model" --batch-size 128 --repeats 5 --with-reduction --factor-batch-size 32 \
      --name "step_${model}_cuda"
 done
+py --model resnet20 --batch-size 128 --repeats 5 --method eigen_adam \
+   --options basis_refresh=power,rotation_dtype=bfloat16 --name step_resnet20_cuda_eigen_adam
+py --model gpt --layers 4 --width 128 --heads 4 --seq-len 128 --batch-size 32 --repeats 5 \
+   --method eigen_adam --options basis_refresh=power,rotation_dtype=bfloat16 \
+   --name step_gpt_cuda_eigen_adam
+# One configuration (factors from 32 samples, products in bf16): with four (and the exact
+# factors) the run did not end within 73 s on an H200.
+py --model resnet50 --image-size 224 --batch-size 128 --repeats 3 --autocast bf16 \
+   --options factor_batch_size=32,capture_dtype=bfloat16 --name step_resnet50_cuda_bf16
