@@ -111,3 +111,22 @@ def test_a_zero_update_stays_zero() -> None:
 def test_bad_arguments_are_refused(matrix: Tensor, steps: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         newton_schulz(matrix, steps)
+
+
+def test_bf16_iteration_rounds_each_step_s_sums_once() -> None:
+    """``addmm`` adds ``b XXᵀ`` and ``a X`` inside the products' float32 accumulators, so a
+    bf16 step rounds once per product; rounded after every elementwise pass (the form
+    ``a X + (b G + c G²) X`` written pass by pass) the error against float64 is larger."""
+    u = _matrix(64, 200, seed=5).float()
+    want = newton_schulz(u.double(), dtype=torch.float64)
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = u.to(torch.bfloat16)
+    x = x / (torch.linalg.matrix_norm(u).to(torch.bfloat16) + 1e-7)
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+
+    def error(got: Tensor) -> float:
+        return float(torch.linalg.matrix_norm(got.double() - want) / torch.linalg.matrix_norm(want))
+
+    assert error(newton_schulz(u)) < 0.75 * error(x), (error(newton_schulz(u)), error(x))
