@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dkfac.bench import autoencoder, tta
 from dkfac.bench.peers import KINDS, OptimizerSpec, unavailable_reason
@@ -236,3 +238,65 @@ def test_peer_benchmarks_check_their_flags_in_one_line(
         main(flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _digits_sample() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.rand(256, 1, 8, 8, generator=gen)
+
+
+def test_exact_hit_is_the_first_step_an_every_step_evaluation_sees() -> None:
+    """Oracle: the same run evaluated after every step. Its first loss at or below the
+    target is the exact step, and with every step evaluated the exact seconds are that
+    evaluation's; with evaluations every 4 steps the step is the same, found by the twin."""
+    x = _digits_sample()
+    spec = OptimizerSpec("sgd", "sgd", [0.5])
+    options = {"batch_size": 64, "seconds": 600.0, "momentum": 0.9, "max_steps": 30}
+    every = autoencoder.train_for(spec, 0.5, 0, x, eval_every=1, **options)
+    losses = [loss for _, _, loss in every["trace"]]
+    # the first step from 5 on that beats every earlier loss; the target just above it
+    k = next(k for k in range(5, len(losses)) if losses[k] < min(losses[:k]))
+    target = (losses[k] + min(losses[:k])) / 2
+    options["max_steps"] = k + 6
+    dense = autoencoder.train_for(spec, 0.5, 0, x, eval_every=1, **options, exact_target=target)
+    sparse = autoencoder.train_for(spec, 0.5, 0, x, eval_every=4, **options, exact_target=target)
+    assert dense["exact_hit"]["step"] == sparse["exact_hit"]["step"] == k
+    assert dense["exact_hit"]["seconds"] == dense["trace"][k][1]
+    assert sparse["exact_hit"]["consistent"] and dense["exact_hit"]["consistent"]
+    seen = next((s, t) for s, t, loss in sparse["trace"] if loss <= target)
+    assert seen[0] >= k  # the timed run's own evaluations see it at a multiple of 4
+    assert 0.0 < sparse["exact_hit"]["seconds"] <= seen[1]
+
+
+def test_exact_hit_flags_a_twin_that_trains_another_way() -> None:
+    x = _digits_sample()
+    spec = OptimizerSpec("sgd", "sgd", [0.5])
+    timed = autoencoder.train_for(
+        spec, 0.5, 0, x, batch_size=64, seconds=600.0, eval_every=1, momentum=0.9, max_steps=5
+    )
+    clock = [t for _, t, _ in timed["trace"][1:]]
+    other = autoencoder._training(spec, 0.5, 1, x, batch_size=64, momentum=0.9)  # seed 1
+    same = autoencoder._training(spec, 0.5, 0, x, batch_size=64, momentum=0.9)
+    assert not autoencoder.exact_hit(other, x, 1e-9, timed["trace"], clock)["consistent"]
+    result = autoencoder.exact_hit(same, x, 1e-9, timed["trace"], clock)
+    assert result == {"step": None, "seconds": None, "consistent": True}  # never reached
+
+
+def test_autoencoder_exact_target_flag_reports_exact_figures(tmp_path: Path) -> None:
+    argv = ["--optimizers", "sgd", "adamw", "--sgd-lrs", "0.5", "--adamw-lrs", "0.001"]
+    argv += ["--seeds", "1", "--no-sweep", "--seconds", "0.3", "--eval-every", "5"]
+    argv += ["--target-loss", "0.06", "--exact-target", "--name", "ex", "--out-dir", str(tmp_path)]
+    assert autoencoder.main(argv) == 0
+    payload = json.loads((tmp_path / "ex.json").read_text())
+    for name in ("sgd", "adamw"):
+        (run,) = payload["runs"][name]
+        entry = payload["summary"][name]
+        exact = run["exact_hit"]
+        assert exact["consistent"] and entry["exact_consistent"]
+        assert entry["median_exact_steps_to_target"] == (
+            math.inf if exact["step"] is None else exact["step"]
+        )
+        if exact["step"] is not None:
+            assert exact["step"] <= entry["median_steps_to_target"]
+    ratios = [e["exact_time_vs_fastest"] for e in payload["summary"].values()]
+    assert all(r is None for r in ratios) or min(r for r in ratios if r is not None) == 1.0

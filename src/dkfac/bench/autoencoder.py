@@ -7,7 +7,10 @@ request), each for the same wall-clock budget. The protocol is ``dkfac.bench.swe
 equal-size lr grids swept for ``--sweep-seconds`` each on ``--sweep-seed`` (least time to
 ``--target-loss``, then the lowest final loss, wins), then ``--seconds`` runs on ``--seeds``
 seeds interleaved. The training loss over the whole training set is measured every
-``--eval-every`` steps outside the clock.
+``--eval-every`` steps outside the clock. With ``--exact-target`` every seeded run also gets
+an untimed twin (the same model, batches and optimizer) evaluated after every step: the
+first step whose loss reaches the target, and the timed run's training seconds up to that
+step, are the exact figures (:func:`exact_hit`), with no evaluation between timed steps.
 
 Default grids (three learning rates each): SGD 0.2 0.5 1.0; Adam and AdamW 0.0003 0.001 0.003;
 Muon 0.02 0.05 0.1 (its AdamW part at 0.001, ``muon:adamw_lr``); SOAP 0.001 0.003 0.01;
@@ -24,6 +27,7 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -77,6 +81,33 @@ def full_loss(model: nn.Module, x: Tensor) -> float:
         return float(F.mse_loss(model(x), x.flatten(1)).item())
 
 
+def _training(
+    spec: OptimizerSpec, lr: float, seed: int, x: Tensor, *, batch_size: int, momentum: float
+) -> tuple[nn.Module, Iterator[float]]:
+    """The model and an endless iterator of training steps, each yielding its seconds (the
+    zeroing, forward, backward and optimizer step). Two calls with the same arguments train
+    the same model on the same batches: a run and its untimed twin."""
+    torch.manual_seed(seed)
+    model = build_model("autoencoder", in_channels=1, image_size=8, num_classes=0)
+    optimizer = build_optimizer(spec, model, lr, momentum)
+    mc_fisher = spec.kind == "kfac" and spec.options.get("fisher") == "mc"
+    gen = torch.Generator().manual_seed(seed)
+
+    def steps() -> Iterator[float]:
+        while True:
+            for xb, _ in batches(x, x, batch_size, shuffle=True, generator=gen, drop_last=True):
+                start = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                output = model(xb)
+                if mc_fisher:  # G from sampled targets: the Gauss-Newton of the squared error
+                    optimizer.preconditioner.sample_fisher(output, "mse")  # type: ignore[attr-defined]
+                F.mse_loss(output, xb.flatten(1)).backward()
+                optimizer.step()
+                yield time.perf_counter() - start
+
+    return model, steps()
+
+
 def train_for(
     spec: OptimizerSpec,
     lr: float,
@@ -87,41 +118,87 @@ def train_for(
     seconds: float,
     eval_every: int,
     momentum: float,
+    exact_target: float | None = None,
+    max_steps: int | None = None,
 ) -> dict[str, Any]:
-    """Trains for ``seconds`` of training time; returns the loss trace.
+    """Trains for ``seconds`` of training time (or ``max_steps`` steps, if fewer); returns
+    the loss trace (evaluated every ``eval_every`` steps and after the last).
+
+    With ``exact_target``, also :func:`exact_hit`: the first step at which the training
+    loss is at most that, found by an untimed twin evaluated after every step, and this
+    run's training time up to that step.
 
     Returns:
-        ``{"lr", "seed", "trace": [[step, seconds, train_loss], ...], "steps", "final_loss"}``.
+        ``{"lr", "seed", "trace": [[step, seconds, train_loss], ...], "steps", "final_loss"}``
+        and, with ``exact_target``, ``"exact_hit"``.
     """
-    torch.manual_seed(seed)
-    model = build_model("autoencoder", in_channels=1, image_size=8, num_classes=0)
-    optimizer = build_optimizer(spec, model, lr, momentum)
-    mc_fisher = spec.kind == "kfac" and spec.options.get("fisher") == "mc"
-    gen = torch.Generator().manual_seed(seed)
+    model, steps = _training(spec, lr, seed, x, batch_size=batch_size, momentum=momentum)
     trace = [(0, 0.0, full_loss(model, x))]
-    elapsed, step = 0.0, 0
-    while elapsed < seconds:
-        for xb, _ in batches(x, x, batch_size, shuffle=True, generator=gen, drop_last=True):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            output = model(xb)
-            if mc_fisher:  # G from sampled targets: the Gauss-Newton of the squared error
-                optimizer.preconditioner.sample_fisher(output, "mse")  # type: ignore[attr-defined]
-            F.mse_loss(output, xb.flatten(1)).backward()
-            optimizer.step()
-            elapsed += time.perf_counter() - start
-            step += 1
-            if step % eval_every == 0 or elapsed >= seconds:
-                trace.append((step, elapsed, full_loss(model, x)))
-            if elapsed >= seconds:
-                break
-    return {
+    elapsed, step, clock = 0.0, 0, []
+    for step_seconds in steps:
+        elapsed += step_seconds
+        step += 1
+        clock.append(elapsed)
+        last = elapsed >= seconds or step == max_steps
+        if step % eval_every == 0 or last:
+            trace.append((step, elapsed, full_loss(model, x)))
+        if last:
+            break
+    run = {
         "lr": lr,
         "seed": seed,
         "trace": [list(t) for t in trace],
         "steps": step,
         "final_loss": trace[-1][2],
     }
+    if exact_target is not None:
+        twin = _training(spec, lr, seed, x, batch_size=batch_size, momentum=momentum)
+        run["exact_hit"] = exact_hit(twin, x, exact_target, trace, clock)
+    return run
+
+
+def exact_hit(
+    twin: tuple[nn.Module, Iterator[float]],
+    x: Tensor,
+    target: float,
+    trace: list[tuple[int, float, float]],
+    clock: list[float],
+) -> dict[str, Any]:
+    """The exact step and time to ``target`` of a timed run, from its untimed twin.
+
+    The timed run evaluates every ``eval_every`` steps, so its first evaluation at or below
+    the target can lie up to ``eval_every − 1`` steps after the step that reached it; an
+    evaluation after every step would instead put the evaluation's cache traffic into
+    every timed step. The twin (the same model, batches and optimizer) is evaluated after
+    each of its steps, untimed, up to the timed run's step count.
+
+    Args:
+        twin: :func:`_training` of the same arguments.
+        x: The training set.
+        target: The training loss to reach.
+        trace: The timed run's ``(step, seconds, loss)`` evaluations.
+        clock: The timed run's cumulative training seconds after each step.
+
+    Returns:
+        ``{"step", "seconds", "consistent"}``: the first step whose loss is at most
+        ``target`` and the timed run's training seconds up to it (``None`` for both when no
+        step reached it); ``consistent`` is whether the twin's loss equals the timed run's,
+        to the bit, at every step the timed run evaluated (else the twin trained another
+        way, e.g. a non-deterministic kernel, and the step is not the timed run's).
+    """
+    model, steps = twin
+    losses = {0: full_loss(model, x)}
+    hit = 0 if losses[0] <= target else None
+    step = 0
+    while hit is None and step < len(clock):
+        next(steps)
+        step += 1
+        losses[step] = full_loss(model, x)
+        if losses[step] <= target:
+            hit = step
+    consistent = all(losses[s] == loss for s, _, loss in trace if s in losses)
+    seconds = None if hit is None else (clock[hit - 1] if hit else 0.0)
+    return {"step": hit, "seconds": seconds, "consistent": consistent}
 
 
 def _score(run: dict[str, Any], target: float) -> tuple[float, float]:
@@ -134,13 +211,23 @@ def summarise(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """Medians over seeds: final loss, steps, and steps and seconds to ``target`` (a miss
     counts as infinite)."""
     hits = [first_reaching(r["trace"], target, higher_is_better=False) for r in runs]
-    return {
+    summary = {
         "median_final_loss": statistics.median(r["final_loss"] for r in runs),
         "median_steps": statistics.median(r["steps"] for r in runs),
         "reached_target": sum(h is not None for h in hits),
         "median_seconds_to_target": statistics.median(h[1] if h else math.inf for h in hits),
         "median_steps_to_target": statistics.median(h[0] if h else math.inf for h in hits),
     }
+    exact = [r["exact_hit"] for r in runs if "exact_hit" in r]
+    if exact and len(exact) == len(runs):
+        summary["median_exact_steps_to_target"] = statistics.median(
+            math.inf if e["step"] is None else e["step"] for e in exact
+        )
+        summary["median_exact_seconds_to_target"] = statistics.median(
+            math.inf if e["seconds"] is None else e["seconds"] for e in exact
+        )
+        summary["exact_consistent"] = all(e["consistent"] for e in exact)
+    return summary
 
 
 def add_sgd_comparison(
@@ -161,11 +248,17 @@ def add_sgd_comparison(
 
 def add_time_vs_fastest(summary: dict[str, dict[str, Any]]) -> None:
     """Sets ``time_vs_fastest``: median seconds to target over the least of any optimizer
-    (``None`` when no optimizer reached the target in most seeds)."""
-    fastest = min((e["median_seconds_to_target"] for e in summary.values()), default=math.inf)
-    for entry in summary.values():
-        ok = math.isfinite(fastest) and fastest > 0
-        entry["time_vs_fastest"] = entry["median_seconds_to_target"] / fastest if ok else None
+    (``None`` when no optimizer reached the target in most seeds); likewise
+    ``exact_time_vs_fastest`` from the exact times, where they were measured."""
+    for key, ratio in (
+        ("median_seconds_to_target", "time_vs_fastest"),
+        ("median_exact_seconds_to_target", "exact_time_vs_fastest"),
+    ):
+        timed = [e for e in summary.values() if key in e]
+        fastest = min((e[key] for e in timed), default=math.inf)
+        for entry in timed:
+            ok = math.isfinite(fastest) and fastest > 0
+            entry[ratio] = entry[key] / fastest if ok else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,6 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             seconds=seconds,
             eval_every=args.eval_every,
             momentum=momentum,
+            exact_target=None if sweeping or not args.exact_target else args.target_loss,
         )
 
     runs = sweep_then_seeds(
@@ -237,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target-loss", type=float, default=0.02, help="training MSE to reach")
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument(
+        "--exact-target",
+        action="store_true",
+        help="also the exact step to the target of each seeded run, from an untimed twin "
+        "evaluated after every step, and the run's training time to that step",
+    )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument(
@@ -290,6 +390,15 @@ def main(argv: list[str] | None = None) -> int:
             table_cell(e["time_vs_fastest"]),
             table_cell(e.get("median_seconds_to_sgd_final")),
         ]
+        + (
+            [
+                table_cell(e["median_exact_steps_to_target"]),
+                table_cell(e["median_exact_seconds_to_target"]),
+                table_cell(e["exact_time_vs_fastest"]),
+            ]
+            if args.exact_target
+            else []
+        )
         for name, e in payload["summary"].items()
     ]
     print(f"target training MSE {args.target_loss}, {args.seconds:g} s per run, median over seeds")
@@ -297,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SGD final training loss (worst seed): {payload['sgd_final_loss']:.4g}")
     headers = ["optimizer", "lr", "steps", "final loss", "reached", "steps to target"]
     headers += ["s to target", "× fastest", "s to SGD final"]
+    if args.exact_target:
+        headers += ["exact steps", "exact s", "exact × fastest"]
+        if not all(e["exact_consistent"] for e in payload["summary"].values()):
+            print("warning: a twin run did not train as its timed run (exact_consistent)")
     print(format_table(headers, rows))
     for name, reason in payload["skipped"].items():
         print(f"{name}: skipped ({reason})")
