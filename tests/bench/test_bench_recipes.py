@@ -44,7 +44,7 @@ method = "cholesky"
 damping = 0.03
 kl-clip = "none"
 factor_update_interval = 5
-moment-nesterov = true
+unitwise-bn = false
 capture-dtype = "bfloat16"
 skip-layers = ["head"]
 label-smoothing = 0.0
@@ -81,7 +81,7 @@ def test_a_kfac_recipe_becomes_one_spec_named_after_the_file(tmp_path: Path) -> 
         "factor_update_interval": 5,
         "kl_clip": None,  # "none" is None
         "method": "cholesky",
-        "moment_nesterov": True,  # booleans stay booleans
+        "unitwise_bn": False,  # booleans stay booleans
         "skip_layers": ("head",),
     }
     assert spec.recipe is not None

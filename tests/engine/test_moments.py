@@ -260,6 +260,37 @@ def test_a_moment_option_with_another_method_is_an_error(field: str, value: obje
     assert getattr(KFACConfig(method="ekfac", **{field: value}), field) == value  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("moment_beta1", 0.8),
+        ("moment_beta2", 0.99),
+        ("moment_eps", 1e-6),
+        ("moment_bias_correction", False),
+        ("moment_nesterov", True),
+        ("basis_refresh", "power"),
+        ("moment_carry", "reset"),
+    ],
+)
+def test_a_moment_hyperparameter_another_method_never_reads_is_an_error(
+    field: str, value: object
+) -> None:
+    """Moved from its default, each is refused where it would be silently unused: by every
+    method without moments, and the first moment's and ``eps`` by ``ekfac``; at its default
+    (as the CLI passes it) and with a method that reads it, accepted."""
+    for method in ("eigen", "cholesky", "smw", "auto"):
+        with pytest.raises(ValueError, match=f"{field} is not read by method '{method}'"):
+            KFACConfig(method=method, **{field: value})  # type: ignore[arg-type]
+        default = getattr(KFACConfig(), field)
+        assert getattr(KFACConfig(method=method, **{field: default}), field) == default
+    assert getattr(KFACConfig(method="eigen_adam", **{field: value}), field) == value  # type: ignore[arg-type]
+    if field in ("moment_beta1", "moment_nesterov", "moment_eps"):
+        with pytest.raises(ValueError, match=f"{field} is not read by method 'ekfac'"):
+            KFACConfig(method="ekfac", **{field: value})  # type: ignore[arg-type]
+    else:
+        assert getattr(KFACConfig(method="ekfac", **{field: value}), field) == value  # type: ignore[arg-type]
+
+
 def test_config_accepts_the_new_methods() -> None:
     assert KFACConfig(method="ekfac").method == "ekfac"
     with pytest.raises(ValueError, match="eigen_adam"):

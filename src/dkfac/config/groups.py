@@ -11,7 +11,7 @@ convolution reductions from :mod:`dkfac.blocks.conv2d`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 import torch
@@ -68,6 +68,16 @@ MOMENT_METHODS = tuple(
     sorted(n for n, cls in SOLVERS.items() if n in METHODS and issubclass(cls, EigenMomentsSolver))
 )
 """The built-in methods with an eigenbasis of moments (``flattened_inputs`` needs one)."""
+UNREAD_WITHOUT_MOMENTS = (
+    "moment_beta1",
+    "moment_beta2",
+    "moment_eps",
+    "moment_bias_correction",
+    "moment_nesterov",
+    "basis_refresh",
+    "moment_carry",
+)
+"""The :class:`SolverConfig` fields that only a method with a basis of moments reads."""
 ORTHOGONAL_RMS = 1.5
 """Default RMS entry of an orthogonalised update per unit of learning rate (section 15)."""
 FisherType = Literal["empirical", "mc"]
@@ -104,15 +114,20 @@ class SolverConfig:
         eigen_dtype: Precision of the eigendecompositions / inversions (SMW's too):
             ``torch.float32``, ``torch.float64`` or ``None`` (default): the factors' dtype,
             at least float32 (a float64 model gets float64 decompositions).
-        moment_beta1: β₁ in [0, 1) of the first moment (``"eigen_adam"``).
+        moment_beta1: β₁ in [0, 1) of the first moment (``"eigen_adam"``). This and the
+            next six fields are read only by the methods named with them: moved from its
+            default with another method, each is an error (not silently unused).
         moment_beta2: β₂ in [0, 1) of the second moment (``"ekfac"``, ``"eigen_adam"``).
         moment_eps: ε > 0 added to ``√v̂`` (``"eigen_adam"``).
-        moment_bias_correction: Divide the moments by ``1 − βᵗ``.
+        moment_bias_correction: Divide the moments by ``1 − βᵗ`` (``"ekfac"``,
+            ``"eigen_adam"``).
         moment_nesterov: Nesterov's look-ahead first moment (``"eigen_adam"``).
-        basis_refresh: How the eigenbasis is refreshed at the inverse interval: ``"eigh"``
+        basis_refresh: How the eigenbasis of moments is refreshed at the inverse interval
+            (``"ekfac"``, ``"eigen_adam"``): ``"eigh"``
             (a full eigendecomposition) or ``"power"`` (one power-iteration step and a QR
             from the previous basis; the first refresh is a full eigendecomposition).
-        moment_carry: What the moments become when the basis is refreshed: ``"reset"``,
+        moment_carry: What the moments become when the basis is refreshed (``"ekfac"``,
+            ``"eigen_adam"``): ``"reset"``,
             ``"keep_v"`` (the first moment rotated exactly, the second kept, as SOAP does)
             or ``"rotate"`` (the second moment rotated approximately too). Formulas:
             :mod:`dkfac.solvers.eigen_moments`.
@@ -252,6 +267,27 @@ class SolverConfig:
                     f"{name} needs method {' or '.join(map(repr, MOMENT_METHODS))} "
                     f"(a basis of moments), got method {self.method!r}"
                 )
+        self._check_unread_moment_options()
+
+    def _check_unread_moment_options(self) -> None:
+        """A moment option moved from its default where the method never reads it is an
+        error, not a silent no-op: every one of them without a basis of moments, and the
+        first moment's (``moment_beta1``, ``moment_nesterov``) and ``moment_eps`` with
+        ``"ekfac"``, which divides by ``v̂ + damping``."""
+        if self.method == "ekfac":
+            unread: tuple[str, ...] = ("moment_beta1", "moment_nesterov", "moment_eps")
+        elif self.method in METHODS and self.method not in MOMENT_METHODS:
+            unread = UNREAD_WITHOUT_MOMENTS
+        else:
+            return
+        defaults = {f.name: f.default for f in fields(SolverConfig)}
+        moved = [name for name in unread if getattr(self, name) != defaults[name]]
+        if moved:
+            raise ValueError(
+                f"{', '.join(moved)} {'is' if len(moved) == 1 else 'are'} not read by method "
+                f"{self.method!r}: drop {'it' if len(moved) == 1 else 'them'} or use "
+                f"{' or '.join(repr(m) for m in MOMENT_METHODS if m != self.method)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
