@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from dkfac.config import unread_moment_fields
 from dkfac.config.checks import check_range
 from dkfac.engine.finite import all_finite
 from dkfac.preconditioner import KFACPreconditioner
@@ -105,7 +106,9 @@ class KFACOptimizer(Optimizer):
             model: The model to train (its trainable parameters go to the inner SGD).
             lr: Step size > 0.
             weight_decay: Decoupled weight decay >= 0.
-            **options: Any :class:`~dkfac.KFACConfig` field, over the defaults.
+            **options: Any :class:`~dkfac.KFACConfig` field, over the defaults; with another
+                ``method``, the defaults that method does not read
+                (:func:`~dkfac.config.unread_moment_fields`) are left out.
 
         Raises:
             TypeError: If ``lr`` or ``weight_decay`` is not a number (or an option has the
@@ -115,7 +118,11 @@ class KFACOptimizer(Optimizer):
         """
         check_range("lr", lr, low=0.0)
         check_range("weight_decay", weight_decay, low=0.0, low_inclusive=True)
-        preconditioner = KFACPreconditioner(model, **{**DEFAULT_OPTIONS, **options})
+        # Another method keeps the defaults it reads (the moment ones it does not are
+        # errors when passed, so they are dropped unless the caller passed them).
+        unread = unread_moment_fields(options.get("method", DEFAULT_OPTIONS["method"]))
+        defaults = {k: v for k, v in DEFAULT_OPTIONS.items() if k not in unread}
+        preconditioner = KFACPreconditioner(model, **{**defaults, **options})
         params = [p for p in model.parameters() if p.requires_grad]
         inner = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=weight_decay)
         return cls(inner, preconditioner)

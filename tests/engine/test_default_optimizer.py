@@ -46,6 +46,21 @@ def test_options_and_weight_decay_go_where_they_belong() -> None:
     assert opt.param_groups[0]["weight_decay"] == 0.1
 
 
+@pytest.mark.parametrize("method", ["eigen", "cholesky", "smw", "auto", "ekfac"])
+def test_another_method_keeps_only_the_defaults_it_reads(method: str) -> None:
+    """The moment defaults a method never reads would be refused by its config, so they
+    are left out; those it reads (ekfac: the power refresh and the reset carry) stay, and
+    one the caller passes is still refused."""
+    config = KFACOptimizer.for_model(make_model(), method=method).preconditioner.config
+    assert config.method == method and config.moment_nesterov is False
+    assert (config.kl_clip, config.inverse_update_interval) == (None, 5)
+    reads_refresh = method == "ekfac"
+    assert config.basis_refresh == ("power" if reads_refresh else "eigh")
+    assert config.moment_carry == ("reset" if reads_refresh else "keep_v")
+    with pytest.raises(ValueError, match=f"moment_nesterov is not read by method '{method}'"):
+        KFACOptimizer.for_model(make_model(), method=method, moment_nesterov=True)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

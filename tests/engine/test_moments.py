@@ -278,13 +278,16 @@ def test_a_moment_hyperparameter_another_method_never_reads_is_an_error(
     """Moved from its default, each is refused where it would be silently unused: by every
     method without moments, and the first moment's and ``eps`` by ``ekfac``; at its default
     (as the CLI passes it) and with a method that reads it, accepted."""
+    first_moment = field in ("moment_beta1", "moment_nesterov", "moment_eps")
+    readers = "'eigen_adam'" if first_moment else "'eigen_adam' or 'ekfac'"
     for method in ("eigen", "cholesky", "smw", "auto"):
-        with pytest.raises(ValueError, match=f"{field} is not read by method '{method}'"):
+        message = f"{field} is not read by method '{method}': drop it or use {readers}$"
+        with pytest.raises(ValueError, match=message):
             KFACConfig(method=method, **{field: value})  # type: ignore[arg-type]
         default = getattr(KFACConfig(), field)
         assert getattr(KFACConfig(method=method, **{field: default}), field) == default
     assert getattr(KFACConfig(method="eigen_adam", **{field: value}), field) == value  # type: ignore[arg-type]
-    if field in ("moment_beta1", "moment_nesterov", "moment_eps"):
+    if first_moment:
         with pytest.raises(ValueError, match=f"{field} is not read by method 'ekfac'"):
             KFACConfig(method="ekfac", **{field: value})  # type: ignore[arg-type]
     else:

@@ -35,6 +35,7 @@ from dkfac.config.groups import (
     RefreshKind,
     SolverConfig,
     StrategyChoice,
+    unread_moment_fields,
 )
 from dkfac.config.schedules import SCHEDULE_DOMAINS, Schedule, check_schedule_value, resolve
 
@@ -66,6 +67,7 @@ __all__ = [
     "check_range",
     "check_schedule_value",
     "resolve",
+    "unread_moment_fields",
 ]
 
 GROUPS: tuple[type, ...] = (SolverConfig, EstimationConfig, DistributionConfig, RefreshConfig)

@@ -61,6 +61,7 @@ __all__ = [
     "RefreshKind",
     "SolverConfig",
     "StrategyChoice",
+    "unread_moment_fields",
 ]
 
 Method = MethodName
@@ -116,7 +117,8 @@ class SolverConfig:
             at least float32 (a float64 model gets float64 decompositions).
         moment_beta1: β₁ in [0, 1) of the first moment (``"eigen_adam"``). This and the
             next six fields are read only by the methods named with them: moved from its
-            default with another method, each is an error (not silently unused).
+            default with another built-in method, each is an error (not silently unused;
+            :func:`unread_moment_fields`).
         moment_beta2: β₂ in [0, 1) of the second moment (``"ekfac"``, ``"eigen_adam"``).
         moment_eps: ε > 0 added to ``√v̂`` (``"eigen_adam"``).
         moment_bias_correction: Divide the moments by ``1 − βᵗ`` (``"ekfac"``,
@@ -270,24 +272,31 @@ class SolverConfig:
         self._check_unread_moment_options()
 
     def _check_unread_moment_options(self) -> None:
-        """A moment option moved from its default where the method never reads it is an
-        error, not a silent no-op: every one of them without a basis of moments, and the
-        first moment's (``moment_beta1``, ``moment_nesterov``) and ``moment_eps`` with
-        ``"ekfac"``, which divides by ``v̂ + damping``."""
-        if self.method == "ekfac":
-            unread: tuple[str, ...] = ("moment_beta1", "moment_nesterov", "moment_eps")
-        elif self.method in METHODS and self.method not in MOMENT_METHODS:
-            unread = UNREAD_WITHOUT_MOMENTS
-        else:
-            return
+        """A moment option moved from its default where the (built-in) method never reads
+        it is an error, not a silent no-op (:func:`unread_moment_fields`)."""
         defaults = {f.name: f.default for f in fields(SolverConfig)}
+        unread = unread_moment_fields(self.method)
         moved = [name for name in unread if getattr(self, name) != defaults[name]]
         if moved:
+            readers = [m for m in MOMENT_METHODS if not set(moved) & set(unread_moment_fields(m))]
             raise ValueError(
                 f"{', '.join(moved)} {'is' if len(moved) == 1 else 'are'} not read by method "
                 f"{self.method!r}: drop {'it' if len(moved) == 1 else 'them'} or use "
-                f"{' or '.join(repr(m) for m in MOMENT_METHODS if m != self.method)}"
+                f"{' or '.join(map(repr, readers))}"
             )
+
+
+def unread_moment_fields(method: str) -> tuple[str, ...]:
+    """The moment fields of :class:`SolverConfig` that the built-in ``method`` never reads:
+    all of :data:`UNREAD_WITHOUT_MOMENTS` without a basis of moments, the first moment's
+    (``moment_beta1``, ``moment_nesterov``) and ``moment_eps`` with ``"ekfac"`` (which
+    divides by ``v̂ + damping``), none with ``"eigen_adam"`` or a registered custom solver
+    (whose use of them the config cannot know)."""
+    if method == "ekfac":
+        return ("moment_beta1", "moment_nesterov", "moment_eps")
+    if method in METHODS and method not in MOMENT_METHODS:
+        return UNREAD_WITHOUT_MOMENTS
+    return ()
 
 
 @dataclass(frozen=True, kw_only=True)
