@@ -1,6 +1,7 @@
 """CUDA equals CPU: every method, the moment options and a checkpoint, on a GPU.
 
-Skipped where torch sees no CUDA device (CI has none); run on a lent GPU with
+The CUDA tests are skipped where torch sees no CUDA device (CI has none; the parity cases'
+configurations are still built and stepped on the CPU there); run on a lent GPU with
 ``python3 -m pytest tests/engine/test_cuda.py``. In float64 the two devices run the same
 formulas with different kernels (cuBLAS/cuSOLVER against MKL/LAPACK), so the weights after
 a few steps agree to rounding; bases are compared through what they determine (an
@@ -12,8 +13,11 @@ library picks its own, and a step later the moments in that subspace differ.) Ad
 ``m / (√v + ε)`` magnifies rounding in a coordinate whose gradient is near ``ε``: a rotation
 of the bases by 1e-14 moved the weights after five steps by up to 3e-6 (relative) at ``ε =
 1e-8``, 5e-11 at ``ε = 1e-3`` (1e-8 with the orthogonalised update, whose Newton-Schulz steps
-magnify small singular values), so the moment cases run at ``ε = 1e-3`` and the weights are
-compared to 1e-7: a wrong basis, sign or carry moves them by far more.
+magnify small singular values), so the eigen_adam cases run at ``ε = 1e-3`` (ekfac divides by
+``v̂ + λ`` and has no ``ε``) and the weights are compared to 1e-7: a wrong basis, sign or carry
+moves them by far more. The configurations are built on the CPU by
+:func:`test_every_parity_case_is_a_valid_configuration`, which runs without a GPU, so that a
+configuration error cannot hide behind the skip.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.solvers.eigen_moments import power_refresh, range_eigh
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda")
 STEPS = 5
@@ -91,26 +95,36 @@ def _assert_same_weights(cpu: nn.Module, gpu: nn.Module, tol: float = 1e-7) -> N
         )
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {**BASE, "method": "eigen"},
-        {**BASE, "method": "cholesky"},
-        {**BASE, "method": "smw"},
-        {**MOMENTS, "method": "ekfac"},
-        MOMENTS,
-        {**MOMENTS, "moment_nesterov": True, "basis_refresh": "power", "moment_carry": "rotate"},
-        {
-            **MOMENTS,
-            "basis_refresh": "power",
-            "power_rank": 8,
-            "moment_carry": "reset",
-            "orthogonal_layers": ("^3$", "^5$"),
-            "orthogonal_steps": 3,
-        },
-    ],
-    ids=["eigen", "cholesky", "smw", "ekfac", "eigen_adam", "power-rotate", "power-rank-ortho"],
-)
+PARITY_CASES: list[dict[str, Any]] = [
+    {**BASE, "method": "eigen"},
+    {**BASE, "method": "cholesky"},
+    {**BASE, "method": "smw"},
+    {**BASE, "method": "ekfac", "kl_clip": None},  # ekfac has no eps: R / (v̂ + λ)
+    MOMENTS,
+    {**MOMENTS, "moment_nesterov": True, "basis_refresh": "power", "moment_carry": "rotate"},
+    {
+        **MOMENTS,
+        "basis_refresh": "power",
+        "power_rank": 8,
+        "moment_carry": "reset",
+        "orthogonal_layers": ("^3$", "^5$"),
+        "orthogonal_steps": 3,
+    },
+]
+PARITY_IDS = ["eigen", "cholesky", "smw", "ekfac", "eigen_adam", "power-rotate", "power-rank-ortho"]
+
+
+@pytest.mark.parametrize("options", PARITY_CASES, ids=PARITY_IDS)
+def test_every_parity_case_is_a_valid_configuration(options: dict[str, Any]) -> None:
+    """On the CPU, without a GPU: the parity cases build (the skip must not hide a
+    configuration error) and train one finite step."""
+    model, opt = _train(torch.device("cpu"), options, steps=1)
+    assert opt.skipped_steps == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@needs_cuda
+@pytest.mark.parametrize("options", PARITY_CASES, ids=PARITY_IDS)
 def test_a_cuda_run_equals_the_cpu_run(options: dict[str, Any]) -> None:
     """Five steps (factors every step, the basis or inverse every two) in float64."""
     cpu, _ = _train(torch.device("cpu"), options)
@@ -118,6 +132,7 @@ def test_a_cuda_run_equals_the_cpu_run(options: dict[str, Any]) -> None:
     _assert_same_weights(cpu, gpu)
 
 
+@needs_cuda
 @pytest.mark.parametrize("rank", [None, 24])
 def test_power_refresh_on_cuda_equals_the_cpu_step(rank: int | None) -> None:
     """The sign-fixed QR is unique, so the basis itself (not only its span) must agree."""
@@ -135,6 +150,7 @@ def test_power_refresh_on_cuda_equals_the_cpu_step(rank: int | None) -> None:
     torch.testing.assert_close((gpu_basis.T @ gpu_basis).cpu(), identity, rtol=0, atol=1e-12)
 
 
+@needs_cuda
 def test_range_eigh_on_cuda_gives_the_cpu_eigenpairs() -> None:
     gen = torch.Generator().manual_seed(2)
     rows = torch.randn(20, 120, generator=gen, dtype=torch.float64)
@@ -147,6 +163,7 @@ def test_range_eigh_on_cuda_gives_the_cpu_eigenpairs() -> None:
     torch.testing.assert_close(rebuilt.cpu(), factor, rtol=1e-10, atol=1e-9)
 
 
+@needs_cuda
 def test_a_cuda_checkpoint_resumes_on_the_cpu() -> None:
     """Three steps on the GPU, the state to the CPU, two more there = five on the GPU."""
     options = {**MOMENTS, "basis_refresh": "power", "moment_carry": "rotate"}
@@ -167,6 +184,7 @@ def test_a_cuda_checkpoint_resumes_on_the_cpu() -> None:
     _assert_same_weights(model, gpu_model)
 
 
+@needs_cuda
 def test_the_autoencoder_recipe_under_bf16_autocast_follows_the_cpu_loss() -> None:
     """The recipe's lowered precisions (bf16 rotations, capture under bf16 autocast) in
     float32: not bitwise across devices, but the loss of every step within 0.03 of the CPU's
