@@ -283,20 +283,41 @@ def test_exact_hit_flags_a_twin_that_trains_another_way() -> None:
 
 
 def test_autoencoder_exact_target_flag_reports_exact_figures(tmp_path: Path) -> None:
+    """MSE 0.2 (from 0.236 at the start) is first reached after AdamW's second step and
+    SGD's third (the losses 0.217 / 0.197 and 0.227 / 0.210 / 0.188 on split 0, seed 0);
+    the timed runs, evaluated every 5 steps, see it at their fifth step or their last."""
     argv = ["--optimizers", "sgd", "adamw", "--sgd-lrs", "0.5", "--adamw-lrs", "0.001"]
-    argv += ["--seeds", "1", "--no-sweep", "--seconds", "0.3", "--eval-every", "5"]
-    argv += ["--target-loss", "0.06", "--exact-target", "--name", "ex", "--out-dir", str(tmp_path)]
+    argv += ["--seeds", "1", "--no-sweep", "--seconds", "0.5", "--eval-every", "5"]
+    argv += ["--target-loss", "0.2", "--exact-target", "--name", "ex", "--out-dir", str(tmp_path)]
     assert autoencoder.main(argv) == 0
     payload = json.loads((tmp_path / "ex.json").read_text())
-    for name in ("sgd", "adamw"):
+    for name, step in (("sgd", 3), ("adamw", 2)):
         (run,) = payload["runs"][name]
         entry = payload["summary"][name]
-        exact = run["exact_hit"]
-        assert exact["consistent"] and entry["exact_consistent"]
-        assert entry["median_exact_steps_to_target"] == (
-            math.inf if exact["step"] is None else exact["step"]
-        )
-        if exact["step"] is not None:
-            assert exact["step"] <= entry["median_steps_to_target"]
+        assert run["exact_hit"]["step"] == entry["median_exact_steps_to_target"] == step
+        assert run["exact_hit"]["consistent"] and entry["exact_consistent"]
+        assert entry["median_steps_to_target"] >= step
+        assert entry["median_exact_seconds_to_target"] <= entry["median_seconds_to_target"]
     ratios = [e["exact_time_vs_fastest"] for e in payload["summary"].values()]
-    assert all(r is None for r in ratios) or min(r for r in ratios if r is not None) == 1.0
+    assert min(ratios) == 1.0
+
+
+def test_a_diverged_twin_is_consistent_with_its_diverged_run() -> None:
+    """NaN losses (SGD at lr 50 diverges within a few steps) compare equal between a run
+    and its twin; a NaN is never below the target."""
+    x = _digits_sample()
+    spec = OptimizerSpec("sgd", "sgd", [50.0])
+    run = autoencoder.train_for(
+        spec,
+        50.0,
+        0,
+        x,
+        batch_size=64,
+        seconds=600.0,
+        eval_every=1,
+        momentum=0.9,
+        max_steps=12,
+        exact_target=1e-9,
+    )
+    assert any(math.isnan(loss) for _, _, loss in run["trace"])
+    assert run["exact_hit"] == {"step": None, "seconds": None, "consistent": True}

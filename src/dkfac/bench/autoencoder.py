@@ -157,6 +157,11 @@ def train_for(
     return run
 
 
+def _same(a: float, b: float) -> bool:
+    """Equal to the bit, a NaN (a diverged run) equal to a NaN."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 def exact_hit(
     twin: tuple[nn.Module, Iterator[float]],
     x: Tensor,
@@ -183,8 +188,9 @@ def exact_hit(
         ``{"step", "seconds", "consistent"}``: the first step whose loss is at most
         ``target`` and the timed run's training seconds up to it (``None`` for both when no
         step reached it); ``consistent`` is whether the twin's loss equals the timed run's,
-        to the bit, at every step the timed run evaluated (else the twin trained another
-        way, e.g. a non-deterministic kernel, and the step is not the timed run's).
+        to the bit, at each of the timed run's evaluations up to the twin's last step (the
+        hit; a NaN equals a NaN), else the twin trained another way (e.g. a
+        non-deterministic kernel) and the step may not be the timed run's.
     """
     model, steps = twin
     losses = {0: full_loss(model, x)}
@@ -196,7 +202,7 @@ def exact_hit(
         losses[step] = full_loss(model, x)
         if losses[step] <= target:
             hit = step
-    consistent = all(losses[s] == loss for s, _, loss in trace if s in losses)
+    consistent = all(_same(losses[s], loss) for s, _, loss in trace if s in losses)
     seconds = None if hit is None else (clock[hit - 1] if hit else 0.0)
     return {"step": hit, "seconds": seconds, "consistent": consistent}
 
@@ -392,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         + (
             [
-                table_cell(e["median_exact_steps_to_target"]),
-                table_cell(e["median_exact_seconds_to_target"]),
-                table_cell(e["exact_time_vs_fastest"]),
+                table_cell(e.get("median_exact_steps_to_target")),
+                table_cell(e.get("median_exact_seconds_to_target")),
+                table_cell(e.get("exact_time_vs_fastest")),
             ]
             if args.exact_target
             else []
@@ -408,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     headers += ["s to target", "× fastest", "s to SGD final"]
     if args.exact_target:
         headers += ["exact steps", "exact s", "exact × fastest"]
-        if not all(e["exact_consistent"] for e in payload["summary"].values()):
+        if not all(e.get("exact_consistent", True) for e in payload["summary"].values()):
             print("warning: a twin run did not train as its timed run (exact_consistent)")
     print(format_table(headers, rows))
     for name, reason in payload["skipped"].items():
