@@ -20,7 +20,8 @@ py() {
     || echo "FAILED or cut by the deadline (rc $?): $*"
   echo "   $((SECONDS - start)) s"
 }
-python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" \
+  || exit 1
 for model in resnet20 resnet32 resnet56; do
   py --model "$model" --batch-size 128 --repeats 5 --with-reduction --factor-batch-size 32 \
      --name "step_${model}_cuda"

@@ -324,7 +324,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default={},
         metavar="KEY=VALUE,...",
         help="more preconditioner options for every configuration, e.g. "
-        "basis_refresh=power,damping=0.01 (not the intervals, which each kind sets)",
+        "damping=0.01,factor_batch_size=32, or with --method eigen_adam basis_refresh=power "
+        "(not the intervals, which each kind sets)",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"])
