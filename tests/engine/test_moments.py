@@ -41,19 +41,23 @@ def _basis(q: Tensor, dim: int) -> Tensor:
 
 
 @pytest.mark.parametrize(
-    ("max_dim", "into"),
-    [(None, None), (10, None), (None, torch.float32)],
-    ids=["two-sided", "one-sided-above-10", "float32-gradient-rotation"],
+    ("max_dim", "into", "block"),
+    [(None, None, None), (10, None, None), (None, torch.float32, None), (None, None, 8)],
+    ids=["two-sided", "one-sided-above-10", "float32-gradient-rotation", "blocks-of-8"],
 )
 def test_engine_update_is_adam_in_the_basis_of_the_layer_state(
-    max_dim: int | None, into: torch.dtype | None
+    max_dim: int | None, into: torch.dtype | None, block: int | None
 ) -> None:
     """Between two refreshes the engine's update equals Adam on ``Q_Gᵀ ∇W Q_A``; with
     ``basis_max_dim=10`` the A factors wider than 10 (19 and 49; not 7) keep ``I``; with
     ``gradient_rotation_dtype`` that product is taken in that precision (the same products
-    in the same order, so to the bit), the rest in the model's."""
+    in the same order, so to the bit), the rest in the model's; with
+    ``basis_block_size=8`` the 19- and 49-wide bases are block-diagonal (blocks of 8, the
+    last of 3 and 1) and the engine's block-by-block rotations equal the dense products."""
     model = make_model()
     options = {**OPTIONS, "inverse_update_interval": 10, "basis_max_dim": max_dim}
+    if block is not None:
+        options["basis_block_size"] = block
     if into is not None:
         options |= {"gradient_rotation_dtype": into, "moment_carry": "reset"}
     pre = KFACPreconditioner(model, **options)
@@ -72,6 +76,13 @@ def test_engine_update_is_adam_in_the_basis_of_the_layer_state(
             g_dim, a_dim = raw[name].shape
             qa, qg = _basis(state["qa"], a_dim), _basis(state["qg"], g_dim)
             assert (state["qa"].numel() == 0) == (max_dim is not None and a_dim > max_dim)
+            blocked = block is not None and a_dim > block
+            assert ("qa_block" in state) == blocked
+            if blocked:
+                off = qa.clone()
+                for start in range(0, a_dim, 8):
+                    off[start : start + 8, start : start + 8] = 0
+                assert not off.any(), f"{name}: the basis is not block-diagonal"
             low = into or raw[name].dtype
             r = ((qg.T.to(low) @ raw[name].to(low)) @ qa.to(low)).to(raw[name].dtype)
             m[name] = b1 * m.get(name, 0 * r) + (1 - b1) * r
@@ -140,19 +151,25 @@ def _continue(model: nn.Module, opt: KFACOptimizer, first: int, last: int) -> li
         ("power", 10, {}, None),
         ("power", None, {"3": (3, 16)}, None),
         ("power", None, {}, 4),
+        ("power", None, {}, "blocks"),
     ],
-    ids=["eigh", "power", "power-one-sided", "power-flattened-input", "power-rank"],
+    ids=["eigh", "power", "power-one-sided", "power-flattened-input", "power-rank", "blocks"],
 )
 def test_checkpoint_round_trip_continues_bit_identically(
-    refresh: str, max_dim: int | None, maps: dict[str, tuple[int, int]], power_rank: int | None
+    refresh: str,
+    max_dim: int | None,
+    maps: dict[str, tuple[int, int]],
+    power_rank: int | str | None,
 ) -> None:
+    blocks = power_rank == "blocks"  # basis_block_size=8: the markers must survive the trip
     options = {
         "basis_refresh": refresh,
         "inverse_update_interval": 2,
         "basis_max_dim": max_dim,
         "flattened_inputs": maps,
-        "power_rank": power_rank,
-        "moment_carry": "keep_v" if power_rank is None else "rotate",
+        "power_rank": None if blocks else power_rank,
+        "moment_carry": "keep_v" if power_rank is None or blocks else "rotate",
+        "basis_block_size": 8 if blocks else None,
     }
     model, opt = _trained(3, **options)
     saved = copy.deepcopy(opt.state_dict())  # the live tensors change as training goes on
@@ -232,6 +249,8 @@ def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
         ("gradient_rotation_dtype", torch.float16, ValueError),
         ("power_rank", 0, ValueError),
         ("power_rank", 4, ValueError),  # the default refresh eigh
+        ("basis_block_size", 0, ValueError),
+        ("basis_block_size", 128.0, ValueError),
     ],
 )
 def test_config_validates_the_moment_fields(field: str, value: object, error: type) -> None:
@@ -251,7 +270,8 @@ def test_power_rank_needs_the_power_refresh_of_a_moment_method() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("rotation_dtype", torch.bfloat16), ("basis_max_dim", 64)]
+    ("field", "value"),
+    [("rotation_dtype", torch.bfloat16), ("basis_max_dim", 64), ("basis_block_size", 128)],
 )
 def test_a_moment_option_with_another_method_is_an_error(field: str, value: object) -> None:
     """Options only the moment solvers read are refused, not silently unused."""

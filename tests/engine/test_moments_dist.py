@@ -75,6 +75,10 @@ MAP = {"3": (3, 16)}
 # factors and completes them where the layer is preconditioned; the completion is a
 # function of those columns, so the ranks match serial as closely as the full refresh does.
 POWER_RANK = [("kaisa", 0.5), ("spngd", 1.0)]
+# basis_block_size=8: the 19- and 49-wide A factors are captured as their diagonal blocks
+# (all-reduced like dense ones) and get block-diagonal bases, sent with their empty
+# (0, 8) markers to the grad workers, which rotate block by block.
+BLOCKS = [("kaisa", 0.5), ("mem-opt", 1.0), ("spngd", 1.0)]
 ORTHOGONAL = [("kaisa", 0.5), ("mem-opt", 1.0), ("spngd", 1.0)]
 PICK = ("Linear",)
 ORTHOGONAL_TOL = {"rtol": 1e-6, "atol": 1e-8}
@@ -127,6 +131,10 @@ def _rank_main(rank: int, world: int, start: dict[str, Any]) -> dict[str, Any]:
     for strategy, fraction in POWER_RANK:
         out[f"power-rank/{strategy}/{fraction}"] = _run(
             rank, strategy, grad_worker_fraction=fraction, power_rank=4
+        )[0]
+    for strategy, fraction in BLOCKS:
+        out[f"blocks/{strategy}/{fraction}"] = _run(
+            rank, strategy, grad_worker_fraction=fraction, basis_block_size=8
         )[0]
     for strategy in RESUME:
         out[f"resume/{strategy}"] = _run(rank, strategy, start=start)[0]
@@ -266,3 +274,14 @@ def test_partial_power_refresh_on_two_ranks_equals_serial(
     effect = max((a - b).abs().max() for a, b in zip(partial_params, serial[0], strict=True))
     assert effect > 1e-3, effect
     assert_ranks_match([out[label] for out in two_ranks], partial_params, label=label, **TOL)
+
+
+@pytest.mark.parametrize("label", [f"blocks/{s}/{f}" for s, f in BLOCKS])
+def test_block_diagonal_bases_on_two_ranks_equal_serial(
+    label: str, two_ranks: list[dict[str, Any]], serial: tuple[list[Tensor], dict[str, Any]]
+) -> None:
+    blocked_params, blocked_state = _run(None, "replicated", basis_block_size=8)
+    assert any("qa_block" in e["inverse"] for e in blocked_state["layers"].values())
+    effect = max((a - b).abs().max() for a, b in zip(blocked_params, serial[0], strict=True))
+    assert effect > 1e-3, effect
+    assert_ranks_match([out[label] for out in two_ranks], blocked_params, label=label, **TOL)

@@ -187,6 +187,15 @@ class SolverConfig:
             Needs ``moment_carry`` ``"reset"`` or ``"rotate"`` (the rest of the basis
             changes at every refresh, so a kept second moment would scale other
             directions). ``None`` (default): every column follows.
+        basis_block_size: ``"ekfac"``/``"eigen_adam"``: a factor wider than this (and not
+            wider than ``basis_max_dim``) gets a block-diagonal basis, its dimension cut
+            into consecutive blocks of this width (the last one shorter), and only those
+            diagonal blocks of the factor are captured: for a side ``k`` blocks wide,
+            ``1/k`` of the flops of its capture, rotations and refresh, for the correlations
+            between blocks (:mod:`dkfac.solvers.eigen_moments`). Meant for sides whose units
+            have no order, such as a transformer MLP's 4·width hidden units (BENCHMARKS.md
+            section 20). Not applied to the structured input side of ``flattened_inputs``.
+            ``None`` (default): every basis is dense.
     """
 
     method: Method = "eigen"
@@ -210,6 +219,7 @@ class SolverConfig:
     orthogonal_steps: int = NS_STEPS
     gradient_rotation_dtype: torch.dtype | None = None
     power_rank: int | None = None
+    basis_block_size: int | None = None
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -249,6 +259,7 @@ class SolverConfig:
         lowered = (torch.bfloat16, torch.float32, torch.float64)
         check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered)
         check_int("power_rank", self.power_rank, optional=True)
+        check_int("basis_block_size", self.basis_block_size, optional=True)
         check_moment_combinations(
             basis_refresh=self.basis_refresh,
             carry=self.moment_carry,
@@ -263,6 +274,7 @@ class SolverConfig:
             ("rotation_dtype", self.rotation_dtype),
             ("basis_max_dim", self.basis_max_dim),
             ("power_rank", self.power_rank),
+            ("basis_block_size", self.basis_block_size),
         ):
             if value and self.method in METHODS and self.method not in MOMENT_METHODS:
                 raise ValueError(

@@ -173,7 +173,8 @@ class LayerState:
         return {key: self.kinds[key].solver_input(value) for key, value in self.running.items()}
 
     def factor_kinds(self) -> dict[str, str]:
-        """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"`` or ``"pending"``."""
+        """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"``, ``"blockdiag"`` or
+        ``"pending"``."""
         return {
             f"{key.lower()}_factor": "pending"
             if self.solver.deferred

@@ -209,6 +209,7 @@ def create_layers(
                 orthogonal_steps=config.orthogonal_steps,
                 gradient_rotation_dtype=config.gradient_rotation_dtype,
                 power_rank=config.power_rank,
+                block_size=config.basis_block_size,
             ),
             maps.get(name),
         )

@@ -60,6 +60,20 @@ eigenbasis of its other factor only, ``R = Q_Gᵀ ∇W`` for a wide input side (
 ``max_precond_dim``). A layer with both factors wider is Adam (or its EKFAC analogue) on the
 raw gradient.
 
+**Block-diagonal basis** (``block_size``): a factor wider than ``block_size`` (and not
+one-sided) gets the basis of its block-diagonal part: its dimension is cut into
+consecutive blocks of ``block_size`` (the last one shorter) and each block's basis is
+that of the factor's diagonal block (a power step from the previous basis's block, or an
+``eigh``), the others zero. The basis is stored whole (``n × n``, for strategies and
+checkpoints) with an empty ``(0, block_size)`` tensor beside it (``qa_block``/``qg_block``:
+the width is in the shape, so a rotation reads it without waiting for a device), and
+every product with it runs block by block (:func:`times_blocks`); the factor itself is
+captured as its diagonal blocks only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`).
+For a side of ``n = k·b`` that is ``1/k`` of the flops of the capture, the rotations and the
+refresh (Distributed Shampoo's blocking of a wide dimension, here of one Kronecker side). It
+drops the correlations between blocks, so it suits a side whose units have no order, such
+as a transformer MLP's hidden units (BENCHMARKS.md section 20).
+
 **Rotation precision** (``rotation_dtype``): the rotation of the update out of the basis,
 ``V = Q_G S Q_Aᵀ``, may run in a lower precision than the gradient, e.g. ``torch.bfloat16``
 (inputs cast to it, the result cast back): half the per-step cost of these solvers
@@ -113,6 +127,7 @@ from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
 from dkfac.solvers.polar import NS_STEPS, orthogonal_update
+from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
 __all__ = [
     "BASIS_REFRESHES",
@@ -129,6 +144,8 @@ __all__ = [
     "power_refresh",
     "range_eigh",
     "rotate",
+    "side_block",
+    "times_blocks",
     "times_input_basis",
 ]
 
@@ -166,6 +183,10 @@ class MomentOptions:
             completion (:func:`power_refresh`); ``None``: every column follows. Needs
             ``carry`` ``"reset"`` or ``"rotate"`` (a kept ``v`` would belong to other
             directions).
+        block_size: A factor wider than this gets a block-diagonal basis: its dimension
+            cut into consecutive blocks of ``block_size`` (the last one shorter), each
+            with the basis of the factor's diagonal block (module notes); ``None``: every
+            basis is dense.
     """
 
     beta1: float = 0.9
@@ -181,6 +202,7 @@ class MomentOptions:
     orthogonal_steps: int = NS_STEPS
     gradient_rotation_dtype: torch.dtype | None = None
     power_rank: int | None = None
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rotation_dtype", "gradient_rotation_dtype"):
@@ -198,6 +220,7 @@ class MomentOptions:
             ("orthogonal_steps", self.orthogonal_steps, False),
             ("max_dim", self.max_dim, True),
             ("power_rank", self.power_rank, True),
+            ("block_size", self.block_size, True),
         ):
             if optional and value is None:
                 continue
@@ -403,6 +426,23 @@ class EigenMomentsSolver(Solver):
         """Each moment matrix (``g_dim × a_dim``) and the count ``t``."""
         return len(cls.keys) * a_dim * g_dim + 1
 
+    def statistics(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, StatisticKind]:
+        """Dense, except a side with a block-diagonal basis: only its diagonal blocks are
+        computed (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`)."""
+        kinds = super().statistics(shapes)
+        for key, shape in shapes.items():
+            structured = key == "A" and self.input_map is not None
+            if key in ("A", "G") and not structured and self._blocked(shape[0]):
+                assert self.options.block_size is not None
+                kinds[key] = BlockDiagonalStatistic(self.options.block_size)
+        return kinds
+
+    def _blocked(self, size: int) -> bool:
+        """Whether a factor of dimension ``size`` gets a block-diagonal basis (wider than
+        ``block_size`` and not one-sided)."""
+        block, max_dim = self.options.block_size, self.options.max_dim
+        return block is not None and size > block and (max_dim is None or size <= max_dim)
+
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Eigendecomposes both factors (descending order; ``damping`` is used at apply)."""
         return self.compute_statistics({"A": a, "G": g}, damping)
@@ -424,6 +464,11 @@ class EigenMomentsSolver(Solver):
                 da, qa = self._side(a, None if previous is None else previous.get("qa"), dtype)
             dg, qg = self._side(g, None if previous is None else previous.get("qg"), dtype)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
+            for key, factor in (("qa", a), ("qg", g)):
+                structured = key == "qa" and self.input_map is not None
+                if not structured and self._blocked(factor.shape[0]):
+                    assert self.options.block_size is not None
+                    pairs[f"{key}_block"] = factor.new_empty(0, self.options.block_size)
             state = {key: value.to(storage) for key, value in pairs.items()}
             if self.input_map is not None:
                 state["qa_order"] = basis.order  # int64 indices, whatever the storage
@@ -439,6 +484,23 @@ class EigenMomentsSolver(Solver):
         decomposition of a wide factor of low rank: :func:`range_eigh`)."""
         if self.options.max_dim is not None and factor.shape[0] > self.options.max_dim:
             return factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
+        if self._blocked(factor.shape[0]):
+            assert self.options.block_size is not None
+            fits = previous is not None and previous.shape == factor.shape
+            values, bases = [], []
+            for start, stop in block_bounds(factor.shape[0], self.options.block_size):
+                part = slice(start, stop)
+                old = previous[part, part] if fits and previous is not None else None
+                d, q = self._dense_side(factor[part, part], old, dtype)
+                values.append(d)
+                bases.append(q)
+            return torch.cat(values), torch.block_diag(*bases)
+        return self._dense_side(factor, previous, dtype)
+
+    def _dense_side(
+        self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """``(d, Q)`` of a factor with a dense basis (one power step, or an ``eigh``)."""
         power = self.options.basis_refresh == "power"
         if power and previous is not None and previous.shape == factor.shape:
             return power_refresh(factor, previous, dtype, self.options.power_rank)
@@ -524,8 +586,34 @@ def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
     return matrix @ right if right.numel() else matrix
 
 
-_IDENTITY = torch.empty(0, 0)
-"""An empty side of :func:`rotate`: the identity."""
+def side_block(state: SolverState, key: str) -> int | None:
+    """The block width of the basis ``state[key]`` (``"qa"``/``"qg"``): the second
+    dimension of its empty marker ``state[key + "_block"]``, ``None`` for a dense basis
+    (module notes: a shape, not a value, so that reading it never waits for a device)."""
+    marker = state.get(f"{key}_block")
+    return None if marker is None else int(marker.shape[1])
+
+
+BLOCK_PRODUCT_SHARE = 0.75
+"""A block-diagonal basis is multiplied block by block only when its blocks hold at most
+this share of the dense product's flops (``Σ bᵢ² ≤ share · n²``): a side split into one
+block and a remainder of a few columns (a 129-wide input side in blocks of 128: the bias
+column) saves under 2% of the flops, less than the extra products and the concatenation
+cost (measured on the language model)."""
+
+
+def times_blocks(basis: Tensor, matrix: Tensor, block: int | None, left: bool) -> Tensor:
+    """``basis @ matrix`` (``left``) or ``matrix @ basis`` for a square ``basis`` that is
+    block-diagonal with blocks of ``block`` (:func:`~dkfac.solvers.statistics.block_bounds`;
+    ``None``: dense): one product per block, the zero blocks never multiplied (the whole
+    product where that saves little, :data:`BLOCK_PRODUCT_SHARE`; the same value)."""
+    size = basis.shape[0]
+    bounds = [] if block is None else block_bounds(size, block)
+    if sum((j - i) ** 2 for i, j in bounds) > BLOCK_PRODUCT_SHARE * size * size or not bounds:
+        return basis @ matrix if left else matrix @ basis
+    if left:
+        return torch.cat([basis[i:j, i:j] @ matrix[i:j] for i, j in bounds], dim=0)
+    return torch.cat([matrix[:, i:j] @ basis[i:j, i:j] for i, j in bounds], dim=1)
 
 
 def change_basis(
@@ -535,13 +623,16 @@ def change_basis(
 
     The dense products run in ``dtype`` (``None``: ``matrix``'s; the module notes on
     rotation precision); the structured input side is cheap and keeps full precision, and
-    a state with no dense side (both one-sided) is not rounded at all.
+    a state with no dense side (both one-sided) is not rounded at all. A block-diagonal
+    side (:func:`side_block`) is multiplied block by block.
     """
     structured = "qa_order" in state
     dense = state["qg"].numel() > 0 or (not structured and state["qa"].numel() > 0)
     low = (dtype if dense else None) or matrix.dtype
     qg = state["qg"].to(low)
-    half = rotate(matrix.to(low), qg if out else qg.T, _IDENTITY)
+    half = matrix.to(low)
+    if qg.numel():
+        half = times_blocks(qg if out else qg.T, half, side_block(state, "qg"), left=True)
     if structured:
         half = half.to(matrix.dtype)
     return times_input_basis(half, state, transpose=out).to(matrix.dtype)
@@ -566,7 +657,9 @@ def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = Fals
         positions = state["qa_positions"].to(matrix.dtype)
         return times_basis(matrix, channels, positions, state["qa_order"], transpose)
     qa = state["qa"].to(matrix.dtype)
-    return rotate(matrix, _IDENTITY, qa.T if transpose else qa)
+    if not qa.numel():
+        return matrix
+    return times_blocks(qa.T if transpose else qa, matrix, side_block(state, "qa"), left=False)
 
 
 def _transition(new: Tensor, old: Tensor) -> Tensor:

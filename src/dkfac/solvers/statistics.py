@@ -3,6 +3,8 @@
 An accumulator sums one step's contributions over micro-batches; a
 :class:`StatisticKind` says how the step's value is combined over ranks, averaged over
 steps, rescaled under a ``GradScaler``, checkpointed and handed to the solver.
+:class:`BlockDiagonalStatistic` is a dense statistic of which only the diagonal blocks are
+computed (for a solver that reads nothing else).
 """
 
 from __future__ import annotations
@@ -100,6 +102,56 @@ class FactorAccumulator:
         self.normaliser = 0.0
 
 
+def block_bounds(size: int, block: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: ``range(size)`` cut into consecutive blocks of ``block``
+    (the last one shorter when ``block`` does not divide ``size``).
+
+    Raises:
+        ValueError: If ``size`` or ``block`` is below 1.
+    """
+    if size < 1 or block < 1:
+        raise ValueError(f"block_bounds needs size and block >= 1, got {size} and {block}")
+    return [(start, min(start + block, size)) for start in range(0, size, block)]
+
+
+@dataclass
+class BlockDiagonalAccumulator(FactorAccumulator):
+    """A :class:`FactorAccumulator` that computes only the diagonal blocks of ``RᵀR``.
+
+    The sum is kept as the whole ``d × d`` matrix with zeros off the blocks of
+    :func:`block_bounds`, so ranks, running averages and checkpoints treat it as a dense
+    statistic; the products cost ``d · block`` per row instead of ``d²``. A precomputed
+    sum (:meth:`add_sum`) has its off-diagonal blocks zeroed, so both paths hold the same.
+
+    Attributes:
+        block: The width of a diagonal block (>= 1).
+    """
+
+    block: int = 1
+
+    def add(self, rows: Rows, scale: float = 1.0) -> None:
+        """Adds the diagonal blocks of ``scale · rows.T @ rows`` and the rows' normaliser."""
+        dtype = self.compute_dtype
+        matrix = rows.rows if dtype is None else rows.rows.to(dtype)
+        size = matrix.shape[1]
+        if self.total is None:
+            self.total = matrix.new_zeros(size, size, dtype=self.dtype or matrix.dtype)
+        for start, stop in block_bounds(size, self.block):
+            part = matrix[:, start:stop]
+            product = part.T @ part
+            if scale != 1.0:
+                product = product * scale
+            self.total[start:stop, start:stop] += product.to(self.total.dtype)
+        self.normaliser += rows.normaliser
+
+    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
+        """Adds the diagonal blocks of a precomputed sum of outer products."""
+        masked = torch.zeros_like(total)
+        for start, stop in block_bounds(total.shape[0], self.block):
+            masked[start:stop, start:stop] = total[start:stop, start:stop]
+        super().add_sum(masked, normaliser, scale)
+
+
 class Accumulator(Protocol):
     """One statistic's accumulator: dense (:class:`FactorAccumulator`) or low-rank
     (:class:`~dkfac.solvers.lowrank.factor.LowRankRowsAccumulator`); blocks see it as a
@@ -142,12 +194,13 @@ class StatisticKind(ABC):
 
     The engine, the strategies, checkpoints and the refresh policy ask a layer's statistic
     kinds (given by its solver, :meth:`dkfac.solvers.base.Solver.statistics`) and never what
-    the solver is. Two kinds exist: :class:`DenseStatistic` (``Σ RᵀR / n``, the default) and
+    the solver is. Three kinds exist: :class:`DenseStatistic` (``Σ RᵀR / n``, the default),
+    its :class:`BlockDiagonalStatistic` (only the diagonal blocks computed) and
     :class:`~dkfac.solvers.lowrank.factor.LowRankStatistic` (the rows ``U`` with
     ``F = U Uᵀ``, for the SMW solver).
 
     Attributes:
-        label: ``describe()``'s word for it (``"dense"``, ``"lowrank"``).
+        label: ``describe()``'s word for it (``"dense"``, ``"blockdiag"``, ``"lowrank"``).
         gathered: Ranks combine it by concatenating their rows (an all-gather) instead of
             averaging it.
         comparable: Its successive values keep one shape, so a refresh policy can measure
@@ -208,3 +261,26 @@ class DenseStatistic(StatisticKind):
         """The saved shape must equal the statistic's shape."""
         if got != shape:
             raise ValueError(f"{where} has shape {got}, expected {shape}")
+
+
+@dataclass(frozen=True)
+class BlockDiagonalStatistic(DenseStatistic):
+    """A dense statistic of which only the diagonal blocks of width ``block`` are computed
+    (:class:`BlockDiagonalAccumulator`); the off-diagonal blocks stay zero. It is combined,
+    averaged, rescaled and saved as a dense one of the same shape, for a solver that reads
+    only those blocks (:class:`~dkfac.solvers.eigen_moments.EigenMomentsSolver` with
+    ``block_size``).
+
+    Attributes:
+        block: The width of a diagonal block.
+    """
+
+    block: int
+    label: ClassVar[str] = "blockdiag"
+
+    def accumulator(
+        self, dtype: torch.dtype | None, capture_dtype: torch.dtype | None
+    ) -> BlockDiagonalAccumulator:
+        """A :class:`BlockDiagonalAccumulator` storing in ``dtype``, products in
+        ``capture_dtype``."""
+        return BlockDiagonalAccumulator(dtype, capture_dtype, block=self.block)
