@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
+from dkfac.solvers.statistics import BlockDiagonalStatistic
 from tests.oracles import weight_grad_matrix
 from tests.strategy_cases import global_batch, make_model, serial_step
 
@@ -78,11 +79,14 @@ def test_engine_update_is_adam_in_the_basis_of_the_layer_state(
             assert (state["qa"].numel() == 0) == (max_dim is not None and a_dim > max_dim)
             blocked = block is not None and a_dim > block
             assert ("qa_block" in state) == blocked
-            if blocked:
-                off = qa.clone()
-                for start in range(0, a_dim, 8):
-                    off[start : start + 8, start : start + 8] = 0
-                assert not off.any(), f"{name}: the basis is not block-diagonal"
+            if blocked:  # the basis and the running factor it came from: blocks of 8 only
+                assert isinstance(layer.kinds["A"], BlockDiagonalStatistic)
+                running = layer.running["A"]
+                for matrix in (qa, running):
+                    off = matrix.clone()
+                    for start in range(0, a_dim, 8):
+                        off[start : start + 8, start : start + 8] = 0
+                    assert not off.any(), f"{name}: not block-diagonal"
             low = into or raw[name].dtype
             r = ((qg.T.to(low) @ raw[name].to(low)) @ qa.to(low)).to(raw[name].dtype)
             m[name] = b1 * m.get(name, 0 * r) + (1 - b1) * r
@@ -161,7 +165,9 @@ def test_checkpoint_round_trip_continues_bit_identically(
     maps: dict[str, tuple[int, int]],
     power_rank: int | str | None,
 ) -> None:
-    blocks = power_rank == "blocks"  # basis_block_size=8: the markers must survive the trip
+    """``"blocks"`` in the last column: ``basis_block_size=8`` (the markers of the
+    block-diagonal bases must survive the trip) instead of a ``power_rank``."""
+    blocks = power_rank == "blocks"
     options = {
         "basis_refresh": refresh,
         "inverse_update_interval": 2,

@@ -54,7 +54,8 @@ def _grads(steps: int, g_dim: int = G_DIM, a_dim: int = A_DIM) -> list[Tensor]:
 
 def _updates(solver: EigenAdamSolver | EKFACSolver, state: dict[str, Tensor]) -> list[Tensor]:
     moments, out = None, []
-    for grad in _grads(3):
+    g_dim, a_dim = state["qg"].shape[0], state["qa"].shape[0]
+    for grad in _grads(3, g_dim, a_dim):
         update, moments = solver.apply_with_moments(state, moments, grad, 0.1)
         out.append(update)
     return out
@@ -83,6 +84,20 @@ def test_the_accumulator_holds_the_diagonal_blocks_of_the_dense_sum(
     assert dense.total is not None and blocked.total is not None
     torch.testing.assert_close(blocked.total, _masked(dense.total))
     assert blocked.total[0, 4] == 0 and dense.total[0, 4] != 0
+
+
+def test_a_low_precision_product_is_stored_before_it_is_scaled() -> None:
+    """float16 products of 4096 rows times the squared batch size overflow float16; like the
+    dense accumulator, the blocked one converts each product to float32 first."""
+    gen = torch.Generator().manual_seed(2)
+    rows = _Rows(torch.randn(4096, 8, generator=gen))
+    dense = FactorAccumulator(torch.float32, torch.float16)
+    blocked = BlockDiagonalAccumulator(torch.float32, torch.float16, block=BLOCK)
+    for acc in (dense, blocked):
+        acc.add(rows, scale=1.2e5)
+    assert dense.total is not None and blocked.total is not None
+    assert torch.isfinite(blocked.total).all()
+    torch.testing.assert_close(blocked.total, _masked(dense.total))
 
 
 def test_a_precomputed_sum_loses_its_off_diagonal_blocks() -> None:
@@ -122,28 +137,53 @@ def test_a_blocked_basis_is_the_eigenbasis_of_each_diagonal_block() -> None:
 
 @pytest.mark.parametrize("solver_type", [EigenAdamSolver, EKFACSolver])
 @pytest.mark.parametrize("refresh", ["eigh", "power"])
+@pytest.mark.parametrize("wide", ["A", "G"])
 def test_a_blocked_solver_equals_the_dense_one_on_the_block_diagonal_factor(
-    solver_type: type[EigenAdamSolver] | type[EKFACSolver], refresh: str
+    solver_type: type[EigenAdamSolver] | type[EKFACSolver], refresh: str, wide: str
 ) -> None:
     """Three updates, a refresh from the first state (a power step per block against one
-    power step of the dense solver from the same block-diagonal basis), three more."""
+    power step of the dense solver from the same block-diagonal basis), three more; the
+    11-wide side (blocks of 4, 4 and 3) is the input or the output side."""
     options = {"basis_refresh": refresh, "carry": "reset"}
     blocked = solver_type(DT, MomentOptions(block_size=BLOCK, **options))  # type: ignore[arg-type]
     dense = solver_type(DT, MomentOptions(**options))  # type: ignore[arg-type]
-    a, g, later = _spd(A_DIM, 4), _spd(G_DIM, 5), _spd(A_DIM, 6)
-    first = blocked.compute(a, g, 0.1)
-    for got, want in zip(
-        _updates(blocked, first), _updates(dense, dense.compute(_masked(a), g, 0.1)), strict=True
-    ):
+    narrow = G_DIM if wide == "A" else 3
+    first_stats = {"A": _spd(A_DIM, 4), "G": _spd(narrow, 5)}
+    later_stats = {"A": _spd(A_DIM, 6), "G": first_stats["G"]}
+    if wide == "G":  # the same matrices, the other way round
+        first_stats = {"A": first_stats["G"], "G": first_stats["A"]}
+        later_stats = {"A": later_stats["G"], "G": later_stats["A"]}
+    key = "qa" if wide == "A" else "qg"
+
+    def masked(stats: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {**stats, wide: _masked(stats[wide])}
+
+    first = blocked.compute_statistics(first_stats, 0.1)
+    assert side_block(first, key) == BLOCK
+    want_first = dense.compute_statistics(masked(first_stats), 0.1)
+    for got, want in zip(_updates(blocked, first), _updates(dense, want_first), strict=True):
         torch.testing.assert_close(got, want)
-    stats = {"A": later, "G": g}
-    refreshed = blocked.compute_statistics(stats, 0.1, previous=first)
+    refreshed = blocked.compute_statistics(later_stats, 0.1, previous=first)
     plain_first = {k: v for k, v in first.items() if not k.endswith("_block")}
-    dense_stats = {"A": _masked(later), "G": g}
-    want_state = dense.compute_statistics(dense_stats, 0.1, previous=plain_first)
-    torch.testing.assert_close(refreshed["qa"] @ refreshed["qa"].T, torch.eye(A_DIM, dtype=DT))
+    want_state = dense.compute_statistics(masked(later_stats), 0.1, previous=plain_first)
+    torch.testing.assert_close(refreshed[key] @ refreshed[key].T, torch.eye(A_DIM, dtype=DT))
     for got, want in zip(_updates(blocked, refreshed), _updates(dense, want_state), strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("previous_block", [None, 3])
+def test_a_power_step_does_not_follow_a_basis_of_other_blocks(previous_block: int | None) -> None:
+    """A previous basis that is dense (a checkpoint without the option) or blocked otherwise
+    has diagonal blocks that are not orthogonal: each block gets an ``eigh`` instead."""
+    a, g = _spd(A_DIM, 10), _spd(G_DIM, 11)
+    options = {"basis_refresh": "power", "carry": "reset"}
+    other = MomentOptions(block_size=previous_block, **options)  # type: ignore[arg-type]
+    previous = EigenAdamSolver(DT, other).compute(_spd(A_DIM, 12), g, 0.1)
+    blocked = EigenAdamSolver(DT, MomentOptions(block_size=BLOCK, **options))  # type: ignore[arg-type]
+    refreshed = blocked.compute_statistics({"A": a, "G": g}, 0.1, previous=previous)
+    fresh = blocked.compute_statistics({"A": a, "G": g}, 0.1)  # an eigh per block
+    torch.testing.assert_close(refreshed["qa"].abs(), fresh["qa"].abs())
+    torch.testing.assert_close(refreshed["da"], fresh["da"])
 
 
 def test_block_products_equal_the_dense_ones() -> None:
@@ -153,6 +193,9 @@ def test_block_products_equal_the_dense_ones() -> None:
     torch.testing.assert_close(times_blocks(basis.T, matrix, 4, left=True), basis.T @ matrix)
     torch.testing.assert_close(times_blocks(basis, matrix.T, 4, left=False), matrix.T @ basis)
     torch.testing.assert_close(times_blocks(basis, matrix, None, left=True), basis @ matrix)
+    noisy = basis + torch.where(basis == 0, 1.0, 0.0).to(DT)  # the products never read it
+    torch.testing.assert_close(times_blocks(noisy, matrix, 4, left=True), basis @ matrix)
+    torch.testing.assert_close(times_blocks(noisy, matrix.T, 4, left=False), matrix.T @ basis)
     nearly_dense = torch.block_diag(torch.randn(10, 10, dtype=DT), torch.randn(1, 1, dtype=DT))
     got = times_blocks(nearly_dense, matrix.T, 10, left=False)  # one product: the same value
     torch.testing.assert_close(got, matrix.T @ nearly_dense)

@@ -191,10 +191,12 @@ class SolverConfig:
             wider than ``basis_max_dim``) gets a block-diagonal basis, its dimension cut
             into consecutive blocks of this width (the last one shorter), and only those
             diagonal blocks of the factor are captured: for a side ``k`` blocks wide,
-            ``1/k`` of the flops of its capture, rotations and refresh, for the correlations
-            between blocks (:mod:`dkfac.solvers.eigen_moments`). Meant for sides whose units
-            have no order, such as a transformer MLP's 4·width hidden units (BENCHMARKS.md
-            section 20). Not applied to the structured input side of ``flattened_inputs``.
+            ``1/k`` of the flops of its capture and rotations and ``1/k²`` of its refresh's
+            decompositions, for the correlations between blocks
+            (:mod:`dkfac.solvers.eigen_moments`; a convolution's precomputed sum is formed
+            whole, then masked). Meant for sides whose units have no order, such as a
+            transformer MLP's 4·width hidden units (BENCHMARKS.md section 20); it applies to
+            every layer. Not applied to the structured input side of ``flattened_inputs``.
             ``None`` (default): every basis is dense.
     """
 

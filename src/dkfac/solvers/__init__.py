@@ -36,7 +36,7 @@ from dkfac.solvers.lowrank.deferred import (
 )
 from dkfac.solvers.lowrank.smw import SMWSolver
 from dkfac.solvers.polar import NS_STEPS
-from dkfac.solvers.statistics import DenseStatistic, StatisticKind
+from dkfac.solvers.statistics import BlockDiagonalStatistic, DenseStatistic, StatisticKind
 from dkfac.solvers.unitwise import UnitwiseSolver
 
 MethodName = Literal["eigen", "cholesky", "smw", "auto", "ekfac", "eigen_adam"]
@@ -135,6 +135,7 @@ __all__ = [
     "NS_STEPS",
     "SOLVERS",
     "BasisRefresh",
+    "BlockDiagonalStatistic",
     "CholeskySolver",
     "DenseStatistic",
     "EKFACSolver",

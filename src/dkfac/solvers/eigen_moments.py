@@ -69,10 +69,14 @@ checkpoints) with an empty ``(0, block_size)`` tensor beside it (``qa_block``/``
 the width is in the shape, so a rotation reads it without waiting for a device), and
 every product with it runs block by block (:func:`times_blocks`); the factor itself is
 captured as its diagonal blocks only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`).
-For a side of ``n = k·b`` that is ``1/k`` of the flops of the capture, the rotations and the
-refresh (Distributed Shampoo's blocking of a wide dimension, here of one Kronecker side). It
-drops the correlations between blocks, so it suits a side whose units have no order, such
-as a transformer MLP's hidden units (BENCHMARKS.md section 20).
+For a side of ``n = k·b`` that is ``1/k`` of the flops of the capture and the rotations and
+``1/k²`` of the refresh's decompositions (Distributed Shampoo's blocking of a wide
+dimension, here of one Kronecker side); ``power_rank`` applies to each block. A power step
+follows the previous basis only where it has the same blocks (``_previous_basis``: the
+diagonal blocks of a dense basis, from a checkpoint without the option, are not
+orthogonal); elsewhere each block gets an ``eigh``. It drops the correlations between
+blocks, so it suits a side whose units have no order, such as a transformer MLP's hidden
+units (BENCHMARKS.md section 20).
 
 **Rotation precision** (``rotation_dtype``): the rotation of the update out of the basis,
 ``V = Q_G S Q_Aᵀ``, may run in a lower precision than the gradient, e.g. ``torch.bfloat16``
@@ -461,8 +465,8 @@ class EigenMomentsSolver(Solver):
                 da, qa = basis.estimates, basis.dense
                 parts = {"qa_channels": basis.channels, "qa_positions": basis.positions}
             else:
-                da, qa = self._side(a, None if previous is None else previous.get("qa"), dtype)
-            dg, qg = self._side(g, None if previous is None else previous.get("qg"), dtype)
+                da, qa = self._side(a, self._previous_basis(previous, "qa"), dtype)
+            dg, qg = self._side(g, self._previous_basis(previous, "qg"), dtype)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
             for key, factor in (("qa", a), ("qg", g)):
                 structured = key == "qa" and self.input_map is not None
@@ -475,6 +479,20 @@ class EigenMomentsSolver(Solver):
             return state
 
         return self.with_retry(run)
+
+    def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
+        """The basis ``previous[key]`` that a power step may follow: ``None`` where its
+        blocks (:func:`side_block`) differ from the ones this solver builds for that side (a
+        dense basis under ``block_size``, or other blocks: a checkpoint of other options),
+        whose diagonal blocks would not be orthogonal; each block then gets a full ``eigh``.
+        """
+        if previous is None or key not in previous:
+            return None
+        basis = previous[key]
+        blocked = self._blocked(basis.shape[0])
+        if side_block(previous, key) != (self.options.block_size if blocked else None):
+            return None
+        return basis
 
     def _side(
         self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype

@@ -121,7 +121,11 @@ class BlockDiagonalAccumulator(FactorAccumulator):
     The sum is kept as the whole ``d × d`` matrix with zeros off the blocks of
     :func:`block_bounds`, so ranks, running averages and checkpoints treat it as a dense
     statistic; the products cost ``d · block`` per row instead of ``d²``. A precomputed
-    sum (:meth:`add_sum`) has its off-diagonal blocks zeroed, so both paths hold the same.
+    sum (:meth:`add_sum`: a convolution's capture without a reduction) has its off-diagonal
+    blocks zeroed, so both paths hold the same (the sum itself was computed whole: no saving
+    there). As :class:`FactorAccumulator`, each product is converted to the stored precision
+    before it is scaled (a low-precision product times the squared batch size would overflow
+    float16).
 
     Attributes:
         block: The width of a diagonal block (>= 1).
@@ -138,10 +142,8 @@ class BlockDiagonalAccumulator(FactorAccumulator):
             self.total = matrix.new_zeros(size, size, dtype=self.dtype or matrix.dtype)
         for start, stop in block_bounds(size, self.block):
             part = matrix[:, start:stop]
-            product = part.T @ part
-            if scale != 1.0:
-                product = product * scale
-            self.total[start:stop, start:stop] += product.to(self.total.dtype)
+            product = (part.T @ part).to(self.total.dtype)  # stored precision, then scaled
+            self.total[start:stop, start:stop].add_(product, alpha=scale)
         self.normaliser += rows.normaliser
 
     def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
@@ -269,7 +271,8 @@ class BlockDiagonalStatistic(DenseStatistic):
     (:class:`BlockDiagonalAccumulator`); the off-diagonal blocks stay zero. It is combined,
     averaged, rescaled and saved as a dense one of the same shape, for a solver that reads
     only those blocks (:class:`~dkfac.solvers.eigen_moments.EigenMomentsSolver` with
-    ``block_size``).
+    ``block_size``). A running value saved by it and loaded where the side is dense has zero
+    off-diagonal blocks, which the running average then fills in over the next updates.
 
     Attributes:
         block: The width of a diagonal block.
