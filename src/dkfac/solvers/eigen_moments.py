@@ -434,18 +434,20 @@ class EigenMomentsSolver(Solver):
         """Dense, except a side with a block-diagonal basis: only its diagonal blocks are
         computed (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`)."""
         kinds = super().statistics(shapes)
-        for key, shape in shapes.items():
-            structured = key == "A" and self.input_map is not None
-            if key in ("A", "G") and not structured and self._blocked(shape[0]):
-                assert self.options.block_size is not None
-                kinds[key] = BlockDiagonalStatistic(self.options.block_size)
+        for key in ("A", "G"):
+            width = None if key not in shapes else self._block_width(shapes[key][0], key == "A")
+            if width is not None:
+                kinds[key] = BlockDiagonalStatistic(width)
         return kinds
 
-    def _blocked(self, size: int) -> bool:
-        """Whether a factor of dimension ``size`` gets a block-diagonal basis (wider than
-        ``block_size`` and not one-sided)."""
+    def _block_width(self, size: int, input_side: bool) -> int | None:
+        """The block width of a side of dimension ``size``: ``block_size`` where it is wider
+        and neither one-sided (wider than ``max_dim``) nor the structured input side
+        (``input_map``); ``None`` where its basis is dense."""
         block, max_dim = self.options.block_size, self.options.max_dim
-        return block is not None and size > block and (max_dim is None or size <= max_dim)
+        if block is None or size <= block or (max_dim is not None and size > max_dim):
+            return None
+        return None if input_side and self.input_map is not None else block
 
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Eigendecomposes both factors (descending order; ``damping`` is used at apply)."""
@@ -469,10 +471,9 @@ class EigenMomentsSolver(Solver):
             dg, qg = self._side(g, self._previous_basis(previous, "qg"), dtype)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
             for key, factor in (("qa", a), ("qg", g)):
-                structured = key == "qa" and self.input_map is not None
-                if not structured and self._blocked(factor.shape[0]):
-                    assert self.options.block_size is not None
-                    pairs[f"{key}_block"] = factor.new_empty(0, self.options.block_size)
+                width = self._block_width(factor.shape[0], key == "qa")
+                if width is not None:
+                    pairs[f"{key}_block"] = factor.new_empty(0, width)
             state = {key: value.to(storage) for key, value in pairs.items()}
             if self.input_map is not None:
                 state["qa_order"] = basis.order  # int64 indices, whatever the storage
@@ -489,26 +490,27 @@ class EigenMomentsSolver(Solver):
         if previous is None or key not in previous:
             return None
         basis = previous[key]
-        blocked = self._blocked(basis.shape[0])
-        if side_block(previous, key) != (self.options.block_size if blocked else None):
+        if side_block(previous, key) != self._block_width(basis.shape[0], key == "qa"):
             return None
         return basis
 
     def _side(
         self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
-        """``(d, Q)`` of one factor: the identity (empty pair) when wider than ``max_dim``,
-        else one power step from a fitting ``previous`` basis or a full ``eigh`` (the first
-        decomposition of a wide factor of low rank: :func:`range_eigh`)."""
+        """``(d, Q)`` of one factor (never the structured input side, which has its own
+        basis): the identity (empty pair) when wider than ``max_dim``; a block-diagonal
+        basis of :meth:`_dense_side` per block when wider than ``block_size``; else
+        :meth:`_dense_side` of the whole factor."""
         if self.options.max_dim is not None and factor.shape[0] > self.options.max_dim:
             return factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
-        if self._blocked(factor.shape[0]):
-            assert self.options.block_size is not None
-            fits = previous is not None and previous.shape == factor.shape
+        width = self._block_width(factor.shape[0], input_side=False)
+        if width is not None:
+            if previous is not None and previous.shape != factor.shape:
+                previous = None
             values, bases = [], []
-            for start, stop in block_bounds(factor.shape[0], self.options.block_size):
+            for start, stop in block_bounds(factor.shape[0], width):
                 part = slice(start, stop)
-                old = previous[part, part] if fits and previous is not None else None
+                old = None if previous is None else previous[part, part]
                 d, q = self._dense_side(factor[part, part], old, dtype)
                 values.append(d)
                 bases.append(q)
@@ -518,7 +520,9 @@ class EigenMomentsSolver(Solver):
     def _dense_side(
         self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
-        """``(d, Q)`` of a factor with a dense basis (one power step, or an ``eigh``)."""
+        """``(d, Q)`` of a factor with a dense basis: one power step from a fitting
+        ``previous`` basis, or a full ``eigh`` (the first decomposition of a wide factor of
+        low rank: :func:`range_eigh`)."""
         power = self.options.basis_refresh == "power"
         if power and previous is not None and previous.shape == factor.shape:
             return power_refresh(factor, previous, dtype, self.options.power_rank)
