@@ -99,8 +99,9 @@ class KFACOptimizer(Optimizer):
         them, under ``torch.optim.SGD(lr=lr, momentum=0, weight_decay=weight_decay)``: the
         preconditioner's update is the whole step, and SGD's weight decay acts on the update
         plus the weights, i.e. AdamW's decoupled decay. Parameters the preconditioner does
-        not take (LayerNorm, raw ``nn.Parameter``s; ``pre.describe()`` lists them) get plain
-        SGD steps at ``lr``.
+        not take (LayerNorm, raw ``nn.Parameter``s; ``pre.describe()`` lists them) get
+        Adam's direction on their raw gradient (``leftover_update``), so the same SGD steps
+        them as AdamW at ``lr`` would.
 
         Args:
             model: The model to train (its trainable parameters go to the inner SGD).

@@ -31,6 +31,10 @@ them, the per-layer math is in :mod:`~dkfac.engine.step_math`.
    :func:`~dkfac.engine.step_math.kl_clip_scale`) and written back
    (:func:`~dkfac.engine.step_math.write_back`).
 
+Then, with ``leftover_update`` (the default under ``"eigen_adam"``), ``dkfac.leftover``
+replaces the gradients of the parameters no block takes by Adam's direction on them
+(:mod:`~dkfac.engine.leftover`).
+
 Scale convention (see :class:`~dkfac.engine.capture.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
 ``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
@@ -48,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dkfac.config import KFACConfig, check_schedule_value, resolve
+from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
@@ -56,6 +60,7 @@ from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.layer_state import LayerState
+from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
@@ -83,7 +88,8 @@ class KFACPreconditioner:
     Args:
         model: The model. Its ``nn.Linear`` and ``nn.Conv2d`` layers (and any type
             registered with :func:`dkfac.blocks.register_block`) are preconditioned; every
-            other parameter keeps its plain gradient. For every strategy but ``"spngd"``
+            other parameter keeps its plain gradient (under ``"eigen_adam"``: Adam's
+            direction on it, ``leftover_update``). For every strategy but ``"spngd"``
             wrap it in ``DistributedDataParallel`` when training on several ranks, so the
             gradients arrive averaged. ``"spngd"`` needs the unwrapped model: its
             ``step()`` averages the gradients of *all* parameters itself.
@@ -162,6 +168,11 @@ class KFACPreconditioner:
         if self.eager is not None:
             self._hooks.add(self.eager)
         self._other_params = other_parameters(unwrap(model), self.layers)
+        self.leftover: LeftoverAdam | None = None
+        if leftover_adam(config):
+            ids = {id(p) for p in self._other_params}
+            named = {n: p for n, p in unwrap(model).named_parameters() if id(p) in ids}
+            self.leftover = LeftoverAdam(named, config)
         self.schedule_captures(0)
         self.last_kl_scale: float | None = None
 
@@ -261,6 +272,9 @@ class KFACPreconditioner:
             scale = kl_clip_scale(self.strategy, finals, ready, grads, kl_clip, lr)
             write_back(self.layers, finals, delivered, ready, scale)
             self.last_kl_scale = None if scale is None else float(scale)
+        if self.leftover is not None:
+            with record_function("dkfac.leftover"):
+                self.leftover.step()
         self.comm.ledger.end_step()
         self._marks.record(self._params())
         self._steps += 1
@@ -364,6 +378,8 @@ class KFACPreconditioner:
                 usage[kind] += nbytes
         if self.eager is not None:  # statistics already handed to the overlapped reduction
             usage["accumulators"] += self.eager.pending_bytes()
+        if self.leftover is not None:
+            usage["moments"] += self.leftover.nbytes()
         return usage
 
     def describe(self) -> list[dict[str, Any]]:
@@ -376,12 +392,19 @@ class KFACPreconditioner:
         (:mod:`dkfac.solvers.lowrank.deferred`); likewise ``a_factor``/``g_factor``. A
         parameter's row (:mod:`~dkfac.engine.coverage`) has the same keys: ``name``,
         ``block="inner optimizer"``, ``reason``, ``parameters``, ``numel``, the others
-        ``None``; a layer's ``reason`` is ``None`` and ``numel`` its gradient's entries.
+        ``None`` but ``method``: ``"adam"`` where ``leftover_update`` gives it Adam's
+        direction (:mod:`~dkfac.engine.leftover`); a layer's ``reason`` is ``None`` and
+        ``numel`` its gradient's entries.
         """
         rows = {
             name: {**x.summary(), **self.strategy.describe(name)} for name, x in self.layers.items()
         }
-        return self.coverage.table(rows)
+        table = self.coverage.table(rows)
+        if self.leftover is not None:
+            for row in table:
+                if row["block"] == "inner optimizer" and row["name"] in self.leftover.params:
+                    row["method"] = "adam"
+        return table
 
     def state_dict(self, include_inverses: bool = False, gather: bool = True) -> dict[str, Any]:
         """Step counter and running factors keyed by module name.
@@ -401,12 +424,15 @@ class KFACPreconditioner:
             self.layers, self.strategy, self.comm, include_inverses=include_inverses, gather=gather
         )
         generator = self.capture.generator
-        return {
+        state = {
             "step": self.steps,
             "layers": layers,
             "mc_generator": None if generator is None else generator.get_state(),
             "refresh": self.refresh.state_dict(),
         }
+        if self.leftover is not None:  # the same on every rank: no gathering
+            state["leftover"] = self.leftover.state_dict()
+        return state
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Raises ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing.
@@ -415,6 +441,13 @@ class KFACPreconditioner:
         finite, the step, the refresh and Monte-Carlo generator states.
         """
         check_state(state, self.layers, self.refresh, self._device())
+        self._check_leftover(state)
+
+    def _check_leftover(self, state: dict[str, Any]) -> None:
+        """Raises ValueError unless the saved leftover moments fit (absent ones are fine)."""
+        saved = state.get("leftover")
+        if saved is not None and self.leftover is not None:
+            self.leftover.check_state_dict(saved)
 
     def _device(self) -> torch.device:
         return next(iter(self.layers.values())).block.parameters()[0].device
@@ -431,7 +464,10 @@ class KFACPreconditioner:
                 only a failing collective can interrupt the load.
         """
         step = check_state(state, self.layers, self.refresh, self._device())
+        self._check_leftover(state)
         stale = load_layers_state(self.layers, self.strategy, state["layers"])
+        if self.leftover is not None:
+            self.leftover.load_state_dict(state.get("leftover") or {})
         if state.get("refresh"):
             self.refresh.load_state_dict(dict(state["refresh"]))
         if state.get("mc_generator") is not None:

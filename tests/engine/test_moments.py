@@ -232,8 +232,10 @@ def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
         layer.solver.moment_elements(layer.block.a_dim, layer.block.g_dim) * 8
         for layer in pre.layers.values()
     )
+    left = pre.leftover  # the LayerNorm's Adam moments: m, v and a count per parameter
+    assert left is not None and left.nbytes() == sum((2 * 6 + 1) * 8 for _ in range(2))
     usage = pre.memory_usage()
-    assert (usage["inverses"], usage["moments"]) == (state, moments)
+    assert (usage["inverses"], usage["moments"]) == (state, moments + left.nbytes())
 
 
 @pytest.mark.parametrize(

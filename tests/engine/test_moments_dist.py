@@ -176,6 +176,14 @@ def test_moments_on_two_ranks_equal_serial(
                 torch.testing.assert_close(
                     entry["moments"][key], value, **TOL, msg=f"{label}, rank {rank}, {name} {key}"
                 )
+        # the LayerNorm no block takes: Adam's moments on its averaged gradient, the same
+        # on every rank (leftover_update's default under eigen_adam)
+        assert set(state["leftover"]) == {"4.weight", "4.bias"}
+        for name, moments in serial_state["leftover"].items():
+            for key, value in moments.items():
+                torch.testing.assert_close(
+                    state["leftover"][name][key], value, **TOL, msg=f"{label}, rank {rank}, {name}"
+                )
 
 
 def test_dp_on_two_ranks_with_the_same_batch_equals_serial(

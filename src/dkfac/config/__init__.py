@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
 from dkfac.config.groups import (
     FISHER_TYPES,
+    LEFTOVER_UPDATES,
     METHODS,
     OVERLAP_MODES,
     PLACEMENT_COSTS,
@@ -28,6 +29,7 @@ from dkfac.config.groups import (
     DistributionConfig,
     EstimationConfig,
     FisherType,
+    LeftoverUpdate,
     Method,
     OverlapMode,
     PlacementCost,
@@ -35,6 +37,7 @@ from dkfac.config.groups import (
     RefreshKind,
     SolverConfig,
     StrategyChoice,
+    leftover_adam,
     unread_moment_fields,
 )
 from dkfac.config.schedules import SCHEDULE_DOMAINS, Schedule, check_schedule_value, resolve
@@ -42,6 +45,7 @@ from dkfac.config.schedules import SCHEDULE_DOMAINS, Schedule, check_schedule_va
 __all__ = [
     "FISHER_TYPES",
     "GROUPS",
+    "LEFTOVER_UPDATES",
     "METHODS",
     "OVERLAP_MODES",
     "PLACEMENT_COSTS",
@@ -52,6 +56,7 @@ __all__ = [
     "EstimationConfig",
     "FisherType",
     "KFACConfig",
+    "LeftoverUpdate",
     "Method",
     "OverlapMode",
     "PlacementCost",
@@ -66,6 +71,7 @@ __all__ = [
     "check_int",
     "check_range",
     "check_schedule_value",
+    "leftover_adam",
     "resolve",
     "unread_moment_fields",
 ]

@@ -38,12 +38,14 @@ from dkfac.solvers import (
     EigenMomentsSolver,
     MethodName,
     MomentCarry,
+    MomentOptions,
     check_moment_combinations,
     method_names,
 )
 
 __all__ = [
     "FISHER_TYPES",
+    "LEFTOVER_UPDATES",
     "LOSS_AVERAGES",
     "METHODS",
     "OVERLAP_MODES",
@@ -53,6 +55,7 @@ __all__ = [
     "DistributionConfig",
     "EstimationConfig",
     "FisherType",
+    "LeftoverUpdate",
     "LossAverage",
     "Method",
     "OverlapMode",
@@ -61,6 +64,7 @@ __all__ = [
     "RefreshKind",
     "SolverConfig",
     "StrategyChoice",
+    "leftover_adam",
     "unread_moment_fields",
 ]
 
@@ -93,6 +97,8 @@ OverlapMode = Literal["auto", "on", "off"]
 OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
 RefreshKind = Literal["fixed", "adaptive"]
 REFRESH_KINDS: tuple[str, ...] = get_args(RefreshKind)
+LeftoverUpdate = Literal["auto", "gradient", "adam"]
+LEFTOVER_UPDATES: tuple[str, ...] = get_args(LeftoverUpdate)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,9 +228,21 @@ class SolverConfig:
     gradient_rotation_dtype: torch.dtype | None = None
     power_rank: int | None = None
     basis_block_size: int | None = None
+    leftover_update: LeftoverUpdate = "auto"
 
     def __post_init__(self) -> None:
         self._check_solver()
+
+    def adam_options(self) -> MomentOptions:
+        """The moment fields Adam itself reads (β₁, β₂, ε, bias correction, Nesterov) as
+        :class:`~dkfac.solvers.MomentOptions`, every basis option at its default."""
+        return MomentOptions(
+            beta1=self.moment_beta1,
+            beta2=self.moment_beta2,
+            eps=self.moment_eps,
+            bias_correction=self.moment_bias_correction,
+            nesterov=self.moment_nesterov,
+        )
 
     def _check_solver(self) -> None:
         check_choice("method", self.method, method_names())
@@ -262,6 +280,13 @@ class SolverConfig:
         check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered)
         check_int("power_rank", self.power_rank, optional=True)
         check_int("basis_block_size", self.basis_block_size, optional=True)
+        check_choice("leftover_update", self.leftover_update, LEFTOVER_UPDATES)
+        if self.leftover_update == "adam" and self.method != "eigen_adam":
+            raise ValueError(
+                "leftover_update 'adam' gives the parameters no block takes Adam's moments "
+                f"at the scale of method 'eigen_adam', got method {self.method!r}: use "
+                "'gradient' (or 'auto'), or an Adam inner optimizer"
+            )
         check_moment_combinations(
             basis_refresh=self.basis_refresh,
             carry=self.moment_carry,
@@ -298,6 +323,13 @@ class SolverConfig:
                 f"{self.method!r}: drop {'it' if len(moved) == 1 else 'them'} or use "
                 f"{' or '.join(map(repr, readers))}"
             )
+
+
+def leftover_adam(config: SolverConfig) -> bool:
+    """Whether the parameters no block takes get Adam's moments (``leftover_update``)."""
+    if config.leftover_update == "auto":
+        return config.method == "eigen_adam"
+    return config.leftover_update == "adam"
 
 
 def unread_moment_fields(method: str) -> tuple[str, ...]:

@@ -43,7 +43,8 @@ MAX_NAMED = 20
 
 @dataclass(frozen=True)
 class LeftOut:
-    """A trainable parameter the inner optimizer updates with its plain gradient.
+    """A trainable parameter the inner optimizer updates, given its plain gradient (or
+    Adam's direction on it: ``leftover_update``, :mod:`~dkfac.engine.leftover`).
 
     Attributes:
         name: The parameter's qualified name.

@@ -6,11 +6,13 @@ exclude and whose weight requires a gradient gets its block(s); what every other
 gets, and why, is recorded in a :class:`~dkfac.engine.coverage.Coverage` (``describe()``).
 Once the strategy is known, :func:`create_layers` gives each a
 :class:`~dkfac.engine.layer_state.LayerState` with its solver and accumulators. Every other
-parameter keeps its plain gradient (:func:`other_parameters`).
+parameter keeps its plain gradient (:func:`other_parameters`), or, with ``leftover_update``,
+gets Adam's direction on it (:mod:`~dkfac.engine.leftover`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -24,7 +26,7 @@ from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.layer_state import LayerState
-from dkfac.solvers import EigenMomentsSolver, MomentOptions, RowsRule, make_solver
+from dkfac.solvers import EigenMomentsSolver, RowsRule, make_solver
 
 __all__ = [
     "create_layers",
@@ -195,12 +197,8 @@ def create_layers(
             method,
             compute,
             rule if kronecker else None,
-            MomentOptions(
-                beta1=config.moment_beta1,
-                beta2=config.moment_beta2,
-                eps=config.moment_eps,
-                bias_correction=config.moment_bias_correction,
-                nesterov=config.moment_nesterov,
+            dataclasses.replace(
+                config.adam_options(),
                 basis_refresh=config.basis_refresh,
                 carry=config.moment_carry,
                 max_dim=config.basis_max_dim,

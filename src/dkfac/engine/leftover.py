@@ -1,0 +1,121 @@
+"""Adam's moments for the parameters no block preconditions, under ``"eigen_adam"``.
+
+Under ``method="eigen_adam"`` a registered layer's update is Adam's in its Kronecker
+eigenbasis, ``m̂ ⊘ (√v̂ + ε)``: entries of about one, stepped by the inner SGD at ``lr``.
+A parameter no block takes (a LayerNorm's weight and bias, a raw ``nn.Parameter``) would
+reach that SGD with its plain gradient instead, a step ``lr`` times a gradient that is
+often 10⁻²–10⁻⁴: it hardly moves. With ``leftover_update="adam"`` (the default under
+``"eigen_adam"``: ``"auto"``) :class:`LeftoverAdam` replaces such a gradient by Adam's
+direction on the raw gradient — eigen_adam with the identity as both bases, by the same
+solver and formulas (β₁, β₂, ε, bias correction and Nesterov from the config; no
+rotation, blocks or orthogonalisation) — so the inner SGD's step is Adam's at ``lr``, and
+its weight decay AdamW's decoupled decay, for every parameter alike.
+
+It runs after the strategy's reductions, on the gradients every rank holds averaged (by
+DDP, or by ``"spngd"``'s own reduction), so every rank keeps the same moments, and they
+are saved once, by parameter name. A gradient with a NaN or Inf is left as it is (the
+:class:`~dkfac.optimizer.KFACOptimizer` skips that step) and does not enter the moments;
+the check is a ``torch.where``, no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dkfac.config import SolverConfig
+from dkfac.engine.finite import all_finite
+from dkfac.solvers import EigenAdamSolver, SolverState
+
+__all__ = ["LeftoverAdam"]
+
+
+def _matrix(tensor: Tensor) -> Tensor:
+    """A view of ``tensor`` as the ``rows × columns`` matrix the solver takes."""
+    return tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+
+
+class LeftoverAdam:
+    """Adam's direction in place of the gradients of ``params`` (see the module notes).
+
+    Args:
+        params: The parameters, by qualified name.
+        config: The preconditioner's configuration (its ``moment_beta1``,
+            ``moment_beta2``, ``moment_eps``, ``moment_bias_correction`` and
+            ``moment_nesterov`` are read).
+    """
+
+    def __init__(self, params: Mapping[str, Tensor], config: SolverConfig) -> None:
+        self.params = dict(params)
+        self.solver = EigenAdamSolver(torch.float32, config.adam_options())
+        self.moments: dict[str, SolverState] = {}
+
+    @staticmethod
+    def _identity(like: Tensor) -> SolverState:
+        """The solver state of the identity basis on both sides (an empty ``q``/``d`` pair)."""
+        empty = like.new_empty(0)
+        return {"qa": empty, "da": empty, "qg": empty, "dg": empty}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Replaces each present, finite gradient by Adam's direction; updates the moments."""
+        for name, param in self.params.items():
+            grad = param.grad
+            if grad is None:
+                continue
+            matrix = _matrix(grad)
+            update, new = self.solver.apply_with_moments(
+                self._identity(matrix), self.moments.get(name), matrix, 0.0
+            )
+            finite = all_finite(grad)
+            old = self.moments.get(name) or self.solver.zero_moments(matrix)
+            self.moments[name] = {k: torch.where(finite, new[k], old[k]) for k in new}
+            grad.copy_(torch.where(finite, update.view_as(grad), grad))
+
+    def nbytes(self) -> int:
+        """Bytes of the moments held."""
+        return sum(t.numel() * t.element_size() for m in self.moments.values() for t in m.values())
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        """The moments by parameter name (copies)."""
+        return {name: {k: t.clone() for k, t in m.items()} for name, m in self.moments.items()}
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raises ValueError unless ``state`` is a :meth:`state_dict` of these parameters.
+
+        Every name must be one of the parameters, with finite tensors ``m`` and ``v`` of
+        its gradient's matrix shape and a 1-element count ``t``.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"saved leftover moments must be a dict, got {type(state).__name__}")
+        unknown = sorted(set(state) - set(self.params))
+        if unknown:
+            raise ValueError(
+                f"saved leftover moments name parameters the preconditioner leaves no moments "
+                f"to: {unknown}; it keeps them for {sorted(self.params)}"
+            )
+        for name, moments in state.items():
+            shape = tuple(_matrix(self.params[name]).shape)
+            expected = {"m": shape, "v": shape, "t": (1,)}
+            if not isinstance(moments, Mapping) or set(moments) != set(expected):
+                raise ValueError(f"{name}: saved leftover moments must be a dict of m, v and t")
+            for key, value in moments.items():
+                if not isinstance(value, Tensor) or tuple(value.shape) != expected[key]:
+                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"{name}: saved leftover moment {key!r} must be a tensor of shape "
+                        f"{expected[key]}, got {got}"
+                    )
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"{name}: saved leftover moment {key!r} is not finite")
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Restores :meth:`state_dict`'s moments (checked first); absent ones start afresh."""
+        self.check_state_dict(state)
+        self.moments = {
+            name: {k: t.to(self.params[name].device).clone() for k, t in moments.items()}
+            for name, moments in state.items()
+        }

@@ -1,0 +1,248 @@
+"""``leftover_update``: Adam's moments for the parameters no block takes (eigen_adam).
+
+Oracle: Adam written out by hand on the raw gradients the parameters had before the step
+(the same β₁, β₂, ε, bias correction and Nesterov as the layers), against what the
+preconditioner leaves in ``.grad``; and ``torch.optim.Adam`` for the weights it produces.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
+from dkfac.engine.leftover import LeftoverAdam
+
+LEFT = ("layers.1.weight", "layers.1.bias", "scale")  # the LayerNorm and the raw parameter
+
+
+class Net(nn.Module):
+    """Two linear layers around a LayerNorm, and a raw scale no block takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Tanh(), nn.Linear(7, 3))
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x) * self.scale
+
+
+def _named(model: nn.Module) -> dict[str, Tensor]:
+    params = dict(model.named_parameters())
+    return {name: params[name] for name in LEFT}
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(32, 5, generator=gen, dtype=torch.float64), torch.randint(
+        0, 3, (32,), generator=gen
+    )
+
+
+def _backward(model: nn.Module, step: int) -> None:
+    x, y = _batch(step)
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def _adam(grads: list[Tensor], beta1: float, beta2: float, eps: float, nesterov: bool) -> Tensor:
+    """Adam's direction after the gradients ``grads`` (written out, float64)."""
+    m = v = torch.zeros_like(grads[0])
+    for g in grads:
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+    t = len(grads)
+    if nesterov:
+        m_hat = (beta1 * m + (1 - beta1) * grads[-1]) / (1 - beta1 ** (t + 1))
+    else:
+        m_hat = m / (1 - beta1**t)
+    return m_hat / ((v / (1 - beta2**t)).sqrt() + eps)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_leftover_gradients_become_adams_direction(nesterov: bool) -> None:
+    options: dict[str, Any] = {
+        "method": "eigen_adam",
+        "moment_beta1": 0.8,
+        "moment_beta2": 0.9,
+        "moment_eps": 1e-6,
+        "moment_nesterov": nesterov,
+        "kl_clip": None,
+    }
+    model = Net()
+    pre = KFACPreconditioner(model, **options)
+    raw: dict[str, list[Tensor]] = {name: [] for name in LEFT}
+    for step in range(4):
+        _backward(model, step)
+        for name, p in _named(model).items():
+            raw[name].append(p.grad.clone())
+        pre.step()
+        for name, p in _named(model).items():
+            want = _adam(raw[name], 0.8, 0.9, 1e-6, nesterov)
+            torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-14, msg=name)
+        with torch.no_grad():  # move the weights, so the next gradients differ
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+
+
+def test_the_default_optimizer_steps_them_as_adam_would() -> None:
+    """``for_model``'s inner SGD then moves a LayerNorm exactly as torch's Adam at its lr
+    (no Nesterov here: torch's Adam has none)."""
+    model = Net()
+    opt = KFACOptimizer.for_model(model, 0.01, moment_nesterov=False)
+    twin = {name: p.detach().clone().requires_grad_() for name, p in _named(model).items()}
+    adam = torch.optim.Adam(twin.values(), lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(6):
+        _backward(model, step)
+        for name, p in _named(model).items():
+            twin[name].grad = p.grad.clone()
+        opt.step()
+        adam.step()
+    for name, p in _named(model).items():
+        torch.testing.assert_close(p, twin[name], rtol=1e-10, atol=1e-12, msg=name)
+        assert not torch.equal(p, _named(Net())[name])  # it moved
+
+
+@pytest.mark.parametrize(
+    ("options", "adam"),
+    [
+        ({"method": "eigen_adam"}, True),
+        ({"method": "eigen_adam", "leftover_update": "gradient"}, False),
+        ({"method": "eigen"}, False),
+        ({"method": "ekfac"}, False),
+    ],
+)
+def test_who_gets_adam_and_describe_says_so(options: dict[str, Any], adam: bool) -> None:
+    model = Net()
+    pre = KFACPreconditioner(model, **options)
+    rows = {row["name"]: row for row in pre.describe()}
+    for name in LEFT:
+        assert rows[name]["block"] == "inner optimizer"
+        assert rows[name]["method"] == ("adam" if adam else None)
+    assert (pre.leftover is not None) == adam
+    if not adam:  # their gradients pass through untouched
+        _backward(model, 0)
+        before = {n: p.grad.clone() for n, p in _named(model).items()}
+        pre.step()
+        for name, p in _named(model).items():
+            assert torch.equal(p.grad, before[name])
+
+
+def test_bad_values_are_refused() -> None:
+    with pytest.raises(ValueError, match="leftover_update must be one of"):
+        KFACConfig(leftover_update="sgd")
+    with pytest.raises(ValueError, match=r"leftover_update 'adam' .* got method 'eigen'"):
+        KFACConfig(method="eigen", leftover_update="adam")
+
+
+def _train(opt: KFACOptimizer, model: Net, steps: range) -> None:
+    for step in steps:
+        _backward(model, step)
+        opt.step()
+
+
+def test_a_nonfinite_gradient_stays_out_of_its_moments_and_the_step_is_skipped() -> None:
+    """A NaN in the LayerNorm weight's gradient: that gradient is left as it is (so the
+    optimizer skips the step), that parameter's moments keep their values, and the next
+    finite gradient continues them; per parameter, as the layers' own moments are."""
+    model = Net()
+    opt = KFACOptimizer.for_model(model, 0.01)
+    _train(opt, model, range(2))
+    left = opt.preconditioner.leftover
+    assert left is not None
+    saved = copy.deepcopy(left.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    _backward(model, 99)
+    model.layers[1].weight.grad[0] = float("nan")
+    raw_scale = model.scale.grad.clone()
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights, strict=True))
+    assert torch.isnan(model.layers[1].weight.grad[0])
+    after = left.state_dict()
+    for key, value in after["layers.1.weight"].items():
+        assert torch.equal(value, saved["layers.1.weight"][key]), key
+    assert after["scale"]["t"].item() == 3.0  # a finite gradient still counts
+    assert not torch.equal(model.scale.grad, raw_scale)
+    _backward(model, 2)
+    raw = model.layers[1].weight.grad.clone()
+    opt.step()
+    assert left.moments["layers.1.weight"]["t"].item() == 3.0
+    m = saved["layers.1.weight"]["m"]
+    torch.testing.assert_close(
+        left.moments["layers.1.weight"]["m"], 0.9 * m + 0.1 * raw.reshape(-1, 1)
+    )
+
+
+def test_a_checkpoint_round_trip_continues_to_the_bit() -> None:
+    model = Net()
+    opt = KFACOptimizer.for_model(model, 0.01)
+    _train(opt, model, range(3))
+    state = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    assert set(state[1]["preconditioner"]["leftover"]) == set(LEFT)
+    _train(opt, model, range(3, 7))
+    resumed = Net()
+    resumed_opt = KFACOptimizer.for_model(resumed, 0.01)
+    resumed.load_state_dict(state[0])
+    resumed_opt.load_state_dict(state[1])
+    _train(resumed_opt, resumed, range(3, 7))
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    pre = opt.preconditioner
+    layers = sum(layer.memory()["moments"] for layer in pre.layers.values())
+    # m and v of 7 + 7 + 1 float64 entries, and three float64 counts
+    assert pre.memory_usage()["moments"] - layers == pre.leftover.nbytes() == 8 * (2 * 15 + 3)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: s.update(extra={"m": torch.zeros(1)}), "name parameters .* no moments"),
+        (lambda s: s["scale"].update(m=torch.zeros(2, 2)), "'m' must be a tensor of shape"),
+        (lambda s: s["scale"].update(v=torch.full((1, 1), float("nan"))), "'v' is not finite"),
+        (lambda s: s["scale"].pop("t"), "must be a dict of m, v and t"),
+    ],
+)
+def test_a_bad_saved_state_is_refused_and_nothing_changes(edit: Any, match: str) -> None:
+    model = Net()
+    pre = KFACPreconditioner(model, method="eigen_adam")
+    _backward(model, 0)
+    pre.step()
+    state = copy.deepcopy(pre.state_dict())
+    edit(state["leftover"])
+    before = copy.deepcopy(pre.leftover.state_dict())
+    with pytest.raises(ValueError, match=match):
+        pre.load_state_dict(state)
+    for name, moments in pre.leftover.state_dict().items():
+        assert all(torch.equal(v, before[name][k]) for k, v in moments.items())
+
+
+def test_a_state_without_leftover_moments_loads_with_fresh_ones() -> None:
+    """A checkpoint of ``leftover_update="gradient"`` (or an older one) has none."""
+    model = Net()
+    plain = KFACPreconditioner(Net(), method="eigen_adam", leftover_update="gradient")
+    pre = KFACPreconditioner(model, method="eigen_adam")
+    _backward(model, 0)
+    pre.step()
+    assert pre.leftover is not None and pre.leftover.moments
+    pre.load_state_dict(plain.state_dict())
+    assert pre.leftover.moments == {}
+
+
+def test_a_scalar_and_a_matrix_parameter_take_the_solver_shapes() -> None:
+    weight = nn.Parameter(torch.randn(3, 2, 2))
+    scalar = nn.Parameter(torch.tensor(2.0))
+    left = LeftoverAdam({"w": weight, "s": scalar}, KFACConfig(method="eigen_adam"))
+    weight.grad, scalar.grad = torch.randn(3, 2, 2), torch.tensor(-0.5)
+    left.step()
+    assert weight.grad.shape == (3, 2, 2) and scalar.grad.shape == ()
+    # the first Adam step with bias correction is the sign of the gradient (ε aside)
+    torch.testing.assert_close(scalar.grad, torch.tensor(-1.0))
+    assert left.moments["w"]["m"].shape == (3, 4) and left.moments["s"]["v"].shape == (1, 1)
