@@ -34,6 +34,10 @@ CONFIGS: list[tuple[str, float, dict[str, Any]]] = [
     ("mem-opt", 1.0, {}),
     ("dp", 1.0, {}),
     ("spngd", 1.0, {}),
+    # eigen_adam: moments on the ranks that precondition a layer, and Adam's for the
+    # LayerNorm no block takes (leftover_update) on every rank
+    ("kaisa", 0.5, {"method": "eigen_adam"}),
+    ("spngd", 1.0, {"method": "eigen_adam"}),
     ("kaisa", 0.5, {"method": "cholesky", "pack_triangles": True}),
 ]
 
@@ -123,6 +127,6 @@ def test_ledger_and_memory_equal_cost_model(world: int) -> None:
                 label = f"{model_name} {strategy}(f={fraction}, {options}) rank {rank}/{world}"
                 assert got["per_step"] == [full[rank], factor_only[rank], full[rank]], label
                 # Before step 0 nothing but the accumulators exists; from step 1 on, all.
-                first = {**memory[rank], "factors": 0, "inverses": 0}
+                first = {**memory[rank], "factors": 0, "inverses": 0, "moments": 0}
                 assert got["memory"] == [first, memory[rank], memory[rank]], label
                 assert got["after"] == {**memory[rank], "accumulators": 0}, label

@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
 from dkfac.engine.leftover import LeftoverAdam
+from dkfac.solvers import _REGISTERED as REGISTERED
+from dkfac.solvers import SOLVERS, EigenAdamSolver, register_solver
 
 LEFT = ("layers.1.weight", "layers.1.bias", "scale")  # the LayerNorm and the raw parameter
 
@@ -246,3 +248,19 @@ def test_a_scalar_and_a_matrix_parameter_take_the_solver_shapes() -> None:
     # the first Adam step with bias correction is the sign of the gradient (ε aside)
     torch.testing.assert_close(scalar.grad, torch.tensor(-1.0))
     assert left.moments["w"]["m"].shape == (3, 4) and left.moments["s"]["v"].shape == (1, 1)
+
+
+class _RenamedAdam(EigenAdamSolver):
+    """eigen_adam under another name: a registered solver with Adam's scale (adam_scaled)."""
+
+    name = "renamed_adam"
+
+
+def test_a_registered_solver_with_adams_scale_gets_it_by_default() -> None:
+    register_solver(_RenamedAdam)
+    try:
+        assert KFACPreconditioner(Net(), method="renamed_adam").leftover is not None
+        KFACConfig(method="renamed_adam", leftover_update="adam")  # allowed
+    finally:
+        SOLVERS.pop("renamed_adam")
+        REGISTERED.remove("renamed_adam")

@@ -204,6 +204,15 @@ class SolverConfig:
             transformer MLP's 4·width hidden units (BENCHMARKS.md section 20); it applies to
             every layer. Not applied to the structured input side of ``flattened_inputs``.
             ``None`` (default): every basis is dense.
+        leftover_update: What the parameters no block preconditions (LayerNorms, raw
+            ``nn.Parameter``; ``describe()`` lists them) hand the inner optimizer:
+            ``"gradient"`` their plain gradient, ``"adam"`` Adam's direction on it (the
+            eigen_adam solver with the identity as basis and this config's ``moment_*``
+            options, so every parameter steps as Adam would at the inner optimizer's lr;
+            :mod:`dkfac.engine.leftover`), allowed with a method whose update has Adam's
+            scale (``Solver.adam_scaled``: ``"eigen_adam"``). ``"auto"`` (default):
+            ``"adam"`` under such a method (a LayerNorm's plain gradient at its lr hardly
+            moves it), else ``"gradient"``.
     """
 
     method: Method = "eigen"
@@ -281,11 +290,12 @@ class SolverConfig:
         check_int("power_rank", self.power_rank, optional=True)
         check_int("basis_block_size", self.basis_block_size, optional=True)
         check_choice("leftover_update", self.leftover_update, LEFTOVER_UPDATES)
-        if self.leftover_update == "adam" and self.method != "eigen_adam":
+        if self.leftover_update == "adam" and not _adam_scaled(self.method):
+            scaled = [m for m in method_names() if _adam_scaled(m)]
             raise ValueError(
-                "leftover_update 'adam' gives the parameters no block takes Adam's moments "
-                f"at the scale of method 'eigen_adam', got method {self.method!r}: use "
-                "'gradient' (or 'auto'), or an Adam inner optimizer"
+                "leftover_update 'adam' gives the parameters no block takes Adam's direction, "
+                f"at the scale of the updates of {' or '.join(map(repr, scaled))}, got method "
+                f"{self.method!r}: use 'gradient' (or 'auto'), or an Adam inner optimizer"
             )
         check_moment_combinations(
             basis_refresh=self.basis_refresh,
@@ -325,10 +335,16 @@ class SolverConfig:
             )
 
 
+def _adam_scaled(method: str) -> bool:
+    """Whether ``method``'s solver has Adam's scale (:attr:`Solver.adam_scaled`)."""
+    solver = SOLVERS.get(method)
+    return solver is not None and solver.adam_scaled
+
+
 def leftover_adam(config: SolverConfig) -> bool:
     """Whether the parameters no block takes get Adam's moments (``leftover_update``)."""
     if config.leftover_update == "auto":
-        return config.method == "eigen_adam"
+        return _adam_scaled(config.method)
     return config.leftover_update == "adam"
 
 

@@ -117,6 +117,8 @@ class ModelSpec:
             ``layers``, otherwise their γ, β are part of ``other_param_numel``).
         other_param_numel: Trainable parameter elements outside the K-FAC layers (BN, grouped
             convs, embeddings, ...); DDP all-reduces their gradients too.
+        other_param_tensors: How many trainable tensors hold them (under ``eigen_adam``
+            each keeps Adam's moments and a count: ``leftover_update``).
         forward_flops_per_sample: Multiply-add flops (2 per MAC) of one sample's forward pass
             through the K-FAC layers, 0 if unknown.
     """
@@ -124,6 +126,7 @@ class ModelSpec:
     layers: tuple[KFACLayer, ...]
     bn_layers: tuple[BNLayer, ...] = field(default_factory=tuple)
     other_param_numel: int = 0
+    other_param_tensors: int = 0
     forward_flops_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
@@ -136,8 +139,9 @@ class ModelSpec:
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             raise ValueError(f"layer names must be unique, got {names}")
-        if self.other_param_numel < 0:
-            raise ValueError(f"other_param_numel must be >= 0, got {self.other_param_numel}")
+        for name in ("other_param_numel", "other_param_tensors"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def kfac_param_numel(self) -> int:
@@ -197,13 +201,12 @@ def extract_layers(
         kfac_params.update(id(p) for p in block.parameters())
     if not layers:
         raise ValueError("model has no nn.Linear or nn.Conv2d (groups=1) layer to precondition")
-    other = sum(
-        p.numel() for p in inner.parameters() if p.requires_grad and id(p) not in kfac_params
-    )
+    others = [p for p in inner.parameters() if p.requires_grad and id(p) not in kfac_params]
     return ModelSpec(
         layers=tuple(layers),
         bn_layers=tuple(bn_layers),
-        other_param_numel=int(other),
+        other_param_numel=sum(p.numel() for p in others),
+        other_param_tensors=len(others),
         forward_flops_per_sample=flops if positions else 0.0,
     )
 

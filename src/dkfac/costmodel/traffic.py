@@ -303,7 +303,10 @@ def predict_memory(
     Returns:
         ``{rank: {"factors", "inverses", "moments", "accumulators": bytes}}``; ``moments``:
         the per-layer state a solver keeps between steps on the ranks that precondition
-        the layer (0 for eigen and cholesky).
+        the layer (0 for eigen and cholesky), and under a solver with Adam's scale
+        (``Solver.adam_scaled``: eigen_adam, whose default ``leftover_update`` keeps them)
+        Adam's ``m`` and ``v`` of the parameters outside the layers, in the gradients'
+        dtype, and a float64 count per tensor, on every rank.
 
     Raises:
         ValueError: As :func:`predict_ledger_bytes`.
@@ -320,12 +323,15 @@ def predict_memory(
         owned[owner] += c["factors_stored"] * dt.factor
         group_inv[owner % place.n_groups] += c["inverse"] * dt.inverse
         group_moments[owner % place.n_groups] += c["moments"] * dt.inverse
+    leftover = 0
+    if priced_solver(method).adam_scaled:
+        leftover = 2 * spec.other_param_numel * dt.grad + 8 * spec.other_param_tensors
     out: dict[int, dict[str, int]] = {}
     for r in range(world_size):
         out[r] = {
             "factors": stored_all if rule.factors_kept == "all" else owned[r],
             "inverses": group_inv[r % place.n_groups],
-            "moments": group_moments[r % place.n_groups],
+            "moments": group_moments[r % place.n_groups] + leftover,
             "accumulators": stored_all if rule.builders == "all" else owned[r],
         }
     return out

@@ -60,6 +60,10 @@ class Solver(ABC):
     stateful: ClassVar[bool] = False
     """Whether the solver keeps *moments* between steps on every rank that preconditions a
     layer (:meth:`apply_with_moments`, :meth:`carry_moments`, :meth:`moment_elements`)."""
+    adam_scaled: ClassVar[bool] = False
+    """Whether its update has Adam's scale (entries of about one, stepped at the lr): the
+    parameters no block takes then get Adam's direction too by default
+    (``KFACConfig.leftover_update="auto"``), and only then may they ask for it."""
 
     @classmethod
     def state_elements(cls, a_dim: int, g_dim: int) -> int:
