@@ -264,3 +264,14 @@ def test_a_registered_solver_with_adams_scale_gets_it_by_default() -> None:
     finally:
         SOLVERS.pop("renamed_adam")
         REGISTERED.remove("renamed_adam")
+
+
+def test_a_float16_parameter_keeps_float32_moments() -> None:
+    """A gradient of 1e-5 squares to 1e-10, below float16's smallest number: kept in
+    float16, ``v`` would flush to zero and the step be ``m̂ / ε`` (about 1e3)."""
+    param = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    left = LeftoverAdam({"p": param}, KFACConfig(method="eigen_adam"))
+    param.grad = torch.tensor([1e-5, -1e-5, 2e-5, -3e-5], dtype=torch.float16)
+    left.step()
+    assert param.grad.dtype == torch.float16 and left.moments["p"]["v"].dtype == torch.float32
+    torch.testing.assert_close(param.grad, torch.tensor([1.0, -1.0, 1.0, -1.0]).half())

@@ -306,7 +306,7 @@ def predict_memory(
         the layer (0 for eigen and cholesky), and under a solver with Adam's scale
         (``Solver.adam_scaled``: eigen_adam, whose default ``leftover_update`` keeps them)
         Adam's ``m`` and ``v`` of the parameters outside the layers, in the gradients'
-        dtype, and a float64 count per tensor, on every rank.
+        dtype but at least float32, and a float64 count per tensor, on every rank.
 
     Raises:
         ValueError: As :func:`predict_ledger_bytes`.
@@ -325,7 +325,8 @@ def predict_memory(
         group_moments[owner % place.n_groups] += c["moments"] * dt.inverse
     leftover = 0
     if priced_solver(method).adam_scaled:
-        leftover = 2 * spec.other_param_numel * dt.grad + 8 * spec.other_param_tensors
+        moment = max(dt.grad, 4)  # kept in float32 at least
+        leftover = 2 * spec.other_param_numel * moment + 8 * spec.other_param_tensors
     out: dict[int, dict[str, int]] = {}
     for r in range(world_size):
         out[r] = {

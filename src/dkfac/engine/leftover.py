@@ -9,7 +9,8 @@ often 10⁻²–10⁻⁴: it hardly moves. With ``leftover_update="adam"`` (the 
 direction on the raw gradient — eigen_adam with the identity as both bases, by the same
 solver and formulas (β₁, β₂, ε, bias correction and Nesterov from the config; no
 rotation, blocks or orthogonalisation) — so the inner SGD's step is Adam's at ``lr``, and
-its weight decay AdamW's decoupled decay, for every parameter alike.
+its weight decay AdamW's decoupled decay, for every parameter alike. The moments are kept
+in float32 at least (a float16 gradient's square would underflow).
 
 It runs after the strategy's reductions, on the gradients every rank holds averaged (by
 DDP, or by ``"spngd"``'s own reduction), so every rank keeps the same moments, and they
@@ -34,8 +35,11 @@ __all__ = ["LeftoverAdam"]
 
 
 def _matrix(tensor: Tensor) -> Tensor:
-    """A view of ``tensor`` as the ``rows × columns`` matrix the solver takes."""
-    return tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+    """``tensor`` as the ``rows × columns`` matrix the solver takes, in float32 at least: a
+    float16 gradient's square underflows below 6e-8, and ``m̂ ⊘ (√v̂ + ε)`` over a flushed
+    ``v`` would be ``m̂ / ε``."""
+    matrix = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+    return matrix.to(torch.promote_types(matrix.dtype, torch.float32))
 
 
 class LeftoverAdam:
@@ -73,7 +77,7 @@ class LeftoverAdam:
             finite = all_finite(grad)
             old = self.moments.get(name) or self.solver.zero_moments(matrix)
             self.moments[name] = {k: torch.where(finite, new[k], old[k]) for k in new}
-            grad.copy_(torch.where(finite, update.view_as(grad), grad))
+            grad.copy_(torch.where(finite, update.view(grad.shape).to(grad.dtype), grad))
 
     def nbytes(self) -> int:
         """Bytes of the moments held."""
