@@ -266,6 +266,15 @@ def test_config_validates_the_moment_fields(field: str, value: object, error: ty
         KFACConfig(**{field: value})  # type: ignore[arg-type]
 
 
+def test_a_block_no_narrower_than_basis_max_dim_is_an_error() -> None:
+    """Every side wider than such a block is one-sided: the option would do nothing."""
+    for block in (64, 100):
+        with pytest.raises(ValueError, match=f"basis_block_size {block} >= basis_max_dim 64"):
+            KFACConfig(method="eigen_adam", basis_block_size=block, basis_max_dim=64)
+    config = KFACConfig(method="eigen_adam", basis_block_size=32, basis_max_dim=64)
+    assert (config.basis_block_size, config.basis_max_dim) == (32, 64)
+
+
 def test_power_rank_needs_the_power_refresh_of_a_moment_method() -> None:
     with pytest.raises(ValueError, match=r"power_rank .* needs basis_refresh 'power'"):
         KFACConfig(method="eigen_adam", moment_carry="reset", power_rank=4)

@@ -203,6 +203,7 @@ class SolverConfig:
             whole, then masked). Meant for sides whose units have no order, such as a
             transformer MLP's 4·width hidden units (BENCHMARKS.md section 20); it applies to
             every layer. Not applied to the structured input side of ``flattened_inputs``.
+            With ``basis_max_dim`` it must be smaller (else no side would get blocks).
             ``None`` (default): every basis is dense.
         leftover_update: What the parameters no block preconditions (LayerNorms, raw
             ``nn.Parameter``; ``describe()`` lists them) hand the inner optimizer:
@@ -289,6 +290,13 @@ class SolverConfig:
         check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered)
         check_int("power_rank", self.power_rank, optional=True)
         check_int("basis_block_size", self.basis_block_size, optional=True)
+        block, widest = self.basis_block_size, self.basis_max_dim
+        if block is not None and widest is not None and block >= widest:
+            raise ValueError(
+                f"basis_block_size {block} >= basis_max_dim {widest}: every side wider than "
+                "the block is wider than basis_max_dim, so one-sided, and no basis would get "
+                "blocks; use a block smaller than basis_max_dim or drop one of them"
+            )
         check_choice("leftover_update", self.leftover_update, LEFTOVER_UPDATES)
         if self.leftover_update == "adam" and not _adam_scaled(self.method):
             scaled = [m for m in method_names() if _adam_scaled(m)]
