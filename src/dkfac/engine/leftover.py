@@ -21,6 +21,7 @@ the check is a ``torch.where``, no host sync.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,11 +35,15 @@ from dkfac.solvers import EigenAdamSolver, SolverState
 __all__ = ["LeftoverAdam"]
 
 
+def _matrix_shape(tensor: Tensor) -> tuple[int, int]:
+    """The ``rows × columns`` shape the solver sees ``tensor`` as (a scalar is ``1 × 1``)."""
+    return (tensor.shape[0], math.prod(tensor.shape[1:])) if tensor.dim() else (1, 1)
+
+
 def _matrix(tensor: Tensor) -> Tensor:
-    """``tensor`` as the ``rows × columns`` matrix the solver takes, in float32 at least: a
-    float16 gradient's square underflows below 6e-8, and ``m̂ ⊘ (√v̂ + ε)`` over a flushed
-    ``v`` would be ``m̂ / ε``."""
-    matrix = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+    """``tensor`` as that matrix, in float32 at least: a float16 gradient's square
+    underflows below 6e-8, and ``m̂ ⊘ (√v̂ + ε)`` over a flushed ``v`` would be ``m̂ / ε``."""
+    matrix = tensor.reshape(_matrix_shape(tensor))
     return matrix.to(torch.promote_types(matrix.dtype, torch.float32))
 
 
@@ -71,11 +76,9 @@ class LeftoverAdam:
             if grad is None:
                 continue
             matrix = _matrix(grad)
-            update, new = self.solver.apply_with_moments(
-                self._identity(matrix), self.moments.get(name), matrix, 0.0
-            )
-            finite = all_finite(grad)
             old = self.moments.get(name) or self.solver.zero_moments(matrix)
+            update, new = self.solver.apply_with_moments(self._identity(matrix), old, matrix, 0.0)
+            finite = all_finite(grad)
             self.moments[name] = {k: torch.where(finite, new[k], old[k]) for k in new}
             grad.copy_(torch.where(finite, update.view(grad.shape).to(grad.dtype), grad))
 
@@ -102,7 +105,7 @@ class LeftoverAdam:
                 f"to: {unknown}; it keeps them for {sorted(self.params)}"
             )
         for name, moments in state.items():
-            shape = tuple(_matrix(self.params[name]).shape)
+            shape = _matrix_shape(self.params[name])
             expected = {"m": shape, "v": shape, "t": (1,)}
             if not isinstance(moments, Mapping) or set(moments) != set(expected):
                 raise ValueError(f"{name}: saved leftover moments must be a dict of m, v and t")
