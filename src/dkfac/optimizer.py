@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from dkfac.config import unread_moment_fields
 from dkfac.config.checks import check_range
-from dkfac.engine.finite import all_finite
+from dkfac.engine.finite import finite_each
 from dkfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger(__name__)
@@ -130,16 +130,12 @@ class KFACOptimizer(Optimizer):
 
     def _finite_flag(self) -> torch.Tensor | None:
         """A 0-d bool tensor: every parameter gradient is finite (``None``: no gradients)."""
-        flags = [
-            all_finite(p.grad)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
+        grads = [
+            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
-        if not flags:
+        if not grads:
             return None
-        device = flags[0].device
-        return torch.stack([f.to(device) for f in flags]).all()
+        return finite_each(grads, grads[0].device).all()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

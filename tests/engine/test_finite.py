@@ -1,11 +1,12 @@
-"""all_finite against the definition, torch.isfinite(t).all(), on the values that matter."""
+"""all_finite and finite_each against the definition, torch.isfinite(t).all(), on the values
+that matter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dkfac.engine.finite import all_finite
+from dkfac.engine.finite import all_finite, finite_each
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -41,3 +42,29 @@ def test_integer_empty_and_shape() -> None:
     assert bool(all_finite(torch.zeros(0)))
     flag = all_finite(torch.ones(3, 3))
     assert flag.shape == () and flag.dtype == torch.bool
+
+
+def test_finite_each_is_the_definition_per_tensor() -> None:
+    """Mixed dtypes, an integer tensor, complex parts, bad entries anywhere, 0-d and empty."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(9, 4, generator=gen).to(dtype) for dtype in DTYPES]
+    tensors += [torch.arange(6), torch.tensor(3.0), torch.empty(0, 5)]
+    tensors += [torch.randn(3, generator=gen, dtype=torch.complex64) for _ in range(2)]
+    tensors += [torch.full((64, 64), 6.0e4, dtype=torch.float16)]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for i in (0, 3, 5, 7):
+            tensors.append(tensors[i].clone())
+            tensors[-1].view(-1)[-1] = bad
+    broken = tensors[8].clone()
+    broken[1] = complex(0.0, float("nan"))
+    tensors.append(broken)
+    want = [bool(torch.isfinite(t).all()) for t in tensors]
+    assert want.count(False) == 13
+    got = finite_each(tensors, torch.device("cpu"))
+    assert got.dtype == torch.bool and got.tolist() == want
+    same = [t for t in tensors if t.dtype == torch.float32]  # no cast: one dtype
+    assert finite_each(same, torch.device("cpu")).tolist() == [
+        bool(torch.isfinite(t).all()) for t in same
+    ]
+    with pytest.raises(ValueError, match="at least one tensor"):
+        finite_each([], torch.device("cpu"))
