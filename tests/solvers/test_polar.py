@@ -106,11 +106,35 @@ def test_a_zero_update_stays_zero() -> None:
 
 @pytest.mark.parametrize(
     ("matrix", "steps", "match"),
-    [(torch.ones(3), 5, "2-D"), (torch.ones(2, 2, 2), 5, "2-D"), (torch.ones(2, 2), 0, "steps")],
+    [
+        (torch.ones(3), 5, "2-D"),
+        (torch.ones(2, 2, 2, 2), 5, "3-D stack"),
+        (torch.ones(2, 2), 0, "steps"),
+    ],
 )
 def test_bad_arguments_are_refused(matrix: Tensor, steps: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         newton_schulz(matrix, steps)
+
+
+@pytest.mark.parametrize("shape", [(5, 12, 7), (4, 7, 12), (3, 9, 9)])
+def test_a_stack_is_each_matrix_on_its_own(shape: tuple[int, int, int]) -> None:
+    """A stack (one batched call for the layers of one shape) gives each matrix's own
+    polar factor: in float64 to 1e-12 (the batched products may round in another order),
+    in bf16 to its rounding; a matrix of the stack that is all zero stays zero."""
+    stack = torch.stack([_matrix(*shape[1:], seed=i) for i in range(shape[0])])
+    stack[1] = 0.0
+    exact = newton_schulz(stack, 4, torch.float64)
+    low = orthogonal_update(stack.float(), 0.7, 4)
+    assert exact.shape == low.shape == stack.shape
+    for i in range(shape[0]):
+        want = newton_schulz(stack[i], 4, torch.float64)
+        torch.testing.assert_close(exact[i], want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            low[i], orthogonal_update(stack[i].float(), 0.7, 4), rtol=2e-2, atol=2e-2
+        )
+    assert torch.equal(low[1], torch.zeros(shape[1:]))
+    assert not torch.allclose(exact[0], exact[2], atol=1e-3)
 
 
 def test_bf16_iteration_rounds_each_step_s_sums_once() -> None:

@@ -7,10 +7,11 @@ reach that SGD with its plain gradient instead, a step ``lr`` times a gradient t
 often 10⁻²–10⁻⁴: it hardly moves. With ``leftover_update="adam"`` (the default under
 ``"eigen_adam"``: ``"auto"``) :class:`LeftoverAdam` replaces such a gradient by Adam's
 direction on the raw gradient — eigen_adam with the identity as both bases, by the same
-solver and formulas (β₁, β₂, ε, bias correction and Nesterov from the config; no
-rotation, blocks or orthogonalisation) — so the inner SGD's step is Adam's at ``lr``, and
-its weight decay AdamW's decoupled decay, for every parameter alike. The moments are kept
-in float32 at least (a float16 gradient's square would underflow).
+solver and formulas (β₁, β₂, ε, bias correction and Nesterov from the config; no rotation,
+blocks or orthogonalisation; the parameters of one shape as one stack) — so the inner
+SGD's step is Adam's at ``lr``, and its weight decay AdamW's decoupled decay, for every
+parameter alike. The moments are kept in float32 at least (a float16 gradient's square
+would underflow).
 
 It runs after the strategy's reductions, on the gradients every rank holds averaged (by
 DDP, or by ``"spngd"``'s own reduction), so every rank keeps the same moments, and they
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from dkfac.config import SolverConfig
-from dkfac.engine.finite import all_finite
+from dkfac.engine.finite import finite_each
 from dkfac.solvers import EigenAdamSolver, SolverState
 
 __all__ = ["LeftoverAdam"]
@@ -70,17 +71,37 @@ class LeftoverAdam:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Replaces each present, finite gradient by Adam's direction; updates the moments."""
+        """Replaces each present, finite gradient by Adam's direction; updates the moments.
+
+        The parameters of one matrix shape, dtype and device go through the solver as one
+        stack (the solver's formulas are the same on a stack: a few calls for a model's
+        LayerNorms instead of a dozen each)."""
+        groups: dict[tuple[Any, ...], list[tuple[str, Tensor]]] = {}
         for name, param in self.params.items():
-            grad = param.grad
-            if grad is None:
-                continue
-            matrix = _matrix(grad)
-            old = self.moments.get(name) or self.solver.zero_moments(matrix)
-            update, new = self.solver.apply_with_moments(self._identity(matrix), old, matrix, 0.0)
-            finite = all_finite(grad)
-            self.moments[name] = {k: torch.where(finite, new[k], old[k]) for k in new}
-            grad.copy_(torch.where(finite, update.view(grad.shape).to(grad.dtype), grad))
+            if param.grad is not None:
+                matrix = _matrix(param.grad)
+                key = (tuple(matrix.shape), matrix.dtype, matrix.device)
+                groups.setdefault(key, []).append((name, matrix))
+        for members in groups.values():
+            self._step_group(members)
+
+    def _step_group(self, members: list[tuple[str, Tensor]]) -> None:
+        """One stack of gradient matrices of one shape (:meth:`step`)."""
+        matrices = torch.stack([matrix for _, matrix in members])
+        olds = [self.moments.get(name) or self.solver.zero_moments(m) for name, m in members]
+        old = {key: torch.stack([o[key] for o in olds]) for key in olds[0]}
+        update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
+        grads = [self.params[name].grad for name, _ in members]
+        finite = finite_each(grads, matrices.device)  # type: ignore[arg-type]
+        kept = {
+            key: torch.where(finite.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
+            for key in new
+        }
+        update = torch.where(finite.view(-1, 1, 1), update, matrices)
+        for i, ((name, _), grad) in enumerate(zip(members, grads, strict=True)):
+            assert grad is not None
+            self.moments[name] = {key: value[i] for key, value in kept.items()}
+            grad.copy_(update[i].view(grad.shape))
 
     def nbytes(self) -> int:
         """Bytes of the moments held."""

@@ -4,9 +4,10 @@
 :func:`finite_flags` and :func:`kept_statistics` (phase 1, before the running averages are
 updated), :func:`update_inverses` (phase 2), :func:`precondition` (phase 3), then, after
 the strategy has distributed the results (phase 4), :func:`kl_clip_scale` and
-:func:`write_back` (phase 5). The strategy (:mod:`~dkfac.distributed.strategy_base`) says
-which layers this rank keeps, owns and preconditions, and runs every collective; nothing
-here asks for the rank.
+:func:`write_back` (phase 5); phase 3 preconditions the layers of one shape and one
+solver's options together (:func:`apply_grouped`). The strategy
+(:mod:`~dkfac.distributed.strategy_base`) says which layers this rank keeps, owns and
+preconditions, and runs every collective; nothing here asks for the rank.
 
 KL-clip: ``ν = min(1, sqrt(κ / |Σ_l lr² ⟨V_l, ∇W_l⟩|))``, the sum running over every
 preconditioned layer, whichever rank preconditioned it.
@@ -15,17 +16,18 @@ preconditioned layer, whichever rank preconditioned it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from dkfac.distributed.strategy_base import Strategy
-from dkfac.engine.finite import all_finite
+from dkfac.engine.finite import finite_each
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError, SolverState
 
 __all__ = [
+    "apply_grouped",
     "carry_moments",
     "finite_flags",
     "kept_statistics",
@@ -56,16 +58,21 @@ def finite_flags(
     """
     names = list(layers)
     device = layers[names[0]].block.parameters()[0].device
-    checks: list[Tensor] = []
-    for name in names:
-        stats = new.get(name, {})
+    tensors: list[Tensor] = []
+    owners: list[int] = []  # 2·layer for a statistic, 2·layer + 1 for the gradient
+    for i, name in enumerate(names):
+        for tensor in new.get(name, {}).values():
+            tensors.append(tensor)
+            owners.append(2 * i)
         grad = grads[name]
-        ok = [all_finite(t).to(device) for t in stats.values()]
-        checks.append(torch.stack(ok).all() if ok else torch.tensor(True, device=device))
-        checks.append(
-            all_finite(grad).to(device) if grad is not None else torch.tensor(True, device=device)
-        )
-    values = strategy.agree(torch.stack(checks)).tolist()
+        if grad is not None:
+            tensors.append(grad)
+            owners.append(2 * i + 1)
+    failed = torch.zeros(2 * len(names), dtype=torch.int64, device=device)
+    if tensors:  # a check fails where any of its tensors is not finite
+        bad = (~finite_each(tensors, device)).long()
+        failed.index_add_(0, torch.tensor(owners, device=device), bad)
+    values = strategy.agree(failed == 0).tolist()
     return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
 
 
@@ -168,6 +175,7 @@ def precondition(
     """
     finals: dict[str, Tensor] = {}
     ready: list[str] = []
+    jobs: list[tuple[str, float]] = []
     all_finite = all(flags[1] for flags in finite.values())
     for name, layer in layers.items():
         grad = grads[name]
@@ -185,15 +193,51 @@ def precondition(
         if not strategy.preconditions(name):
             finals[name] = torch.empty_like(grad)
         elif is_ready and layer.solver_state is not None:
-            layer_damping = dampings[layer.block.damping_key]
-            finals[name], moments = layer.solver.apply_with_moments(
-                layer.solver_state, layer.moments, grad, layer_damping
-            )
-            if all_finite:
-                layer.moments = moments
+            finals[name] = grad  # its place in the order; replaced by its update below
+            jobs.append((name, dampings[layer.block.damping_key]))
         else:
             finals[name] = grad
+    for name, (update, moments) in apply_grouped(layers, grads, jobs).items():
+        finals[name] = update
+        if all_finite:
+            layers[name].moments = moments
     return finals, ready
+
+
+def apply_grouped(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, Tensor | None],
+    jobs: Sequence[tuple[str, float]],
+) -> dict[str, tuple[Tensor, SolverState | None]]:
+    """Each job's ``(update, moments)`` (:meth:`Solver.apply_with_moments`), the layers of
+    one :meth:`~dkfac.solvers.base.Solver.batch_key` and damping in one
+    :meth:`~dkfac.solvers.base.Solver.apply_batch` on the first one's solver.
+
+    Args:
+        layers: The registered layers (each job's has a solver state).
+        grads: Gradient matrices by layer (each job's is a tensor).
+        jobs: ``(name, damping)`` of the layers to precondition, in order.
+    """
+    groups: dict[Hashable, list[tuple[str, float]]] = {}
+    for name, damping in jobs:
+        layer, grad = layers[name], grads[name]
+        assert layer.solver_state is not None and grad is not None
+        key = layer.solver.batch_key(layer.solver_state, grad)
+        groups.setdefault(("alone", name) if key is None else (key, damping), []).append(
+            (name, damping)
+        )
+    results: dict[str, tuple[Tensor, SolverState | None]] = {}
+    for members in groups.values():
+        names = [name for name, _ in members]
+        solver = layers[names[0]].solver
+        outputs = solver.apply_batch(
+            [layers[n].solver_state for n in names],  # type: ignore[misc]
+            [layers[n].moments for n in names],
+            [grads[n] for n in names],  # type: ignore[misc]
+            members[0][1],
+        )
+        results.update(zip(names, outputs, strict=True))
+    return results
 
 
 def kl_clip_scale(

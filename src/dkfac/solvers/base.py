@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -135,6 +135,28 @@ class Solver(ABC):
         (a step whose gradient is not finite). The default is :meth:`apply` and no moments.
         """
         return self.apply(state, grad, damping), moments
+
+    def batch_key(self, state: SolverState, grad: Tensor) -> Hashable | None:
+        """Layers whose solvers give equal keys (not ``None``) for their state and gradient
+        are preconditioned together by one :meth:`apply_batch`, on the first one's solver;
+        so a key must hold whatever that call reads of the solver (its class and options).
+        ``None`` (the default): this layer alone."""
+        del state, grad
+        return None
+
+    def apply_batch(
+        self,
+        states: Sequence[SolverState],
+        moments: Sequence[SolverState | None],
+        grads: Sequence[Tensor],
+        damping: float,
+    ) -> list[tuple[Tensor, SolverState | None]]:
+        """:meth:`apply_with_moments` of each layer of one :meth:`batch_key`, in order (the
+        default calls it layer by layer; a solver may run them as one batched pass)."""
+        return [
+            self.apply_with_moments(state, moment, grad, damping)
+            for state, moment, grad in zip(states, moments, grads, strict=True)
+        ]
 
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState

@@ -113,6 +113,15 @@ sets the Newton–Schulz steps (default 5, Muon's): the preconditioned update's 
 flatter than a raw momentum's, and three steps (a softer polar factor,
 :mod:`dkfac.solvers.polar`) took the autoencoder to its target in the same steps as five.
 
+**Batched apply** (:meth:`EigenMomentsSolver.apply_batch`): the layers of one shape and
+one set of options (a transformer's query, key, value and output projections) are
+preconditioned in one pass over stacked tensors: the rotations, the moments and the
+Newton–Schulz steps of ``L`` layers as ``L``-batched products and elementwise passes,
+instead of ``L`` passes of small calls. Each layer's result is its own (the same formulas
+on its own slice; the batched products may round in another order than single ones, which
+on this CPU they do not at the shapes measured); the engine groups the layers by
+:meth:`EigenMomentsSolver.batch_key`. A structured input side is applied layer by layer.
+
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
 one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refresh every
 1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps ``"reset"`` does.
@@ -120,7 +129,7 @@ one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
@@ -408,6 +417,7 @@ class EigenMomentsSolver(Solver):
         input_map: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(compute_dtype)
+        self._last_batch: tuple[SolverState, list[SolverState]] | None = None
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -540,7 +550,10 @@ class EigenMomentsSolver(Solver):
     def apply_with_moments(
         self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
     ) -> tuple[Tensor, SolverState]:
-        """``(V, moments after this gradient)``; ``None`` moments start from zero."""
+        """``(V, moments after this gradient)``; ``None`` moments start from zero.
+
+        Every tensor may carry a leading layer dimension (a stack of layers of one shape:
+        :meth:`apply_batch`); each layer's slice is its own result."""
         into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
         if into is not None and into == out:  # cast each dense basis once for both rotations
             state = lowered_bases(state, into)
@@ -556,10 +569,61 @@ class EigenMomentsSolver(Solver):
             )
         return update, new
 
+    def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
+        """The class, the options, the gradient's shape, dtype and device and every state
+        tensor's name, shape and dtype: equal keys may share :meth:`apply_batch`; ``None``
+        for a structured input side (applied layer by layer)."""
+        if "qa_order" in state or grad.dim() != 2:
+            return None
+        tensors = tuple((key, tuple(value.shape), value.dtype) for key, value in state.items())
+        return (type(self), self.options, tuple(grad.shape), grad.dtype, grad.device, tensors)
+
+    def apply_batch(
+        self,
+        states: Sequence[SolverState],
+        moments: Sequence[SolverState | None],
+        grads: Sequence[Tensor],
+        damping: float,
+    ) -> list[tuple[Tensor, SolverState | None]]:
+        """:meth:`apply_with_moments` of several layers of equal :meth:`batch_key` in one
+        pass over stacked tensors (module notes); each layer's update and moments are
+        slices of the stacked results. Moments that are exactly the slices this solver
+        returned last time are read from that stack instead of being stacked again."""
+        if len(states) == 1:
+            return [self.apply_with_moments(states[0], moments[0], grads[0], damping)]
+        grad = torch.stack(list(grads))
+        state = {key: torch.stack([s[key] for s in states]) for key in states[0]}
+        stacked = self._restacked(moments)
+        if stacked is None:
+            present = [
+                m if m is not None else self.zero_moments(g)
+                for m, g in zip(moments, grads, strict=True)
+            ]
+            stacked = {key: torch.stack([m[key] for m in present]) for key in present[0]}
+        update, new = self.apply_with_moments(state, stacked, grad, damping)
+        slices = [{key: value[i] for key, value in new.items()} for i in range(len(grads))]
+        self._last_batch = (new, slices)
+        return [(update[i], slices[i]) for i in range(len(grads))]
+
+    def _restacked(self, moments: Sequence[SolverState | None]) -> SolverState | None:
+        """The stack of :meth:`apply_batch`'s last moments when ``moments`` are exactly its
+        slices, in order (the moments are never changed in place); else ``None``."""
+        last = self._last_batch
+        if last is None or len(last[1]) != len(moments):
+            return None
+        stack, slices = last
+        for given, mine in zip(moments, slices, strict=True):
+            if given is None or given.keys() != mine.keys():
+                return None
+            if any(given[key] is not mine[key] for key in mine):
+                return None
+        return stack
+
     def zero_moments(self, like: Tensor) -> SolverState:
         """Zero moments of the shape of ``like`` and ``t = 0``."""
         zeros = {key: torch.zeros_like(like) for key in self.keys}
-        return {**zeros, "t": torch.zeros(1, dtype=torch.float64, device=like.device)}
+        count = torch.zeros((*like.shape[:-2], 1), dtype=torch.float64, device=like.device)
+        return {**zeros, "t": count}
 
     def update_moments(self, moments: SolverState, rotated: Tensor) -> SolverState:
         """The moments after the rotated gradient ``rotated`` (new tensors; the old kept)."""
@@ -572,10 +636,11 @@ class EigenMomentsSolver(Solver):
         }
 
     def correction(self, beta: float, t: Tensor, like: Tensor) -> Tensor:
-        """``1 − βᵗ`` as a 0-d tensor of ``like``'s dtype (1 without bias correction)."""
+        """``1 − βᵗ`` in ``like``'s dtype, shaped to broadcast over ``like`` (``t`` is
+        ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction)."""
         if not self.options.bias_correction:
             return torch.ones((), dtype=like.dtype, device=like.device)
-        return (1.0 - torch.pow(beta, t[0])).to(like.dtype)
+        return (1.0 - torch.pow(beta, t[..., None])).to(like.dtype)
 
     def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
         """The update in the eigenbasis (each method's formula)."""
@@ -609,11 +674,11 @@ def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
 
 
 def side_block(state: SolverState, key: str) -> int | None:
-    """The block width of the basis ``state[key]`` (``"qa"``/``"qg"``): the second
+    """The block width of the basis ``state[key]`` (``"qa"``/``"qg"``): the last
     dimension of its empty marker ``state[key + "_block"]``, ``None`` for a dense basis
     (module notes: a shape, not a value, so that reading it never waits for a device)."""
     marker = state.get(f"{key}_block")
-    return None if marker is None else int(marker.shape[1])
+    return None if marker is None else int(marker.shape[-1])
 
 
 BLOCK_PRODUCT_SHARE = 0.75
@@ -628,14 +693,15 @@ def times_blocks(basis: Tensor, matrix: Tensor, block: int | None, left: bool) -
     """``basis @ matrix`` (``left``) or ``matrix @ basis`` for a square ``basis`` that is
     block-diagonal with blocks of ``block`` (:func:`~dkfac.solvers.statistics.block_bounds`;
     ``None``: dense): one product per block, the zero blocks never multiplied (the whole
-    product where that saves little, :data:`BLOCK_PRODUCT_SHARE`; the same value)."""
-    size = basis.shape[0]
+    product where that saves little, :data:`BLOCK_PRODUCT_SHARE`; the same value). Both
+    may carry a leading layer dimension."""
+    size = basis.shape[-1]
     bounds = [] if block is None else block_bounds(size, block)
     if sum((j - i) ** 2 for i, j in bounds) > BLOCK_PRODUCT_SHARE * size * size or not bounds:
         return basis @ matrix if left else matrix @ basis
     if left:
-        return torch.cat([basis[i:j, i:j] @ matrix[i:j] for i, j in bounds], dim=0)
-    return torch.cat([matrix[:, i:j] @ basis[i:j, i:j] for i, j in bounds], dim=1)
+        return torch.cat([basis[..., i:j, i:j] @ matrix[..., i:j, :] for i, j in bounds], dim=-2)
+    return torch.cat([matrix[..., i:j] @ basis[..., i:j, i:j] for i, j in bounds], dim=-1)
 
 
 def change_basis(
@@ -654,7 +720,7 @@ def change_basis(
     qg = state["qg"].to(low)
     half = matrix.to(low)
     if qg.numel():
-        half = times_blocks(qg if out else qg.T, half, side_block(state, "qg"), left=True)
+        half = times_blocks(qg if out else qg.mT, half, side_block(state, "qg"), left=True)
     if structured:
         half = half.to(matrix.dtype)
     return times_input_basis(half, state, transpose=out).to(matrix.dtype)
@@ -681,7 +747,7 @@ def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = Fals
     qa = state["qa"].to(matrix.dtype)
     if not qa.numel():
         return matrix
-    return times_blocks(qa.T if transpose else qa, matrix, side_block(state, "qa"), left=False)
+    return times_blocks(qa.mT if transpose else qa, matrix, side_block(state, "qa"), left=False)
 
 
 def _transition(new: Tensor, old: Tensor) -> Tensor:

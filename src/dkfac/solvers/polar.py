@@ -25,6 +25,11 @@ pass: half the error against a float64 iteration, and 5-25% faster here).
 ``O`` has ``k`` unit singular values, so ``‖O‖_F = √k`` and its RMS entry is
 ``√(k / mn) = 1 / √max(m, n)``; ``rms · √max(m, n) · O`` has RMS ``rms`` whatever the shape
 (Moonshot's "match the RMS of AdamW" convention, with their 0.2 as one choice of ``rms``).
+
+Both functions also take a stack of matrices of one shape (``L × m × n``): each is
+orthogonalised on its own, with the batched products (``bmm``), so that the layers of one
+shape cost one call instead of ``L`` (on CPU the batched and the single products give the
+same bits).
 """
 
 from __future__ import annotations
@@ -45,38 +50,43 @@ NORM_EPS = 1e-7
 def newton_schulz(
     matrix: Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16
 ) -> Tensor:
-    """``≈`` the polar factor of a 2-D ``matrix`` (module notes), in ``matrix``'s dtype.
+    """``≈`` the polar factor of ``matrix`` (module notes), in ``matrix``'s dtype.
 
     Args:
-        matrix: The ``m × n`` matrix.
+        matrix: The ``m × n`` matrix, or a stack of them (``L × m × n``; each on its own).
         steps: Newton–Schulz steps (>= 1).
         dtype: Precision of the iteration (bf16, as Muon; float64 for a reference).
 
     Raises:
-        ValueError: If ``matrix`` is not 2-D or ``steps < 1``.
+        ValueError: If ``matrix`` is not 2-D or 3-D, or ``steps < 1``.
     """
-    if matrix.dim() != 2:
-        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if matrix.dim() not in (2, 3):
+        raise ValueError(
+            f"newton_schulz needs a 2-D matrix or a 3-D stack, got shape {tuple(matrix.shape)}"
+        )
     if steps < 1:
         raise ValueError(f"newton_schulz needs steps >= 1, got {steps}")
     a, b, c = NS_COEFFICIENTS
-    tall = matrix.shape[0] > matrix.shape[1]
-    x = (matrix.T if tall else matrix).to(dtype)
-    norm = torch.linalg.matrix_norm(x.to(torch.promote_types(dtype, torch.float32)))
+    tall = matrix.shape[-2] > matrix.shape[-1]
+    x = (matrix.mT if tall else matrix).to(dtype)
+    wide = torch.promote_types(dtype, torch.float32)
+    norm = torch.linalg.matrix_norm(x.to(wide), keepdim=True)
     x = x / (norm.to(dtype) + NORM_EPS)
+    fused = torch.addmm if x.dim() == 2 else torch.baddbmm
     for _ in range(steps):  # two fused products (addmm: the sum inside the product's
-        gram = x @ x.T  # accumulator) instead of two products and five elementwise passes
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.T if tall else x).to(matrix.dtype)
+        gram = x @ x.mT  # accumulator) instead of two products and five elementwise passes
+        x = fused(x, fused(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).to(matrix.dtype)
 
 
 def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tensor:
     """``rms · √max(m, n) · newton_schulz(update, steps)``: the polar factor of ``update``
-    with an RMS entry of about ``rms`` (module notes). A zero ``update`` stays zero.
+    (or of each matrix of a stack) with an RMS entry of about ``rms`` (module notes). A zero
+    ``update`` stays zero.
 
     The iteration runs in bfloat16 (Muon's precision: the singular values land in a band
     anyway), except for a float64 ``update``, which keeps float64: a float64 model asks for
     precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
     """
     dtype = torch.float64 if update.dtype == torch.float64 else torch.bfloat16
-    return newton_schulz(update, steps, dtype) * (rms * max(update.shape) ** 0.5)
+    return newton_schulz(update, steps, dtype) * (rms * max(update.shape[-2:]) ** 0.5)

@@ -1,0 +1,81 @@
+"""Phase 3 preconditions the layers of one shape and one solver's options together.
+
+Oracle: a twin preconditioner on an identical model whose solvers refuse every batch
+(each layer on its own, as before batching); float64, the same batches, several steps with
+refreshes and resets: every preconditioned gradient and every moment equal the twin's to
+1e-12, and the three hidden layers did go through one batched call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac import KFACPreconditioner
+from dkfac.solvers.eigen_moments import EigenMomentsSolver
+
+OPTIONS: dict[str, Any] = {
+    "method": "eigen_adam",
+    "kl_clip": None,
+    "inverse_update_interval": 2,
+    "basis_refresh": "power",
+    "moment_carry": "reset",
+    "moment_nesterov": True,
+    "basis_block_size": 4,
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(6, 6), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(6, 4)).double()
+
+
+@pytest.mark.parametrize("orthogonal", [(), ("^[024]$",)])
+def test_grouped_layers_equal_each_layer_on_its_own(
+    orthogonal: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes: list[int] = []
+    original = EigenMomentsSolver.apply_batch
+
+    def counted(self: EigenMomentsSolver, states: Any, *rest: Any) -> Any:
+        sizes.append(len(states))
+        return original(self, states, *rest)
+
+    monkeypatch.setattr(EigenMomentsSolver, "apply_batch", counted)
+    model, twin = _model(), _model()
+    pre = KFACPreconditioner(model, orthogonal_layers=orthogonal, **OPTIONS)
+    alone = KFACPreconditioner(twin, orthogonal_layers=orthogonal, **OPTIONS)
+    for layer in alone.layers.values():
+        layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(16, 6, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 4, (16,), generator=gen)
+        sizes.clear()
+        for m, p in ((model, pre), (twin, alone)):
+            m.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            p.step()
+        assert sorted(sizes) == [1, 1, 1, 1, 1, 3], sizes  # the hidden three, then the twin's
+        for name, layer in pre.layers.items():
+            other = alone.layers[name]
+            for a, b in zip(layer.block.parameters(), other.block.parameters(), strict=True):
+                assert a.grad is not None and b.grad is not None
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+            assert layer.moments is not None and other.moments is not None
+            for key, value in layer.moments.items():
+                torch.testing.assert_close(value, other.moments[key], rtol=1e-12, atol=1e-12)
+        with torch.no_grad():
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                a -= 0.05 * a.grad
+                b.copy_(a)
+    state = pre.state_dict()  # the moments of a batch are saved per layer, as their own shape
+    for name in ("0", "2", "4"):
+        assert state["layers"][name]["moments"]["m"].shape == (6, 7)
