@@ -1,0 +1,87 @@
+"""Probe: where a language-model step's time goes, Muon and K-FAC recipes interleaved.
+
+Builds the ``dkfac bench lm`` model and data (its defaults), then for ``--steps`` steps
+runs one step of every optimizer on the same batch in turn and times its forward, backward
+and optimizer step apart (``time.perf_counter``; the first 5 steps not counted). Each
+argument after the options is ``muon`` or a recipe file, optionally ``+`` a JSON object of
+K-FAC options that override the file's. Prints the mean milliseconds of each phase (and
+the optimizer step's median: the capture and refresh steps make the mean larger).
+
+    python benchmarks/probes/lm_step_phases.py --steps 45 muon benchmarks/recipes/gpt-text.toml \\
+        'benchmarks/recipes/gpt-text.toml+{"orthogonal_steps": 4}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dkfac.app.models import build_model
+from dkfac.app.text import BYTE_VOCAB
+from dkfac.bench import lm, peers
+from dkfac.bench.recipes import load_recipe
+
+WARMUP = 5
+
+
+def make(variant: str, task: lm.TextTask) -> tuple[Any, Any]:
+    """The model (seed 0) and optimizer of ``variant``."""
+    if variant == "muon":
+        spec, lr = peers.OptimizerSpec("muon", "muon", [0.05]), 0.05
+    else:
+        path, _, override = variant.partition("+")
+        recipe = load_recipe(path)
+        options = {**recipe.options, **(json.loads(override) if override else {})}
+        spec, lr = peers.OptimizerSpec(variant, "kfac", [recipe.lr], options), recipe.lr
+    torch.manual_seed(0)
+    model = build_model(
+        "gpt", in_channels=1, image_size=task.seq_len, num_classes=BYTE_VOCAB, **task.model_options
+    )
+    return model, peers.build_optimizer(spec, model, lr, 0.0)
+
+
+def main() -> None:
+    """Parses the arguments, runs the steps, prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=45)
+    parser.add_argument("variants", nargs="+")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    bench_args = lm.build_parser().parse_args(["--threads", "1"])
+    task = lm.load_task(bench_args)
+    runs = {v: make(v, task) for v in args.variants}
+    times: dict[str, dict[str, list[float]]] = {v: {"fwd": [], "bwd": [], "opt": []} for v in runs}
+    gen = torch.Generator().manual_seed(0)
+    for step in range(args.steps):
+        index = torch.randint(len(task.x_train), (bench_args.batch_size,), generator=gen)
+        xb, yb = task.x_train[index], task.y_train[index]
+        for variant, (model, optimizer) in runs.items():
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            if step >= WARMUP:
+                for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
+                    times[variant][key].append(value * 1e3)
+    print("| variant | forward ms | backward ms | optimizer step ms (median) | total ms |")
+    print("|---|---|---|---|---|")
+    for variant, phases in times.items():
+        means = {k: statistics.mean(v) for k, v in phases.items()}
+        print(
+            f"| {variant} | {means['fwd']:.1f} | {means['bwd']:.1f} | {means['opt']:.1f} "
+            f"({statistics.median(phases['opt']):.1f}) | {sum(means.values()):.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
