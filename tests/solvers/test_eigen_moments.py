@@ -630,3 +630,24 @@ def test_the_first_decomposition_of_a_wide_low_rank_factor_takes_the_range(
     full = _low_rank(40, 200, seed=5)
     fresh = solver.compute_statistics({"A": full, "G": G}, 0.1)
     torch.testing.assert_close(fresh["qa"], descending_eigh(full, DT)[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cls", [EigenAdamSolver, EKFACSolver])
+def test_half_precision_gradients_keep_float32_moments(cls, dtype: torch.dtype) -> None:
+    """A half-precision gradient is worked on in float32 and only its update rounded: the
+    same bits as the float32 gradient's update rounded once, float32 moments, and no
+    flushed second moment (in float16 these gradients' squares, ~1e-10, are zero)."""
+    solver = cls(torch.float32)
+    state = solver.compute(A.float(), G.float(), 0.1)
+    grads = [(g * 1e-5).to(dtype) for g in _grads(3)]
+    assert bool((grads[0].float() ** 2).to(torch.float16).eq(0).all())
+    half, full = None, None
+    for grad in grads:
+        update, half = solver.apply_with_moments(state, half, grad, 0.1)
+        want, full = solver.apply_with_moments(state, full, grad.float(), 0.1)
+        assert update.dtype == dtype and half["v"].dtype == torch.float32
+        assert torch.equal(update, want.to(dtype))
+        assert all(torch.equal(half[k], full[k]) for k in full)
+    if cls is EigenAdamSolver:  # Adam's entries stay of order one
+        assert float(update.float().abs().max()) < 5.0

@@ -113,6 +113,13 @@ sets the Newton–Schulz steps (default 5, Muon's): the preconditioned update's 
 flatter than a raw momentum's, and three steps (a softer polar factor,
 :mod:`dkfac.solvers.polar`) took the autoencoder to its target in the same steps as five.
 
+**Moment precision**: the moments and the arithmetic on them are float32 at least: a
+float16 or bfloat16 gradient is cast to float32 before its rotation (which then runs in
+float32, or in ``gradient_rotation_dtype``), and only the update is cast back. In float16 a
+gradient's square underflows below 6e-8 (any entry under 2.4e-4), and ``m̂ ⊘ (√v̂ + ε)``
+over a flushed ``v`` is ``m̂ / ε``: a step of thousands; in bfloat16 ``v``'s running average
+would keep 8 significant bits. A float32 or float64 gradient is unchanged by this.
+
 **Batched apply** (:meth:`EigenMomentsSolver.apply_batch`): the layers of one shape and
 one set of options (a transformer's query, key, value and output projections) are
 preconditioned in one pass over stacked tensors: the rotations, the moments and the
@@ -553,11 +560,13 @@ class EigenMomentsSolver(Solver):
         """``(V, moments after this gradient)``; ``None`` moments start from zero.
 
         Every tensor may carry a leading layer dimension (a stack of layers of one shape:
-        :meth:`apply_batch`); each layer's slice is its own result."""
+        :meth:`apply_batch`); each layer's slice is its own result. A half-precision
+        gradient is worked on in float32 (module notes) and its update returned in its own
+        dtype."""
         into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
         if into is not None and into == out:  # cast each dense basis once for both rotations
             state = lowered_bases(state, into)
-        rotated = change_basis(grad, state, into)
+        rotated = change_basis(grad.to(torch.promote_types(grad.dtype, torch.float32)), state, into)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
@@ -567,7 +576,7 @@ class EigenMomentsSolver(Solver):
             update = orthogonal_update(
                 update, self.options.orthogonal_rms, self.options.orthogonal_steps
             )
-        return update, new
+        return update.to(grad.dtype), new
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
         """The class, the options, the gradient's shape, dtype and device and every state
