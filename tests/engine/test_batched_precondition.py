@@ -3,7 +3,8 @@
 Oracle: a twin preconditioner on an identical model whose solvers refuse every batch
 (each layer on its own, as before batching); float64, the same batches, several steps with
 refreshes and resets: every preconditioned gradient and every moment equal the twin's to
-1e-12, and the three hidden layers did go through one batched call.
+1e-12, and the three hidden layers did go through one batched call. The same for two
+BatchNorm layers of different widths under the unit-wise solver.
 """
 
 from __future__ import annotations
@@ -79,3 +80,34 @@ def test_grouped_layers_equal_each_layer_on_its_own(
     state = pre.state_dict()  # the moments of a batch are saved per layer, as their own shape
     for name in ("0", "2", "4"):
         assert state["layers"][name]["moments"]["m"].shape == (6, 7)
+
+
+def test_batchnorm_layers_share_one_solve_as_each_alone() -> None:
+    """Two BatchNorm layers of different widths go through one unit-wise solve; the
+    preconditioned gradients equal a twin's that solves each alone."""
+
+    def cnn() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+            nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6), nn.ReLU(),
+            nn.Flatten(), nn.Linear(6 * 4 * 4, 3),
+        ).double()  # fmt: skip
+
+    model, twin = cnn(), cnn()
+    pre = KFACPreconditioner(model, method="eigen", kl_clip=None)
+    alone = KFACPreconditioner(twin, method="eigen", kl_clip=None)
+    assert sum(row["method"] == "unitwise" for row in pre.describe()) == 2
+    for layer in alone.layers.values():
+        layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(8, 3, 8, 8, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (8,), generator=gen)
+        for m, p in ((model, pre), (twin, alone)):
+            m.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            p.step()
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)

@@ -12,7 +12,7 @@ from dkfac.blocks.unitwise_stats import (
     per_sample_grads,
     unit_fisher,
 )
-from dkfac.solvers.unitwise import damped_solve_2x2
+from dkfac.solvers.unitwise import UnitwiseSolver, damped_solve_2x2
 
 DT = torch.float64
 
@@ -89,3 +89,21 @@ def test_damped_solve_equals_dense_per_channel_solve() -> None:
     for c in range(5):
         expected = torch.linalg.solve(fisher[c] + 0.01 * torch.eye(2, dtype=DT), grad_[c])
         torch.testing.assert_close(out[c], expected)
+
+
+def test_batchnorm_layers_of_any_width_share_one_solve() -> None:
+    """``apply_batch`` over layers of 3, 5 and 1 channels equals each layer's ``apply`` to
+    the bit (the solve is per channel), and equal keys do not depend on the width."""
+    solver = UnitwiseSolver()
+    states, grads = [], []
+    for width in (3, 5, 1):
+        v = torch.randn(7, width, 2, dtype=DT)
+        states.append(solver.compute_statistics({"F": torch.einsum("ncj,nck->cjk", v, v) / 7}, 0.0))
+        grads.append(torch.randn(width, 2, dtype=DT))
+    keys = {solver.batch_key(s, g) for s, g in zip(states, grads, strict=True)}
+    assert len(keys) == 1 and None not in keys
+    assert solver.batch_key(states[0], grads[0].float()) not in keys
+    out = solver.apply_batch(states, [None] * 3, grads, 0.01)
+    for (update, moments), state, grad_ in zip(out, states, grads, strict=True):
+        assert moments is None
+        assert torch.equal(update, solver.apply(state, grad_, 0.01))

@@ -5,12 +5,14 @@ the per-channel Fisher of ``(γ_c, β_c)`` of shape ``(C, 2, 2)``; the gradient 
 ``(C, 2)`` = ``[∇γ_c, ∇β_c]``. The update is ``(F_c + λ_BN I₂)^{-1} [∇γ_c, ∇β_c]``, with
 the BatchNorm damping ``λ_BN`` passed to :meth:`UnitwiseSolver.apply`. No decomposition is
 needed, so the state is the Fisher itself and the solve happens at apply time (a damping
-schedule takes effect at once).
+schedule takes effect at once). The solve is per channel, so the BatchNorm layers of one
+dtype and device are solved as one (:meth:`UnitwiseSolver.apply_batch`: their channels
+concatenated), whatever their widths.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,3 +58,24 @@ class UnitwiseSolver(Solver):
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """``(F_c + λ I)^{-1} grad_c`` for every channel."""
         return damped_solve_2x2(state["fisher"].to(grad.dtype), grad, damping)
+
+    def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
+        """The class, the gradient's dtype and device and the Fisher's dtype: any number of
+        channels share a solve."""
+        return (type(self), grad.dtype, grad.device, state["fisher"].dtype)
+
+    def apply_batch(
+        self,
+        states: Sequence[SolverState],
+        moments: Sequence[SolverState | None],
+        grads: Sequence[Tensor],
+        damping: float,
+    ) -> list[tuple[Tensor, SolverState | None]]:
+        """:meth:`apply` of several layers as one solve over their concatenated channels;
+        each update is its layer's rows of the result."""
+        if len(grads) == 1:
+            return super().apply_batch(states, moments, grads, damping)
+        fisher = torch.cat([state["fisher"] for state in states]).to(grads[0].dtype)
+        solved = damped_solve_2x2(fisher, torch.cat(list(grads)), damping)
+        updates = solved.split([grad.shape[0] for grad in grads])
+        return list(zip(updates, moments, strict=True))
