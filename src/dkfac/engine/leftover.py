@@ -88,8 +88,9 @@ class LeftoverAdam:
     def _step_group(self, members: list[tuple[str, Tensor]]) -> None:
         """One stack of gradient matrices of one shape (:meth:`step`)."""
         matrices = torch.stack([matrix for _, matrix in members])
-        olds = [self.moments.get(name) or self.solver.zero_moments(m) for name, m in members]
-        old = {key: torch.stack([o[key] for o in olds]) for key in olds[0]}
+        old = self.solver.stack_moments(
+            [self.moments.get(name) for name, _ in members], [m for _, m in members]
+        )
         update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
         grads = [self.params[name].grad for name, _ in members]
         finite = finite_each(grads, matrices.device)  # type: ignore[arg-type]

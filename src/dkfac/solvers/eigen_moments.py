@@ -604,15 +604,23 @@ class EigenMomentsSolver(Solver):
         state = {key: torch.stack([s[key] for s in states]) for key in states[0]}
         stacked = self._restacked(moments)
         if stacked is None:
-            present = [
-                m if m is not None else self.zero_moments(g)
-                for m, g in zip(moments, grads, strict=True)
-            ]
-            stacked = {key: torch.stack([m[key] for m in present]) for key in present[0]}
+            stacked = self.stack_moments(moments, grads)
         update, new = self.apply_with_moments(state, stacked, grad, damping)
         slices = [{key: value[i] for key, value in new.items()} for i in range(len(grads))]
         self._last_batch = (new, slices)
         return [(update[i], slices[i]) for i in range(len(grads))]
+
+    def stack_moments(
+        self, moments: Sequence[SolverState | None], likes: Sequence[Tensor]
+    ) -> SolverState:
+        """The layers' moments stacked key by key, zero moments of ``likes[i]``'s shape
+        where ``moments[i]`` is ``None`` (the input :meth:`apply_with_moments` takes for a
+        stack)."""
+        present = [
+            m if m is not None else self.zero_moments(like)
+            for m, like in zip(moments, likes, strict=True)
+        ]
+        return {key: torch.stack([m[key] for m in present]) for key in present[0]}
 
     def _restacked(self, moments: Sequence[SolverState | None]) -> SolverState | None:
         """The stack of :meth:`apply_batch`'s last moments when ``moments`` are exactly its
