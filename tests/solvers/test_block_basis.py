@@ -20,6 +20,7 @@ from dkfac.solvers.statistics import (
     DenseStatistic,
     FactorAccumulator,
     block_bounds,
+    diagonal_blocks,
 )
 
 DT = torch.float64
@@ -219,3 +220,31 @@ def test_a_dense_state_rotates_densely_whatever_the_options() -> None:
 def test_block_size_is_validated(value: object) -> None:
     with pytest.raises(ValueError, match="block_size must be an integer >= 1 or None"):
         MomentOptions(block_size=value)  # type: ignore[arg-type]
+
+
+def test_diagonal_blocks_is_a_view_of_the_blocks() -> None:
+    matrix = torch.arange(36.0).reshape(6, 6)
+    blocks = diagonal_blocks(matrix, 3)
+    assert blocks.shape == (2, 3, 3)
+    torch.testing.assert_close(blocks[0], matrix[:3, :3])
+    torch.testing.assert_close(blocks[1], matrix[3:, 3:])
+    blocks.add_(100.0)  # writes through to the matrix's diagonal blocks only
+    assert matrix[4, 5] == 29.0 + 100.0 and matrix[0, 4] == 4.0
+    for bad in (torch.zeros(6, 4), torch.zeros(6, 6)[None], torch.zeros(7, 7)):
+        with pytest.raises(ValueError, match="multiple of block 3"):
+            diagonal_blocks(bad, 3)
+
+
+@pytest.mark.parametrize("size", [8, 11, 12])
+def test_the_batched_blocks_equal_each_block_alone(size: int) -> None:
+    """Whole blocks go through one batched product, a shorter last one alone: every block
+    equals its own product (float64), whatever the remainder."""
+    gen = torch.Generator().manual_seed(size)
+    rows = torch.randn(9, size, generator=gen, dtype=DT)
+    blocked = BlockDiagonalAccumulator(DT, None, block=BLOCK)
+    blocked.add(_Rows(rows), scale=3.0)
+    assert blocked.total is not None
+    expected = torch.zeros(size, size, dtype=DT)
+    for i, j in block_bounds(size, BLOCK):
+        expected[i:j, i:j] = 3.0 * rows[:, i:j].T @ rows[:, i:j]
+    torch.testing.assert_close(blocked.total, expected, rtol=1e-13, atol=1e-13)
