@@ -145,10 +145,12 @@ class SolverConfig:
             ``max_precond_dim``); ``None`` (default): every factor is rotated.
         rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of the update
             out of the eigenbasis (half of their per-step cost): ``None`` (default) the
-            gradient's; ``torch.bfloat16`` runs it 2-3x faster on CPUs with bf16 matrix
-            instructions and on GPUs, for an error of about 1% of the update; the rotation
-            into the basis, the moments and the basis keep their own precision
-            (:mod:`dkfac.solvers.eigen_moments`; measured in BENCHMARKS.md section 12).
+            gradient's, or on an ``orthogonal_layers`` layer the Newton–Schulz iteration's
+            (bfloat16 unless float64: its polar factor is rotated out); ``torch.bfloat16``
+            runs it 2-3x faster on CPUs with bf16 matrix instructions and on GPUs, for an
+            error of about 1% of the update; the rotation into the basis, the moments and
+            the basis keep their own precision (:mod:`dkfac.solvers.eigen_moments`;
+            measured in BENCHMARKS.md section 12).
         gradient_rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of
             the gradient into the eigenbasis (the other half of their per-step cost):
             ``None`` (default) the gradient's; ``torch.bfloat16`` as above (``torch.float32``

@@ -112,6 +112,14 @@ embeddings and the head out); measured in BENCHMARKS.md section 15. ``orthogonal
 sets the Newton–Schulz steps (default 5, Muon's): the preconditioned update's spectrum is
 flatter than a raw momentum's, and three steps (a softer polar factor,
 :mod:`dkfac.solvers.polar`) took the autoencoder to its target in the same steps as five.
+The polar factor is taken in the basis and then rotated out: ``O(Q_G S Q_Aᵀ) = Q_G O(S)
+Q_Aᵀ`` for orthogonal bases (block-diagonal, one-sided and structured ones included; the
+Newton–Schulz iteration commutes with them exactly, as the SVD does), and the rotation out
+of a matrix whose singular values are all about one runs in the iteration's own precision
+(bfloat16 unless float64: :func:`~dkfac.solvers.polar.polar_dtype`; ``rotation_dtype``
+when set) at no loss: the update has that precision either way. The order used to be the
+other one, with the rotation out in the gradient's precision (2.2x the flops' time in
+float32 on this CPU: BENCHMARKS.md section 23).
 
 **Moment precision**: the moments and the arithmetic on them are float32 at least: a
 float16 or bfloat16 gradient is cast to float32 before its rotation (which then runs in
@@ -146,7 +154,7 @@ from torch import Tensor
 from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
-from dkfac.solvers.polar import NS_STEPS, orthogonal_update
+from dkfac.solvers.polar import NS_STEPS, orthogonal_update, polar_dtype
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
 __all__ = [
@@ -190,7 +198,7 @@ class MomentOptions:
         max_dim: A factor of a larger dimension keeps the identity basis (one-sided);
             ``None``: every factor is rotated.
         rotation_dtype: Precision of the rotation of the update out of the basis (module
-            notes); ``None``: the gradient's.
+            notes); ``None``: the gradient's (the polar factor's with ``orthogonal_rms``).
         orthogonal_rms: The update ``V`` is replaced by its orthogonal polar factor scaled
             to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes);
             ``None``: ``V`` itself.
@@ -571,11 +579,12 @@ class EigenMomentsSolver(Solver):
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         scaled = self.scaled(new, rotated, damping)
-        update = change_basis(scaled, state, out, out=True)
-        if self.options.orthogonal_rms is not None:
-            update = orthogonal_update(
-                update, self.options.orthogonal_rms, self.options.orthogonal_steps
+        if self.options.orthogonal_rms is not None:  # in the basis, then out (module notes)
+            scaled = orthogonal_update(
+                scaled, self.options.orthogonal_rms, self.options.orthogonal_steps
             )
+            out = out or polar_dtype(scaled.dtype)
+        update = change_basis(scaled, state, out, out=True)
         return update.to(grad.dtype), new
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:

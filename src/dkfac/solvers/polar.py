@@ -37,7 +37,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["NORM_EPS", "NS_COEFFICIENTS", "NS_STEPS", "newton_schulz", "orthogonal_update"]
+__all__ = [
+    "NORM_EPS",
+    "NS_COEFFICIENTS",
+    "NS_STEPS",
+    "newton_schulz",
+    "orthogonal_update",
+    "polar_dtype",
+]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """``(a, b, c)`` of the quintic iteration (module notes)."""
@@ -79,6 +86,12 @@ def newton_schulz(
     return (x.mT if tall else x).to(matrix.dtype)
 
 
+def polar_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision :func:`orthogonal_update` iterates in for an update of ``dtype``:
+    float64 for float64, else bfloat16 (Muon's)."""
+    return torch.float64 if dtype == torch.float64 else torch.bfloat16
+
+
 def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tensor:
     """``rms · √max(m, n) · newton_schulz(update, steps)``: the polar factor of ``update``
     (or of each matrix of a stack) with an RMS entry of about ``rms`` (module notes). A zero
@@ -88,5 +101,6 @@ def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tens
     anyway), except for a float64 ``update``, which keeps float64: a float64 model asks for
     precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
     """
-    dtype = torch.float64 if update.dtype == torch.float64 else torch.bfloat16
-    return newton_schulz(update, steps, dtype) * (rms * max(update.shape[-2:]) ** 0.5)
+    return newton_schulz(update, steps, polar_dtype(update.dtype)) * (
+        rms * max(update.shape[-2:]) ** 0.5
+    )
