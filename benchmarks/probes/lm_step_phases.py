@@ -6,6 +6,10 @@ and optimizer step apart (``time.perf_counter``; the first 5 steps not counted).
 argument after the options is ``muon`` or a recipe file, optionally ``+`` a JSON object of
 K-FAC options that override the file's. Prints the mean milliseconds of each phase (and
 the optimizer step's median: the capture and refresh steps make the mean larger).
+``--block N`` runs ``N`` steps of each variant in a row on the same ``N`` batches instead
+of alternating every step, in case alternating charged one variant's cache misses to the
+other: measured, it does not (BENCHMARKS.md section 23: recipe ÷ Muon 1.044 with blocks of
+20 against 1.049 step by step, within the machine's drift).
 
     python benchmarks/probes/lm_step_phases.py --steps 45 muon benchmarks/recipes/gpt-text.toml \\
         'benchmarks/recipes/gpt-text.toml+{"orthogonal_steps": 4}'
@@ -50,6 +54,13 @@ def main() -> None:
     """Parses the arguments, runs the steps, prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=45)
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="steps each variant runs in a row before the next takes the same batches "
+        "(1: step by step)",
+    )
     parser.add_argument("variants", nargs="+")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -58,21 +69,24 @@ def main() -> None:
     runs = {v: make(v, task) for v in args.variants}
     times: dict[str, dict[str, list[float]]] = {v: {"fwd": [], "bwd": [], "opt": []} for v in runs}
     gen = torch.Generator().manual_seed(0)
-    for step in range(args.steps):
-        index = torch.randint(len(task.x_train), (bench_args.batch_size,), generator=gen)
-        xb, yb = task.x_train[index], task.y_train[index]
+    for first in range(0, args.steps, args.block):
+        batches = []
+        for _ in range(min(args.block, args.steps - first)):
+            index = torch.randint(len(task.x_train), (bench_args.batch_size,), generator=gen)
+            batches.append((task.x_train[index], task.y_train[index]))
         for variant, (model, optimizer) in runs.items():
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            optimizer.step()
-            t3 = time.perf_counter()
-            if step >= WARMUP:
-                for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
-                    times[variant][key].append(value * 1e3)
+            for step, (xb, yb) in enumerate(batches, start=first):
+                t0 = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                optimizer.step()
+                t3 = time.perf_counter()
+                if step >= WARMUP:
+                    for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
+                        times[variant][key].append(value * 1e3)
     print("| variant | forward ms | backward ms | optimizer step ms (median) | total ms |")
     print("|---|---|---|---|---|")
     for variant, phases in times.items():
