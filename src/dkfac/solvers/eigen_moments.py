@@ -118,8 +118,8 @@ Newton–Schulz iteration commutes with them exactly, as the SVD does), and the 
 of a matrix whose singular values are all about one runs in the iteration's own precision
 (bfloat16 unless float64: :func:`~dkfac.solvers.polar.polar_dtype`; ``rotation_dtype``
 when set) at no loss: the update has that precision either way. The order used to be the
-other one, with the rotation out in the gradient's precision (2.2x the flops' time in
-float32 on this CPU: BENCHMARKS.md section 23).
+other one, with the rotation out in the gradient's precision (float32 products cost about
+2.2x bf16 ones on the benchmark CPU: BENCHMARKS.md section 23).
 
 **Moment precision**: the moments and the arithmetic on them are float32 at least: a
 float16 or bfloat16 gradient is cast to float32 before its rotation (which then runs in
