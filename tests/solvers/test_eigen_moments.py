@@ -409,15 +409,23 @@ def _structured_case() -> tuple[EigenAdamSolver, Tensor, list[Tensor]]:
     return EigenAdamSolver(DT, options, input_map=(4, 3)), x.T @ x / 40, grads
 
 
-@pytest.mark.parametrize("case", ["dense", "one-sided", "structured", "out-only"])
+@pytest.mark.parametrize("case", ["dense", "one-sided", "structured", "out-only", "orthogonal"])
 def test_one_cast_of_the_bases_for_both_rotations_changes_no_bit(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the same dtype both ways the bases are cast once (``lowered_bases``): the
     updates and moments equal those of a cast in each rotation, bit for bit; with only the
-    rotation out lowered, the rotation in keeps the exact bases."""
+    rotation out lowered, the rotation in keeps the exact bases. A float32 polar factor is
+    rotated out in bf16 without ``rotation_dtype``: with a bf16 rotation in, one cast too."""
+    g = G
     if case == "structured":
         solver, a, grads = _structured_case()
+    elif case == "orthogonal":
+        options = MomentOptions(
+            carry="reset", gradient_rotation_dtype=torch.bfloat16, orthogonal_rms=0.7
+        )
+        solver = EigenAdamSolver(torch.float32, options)
+        a, g, grads = A.float(), G.float(), [grad.float() for grad in _grads(3)]
     else:
         options = MomentOptions(
             carry="reset",
@@ -426,7 +434,7 @@ def test_one_cast_of_the_bases_for_both_rotations_changes_no_bit(
             max_dim=4 if case == "one-sided" else None,
         )
         solver, a, grads = EigenAdamSolver(DT, options), A, _grads(3)
-    state = solver.compute(a, G, 0.1)
+    state = solver.compute(a, g, 0.1)
 
     def run() -> list[Tensor]:
         out, moments = [], None
@@ -435,7 +443,15 @@ def test_one_cast_of_the_bases_for_both_rotations_changes_no_bit(
             out += [update, *moments.values()]
         return out
 
+    lowered = eigen_moments.lowered_bases
+    casts: list[torch.dtype] = []
+    monkeypatch.setattr(
+        eigen_moments,
+        "lowered_bases",
+        lambda state, dtype: casts.append(dtype) or lowered(state, dtype),
+    )
     once = run()
+    assert casts == ([] if case == "out-only" else [torch.bfloat16] * 3), case
     monkeypatch.setattr(eigen_moments, "lowered_bases", lambda state, dtype: state)
     for got, want in zip(once, run(), strict=True):
         assert torch.equal(got, want), case

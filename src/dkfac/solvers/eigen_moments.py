@@ -571,19 +571,20 @@ class EigenMomentsSolver(Solver):
         :meth:`apply_batch`); each layer's slice is its own result. A half-precision
         gradient is worked on in float32 (module notes) and its update returned in its own
         dtype."""
+        work = torch.promote_types(grad.dtype, torch.float32)  # the moments' precision
+        rms = self.options.orthogonal_rms
         into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
+        if rms is not None and out is None:  # the polar factor goes out in its own precision
+            out = polar_dtype(work)
         if into is not None and into == out:  # cast each dense basis once for both rotations
             state = lowered_bases(state, into)
-        rotated = change_basis(grad.to(torch.promote_types(grad.dtype, torch.float32)), state, into)
+        rotated = change_basis(grad.to(work), state, into)
         if moments is None:
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         scaled = self.scaled(new, rotated, damping)
-        if self.options.orthogonal_rms is not None:  # in the basis, then out (module notes)
-            scaled = orthogonal_update(
-                scaled, self.options.orthogonal_rms, self.options.orthogonal_steps
-            )
-            out = out or polar_dtype(scaled.dtype)
+        if rms is not None:  # in the basis, then out (module notes)
+            scaled = orthogonal_update(scaled, rms, self.options.orthogonal_steps)
         update = change_basis(scaled, state, out, out=True)
         return update.to(grad.dtype), new
 
