@@ -165,17 +165,16 @@ class BlockDiagonalAccumulator(FactorAccumulator):
         if self.total is None:
             self.total = matrix.new_zeros(size, size, dtype=self.dtype or matrix.dtype)
         whole = size // self.block
-        width = whole * self.block if whole > 1 else 0
-        if width:
+        batched = whole if whole > 1 else 0
+        if batched:
+            width = batched * self.block
             blocks = matrix[:, :width].reshape(-1, whole, self.block).transpose(0, 1).contiguous()
             products = torch.bmm(blocks.mT, blocks).to(self.total.dtype)  # stored, then scaled
             diagonal_blocks(self.total[:width, :width], self.block).add_(products, alpha=scale)
-        for start, stop in block_bounds(size - width, self.block) if size > width else []:
-            part = matrix[:, width + start : width + stop]
+        for start, stop in block_bounds(size, self.block)[batched:]:
+            part = matrix[:, start:stop]
             product = (part.T @ part).to(self.total.dtype)
-            self.total[width + start : width + stop, width + start : width + stop].add_(
-                product, alpha=scale
-            )
+            self.total[start:stop, start:stop].add_(product, alpha=scale)
         self.normaliser += rows.normaliser
 
     def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
