@@ -52,7 +52,8 @@ def test_parse_options_reads_dtypes_by_name() -> None:
         "factor_dtype": torch.float64,
         "eigen_dtype": None,
     }
-    with pytest.raises(ValueError, match="unknown dtype"):
+    assert parse_options("rotation_dtype=auto") == {"rotation_dtype": "auto"}
+    with pytest.raises(ValueError, match=r"unknown dtype.*'auto'"):
         parse_options("capture_dtype=bf16")
 
 

@@ -9,6 +9,7 @@ is known up to column signs (which the updates do not depend on).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -123,13 +124,19 @@ def test_an_orthogonalised_update_is_the_polar_factor_of_the_plain_one(method: s
             torch.testing.assert_close(moments_o[key], value, rtol=0, atol=0)
 
 
-def test_a_float32_polar_factor_is_taken_in_the_basis_and_rotated_out_in_bfloat16() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-emulated"])
+def test_a_float32_polar_factor_is_taken_in_the_basis_and_rotated_out_in_its_precision(
+    native: bool, native_bf16: Callable[[bool], None]
+) -> None:
     """``O(Q_G S Q_Aᵀ) = Q_G O(S) Q_Aᵀ``: the float32 solver orthogonalises ``S`` in the basis
-    and rotates the polar factor out in bfloat16, the iteration's own precision (the same
-    bits as that recipe spelled out); the result is the polar factor of the float32 update
-    rotated out first to bfloat16 rounding: against the float64 polar factor, within 2% of
-    that order's own error (1.6% here: the bfloat16 steps; the bfloat16 rotation of a matrix
-    whose singular values are all about one adds about one rounding, 0.8% here)."""
+    and rotates the polar factor out in the iteration's own precision: bfloat16 where the
+    CPU multiplies it natively, float32 where bf16 is emulated (the same bits as that recipe
+    spelled out); the result is the polar factor of the float32 update rotated out first to
+    that rounding: against the float64 polar factor, within 2% of that order's own error
+    (1.6% here in bf16: the bfloat16 steps; the bfloat16 rotation of a matrix whose singular
+    values are all about one adds about one rounding, 0.8% here)."""
+    native_bf16(native)
+    low = torch.bfloat16 if native else torch.float32
     options = MomentOptions(beta1=0.8, eps=1e-3, orthogonal_rms=0.7)
     orthogonal = EigenAdamSolver(torch.float32, options)
     plain = EigenAdamSolver(torch.float32, MomentOptions(beta1=0.8, eps=1e-3))
@@ -141,13 +148,15 @@ def test_a_float32_polar_factor_is_taken_in_the_basis_and_rotated_out_in_bfloat1
         rotated = eigen_moments.change_basis(grad, state, None)
         scaled = orthogonal.scaled(new, rotated, 0.1)
         polar = eigen_moments.orthogonal_update(scaled, 0.7)
-        want = eigen_moments.change_basis(polar, state, torch.bfloat16, out=True)
+        want = eigen_moments.change_basis(polar, state, low, out=True)
         assert got.dtype == torch.float32 and torch.equal(got, want)
         first_out = plain.apply_with_moments(state, moments, grad, 0.1)[0]
         exact = quintic_polar(first_out.double()) * (0.7 * max(grad.shape) ** 0.5)
         before = eigen_moments.orthogonal_update(first_out, 0.7).double()
         error, error_before = ((x - exact).norm() / exact.norm() for x in (got.double(), before))
         assert error <= error_before + 0.02
+        if not native:  # float32 steps: the float64 iteration's result to float32 rounding
+            assert error < 1e-4
         moments = new
 
 
@@ -411,12 +420,14 @@ def _structured_case() -> tuple[EigenAdamSolver, Tensor, list[Tensor]]:
 
 @pytest.mark.parametrize("case", ["dense", "one-sided", "structured", "out-only", "orthogonal"])
 def test_one_cast_of_the_bases_for_both_rotations_changes_no_bit(
-    case: str, monkeypatch: pytest.MonkeyPatch
+    case: str, monkeypatch: pytest.MonkeyPatch, native_bf16: Callable[[bool], None]
 ) -> None:
     """With the same dtype both ways the bases are cast once (``lowered_bases``): the
     updates and moments equal those of a cast in each rotation, bit for bit; with only the
     rotation out lowered, the rotation in keeps the exact bases. A float32 polar factor is
-    rotated out in bf16 without ``rotation_dtype``: with a bf16 rotation in, one cast too."""
+    rotated out in bf16 without ``rotation_dtype`` where bf16 is native: with a bf16
+    rotation in, one cast too."""
+    native_bf16(True)
     g = G
     if case == "structured":
         solver, a, grads = _structured_case()

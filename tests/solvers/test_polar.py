@@ -7,6 +7,8 @@ bf16's precision, and the band the singular values land in against the exact pol
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor
@@ -71,12 +73,16 @@ def test_orthogonal_update_has_the_asked_rms(shape: tuple[int, int]) -> None:
     assert 0.68 * 0.3 < rms < 1.21 * 0.3
 
 
-def test_orthogonal_update_keeps_float64_and_runs_float32_in_bf16() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-emulated"])
+def test_orthogonal_update_keeps_float64_and_runs_float32_in_bf16_where_native(
+    native: bool, native_bf16: Callable[[bool], None]
+) -> None:
+    native_bf16(native)
     u = _matrix(5, 7, seed=5)
     torch.testing.assert_close(orthogonal_update(u, 1.0), quintic_polar(u, 5) * 7**0.5)
     low = orthogonal_update(u.float(), 1.0)
-    want = newton_schulz(u.float(), dtype=torch.bfloat16) * 7**0.5
-    torch.testing.assert_close(low, want, rtol=0, atol=0)
+    want = newton_schulz(u.float(), dtype=torch.bfloat16 if native else torch.float32)
+    torch.testing.assert_close(low, want * 7**0.5, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -29,6 +29,7 @@ import torch
 
 from dkfac.app.schedules import parse_piecewise, piecewise_by_step
 from dkfac.config import KFACConfig
+from dkfac.solvers.precision import AUTO
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -97,6 +98,17 @@ def schedule_text(text: str) -> str:
     return text
 
 
+def dtype_or_auto(text: str) -> torch.dtype | str:
+    """A dtype name, or ``auto`` (bf16 where the device multiplies it natively)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return dtype(text)
+    except argparse.ArgumentTypeError:
+        choices = sorted([*DTYPES, AUTO])
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {choices}") from None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -130,6 +142,9 @@ def _argument_spec(hint: Any) -> dict[str, Any]:
     if len(core) == 1:
         hint = core[0]
     wrap = optional if nullable else (lambda convert: convert)
+    if torch.dtype in core and typing.Literal[AUTO] in core:  # a precision the device decides
+        metavar = "DTYPE|auto" + ("|none" if nullable else "")
+        return {"type": wrap(dtype_or_auto), "metavar": metavar}
     if schedule:
         return {"type": wrap(number), "metavar": "NUMBER" + ("|none" if nullable else "")}
     origin = typing.get_origin(hint)

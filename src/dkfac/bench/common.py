@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dkfac.app.runconfig import dtype
+from dkfac.app.runconfig import dtype_or_auto
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,8 @@ def parse_options(text: str) -> dict[str, Any]:
 
     ``none``/``true``/``false`` are read in any case (``kl_clip=none``, ``moment_nesterov=true``,
     as a recipe or ``dkfac train`` writes them). A key ending in ``_dtype`` takes a torch dtype
-    by name (``capture_dtype=bfloat16``).
+    by name (``capture_dtype=bfloat16``) or ``auto`` (bf16 where the device multiplies it
+    natively; the fields that do not take it refuse it).
 
     Raises:
         ValueError: For an item without ``=``, or an unknown dtype name.
@@ -184,7 +185,7 @@ def parse_options(text: str) -> dict[str, Any]:
             value = raw.lower() == "true"
         elif key.strip().endswith("_dtype"):
             try:
-                value = dtype(raw)
+                value = dtype_or_auto(raw)
             except argparse.ArgumentTypeError as error:
                 raise ValueError(f"option {item!r}: {error}") from error
         else:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dkfac.solvers.kron_basis import check_input_map
+from dkfac.solvers.precision import AUTO
 
 __all__ = [
     "check_bool",
@@ -89,21 +90,29 @@ def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
 
 
 def check_dtype(
-    name: str, value: Any, *, allowed: Collection[torch.dtype] | None = None, optional: bool = True
+    name: str,
+    value: Any,
+    *,
+    allowed: Collection[torch.dtype] | None = None,
+    optional: bool = True,
+    auto: bool = False,
 ) -> None:
-    """A floating ``torch.dtype`` (one of ``allowed`` when given), or ``None`` when ``optional``.
+    """A floating ``torch.dtype`` (one of ``allowed`` when given), ``None`` when
+    ``optional``, or ``"auto"`` when ``auto`` (:mod:`dkfac.solvers.precision`).
 
     Raises:
         ValueError: Otherwise.
     """
-    if optional and value is None:
+    if (optional and value is None) or (auto and isinstance(value, str) and value == AUTO):
         return
     ok = isinstance(value, torch.dtype) and value.is_floating_point
     if ok and allowed is not None:
         ok = value in allowed
     if not ok:
         kinds = ", ".join(str(d) for d in allowed) if allowed is not None else "a floating dtype"
-        raise ValueError(f"{name} must be {'None or ' if optional else ''}{kinds}, got {value!r}")
+        words = (["None"] if optional else []) + (["'auto'"] if auto else [])
+        extra = ", ".join(words) + " or " if words else ""
+        raise ValueError(f"{name} must be {extra}{kinds}, got {value!r}")
 
 
 def check_input_maps(name: str, value: Any) -> dict[str, tuple[int, int]]:

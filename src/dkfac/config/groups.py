@@ -146,15 +146,19 @@ class SolverConfig:
         rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of the update
             out of the eigenbasis (half of their per-step cost): ``None`` (default) the
             gradient's, or on an ``orthogonal_layers`` layer the Newton–Schulz iteration's
-            (bfloat16 unless float64: its polar factor is rotated out); ``torch.bfloat16``
-            runs it 2-3x faster on CPUs with bf16 matrix instructions and on GPUs, for an
-            error of about 1% of the update; the rotation into the basis, the moments and
-            the basis keep their own precision (:mod:`dkfac.solvers.eigen_moments`;
-            measured in BENCHMARKS.md section 12).
+            (its polar factor is rotated out: bfloat16 where the device multiplies bf16
+            natively, float32 elsewhere, float64 for float64); ``torch.bfloat16`` runs it
+            2-3x faster on CPUs with bf16 matrix instructions and on GPUs, for an error of
+            about 1% of the update, and many times slower where bf16 is emulated (an AVX2
+            CPU); ``"auto"``: bfloat16 where the layer's device multiplies it natively, the
+            default elsewhere (:mod:`dkfac.solvers.precision`). The rotation into the
+            basis, the moments and the basis keep their own precision
+            (:mod:`dkfac.solvers.eigen_moments`; measured in BENCHMARKS.md sections 12, 24).
         gradient_rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of
             the gradient into the eigenbasis (the other half of their per-step cost):
-            ``None`` (default) the gradient's; ``torch.bfloat16`` as above (``torch.float32``
-            and ``torch.float64`` too; not float16, which flushes small gradients). Needs
+            ``None`` (default) the gradient's; ``torch.bfloat16`` or ``"auto"`` as above
+            (``torch.float32`` and ``torch.float64`` too; not float16, which flushes small
+            gradients). Needs
             ``moment_carry="reset"`` (a carried second moment would meet gradients rotated
             with another rounding; the reason is in :mod:`dkfac.solvers.eigen_moments`).
             The entries of the rotated gradient below the rounding then move with the sign
@@ -232,12 +236,12 @@ class SolverConfig:
     basis_refresh: BasisRefresh = "eigh"
     moment_carry: MomentCarry = "keep_v"
     basis_max_dim: int | None = None
-    rotation_dtype: torch.dtype | None = None
+    rotation_dtype: torch.dtype | Literal["auto"] | None = None
     flattened_inputs: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     orthogonal_layers: tuple[str, ...] = field(default_factory=tuple)
     orthogonal_rms: float = ORTHOGONAL_RMS
     orthogonal_steps: int = NS_STEPS
-    gradient_rotation_dtype: torch.dtype | None = None
+    gradient_rotation_dtype: torch.dtype | Literal["auto"] | None = None
     power_rank: int | None = None
     basis_block_size: int | None = None
     leftover_update: LeftoverUpdate = "auto"
@@ -268,7 +272,7 @@ class SolverConfig:
         check_choice("basis_refresh", self.basis_refresh, BASIS_REFRESHES)
         check_choice("moment_carry", self.moment_carry, MOMENT_CARRIES)
         check_int("basis_max_dim", self.basis_max_dim, optional=True)
-        check_dtype("rotation_dtype", self.rotation_dtype)
+        check_dtype("rotation_dtype", self.rotation_dtype, auto=True)
         maps = check_input_maps("flattened_inputs", self.flattened_inputs)
         object.__setattr__(self, "flattened_inputs", maps)
         patterns = check_patterns("orthogonal_layers", self.orthogonal_layers)
@@ -289,7 +293,9 @@ class SolverConfig:
                 "orthogonal_layers, which names no layer: name the layers or drop the option"
             )
         lowered = (torch.bfloat16, torch.float32, torch.float64)
-        check_dtype("gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered)
+        check_dtype(
+            "gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered, auto=True
+        )
         check_int("power_rank", self.power_rank, optional=True)
         check_int("basis_block_size", self.basis_block_size, optional=True)
         block, widest = self.basis_block_size, self.basis_max_dim
@@ -395,7 +401,11 @@ class EstimationConfig:
             ``torch.bfloat16`` about halves the cost of building the factors on GPUs and on
             CPUs with bf16 matrix instructions (AVX512-BF16, AMX; measured 1.6x on
             ResNet-20's factor step), for a relative error of the factors of a few 1e-3
-            (products accumulate in fp32; each product's sum is rounded once to bf16).
+            (products accumulate in fp32; each product's sum is rounded once to bf16), and
+            costs many times float32 where bf16 is emulated (an AVX2 CPU); ``"auto"``:
+            bfloat16 where the layer's device multiplies it natively and the model is not
+            float64, ``factor_dtype`` elsewhere (:mod:`dkfac.solvers.precision`; decided
+            when the preconditioner is built, from the layer's parameters).
             Applies to dense Kronecker factors; low-rank (SMW) rows and BatchNorm's
             unit-wise statistics keep ``factor_dtype``.
         skip_layers: Regular expressions; a module whose qualified name or class name
@@ -419,7 +429,7 @@ class EstimationConfig:
     accumulation_steps: int = 1
     loss_average: LossAverage = "samples"
     factor_dtype: torch.dtype | None = None
-    capture_dtype: torch.dtype | None = None
+    capture_dtype: torch.dtype | Literal["auto"] | None = None
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
     conv_reduction: str | None = None
     subsample_positions: int = 1
@@ -436,7 +446,7 @@ class EstimationConfig:
         check_int("accumulation_steps", self.accumulation_steps)
         check_choice("loss_average", self.loss_average, LOSS_AVERAGES)
         check_dtype("factor_dtype", self.factor_dtype)
-        check_dtype("capture_dtype", self.capture_dtype)
+        check_dtype("capture_dtype", self.capture_dtype, auto=True)
         object.__setattr__(self, "skip_layers", check_patterns("skip_layers", self.skip_layers))
         check_choice("conv_reduction", self.conv_reduction, CONV_REDUCTIONS)
         check_int("subsample_positions", self.subsample_positions)

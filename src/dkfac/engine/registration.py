@@ -26,7 +26,7 @@ from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.layer_state import LayerState
-from dkfac.solvers import EigenMomentsSolver, RowsRule, make_solver
+from dkfac.solvers import EigenMomentsSolver, RowsRule, make_solver, precision
 
 __all__ = [
     "create_layers",
@@ -177,7 +177,8 @@ def create_layers(
     deferred solver, decided by ``rule`` at the first capture; another block under
     ``"auto"`` gets the SMW solver with dense sides. A layer of ``flattened_inputs`` gets
     its input map (:func:`input_maps`), a layer of ``orthogonal_layers`` an orthogonalised
-    update (:func:`orthogonal_layers`).
+    update (:func:`orthogonal_layers`). An ``"auto"`` precision is resolved here, from the
+    device and dtype of the layer's parameters (:func:`dkfac.solvers.precision.resolve`).
 
     Raises:
         ValueError: For a ``flattened_inputs`` entry that does not fit (:func:`input_maps`),
@@ -187,7 +188,12 @@ def create_layers(
     orthogonal = orthogonal_layers(blocks, config)
     layers: dict[str, LayerState] = {}
     for name, block in blocks.items():
-        dtype = config.factor_dtype or block.parameters()[0].dtype
+        param = block.parameters()[0]
+        dtype = config.factor_dtype or param.dtype
+        lowered = {  # "auto": bf16 where this layer's device multiplies it natively
+            option: precision.resolve(getattr(config, option), param.device, param.dtype)
+            for option in ("rotation_dtype", "gradient_rotation_dtype", "capture_dtype")
+        }
         kronecker = block.solver_name is None and set(block.statistic_shapes()) == {"A", "G"}
         method = block.solver_name or config.method
         if method == "auto" and not kronecker:
@@ -202,10 +208,10 @@ def create_layers(
                 basis_refresh=config.basis_refresh,
                 carry=config.moment_carry,
                 max_dim=config.basis_max_dim,
-                rotation_dtype=config.rotation_dtype,
+                rotation_dtype=lowered["rotation_dtype"],
                 orthogonal_rms=config.orthogonal_rms if name in orthogonal else None,
                 orthogonal_steps=config.orthogonal_steps,
-                gradient_rotation_dtype=config.gradient_rotation_dtype,
+                gradient_rotation_dtype=lowered["gradient_rotation_dtype"],
                 power_rank=config.power_rank,
                 block_size=config.basis_block_size,
             ),
@@ -216,7 +222,7 @@ def create_layers(
                 f"orthogonal_layers picks {name!r}, whose method {method!r} has no eigenbasis "
                 "of moments to orthogonalise the update of"
             )
-        layers[name] = LayerState.create(block, solver, dtype, config.capture_dtype)
+        layers[name] = LayerState.create(block, solver, dtype, lowered["capture_dtype"])
     return layers
 
 

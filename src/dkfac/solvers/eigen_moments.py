@@ -98,7 +98,11 @@ the rounding of the products take their sign from it (on a small test CNN, three
 a float32 rotation of float64 gradients differ from exact ones by up to half of the
 movement; a distributed run matches a serial one only to the rounding, as the all-reduce
 sums in another order). Measured on the digits autoencoder and the language model
-(BENCHMARKS.md section 16): the same loss per step, 5-15% less time a step.
+(BENCHMARKS.md section 16): the same loss per step, 5-15% less time a step, on a CPU with
+bf16 instructions; where bf16 is emulated it costs many times float32 (section 24). The
+engine's options take ``"auto"`` as well (:mod:`dkfac.solvers.precision`): bf16 where the
+layer's device multiplies it natively, the default precision elsewhere; it reaches this
+solver resolved, as a dtype or ``None``.
 
 **Orthogonalised update** (``orthogonal_rms``): the update ``V`` (of the whole parameter
 matrix, the bias as its last column) is replaced by ``rms · √max(g, a) · O(V)``, ``O`` the
@@ -116,8 +120,9 @@ The polar factor is taken in the basis and then rotated out: ``O(Q_G S Q_Aᵀ) =
 Q_Aᵀ`` for orthogonal bases (block-diagonal, one-sided and structured ones included; the
 Newton–Schulz iteration commutes with them exactly, as the SVD does), and the rotation out
 of a matrix whose singular values are all about one runs in the iteration's own precision
-(bfloat16 unless float64: :func:`~dkfac.solvers.polar.polar_dtype`; ``rotation_dtype``
-when set) at no loss: the update has that precision either way. The order used to be the
+(bfloat16 where the device multiplies bf16 natively, float32 where it does not, float64
+for float64: :func:`~dkfac.solvers.polar.polar_dtype`; ``rotation_dtype`` when set) at no
+loss: the update has that precision either way. The order used to be the
 other one, with the rotation out in the gradient's precision (float32 products cost about
 2.2x bf16 ones on the benchmark CPU: BENCHMARKS.md section 23).
 
@@ -155,6 +160,7 @@ from dkfac.solvers.base import Solver, SolverState
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
 from dkfac.solvers.polar import NS_STEPS, orthogonal_update, polar_dtype
+from dkfac.solvers.precision import LowPrecision
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
 __all__ = [
@@ -291,15 +297,16 @@ def check_moment_combinations(
     *,
     basis_refresh: str,
     carry: str,
-    gradient_rotation_dtype: torch.dtype | None,
+    gradient_rotation_dtype: LowPrecision,
     power_rank: int | None,
     carry_name: str = "carry",
 ) -> None:
     """Raises ValueError for the option pairs the solvers cannot honour (shared by
     :class:`MomentOptions` and the engine's config, which names the carry ``carry_name``).
 
-    A lowered gradient rotation needs the ``"reset"`` carry (a carried second moment would
-    meet gradients rotated with another rounding); ``power_rank`` needs the ``"power"``
+    A lowered gradient rotation (``"auto"`` included: it may resolve to bf16) needs the
+    ``"reset"`` carry (a carried second moment would meet gradients rotated with another
+    rounding); ``power_rank`` needs the ``"power"``
     refresh, and not the ``"keep_v"`` carry (the completion changes at every refresh, so a
     kept second moment would scale other directions).
     """
@@ -575,7 +582,7 @@ class EigenMomentsSolver(Solver):
         rms = self.options.orthogonal_rms
         into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
         if rms is not None and out is None:  # the polar factor goes out in its own precision
-            out = polar_dtype(work)
+            out = polar_dtype(work, grad.device)
         if into is not None and into == out:  # cast each dense basis once for both rotations
             state = lowered_bases(state, into)
         rotated = change_basis(grad.to(work), state, into)

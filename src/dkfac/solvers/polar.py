@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dkfac.solvers.precision import low_precision
+
 __all__ = [
     "NORM_EPS",
     "NS_COEFFICIENTS",
@@ -86,10 +88,12 @@ def newton_schulz(
     return (x.mT if tall else x).to(matrix.dtype)
 
 
-def polar_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The precision :func:`orthogonal_update` iterates in for an update of ``dtype``:
-    float64 for float64, else bfloat16 (Muon's)."""
-    return torch.float64 if dtype == torch.float64 else torch.bfloat16
+def polar_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The precision :func:`orthogonal_update` iterates in for an update of ``dtype`` on
+    ``device``: float64 for float64, else bfloat16 (Muon's) where the device multiplies
+    bf16 natively and float32 where it does not (emulated bf16 is many times slower there:
+    :mod:`dkfac.solvers.precision`)."""
+    return low_precision(device, dtype)
 
 
 def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tensor:
@@ -98,9 +102,10 @@ def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tens
     ``update`` stays zero.
 
     The iteration runs in bfloat16 (Muon's precision: the singular values land in a band
-    anyway), except for a float64 ``update``, which keeps float64: a float64 model asks for
-    precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
+    anyway) where the device multiplies bf16 natively, in float32 where it does not
+    (:func:`polar_dtype`), and in float64 for a float64 ``update``: a float64 model asks
+    for precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
     """
-    return newton_schulz(update, steps, polar_dtype(update.dtype)) * (
+    return newton_schulz(update, steps, polar_dtype(update.dtype, update.device)) * (
         rms * max(update.shape[-2:]) ** 0.5
     )
