@@ -5,6 +5,7 @@ defaults where it does not, to the bit; a float64 model keeps its precision."""
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,18 @@ def test_auto_runs_as_bf16_where_native_and_as_the_defaults_elsewhere(
         assert layer.capture_dtype is low
         options = layer.solver.options  # type: ignore[attr-defined]
         assert options.rotation_dtype is low and options.gradient_rotation_dtype is low
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_choice_of_auto_is_logged_once_per_option_and_device(
+    native: bool, native_bf16: Callable[[bool], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    native_bf16(native)
+    with caplog.at_level(logging.INFO, logger="dkfac.engine.registration"):
+        KFACPreconditioner(make_model().float(), **{**OPTIONS, "capture_dtype": "auto"})
+    lines = [r.getMessage() for r in caplog.records if '"auto"' in r.getMessage()]
+    chosen = "torch.bfloat16" if native else "the default precision"
+    assert len(lines) == 1 and lines[0].startswith(f'capture_dtype="auto" on cpu: {chosen}')
 
 
 def test_auto_keeps_a_float64_model_in_float64(native_bf16: Callable[[bool], None]) -> None:

@@ -43,6 +43,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+LOWERED_OPTIONS = ("rotation_dtype", "gradient_rotation_dtype", "capture_dtype")
+"""The config's optional low precisions, which take ``"auto"``."""
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP / DataParallel wrapper (names then match the bare model)."""
@@ -187,13 +190,17 @@ def create_layers(
     maps = input_maps(blocks, config)
     orthogonal = orthogonal_layers(blocks, config)
     layers: dict[str, LayerState] = {}
+    decided: dict[tuple[str, str, torch.dtype | None], None] = {}  # "auto", in order
     for name, block in blocks.items():
         param = block.parameters()[0]
         dtype = config.factor_dtype or param.dtype
         lowered = {  # "auto": bf16 where this layer's device multiplies it natively
             option: precision.resolve(getattr(config, option), param.device, param.dtype)
-            for option in ("rotation_dtype", "gradient_rotation_dtype", "capture_dtype")
+            for option in LOWERED_OPTIONS
         }
+        for option in LOWERED_OPTIONS:
+            if getattr(config, option) == precision.AUTO:
+                decided[(option, str(param.device), lowered[option])] = None
         kronecker = block.solver_name is None and set(block.statistic_shapes()) == {"A", "G"}
         method = block.solver_name or config.method
         if method == "auto" and not kronecker:
@@ -223,6 +230,13 @@ def create_layers(
                 "of moments to orthogonalise the update of"
             )
         layers[name] = LayerState.create(block, solver, dtype, lowered["capture_dtype"])
+    for option, device, chosen in decided:
+        logger.info(
+            '%s="auto" on %s: %s',
+            option,
+            device,
+            chosen or "the default precision (bf16 not native there, or a float64 layer)",
+        )
     return layers
 
 

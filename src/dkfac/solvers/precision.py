@@ -19,7 +19,8 @@ that depends on the machine, and ``"auto"`` makes it there:
 
 Other accelerators (MPS, XPU) and non-x86 CPUs count as not fast: float32 is never the
 slow choice, bf16 can be. The engine resolves ``"auto"`` when the preconditioner is built,
-from each layer's parameters: build it after moving the model to its device.
+from each layer's parameters: build it after moving the model to its device. It logs what
+``"auto"`` decided (INFO, once per option and device).
 """
 
 from __future__ import annotations
