@@ -158,9 +158,9 @@ class SolverConfig:
             the gradient into the eigenbasis (the other half of their per-step cost):
             ``None`` (default) the gradient's; ``torch.bfloat16`` or ``"auto"`` as above
             (``torch.float32`` and ``torch.float64`` too; not float16, which flushes small
-            gradients). Needs
-            ``moment_carry="reset"`` (a carried second moment would meet gradients rotated
-            with another rounding; the reason is in :mod:`dkfac.solvers.eigen_moments`).
+            gradients). Needs ``moment_carry="reset"`` (a carried second moment would meet
+            gradients rotated with another rounding; the reason is in
+            :mod:`dkfac.solvers.eigen_moments`).
             The entries of the rotated gradient below the rounding then move with the sign
             the rounding gives them, so distributed runs match serial ones only to that
             rounding (the ranks agree to the bit). Measured in BENCHMARKS.md section 16.

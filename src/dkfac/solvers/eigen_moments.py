@@ -122,9 +122,9 @@ Newton–Schulz iteration commutes with them exactly, as the SVD does), and the 
 of a matrix whose singular values are all about one runs in the iteration's own precision
 (bfloat16 where the device multiplies bf16 natively, float32 where it does not, float64
 for float64: :func:`~dkfac.solvers.polar.polar_dtype`; ``rotation_dtype`` when set) at no
-loss: the update has that precision either way. The order used to be the
-other one, with the rotation out in the gradient's precision (float32 products cost about
-2.2x bf16 ones on the benchmark CPU: BENCHMARKS.md section 23).
+loss: the update has that precision either way. The order used to be the other one, with
+the rotation out in the gradient's precision (float32 products cost about 2.2x bf16 ones
+on the AVX512-BF16 benchmark CPU: BENCHMARKS.md section 23).
 
 **Moment precision**: the moments and the arithmetic on them are float32 at least: a
 float16 or bfloat16 gradient is cast to float32 before its rotation (which then runs in
@@ -306,9 +306,9 @@ def check_moment_combinations(
 
     A lowered gradient rotation (``"auto"`` included: it may resolve to bf16) needs the
     ``"reset"`` carry (a carried second moment would meet gradients rotated with another
-    rounding); ``power_rank`` needs the ``"power"``
-    refresh, and not the ``"keep_v"`` carry (the completion changes at every refresh, so a
-    kept second moment would scale other directions).
+    rounding); ``power_rank`` needs the ``"power"`` refresh, and not the ``"keep_v"`` carry
+    (the completion changes at every refresh, so a kept second moment would scale other
+    directions).
     """
     if gradient_rotation_dtype is not None and carry != "reset":
         raise ValueError(
