@@ -194,12 +194,11 @@ def create_layers(
     for name, block in blocks.items():
         param = block.parameters()[0]
         dtype = config.factor_dtype or param.dtype
-        lowered = {  # "auto": bf16 where this layer's device multiplies it natively
-            option: precision.resolve(getattr(config, option), param.device, param.dtype)
-            for option in LOWERED_OPTIONS
-        }
-        for option in LOWERED_OPTIONS:
-            if getattr(config, option) == precision.AUTO:
+        lowered: dict[str, torch.dtype | None] = {}
+        for option in LOWERED_OPTIONS:  # "auto": bf16 where this layer's device has it natively
+            value = getattr(config, option)
+            lowered[option] = precision.resolve(value, param.device, param.dtype)
+            if value == precision.AUTO:
                 decided[(option, str(param.device), lowered[option])] = None
         kronecker = block.solver_name is None and set(block.statistic_shapes()) == {"A", "G"}
         method = block.solver_name or config.method

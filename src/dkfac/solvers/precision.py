@@ -81,9 +81,8 @@ def resolve(value: LowPrecision, device: torch.device, dtype: torch.dtype) -> to
         return value
     if value != AUTO:
         raise ValueError(f"a precision must be a torch.dtype, 'auto' or None, got {value!r}")
-    if dtype == torch.float64 or not bfloat16_is_fast(device):
-        return None
-    return torch.bfloat16
+    low = low_precision(device, dtype)
+    return low if low == torch.bfloat16 else None
 
 
 def low_precision(device: torch.device, dtype: torch.dtype) -> torch.dtype:
