@@ -155,3 +155,29 @@ def test_the_last_stack_is_reused_only_for_its_own_slices() -> None:
         assert torch.equal(u1, u2)
         assert m1 is not None and m2 is not None
         assert all(torch.equal(m1[k], m2[k]) for k in m1)
+
+
+def test_the_stack_of_states_is_reused_only_for_the_same_states() -> None:
+    """Between two refreshes the layers hand the same state tensors: their stack is kept;
+    a refreshed state (new tensors), the states in another order or fewer of them are
+    stacked anew, and every call's updates equal a fresh solver's."""
+    solver = EigenAdamSolver(DT)
+    states = _states(solver)
+    grads = [_grad(0, i) for i in range(LAYERS)]
+    solver.apply_batch(states, [None] * LAYERS, grads, 0.1)
+    kept = solver._stacked_states(states)
+    assert solver._stacked_states(states) is kept
+    assert solver._stacked_states(states[::-1]) is not kept
+    assert solver._stacked_states(states[:2])["qa"].shape[0] == 2
+    again = solver._stacked_states(states)  # the stack of all four again, kept
+    assert solver._stacked_states(states) is again
+    refreshed = [dict(s) for s in states]
+    refreshed[1]["qa"] = refreshed[1]["qa"].flip(-1)  # a new basis tensor for layer 1
+    restacked = solver._stacked_states(refreshed)
+    assert restacked is not again
+    assert torch.equal(restacked["qa"][1], refreshed[1]["qa"])
+    for chosen in (states, refreshed, states[::-1]):
+        got = solver.apply_batch(chosen, [None] * LAYERS, grads, 0.1)
+        want = EigenAdamSolver(DT).apply_batch(chosen, [None] * LAYERS, grads, 0.1)
+        for (u1, _), (u2, _) in zip(got, want, strict=True):
+            assert torch.equal(u1, u2)

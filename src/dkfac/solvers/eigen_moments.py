@@ -440,6 +440,8 @@ class EigenMomentsSolver(Solver):
     ) -> None:
         super().__init__(compute_dtype)
         self._last_batch: tuple[SolverState, list[SolverState]] | None = None
+        self._last_states: tuple[list[SolverState], list[tuple[Tensor, ...]], SolverState] | None
+        self._last_states = None
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -614,11 +616,13 @@ class EigenMomentsSolver(Solver):
         """:meth:`apply_with_moments` of several layers of equal :meth:`batch_key` in one
         pass over stacked tensors (module notes); each layer's update and moments are
         slices of the stacked results. Moments that are exactly the slices this solver
-        returned last time are read from that stack instead of being stacked again."""
+        returned last time are read from that stack instead of being stacked again, and so
+        are states that are exactly the last call's (between two refreshes: the stack of
+        bases is kept, one more copy of the group's bases in memory)."""
         if len(states) == 1:
             return [self.apply_with_moments(states[0], moments[0], grads[0], damping)]
         grad = torch.stack(list(grads))
-        state = {key: torch.stack([s[key] for s in states]) for key in states[0]}
+        state = self._stacked_states(states)
         stacked = self._restacked(moments)
         if stacked is None:
             stacked = self.stack_moments(moments, grads)
@@ -638,6 +642,26 @@ class EigenMomentsSolver(Solver):
             for m, like in zip(moments, likes, strict=True)
         ]
         return {key: torch.stack([m[key] for m in present]) for key in present[0]}
+
+    def _stacked_states(self, states: Sequence[SolverState]) -> SolverState:
+        """The states stacked key by key; the last call's stack when every state holds
+        the very tensors it held then (states are replaced at a refresh, never changed in
+        place)."""
+        tensors = [tuple(s.values()) for s in states]
+        last = self._last_states
+        if (
+            last is not None
+            and len(last[0]) == len(states)
+            and all(a is b for a, b in zip(last[0], states, strict=True))
+            and all(
+                len(old) == len(new) and all(x is y for x, y in zip(old, new, strict=True))
+                for old, new in zip(last[1], tensors, strict=True)
+            )
+        ):
+            return last[2]
+        stacked = {key: torch.stack([s[key] for s in states]) for key in states[0]}
+        self._last_states = (list(states), tensors, stacked)
+        return stacked
 
     def _restacked(self, moments: Sequence[SolverState | None]) -> SolverState | None:
         """The stack of :meth:`apply_batch`'s last moments when ``moments`` are exactly its
