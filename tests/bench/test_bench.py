@@ -188,6 +188,19 @@ def test_bench_step_adds_capture_dtype_variants_and_amortises_exactly(tmp_path: 
             assert value["ratio_to_sgd"] == pytest.approx(want / payload["summary"]["sgd_seconds"])
 
 
+def test_bench_step_takes_an_auto_capture_dtype(tmp_path: Path) -> None:
+    """``--capture-dtype auto`` adds the variant rows the library's own ``"auto"`` decides
+    (bf16 where native, else the default precision); another word is refused."""
+    from dkfac.bench import step
+
+    assert set(_tiny_step_run(tmp_path, "--capture-dtype", "auto")["summary"]["configs"]) == {
+        "exact",
+        "exact/auto",
+    }
+    with pytest.raises(SystemExit):
+        step.main(["--capture-dtype", "bf16"])
+
+
 def test_step_summary_amortises_and_pools_the_plain_steps() -> None:
     from dkfac.bench.step import summarise
 

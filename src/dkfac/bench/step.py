@@ -260,12 +260,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "factor_batch_size": args.factor_batch_size,
             }
     if args.capture_dtype is not None:
-        label = {"bfloat16": "bf16", "float16": "fp16"}[args.capture_dtype]
+        label = {"bfloat16": "bf16", "float16": "fp16", "auto": "auto"}[args.capture_dtype]
+        dtype = "auto" if args.capture_dtype == "auto" else getattr(torch, args.capture_dtype)
         for cname in list(configs):
-            configs[f"{cname}/{label}"] = {
-                **configs[cname],
-                "capture_dtype": getattr(torch, args.capture_dtype),
-            }
+            configs[f"{cname}/{label}"] = {**configs[cname], "capture_dtype": dtype}
     layer_sets = {cname: "all" for cname in configs}
     if args.skip_layers:
         skipped = "skip " + "|".join(args.skip_layers)
@@ -347,8 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capture-dtype",
         default=None,
-        choices=["bfloat16", "float16"],
-        help="also every configuration with its factor products in this precision",
+        choices=["bfloat16", "float16", "auto"],
+        help="also every configuration with its factor products in this precision (auto: "
+        "bf16 where the device multiplies it natively, else the default)",
     )
     parser.add_argument(
         "--skip-layers",
