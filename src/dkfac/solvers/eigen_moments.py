@@ -440,8 +440,7 @@ class EigenMomentsSolver(Solver):
     ) -> None:
         super().__init__(compute_dtype)
         self._last_batch: tuple[SolverState, list[SolverState]] | None = None
-        self._last_states: tuple[list[SolverState], list[tuple[Tensor, ...]], SolverState] | None
-        self._last_states = None
+        self._last_states: tuple[SolverState, list[SolverState]] | None = None
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -644,38 +643,20 @@ class EigenMomentsSolver(Solver):
         return {key: torch.stack([m[key] for m in present]) for key in present[0]}
 
     def _stacked_states(self, states: Sequence[SolverState]) -> SolverState:
-        """The states stacked key by key; the last call's stack when every state holds
-        the very tensors it held then (states are replaced at a refresh, never changed in
-        place)."""
-        tensors = [tuple(s.values()) for s in states]
+        """The states stacked key by key; the last call's stack when they hold the very
+        tensors they held then (states are replaced at a refresh, never changed in place)."""
         last = self._last_states
-        if (
-            last is not None
-            and len(last[0]) == len(states)
-            and all(a is b for a, b in zip(last[0], states, strict=True))
-            and all(
-                len(old) == len(new) and all(x is y for x, y in zip(old, new, strict=True))
-                for old, new in zip(last[1], tensors, strict=True)
-            )
-        ):
-            return last[2]
+        if last is not None and _same_tensors(states, last[1]):
+            return last[0]
         stacked = {key: torch.stack([s[key] for s in states]) for key in states[0]}
-        self._last_states = (list(states), tensors, stacked)
+        self._last_states = (stacked, [dict(s) for s in states])  # a snapshot of each
         return stacked
 
     def _restacked(self, moments: Sequence[SolverState | None]) -> SolverState | None:
         """The stack of :meth:`apply_batch`'s last moments when ``moments`` are exactly its
         slices, in order (the moments are never changed in place); else ``None``."""
         last = self._last_batch
-        if last is None or len(last[1]) != len(moments):
-            return None
-        stack, slices = last
-        for given, mine in zip(moments, slices, strict=True):
-            if given is None or given.keys() != mine.keys():
-                return None
-            if any(given[key] is not mine[key] for key in mine):
-                return None
-        return stack
+        return last[0] if last is not None and _same_tensors(moments, last[1]) else None
 
     def zero_moments(self, like: Tensor) -> SolverState:
         """Zero moments of the shape of ``like`` and ``t = 0``."""
@@ -722,6 +703,15 @@ class EigenMomentsSolver(Solver):
             p_a = _transition(new["qa"].to(dtype), old["qa"].to(dtype))
             carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
         return carried
+
+
+def _same_tensors(given: Sequence[SolverState | None], mine: Sequence[SolverState]) -> bool:
+    """Whether ``given`` are, in order, states with ``mine``'s keys holding the very same
+    tensor objects (identity, not equal values: a check that costs no tensor work)."""
+    return len(given) == len(mine) and all(
+        state is not None and state.keys() == own.keys() and all(state[k] is own[k] for k in own)
+        for state, own in zip(given, mine, strict=True)
+    )
 
 
 def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
