@@ -181,3 +181,26 @@ def test_the_stack_of_states_is_reused_only_for_the_same_states() -> None:
         want = EigenAdamSolver(DT).apply_batch(chosen, [None] * LAYERS, grads, 0.1)
         for (u1, _), (u2, _) in zip(got, want, strict=True):
             assert torch.equal(u1, u2)
+
+
+def test_the_stacked_states_become_the_layers_storage() -> None:
+    """A new stack of states is written back into the states' dicts as slices (the same
+    values), so the group's bases are held once: every layer's tensors live in the
+    stack's storage, and the next call finds the very tensors it stacked."""
+    solver = EigenAdamSolver(DT)
+    states = _states(solver)
+    before = [{k: v.clone() for k, v in s.items()} for s in states]
+    grads = [_grad(0, i) for i in range(LAYERS)]
+    want = EigenAdamSolver(DT).apply_batch([dict(s) for s in before], [None] * LAYERS, grads, 0.1)
+    got = solver.apply_batch(states, [None] * LAYERS, grads, 0.1)
+    stacked = solver._stacked_states(states)  # no new stack: the same tensors
+    for i, (state, old) in enumerate(zip(states, before, strict=True)):
+        assert state.keys() == old.keys()
+        for key in state:
+            assert torch.equal(state[key], old[key])
+            assert state[key].untyped_storage().data_ptr() == (
+                stacked[key].untyped_storage().data_ptr()
+            )
+            assert torch.equal(stacked[key][i], old[key])
+    for (u1, _), (u2, _) in zip(got, want, strict=True):
+        assert torch.equal(u1, u2)

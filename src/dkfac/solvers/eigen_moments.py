@@ -616,8 +616,10 @@ class EigenMomentsSolver(Solver):
         pass over stacked tensors (module notes); each layer's update and moments are
         slices of the stacked results. Moments that are exactly the slices this solver
         returned last time are read from that stack instead of being stacked again, and so
-        are states that are exactly the last call's (between two refreshes: the stack of
-        bases is kept, one more copy of the group's bases in memory)."""
+        are states that are exactly the last call's (between two refreshes). When the
+        states are stacked anew, each dict in ``states`` gets its tensors replaced by its
+        slices of the stack (the same values): the group's bases are then held once, in
+        the stack, and the next call is handed the very same tensors."""
         if len(states) == 1:
             return [self.apply_with_moments(states[0], moments[0], grads[0], damping)]
         grad = torch.stack(list(grads))
@@ -644,11 +646,15 @@ class EigenMomentsSolver(Solver):
 
     def _stacked_states(self, states: Sequence[SolverState]) -> SolverState:
         """The states stacked key by key; the last call's stack when they hold the very
-        tensors they held then (states are replaced at a refresh, never changed in place)."""
+        tensors they held then (states are replaced at a refresh, never changed in place).
+        A new stack becomes the states' storage: each dict's tensors are replaced by its
+        slices of it, so the old tensors can be freed and no second copy is kept."""
         last = self._last_states
         if last is not None and _same_tensors(states, last[1]):
             return last[0]
         stacked = {key: torch.stack([s[key] for s in states]) for key in states[0]}
+        for i, state in enumerate(states):
+            state.update({key: value[i] for key, value in stacked.items()})
         self._last_states = (stacked, [dict(s) for s in states])  # a snapshot of each
         return stacked
 
