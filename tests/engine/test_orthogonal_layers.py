@@ -62,6 +62,30 @@ def test_picked_layers_take_the_polar_factor_of_the_plain_update(
                 b.copy_(a)
 
 
+def test_a_split_reaches_the_picked_layers_only() -> None:
+    """``orthogonal_split`` is an option of the picked layers' solvers; the others keep the
+    plain method (their update equals a twin's without the option)."""
+    model, twin = make_model(), make_model()
+    pre = KFACPreconditioner(
+        model, orthogonal_layers=("^3$",), orthogonal_rms=0.4, orthogonal_split=0.5, **OPTIONS
+    )
+    plain = KFACPreconditioner(twin, orthogonal_layers=("^3$",), orthogonal_rms=0.4, **OPTIONS)
+    labels = {row["name"]: row["method"] for row in pre.describe()}
+    assert labels["3"] == "eigen_adam (orthogonal, rms 0.4, split 0.5)"
+    assert {pre.layers[n].solver.options.orthogonal_split for n in ("0", "6")} == {0.0}
+    x, y = global_batch(0, 1)
+    for m, p in ((model, pre), (twin, plain)):
+        F.cross_entropy(m(x), y).backward()
+        p.step()
+    for name in pre.layers:
+        got = weight_grad_matrix(pre.layers[name].block.module)
+        want = weight_grad_matrix(plain.layers[name].block.module)
+        assert torch.equal(got, want) == (name != "3"), name
+    assert weight_grad_matrix(pre.layers["3"].block.module).square().mean().sqrt().item() == (
+        pytest.approx(0.4, rel=1e-9)
+    )
+
+
 def test_a_pattern_that_matches_no_layer_is_refused() -> None:
     with pytest.raises(ValueError, match=r"'\^blocks' matches none of .*\['0', '3', '6'\]"):
         KFACPreconditioner(make_model(), orthogonal_layers=("^3$", "^blocks"), **OPTIONS)
@@ -77,6 +101,9 @@ def test_a_pattern_that_matches_no_layer_is_refused() -> None:
         ({"method": "eigen_adam", "orthogonal_rms": "1"}, TypeError, "orthogonal_rms"),
         ({"method": "eigen_adam", "orthogonal_steps": 0}, ValueError, "orthogonal_steps"),
         ({"method": "eigen_adam", "orthogonal_steps": 2.5}, ValueError, "orthogonal_steps"),
+        ({"method": "eigen_adam", "orthogonal_split": 1.5}, ValueError, "orthogonal_split"),
+        ({"method": "eigen_adam", "orthogonal_split": "0.5"}, TypeError, "orthogonal_split"),
+        ({"method": "eigen_adam", "orthogonal_split": 0.5}, ValueError, "split sets .* names no"),
         ({"method": "eigen_adam", "orthogonal_rms": 2.0}, ValueError, "rms sets .* names no"),
         (
             {"method": "eigen", "moment_carry": "reset", "gradient_rotation_dtype": torch.float32},
@@ -105,12 +132,12 @@ def test_the_command_line_flags_and_the_resolved_config_round_trip() -> None:
     flags = ["train", "--method", "eigen_adam", "--orthogonal-layers", "^blocks\\.", "mlp"]
     more = ["--orthogonal-steps", "3", "--moment-carry", "reset"]
     more += ["--gradient-rotation-dtype", "bfloat16", "--basis-refresh", "power"]
-    more += ["--power-rank", "256"]
+    more += ["--power-rank", "256", "--orthogonal-split", "0.5"]
     args = parse_args([*flags, "--orthogonal-rms", "0.5", *more])
     config = kfac_config_from_args(args)
     assert config.orthogonal_layers == ("^blocks\\.", "mlp") and config.orthogonal_rms == 0.5
     assert config.orthogonal_steps == 3 and config.gradient_rotation_dtype == torch.bfloat16
-    assert config.power_rank == 256
+    assert config.power_rank == 256 and config.orthogonal_split == 0.5
     _, subs = build_parser()
     tokens = config_file_tokens(resolved_config(args), subs["train"], "config.toml")
     assert kfac_config_from_args(parse_args(["train", *tokens])) == config

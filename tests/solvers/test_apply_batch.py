@@ -51,6 +51,14 @@ CASES: dict[str, tuple[type[EigenMomentsSolver], MomentOptions]] = {
     "one-sided": (EigenAdamSolver, MomentOptions(max_dim=7)),
     "blocks": (EigenAdamSolver, MomentOptions(block_size=4)),
     "orthogonal": (EigenAdamSolver, MomentOptions(orthogonal_rms=0.5, orthogonal_steps=3)),
+    "orthogonal, split": (
+        EigenAdamSolver,
+        MomentOptions(orthogonal_rms=0.5, orthogonal_split=0.5, block_size=4),
+    ),
+    "ekfac, orthogonal, split": (
+        EKFACSolver,
+        MomentOptions(orthogonal_rms=0.5, orthogonal_split=0.25),
+    ),
     "lowered rotations, blocks, orthogonal": (
         EigenAdamSolver,
         MomentOptions(

@@ -8,6 +8,7 @@ is known up to column signs (which the updates do not depend on).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -122,6 +123,58 @@ def test_an_orthogonalised_update_is_the_polar_factor_of_the_plain_one(method: s
         )
         for key, value in moments_p.items():
             torch.testing.assert_close(moments_o[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("method", "split"), [("eigen_adam", 0.5), ("eigen_adam", 1.0), ("ekfac", 0.5)]
+)
+def test_a_split_scaling_is_applied_around_the_polar_factor(method: str, split: float) -> None:
+    """``orthogonal_split`` S: ``D^-S ⊙ polar(D^(S-1) ⊙ m̂)`` in the basis (Adam's ``D = √v̂ +
+    ε``, EKFAC's ``v̂ + λ`` with ``m̂`` the rotated gradient), rescaled to RMS ``rms`` and
+    rotated out; written out with the Kronecker basis and an SVD polar factor. The moments
+    are the plain solver's."""
+    b1, b2, eps, damping, rms = 0.8, 0.95, 1e-3, 0.1, 0.7
+    cls = EigenAdamSolver if method == "eigen_adam" else EKFACSolver
+    options = MomentOptions(beta1=b1, eps=eps, orthogonal_rms=rms, orthogonal_split=split)
+    solver = cls(DT, options)
+    assert solver.label == f"{method} (orthogonal, rms 0.7, split {split:g})"
+    plain = cls(DT, MomentOptions(beta1=b1, eps=eps))
+    state = solver.compute(A, G, damping)
+    m = torch.zeros(A_DIM * G_DIM, dtype=DT)
+    v = torch.zeros_like(m)
+    moments = plain_moments = None
+    for t, grad in enumerate(_grads(3), start=1):
+        got, moments = solver.apply_with_moments(state, moments, grad, damping)
+        plain_moments = plain.apply_with_moments(state, plain_moments, grad, damping)[1]
+        for key, value in plain_moments.items():
+            torch.testing.assert_close(moments[key], value, rtol=0, atol=0)
+        r = K.T @ vec(grad)
+        m = b1 * m + (1 - b1) * r
+        v = b2 * v + (1 - b2) * r**2
+        v_hat = v / (1 - b2**t)
+        if method == "eigen_adam":
+            numerator, scale = m / (1 - b1**t), v_hat.sqrt() + eps
+        else:
+            numerator, scale = r, v_hat + damping
+        polar = quintic_polar(unvec(numerator * scale ** (split - 1.0)))
+        inside = unvec(scale ** (-split)) * polar
+        inside = inside * (rms / inside.square().mean().sqrt())
+        want = unvec(K @ vec(inside))
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_zero_split_is_the_plain_polar_factor() -> None:
+    """``orthogonal_split=0`` (the default) gives the plain orthogonalised update, bit for bit."""
+    base = MomentOptions(beta1=0.8, eps=1e-3, orthogonal_rms=0.7)
+    default = EigenAdamSolver(DT, base)
+    zero = EigenAdamSolver(DT, dataclasses.replace(base, orthogonal_split=0.0))
+    for one, other in zip(_run(default, _grads(3)), _run(zero, _grads(3)), strict=True):
+        assert torch.equal(one, other)
+
+
+def test_a_split_needs_an_orthogonalised_update() -> None:
+    with pytest.raises(ValueError, match="set orthogonal_rms too"):
+        MomentOptions(orthogonal_split=0.5)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-emulated"])
@@ -533,6 +586,11 @@ def test_make_solver_passes_the_options() -> None:
         ("power_rank", 0, ValueError),
         ("power_rank", 2.0, ValueError),
         ("power_rank", True, ValueError),
+        ("orthogonal_split", -0.1, ValueError),
+        ("orthogonal_split", 1.5, ValueError),
+        ("orthogonal_split", math.nan, ValueError),
+        ("orthogonal_split", "0.5", TypeError),
+        ("orthogonal_split", True, TypeError),
     ],
 )
 def test_options_are_validated(field: str, value: object, error: type) -> None:

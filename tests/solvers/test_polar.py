@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers.polar import newton_schulz, orthogonal_update
+from dkfac.solvers.polar import newton_schulz, orthogonal_update, weighted_orthogonal_update
 from tests.oracles import quintic_polar
 
 
@@ -160,3 +160,40 @@ def test_bf16_iteration_rounds_each_step_s_sums_once() -> None:
         return float(torch.linalg.matrix_norm(got.double() - want) / torch.linalg.matrix_norm(want))
 
     assert error(newton_schulz(u)) < 0.75 * error(x), (error(newton_schulz(u)), error(x))
+
+
+@pytest.mark.parametrize("shape", [(4, 9), (9, 4)], ids=str)
+def test_a_weighted_polar_factor_with_row_and_column_weights(
+    shape: tuple[int, int],
+) -> None:
+    """With a weight per row and per column (``W = l rᵀ``), ``W ⊙ O(U ⊘ W)`` is ``diag(l)
+    O(diag(l)⁻¹ U diag(r)⁻¹) diag(r)`` (products with diagonal matrices and an SVD polar
+    factor, float64), rescaled to RMS exactly ``rms``; a constant weight gives the plain
+    polar factor's direction (to the iteration's ``1e-7`` added to ``‖U ⊘ W‖_F``)."""
+    u = _matrix(*shape, seed=5, spread=0.1)
+    gen = torch.Generator().manual_seed(6)
+    left = torch.rand(shape[0], generator=gen, dtype=torch.float64) + 0.2
+    right = torch.rand(shape[1], generator=gen, dtype=torch.float64) + 0.2
+    got = weighted_orthogonal_update(u, left[:, None] * right[None, :], 0.7)
+    inner = torch.diag(1 / left) @ u @ torch.diag(1 / right)
+    want = torch.diag(left) @ quintic_polar(inner) @ torch.diag(right)
+    want = want * (0.7 / want.square().mean().sqrt())
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert got.square().mean().sqrt().item() == pytest.approx(0.7, rel=1e-12)
+    plain = weighted_orthogonal_update(u, torch.full(shape, 3.0, dtype=torch.float64), 0.7)
+    polar = quintic_polar(u)
+    torch.testing.assert_close(
+        plain, polar * (0.7 / polar.square().mean().sqrt()), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_a_weighted_stack_is_rescaled_matrix_by_matrix_and_zero_stays_zero() -> None:
+    stack = torch.stack([_matrix(5, 7, seed=i) * (i + 1) for i in range(3)])
+    stack[1] = 0.0
+    weight = torch.rand(3, 5, 7, generator=torch.Generator().manual_seed(1)).double() + 0.5
+    got = weighted_orthogonal_update(stack, weight, 0.3, 4)
+    for i in range(3):
+        want = weighted_orthogonal_update(stack[i], weight[i], 0.3, 4)
+        torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[1], torch.zeros(5, 7, dtype=torch.float64))
+    assert got[2].square().mean().sqrt().item() == pytest.approx(0.3, rel=1e-12)

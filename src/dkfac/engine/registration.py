@@ -217,6 +217,7 @@ def create_layers(
                 rotation_dtype=lowered["rotation_dtype"],
                 orthogonal_rms=config.orthogonal_rms if name in orthogonal else None,
                 orthogonal_steps=config.orthogonal_steps,
+                orthogonal_split=config.orthogonal_split if name in orthogonal else 0.0,
                 gradient_rotation_dtype=lowered["gradient_rotation_dtype"],
                 power_rank=config.power_rank,
                 block_size=config.basis_block_size,

@@ -26,7 +26,15 @@ pass: half the error against a float64 iteration, and 5-25% faster here).
 ``√(k / mn) = 1 / √max(m, n)``; ``rms · √max(m, n) · O`` has RMS ``rms`` whatever the shape
 (Moonshot's "match the RMS of AdamW" convention, with their 0.2 as one choice of ``rms``).
 
-Both functions also take a stack of matrices of one shape (``L × m × n``): each is
+:func:`weighted_orthogonal_update` takes the polar factor between positive weights ``W`` of
+the update's shape: ``W ⊙ O(U ⊘ W)``, rescaled to RMS ``rms`` (the result is no longer
+orthogonal, so its RMS is set exactly; a zero update stays zero). For ``U = W² ⊙ M`` and
+``W = l rᵀ`` (a weight per row and per column) it is ``diag(l) O(diag(l) M diag(r))
+diag(r)``, the steepest-descent direction of ``⟨M, Δ⟩`` under the spectral norm of
+``diag(l)⁻¹ Δ diag(r)⁻¹``; ``W = 1`` is Muon's step. ``orthogonal_split`` of
+:mod:`dkfac.solvers.eigen_moments` uses it with ``W`` a power of Adam's scale.
+
+The functions also take a stack of matrices of one shape (``L × m × n``): each is
 orthogonalised on its own, with the batched products (``bmm``), so that the layers of one
 shape cost one call instead of ``L`` (on CPU the batched and the single products give the
 same bits).
@@ -46,6 +54,7 @@ __all__ = [
     "newton_schulz",
     "orthogonal_update",
     "polar_dtype",
+    "weighted_orthogonal_update",
 ]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -109,3 +118,17 @@ def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tens
     return newton_schulz(update, steps, polar_dtype(update.dtype, update.device)) * (
         rms * max(update.shape[-2:]) ** 0.5
     )
+
+
+def weighted_orthogonal_update(
+    update: Tensor, weight: Tensor, rms: float, steps: int = NS_STEPS
+) -> Tensor:
+    """``W ⊙ newton_schulz(U ⊘ W)`` rescaled to an RMS entry of ``rms`` (module notes), for
+    ``update`` ``U`` (a matrix or a stack) and positive ``weight`` ``W`` that broadcasts to
+    it; each matrix of a stack is rescaled on its own. The iteration's precision is
+    :func:`orthogonal_update`'s.
+    """
+    polar = newton_schulz(update / weight, steps, polar_dtype(update.dtype, update.device))
+    weighted = polar * weight
+    norm = weighted.square().mean((-2, -1), keepdim=True).sqrt()
+    return weighted * (rms / norm.clamp(min=torch.finfo(norm.dtype).tiny))
