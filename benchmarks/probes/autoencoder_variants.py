@@ -46,7 +46,7 @@ def spec_of(name: str, lr: float, changes: dict[str, Any]) -> OptimizerSpec:
         return OptimizerSpec(name=name, kind="muon", lrs=(lr,), options=options)
     options = {**load_recipe(str(RECIPE)).options, **changes}
     for key in DTYPE_FIELDS:
-        if isinstance(options.get(key), str):
+        if isinstance(options.get(key), str) and options[key] != "auto":
             options[key] = getattr(torch, options[key])
     return OptimizerSpec(name=name, kind="kfac", lrs=(lr,), options=options)
 
