@@ -195,10 +195,10 @@ class SolverConfig:
             (√v̂ + ε)`` under ``"eigen_adam"``) applied after the polar factor instead of
             before it: ``D^-S ⊙ polar(D^(S-1) ⊙ m̂)``, rescaled to RMS ``orthogonal_rms``
             (:mod:`dkfac.solvers.eigen_moments`); 0 (default): the polar factor of the
-            scaled update. 0.5 is the language-model recipe's (0.05 to 0.09 nats lower than 0 at
-            50, 75 and 125 steps, level at 100, for a few elementwise passes:
-            BENCHMARKS.md section 26). A value other
-            than 0 without ``orthogonal_layers`` is an error.
+            scaled update. 0.5 is the language-model recipe's: 0.05 to 0.09 nats lower
+            than 0 at 50, 75 and 125 steps, level at 100, for a few elementwise passes
+            (BENCHMARKS.md section 26). A value other than 0 without
+            ``orthogonal_layers`` is an error.
         power_rank: ``basis_refresh="power"`` only: a refresh follows the leading
             ``power_rank`` eigenvectors of a wider factor and completes them with an
             orthonormal basis of the rest (unrelated to the previous one), instead of

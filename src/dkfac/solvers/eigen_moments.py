@@ -123,9 +123,9 @@ rescaled to RMS ``rms``, so that the second moment still shapes the step after t
 factor has flattened its singular values. ``S = 0`` is the plain polar factor of ``V``;
 ``S = 1/2`` takes the momentum's polar factor between two halves of Adam's scale, ``W ⊙
 O(W ⊙ m̂)`` with ``W = D^-1/2`` (the steepest-descent direction under the spectral norm
-weighted by ``D^1/2`` where ``D`` is a product of a row and a column weight); on the language model
-``S = 0.5`` was 0.05–0.09 nats lower than ``S = 0`` at 50, 75 and 125 steps, level at 100
-(BENCHMARKS.md section 26).
+weighted by ``D^1/2`` where ``D`` is a product of a row and a column weight). On the
+language model ``S = 0.5`` was 0.05–0.09 nats lower than ``S = 0`` at 50, 75 and 125 steps,
+level at 100 (BENCHMARKS.md section 26).
 The polar factor is taken in the basis and then rotated out: ``O(Q_G S Q_Aᵀ) = Q_G O(S)
 Q_Aᵀ`` for orthogonal bases (block-diagonal, one-sided and structured ones included; the
 Newton–Schulz iteration commutes with them exactly, as the SVD does), and the rotation out
