@@ -904,8 +904,7 @@ class EKFACSolver(EigenMomentsSolver):
 
     def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
         """``R ⊘ (v̂ + λ)``."""
-        v_hat = moments["v"] / self.correction(self.options.beta2, moments["t"], rotated)
-        return rotated / (v_hat + damping)
+        return rotated / self.denominator(moments, damping)
 
     def denominator(self, moments: SolverState, damping: float) -> Tensor:
         """``v̂ + λ``."""
