@@ -6,10 +6,12 @@ and optimizer step apart (``time.perf_counter``; the first 5 steps not counted).
 argument after the options is ``muon`` or a recipe file, optionally ``+`` a JSON object of
 K-FAC options that override the file's. Prints the mean milliseconds of each phase (and
 the optimizer step's median: the capture and refresh steps make the mean larger).
-``--block N`` runs ``N`` steps of each variant in a row on the same ``N`` batches instead
-of alternating every step, in case alternating charged one variant's cache misses to the
-other: measured, it does not (BENCHMARKS.md section 23: recipe ÷ Muon 1.044 with blocks of
-20 against 1.049 step by step, within the machine's drift).
+``--muon-float32`` runs Muon's iteration in float32 (as ``muon_float32.py``: the
+comparison on a CPU that emulates bf16). ``--block N`` runs ``N`` steps of each variant in
+a row on the same ``N`` batches instead of alternating every step, in case alternating
+charged one variant's cache misses to the other: measured, it does not (BENCHMARKS.md
+section 23: recipe ÷ Muon 1.044 with blocks of 20 against 1.049 step by step, within the
+machine's drift).
 
     python benchmarks/probes/lm_step_phases.py --steps 45 muon benchmarks/recipes/gpt-text.toml \\
         'benchmarks/recipes/gpt-text.toml+{"orthogonal_steps": 4}'
@@ -23,8 +25,10 @@ import statistics
 import time
 from typing import Any
 
+import muon_float32
 import torch
 import torch.nn.functional as F
+import torch.optim._muon as torch_muon
 
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB
@@ -61,8 +65,15 @@ def main() -> None:
         help="steps each variant runs in a row before the next takes the same batches "
         "(1: step by step)",
     )
+    parser.add_argument(
+        "--muon-float32",
+        action="store_true",
+        help="run Muon's Newton-Schulz iteration in float32 (muon_float32.py's patch)",
+    )
     parser.add_argument("variants", nargs="+")
     args = parser.parse_args()
+    if args.muon_float32:
+        torch_muon._zeropower_via_newtonschulz = muon_float32.float32_newton_schulz  # type: ignore[assignment]
     torch.set_num_threads(1)
     bench_args = lm.build_parser().parse_args(["--threads", "1"])
     task = lm.load_task(bench_args)
