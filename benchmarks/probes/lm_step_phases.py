@@ -28,7 +28,6 @@ from typing import Any
 import muon_float32
 import torch
 import torch.nn.functional as F
-import torch.optim._muon as torch_muon
 
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB
@@ -73,7 +72,7 @@ def main() -> None:
     parser.add_argument("variants", nargs="+")
     args = parser.parse_args()
     if args.muon_float32:
-        torch_muon._zeropower_via_newtonschulz = muon_float32.float32_newton_schulz  # type: ignore[assignment]
+        muon_float32.patch()
     torch.set_num_threads(1)
     bench_args = lm.build_parser().parse_args(["--threads", "1"])
     task = lm.load_task(bench_args)

@@ -116,6 +116,30 @@ def test_train_for_times_only_training_steps(text_folder: Path) -> None:
     assert result["final_bits_per_byte"] == pytest.approx(result["final_loss"] / math.log(2))
 
 
+def test_interleaved_steps_give_each_run_its_own_results(text_folder: Path) -> None:
+    """Two runs stepped in turn (as benchmarks/probes/lm_interleaved.py does) give each the
+    trace ``train_for`` gives it alone: its own model, batches and clock."""
+    task = lm.load_task(_args(text_folder, "--batch-size", "4", "--eval-batches", "1"))
+    specs = [OptimizerSpec("adamw", "adamw", [0.01]), OptimizerSpec("sgd", "sgd", [0.1])]
+    options: dict[str, Any] = {"batch_size": 4, "seconds": 3.0, "eval_every": 2}
+
+    def clock() -> Any:
+        ticks = itertools.count()
+        return lambda: float(next(ticks))
+
+    alone = [
+        lm.train_for(spec, spec.lrs[0], 5, task, momentum=0.9, clock=clock(), **options)
+        for spec in specs
+    ]
+    runs = [lm.start_run(s, s.lrs[0], 5, task, batch_size=4, momentum=0.9) for s in specs]
+    clocks = [clock() for _ in runs]
+    while live := [i for i, r in enumerate(runs) if r.elapsed < 3.0 and not r.diverged]:
+        for i in live:
+            lm.train_step(runs[i], task, clock=clocks[i], **options)
+    assert [lm.run_record(r) for r in runs] == alone
+    assert alone[0]["trace"][1][2] != alone[1]["trace"][1][2]  # two different optimizers
+
+
 def test_summary_reads_losses_at_fractions_of_the_budget() -> None:
     runs = [
         {"trace": [[0, 0.0, 5.0], [10, 2.4, 4.0], [20, 5.0, 3.0], [30, 8.1, 2.0]],

@@ -48,7 +48,7 @@ from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB, DEFAULT_GLOB, DEFAULT_TEXT_BYTES, load_text
 from dkfac.bench.common import command_line, format_table, machine_info, write_result
-from dkfac.bench.peers import OptimizerSpec, build_optimizer
+from dkfac.bench.peers import OptimizerSpec, Stepper, build_optimizer
 from dkfac.bench.sweep import (
     add_peer_arguments,
     build_specs,
@@ -138,6 +138,88 @@ def validation_loss(model: nn.Module, task: TextTask, batch_size: int) -> float:
     return total / task.y_val.numel()
 
 
+@dataclass
+class TrainingRun:
+    """One optimizer's training of one seed, advanced a step at a time (:func:`train_for`
+    runs one to its budget; a caller may interleave several, each on its own clock)."""
+
+    spec: OptimizerSpec
+    lr: float
+    seed: int
+    model: nn.Module
+    optimizer: Stepper
+    gen: torch.Generator
+    trace: list[list[float]]
+    elapsed: float = 0.0
+    steps: int = 0
+    diverged: bool = False
+
+
+def start_run(
+    spec: OptimizerSpec, lr: float, seed: int, task: TextTask, *, batch_size: int, momentum: float
+) -> TrainingRun:
+    """The model of ``seed``, ``spec``'s optimizer, the batch generator of ``seed`` and the
+    validation loss before the first step."""
+    torch.manual_seed(seed)
+    model = build_model(
+        "gpt",
+        in_channels=1,
+        image_size=task.seq_len,
+        num_classes=BYTE_VOCAB,
+        **task.model_options,
+    )
+    optimizer = build_optimizer(spec, model, lr, momentum)
+    trace = [[0, 0.0, validation_loss(model, task, batch_size)]]
+    return TrainingRun(spec, lr, seed, model, optimizer, torch.Generator().manual_seed(seed), trace)
+
+
+def train_step(
+    run: TrainingRun,
+    task: TextTask,
+    *,
+    batch_size: int,
+    seconds: float,
+    eval_every: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """One timed training step of ``run``; then, outside the clock, the validation loss
+    every ``eval_every`` steps, once ``seconds`` are spent, and when the loss diverged."""
+    mc_fisher = run.spec.kind == "kfac" and run.spec.options.get("fisher") == "mc"
+    index = torch.randint(len(task.x_train), (batch_size,), generator=run.gen)
+    xb, yb = task.x_train[index], task.y_train[index]
+    start = clock()
+    run.optimizer.zero_grad(set_to_none=True)
+    logits = run.model(xb)
+    if mc_fisher:  # G from sampled next bytes
+        run.optimizer.preconditioner.sample_fisher(logits, "cross_entropy")  # type: ignore[attr-defined]
+    loss = F.cross_entropy(logits.flatten(0, 1), yb.flatten())
+    loss.backward()
+    run.optimizer.step()
+    run.elapsed += clock() - start
+    run.steps += 1
+    run.diverged = not math.isfinite(loss.item())
+    if run.steps % eval_every == 0 or run.elapsed >= seconds or run.diverged:
+        run.trace.append([run.steps, run.elapsed, validation_loss(run.model, task, batch_size)])
+
+
+def run_record(run: TrainingRun) -> dict[str, Any]:
+    """``{"lr", "seed", "trace": [[step, seconds, validation_loss], ...], "steps",
+    "seconds", "final_loss", "final_bits_per_byte", "diverged"}``; a diverged run's final
+    loss is ``inf``."""
+    last = run.trace[-1][2]
+    final = last if math.isfinite(last) and not run.diverged else math.inf
+    return {
+        "lr": run.lr,
+        "seed": run.seed,
+        "trace": [list(t) for t in run.trace],
+        "steps": run.steps,
+        "seconds": run.elapsed,
+        "final_loss": final,
+        "final_bits_per_byte": final / math.log(2),
+        "diverged": run.diverged,
+    }
+
+
 def train_for(
     spec: OptimizerSpec,
     lr: float,
@@ -153,50 +235,14 @@ def train_for(
     """Trains for ``seconds`` of training time (or until the loss is not finite).
 
     Returns:
-        ``{"lr", "seed", "trace": [[step, seconds, validation_loss], ...], "steps",
-        "seconds", "final_loss", "final_bits_per_byte", "diverged"}``; a diverged run's final
-        loss is ``inf``.
+        :func:`run_record` of the finished run.
     """
-    torch.manual_seed(seed)
-    model = build_model(
-        "gpt",
-        in_channels=1,
-        image_size=task.seq_len,
-        num_classes=BYTE_VOCAB,
-        **task.model_options,
-    )
-    optimizer = build_optimizer(spec, model, lr, momentum)
-    mc_fisher = spec.kind == "kfac" and spec.options.get("fisher") == "mc"
-    gen = torch.Generator().manual_seed(seed)
-    trace = [(0, 0.0, validation_loss(model, task, batch_size))]
-    elapsed, step, diverged = 0.0, 0, False
-    while elapsed < seconds and not diverged:
-        index = torch.randint(len(task.x_train), (batch_size,), generator=gen)
-        xb, yb = task.x_train[index], task.y_train[index]
-        start = clock()
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(xb)
-        if mc_fisher:  # G from sampled next bytes
-            optimizer.preconditioner.sample_fisher(logits, "cross_entropy")  # type: ignore[attr-defined]
-        loss = F.cross_entropy(logits.flatten(0, 1), yb.flatten())
-        loss.backward()
-        optimizer.step()
-        elapsed += clock() - start
-        step += 1
-        diverged = not math.isfinite(loss.item())
-        if step % eval_every == 0 or elapsed >= seconds or diverged:
-            trace.append((step, elapsed, validation_loss(model, task, batch_size)))
-    final = trace[-1][2] if math.isfinite(trace[-1][2]) and not diverged else math.inf
-    return {
-        "lr": lr,
-        "seed": seed,
-        "trace": [list(t) for t in trace],
-        "steps": step,
-        "seconds": elapsed,
-        "final_loss": final,
-        "final_bits_per_byte": final / math.log(2),
-        "diverged": diverged,
-    }
+    run = start_run(spec, lr, seed, task, batch_size=batch_size, momentum=momentum)
+    while run.elapsed < seconds and not run.diverged:
+        train_step(
+            run, task, batch_size=batch_size, seconds=seconds, eval_every=eval_every, clock=clock
+        )
+    return run_record(run)
 
 
 def loss_at(trace: list[list[float]], seconds: float) -> float:
