@@ -5,7 +5,8 @@
 # Each run is interleaved SGD / AdamW / K-FAC steps on one model and batch, the median of the
 # repeats. The runs go smallest first under one deadline ($GPU_RUNS_SECONDS, default 540 s),
 # so a short lease still brings back the small models; a run the deadline cuts writes nothing
-# and the script says so.
+# and the script says so. First, the language model's step phases on the GPU (the recipe beside
+# Muon and AdamW). The host CPU's language-model runs are benchmarks/gpu_lm_runs.sh, after this.
 set -uo pipefail
 out="${1:-benchmarks/results}"
 mkdir -p "$out"
@@ -22,6 +23,10 @@ py() {
 }
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" \
   || exit 1
+echo "== language model step phases on the GPU"
+timeout 150 python3 benchmarks/probes/lm_step_phases.py --device cuda \
+  --steps 60 --out "$out/lm_phases_cuda.json" muon adamw benchmarks/recipes/gpt-text.toml \
+  || echo "FAILED or cut (rc $?): the GPU step phases"
 for model in resnet20 resnet32 resnet56; do
   py --model "$model" --batch-size 128 --repeats 5 --with-reduction --factor-batch-size 32 \
      --name "step_${model}_cuda"

@@ -14,7 +14,8 @@ their step costs measured side by side.
 It takes ``dkfac bench lm``'s arguments (``--no-sweep`` is required: each optimizer runs
 the first lr of its grid) and writes the bench's JSON (``runs``, ``summary``) with
 ``"interleaved": true`` in its settings. Muon's Newton-Schulz iteration runs in float32,
-as in ``muon_float32.py`` (the AVX2 machine emulates bf16).
+as in ``muon_float32.py`` (the AVX2 machine emulates bf16), unless ``--muon-dtype bfloat16``
+keeps ``torch.optim.Muon``'s own bf16 iteration (for a CPU with native bf16 products).
 
     python benchmarks/probes/lm_interleaved.py --threads 1 --seeds 3 --first-seed 70 \\
         --no-sweep --seconds 60 --eval-every 25 --optimizers muon kfac --muon-lrs 0.05 \\
@@ -37,10 +38,19 @@ from dkfac.bench.sweep import build_specs, split_available
 def main(argv: list[str]) -> int:
     """Parses ``dkfac bench lm``'s arguments, trains interleaved, writes the JSON."""
     parser = lm.build_parser()
+    parser.add_argument(
+        "--muon-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of Muon's Newton-Schulz iteration: float32 (muon_float32.py's patch, for "
+        "a CPU that emulates bf16) or bfloat16 (torch.optim.Muon as shipped, for one that "
+        "multiplies bf16 natively)",
+    )
     args = parser.parse_args(argv)
     if not args.no_sweep:
         parser.error("this probe runs each optimizer's first lr: pass --no-sweep")
-    muon_float32.patch()
+    if args.muon_dtype == "float32":
+        muon_float32.patch()
     if args.threads:
         torch.set_num_threads(args.threads)
     task = lm.load_task(args)
