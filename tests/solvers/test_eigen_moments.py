@@ -126,19 +126,32 @@ def test_an_orthogonalised_update_is_the_polar_factor_of_the_plain_one(method: s
 
 
 @pytest.mark.parametrize(
-    ("method", "split"), [("eigen_adam", 0.5), ("eigen_adam", 1.0), ("ekfac", 0.5)]
+    ("method", "split", "nesterov", "bias"),
+    [
+        ("eigen_adam", 0.5, False, True),
+        ("eigen_adam", 0.5, True, True),
+        ("eigen_adam", 0.5, True, False),
+        ("eigen_adam", 0.3, True, True),
+        ("eigen_adam", 1.0, False, True),
+        ("ekfac", 0.5, False, True),
+    ],
 )
-def test_a_split_scaling_is_applied_around_the_polar_factor(method: str, split: float) -> None:
+def test_a_split_scaling_is_applied_around_the_polar_factor(
+    method: str, split: float, nesterov: bool, bias: bool
+) -> None:
     """``orthogonal_split`` S: ``D^-S ⊙ polar(D^(S-1) ⊙ m̂)`` in the basis (Adam's ``D = √v̂ +
     ε``, EKFAC's ``v̂ + λ`` with ``m̂`` the rotated gradient), rescaled to RMS ``rms`` and
-    rotated out; written out with the Kronecker basis and an SVD polar factor. The moments
-    are the plain solver's."""
+    rotated out; written out with the Kronecker basis and an SVD polar factor, with and
+    without Nesterov's look-ahead and the bias correction (eigen_adam forms the two factors
+    from ``√v`` and ``m`` with the corrections folded into one constant per matrix: the
+    same update to rounding). The moments are the plain solver's."""
     b1, b2, eps, damping, rms = 0.8, 0.95, 1e-3, 0.1, 0.7
     cls = EigenAdamSolver if method == "eigen_adam" else EKFACSolver
-    options = MomentOptions(beta1=b1, eps=eps, orthogonal_rms=rms, orthogonal_split=split)
+    flags = {"nesterov": nesterov, "bias_correction": bias} if method == "eigen_adam" else {}
+    options = MomentOptions(beta1=b1, eps=eps, orthogonal_rms=rms, orthogonal_split=split, **flags)
     solver = cls(DT, options)
     assert solver.label == f"{method} (orthogonal, rms 0.7, split {split:g})"
-    plain = cls(DT, MomentOptions(beta1=b1, eps=eps))
+    plain = cls(DT, MomentOptions(beta1=b1, eps=eps, **flags))
     state = solver.compute(A, G, damping)
     m = torch.zeros(A_DIM * G_DIM, dtype=DT)
     v = torch.zeros_like(m)
@@ -151,9 +164,11 @@ def test_a_split_scaling_is_applied_around_the_polar_factor(method: str, split: 
         r = K.T @ vec(grad)
         m = b1 * m + (1 - b1) * r
         v = b2 * v + (1 - b2) * r**2
-        v_hat = v / (1 - b2**t)
+        v_hat = v / (1 - b2**t) if bias else v
         if method == "eigen_adam":
-            numerator, scale = m / (1 - b1**t), v_hat.sqrt() + eps
+            look = b1 * m + (1 - b1) * r if nesterov else m
+            c1 = 1 - b1 ** (t + 1 if nesterov else t) if bias else 1.0
+            numerator, scale = look / c1, v_hat.sqrt() + eps
         else:
             numerator, scale = r, v_hat + damping
         polar = quintic_polar(unvec(numerator * scale ** (split - 1.0)))

@@ -35,9 +35,12 @@ diag(r)``, the steepest-descent direction of ``⟨M, Δ⟩`` under the spectral 
 :mod:`dkfac.solvers.eigen_moments` uses it with ``W`` a power of Adam's scale.
 
 The functions also take a stack of matrices of one shape (``L × m × n``): each is
-orthogonalised on its own, with the batched products (``bmm``), so that the layers of one
-shape cost one call instead of ``L`` (on CPU the batched and the single products give the
-same bits).
+orthogonalised on its own. On a GPU the stack runs as batched products (``bmm``), so that
+the layers of one shape cost one launch instead of ``L``; on a CPU, where a launch costs
+nothing, the matrices are iterated one after another, as ``torch.optim.Muon`` does: the
+batched products of the language model's stacks (16 × 128 × 129, 4 × 512 × 129,
+4 × 128 × 513, float32, one thread) took 7-17% longer than a loop of single ones
+(BENCHMARKS.md section 29).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ __all__ = [
     "orthogonal_update",
     "polar_dtype",
     "weighted_orthogonal_update",
+    "weighted_polar",
 ]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -84,6 +88,14 @@ def newton_schulz(
         )
     if steps < 1:
         raise ValueError(f"newton_schulz needs steps >= 1, got {steps}")
+    if matrix.dim() == 3 and matrix.device.type == "cpu":  # one by one (module notes)
+        return torch.stack([iterate(each, steps, dtype) for each in matrix])
+    return iterate(matrix, steps, dtype)
+
+
+def iterate(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
+    """:func:`newton_schulz` of a matrix, or of a stack as one batched iteration (what it
+    runs on a GPU; arguments checked by the caller)."""
     a, b, c = NS_COEFFICIENTS
     tall = matrix.shape[-2] > matrix.shape[-1]
     x = (matrix.mT if tall else matrix).to(dtype)
@@ -128,7 +140,16 @@ def weighted_orthogonal_update(
     it; each matrix of a stack is rescaled on its own. The iteration's precision is
     :func:`orthogonal_update`'s.
     """
-    polar = newton_schulz(update / weight, steps, polar_dtype(update.dtype, update.device))
+    return weighted_polar(update / weight, weight, rms, steps)
+
+
+def weighted_polar(ratio: Tensor, weight: Tensor, rms: float, steps: int = NS_STEPS) -> Tensor:
+    """``W ⊙ newton_schulz(ratio)`` rescaled to an RMS entry of ``rms``: the
+    :func:`weighted_orthogonal_update` of ``U`` for ``ratio = U ⊘ W``, given that way by a
+    caller that has ``U ⊘ W`` for fewer passes than ``U`` (eigen_adam's split). Each
+    matrix's own positive scale of ``ratio`` or of ``weight`` drops out (the iteration
+    normalises its input, to its ``1e-7``; the result is rescaled)."""
+    polar = newton_schulz(ratio, steps, polar_dtype(ratio.dtype, ratio.device))
     weighted = polar * weight
     norm = weighted.square().mean((-2, -1), keepdim=True).sqrt()
     return weighted * (rms / norm.clamp(min=torch.finfo(norm.dtype).tiny))
