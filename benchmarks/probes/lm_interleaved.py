@@ -30,6 +30,7 @@ from typing import Any
 import muon_float32
 import torch
 
+from dkfac.app.devices import device_error
 from dkfac.bench import lm
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.sweep import build_specs, split_available
@@ -53,7 +54,10 @@ def main(argv: list[str]) -> int:
         muon_float32.patch()
     if args.threads:
         torch.set_num_threads(args.threads)
-    task = lm.load_task(args)
+    if message := device_error(args.device):
+        parser.error(message)
+    device = lm.bench_device(args.device)
+    task = lm.load_task(args, device)
     specs, skipped = split_available(build_specs(args, lm.DEFAULT_KFAC, lm.TASK_OPTIONS))
     seeded: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -82,7 +86,7 @@ def main(argv: list[str]) -> int:
     lm.add_gap_to_best(summary)
     payload = {
         "benchmark": "lm",
-        "machine": machine_info("cpu"),
+        "machine": machine_info(device),
         "settings": {**vars(args), "interleaved": True, "specs": [vars(s) for s in specs]},
         "skipped": skipped,
         "runs": seeded,

@@ -95,20 +95,25 @@ def test_validation_loss_is_the_token_mean_over_the_subset(text_folder: Path) ->
     assert lm.validation_loss(model, task, 2) == pytest.approx(expected.item(), rel=1e-6)
 
 
-def test_train_for_times_only_training_steps(text_folder: Path) -> None:
-    task = lm.load_task(_args(text_folder, "--batch-size", "4", "--eval-batches", "1"))
+def _adamw_run(task: Any, *, seed: int, seconds: float, eval_every: int) -> dict[str, Any]:
+    """``train_for`` of AdamW (lr 0.01, batch 4) on a clock that ticks 1 s per reading."""
     ticks = itertools.count()
-    result = lm.train_for(
+    return lm.train_for(
         OptimizerSpec("adamw", "adamw", [0.01]),
         0.01,
-        0,
+        seed,
         task,
         batch_size=4,
-        seconds=3.0,
-        eval_every=2,
+        seconds=seconds,
+        eval_every=eval_every,
         momentum=0.9,
         clock=lambda: float(next(ticks)),
     )
+
+
+def test_train_for_times_only_training_steps(text_folder: Path) -> None:
+    task = lm.load_task(_args(text_folder, "--batch-size", "4", "--eval-batches", "1"))
+    result = _adamw_run(task, seed=0, seconds=3.0, eval_every=2)
     # one clock() before and one after each step: 1 s per step, evaluations outside it
     assert [t[:2] for t in result["trace"]] == [[0, 0.0], [2, 2.0], [3, 3.0]]
     assert result["steps"] == 3 and result["seconds"] == 3.0 and not result["diverged"]
@@ -207,6 +212,8 @@ def test_tiny_lm_run_records_every_optimizer_and_each_learns(
         (["--kfac", "k:damping=-1"], "kfac option: damping"),
         (["--text-path", "/nonexistent/text"], "--text-path /nonexistent/text does not exist"),
         (["--seq-len", "100000"], "raise --text-bytes or use more text"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (["--device", "cuda:99"], "cuda:99"),
     ],
 )
 def test_lm_refuses_bad_flags_in_one_line(
@@ -218,3 +225,18 @@ def test_lm_refuses_bad_flags_in_one_line(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("dkfac bench lm: error:"), err[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_run_on_the_gpu_follows_the_same_run_on_the_cpu(text_folder: Path) -> None:
+    """``--device cuda``: the same initialisation and batches as on the CPU, so the same
+    losses to the GPU's rounding (TF32 off), the task and the model on the GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    traces = {}
+    for device in ("cpu", "cuda"):
+        task = lm.load_task(_args(text_folder, "--batch-size", "4", "--eval-batches", "1"), device)
+        assert task.x_train.device.type == device
+        result = _adamw_run(task, seed=3, seconds=4.0, eval_every=1)
+        traces[device] = [t[2] for t in result["trace"]]
+    assert len(traces["cuda"]) == len(traces["cpu"]) == 5
+    torch.testing.assert_close(traces["cuda"], traces["cpu"], rtol=1e-4, atol=1e-4)

@@ -14,9 +14,8 @@ import re
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from dkfac.app.data import DATASETS
+from dkfac.app.devices import device_error
 from dkfac.app.domains import check_domains
 from dkfac.app.gpt import add_gpt_arguments, size_problem
 from dkfac.app.models import LANGUAGE_MODELS, ModelError, check_model_name, model_names
@@ -315,29 +314,6 @@ def _check_kfac(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
                         check_schedule_value(field, piece)
     except (ValueError, TypeError) as err:
         parser.error(f"invalid K-FAC option: {err}")
-
-
-def device_error(name: str) -> str | None:
-    """Why ``--device name`` cannot be used on this machine (``None``: it can)."""
-    if name == "auto":
-        return None
-    allowed = "--device must be auto, cpu, cuda or cuda:N"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        return f"{allowed}, got {name!r}"
-    if device.type not in ("cpu", "cuda"):
-        return f"{allowed}, got {name!r}"
-    if device.type == "cpu":
-        return None
-    if not torch.cuda.is_available():
-        return f"--device {name}: no CUDA device is available here; use --device cpu or auto"
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        return (
-            f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-        )
-    return None
 
 
 def _check_recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

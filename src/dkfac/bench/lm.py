@@ -16,6 +16,10 @@ are timed (forward, backward, preconditioning, update); every ``--eval-every`` s
 after the last, the validation loss (nats per byte; bits per byte = nats / ln 2) is measured
 outside the clock on a fixed subset: ``--eval-batches`` x ``--batch-size`` non-overlapping
 validation windows evenly spaced over the validation split, the same for every run.
+``--device`` (default ``cpu``) holds the text, the models and the optimizers' state; on a GPU
+each timed step starts and ends with a synchronisation, so that its seconds are the GPU's
+work and not only the host's launches. The batches are drawn on the CPU (the same windows
+on every device) and gathered on the device before the clock starts, as on the CPU.
 
 Default grids (three learning rates each): SGD 0.1 0.3 1.0; Adam, AdamW, SOAP and K-FAC
 0.001 0.003 0.01; Muon 0.02 0.05 0.1. Default K-FAC variants: ``kfac-adamw`` (K-FAC wrapping
@@ -44,10 +48,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac.app.cifar import DataError
+from dkfac.app.devices import device_error
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB, DEFAULT_GLOB, DEFAULT_TEXT_BYTES, load_text
-from dkfac.bench.common import command_line, format_table, machine_info, write_result
+from dkfac.bench.common import (
+    command_line,
+    format_table,
+    machine_info,
+    synchronize,
+    write_result,
+)
 from dkfac.bench.peers import OptimizerSpec, Stepper, build_optimizer
 from dkfac.bench.sweep import (
     add_peer_arguments,
@@ -108,8 +119,8 @@ def evenly_spaced(available: int, wanted: int) -> Tensor:
     return torch.linspace(0, available - 1, count).round().long()
 
 
-def load_task(args: argparse.Namespace) -> TextTask:
-    """The text of ``--text-path`` cut into windows, and the validation subset.
+def load_task(args: argparse.Namespace, device: torch.device | str = "cpu") -> TextTask:
+    """The text of ``--text-path`` cut into windows, and the validation subset, on ``device``.
 
     Raises:
         DataError: For a missing path, no matching file or too little text.
@@ -117,13 +128,20 @@ def load_task(args: argparse.Namespace) -> TextTask:
     data = load_text(args.text_path, args.seq_len, args.text_bytes, args.text_glob)
     subset = evenly_spaced(len(data.x_test), args.eval_batches * args.batch_size)
     return TextTask(
-        data.x_train,
-        data.y_train,
-        data.x_test[subset],
-        data.y_test[subset],
+        data.x_train.to(device),
+        data.y_train.to(device),
+        data.x_test[subset].to(device),
+        data.y_test[subset].to(device),
         args.seq_len,
         gpt_options(args),
     )
+
+
+def bench_device(name: str) -> torch.device:
+    """The device of ``--device`` (``auto``: the GPU where there is one, else the CPU)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def validation_loss(model: nn.Module, task: TextTask, batch_size: int) -> float:
@@ -158,8 +176,9 @@ class TrainingRun:
 def start_run(
     spec: OptimizerSpec, lr: float, seed: int, task: TextTask, *, batch_size: int, momentum: float
 ) -> TrainingRun:
-    """The model of ``seed``, ``spec``'s optimizer, the batch generator of ``seed`` and the
-    validation loss before the first step."""
+    """The model of ``seed`` (initialised on the CPU, then moved to the task's device: the
+    same weights on every device), ``spec``'s optimizer, the batch generator of ``seed`` and
+    the validation loss before the first step."""
     torch.manual_seed(seed)
     model = build_model(
         "gpt",
@@ -167,7 +186,7 @@ def start_run(
         image_size=task.seq_len,
         num_classes=BYTE_VOCAB,
         **task.model_options,
-    )
+    ).to(task.x_train.device)
     optimizer = build_optimizer(spec, model, lr, momentum)
     trace = [[0, 0.0, validation_loss(model, task, batch_size)]]
     return TrainingRun(spec, lr, seed, model, optimizer, torch.Generator().manual_seed(seed), trace)
@@ -185,8 +204,10 @@ def train_step(
     """One timed training step of ``run``; then, outside the clock, the validation loss
     every ``eval_every`` steps, once ``seconds`` are spent, and when the loss diverged."""
     mc_fisher = run.spec.kind == "kfac" and run.spec.options.get("fisher") == "mc"
-    index = torch.randint(len(task.x_train), (batch_size,), generator=run.gen)
+    device = task.x_train.device
+    index = torch.randint(len(task.x_train), (batch_size,), generator=run.gen).to(device)
     xb, yb = task.x_train[index], task.y_train[index]
+    synchronize(device)
     start = clock()
     run.optimizer.zero_grad(set_to_none=True)
     logits = run.model(xb)
@@ -195,6 +216,7 @@ def train_step(
     loss = F.cross_entropy(logits.flatten(0, 1), yb.flatten())
     loss.backward()
     run.optimizer.step()
+    synchronize(device)
     run.elapsed += clock() - start
     run.steps += 1
     run.diverged = not math.isfinite(loss.item())
@@ -315,7 +337,7 @@ def run(args: argparse.Namespace, task: TextTask) -> dict[str, Any]:
     }
     return {
         "benchmark": "lm",
-        "machine": machine_info("cpu"),
+        "machine": machine_info(task.x_train.device),
         "settings": {**vars(args), "text": text, "specs": [vars(s) for s in specs]},
         "skipped": skipped,
         "sweep": runs.sweep,
@@ -358,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--plot", default=None, help="PNG path for the loss-vs-time plot")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda, cuda:N or auto (the GPU where there is one)",
+    )
     return p
 
 
@@ -378,6 +405,8 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         default_kfac=DEFAULT_KFAC,
         task_options=TASK_OPTIONS,
     )
+    if message := device_error(args.device):
+        p.error(message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _validate(p, args)
     try:
-        task = load_task(args)
+        task = load_task(args, bench_device(args.device))
     except DataError as error:
         p.error(str(error))
     if args.threads:
