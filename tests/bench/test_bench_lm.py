@@ -231,12 +231,17 @@ def test_lm_refuses_bad_flags_in_one_line(
 def test_a_run_on_the_gpu_follows_the_same_run_on_the_cpu(text_folder: Path) -> None:
     """``--device cuda``: the same initialisation and batches as on the CPU, so the same
     losses to the GPU's rounding (TF32 off), the task and the model on the GPU."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     traces = {}
-    for device in ("cpu", "cuda"):
-        task = lm.load_task(_args(text_folder, "--batch-size", "4", "--eval-batches", "1"), device)
-        assert task.x_train.device.type == device
-        result = _adamw_run(task, seed=3, seconds=4.0, eval_every=1)
-        traces[device] = [t[2] for t in result["trace"]]
+    try:
+        for device in ("cpu", "cuda"):
+            args = _args(text_folder, "--batch-size", "4", "--eval-batches", "1")
+            task = lm.load_task(args, device)
+            assert task.x_train.device.type == device
+            result = _adamw_run(task, seed=3, seconds=4.0, eval_every=1)
+            traces[device] = [t[2] for t in result["trace"]]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     assert len(traces["cuda"]) == len(traces["cpu"]) == 5
     torch.testing.assert_close(traces["cuda"], traces["cpu"], rtol=1e-4, atol=1e-4)
