@@ -5,8 +5,9 @@
 # Each run is interleaved SGD / AdamW / K-FAC steps on one model and batch, the median of the
 # repeats. The runs go smallest first under one deadline ($GPU_RUNS_SECONDS, default 540 s),
 # so a short lease still brings back the small models; a run the deadline cuts writes nothing
-# and the script says so. First, the language model's step phases on the GPU (the recipe beside
-# Muon and AdamW). The host CPU's language-model runs are benchmarks/gpu_lm_runs.sh, after this.
+# and the script says so. First the CUDA tests, then the language model's step phases on the
+# GPU (the recipe beside Muon and AdamW). The language model's side-by-sides are
+# benchmarks/gpu_lm_runs.sh, after this.
 set -uo pipefail
 out="${1:-benchmarks/results}"
 mkdir -p "$out"
@@ -23,6 +24,10 @@ py() {
 }
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" \
   || exit 1
+echo "== the CUDA tests (skipped where there is no GPU, so CI never runs them)"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
+  tests/bench/test_bench_lm.py::test_a_run_on_the_gpu_follows_the_same_run_on_the_cpu \
+  || echo "FAILED or cut (rc $?): the CUDA tests"
 echo "== language model step phases on the GPU"
 timeout 150 python3 benchmarks/probes/lm_step_phases.py --device cuda \
   --steps 60 --out "$out/lm_phases_cuda.json" muon adamw benchmarks/recipes/gpt-text.toml \
