@@ -30,7 +30,7 @@ from typing import Any
 import muon_float32
 import torch
 
-from dkfac.app.devices import device_error
+from dkfac.app.session import pick_device
 from dkfac.bench import lm
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.sweep import build_specs, split_available
@@ -48,15 +48,14 @@ def main(argv: list[str]) -> int:
         "multiplies bf16 natively)",
     )
     args = parser.parse_args(argv)
+    lm.validate(parser, args)
     if not args.no_sweep:
         parser.error("this probe runs each optimizer's first lr: pass --no-sweep")
     if args.muon_dtype == "float32":
         muon_float32.patch()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if message := device_error(args.device):
-        parser.error(message)
-    device = lm.bench_device(args.device)
+    device = pick_device(args.device)
     task = lm.load_task(args, device)
     specs, skipped = split_available(build_specs(args, lm.DEFAULT_KFAC, lm.TASK_OPTIONS))
     seeded: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB
 from dkfac.bench import lm, peers
-from dkfac.bench.common import machine_info
+from dkfac.bench.common import command_line, machine_info, synchronize
 from dkfac.bench.recipes import load_recipe
 
 WARMUP = 5
@@ -83,7 +82,6 @@ def main() -> None:
         muon_float32.patch()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     bench_args = lm.build_parser().parse_args(["--threads", str(args.threads)])
     task = lm.load_task(bench_args)
     runs = {v: make(v, task, device) for v in args.variants}
@@ -96,17 +94,17 @@ def main() -> None:
             batches.append((task.x_train[index].to(device), task.y_train[index].to(device)))
         for variant, (model, optimizer) in runs.items():
             for step, (xb, yb) in enumerate(batches, start=first):
-                sync()
+                synchronize(device)
                 t0 = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
-                sync()
+                synchronize(device)
                 t1 = time.perf_counter()
                 loss.backward()
-                sync()
+                synchronize(device)
                 t2 = time.perf_counter()
                 optimizer.step()
-                sync()
+                synchronize(device)
                 t3 = time.perf_counter()
                 if step >= WARMUP:
                     for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
@@ -126,7 +124,8 @@ def main() -> None:
             f"({statistics.median(phases['opt']):.1f}) | {sum(means.values()):.1f} |"
         )
     if args.out:
-        payload = {"command": " ".join(sys.argv), "machine": machine_info(args.device)}
+        command = command_line("python benchmarks/probes/lm_step_phases.py", None)
+        payload = {"command": command, "machine": machine_info(device)}
         with open(args.out, "w") as handle:
             json.dump({**payload, "settings": vars(args), "phases": table}, handle, indent=1)
 

@@ -51,6 +51,7 @@ from dkfac.app.cifar import DataError
 from dkfac.app.devices import device_error
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model
+from dkfac.app.session import pick_device
 from dkfac.app.text import BYTE_VOCAB, DEFAULT_GLOB, DEFAULT_TEXT_BYTES, load_text
 from dkfac.bench.common import (
     command_line,
@@ -135,13 +136,6 @@ def load_task(args: argparse.Namespace, device: torch.device | str = "cpu") -> T
         args.seq_len,
         gpt_options(args),
     )
-
-
-def bench_device(name: str) -> torch.device:
-    """The device of ``--device`` (``auto``: the GPU where there is one, else the CPU)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def validation_loss(model: nn.Module, task: TextTask, batch_size: int) -> float:
@@ -388,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``p.error`` (one line, exit 2) for a bad flag value."""
     check_peer_flags(
         p,
         args,
@@ -413,9 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench lm``."""
     p = build_parser()
     args = p.parse_args(argv)
-    _validate(p, args)
+    validate(p, args)
     try:
-        task = load_task(args, bench_device(args.device))
+        task = load_task(args, pick_device(args.device))
     except DataError as error:
         p.error(str(error))
     if args.threads:
