@@ -70,35 +70,42 @@ def test_block_bounds_cut_consecutive_blocks_the_last_shorter() -> None:
         block_bounds(3, 0)
 
 
+@pytest.mark.parametrize("block", [BLOCK, 1])
 @pytest.mark.parametrize("capture", [None, torch.float32])
 def test_the_accumulator_holds_the_diagonal_blocks_of_the_dense_sum(
-    capture: torch.dtype | None,
+    capture: torch.dtype | None, block: int
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     first, second = (torch.randn(6, A_DIM, generator=gen, dtype=DT) for _ in range(2))
     dense = FactorAccumulator(DT, capture)
-    blocked = BlockDiagonalAccumulator(DT, capture, block=BLOCK)
+    blocked = BlockDiagonalAccumulator(DT, capture, block=block)
     for acc in (dense, blocked):
         acc.add(_Rows(first), scale=2.0)
         acc.add(_Rows(second))
     assert blocked.normaliser == dense.normaliser == 12.0
     assert dense.total is not None and blocked.total is not None
-    torch.testing.assert_close(blocked.total, _masked(dense.total))
+    torch.testing.assert_close(blocked.total, _masked(dense.total, block))
     assert blocked.total[0, 4] == 0 and dense.total[0, 4] != 0
 
 
-def test_a_low_precision_product_is_stored_before_it_is_scaled() -> None:
+@pytest.mark.parametrize("block", [BLOCK, 1])
+def test_a_low_precision_product_is_stored_before_it_is_scaled(block: int) -> None:
     """float16 products of 4096 rows times the squared batch size overflow float16; like the
     dense accumulator, the blocked one converts each product to float32 first."""
     gen = torch.Generator().manual_seed(2)
     rows = _Rows(torch.randn(4096, 8, generator=gen))
     dense = FactorAccumulator(torch.float32, torch.float16)
-    blocked = BlockDiagonalAccumulator(torch.float32, torch.float16, block=BLOCK)
+    blocked = BlockDiagonalAccumulator(torch.float32, torch.float16, block=block)
     for acc in (dense, blocked):
         acc.add(rows, scale=1.2e5)
     assert dense.total is not None and blocked.total is not None
     assert torch.isfinite(blocked.total).all()
-    torch.testing.assert_close(blocked.total, _masked(dense.total))
+    # The diagonal (blocks of 1) is summed from float16 inputs in float32, while the dense
+    # product rounds its result to float16 (2^-11 relative) before it is converted.
+    rtol = 1e-3 if block == 1 else None
+    torch.testing.assert_close(
+        blocked.total, _masked(dense.total, block), rtol=rtol, atol=None if rtol is None else 0.0
+    )
 
 
 def test_a_precomputed_sum_loses_its_off_diagonal_blocks() -> None:
@@ -116,10 +123,45 @@ def test_the_solver_captures_only_its_blocked_sides_block_diagonally() -> None:
     assert kinds["A"] == BlockDiagonalStatistic(BLOCK) and kinds["A"].label == "blockdiag"
     assert type(kinds["G"]) is DenseStatistic  # 3 wide: not wider than a block
     one_sided = EigenAdamSolver(DT, MomentOptions(block_size=BLOCK, max_dim=10))
-    assert type(one_sided.statistics(shapes)["A"]) is DenseStatistic  # identity basis
+    assert one_sided.statistics(shapes)["A"] == BlockDiagonalStatistic(1)  # identity basis
     structured = EigenAdamSolver(DT, MomentOptions(block_size=BLOCK), input_map=(11, 1))
     assert type(structured.statistics(shapes)["A"]) is DenseStatistic
+    # The structured input side builds its own basis whatever max_dim says.
+    wide_structured = EigenAdamSolver(DT, MomentOptions(max_dim=10), input_map=(11, 1))
+    assert type(wide_structured.statistics(shapes)["A"]) is DenseStatistic
     assert type(EigenAdamSolver(DT).statistics(shapes)["A"]) is DenseStatistic
+
+
+@pytest.mark.parametrize("solver_class", [EigenAdamSolver, EKFACSolver])
+def test_a_one_sided_side_is_captured_as_its_diagonal_and_updates_as_if_dense(
+    solver_class: type[EigenAdamSolver] | type[EKFACSolver],
+) -> None:
+    """A side wider than ``max_dim`` keeps the identity basis, so only its width is read:
+    it is captured as its diagonal (blocks of 1), and the updates equal those of the same
+    solver given the dense factor (float64, the other side's basis from the same factor)."""
+    g_dim, a_dim = 4, 9
+    solver = solver_class(DT, MomentOptions(max_dim=6, carry="reset"))
+    kinds = solver.statistics({"A": (a_dim, a_dim), "G": (g_dim, g_dim)})
+    assert kinds["A"] == BlockDiagonalStatistic(1) and type(kinds["G"]) is DenseStatistic
+    gen = torch.Generator().manual_seed(5)
+    rows_a = torch.randn(20, a_dim, generator=gen, dtype=DT)
+    acc = kinds["A"].accumulator(DT, None)
+    acc.add(_Rows(rows_a), scale=2.0)
+    diagonal = acc.mean()
+    torch.testing.assert_close(diagonal, torch.diag(2.0 * (rows_a**2).sum(0) / 20.0))
+    g = _spd(g_dim, 6)
+    dense_state = solver.compute(rows_a.T @ rows_a / 20.0, g, 0.1)
+    diagonal_state = solver.compute(diagonal, g, 0.1)
+    assert dense_state["qa"].numel() == 0 and diagonal_state["qa"].numel() == 0
+    moments: dict[str, dict[str, Tensor] | None] = {"dense": None, "diagonal": None}
+    for grad in _grads(3, g_dim, a_dim):
+        dense, moments["dense"] = solver.apply_with_moments(
+            dense_state, moments["dense"], grad, 0.1
+        )
+        from_diagonal, moments["diagonal"] = solver.apply_with_moments(
+            diagonal_state, moments["diagonal"], grad, 0.1
+        )
+        torch.testing.assert_close(from_diagonal, dense, rtol=1e-12, atol=1e-12)
 
 
 def test_a_blocked_basis_is_the_eigenbasis_of_each_diagonal_block() -> None:

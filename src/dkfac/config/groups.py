@@ -142,7 +142,8 @@ class SolverConfig:
         basis_max_dim: ``"ekfac"``/``"eigen_adam"``: a factor of a larger dimension keeps the
             identity as its basis and is never decomposed, so a very wide layer is
             preconditioned on its other side only (one-sided, like SOAP's
-            ``max_precond_dim``); ``None`` (default): every factor is rotated.
+            ``max_precond_dim``); only that factor's diagonal is captured (nothing reads
+            the rest). ``None`` (default): every factor is rotated.
         rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of the update
             out of the eigenbasis (half of their per-step cost): ``None`` (default) the
             gradient's, or on an ``orthogonal_layers`` layer the Newton–Schulz iteration's

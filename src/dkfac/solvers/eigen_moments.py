@@ -58,7 +58,9 @@ of :mod:`dkfac.solvers.kron_basis`, and the state also holds its parts (``qa_cha
 (stored as an empty ``q``/``d`` pair, and never decomposed): the layer's moments live in the
 eigenbasis of its other factor only, ``R = Q_Gᵀ ∇W`` for a wide input side (SOAP's
 ``max_precond_dim``). A layer with both factors wider is Adam (or its EKFAC analogue) on the
-raw gradient.
+raw gradient. Nothing reads such a factor but its width, so it is captured as its diagonal
+only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic` of blocks of 1: ``d``
+products a row instead of ``d²``), still kept, combined and saved as a ``d × d`` statistic.
 
 **Block-diagonal basis** (``block_size``): a factor wider than ``block_size`` (and not
 one-sided) gets the basis of its block-diagonal part: its dimension is cut into
@@ -500,13 +502,27 @@ class EigenMomentsSolver(Solver):
 
     def statistics(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, StatisticKind]:
         """Dense, except a side with a block-diagonal basis: only its diagonal blocks are
-        computed (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`)."""
+        computed (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`); and a
+        one-sided side (wider than ``max_dim``), whose factor nothing reads but its width:
+        only its diagonal (blocks of 1, ``d`` products a row instead of ``d²``)."""
         kinds = super().statistics(shapes)
         for key in ("A", "G"):
-            width = None if key not in shapes else self._block_width(shapes[key][0], key == "A")
-            if width is not None:
+            if key not in shapes:
+                continue
+            size, input_side = shapes[key][0], key == "A"
+            if self._one_sided(size, input_side):
+                kinds[key] = BlockDiagonalStatistic(1)
+            elif (width := self._block_width(size, input_side)) is not None:
                 kinds[key] = BlockDiagonalStatistic(width)
         return kinds
+
+    def _one_sided(self, size: int, input_side: bool) -> bool:
+        """Whether a side of dimension ``size`` keeps the identity basis (wider than
+        ``max_dim``; never the structured input side, whose basis has its own build)."""
+        max_dim = self.options.max_dim
+        if max_dim is None or size <= max_dim:
+            return False
+        return not (input_side and self.input_map is not None)
 
     def _block_width(self, size: int, input_side: bool) -> int | None:
         """The block width of a side of dimension ``size``: ``block_size`` where it is wider
@@ -569,7 +585,7 @@ class EigenMomentsSolver(Solver):
         basis): the identity (empty pair) when wider than ``max_dim``; a block-diagonal
         basis of :meth:`_dense_side` per block when wider than ``block_size``; else
         :meth:`_dense_side` of the whole factor."""
-        if self.options.max_dim is not None and factor.shape[0] > self.options.max_dim:
+        if self._one_sided(factor.shape[0], input_side=False):
             return factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
         width = self._block_width(factor.shape[0], input_side=False)
         if width is not None:
