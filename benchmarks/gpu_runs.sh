@@ -27,6 +27,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 echo "== the CUDA tests (skipped where there is no GPU, so CI never runs them)"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
   tests/bench/test_bench_lm.py::test_a_run_on_the_gpu_follows_the_same_run_on_the_cpu \
+  tests/app/test_devices.py \
   || echo "FAILED or cut (rc $?): the CUDA tests"
 echo "== language model step phases on the GPU"
 timeout 150 python3 benchmarks/probes/lm_step_phases.py --device cuda \

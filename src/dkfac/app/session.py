@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import random
 import time
 from typing import Any
@@ -48,17 +47,6 @@ def world_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def pick_device(name: str) -> torch.device:
-    """The device of ``--device``; ``auto`` and a bare ``cuda`` take this rank's local GPU."""
-    if name not in ("auto", "cuda"):
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if name == "cuda":
-        raise UsageError("--device cuda: no CUDA device is available here")
-    return torch.device("cpu")
 
 
 def is_out_of_memory(err: BaseException) -> bool:

@@ -44,6 +44,7 @@ from dkfac.app import resume as resume_state
 from dkfac.app.beacon import Beacon
 from dkfac.app.checkpoint import LATEST, CheckpointError, choose_resume, save_rotating
 from dkfac.app.data import shard_indices
+from dkfac.app.devices import pick_device
 from dkfac.app.runconfig import write_resolved_config
 from dkfac.app.runfolder import RunFolderError, prepare_run_folder
 from dkfac.app.session import UsageError
@@ -144,7 +145,7 @@ def train(
     args = copy.copy(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = session.pick_device(args.device)
+    device = pick_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank, world = session.world_info()

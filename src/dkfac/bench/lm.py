@@ -48,10 +48,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac.app.cifar import DataError
-from dkfac.app.devices import device_error
+from dkfac.app.devices import device_error, pick_device
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model
-from dkfac.app.session import pick_device
 from dkfac.app.text import BYTE_VOCAB, DEFAULT_GLOB, DEFAULT_TEXT_BYTES, load_text
 from dkfac.bench.common import (
     command_line,
