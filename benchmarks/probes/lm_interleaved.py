@@ -30,7 +30,7 @@ from typing import Any
 import muon_float32
 import torch
 
-from dkfac.app.session import pick_device
+from dkfac.app.devices import pick_device
 from dkfac.bench import lm
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.sweep import build_specs, split_available
@@ -93,6 +93,8 @@ def main(argv: list[str]) -> int:
     }
     command = command_line("python benchmarks/probes/lm_interleaved.py", argv)
     write_result(args.name, payload, args.out_dir, command)
+    if args.plot:
+        lm.plot(payload, args.plot)
     for name, entry in summary.items():
         print(
             f"{name}: {entry['median_steps']} steps, {entry['seconds_per_step']:.3f} s/step, "
