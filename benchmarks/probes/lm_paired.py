@@ -1,0 +1,120 @@
+"""Probe: paired differences of two optimizers' validation loss over seeds, from bench JSONs.
+
+Reads ``dkfac bench lm`` or ``lm_interleaved.py`` result files and, for every seed that both
+``--first`` and ``--second`` (their run labels in the JSON's ``runs``, e.g. ``gpt-text`` and
+``muon``) ran, takes ``first − second`` of the final loss (at the run's time budget) and,
+with ``--at-step N``, of the loss at step ``N`` where both traces have it. Prints each
+pair, then the mean, its standard error, the median and how many are below zero;
+``--out`` writes the same as JSON. This is how BENCHMARKS.md pools paired seeds
+(sections 29 and 30); a seed present in several files is counted once (the first file).
+
+    python benchmarks/probes/lm_paired.py --first gpt-text --second muon --at-step 75 \\
+        benchmarks/results/lm_gpt_interleaved_*_seeds*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from typing import Any
+
+
+def loss_at(run: dict[str, Any], step: int) -> float | None:
+    """The validation loss of ``run``'s trace at ``step`` (``None`` if it has none there)."""
+    for entry in run["trace"]:
+        if int(entry[0]) == step:
+            return float(entry[2])
+    return None
+
+
+def summary(diffs: list[float]) -> dict[str, Any]:
+    """Count, mean, standard error, median and count below zero of ``diffs``."""
+    n = len(diffs)
+    if n == 0:
+        return {"pairs": 0}
+    se = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("nan")
+    return {
+        "pairs": n,
+        "mean": statistics.mean(diffs),
+        "standard_error": se,
+        "median": statistics.median(diffs),
+        "below_zero": sum(d < 0 for d in diffs),
+    }
+
+
+def pairs(paths: list[str], first: str, second: str, at_step: int | None) -> list[dict[str, Any]]:
+    """One row per seed both labels ran: the file, the seed, both losses and steps."""
+    rows: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for path in paths:
+        with open(path) as handle:
+            runs = json.load(handle).get("runs", {})
+        if first not in runs or second not in runs:
+            continue
+        by_seed = {int(r["seed"]): r for r in runs[second]}
+        for run in runs[first]:
+            seed = int(run["seed"])
+            other = by_seed.get(seed)
+            if other is None or seed in seen:
+                continue
+            seen.add(seed)
+            row = {
+                "file": path,
+                "seed": seed,
+                "first": run["final_loss"],
+                "second": other["final_loss"],
+                "first_steps": run["steps"],
+                "second_steps": other["steps"],
+            }
+            if at_step is not None:
+                row["first_at_step"] = loss_at(run, at_step)
+                row["second_at_step"] = loss_at(other, at_step)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    """Parses the arguments, prints the pairs and their summary."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--first", required=True, help="run label whose loss is subtracted from")
+    parser.add_argument("--second", required=True, help="run label subtracted")
+    parser.add_argument("--at-step", type=int, help="also compare the losses at this step")
+    parser.add_argument("--out", help="also write the pairs and summaries to this JSON file")
+    parser.add_argument("files", nargs="+")
+    args = parser.parse_args()
+    rows = pairs(args.files, args.first, args.second, args.at_step)
+    if not rows:
+        parser.exit(2, f"no seed has both {args.first!r} and {args.second!r} in these files\n")
+    print(f"| seed | {args.first} | {args.second} | difference | steps |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['seed']} | {row['first']:.3f} | {row['second']:.3f} | "
+            f"{row['first'] - row['second']:+.3f} | {row['first_steps']} / {row['second_steps']} |"
+        )
+    final = summary([r["first"] - r["second"] for r in rows])
+    result: dict[str, Any] = {"settings": vars(args), "pairs": rows, "final": final}
+    print(f"final: {_text(final)}")
+    if args.at_step is not None:
+        both = [r for r in rows if r["first_at_step"] is not None and r["second_at_step"]]
+        at = summary([r["first_at_step"] - r["second_at_step"] for r in both])
+        result["at_step"] = at
+        print(f"at step {args.at_step}: {_text(at)}")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+def _text(s: dict[str, Any]) -> str:
+    if not s["pairs"]:
+        return "no pairs"
+    return (
+        f"{s['pairs']} pairs, mean {s['mean']:+.4f} (standard error {s['standard_error']:.4f}), "
+        f"median {s['median']:+.4f}, below zero on {s['below_zero']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
