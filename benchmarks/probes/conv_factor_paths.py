@@ -8,6 +8,10 @@ were fit on the ``fit`` shapes; the ``check`` shapes were not used in the fit:
 
     python benchmarks/probes/conv_factor_paths.py \
         --out benchmarks/results/conv_factor_paths.json
+
+``--device cuda`` times the paths on a GPU (synchronised) and reports the path ``auto``
+takes there (the unfolded product while its rows fit ``UNFOLD_MAX_BYTES``: chosen for the
+launch counts, to be checked by this run; ``benchmarks/gpu_runs.sh`` runs it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 
 import torch
 
+from dkfac.bench.common import machine_info, synchronize
 from dkfac.blocks.conv_factor import auto_path, conv_input_factor_sum
 
 # (N, C, H, W), kernel, zero padding (left, right, top, bottom)
@@ -50,6 +55,7 @@ def time_path(x: torch.Tensor, kernel: tuple[int, int], pad: tuple[int, ...], pa
 
     def call() -> None:
         conv_input_factor_sum(x, kernel, (1, 1), (1, 1), True, pad, path)  # type: ignore[arg-type]
+        synchronize(x.device)
 
     call()
     start = time.perf_counter()
@@ -68,16 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the JSON record here")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (synchronised timers)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     records = []
     for split, shapes in (("fit", FIT), ("check", CHECK)):
         for size, kernel, pad in shapes:
-            x = torch.randn(*size)
+            x = torch.randn(*size, device=device)
             padded = (size[0], size[1], size[2] + pad[2] + pad[3], size[3] + pad[0] + pad[1])
             times = {p: time_path(x, kernel, pad, p, args.repeats) for p in PATHS}
-            picked = auto_path(padded, kernel, (1, 1), (1, 1), pad)
+            picked = auto_path(padded, kernel, (1, 1), (1, 1), pad, device.type)
             best = min(times, key=times.__getitem__)
             record = {
                 "split": split, "input": list(size), "kernel": list(kernel),
@@ -95,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             "fastest_seconds": sum(r["seconds"][r["fastest"]] for r in chosen),
             "worst_regret": max(r["regret"] for r in chosen),
         }
-    result = {"torch": torch.__version__, "threads": 1, "summary": summary, "records": records}
+    result = {
+        "torch": torch.__version__,
+        "threads": 1,
+        "machine": machine_info(device),
+        "summary": summary,
+        "records": records,
+    }
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w") as handle:

@@ -11,6 +11,7 @@ from torch import nn
 from dkfac import KFACPreconditioner
 from dkfac.blocks.conv2d import Conv2dBlock, conv_padding, pad_input
 from dkfac.blocks.conv_factor import (
+    UNFOLD_MAX_BYTES,
     auto_path,
     conv_input_factor_sum,
     segment_cost,
@@ -165,6 +166,29 @@ def test_path_choice_follows_the_cost_estimates() -> None:
     assert auto_path((50, 1, 10, 10), (3, 3), (1, 1), (1, 1), pad) == "unfold"
     assert auto_path((8, 512, 6, 6), (3, 3), (1, 1), (1, 1), pad) == "unfold"
     assert auto_path((128, 16, 34, 34), (3, 3), (2, 2), (1, 1), pad) == "unfold"
+
+
+def test_a_gpu_unfolds_unless_the_rows_exceed_the_budget() -> None:
+    """On CUDA the stride-1 choice is the unfolded product (launches cost, not products)
+    while the im2col rows fit :data:`UNFOLD_MAX_BYTES` in the product's precision; beyond,
+    the CPU's estimate decides (here the shift path, which copies nothing whole)."""
+    pad = (1, 1, 1, 1)
+    resnet = (128, 16, 34, 34)  # ResNet-20's first stage at batch 128: 75 MB of rows
+    assert auto_path(resnet, (3, 3), (1, 1), (1, 1), pad) == "shift"
+    assert auto_path(resnet, (3, 3), (1, 1), (1, 1), pad, "cuda") == "unfold"
+    entries = 128 * 32 * 32 * 16 * 9
+    assert entries * 4 <= UNFOLD_MAX_BYTES
+    # 2.4 GB of float32 rows at batch 4096: over the budget, the CPU's choice.
+    wide = (4096, 16, 34, 34)
+    assert UNFOLD_MAX_BYTES < 4096 * 32 * 32 * 16 * 9 * 4
+    assert auto_path(wide, (3, 3), (1, 1), (1, 1), pad, "cuda") == auto_path(
+        wide, (3, 3), (1, 1), (1, 1), pad
+    )
+    assert auto_path(wide, (3, 3), (1, 1), (1, 1), pad) != "unfold"
+    # The precision counts: the same rows in bf16 take half the bytes.
+    edge = (UNFOLD_MAX_BYTES // (32 * 32 * 16 * 9 * 2), 16, 34, 34)
+    assert auto_path(edge, (3, 3), (1, 1), (1, 1), pad, "cuda", 2) == "unfold"
+    assert auto_path(edge, (3, 3), (1, 1), (1, 1), pad, "cuda", 4) != "unfold"
 
 
 def test_strip_plan_of_a_padded_three_by_three_layer() -> None:

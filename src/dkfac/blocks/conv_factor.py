@@ -152,8 +152,9 @@ def conv_input_factor_sum(
             skips the frame; the segment path pads first.
         path: ``"shift"`` (stride 1 only), ``"segment"``, ``"unfold"`` (the im2col rows,
             one product), or ``"auto"``: ``"unfold"`` for a strided convolution (its
-            sub-grids share few products; measured on ResNet-20), else the one of the
-            three with the smallest estimated cost (:func:`auto_path`).
+            sub-grids share few products; measured on ResNet-20) and, on a CUDA device, for
+            rows of at most :data:`UNFOLD_MAX_BYTES`; else the one of the three with the
+            smallest estimated cost (:func:`auto_path`).
         compute_dtype: Precision of the products' inputs (default: the input's). The
             input is cast once, before the layout copy each path makes; every product is
             converted to ``out_dtype`` before the border corrections and block sums.
@@ -183,9 +184,11 @@ def conv_input_factor_sum(
         raise ValueError(f'path must be "auto", "shift", "segment" or "unfold", got {path!r}')
     if path == "shift" and (sh, sw) != (1, 1):
         raise ValueError(f'path="shift" needs stride 1, got {stride}')
-    if path == "auto":
-        path = auto_path(shape, (kh, kw), (sh, sw), (dh, dw), (left, right, top, bottom))
     dtypes = (compute_dtype or inputs.dtype, out_dtype or inputs.dtype)
+    if path == "auto":
+        padding = (left, right, top, bottom)
+        device, size = inputs.device.type, dtypes[0].itemsize
+        path = auto_path(shape, (kh, kw), (sh, sw), (dh, dw), padding, device, size)
     # Every product is in compute_dtype (an enclosing autocast would mix dtypes).
     with torch.autocast(inputs.device.type, enabled=False):
         dim, count = channels * kh * kw, batch * out_h * out_w
@@ -650,6 +653,18 @@ def unfold_cost(
     )
 
 
+# On a GPU every operation is a kernel launch of several µs against ~30 multiply-adds a ns:
+# the unfolded product (~75 operations for a 3x3 kernel with a bias, counted with a
+# dispatch mode) beats the shift path (~445) unless its rows are very large. The H200's
+# profile of a ResNet-20 factor step (batch 128, BENCHMARKS.md section 28's JSON) spent
+# 90 ms of host time in the A captures, about 19 layers x 445 launches; not yet timed
+# path by path on a GPU (benchmarks/gpu_runs.sh runs conv_factor_paths.py there).
+UNFOLD_MAX_BYTES = 512 * 2**20
+"""The largest im2col rows (``N·Ho·Wo × D`` entries of the product's precision) that
+``"auto"`` unfolds on a GPU; the unfold and its position-major copy hold twice that at once.
+Larger inputs take the CPU's choice (no unfolded copy at stride 1)."""
+
+
 @functools.lru_cache(maxsize=256)
 def auto_path(
     shape: tuple[int, int, int, int],
@@ -657,15 +672,24 @@ def auto_path(
     stride: tuple[int, int],
     dilation: tuple[int, int],
     zero_padding: tuple[int, int, int, int],
+    device_type: str = "cpu",
+    element_size: int = 4,
 ) -> str:
     """The path ``"auto"`` takes for a padded input ``shape`` (a pure, cached function).
 
     A strided convolution is unfolded (its sub-grids share few products; measured on
-    ResNet-20); at stride 1 the path with the smallest :func:`shift_cost`,
-    :func:`segment_cost` or :func:`unfold_cost`.
+    ResNet-20). At stride 1 on a CUDA device, the unfolded product while its rows take at
+    most :data:`UNFOLD_MAX_BYTES` (``element_size`` bytes an entry): launches, not
+    multiply-adds, cost there (see the notes above it). Otherwise the path with the
+    smallest :func:`shift_cost`, :func:`segment_cost` or :func:`unfold_cost` (fit on a CPU).
     """
     if stride != (1, 1):
         return "unfold"
+    if device_type == "cuda":
+        batch, channels, out_h, out_w = _output_shape(shape, kernel_size, stride, dilation)
+        entries = batch * out_h * out_w * channels * kernel_size[0] * kernel_size[1]
+        if entries * element_size <= UNFOLD_MAX_BYTES:
+            return "unfold"
     costs = {
         "shift": shift_cost(shape, kernel_size, dilation, zero_padding),
         "segment": segment_cost(shape, kernel_size, stride, dilation),
