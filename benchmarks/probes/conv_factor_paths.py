@@ -9,9 +9,11 @@ were fit on the ``fit`` shapes; the ``check`` shapes were not used in the fit:
     python benchmarks/probes/conv_factor_paths.py \
         --out benchmarks/results/conv_factor_paths.json
 
-``--device cuda`` times the paths on a GPU (synchronised) and reports the path ``auto``
-takes there (the unfolded product while its rows fit ``UNFOLD_MAX_BYTES``: chosen for the
-launch counts, to be checked by this run; ``benchmarks/gpu_runs.sh`` runs it).
+Each record also has the tensor operations each path dispatches (``operations``: on a GPU
+about one kernel launch each). ``--device cuda`` times the paths on a GPU (synchronised)
+and reports the path ``auto`` takes there (the unfolded product while its rows fit
+``UNFOLD_MAX_BYTES``: chosen for the launch counts, to be checked by this run;
+``benchmarks/gpu_runs.sh`` runs it).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dkfac.bench.common import machine_info, synchronize
 from dkfac.blocks.conv_factor import auto_path, conv_input_factor_sum
@@ -70,6 +74,25 @@ def time_path(x: torch.Tensor, kernel: tuple[int, int], pad: tuple[int, ...], pa
     return best
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the tensor operations dispatched inside it (a GPU launches about one each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(x: torch.Tensor, kernel: tuple[int, int], pad: tuple[int, ...], path: str) -> int:
+    """Tensor operations one call of ``path`` dispatches (the same on every device)."""
+    with _OpCounter() as counter:
+        conv_input_factor_sum(x, kernel, (1, 1), (1, 1), True, pad, path)  # type: ignore[arg-type]
+    return counter.count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -85,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(*size, device=device)
             padded = (size[0], size[1], size[2] + pad[2] + pad[3], size[3] + pad[0] + pad[1])
             times = {p: time_path(x, kernel, pad, p, args.repeats) for p in PATHS}
+            operations = {p: count_ops(x, kernel, pad, p) for p in PATHS}
             picked = auto_path(padded, kernel, (1, 1), (1, 1), pad, device.type)
             best = min(times, key=times.__getitem__)
             record = {
                 "split": split, "input": list(size), "kernel": list(kernel),
-                "zero_padding": list(pad), "seconds": times, "auto": picked, "fastest": best,
+                "zero_padding": list(pad), "seconds": times, "operations": operations,
+                "auto": picked, "fastest": best,
                 "regret": times[picked] / times[best],
             }  # fmt: skip
             records.append(record)
