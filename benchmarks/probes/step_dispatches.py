@@ -1,15 +1,15 @@
 """Probe: how many tensor operations one training step dispatches, by step kind and source.
 
 On a GPU a small model's K-FAC step is bound by kernel launches, about one per dispatched
-tensor operation (views included on the host side), not by its arithmetic (BENCHMARKS.md
-sections 18, 28 and 30). The count does not depend on the machine, so a CPU can track it
-between GPU leases. This probe builds ``dkfac bench step``'s model and batch, runs a few
-warm-up steps of each kind, then counts (``TorchDispatchMode``) the operations of one step:
-``sgd`` (SGD with momentum, foreach), ``adamw`` (torch's defaults, foreach) and K-FAC over
-that SGD with ``--method`` and ``--options`` as a *plain* step (precondition only), a
-*factor* step (captures and factor update too) and an *inverse* step (and the solver
-refresh), as bench step's kinds. Each K-FAC kind also lists the source lines in ``dkfac``
-that dispatch most (``--top``).
+tensor operation that is not a view (a view costs host time only), not by its arithmetic
+(BENCHMARKS.md sections 18, 28 and 30). The count does not depend on the machine, so a CPU
+can track it between GPU leases. This probe builds ``dkfac bench step``'s model and batch,
+runs a few warm-up steps of each kind, then counts (``TorchDispatchMode``) the operations of
+one step, all and those that are not views: ``sgd`` (SGD with momentum, foreach),
+``adamw`` (torch's defaults, foreach) and K-FAC over that SGD with ``--method`` and
+``--options`` as a *plain* step (precondition only), a *factor* step (captures and factor
+update too) and an *inverse* step (and the solver refresh), as bench step's kinds. Each
+K-FAC kind also lists the source lines in ``dkfac`` that dispatch most (``--top``).
 
 ``--conv-path`` forces the convolution input factor's path (``auto`` takes the unfolded
 product on a CUDA device and, at stride 1, usually the shift path on a CPU; pass
@@ -47,10 +47,12 @@ class Dispatches(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.views = 0
         self.lines: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.total += 1
+        self.views += bool(func.is_view)
         frames = [f for f in traceback.extract_stack() if "/dkfac/" in f.filename]
         where = "torch (model, autograd, optimizer)"
         if frames and "step_dispatches" not in frames[-1].filename:
@@ -114,8 +116,12 @@ def main() -> None:
         counter = count_step(model, (x, y), optimizer, pre)
         ranked = [(ln, n) for ln, n in counter.lines.most_common() if not ln.startswith("torch ")]
         top = dict(ranked[: args.top])
-        counts[kind] = {"dispatches": counter.total, "top_dkfac_lines": top}
-        print(f"{kind}: {counter.total} dispatches")
+        counts[kind] = {
+            "dispatches": counter.total,
+            "views": counter.views,
+            "top_dkfac_lines": top,
+        }
+        print(f"{kind}: {counter.total} dispatches, {counter.total - counter.views} not views")
         if kind in KINDS:
             for line, n in top.items():
                 print(f"  {n:5d} {line}")

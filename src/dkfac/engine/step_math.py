@@ -262,9 +262,10 @@ def kl_clip_scale(
         return None
     terms = []
     for name in strategy.kl_layers(ready):
-        raw = grads[name]
+        raw, final = grads[name], finals[name]
         assert raw is not None
-        terms.append((finals[name] * raw).sum())
+        # One kernel per layer (a GPU step is launches): Σ v∘g as a dot product.
+        terms.append(torch.dot(final.reshape(-1), raw.reshape(-1).to(final.dtype)))
     like = finals[ready[0]]
     partial = (
         torch.stack(terms).sum() if terms else torch.zeros((), dtype=like.dtype, device=like.device)
@@ -280,10 +281,13 @@ def write_back(
     ready: Sequence[str],
     scale: Tensor | None,
 ) -> None:
-    """Sets each delivered layer's gradient to its final value, ready ones times ``scale``."""
-    scaled = set(ready)
-    for name in delivered:
-        value = finals[name]
-        if scale is not None and name in scaled:
-            value = value * scale
+    """Sets each delivered layer's gradient to its final value, ready ones times ``scale``
+    (one multi-tensor product for all of them: a GPU step is launches)."""
+    values = {name: finals[name] for name in delivered}
+    preconditioned = set(ready)
+    scaled = [name for name in delivered if name in preconditioned]
+    if scale is not None and scaled:
+        products = torch._foreach_mul([values[name] for name in scaled], scale)
+        values.update(zip(scaled, products, strict=True))
+    for name, value in values.items():
         layers[name].block.set_weight_grad(value)
