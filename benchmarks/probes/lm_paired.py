@@ -9,7 +9,7 @@ pair, then the mean, its standard error, the median and how many are below zero;
 (sections 29 and 30); a seed present in several files is counted once (the first file).
 
     python benchmarks/probes/lm_paired.py --first gpt-text --second muon --at-step 75 \\
-        benchmarks/results/lm_gpt_interleaved_*_seeds*.json
+        --seconds 60 benchmarks/results/lm_gpt_interleaved_*_seeds*.json
 """
 
 from __future__ import annotations
@@ -44,14 +44,20 @@ def summary(diffs: list[float]) -> dict[str, Any]:
     }
 
 
-def pairs(paths: list[str], first: str, second: str, at_step: int | None) -> list[dict[str, Any]]:
-    """One row per seed both labels ran: the file, the seed, both losses and steps."""
+def pairs(
+    paths: list[str], first: str, second: str, at_step: int | None, seconds: float | None = None
+) -> list[dict[str, Any]]:
+    """One row per seed both labels ran: the file, the seed, both losses and steps (only
+    files of a ``seconds`` budget when it is given)."""
     rows: list[dict[str, Any]] = []
     seen: set[int] = set()
     for path in paths:
         with open(path) as handle:
-            runs = json.load(handle).get("runs", {})
+            payload = json.load(handle)
+        runs = payload.get("runs", {})
         if first not in runs or second not in runs:
+            continue
+        if seconds is not None and payload.get("settings", {}).get("seconds") != seconds:
             continue
         by_seed = {int(r["seed"]): r for r in runs[second]}
         for run in runs[first]:
@@ -81,10 +87,13 @@ def main() -> None:
     parser.add_argument("--first", required=True, help="run label whose loss is subtracted from")
     parser.add_argument("--second", required=True, help="run label subtracted")
     parser.add_argument("--at-step", type=int, help="also compare the losses at this step")
+    parser.add_argument(
+        "--seconds", type=float, help="only the files of this time budget (settings.seconds)"
+    )
     parser.add_argument("--out", help="also write the pairs and summaries to this JSON file")
     parser.add_argument("files", nargs="+")
     args = parser.parse_args()
-    rows = pairs(args.files, args.first, args.second, args.at_step)
+    rows = pairs(args.files, args.first, args.second, args.at_step, args.seconds)
     if not rows:
         parser.exit(2, f"no seed has both {args.first!r} and {args.second!r} in these files\n")
     print(f"| seed | {args.first} | {args.second} | difference | steps |")
