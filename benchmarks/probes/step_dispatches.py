@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dkfac.blocks.conv_factor as conv_factor
 from dkfac.bench.common import command_line
-from dkfac.bench.step import _model_and_batch, add_arguments
+from dkfac.bench.step import add_case_arguments, model_and_batch
 from dkfac.preconditioner import KFACPreconditioner
 
 NEVER = 10**9
@@ -84,7 +84,8 @@ def count_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
 def main() -> None:
     """Parses the arguments, counts each kind, prints and writes the counts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
+    add_case_arguments(parser)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument(
         "--conv-path", choices=("auto", "shift", "segment", "unfold"), default="auto"
     )
@@ -92,13 +93,13 @@ def main() -> None:
     parser.add_argument("--out", help="also write the counts to this JSON file")
     args = parser.parse_args()
     options = args.options
-    torch.set_num_threads(args.threads or 1)
+    torch.set_num_threads(args.threads)
     if args.conv_path != "auto":
         chosen = args.conv_path
         conv_factor.auto_path = lambda *a, **k: chosen if a[2] == (1, 1) else "unfold"  # type: ignore[assignment]
     device = torch.device(args.device)
     torch.manual_seed(0)
-    base, x, y = _model_and_batch(args, device)
+    base, x, y = model_and_batch(args, device)
     counts: dict[str, Any] = {}
     for kind in ("sgd", "adamw", *KINDS):
         model = copy.deepcopy(base)  # a fresh copy per kind

@@ -16,7 +16,7 @@ from dkfac.app.cli import main
 from dkfac.app.gpt import GPT, Block
 from dkfac.app.models import build_model
 from dkfac.app.report import read_metrics
-from dkfac.bench.step import _model_and_batch
+from dkfac.bench.step import model_and_batch
 from dkfac.preconditioner import KFACPreconditioner
 
 
@@ -111,7 +111,7 @@ def test_residual_projections_are_scaled_down() -> None:
 
 def test_bench_step_builds_a_gpt_batch() -> None:
     args = argparse.Namespace(model="gpt", layers=1, width=8, heads=2, seq_len=6, batch_size=3)
-    model, x, y = _model_and_batch(args, torch.device("cpu"))
+    model, x, y = model_and_batch(args, torch.device("cpu"))
     assert model(x).shape == (3, 6, 256) and y.shape == (3, 6)
 
 

@@ -221,7 +221,7 @@ def summarise(
     return summary
 
 
-def _model_and_batch(
+def model_and_batch(
     args: argparse.Namespace, device: torch.device
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """The model and a random batch: images and 10 classes, or bytes for ``--model gpt``."""
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark described by ``args``; returns the JSON payload."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model, x, y = _model_and_batch(args, device)
+    model, x, y = model_and_batch(args, device)
     autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
     configs: dict[str, dict[str, Any]] = {"exact": {}}
     if args.with_reduction:
@@ -310,22 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench step`` flags."""
-    parser.add_argument("--model", default="resnet20", help="a model of dkfac train, or gpt")
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--channels", type=int, default=3)
-    add_gpt_arguments(parser)  # --layers --width --heads --seq-len of --model gpt
-    parser.add_argument("--method", default="eigen", choices=METHODS)
-    parser.add_argument(
-        "--options",
-        type=_options,
-        default={},
-        metavar="KEY=VALUE,...",
-        help="more preconditioner options for every configuration, e.g. "
-        "damping=0.01,factor_batch_size=32, or with --method eigen_adam basis_refresh=power "
-        "(not the intervals, which each kind sets)",
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_case_arguments(parser)
     parser.add_argument("--autocast", default="none", choices=["none", "bf16", "fp16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
@@ -364,6 +349,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--plot", default=None, help="PNG path for the phase breakdown")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+
+
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the model, batch, method and device a step runs on (what
+    :func:`model_and_batch` and each K-FAC case read)."""
+    parser.add_argument("--model", default="resnet20", help="a model of dkfac train, or gpt")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--channels", type=int, default=3)
+    add_gpt_arguments(parser)  # --layers --width --heads --seq-len of --model gpt
+    parser.add_argument("--method", default="eigen", choices=METHODS)
+    parser.add_argument(
+        "--options",
+        type=_options,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="more preconditioner options for every configuration, e.g. "
+        "damping=0.01,factor_batch_size=32, or with --method eigen_adam basis_refresh=power "
+        "(not the intervals, which each kind sets)",
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _options(text: str) -> dict[str, Any]:

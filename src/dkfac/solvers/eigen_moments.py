@@ -528,8 +528,8 @@ class EigenMomentsSolver(Solver):
         """The block width of a side of dimension ``size``: ``block_size`` where it is wider
         and neither one-sided (wider than ``max_dim``) nor the structured input side
         (``input_map``); ``None`` where its basis is dense."""
-        block, max_dim = self.options.block_size, self.options.max_dim
-        if block is None or size <= block or (max_dim is not None and size > max_dim):
+        block = self.options.block_size
+        if block is None or size <= block or self._one_sided(size, input_side):
             return None
         return None if input_side and self.input_map is not None else block
 
