@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACPreconditioner
+from dkfac.solvers.base import Solver
+from dkfac.solvers.eigen import EigenSolver
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
 OPTIONS: dict[str, Any] = {
@@ -38,18 +40,36 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(6, 4)).double()
 
 
+def _batch_sizes(monkeypatch: pytest.MonkeyPatch, solver: type[Solver]) -> list[int]:
+    """A list that gets the number of layers of every ``solver.apply_batch`` call."""
+    sizes: list[int] = []
+    original = solver.apply_batch
+
+    def counted(self: Solver, states: Any, *rest: Any) -> Any:
+        sizes.append(len(states))
+        return original(self, states, *rest)
+
+    monkeypatch.setattr(solver, "apply_batch", counted)
+    return sizes
+
+
+def _step_both(
+    pairs: tuple[tuple[nn.Module, KFACPreconditioner], ...], gen: torch.Generator
+) -> None:
+    """One batch of :func:`_model`'s inputs, a backward and a preconditioner step each."""
+    x = torch.randn(16, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (16,), generator=gen)
+    for model, pre in pairs:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+
+
 @pytest.mark.parametrize("orthogonal", [(), ("^[024]$",)])
 def test_grouped_layers_equal_each_layer_on_its_own(
     orthogonal: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sizes: list[int] = []
-    original = EigenMomentsSolver.apply_batch
-
-    def counted(self: EigenMomentsSolver, states: Any, *rest: Any) -> Any:
-        sizes.append(len(states))
-        return original(self, states, *rest)
-
-    monkeypatch.setattr(EigenMomentsSolver, "apply_batch", counted)
+    sizes = _batch_sizes(monkeypatch, EigenMomentsSolver)
     model, twin = _model(), _model()
     pre = KFACPreconditioner(model, orthogonal_layers=orthogonal, **OPTIONS)
     alone = KFACPreconditioner(twin, orthogonal_layers=orthogonal, **OPTIONS)
@@ -57,13 +77,8 @@ def test_grouped_layers_equal_each_layer_on_its_own(
         layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
-        x = torch.randn(16, 6, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, 4, (16,), generator=gen)
         sizes.clear()
-        for m, p in ((model, pre), (twin, alone)):
-            m.zero_grad()
-            F.cross_entropy(m(x), y).backward()
-            p.step()
+        _step_both(((model, pre), (twin, alone)), gen)
         assert sorted(sizes) == [1, 1, 1, 1, 1, 3], sizes  # the hidden three, then the twin's
         for name, layer in pre.layers.items():
             other = alone.layers[name]
@@ -111,3 +126,29 @@ def test_batchnorm_layers_share_one_solve_as_each_alone() -> None:
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
             assert a.grad is not None and b.grad is not None
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_eigen_layers_of_one_shape_share_one_pass_as_each_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``eigen`` (the default method): the three hidden layers go through one batched
+    apply, with refreshes between; every gradient equals a twin's that applies each alone."""
+    sizes = _batch_sizes(monkeypatch, EigenSolver)
+    model, twin = _model(), _model()
+    options: dict[str, Any] = {"method": "eigen", "kl_clip": 1e-3, "lr": 0.05}
+    pre = KFACPreconditioner(model, inverse_update_interval=2, **options)
+    alone = KFACPreconditioner(twin, inverse_update_interval=2, **options)
+    for layer in alone.layers.values():
+        layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        sizes.clear()
+        _step_both(((model, pre), (twin, alone)), gen)
+        assert sorted(sizes) == [1, 1, 1, 1, 1, 3], sizes
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+        with torch.no_grad():
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                a -= 0.05 * a.grad
+                b.copy_(a)

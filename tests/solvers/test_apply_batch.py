@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, make_solver
+from dkfac.solvers import EigenAdamSolver, EigenSolver, EKFACSolver, MomentOptions, make_solver
 from dkfac.solvers.base import Solver
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
@@ -128,7 +128,7 @@ def test_keys_part_shapes_options_and_structured_sides() -> None:
 
 def test_the_default_is_layer_by_layer() -> None:
     """A solver without a batched pass is never grouped; its ``apply_batch`` loops."""
-    solver = make_solver("eigen", DT)
+    solver = make_solver("cholesky", DT)
     assert type(solver).batch_key is Solver.batch_key
     state = solver.compute(_spd(A_DIM, 0), _spd(G_DIM, 1), 0.1)
     assert solver.batch_key(state, _grad(0, 0)) is None
@@ -137,6 +137,31 @@ def test_the_default_is_layer_by_layer() -> None:
     for (update, moments), grad in zip(outputs, grads, strict=True):
         assert moments is None
         torch.testing.assert_close(update, solver.apply(state, grad, 0.1), rtol=0, atol=0)
+
+
+def test_an_eigen_batch_equals_each_layer_on_its_own() -> None:
+    """``eigen``'s batched pass: the stacked states (kept, then restacked after a refresh
+    of one layer) give each layer its own :meth:`apply`; its key parts shapes and dtypes."""
+    solver = make_solver("eigen", DT)
+    assert isinstance(solver, EigenSolver)
+    states = [solver.compute(_spd(A_DIM, 2 * i), _spd(G_DIM, 2 * i + 1), 0.1) for i in range(3)]
+    keys = {solver.batch_key(s, _grad(0, 0)) for s in states}
+    assert len(keys) == 1 and None not in keys
+    assert solver.batch_key(states[0], _grad(0, 0).float()) not in keys
+    other = solver.compute(_spd(A_DIM + 1, 0), _spd(G_DIM, 1), 0.1)
+    assert solver.batch_key(other, torch.zeros(G_DIM, A_DIM + 1, dtype=DT)) not in keys
+    for step in range(3):
+        if step == 2:  # one layer refreshed: new tensors, a new stack
+            states[1] = solver.compute(_spd(A_DIM, 7), _spd(G_DIM, 8), 0.1)
+        grads = [_grad(step, i) for i in range(3)]
+        outputs = solver.apply_batch(states, [None] * 3, grads, 0.2)
+        assert len(outputs) == 3
+        for state, grad, (update, moments) in zip(states, grads, outputs, strict=True):
+            assert moments is None
+            torch.testing.assert_close(update, solver.apply(state, grad, 0.2), **TOL)
+            qa, da, qg, dg = (state[k] for k in ("qa", "da", "qg", "dg"))
+            want = qg @ ((qg.T @ grad @ qa) / (torch.outer(dg, da) + 0.2)) @ qa.T
+            torch.testing.assert_close(update, want, **TOL)
 
 
 def test_the_last_stack_is_reused_only_for_its_own_slices() -> None:

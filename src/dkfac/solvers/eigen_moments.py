@@ -180,6 +180,7 @@ from dkfac.solvers.polar import (
     weighted_polar,
 )
 from dkfac.solvers.precision import LowPrecision
+from dkfac.solvers.stacking import StateStack, same_tensors
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
 __all__ = [
@@ -475,7 +476,7 @@ class EigenMomentsSolver(Solver):
     ) -> None:
         super().__init__(compute_dtype)
         self._last_batch: tuple[SolverState, list[SolverState]] | None = None
-        self._last_states: tuple[SolverState, list[SolverState]] | None = None
+        self._state_stack = StateStack()
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -684,9 +685,10 @@ class EigenMomentsSolver(Solver):
         if stacked is None:
             stacked = self.stack_moments(moments, grads)
         update, new = self.apply_with_moments(state, stacked, grad, damping)
-        slices = [{key: value[i] for key, value in new.items()} for i in range(len(grads))]
+        parts = {key: value.unbind(0) for key, value in new.items()}  # one call a key
+        slices = [{key: part[i] for key, part in parts.items()} for i in range(len(grads))]
         self._last_batch = (new, slices)
-        return [(update[i], slices[i]) for i in range(len(grads))]
+        return list(zip(update.unbind(0), slices, strict=True))
 
     def stack_moments(
         self, moments: Sequence[SolverState | None], likes: Sequence[Tensor]
@@ -701,24 +703,14 @@ class EigenMomentsSolver(Solver):
         return {key: torch.stack([m[key] for m in present]) for key in present[0]}
 
     def _stacked_states(self, states: Sequence[SolverState]) -> SolverState:
-        """The states stacked key by key; the last call's stack when they hold the very
-        tensors they held then (states are replaced at a refresh, never changed in place).
-        A new stack becomes the states' storage: each dict's tensors are replaced by its
-        slices of it, so the old tensors can be freed and no second copy is kept."""
-        last = self._last_states
-        if last is not None and _same_tensors(states, last[1]):
-            return last[0]
-        stacked = {key: torch.stack([s[key] for s in states]) for key in states[0]}
-        for i, state in enumerate(states):
-            state.update({key: value[i] for key, value in stacked.items()})
-        self._last_states = (stacked, [dict(s) for s in states])  # a snapshot of each
-        return stacked
+        """The states stacked key by key (:class:`~dkfac.solvers.stacking.StateStack`)."""
+        return self._state_stack.stacked(states)
 
     def _restacked(self, moments: Sequence[SolverState | None]) -> SolverState | None:
         """The stack of :meth:`apply_batch`'s last moments when ``moments`` are exactly its
         slices, in order (the moments are never changed in place); else ``None``."""
         last = self._last_batch
-        return last[0] if last is not None and _same_tensors(moments, last[1]) else None
+        return last[0] if last is not None and same_tensors(moments, last[1]) else None
 
     def zero_moments(self, like: Tensor) -> SolverState:
         """Zero moments of the shape of ``like`` and ``t = 0``."""
@@ -778,15 +770,6 @@ class EigenMomentsSolver(Solver):
             p_a = _transition(new["qa"].to(dtype), old["qa"].to(dtype))
             carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
         return carried
-
-
-def _same_tensors(given: Sequence[SolverState | None], mine: Sequence[SolverState]) -> bool:
-    """Whether ``given`` are, in order, states with ``mine``'s keys holding the very same
-    tensor objects (identity, not equal values: a check that costs no tensor work)."""
-    return len(given) == len(mine) and all(
-        state is not None and state.keys() == own.keys() and all(state[k] is own[k] for k in own)
-        for state, own in zip(given, mine, strict=True)
-    )
 
 
 def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:

@@ -1,0 +1,50 @@
+"""The states of a batch of same-shape layers, stacked once and kept between refreshes.
+
+A solver that preconditions the layers of one shape in one batched pass
+(:meth:`~dkfac.solvers.base.Solver.apply_batch`) needs their states stacked key by key.
+States are replaced at a refresh, never changed in place, so a stack stays valid while the
+layers hand the very same tensors: :class:`StateStack` keeps the last stack and checks
+that by identity (no tensor work). A new stack becomes the states' storage: each state's
+tensors are replaced by its slices of it (the same values), so the old tensors can be freed
+and the group's states are held once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dkfac.solvers.base import SolverState
+
+__all__ = ["StateStack", "same_tensors"]
+
+
+def same_tensors(given: Sequence[SolverState | None], mine: Sequence[SolverState]) -> bool:
+    """Whether ``given`` are, in order, states with ``mine``'s keys holding the very same
+    tensor objects (identity, not equal values: a check that costs no tensor work)."""
+    return len(given) == len(mine) and all(
+        state is not None and state.keys() == own.keys() and all(state[k] is own[k] for k in own)
+        for state, own in zip(given, mine, strict=True)
+    )
+
+
+class StateStack:
+    """The last stack of states one solver built (module notes)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[SolverState, list[SolverState]] | None = None
+
+    def stacked(self, states: Sequence[SolverState]) -> SolverState:
+        """The states stacked key by key: the last stack when they hold the very tensors
+        they held then, else a new one, which each dict in ``states`` then holds as
+        slices (module notes)."""
+        last = self._last
+        if last is not None and same_tensors(states, last[1]):
+            return last[0]
+        stacked = {key: torch.stack([s[key] for s in states]) for key in states[0]}
+        parts = {key: value.unbind(0) for key, value in stacked.items()}  # one call a key
+        for i, state in enumerate(states):
+            state.update({key: part[i] for key, part in parts.items()})
+        self._last = (stacked, [dict(s) for s in states])  # a snapshot of each
+        return stacked
