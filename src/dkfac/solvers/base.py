@@ -189,7 +189,9 @@ class Solver(ABC):
             except (RuntimeError, torch.linalg.LinAlgError) as err:
                 last = err
             else:
-                if all(bool(torch.isfinite(t).all()) for t in state.values()):
+                # One host synchronisation for the state, not one a tensor.
+                checks = [torch.isfinite(t).all() for t in state.values()]
+                if not checks or bool(torch.stack(checks).all()):
                     return state
                 last = FloatingPointError("non-finite decomposition")
             if dtype != torch.float64:
