@@ -227,19 +227,21 @@ class AttentionProjectionBlock(LinearBlock):
             grads.append(bias_grad[bias_rows].reshape(-1, 1))
         return torch.cat(grads, dim=1) if len(grads) > 1 else grads[0]
 
-    def set_weight_grad(self, matrix: Tensor) -> None:
-        """Writes a ``g_dim × a_dim`` matrix back into this projection's rows."""
+    def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """A ``g_dim × a_dim`` matrix back into this projection's rows of the gradients
+        (the bias's created as zeros where missing)."""
         parts = self.parameter_parts()
         weight, rows = parts[0]
         assert weight.grad is not None
+        writes = []
         if len(parts) > 1:
             bias, bias_rows = parts[1]
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
-            bias.grad[bias_rows] = matrix[:, -1]
+            writes.append((bias.grad if bias_rows is None else bias.grad[bias_rows], matrix[:, -1]))
             matrix = matrix[:, :-1]
-        target = weight.grad if rows is None else weight.grad[rows]
-        target.copy_(matrix)
+        writes.append((weight.grad if rows is None else weight.grad[rows], matrix))
+        return writes
 
 
 class AttentionOutputBlock(LinearBlock):

@@ -273,18 +273,32 @@ class Block(ABC):
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
-    def set_weight_grad(self, matrix: Tensor) -> None:
-        """Writes a ``g_dim × a_dim`` matrix back into the parameters' ``.grad``."""
+    def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """``(destination, value)`` pairs that write a ``g_dim × a_dim`` matrix back into
+        the parameters' ``.grad`` (a missing bias gradient is created as zeros first).
+
+        The destinations are views of the ``.grad`` tensors and each value has its
+        destination's shape; the engine copies every layer's pairs in one multi-tensor
+        copy (a GPU step is launches), :meth:`set_weight_grad` one layer's.
+        """
         weight = self.module.weight
         assert isinstance(weight, Tensor) and weight.grad is not None
+        writes = []
         if self.has_bias:
             bias = self.module.bias
             assert isinstance(bias, Tensor)
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
-            bias.grad.copy_(matrix[:, -1].reshape(bias.shape))
+            writes.append((bias.grad, matrix[:, -1].reshape(bias.shape)))
             matrix = matrix[:, :-1]
-        weight.grad.copy_(matrix.reshape(weight.shape))
+        writes.append((weight.grad, matrix.reshape(weight.shape)))
+        return writes
+
+    def set_weight_grad(self, matrix: Tensor) -> None:
+        """Writes a ``g_dim × a_dim`` matrix back into the parameters' ``.grad``
+        (:meth:`grad_writes`, copied)."""
+        for destination, value in self.grad_writes(matrix):
+            destination.copy_(value)
 
     def parameters(self) -> list[Tensor]:
         """The module's parameters this block preconditions."""

@@ -121,12 +121,15 @@ class BatchNormBlock(Block):
         beta = bias.grad if bias.grad is not None else torch.zeros_like(bias)
         return torch.stack([gamma, beta], dim=1)
 
-    def set_weight_grad(self, matrix: Tensor) -> None:
-        """Writes a ``(C, 2)`` matrix back into ``γ.grad`` and ``β.grad``."""
-        for param, column in ((self.module.weight, 0), (self.module.bias, 1)):
+    def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """A ``(C, 2)`` matrix's columns into ``γ.grad`` and ``β.grad`` (created as zeros
+        where missing)."""
+        grads = []
+        for param in (self.module.weight, self.module.bias):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            param.grad.copy_(matrix[:, column])
+            grads.append(param.grad)
+        return list(zip(grads, matrix.unbind(1), strict=True))  # one call for both columns
 
     def parameters(self) -> list[Tensor]:
         """``γ`` and ``β``."""

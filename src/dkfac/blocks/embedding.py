@@ -88,11 +88,11 @@ class EmbeddingBlock(Block):
         grad = self.module.weight.grad
         return None if grad is None else grad.T
 
-    def set_weight_grad(self, matrix: Tensor) -> None:
-        """Writes a ``D × V`` matrix back as the ``V × D`` gradient."""
+    def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """A ``D × V`` matrix back as the ``V × D`` gradient."""
         grad = self.module.weight.grad
         assert grad is not None
-        grad.copy_(matrix.T)
+        return [(grad, matrix.T)]
 
     def parameters(self) -> list[Tensor]:
         """The embedding table."""

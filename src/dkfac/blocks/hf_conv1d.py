@@ -42,14 +42,17 @@ class HFConv1DBlock(LinearBlock):
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
-    def set_weight_grad(self, matrix: Tensor) -> None:
-        """Writes a ``nf × (nx + 1)`` matrix back as the ``nx × nf`` weight's gradient."""
+    def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """A ``nf × (nx + 1)`` matrix back as the ``nx × nf`` weight's gradient and the
+        bias's (created as zeros where missing)."""
         weight = self.module.weight
         assert weight.grad is not None
+        writes = []
         if self.has_bias:
             bias = self.module.bias
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
-            bias.grad.copy_(matrix[:, -1])
+            writes.append((bias.grad, matrix[:, -1]))
             matrix = matrix[:, :-1]
-        weight.grad.copy_(matrix.T)
+        writes.append((weight.grad, matrix.T))
+        return writes
