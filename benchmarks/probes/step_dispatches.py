@@ -11,12 +11,13 @@ one step, all and those that are not views: ``sgd`` (SGD with momentum, foreach)
 update too) and an *inverse* step (and the solver refresh), as bench step's kinds. Each
 K-FAC kind also lists the source lines in ``dkfac`` that dispatch most (``--top``).
 
-``--conv-path`` forces the convolution input factor's path (``auto`` takes the unfolded
-product on a CUDA device and, at stride 1, usually the shift path on a CPU; pass
-``unfold`` to count what a GPU runs).
+``--launch-bound`` counts what a CUDA device runs: the engine's multi-tensor forms
+(:mod:`dkfac.engine.launches`) and the convolution input factor's path as ``auto`` picks
+it there (the unfolded product); ``--conv-path`` forces one path instead (``auto`` takes, at
+stride 1, usually the shift path on a CPU).
 
     python benchmarks/probes/step_dispatches.py --model resnet20 --batch-size 128 \\
-        --method eigen --conv-path unfold --out benchmarks/results/step_dispatches_resnet20.json
+        --method eigen --launch-bound --out benchmarks/results/step_dispatches_resnet20.json
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dkfac.blocks.conv_factor as conv_factor
 from dkfac.bench.common import command_line
 from dkfac.bench.step import add_case_arguments, model_and_batch
+from dkfac.engine import launches
 from dkfac.preconditioner import KFACPreconditioner
 
 NEVER = 10**9
@@ -89,11 +91,20 @@ def main() -> None:
     parser.add_argument(
         "--conv-path", choices=("auto", "shift", "segment", "unfold"), default="auto"
     )
+    parser.add_argument(
+        "--launch-bound",
+        action="store_true",
+        help="count the forms and paths a CUDA device takes (module notes)",
+    )
     parser.add_argument("--top", type=int, default=15, help="source lines listed per kind")
     parser.add_argument("--out", help="also write the counts to this JSON file")
     args = parser.parse_args()
     options = args.options
     torch.set_num_threads(args.threads)
+    if args.launch_bound:
+        launches.launch_bound = lambda device: True  # type: ignore[assignment]
+        on_cpu = conv_factor.auto_path
+        conv_factor.auto_path = lambda *a, **k: on_cpu(*a[:5], "cuda", *a[6:])  # type: ignore[assignment]
     if args.conv_path != "auto":
         chosen = args.conv_path
         conv_factor.auto_path = lambda *a, **k: chosen if a[2] == (1, 1) else "unfold"  # type: ignore[assignment]

@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.blocks.unitwise_stats import batch_moments
+from dkfac.engine.finite import finite_each
+from dkfac.engine.step_math import sum_of_products
 from dkfac.solvers.eigen_moments import power_refresh, range_eigh
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -221,3 +224,34 @@ def test_the_autoencoder_recipe_under_bf16_autocast_follows_the_cpu_loss() -> No
     cpu, gpu = losses
     assert (gpu - cpu).abs().max() < 0.03, (cpu, gpu)
     assert gpu[-1] < gpu[0] - 0.15, gpu
+
+
+@needs_cuda
+def test_the_launch_bound_forms_on_cuda_equal_the_cpu_ones() -> None:
+    """What a CUDA device runs instead of the CPU's forms (a GPU step is launches):
+    BatchNorm's batch moments by ``torch.batch_norm_stats``, the finiteness checks as
+    1-norms and the KL-clip's sum as multi-tensor calls."""
+    gen = torch.Generator().manual_seed(5)
+    for shape in ((32, 6), (16, 6, 5), (8, 6, 7, 7)):
+        x = torch.randn(shape, generator=gen) * 3.0 + 2.0
+        want = batch_moments(x.double(), 1e-5)
+        got = batch_moments(x.to(CUDA), 1e-5)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == torch.float32 and g.device.type == "cuda"
+            torch.testing.assert_close(g.cpu().double(), w, rtol=1e-5, atol=1e-6)
+    tensors = [torch.randn(5, 3, generator=gen) for _ in range(4)] + [torch.ones(3).half()]
+    tensors[1][2, 1] = float("nan")
+    tensors[3][0, 0] = float("-inf")
+    on_gpu = [t.to(CUDA) for t in tensors]
+    flags = finite_each(on_gpu, CUDA)
+    assert flags.device.type == "cuda"
+    assert flags.tolist() == finite_each(tensors, torch.device("cpu")).tolist()
+    assert flags.tolist() == [True, False, True, False, True]
+    lefts = [torch.randn(4, 3, generator=gen) for _ in range(3)]
+    rights = [torch.randn(4, 3, generator=gen) for _ in range(3)]
+    want_sum = sum_of_products([t.double() for t in lefts], rights, lefts[0].double())
+    got_sum = sum_of_products(
+        [t.to(CUDA) for t in lefts], [t.to(CUDA) for t in rights], lefts[0].to(CUDA)
+    )
+    assert got_sum.device.type == "cuda"
+    assert float(got_sum) == pytest.approx(float(want_sum), rel=1e-5, abs=1e-5)

@@ -68,3 +68,27 @@ def test_finite_each_is_the_definition_per_tensor() -> None:
     ]
     with pytest.raises(ValueError, match="at least one tensor"):
         finite_each([], torch.device("cpu"))
+
+
+def test_fused_finite_each_is_the_definition_per_tensor() -> None:
+    """The one-call 1-norms (a CUDA device's path, asked for here on the CPU): bad entries
+    anywhere, half-precision values whose total passes 65504, 0-d and empty tensors."""
+    gen = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(9, 4, generator=gen).to(dtype) for dtype in DTYPES[:3]]
+    tensors += [torch.tensor(3.0), torch.empty(0, 5)]
+    tensors += [torch.full((64, 64), 6.0e4, dtype=dtype) for dtype in DTYPES[:2]]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for i in (0, 1, 2, 5):
+            tensors.append(tensors[i].clone())
+            tensors[-1].view(-1)[7] = bad
+    want = [bool(torch.isfinite(t).all()) for t in tensors]
+    assert want.count(False) == 12
+    got = finite_each(tensors, torch.device("cpu"), fused=True)
+    assert got.dtype == torch.bool and got.tolist() == want
+    assert finite_each(tensors, torch.device("cpu")).tolist() == want  # the sums agree
+
+
+def test_fused_finite_each_refuses_what_it_cannot_norm() -> None:
+    for other in (torch.ones(3, dtype=torch.float64), torch.arange(3)):
+        with pytest.raises(ValueError, match="float16, bfloat16 and float32 tensors, got"):
+            finite_each([torch.ones(2), other], torch.device("cpu"), fused=True)

@@ -6,6 +6,7 @@ functionally; its block must give exactly the update nn.Linear gets for the tran
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -51,30 +52,48 @@ class InOutLinearBlock(Block):
         grad = self.module.weight.grad
         return None if grad is None else grad.T
 
+    def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        grad = self.module.weight.grad
+        assert grad is not None
+        return [(grad, matrix.T)]
+
+
+class SelfWritingBlock(InOutLinearBlock):
+    """A block written before ``grad_writes``: it overrides ``set_weight_grad`` instead."""
+
+    def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        raise AssertionError("the engine must call this block's own set_weight_grad")
+
     def set_weight_grad(self, matrix: Tensor) -> None:
         self.module.weight.grad.copy_(matrix.T)  # type: ignore[union-attr]
 
 
-def _step(model: nn.Module, x: Tensor, method: str) -> None:
-    pre = KFACPreconditioner(model, method=method, factor_decay=0.0, kl_clip=None, damping=0.1)
+def _step(model: nn.Module, x: Tensor, method: str, kl_clip: float | None = None) -> None:
+    pre = KFACPreconditioner(
+        model, method=method, factor_decay=0.0, kl_clip=kl_clip, lr=0.1, damping=0.1
+    )
     model(x).pow(2).sum().div(x.shape[0]).backward()
     pre.step()
     pre.remove_hooks()
 
 
-def test_a_registered_block_is_preconditioned_like_its_twin() -> None:
+@pytest.mark.parametrize("block", [InOutLinearBlock, SelfWritingBlock])
+@pytest.mark.parametrize("kl_clip", [None, 1e-8])
+def test_a_registered_block_is_preconditioned_like_its_twin(
+    block: type[Block], kl_clip: float | None
+) -> None:
     torch.manual_seed(0)
     weight = torch.randn(5, 3, dtype=torch.float64)
     x = torch.randn(16, 5, dtype=torch.float64)
     saved = dict(_REGISTRY)
     try:
-        register_block(InOutLinear, InOutLinearBlock)
+        register_block(InOutLinear, block)
         for method in ("eigen", "cholesky"):
             ours = InOutLinear(weight)
             twin = nn.Linear(5, 3, bias=False).double()
             twin.weight.data.copy_(weight.T)
-            _step(ours, x, method)
-            _step(twin, x, method)
+            _step(ours, x, method, kl_clip)
+            _step(twin, x, method, kl_clip)
             assert ours.weight.grad is not None and twin.weight.grad is not None
             torch.testing.assert_close(ours.weight.grad.T, twin.weight.grad, rtol=1e-10, atol=0)
         spec = extract_layers(nn.Sequential(InOutLinear(weight)))

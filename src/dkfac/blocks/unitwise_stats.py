@@ -28,10 +28,17 @@ def batch_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     relative error grows with ``mean²/var`` (measured: 2e-5 at ``|mean| = 5·std``, 3e-4 at
     ``20·std``), far below the sampling noise of a Fisher estimate.
 
+    On a CUDA device, where a small model's step is bound by launches, it is
+    ``torch.batch_norm_stats`` instead (the kernel of BatchNorm's own forward: one launch
+    for the dozen of the sums, its variance by Welford's update).
+
     Args:
         x: Input of shape ``(N, C)``, ``(N, C, L)`` or ``(N, C, H, W)``.
         eps: The layer's ``eps``.
     """
+    if x.device.type == "cuda":
+        mean, inv_std = torch.batch_norm_stats(x, eps)
+        return mean.to(x.dtype), inv_std.to(x.dtype)
     dims = [0, *range(2, x.dim())]
     count = x.numel() // x.shape[1]
     mean = x.mean(dim=dims).double()
@@ -62,4 +69,5 @@ def per_sample_grads(
 def unit_fisher(g_gamma: Tensor, g_beta: Tensor) -> Tensor:
     """Sum over samples of the per-channel outer products, shape ``(C, 2, 2)``."""
     per_sample = torch.stack([g_gamma, g_beta], dim=-1)  # (N, C, 2)
-    return torch.einsum("nci,ncj->cij", per_sample, per_sample)
+    # One batched product over the channels (an einsum dispatches twice as many calls).
+    return torch.bmm(per_sample.permute(1, 2, 0), per_sample.permute(1, 0, 2))

@@ -21,7 +21,9 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from dkfac.blocks.base import Block
 from dkfac.distributed.strategy_base import Strategy
+from dkfac.engine import launches
 from dkfac.engine.finite import finite_each
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError, SolverState
@@ -33,6 +35,7 @@ __all__ = [
     "kept_statistics",
     "kl_clip_scale",
     "precondition",
+    "sum_of_products",
     "update_inverses",
     "write_back",
 ]
@@ -260,18 +263,50 @@ def kl_clip_scale(
     """
     if kl_clip is None or not ready or lr is None or lr <= 0:
         return None
-    terms = []
-    for name in strategy.kl_layers(ready):
-        raw, final = grads[name], finals[name]
+    names = strategy.kl_layers(ready)
+    raws: list[Tensor] = []
+    for name in names:
+        raw = grads[name]
         assert raw is not None
-        # One kernel per layer (a GPU step is launches): Σ v∘g as a dot product.
-        terms.append(torch.dot(final.reshape(-1), raw.reshape(-1).to(final.dtype)))
-    like = finals[ready[0]]
-    partial = (
-        torch.stack(terms).sum() if terms else torch.zeros((), dtype=like.dtype, device=like.device)
-    )
+        raws.append(raw)
+    partial = sum_of_products([finals[name] for name in names], raws, finals[ready[0]])
     vg_abs = (strategy.reduce_kl(partial) * lr**2).abs()
     return torch.clamp(torch.sqrt(kl_clip / vg_abs.clamp(min=1e-30)), max=1.0)
+
+
+def sum_of_products(
+    lefts: Sequence[Tensor], rights: Sequence[Tensor], like: Tensor, fused: bool | None = None
+) -> Tensor:
+    """``Σ_l ⟨lefts[l], rights[l]⟩``, a 0-d tensor on ``like``'s device (``like``'s zero
+    for no pairs); each right is cast to its left's dtype.
+
+    A GPU step is launches: the fused form is a few multi-tensor calls for any number of
+    layers, ``Σ x = 2 Σ max(x, 0) − Σ |x|`` over the products ``x`` (the two sums as
+    1-norms; its rounding is a plain sum's, ``ε Σ |x|``). A CPU takes one dot product per
+    layer, a single pass each.
+
+    Args:
+        lefts: Tensors, each the shape of its right.
+        rights: Tensors.
+        like: Gives the device (and the dtype of an empty sum).
+        fused: The multi-tensor form; ``None`` (default): on a launch-bound device
+            (:mod:`~dkfac.engine.launches`).
+    """
+    if not lefts:
+        return torch.zeros((), dtype=like.dtype, device=like.device)
+    rights = [right.to(left.dtype) for left, right in zip(lefts, rights, strict=True)]
+    if fused is None:
+        fused = launches.launch_bound(like.device)
+    if not fused:
+        dots = [
+            torch.dot(left.reshape(-1), right.reshape(-1))
+            for left, right in zip(lefts, rights, strict=True)
+        ]
+        return torch.stack(dots).sum()
+    products = torch._foreach_mul(list(lefts), rights)
+    absolute = torch.stack(torch._foreach_norm(products, 1)).sum()
+    positive = torch.stack(torch._foreach_norm(torch._foreach_clamp_min(products, 0.0), 1)).sum()
+    return 2.0 * positive - absolute
 
 
 def write_back(
@@ -281,13 +316,32 @@ def write_back(
     ready: Sequence[str],
     scale: Tensor | None,
 ) -> None:
-    """Sets each delivered layer's gradient to its final value, ready ones times ``scale``
-    (one multi-tensor product for all of them: a GPU step is launches)."""
-    values = {name: finals[name] for name in delivered}
+    """Sets each delivered layer's gradient to its final value, ready ones times ``scale``.
+
+    A GPU step is launches: the scaled values are one multi-tensor product and every
+    block's :meth:`~dkfac.blocks.base.Block.grad_writes` one multi-tensor copy. A block
+    that overrides ``set_weight_grad`` itself (the way before ``grad_writes``) is written
+    by it, layer by layer.
+    """
     preconditioned = set(ready)
-    scaled = [name for name in delivered if name in preconditioned]
+    destinations: list[Tensor] = []
+    values: list[Tensor] = []
+    scaled: list[int] = []  # positions in ``values``
+    for name in delivered:
+        block, value = layers[name].block, finals[name]
+        if type(block).set_weight_grad is not Block.set_weight_grad:
+            block.set_weight_grad(
+                value if scale is None or name not in preconditioned else value * scale
+            )
+            continue
+        for destination, part in block.grad_writes(value):
+            if name in preconditioned:
+                scaled.append(len(values))
+            destinations.append(destination)
+            values.append(part)
     if scale is not None and scaled:
-        products = torch._foreach_mul([values[name] for name in scaled], scale)
-        values.update(zip(scaled, products, strict=True))
-    for name, value in values.items():
-        layers[name].block.set_weight_grad(value)
+        products = torch._foreach_mul([values[i] for i in scaled], scale)
+        for i, product in zip(scaled, products, strict=True):
+            values[i] = product
+    if destinations:
+        torch._foreach_copy_(destinations, values)

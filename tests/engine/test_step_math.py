@@ -1,0 +1,49 @@
+"""step_math's sum of products (the KL-clip's Σ⟨V, ∇W⟩) against the float64 definition,
+in both forms: a dot product per layer (a CPU's) and the multi-tensor one (a GPU's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dkfac.engine.step_math import sum_of_products
+
+
+def _pairs(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (3, 1), (16, 9), (1, 1)]
+    lefts = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    rights = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    return lefts, rights
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sum_of_products_is_the_definition(fused: bool, dtype: torch.dtype) -> None:
+    lefts, rights = _pairs(dtype)
+    pairs = zip(lefts, rights, strict=True)
+    want = sum(float((a.double() * b.to(dtype).double()).sum()) for a, b in pairs)
+    got = sum_of_products(lefts, rights, lefts[0], fused=fused)
+    assert got.shape == () and got.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert float(got) == pytest.approx(want, rel=tol, abs=tol)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sum_of_products_keeps_the_sign_through_cancellation(fused: bool) -> None:
+    # Positive and negative products that nearly cancel: the total is small and negative.
+    left = torch.tensor([[3.0, -2.0], [1.0, 0.5]], dtype=torch.float64)
+    right = torch.tensor([[1.0, 1.5], [-0.25, 0.25]], dtype=torch.float64)
+    extra = (
+        torch.tensor([[-1.0]], dtype=torch.float64),
+        torch.tensor([[0.5]], dtype=torch.float64),
+    )
+    got = sum_of_products([left, extra[0]], [right, extra[1]], left, fused=fused)
+    assert float(got) == pytest.approx(3.0 - 3.0 - 0.25 + 0.125 - 0.5, abs=1e-15)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sum_of_products_of_nothing_is_a_zero_like(fused: bool) -> None:
+    like = torch.ones(2, dtype=torch.float64)
+    got = sum_of_products([], [], like, fused=fused)
+    assert got.dtype == torch.float64 and float(got) == 0.0
