@@ -174,7 +174,7 @@ class KFACPreconditioner:
             named = {n: p for n, p in unwrap(model).named_parameters() if id(p) in ids}
             self.leftover = LeftoverAdam(named, config)
         self.schedule_captures(0)
-        self.last_kl_scale: float | None = None
+        self._kl_scale: Tensor | None = None
 
     # ----------------------------------------------------------------- hooks and capture
     def _set_block_steps(self) -> None:
@@ -271,7 +271,7 @@ class KFACPreconditioner:
             lr = lr if lr is not None else resolve("lr", cfg.lr, step)
             scale = kl_clip_scale(self.strategy, finals, ready, grads, kl_clip, lr)
             write_back(self.layers, finals, delivered, ready, scale)
-            self.last_kl_scale = None if scale is None else float(scale)
+            self._kl_scale = scale  # read as a number only when asked: no host sync a step
         if self.leftover is not None:
             with record_function("dkfac.leftover"):
                 self.leftover.step()
@@ -346,6 +346,11 @@ class KFACPreconditioner:
         return refresh_report(self.refresh, self.layers, self.last_refreshed)
 
     # ----------------------------------------------------------------- inspection and state
+    @property
+    def last_kl_scale(self) -> float | None:
+        """The KL-clip factor ``ν`` of the last step (``None``: no clip applied)."""
+        return None if self._kl_scale is None else float(self._kl_scale)
+
     @property
     def steps(self) -> int:
         """Number of completed ``step()`` calls."""

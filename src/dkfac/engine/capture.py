@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -16,6 +17,13 @@ from dkfac.engine.fisher import mc_sample_loss
 from dkfac.engine.layer_state import LayerState
 
 logger = logging.getLogger(__name__)
+
+
+def _label(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A profiler label while a profiler runs, else nothing: the hooks run twice a layer
+    on a factor step, and a label is two dispatched operations even with no profiler (a
+    GPU step is launches)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class FactorCapture:
@@ -90,7 +98,7 @@ class FactorCapture:
             keep = None
         else:
             x = x[:keep]
-        with record_function("dkfac.capture_a"):
+        with _label("dkfac.capture_a"):
             context = layer.block.capture_input(x, layer.due_sinks())
         if output is not None and output.requires_grad:
             hook = functools.partial(self._grad_hook, layer, scale, context, keep)
@@ -106,7 +114,7 @@ class FactorCapture:
         if self.config.fisher == "mc" and not self._mc_active:
             return
         grad = grad.detach() if keep is None else grad.detach()[:keep]
-        with record_function("dkfac.capture_g"):
+        with _label("dkfac.capture_g"):
             layer.block.capture_grad(context, grad, layer.due_sinks(), scale)
         self._mc_captured = True
 

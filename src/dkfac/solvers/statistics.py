@@ -73,10 +73,13 @@ class FactorAccumulator:
     def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
         """Adds a precomputed sum of outer products (any shape) and its normaliser."""
         contribution = total if self.dtype is None else total.to(self.dtype)
-        if scale != 1.0:
-            contribution = contribution * scale
-        if self.total is None:
-            self.total = contribution.clone()
+        if self.total is None:  # a tensor of its own; the caller's is left as it is
+            if scale != 1.0:
+                self.total = contribution * scale
+            else:
+                self.total = contribution.clone() if contribution is total else contribution
+        elif scale != 1.0:
+            self.total.add_(contribution, alpha=scale)
         else:
             self.total.add_(contribution)
         self.normaliser += normaliser
@@ -290,6 +293,8 @@ class DenseStatistic(StatisticKind):
         """``decay·old + (1−decay)·new``, in place in ``old``."""
         if old is None or decay == 0.0:
             return new
+        if old.dtype == new.dtype:  # one pass: old + (1−decay)(new − old)
+            return old.lerp_(new, 1.0 - decay)
         return old.mul_(decay).add_(new, alpha=1.0 - decay)
 
     def rescale(self, value: Tensor, factor: float) -> Tensor:
