@@ -47,3 +47,10 @@ def test_sum_of_products_of_nothing_is_a_zero_like(fused: bool) -> None:
     like = torch.ones(2, dtype=torch.float64)
     got = sum_of_products([], [], like, fused=fused)
     assert got.dtype == torch.float64 and float(got) == 0.0
+
+
+def test_the_fused_sum_of_half_products_passes_their_range() -> None:
+    # 4096 products of 4 each: 16384 a layer, 65536 in all, past float16's 65504.
+    lefts = [torch.full((64, 64), 2.0, dtype=torch.float16) for _ in range(4)]
+    got = sum_of_products(lefts, lefts, lefts[0], fused=True)
+    assert got.dtype == torch.float32 and float(got) == 65536.0

@@ -278,7 +278,8 @@ def sum_of_products(
     lefts: Sequence[Tensor], rights: Sequence[Tensor], like: Tensor, fused: bool | None = None
 ) -> Tensor:
     """``Σ_l ⟨lefts[l], rights[l]⟩``, a 0-d tensor on ``like``'s device (``like``'s zero
-    for no pairs); each right is cast to its left's dtype.
+    for no pairs; float32 at least in the fused form); each right is cast to its left's
+    dtype.
 
     A GPU step is launches: the fused form is a few multi-tensor calls for any number of
     layers, ``Σ x = 2 Σ max(x, 0) − Σ |x|`` over the products ``x`` (the two sums as
@@ -304,8 +305,11 @@ def sum_of_products(
         ]
         return torch.stack(dots).sum()
     products = torch._foreach_mul(list(lefts), rights)
-    absolute = torch.stack(torch._foreach_norm(products, 1)).sum()
-    positive = torch.stack(torch._foreach_norm(torch._foreach_clamp_min(products, 0.0), 1)).sum()
+    # Half-precision products are summed into float32 (their own range ends at 65504).
+    wide = None if any(p.dtype == torch.float64 for p in products) else torch.float32
+    absolute = torch.stack(torch._foreach_norm(products, 1, dtype=wide)).sum()
+    positives = torch._foreach_clamp_min(products, 0.0)
+    positive = torch.stack(torch._foreach_norm(positives, 1, dtype=wide)).sum()
     return 2.0 * positive - absolute
 
 
