@@ -9,6 +9,7 @@ BatchNorm layers of different widths under the unit-wise solver.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -53,6 +54,26 @@ def _batch_sizes(monkeypatch: pytest.MonkeyPatch, solver: type[Solver]) -> list[
     return sizes
 
 
+def _twins(
+    make: Callable[[], nn.Module], **options: Any
+) -> tuple[tuple[nn.Module, KFACPreconditioner], tuple[nn.Module, KFACPreconditioner]]:
+    """Two identical models and their preconditioners; the second's solvers refuse every
+    batch (each layer on its own, as before batching)."""
+    model, twin = make(), make()
+    pre, alone = KFACPreconditioner(model, **options), KFACPreconditioner(twin, **options)
+    for layer in alone.layers.values():
+        layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
+    return (model, pre), (twin, alone)
+
+
+def _move_both(model: nn.Module, twin: nn.Module) -> None:
+    """An SGD step of ``model`` with its gradients; ``twin`` takes the same weights."""
+    with torch.no_grad():
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            a -= 0.05 * a.grad
+            b.copy_(a)
+
+
 def _step_both(
     pairs: tuple[tuple[nn.Module, KFACPreconditioner], ...], gen: torch.Generator
 ) -> None:
@@ -70,11 +91,7 @@ def test_grouped_layers_equal_each_layer_on_its_own(
     orthogonal: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sizes = _batch_sizes(monkeypatch, EigenMomentsSolver)
-    model, twin = _model(), _model()
-    pre = KFACPreconditioner(model, orthogonal_layers=orthogonal, **OPTIONS)
-    alone = KFACPreconditioner(twin, orthogonal_layers=orthogonal, **OPTIONS)
-    for layer in alone.layers.values():
-        layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
+    (model, pre), (twin, alone) = _twins(_model, orthogonal_layers=orthogonal, **OPTIONS)
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
         sizes.clear()
@@ -88,10 +105,7 @@ def test_grouped_layers_equal_each_layer_on_its_own(
             assert layer.moments is not None and other.moments is not None
             for key, value in layer.moments.items():
                 torch.testing.assert_close(value, other.moments[key], rtol=1e-12, atol=1e-12)
-        with torch.no_grad():
-            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
-                a -= 0.05 * a.grad
-                b.copy_(a)
+        _move_both(model, twin)
     state = pre.state_dict()  # the moments of a batch are saved per layer, as their own shape
     for name in ("0", "2", "4"):
         assert state["layers"][name]["moments"]["m"].shape == (6, 7)
@@ -109,12 +123,8 @@ def test_batchnorm_layers_share_one_solve_as_each_alone() -> None:
             nn.Flatten(), nn.Linear(6 * 4 * 4, 3),
         ).double()  # fmt: skip
 
-    model, twin = cnn(), cnn()
-    pre = KFACPreconditioner(model, method="eigen", kl_clip=None)
-    alone = KFACPreconditioner(twin, method="eigen", kl_clip=None)
+    (model, pre), (twin, alone) = _twins(cnn, method="eigen", kl_clip=None)
     assert sum(row["method"] == "unitwise" for row in pre.describe()) == 2
-    for layer in alone.layers.values():
-        layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         x = torch.randn(8, 3, 8, 8, generator=gen, dtype=torch.float64)
@@ -134,12 +144,8 @@ def test_eigen_layers_of_one_shape_share_one_pass_as_each_alone(
     """``eigen`` (the default method): the three hidden layers go through one batched
     apply, with refreshes between; every gradient equals a twin's that applies each alone."""
     sizes = _batch_sizes(monkeypatch, EigenSolver)
-    model, twin = _model(), _model()
     options: dict[str, Any] = {"method": "eigen", "kl_clip": 1e-3, "lr": 0.05}
-    pre = KFACPreconditioner(model, inverse_update_interval=2, **options)
-    alone = KFACPreconditioner(twin, inverse_update_interval=2, **options)
-    for layer in alone.layers.values():
-        layer.solver.batch_key = lambda state, grad: None  # type: ignore[method-assign]
+    (model, pre), (twin, alone) = _twins(_model, inverse_update_interval=2, **options)
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
         sizes.clear()
@@ -148,7 +154,4 @@ def test_eigen_layers_of_one_shape_share_one_pass_as_each_alone(
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
             assert a.grad is not None and b.grad is not None
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
-        with torch.no_grad():
-            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
-                a -= 0.05 * a.grad
-                b.copy_(a)
+        _move_both(model, twin)

@@ -198,15 +198,15 @@ def test_the_stack_of_states_is_reused_only_for_the_same_states() -> None:
     states = _states(solver)
     grads = [_grad(0, i) for i in range(LAYERS)]
     solver.apply_batch(states, [None] * LAYERS, grads, 0.1)
-    kept = solver._stacked_states(states)
-    assert solver._stacked_states(states) is kept
-    assert solver._stacked_states(states[::-1]) is not kept
-    assert solver._stacked_states(states[:2])["qa"].shape[0] == 2
-    again = solver._stacked_states(states)  # the stack of all four again, kept
-    assert solver._stacked_states(states) is again
+    kept = solver._state_stack.stacked(states)
+    assert solver._state_stack.stacked(states) is kept
+    assert solver._state_stack.stacked(states[::-1]) is not kept
+    assert solver._state_stack.stacked(states[:2])["qa"].shape[0] == 2
+    again = solver._state_stack.stacked(states)  # the stack of all four again, kept
+    assert solver._state_stack.stacked(states) is again
     refreshed = [dict(s) for s in states]
     refreshed[1]["qa"] = refreshed[1]["qa"].flip(-1)  # a new basis tensor for layer 1
-    restacked = solver._stacked_states(refreshed)
+    restacked = solver._state_stack.stacked(refreshed)
     assert restacked is not again
     assert torch.equal(restacked["qa"][1], refreshed[1]["qa"])
     for chosen in (states, refreshed, states[::-1]):
@@ -226,7 +226,7 @@ def test_the_stacked_states_become_the_layers_storage() -> None:
     grads = [_grad(0, i) for i in range(LAYERS)]
     want = EigenAdamSolver(DT).apply_batch([dict(s) for s in before], [None] * LAYERS, grads, 0.1)
     got = solver.apply_batch(states, [None] * LAYERS, grads, 0.1)
-    stacked = solver._stacked_states(states)  # no new stack: the same tensors
+    stacked = solver._state_stack.stacked(states)  # no new stack: the same tensors
     for i, (state, old) in enumerate(zip(states, before, strict=True)):
         assert state.keys() == old.keys()
         for key in state:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverState
-from dkfac.solvers.stacking import StateStack
+from dkfac.solvers.stacking import StateStack, stack_key
 
 SHIFT = 1e-6
 """The relative diagonal shift of :func:`symmetric_eigh`'s retry (module notes)."""
@@ -90,10 +90,7 @@ class EigenSolver(Solver):
     def batch_key(self, state: SolverState, grad: Tensor) -> Hashable | None:
         """The class, the gradient's shape, dtype and device and every state tensor's
         name, shape and dtype: equal keys share :meth:`apply_batch`."""
-        if grad.dim() != 2:
-            return None
-        tensors = tuple((key, tuple(value.shape), value.dtype) for key, value in state.items())
-        return (type(self), tuple(grad.shape), grad.dtype, grad.device, tensors)
+        return None if grad.dim() != 2 else (type(self), *stack_key(state, grad))
 
     def apply_batch(
         self,

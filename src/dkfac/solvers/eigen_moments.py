@@ -180,7 +180,7 @@ from dkfac.solvers.polar import (
     weighted_polar,
 )
 from dkfac.solvers.precision import LowPrecision
-from dkfac.solvers.stacking import StateStack, same_tensors
+from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
 __all__ = [
@@ -659,8 +659,7 @@ class EigenMomentsSolver(Solver):
         for a structured input side (applied layer by layer)."""
         if "qa_order" in state or grad.dim() != 2:
             return None
-        tensors = tuple((key, tuple(value.shape), value.dtype) for key, value in state.items())
-        return (type(self), self.options, tuple(grad.shape), grad.dtype, grad.device, tensors)
+        return (type(self), self.options, *stack_key(state, grad))
 
     def apply_batch(
         self,
@@ -680,7 +679,7 @@ class EigenMomentsSolver(Solver):
         if len(states) == 1:
             return [self.apply_with_moments(states[0], moments[0], grads[0], damping)]
         grad = torch.stack(list(grads))
-        state = self._stacked_states(states)
+        state = self._state_stack.stacked(states)
         stacked = self._restacked(moments)
         if stacked is None:
             stacked = self.stack_moments(moments, grads)
@@ -701,10 +700,6 @@ class EigenMomentsSolver(Solver):
             for m, like in zip(moments, likes, strict=True)
         ]
         return {key: torch.stack([m[key] for m in present]) for key in present[0]}
-
-    def _stacked_states(self, states: Sequence[SolverState]) -> SolverState:
-        """The states stacked key by key (:class:`~dkfac.solvers.stacking.StateStack`)."""
-        return self._state_stack.stacked(states)
 
     def _restacked(self, moments: Sequence[SolverState | None]) -> SolverState | None:
         """The stack of :meth:`apply_batch`'s last moments when ``moments`` are exactly its

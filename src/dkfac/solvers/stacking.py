@@ -12,12 +12,22 @@ and the group's states are held once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from dkfac.solvers.base import SolverState
 
-__all__ = ["StateStack", "same_tensors"]
+__all__ = ["StateStack", "same_tensors", "stack_key"]
+
+
+def stack_key(state: SolverState, grad: Tensor) -> tuple[Any, ...]:
+    """What layers stacked together must share: the gradient's shape, dtype and device and
+    every state tensor's name, shape and dtype (a solver's ``batch_key`` adds what its
+    batched pass reads of the solver itself)."""
+    tensors = tuple((key, tuple(value.shape), value.dtype) for key, value in state.items())
+    return (tuple(grad.shape), grad.dtype, grad.device, tensors)
 
 
 def same_tensors(given: Sequence[SolverState | None], mine: Sequence[SolverState]) -> bool:
