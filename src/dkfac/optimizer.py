@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from dkfac.config import unread_moment_fields
 from dkfac.config.checks import check_range
+from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import finite_each
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -51,6 +52,14 @@ fast (GPUs, CPUs with AVX512-BF16 or AMX); ``rotation_dtype="auto"`` takes bf16 
 (:mod:`dkfac.solvers.precision`), not yet measured with these options."""
 
 
+_SKIP_MESSAGE: Final = ("step %d: non-finite gradient; optimizer step skipped",)
+
+
+def _skips_on_device(inner: Optimizer) -> bool:
+    """Whether ``inner`` takes ``found_inf`` from its attributes (fused optimizers)."""
+    return bool(getattr(inner, "_step_supports_amp_scaling", False))
+
+
 class KFACOptimizer(Optimizer):
     """Wraps ``inner`` so that every step is preconditioned by ``preconditioner``.
 
@@ -79,7 +88,9 @@ class KFACOptimizer(Optimizer):
         self.inner = inner
         self.preconditioner = preconditioner
         self.skip_nonfinite = skip_nonfinite
-        self.skipped_steps = 0
+        self._skipped = 0  # read on the host, and on the device (``skipped_steps``)
+        self._skipped_late: torch.Tensor | None = None
+        self._late = LateWarnings()
         super().__init__(inner.param_groups, inner.defaults)
         # Share, not copy: schedulers and users mutate these dicts.
         self.param_groups = inner.param_groups
@@ -126,7 +137,11 @@ class KFACOptimizer(Optimizer):
         defaults = {k: v for k, v in DEFAULT_OPTIONS.items() if k not in unread}
         preconditioner = KFACPreconditioner(model, **{**defaults, **options})
         params = [p for p in model.parameters() if p.requires_grad]
-        inner = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=weight_decay)
+        # Fused on a launch-bound device: it skips a non-finite step without a host read.
+        fused = preconditioner.flags_on_device and all(p.is_cuda for p in params)
+        inner = torch.optim.SGD(
+            params, lr=lr, momentum=0.0, weight_decay=weight_decay, fused=fused or None
+        )
         return cls(inner, preconditioner)
 
     def _finite_flag(self) -> torch.Tensor | None:
@@ -153,12 +168,45 @@ class KFACOptimizer(Optimizer):
         raw_finite = self._finite_flag() if self.skip_nonfinite else None
         self.preconditioner.step(lr=float(self.param_groups[0]["lr"]))
         finite = self._finite_flag() if self.skip_nonfinite else None
-        if raw_finite is not None and finite is not None and not bool(raw_finite & finite):
-            self.skipped_steps += 1
-            logger.warning("non-finite gradient; optimizer step skipped")
+        if raw_finite is None or finite is None:
+            self.inner.step()
+            return loss
+        ok = raw_finite & finite
+        if self.preconditioner.flags_on_device and _skips_on_device(self.inner):
+            self._step_unless(ok)
+            return loss
+        if not bool(ok):
+            self._skipped += 1
+            logger.warning(_SKIP_MESSAGE[0], self.preconditioner.steps - 1)
             return loss
         self.inner.step()
         return loss
+
+    def _step_unless(self, ok: torch.Tensor) -> None:
+        """The inner step, skipped on the device where ``ok`` fails (no host read): the
+        inner optimizer's own ``found_inf`` (the protocol of ``torch.amp.GradScaler``, which
+        fused optimizers honour); counted and logged a step late."""
+        failed = (~ok).to(torch.float32)
+        self.inner.found_inf = failed  # type: ignore[attr-defined]
+        self.inner.grad_scale = None  # type: ignore[attr-defined]
+        try:
+            self.inner.step()
+        finally:
+            del self.inner.found_inf, self.inner.grad_scale  # type: ignore[attr-defined]
+        late = self._skipped_late
+        self._skipped_late = failed if late is None else late + failed
+        self._late.poll()
+        self._late.record(self.preconditioner.steps - 1, ok.reshape(1), _SKIP_MESSAGE)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Inner steps skipped for a non-finite gradient (reads the device's count)."""
+        late = self._skipped_late
+        return self._skipped + (0 if late is None else int(late.item()))
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._skipped_late = value, None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients through the inner optimizer."""

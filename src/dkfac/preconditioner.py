@@ -57,8 +57,15 @@ from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
+from dkfac.engine.device_checks import (
+    LateWarnings,
+    guard_messages,
+    hold_statistics,
+    zero_nonfinite,
+)
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
+from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.presence import agree_presence
@@ -73,6 +80,7 @@ from dkfac.engine.registration import (
 )
 from dkfac.engine.step_math import (
     finite_flags,
+    finite_masks,
     kept_statistics,
     kl_clip_scale,
     precondition,
@@ -175,6 +183,14 @@ class KFACPreconditioner:
             self.leftover = LeftoverAdam(named, config)
         self.schedule_captures(0)
         self._kl_scale: Tensor | None = None
+        self._late = LateWarnings()
+        self._guard_messages = guard_messages(list(self.layers))
+        self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
+        """Keep the finiteness guard's flags on the device (masks instead of branches, its
+        warnings logged a step late: :mod:`~dkfac.engine.device_checks`), so that a step
+        makes no host synchronisation. On by default on a launch-bound (CUDA) device with
+        the fixed refresh (the adaptive one reads its statistics' changes); the values
+        are the same either way."""
 
     # ----------------------------------------------------------------- hooks and capture
     def _set_block_steps(self) -> None:
@@ -253,9 +269,14 @@ class KFACPreconditioner:
         assert damping is not None and inverse_interval is not None
         grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
+        keep: Tensor | None = None  # the guard's gradient flags, on the device
         with record_function("dkfac.factors"):
             new_factors = self._reduce(grads, capturing)
-            finite = finite_flags(self.layers, self.strategy, new_factors, grads)
+            if self.flags_on_device:
+                self._late.poll()
+                finite, keep = self._device_guard(new_factors, grads, step)
+            else:
+                finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % int(inverse_interval) == 0:
             with record_function("dkfac.inverse"):
@@ -263,14 +284,22 @@ class KFACPreconditioner:
         with record_function("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
             dampings = {"damping": damping, "bn_damping": bn_damping or damping}
-            finals, ready = precondition(self.layers, self.strategy, grads, finite, dampings, step)
+            advance = None if keep is None else keep.all()
+            finals, ready = precondition(
+                self.layers, self.strategy, grads, finite, dampings, step, advance
+            )
         with record_function("dkfac.distribute"):
             delivered = self.strategy.distribute(finals, ready)
         with record_function("dkfac.kl_clip"):
             kl_clip = resolve("kl_clip", cfg.kl_clip, step)
             lr = lr if lr is not None else resolve("lr", cfg.lr, step)
             scale = kl_clip_scale(self.strategy, finals, ready, grads, kl_clip, lr)
-            write_back(self.layers, finals, delivered, ready, scale)
+            factors = None
+            if keep is not None:  # the scale times 0 where a gradient was not finite
+                ones = keep.to(torch.float32 if scale is None else scale.dtype)
+                both = ones if scale is None else ones * scale
+                factors = dict(zip(self.layers, both.unbind(0), strict=True))
+            write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
         if self.leftover is not None:
             with record_function("dkfac.leftover"):
@@ -280,6 +309,27 @@ class KFACPreconditioner:
         self._steps += 1
         self._set_block_steps()
         self.schedule_captures(self._steps)
+
+    def _device_guard(
+        self,
+        new: dict[str, dict[str, Tensor]],
+        grads: dict[str, Tensor | None],
+        step: int,
+    ) -> tuple[dict[str, tuple[bool, bool]], Tensor | None]:
+        """The finiteness guard with its flags left on the device
+        (:mod:`~dkfac.engine.device_checks`): ``new`` holds its failed statistics at their
+        running values and ``grads`` have their failed gradients zeroed, in place; returns
+        flags that pass every layer and the gradient flags (``keep``). Where a statistic
+        cannot be held (a first capture, a low-rank side) the flags are read as on a CPU,
+        and ``keep`` is ``None``."""
+        names = list(self.layers)
+        masks = finite_masks(self.layers, self.strategy, new, grads)
+        if not hold_statistics(self.layers, self.strategy, new, masks):
+            values = masks.tolist()
+            return {n: (values[2 * i], values[2 * i + 1]) for i, n in enumerate(names)}, None
+        self._late.record(step, masks, self._guard_messages)
+        grads.update(zero_nonfinite(grads, masks, names))
+        return {name: (True, True) for name in names}, masks[1::2]
 
     def _reduce(
         self, grads: dict[str, Tensor | None], capturing: bool

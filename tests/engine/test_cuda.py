@@ -255,3 +255,73 @@ def test_the_launch_bound_forms_on_cuda_equal_the_cpu_ones() -> None:
     )
     assert got_sum.device.type == "cuda"
     assert float(got_sum) == pytest.approx(float(want_sum), rel=1e-5, abs=1e-5)
+
+
+def _steady_model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 16, 64),
+        nn.LayerNorm(64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 3),
+    ).to(device)
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
+def test_a_steady_cuda_step_makes_no_host_synchronisation(method: str) -> None:
+    """Plain and factor steps under ``torch.cuda.set_sync_debug_mode("error")``: the guard's
+    flags stay on the device and the fused inner SGD skips on its ``found_inf``. The first
+    step (no running factors to hold yet) and the refreshes (the solvers check each new
+    state) are left out, as ``tests/engine/test_device_checks.py`` counts on the CPU."""
+    model = _steady_model(CUDA)
+    opt = KFACOptimizer.for_model(
+        model, method=method, factor_update_interval=2, inverse_update_interval=4
+    )
+    assert opt.preconditioner.flags_on_device
+    for step in range(8):
+        x, y = _batch(step, CUDA)
+        opt.zero_grad()
+        F.cross_entropy(model(x.float()), y).backward()
+        if step in (0, 4):
+            opt.step()
+            continue
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert opt.skipped_steps == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@needs_cuda
+def test_the_device_guard_on_cuda_skips_as_the_cpu_guard_does() -> None:
+    """A NaN in one layer's gradient, then in the input: the CUDA run (flags on the device,
+    warnings a step late) ends where the CPU run (flags read) ends, in float64."""
+
+    def run(device: torch.device) -> tuple[nn.Module, KFACOptimizer]:
+        model = _steady_model(device).double()
+        opt = KFACOptimizer.for_model(model, eigen_dtype=torch.float64, moment_eps=1e-3)
+        assert opt.preconditioner.flags_on_device == (device.type == "cuda")
+        for step in range(6):
+            x, y = _batch(step, device)
+            if step == 4:
+                x[0, 0, 0, 0] = float("nan")
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if step == 2:
+                model[7].weight.grad[0, 0] = float("nan")
+            opt.step()
+        return model, opt
+
+    cpu, cpu_opt = run(torch.device("cpu"))
+    gpu, gpu_opt = run(CUDA)
+    assert cpu_opt.skipped_steps == gpu_opt.skipped_steps == 2
+    _assert_same_weights(cpu, gpu)

@@ -15,6 +15,7 @@ preconditioned layer, whichever rank preconditioned it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -59,6 +60,20 @@ def finite_flags(
         new: This step's reduced statistics by layer (absent layers count as finite).
         grads: Gradient matrices by layer (``None`` counts as finite).
     """
+    values = finite_masks(layers, strategy, new, grads).tolist()
+    names = list(layers)
+    return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
+
+
+def finite_masks(
+    layers: Mapping[str, LayerState],
+    strategy: Strategy,
+    new: Mapping[str, Mapping[str, Tensor]],
+    grads: Mapping[str, Tensor | None],
+) -> Tensor:
+    """:func:`finite_flags` left on the device: a bool vector, entry ``2i`` whether layer
+    ``i``'s statistics are finite everywhere, ``2i + 1`` whether its gradient is (no host
+    synchronisation; one tiny all-reduce with several ranks)."""
     names = list(layers)
     device = layers[names[0]].block.parameters()[0].device
     tensors: list[Tensor] = []
@@ -74,9 +89,15 @@ def finite_flags(
     failed = torch.zeros(2 * len(names), dtype=torch.int64, device=device)
     if tensors:  # a check fails where any of its tensors is not finite
         bad = (~finite_each(tensors, device)).long()
-        failed.index_add_(0, torch.tensor(owners, device=device), bad)
-    values = strategy.agree(failed == 0).tolist()
-    return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
+        failed.index_add_(0, _positions(tuple(owners), device), bad)
+    return strategy.agree(failed == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(owners: tuple[int, ...], device: torch.device) -> Tensor:
+    """``owners`` as an index tensor on ``device``, made once for each layout (a copy from
+    the host every step would be a transfer the step waits on)."""
+    return torch.tensor(owners, device=device)
 
 
 def kept_statistics(
@@ -155,6 +176,7 @@ def precondition(
     finite: Mapping[str, tuple[bool, bool]],
     dampings: Mapping[str, float],
     step: int,
+    advance: Tensor | None = None,
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Final gradient matrices (or receive buffers) and the layers ready to precondition.
 
@@ -170,6 +192,10 @@ def precondition(
         dampings: This step's dampings by name (``"damping"``, ``"bn_damping"``); each block
             says which applies to it (``damping_key``).
         step: The step number (for the warning).
+        advance: A 0-d bool tensor (the guard on the device, :mod:`~dkfac.engine.device_checks`):
+            the moments advance where it holds and keep their values elsewhere, selected
+            in the solvers' batched pass; ``None``: advance when every flag in ``finite``
+            says the gradient is finite.
 
     Returns:
         ``(finals, ready)``: per layer with a gradient, its preconditioned gradient, its
@@ -200,9 +226,9 @@ def precondition(
             jobs.append((name, dampings[layer.block.damping_key]))
         else:
             finals[name] = grad
-    for name, (update, moments) in apply_grouped(layers, grads, jobs).items():
+    for name, (update, moments) in apply_grouped(layers, grads, jobs, advance).items():
         finals[name] = update
-        if all_finite:
+        if all_finite or advance is not None:
             layers[name].moments = moments
     return finals, ready
 
@@ -211,6 +237,7 @@ def apply_grouped(
     layers: Mapping[str, LayerState],
     grads: Mapping[str, Tensor | None],
     jobs: Sequence[tuple[str, float]],
+    advance: Tensor | None = None,
 ) -> dict[str, tuple[Tensor, SolverState | None]]:
     """Each job's ``(update, moments)`` (:meth:`Solver.apply_with_moments`), the layers of
     one :meth:`~dkfac.solvers.base.Solver.batch_key` and damping in one
@@ -220,6 +247,8 @@ def apply_grouped(
         layers: The registered layers (each job's has a solver state).
         grads: Gradient matrices by layer (each job's is a tensor).
         jobs: ``(name, damping)`` of the layers to precondition, in order.
+        advance: Passed to :meth:`~dkfac.solvers.base.Solver.apply_batch` (see
+            :func:`precondition`).
     """
     groups: dict[Hashable, list[tuple[str, float]]] = {}
     for name, damping in jobs:
@@ -238,6 +267,7 @@ def apply_grouped(
             [layers[n].moments for n in names],
             [grads[n] for n in names],  # type: ignore[misc]
             members[0][1],
+            **({} if advance is None else {"advance": advance}),
         )
         results.update(zip(names, outputs, strict=True))
     return results
@@ -319,8 +349,11 @@ def write_back(
     delivered: Sequence[str],
     ready: Sequence[str],
     scale: Tensor | None,
+    keep: Mapping[str, Tensor] | None = None,
 ) -> None:
-    """Sets each delivered layer's gradient to its final value, ready ones times ``scale``.
+    """Sets each delivered layer's gradient to its final value, ready ones times ``scale``,
+    or times ``keep[name]`` (a 0-d tensor: the scale times 0 or 1) where ``keep`` is given
+    (the guard on the device, :mod:`~dkfac.engine.device_checks`).
 
     A GPU step is launches: the scaled values are one multi-tensor product and every
     block's :meth:`~dkfac.blocks.base.Block.grad_writes` one multi-tensor copy. A block
@@ -331,20 +364,25 @@ def write_back(
     destinations: list[Tensor] = []
     values: list[Tensor] = []
     scaled: list[int] = []  # positions in ``values``
+    factors: list[Tensor] = []  # their factors
     for name in delivered:
         block, value = layers[name].block, finals[name]
+        factor = scale if keep is None else keep[name]
         if type(block).set_weight_grad is not Block.set_weight_grad:
             block.set_weight_grad(
-                value if scale is None or name not in preconditioned else value * scale
+                value if factor is None or name not in preconditioned else value * factor
             )
             continue
         for destination, part in block.grad_writes(value):
-            if name in preconditioned:
+            if name in preconditioned and factor is not None:
                 scaled.append(len(values))
+                factors.append(factor)
             destinations.append(destination)
             values.append(part)
-    if scale is not None and scaled:
-        products = torch._foreach_mul([values[i] for i in scaled], scale)
+    if scaled:
+        # One multi-tensor product; the per-layer factors only with the device guard.
+        by = factors if keep is not None else scale
+        products = torch._foreach_mul([values[i] for i in scaled], by)  # type: ignore[arg-type]
         for i, product in zip(scaled, products, strict=True):
             values[i] = product
     if destinations:

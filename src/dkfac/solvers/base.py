@@ -150,13 +150,34 @@ class Solver(ABC):
         moments: Sequence[SolverState | None],
         grads: Sequence[Tensor],
         damping: float,
+        *,
+        advance: Tensor | None = None,
     ) -> list[tuple[Tensor, SolverState | None]]:
         """:meth:`apply_with_moments` of each layer of one :meth:`batch_key`, in order (the
-        default calls it layer by layer; a solver may run them as one batched pass)."""
-        return [
+        default calls it layer by layer; a solver may run them as one batched pass).
+
+        ``advance`` (a 0-d bool tensor, or ``None`` for always): where it fails, each
+        layer's returned moments are its given ones (zero moments for ``None``), selected
+        on the device (:func:`select_moments`) so that no flag is read on the host."""
+        results = [
             self.apply_with_moments(state, moment, grad, damping)
             for state, moment, grad in zip(states, moments, grads, strict=True)
         ]
+        if advance is None:
+            return results
+        return [
+            (
+                update,
+                select_moments(advance, new, self.zero_moments_like(grad) if old is None else old),
+            )
+            for (update, new), old, grad in zip(results, moments, grads, strict=True)
+        ]
+
+    def zero_moments_like(self, grad: Tensor) -> SolverState | None:
+        """The moments a layer with gradient ``grad`` starts from (``None``: the solver keeps
+        none)."""
+        del grad
+        return None
 
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
@@ -199,3 +220,13 @@ class Solver(ABC):
                     "%s decomposition failed in %s (%s); retrying", self.name, dtype, last
                 )
         raise SolverError(f"{self.name} decomposition failed in float64: {last}")
+
+
+def select_moments(
+    advance: Tensor, new: SolverState | None, before: SolverState | None
+) -> SolverState | None:
+    """``new`` where ``advance`` holds, else ``before``, key by key with ``torch.where``
+    (no host read); ``None`` for a solver that keeps no moments (``new`` is ``None``)."""
+    if new is None or before is None:
+        return new
+    return {key: torch.where(advance, value, before[key]) for key, value in new.items()}

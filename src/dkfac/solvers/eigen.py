@@ -98,12 +98,14 @@ class EigenSolver(Solver):
         moments: Sequence[SolverState | None],
         grads: Sequence[Tensor],
         damping: float,
+        *,
+        advance: Tensor | None = None,
     ) -> list[tuple[Tensor, SolverState | None]]:
         """:meth:`apply` of several layers of equal :meth:`batch_key` on their stacked
         states and gradients (the states' stack kept between refreshes, and held by the
         states as slices: :class:`~dkfac.solvers.stacking.StateStack`)."""
         if len(states) == 1:
-            return super().apply_batch(states, moments, grads, damping)
+            return super().apply_batch(states, moments, grads, damping, advance=advance)
         stacked = self._state_stack.stacked(states)
         update = self.apply(stacked, torch.stack(list(grads)), damping)
         return [(layer, None) for layer in update.unbind(0)]

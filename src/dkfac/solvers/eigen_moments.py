@@ -667,6 +667,8 @@ class EigenMomentsSolver(Solver):
         moments: Sequence[SolverState | None],
         grads: Sequence[Tensor],
         damping: float,
+        *,
+        advance: Tensor | None = None,
     ) -> list[tuple[Tensor, SolverState | None]]:
         """:meth:`apply_with_moments` of several layers of equal :meth:`batch_key` in one
         pass over stacked tensors (module notes); each layer's update and moments are
@@ -675,15 +677,18 @@ class EigenMomentsSolver(Solver):
         are states that are exactly the last call's (between two refreshes). When the
         states are stacked anew, each dict in ``states`` gets its tensors replaced by its
         slices of the stack (the same values): the group's bases are then held once, in
-        the stack, and the next call is handed the very same tensors."""
+        the stack, and the next call is handed the very same tensors. ``advance``: as
+        :meth:`~dkfac.solvers.base.Solver.apply_batch` says, selected once on the stack."""
         if len(states) == 1:
-            return [self.apply_with_moments(states[0], moments[0], grads[0], damping)]
+            return super().apply_batch(states, moments, grads, damping, advance=advance)
         grad = torch.stack(list(grads))
         state = self._state_stack.stacked(states)
         stacked = self._restacked(moments)
         if stacked is None:
             stacked = self.stack_moments(moments, grads)
         update, new = self.apply_with_moments(state, stacked, grad, damping)
+        if advance is not None:
+            new = {key: torch.where(advance, value, stacked[key]) for key, value in new.items()}
         parts = {key: value.unbind(0) for key, value in new.items()}  # one call a key
         slices = [{key: part[i] for key, part in parts.items()} for i in range(len(grads))]
         self._last_batch = (new, slices)
@@ -706,6 +711,11 @@ class EigenMomentsSolver(Solver):
         slices, in order (the moments are never changed in place); else ``None``."""
         last = self._last_batch
         return last[0] if last is not None and same_tensors(moments, last[1]) else None
+
+    def zero_moments_like(self, grad: Tensor) -> SolverState:
+        """Zero moments of a layer with gradient ``grad``, in the moments' precision."""
+        work = torch.promote_types(grad.dtype, torch.float32)
+        return self.zero_moments(torch.empty(grad.shape, dtype=work, device=grad.device))
 
     def zero_moments(self, like: Tensor) -> SolverState:
         """Zero moments of the shape of ``like`` and ``t = 0``."""

@@ -70,11 +70,13 @@ class UnitwiseSolver(Solver):
         moments: Sequence[SolverState | None],
         grads: Sequence[Tensor],
         damping: float,
+        *,
+        advance: Tensor | None = None,
     ) -> list[tuple[Tensor, SolverState | None]]:
         """:meth:`apply` of several layers as one solve over their concatenated channels;
         each update is its layer's rows of the result."""
         if len(grads) == 1:
-            return super().apply_batch(states, moments, grads, damping)
+            return super().apply_batch(states, moments, grads, damping, advance=advance)
         fisher = torch.cat([state["fisher"] for state in states]).to(grads[0].dtype)
         solved = damped_solve_2x2(fisher, torch.cat(list(grads)), damping)
         updates = solved.split([grad.shape[0] for grad in grads])

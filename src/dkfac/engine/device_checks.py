@@ -1,0 +1,136 @@
+"""The step's finiteness guard kept on the device: masks instead of branches.
+
+On a CPU the guard reads its flags (:func:`~dkfac.engine.step_math.finite_flags`) and
+branches: a layer with non-finite statistics skips its running-average update, a layer with
+a non-finite gradient is zeroed and left out, and a stateful solver's moments advance only
+on a step whose gradients are all finite. Reading a flag on a GPU is a host
+synchronisation: the host waits for the backward and the factor products before it can
+queue the next kernel, and a small model's step, which is launches, idles the GPU. The same
+decisions taken with masks leave the host free to queue the whole step:
+
+* a gradient ``g`` is replaced by ``where(ok, g, 0)`` before any work, so nothing
+  downstream sees a NaN; its preconditioned value is multiplied by ``ok`` at the write-back
+  (a solver with moments would otherwise step on its old moments);
+* a statistic ``F_new`` is replaced by ``where(ok, F_new, F)``, ``F`` the running value, so
+  the running average ``F + (1 − decay)(F_new − F)`` keeps ``F`` exactly (a dense statistic
+  with a running value; otherwise the step reads its flags, as on a CPU: the first capture
+  of each layer, low-rank sides);
+* moments are selected with ``where(all ok, new, old)`` inside the solver's batched pass.
+
+The values equal the branching guard's (``tests/engine/test_device_checks.py`` runs both on
+a CPU with NaNs injected). The warnings the guard logs are read one step late
+(:class:`LateWarnings`): on a CUDA device from a pinned host copy made behind an event,
+polled without waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dkfac.distributed.strategy_base import Strategy
+from dkfac.engine.layer_state import LayerState
+from dkfac.solvers.statistics import DenseStatistic
+
+__all__ = ["LateWarnings", "guard_messages", "hold_statistics", "zero_nonfinite"]
+
+logger = logging.getLogger(__name__)
+
+
+def zero_nonfinite(
+    grads: Mapping[str, Tensor | None], masks: Tensor, names: Sequence[str]
+) -> dict[str, Tensor | None]:
+    """Each gradient where its flag (``masks[2i + 1]``) holds, zeros elsewhere."""
+    return {
+        name: None if grads[name] is None else torch.where(masks[2 * i + 1], grads[name], 0.0)  # type: ignore[arg-type]
+        for i, name in enumerate(names)
+    }
+
+
+def hold_statistics(
+    layers: Mapping[str, LayerState],
+    strategy: Strategy,
+    new: dict[str, dict[str, Tensor]],
+    masks: Tensor,
+) -> bool:
+    """Replaces, in ``new``, each statistic this rank keeps by its running value where its
+    layer's flag (``masks[2i]``) fails, so that the running average keeps that value.
+
+    Returns ``False`` (and changes nothing) when some kept statistic cannot be held so: it
+    has no running value yet, or it is not dense; the caller then reads the flags.
+    """
+    index = {name: i for i, name in enumerate(layers)}
+    kept = [name for name in new if strategy.keeps_statistics(name)]
+    for name in kept:
+        layer = layers[name]
+        for key in new[name]:
+            if key not in layer.running or not isinstance(layer.kinds[key], DenseStatistic):
+                return False
+    for name in kept:
+        ok = masks[2 * index[name]]
+        running = layers[name].running
+        new[name] = {key: torch.where(ok, value, running[key]) for key, value in new[name].items()}
+    return True
+
+
+@dataclass
+class _Pending:
+    step: int
+    messages: Sequence[str]
+    host: Tensor
+    event: torch.cuda.Event | None
+
+
+class LateWarnings:
+    """Warnings for failed flags, read from a host copy of the flags once it is ready.
+
+    :meth:`record` starts the copy (on a CUDA device: into pinned memory, with an event);
+    :meth:`poll` logs, for every recorded step whose copy has arrived and without waiting,
+    ``messages[i]`` where flag ``i`` failed; :meth:`flush` waits for all.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[_Pending] = []
+
+    def record(self, step: int, flags: Tensor, messages: Sequence[str]) -> None:
+        """Starts the host copy of the bool vector ``flags`` of ``step``; ``messages[i]``
+        (with ``%d`` for the step) is logged if ``flags[i]`` fails."""
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event: torch.cuda.Event | None = torch.cuda.Event()
+            event.record()  # type: ignore[union-attr]
+        else:
+            host, event = flags.clone(), None
+        self._pending.append(_Pending(step, messages, host, event))
+
+    def poll(self) -> None:
+        """Logs the warnings of every recorded step whose copy has arrived, in order."""
+        while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
+            pending = self._pending.pop(0)
+            for ok, message in zip(pending.host.tolist(), pending.messages, strict=True):
+                if not ok:  # a host tensor: no device is read here
+                    logger.warning(message, pending.step)
+
+    def flush(self) -> None:
+        """Waits for every copy and logs its warnings."""
+        for pending in self._pending:
+            if pending.event is not None:
+                pending.event.synchronize()
+        self.poll()
+
+
+def guard_messages(names: Sequence[str]) -> list[str]:
+    """The guard's warnings in the layout of :func:`~dkfac.engine.step_math.finite_masks`."""
+    return [
+        message % name.replace("%", "%%")
+        for name in names
+        for message in (
+            "step %%d: non-finite factors in %s; update skipped",
+            "step %%d: non-finite gradient in %s; zeroed",
+        )
+    ]

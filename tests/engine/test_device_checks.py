@@ -1,0 +1,184 @@
+"""The finiteness guard on the device equals the branching one, and reads nothing on the host.
+
+Oracle: the same run with ``flags_on_device`` off (the guard reads its flags and branches)
+and on (masks: :mod:`dkfac.engine.device_checks`), float64, with a NaN injected into one
+layer's gradient, then into the input (every statistic and gradient), then recovery. The
+weights, the factors and the moments must be equal to the bit, and so must the warnings
+(logged a step late on the device path). Host reads are counted with
+:class:`tests.host_reads.HostReads` (a CPU stands in for the GPU: the same code reads the
+same values).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac import KFACOptimizer, KFACPreconditioner
+from tests.host_reads import HostReads
+
+STEPS = 8
+GRAD_NAN_STEP = 3  # a NaN in one layer's gradient
+INPUT_NAN_STEP = 5  # a NaN in the input: every statistic and gradient
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(4 * 36, 24),
+        nn.LayerNorm(24),
+        nn.Tanh(),
+        nn.Linear(24, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),  # the same shape as the layer before: a batched group
+        nn.Tanh(),
+        nn.Linear(16, 5),
+    ).double()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(32, 1, 6, 6, generator=generator, dtype=torch.float64)
+    if step == INPUT_NAN_STEP:
+        x[0, 0, 0, 0] = float("nan")
+    return x, torch.randint(0, 5, (32,), generator=generator)
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "eigen": {"method": "eigen", "inverse_update_interval": 2, "kl_clip": 1e-2},
+    "eigen-no-clip": {"method": "eigen", "inverse_update_interval": 2, "kl_clip": None},
+    "eigen_adam": {
+        "method": "eigen_adam",
+        "basis_refresh": "power",
+        "moment_nesterov": True,
+        "kl_clip": None,
+        "inverse_update_interval": 3,
+    },
+    "cholesky": {"method": "cholesky", "inverse_update_interval": 2},
+}
+
+
+def _run(options: dict[str, Any], on_device: bool, fused: bool, caplog: Any) -> dict[str, Any]:
+    model = _model()
+    pre = KFACPreconditioner(model, damping=0.05, factor_decay=0.9, **options)
+    pre.flags_on_device = on_device
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, fused=fused or None)
+    opt = KFACOptimizer(inner, pre)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(step)
+            F.cross_entropy(model(x), y).backward()
+            if step == GRAD_NAN_STEP:
+                model[7].weight.grad[0, 0] = float("nan")
+            opt.step()
+        pre._late.flush()
+        opt._late.flush()
+    warnings = sorted(r.getMessage() for r in caplog.records)
+    moments = {
+        name: {k: v.clone() for k, v in layer.moments.items()}
+        for name, layer in pre.layers.items()
+        if layer.moments is not None
+    }
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "factors": {n: tuple(f.clone() for f in ag) for n, ag in pre.factors().items()},
+        "moments": moments,
+        "skipped": opt.skipped_steps,
+        "warnings": warnings,
+    }
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_guard_on_the_device_equals_the_branching_guard(
+    case: str, fused: bool, caplog: Any
+) -> None:
+    branching = _run(CASES[case], on_device=False, fused=fused, caplog=caplog)
+    masked = _run(CASES[case], on_device=True, fused=fused, caplog=caplog)
+    for before, after in zip(branching["params"], masked["params"], strict=True):
+        assert torch.isfinite(after).all()
+        assert torch.equal(before, after)
+    assert branching["factors"].keys() == masked["factors"].keys()
+    for name, pair in branching["factors"].items():
+        for before, after in zip(pair, masked["factors"][name], strict=True):
+            assert torch.equal(before, after), name
+    assert branching["moments"].keys() == masked["moments"].keys()
+    for name, moments in branching["moments"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, masked["moments"][name][key]), (name, key)
+    assert branching["skipped"] == masked["skipped"] == 2
+    assert branching["warnings"] == masked["warnings"]
+    assert any("non-finite gradient in 7" in w for w in masked["warnings"])
+    assert any("non-finite factors in 0" in w for w in masked["warnings"])
+
+
+def _steady_reads(options: dict[str, Any], steps: int) -> list[dict[tuple[str, str], int]]:
+    model = _model()
+    pre = KFACPreconditioner(model, damping=0.05, **options)
+    pre.flags_on_device = True
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, fused=True), pre)
+    counts = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(step + 100)
+        F.cross_entropy(model(x), y).backward()
+        with HostReads(exempt=("device_checks.py",)) as reads:
+            opt.step()
+        counts.append(dict(reads.reads))
+    return counts
+
+
+@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
+def test_plain_and_factor_steps_read_nothing_on_the_host(method: str) -> None:
+    """After the first step (each layer's first capture has no running value to hold, so
+    the flags are read once), a step that captures factors and one that does not read no
+    device value; a refresh step still reads (the solvers check each new state)."""
+    options = {"method": method, "factor_update_interval": 2, "inverse_update_interval": 4}
+    counts = _steady_reads(options, 8)
+    assert counts[0], "the first step reads the flags (nothing to hold yet)"
+    for step in (1, 2, 3, 5, 6, 7):  # factor steps 2, 6; plain 1, 3, 5, 7
+        assert counts[step] == {}, (step, counts[step])
+
+
+def test_the_branching_guard_reads_its_flags() -> None:
+    """The instrument sees the reads the device guard removes (a test that can fail)."""
+    model = _model()
+    opt = KFACOptimizer.for_model(model)
+    assert not opt.preconditioner.flags_on_device  # a CPU keeps the branching guard
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _batch(step)
+        F.cross_entropy(model(x), y).backward()
+        with HostReads() as reads:
+            opt.step()
+    lines = {where for _, where in reads.reads}
+    assert any(where.startswith("step_math.py") for where in lines)
+    assert any(where.startswith("optimizer.py") for where in lines)
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_reads_the_flag() -> None:
+    """A non-fused inner optimizer has no ``found_inf``: the skip is decided on the host."""
+    model = _model()
+    pre = KFACPreconditioner(model, damping=0.05)
+    pre.flags_on_device = True
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), pre)
+    before = copy.deepcopy([p.detach() for p in model.parameters()])
+    opt.zero_grad()
+    x, y = _batch(INPUT_NAN_STEP)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.skipped_steps == 1
+    for old, new in zip(before, model.parameters(), strict=True):
+        assert torch.equal(old, new.detach())
