@@ -125,6 +125,7 @@ def main() -> None:
             kfac = {"damping": 1e-3, **options, "method": args.method, "lr": 1e-4}
             kfac.update(factor_update_interval=f_int, inverse_update_interval=i_int)
             pre = KFACPreconditioner(model, **kfac)
+            pre.flags_on_device = pre.flags_on_device or args.launch_bound
         counter = count_step(model, (x, y), optimizer, pre)
         ranked = [(ln, n) for ln, n in counter.lines.most_common() if not ln.startswith("torch ")]
         top = dict(ranked[: args.top])

@@ -66,7 +66,7 @@ from dkfac.engine.device_checks import (
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.launches import launch_bound
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
@@ -367,8 +367,7 @@ class KFACPreconditioner:
         self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
         kept = kept_statistics(self.strategy, new, finite, step)
         recorded = record_refreshes(self.refresh, self.layers, kept, step)  # before updates
-        for name, stats in kept.items():
-            self.layers[name].update_running(stats, decay)
+        update_running_all(self.layers, kept, decay)
         agree_intervals(self.refresh, self.comm, self.layers, recorded, step)
 
     def update_inverses(self, damping: float, names: list[str] | None = None) -> None:

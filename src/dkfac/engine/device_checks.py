@@ -25,6 +25,7 @@ polled without waiting.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,13 @@ from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers.statistics import DenseStatistic
 
-__all__ = ["LateWarnings", "guard_messages", "hold_statistics", "zero_nonfinite"]
+__all__ = [
+    "LateWarnings",
+    "guard_messages",
+    "hold_statistics",
+    "select_where",
+    "zero_nonfinite",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +52,14 @@ def zero_nonfinite(
     grads: Mapping[str, Tensor | None], masks: Tensor, names: Sequence[str]
 ) -> dict[str, Tensor | None]:
     """Each gradient where its flag (``masks[2i + 1]``) holds, zeros elsewhere."""
-    return {
-        name: None if grads[name] is None else torch.where(masks[2 * i + 1], grads[name], 0.0)  # type: ignore[arg-type]
-        for i, name in enumerate(names)
-    }
+    present = [(2 * i + 1, name) for i, name in enumerate(names) if grads[name] is not None]
+    chosen = select_where(
+        masks,
+        [position for position, _ in present],
+        [grads[name] for _, name in present],  # type: ignore[misc]
+        None,
+    )
+    return {**grads, **dict(zip((name for _, name in present), chosen, strict=True))}
 
 
 def hold_statistics(
@@ -64,17 +75,53 @@ def hold_statistics(
     has no running value yet, or it is not dense; the caller then reads the flags.
     """
     index = {name: i for i, name in enumerate(layers)}
-    kept = [name for name in new if strategy.keeps_statistics(name)]
-    for name in kept:
+    entries = [(name, key) for name in new if strategy.keeps_statistics(name) for key in new[name]]
+    for name, key in entries:
         layer = layers[name]
-        for key in new[name]:
-            if key not in layer.running or not isinstance(layer.kinds[key], DenseStatistic):
-                return False
-    for name in kept:
-        ok = masks[2 * index[name]]
-        running = layers[name].running
-        new[name] = {key: torch.where(ok, value, running[key]) for key, value in new[name].items()}
+        if key not in layer.running or not isinstance(layer.kinds[key], DenseStatistic):
+            return False
+    chosen = select_where(
+        masks,
+        [2 * index[name] for name, _ in entries],
+        [new[name][key] for name, key in entries],
+        [layers[name].running[key] for name, key in entries],
+    )
+    for (name, key), value in zip(entries, chosen, strict=True):
+        new[name][key] = value
     return True
+
+
+def select_where(
+    flags: Tensor,
+    positions: Sequence[int],
+    tensors: Sequence[Tensor],
+    others: Sequence[Tensor] | None,
+) -> list[Tensor]:
+    """``where(flags[positions[i]], tensors[i], others[i] or 0)`` for every ``i``, in a few
+    launches for any number of tensors: the tensors of one dtype are concatenated, selected
+    against the flags repeated to their sizes, and split back (views of one new buffer)."""
+    results: list[Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault((tensor.dtype, tensor.device), []).append(i)
+    for (_, device), members in groups.items():
+        sizes = tuple(tensors[i].numel() for i in members)
+        flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        wanted = flags.index_select(0, _cached(tuple(positions[i] for i in members), device))
+        keep = wanted.repeat_interleave(_cached(sizes, device), output_size=sum(sizes))
+        if others is None:
+            chosen = torch.where(keep, flat, 0.0)
+        else:
+            chosen = torch.where(keep, flat, torch.cat([others[i].reshape(-1) for i in members]))
+        for i, part in zip(members, chosen.split(sizes), strict=True):
+            results[i] = part.view(tensors[i].shape)
+    return results  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, copied there once for each layout."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 @dataclass

@@ -15,6 +15,7 @@ is logged at INFO, shown by ``describe()`` and saved in checkpoints (:attr:`Laye
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,9 @@ from torch import Tensor
 
 from dkfac.blocks.base import Block, Rows
 from dkfac.solvers.base import Solver, SolverState
-from dkfac.solvers.statistics import Accumulator, StatisticKind
+from dkfac.solvers.statistics import Accumulator, DenseStatistic, StatisticKind
 
-__all__ = ["LayerState", "PendingSink"]
+__all__ = ["LayerState", "PendingSink", "update_running_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -255,3 +256,27 @@ class PendingSink:
     def tensors(self) -> list[Tensor]:
         """Holds no tensor."""
         return []
+
+
+def update_running_all(
+    layers: Mapping[str, LayerState], kept: Mapping[str, Mapping[str, Tensor]], decay: float
+) -> None:
+    """Every kept statistic's running value after this step's (``update_running`` of each
+    layer), the dense ones that already have a value in one multi-tensor
+    ``F ← F + (1 − decay)(F_new − F)`` (one launch on a GPU for any number of layers; the
+    same arithmetic as each kind's own update)."""
+    olds: list[Tensor] = []
+    news: list[Tensor] = []
+    for name, stats in kept.items():
+        layer = layers[name]
+        for key, value in stats.items():
+            old = layer.running.get(key)
+            kind = layer.kinds[key]
+            fusable = type(kind).update_running is DenseStatistic.update_running
+            if fusable and old is not None and decay != 0.0 and old.dtype == value.dtype:
+                olds.append(old)
+                news.append(value)
+            else:
+                layer.running[key] = kind.update_running(old, value, decay)
+    if olds:
+        torch._foreach_lerp_(olds, news, 1.0 - decay)
