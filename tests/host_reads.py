@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _READS = {
     torch.Tensor.item,
@@ -41,4 +42,22 @@ class HostReads(TorchFunctionMode):
             if not caller.filename.endswith(self.exempt):
                 where = f"{caller.filename.rsplit('/', 2)[-1]}:{caller.lineno}"
                 self.reads[(func.__name__, where)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostData(TorchDispatchMode):
+    """Counts tensors made from host data (``torch.tensor(list)``: ``aten.lift_fresh``) by
+    the source line inside ``dkfac`` that made them: on a CUDA device each is a copy from
+    pageable memory that the host waits for. ``exempt`` as for :class:`HostReads`."""
+
+    def __init__(self, exempt: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.made: collections.Counter[str] = collections.Counter()
+        self.exempt = exempt
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.lift_fresh.default:
+            frames = [f for f in traceback.extract_stack() if "/dkfac/" in f.filename]
+            if frames and not frames[-1].filename.endswith(self.exempt):
+                self.made[f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}"] += 1
         return func(*args, **(kwargs or {}))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
-from tests.host_reads import HostReads
+from tests.host_reads import HostData, HostReads
 
 STEPS = 8
 GRAD_NAN_STEP = 3  # a NaN in one layer's gradient
@@ -134,9 +134,9 @@ def _steady_reads(options: dict[str, Any], steps: int) -> list[dict[tuple[str, s
         opt.zero_grad()
         x, y = _batch(step + 100)
         F.cross_entropy(model(x), y).backward()
-        with HostReads(exempt=("device_checks.py",)) as reads:
+        with HostReads(exempt=("device_checks.py",)) as reads, HostData(("launches.py",)) as data:
             opt.step()
-        counts.append(dict(reads.reads))
+        counts.append({**reads.reads, **{("host data", k): n for k, n in data.made.items()}})
     return counts
 
 
@@ -144,7 +144,9 @@ def _steady_reads(options: dict[str, Any], steps: int) -> list[dict[tuple[str, s
 def test_plain_and_factor_steps_read_nothing_on_the_host(method: str) -> None:
     """After the first step (each layer's first capture has no running value to hold, so
     the flags are read once), a step that captures factors and one that does not read no
-    device value; a refresh step still reads (the solvers check each new state)."""
+    device value and makes no tensor from host data (on a GPU, a copy the host waits for;
+    :func:`dkfac.engine.launches.device_constant` copies its constants once, through pinned
+    memory); a refresh step still reads (the solvers check each new state)."""
     options = {"method": method, "factor_update_interval": 2, "inverse_update_interval": 4}
     counts = _steady_reads(options, 8)
     assert counts[0], "the first step reads the flags (nothing to hold yet)"

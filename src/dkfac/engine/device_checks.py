@@ -25,7 +25,6 @@ polled without waiting.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.strategy_base import Strategy
+from dkfac.engine.launches import device_constant
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers.statistics import DenseStatistic
 
@@ -107,8 +107,8 @@ def select_where(
     for (_, device), members in groups.items():
         sizes = tuple(tensors[i].numel() for i in members)
         flat = torch.cat([tensors[i].reshape(-1) for i in members])
-        wanted = flags.index_select(0, _cached(tuple(positions[i] for i in members), device))
-        keep = wanted.repeat_interleave(_cached(sizes, device), output_size=sum(sizes))
+        wanted = flags.index_select(0, device_constant(tuple(positions[i] for i in members), device))
+        keep = wanted.repeat_interleave(device_constant(sizes, device), output_size=sum(sizes))
         if others is None:
             chosen = torch.where(keep, flat, 0.0)
         else:
@@ -116,12 +116,6 @@ def select_where(
         for i, part in zip(members, chosen.split(sizes), strict=True):
             results[i] = part.view(tensors[i].shape)
     return results  # type: ignore[return-value]
-
-
-@functools.lru_cache(maxsize=256)
-def _cached(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """``values`` as an int64 tensor on ``device``, copied there once for each layout."""
-    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 @dataclass

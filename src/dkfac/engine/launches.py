@@ -9,11 +9,27 @@ kernels, and the single forms, chosen for fewer passes, stay.
 
 from __future__ import annotations
 
-import torch
+import functools
 
-__all__ = ["launch_bound"]
+import torch
+from torch import Tensor
+
+__all__ = ["device_constant", "launch_bound"]
 
 
 def launch_bound(device: torch.device) -> bool:
     """Whether ``device`` takes the multi-tensor forms (a CUDA device)."""
     return device.type == "cuda"
+
+
+@functools.lru_cache(maxsize=256)
+def device_constant(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, made once for each ``values``.
+
+    A tensor built from host data on a CUDA device is a copy from pageable memory, which
+    the host waits for: this one goes through pinned memory without waiting (the pinned
+    buffer is kept until the copy has run by PyTorch's host allocator)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

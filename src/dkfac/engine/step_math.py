@@ -15,7 +15,6 @@ preconditioned layer, whichever rank preconditioned it.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -89,15 +88,8 @@ def finite_masks(
     failed = torch.zeros(2 * len(names), dtype=torch.int64, device=device)
     if tensors:  # a check fails where any of its tensors is not finite
         bad = (~finite_each(tensors, device)).long()
-        failed.index_add_(0, _positions(tuple(owners), device), bad)
+        failed.index_add_(0, launches.device_constant(tuple(owners), device), bad)
     return strategy.agree(failed == 0)
-
-
-@functools.lru_cache(maxsize=64)
-def _positions(owners: tuple[int, ...], device: torch.device) -> Tensor:
-    """``owners`` as an index tensor on ``device``, made once for each layout (a copy from
-    the host every step would be a transfer the step waits on)."""
-    return torch.tensor(owners, device=device)
 
 
 def kept_statistics(
