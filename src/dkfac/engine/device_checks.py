@@ -107,7 +107,8 @@ def select_where(
     for (_, device), members in groups.items():
         sizes = tuple(tensors[i].numel() for i in members)
         flat = torch.cat([tensors[i].reshape(-1) for i in members])
-        wanted = flags.index_select(0, device_constant(tuple(positions[i] for i in members), device))
+        where = device_constant(tuple(positions[i] for i in members), device)
+        wanted = flags.index_select(0, where)
         keep = wanted.repeat_interleave(device_constant(sizes, device), output_size=sum(sizes))
         if others is None:
             chosen = torch.where(keep, flat, 0.0)
