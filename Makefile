@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test lint typecheck check clean
+.PHONY: train test lint typecheck check clean benchmarks
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 # The main job: SGD and K-FAC side by side on digits; report in runs/digits/compare.md.
 train: $(STAMP)
 	$(PY) -m dkfac compare --config configs/digits.toml --optimizers sgd,kfac --out runs/digits
+
+# BENCHMARKS.md and its plots, rebuilt from the JSON in benchmarks/results/.
+benchmarks: $(STAMP)
+	$(PY) -m dkfac bench report
 
 test: $(STAMP)
 	$(PY) -m pytest -q
