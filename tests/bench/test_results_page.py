@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dkfac.bench import report, results_page
-from dkfac.bench.report import Section, Table
+from dkfac.bench import page, report, results_page
+from dkfac.bench.page import Section, Table
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -17,20 +17,20 @@ PAGE = ROOT / "BENCHMARKS.md"
 
 
 def test_the_page_is_the_one_built_from_the_json() -> None:
-    built = report.build_page(results_page.HEAD, results_page.SECTIONS, RESULTS)
+    built = page.build_page(results_page.HEAD, results_page.SECTIONS, RESULTS)
     assert PAGE.read_text() == built, "BENCHMARKS.md is stale: run `dkfac bench report`"
 
 
 @pytest.mark.parametrize("section", results_page.SECTIONS, ids=lambda s: s.title)
 def test_every_figure_of_a_section_is_in_its_json(section: Section) -> None:
-    payloads = report.load_sources(section, RESULTS)
-    numbers = report.json_numbers(payloads)
+    payloads = page.load_sources(section, RESULTS)
+    numbers = page.json_numbers(payloads)
     values = section.values(payloads) if section.values else {}
     prose = (section.text + section.notes).format(**values)
     tables = [table(payloads) for table in section.tables]
     # The literal figures of the prose, and the placeholders' values, must be JSON values.
-    literal = report.prose_numbers(section.text + section.notes)
-    missing = [t for t in literal if not report.matches(t, numbers)]
+    literal = page.prose_numbers(section.text + section.notes)
+    missing = [t for t in literal if not page.matches(t, numbers)]
     assert not missing, f"figures of {section.title!r} that no source holds: {missing}"
     assert prose and all(t.rows for t in tables)
 
@@ -51,15 +51,15 @@ def test_the_benchmarks_folder_holds_only_the_plots_the_page_shows() -> None:
 def test_a_figure_that_no_json_holds_is_caught(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text(json.dumps({"summary": {"ratio": 1.234, "steps": 7}}))
     payloads = {"run.json": json.loads((tmp_path / "run.json").read_text())}
-    numbers = report.json_numbers(payloads)
+    numbers = page.json_numbers(payloads)
     # 1.23 and 7 are values (to their decimals); 1.24 and 8 are not; names are skipped.
-    assert [report.matches(t, numbers) for t in ("1.23", "7", "1.24", "8")] == [
+    assert [page.matches(t, numbers) for t in ("1.23", "7", "1.24", "8")] == [
         True,
         True,
         False,
         False,
     ]
-    assert report.prose_numbers("ResNet-20 on an H200 took `3 s`, {x} and 2.5 steps") == ["2.5"]
+    assert page.prose_numbers("ResNet-20 on an H200 took `3 s`, {x} and 2.5 steps") == ["2.5"]
 
 
 def test_a_section_renders_its_table_placeholders_and_provenance(tmp_path: Path) -> None:
@@ -76,10 +76,10 @@ def test_a_section_renders_its_table_placeholders_and_provenance(tmp_path: Path)
         tables=(lambda p: Table(["x"], [[str(p["a.json"]["summary"]["x"])]]),),
         values=lambda p: {"half": str(p["a.json"]["summary"]["x"])},
     )
-    page = report.build_page("# Head", [section], tmp_path)
-    assert "Half is 0.5." in page and "| 0.5 |" in page
-    assert "- 2026-01-02: Some GPU, torch 2, Python 3" in page
-    assert "dkfac bench step --model mlp" in page and "`benchmarks/results/a.json`" in page
+    text = page.build_page("# Head", [section], tmp_path)
+    assert "Half is 0.5." in text and "| 0.5 |" in text
+    assert "- 2026-01-02: Some GPU, torch 2, Python 3" in text
+    assert "dkfac bench step --model mlp" in text and "`benchmarks/results/a.json`" in text
 
 
 def test_check_fails_on_a_stale_page(tmp_path: Path) -> None:

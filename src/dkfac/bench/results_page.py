@@ -4,7 +4,7 @@ How to add a section (or a figure to one):
 
 1. Put the benchmark's JSON under ``benchmarks/results/`` (every ``dkfac bench`` command
    writes one with its ``machine`` and ``command``; keep that file: the page cites it).
-2. Append a :class:`~dkfac.bench.report.Section` to :data:`SECTIONS`: its ``sources`` (the
+2. Append a :class:`~dkfac.bench.page.Section` to :data:`SECTIONS`: its ``sources`` (the
    JSON paths under ``benchmarks/results/``), its ``tables`` (reuse a builder of
    :mod:`dkfac.bench.results_tables` or write one of a few lines), its ``plot`` if any, and
    its prose. A figure in the prose is a ``{placeholder}`` that ``values`` fills from the
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dkfac.bench.report import Payloads, Section
+from dkfac.bench.page import Payloads, Section
 from dkfac.bench.results_tables import (
     amortised,
     comm_table,

@@ -1,7 +1,7 @@
 """The tables and plots of BENCHMARKS.md's sections, each a function of their JSON files.
 
 Each builder takes what it needs to know about the files (their names, row labels) and
-returns a function of the section's payloads, as :class:`~dkfac.bench.report.Section` wants.
+returns a function of the section's payloads, as :class:`~dkfac.bench.page.Section` wants.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from dkfac.bench.report import Payloads, Table
+from dkfac.bench.page import Payloads, Table
 
 
 def f(value: float | None, digits: int = 2) -> str:
