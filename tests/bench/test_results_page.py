@@ -17,7 +17,9 @@ PAGE = ROOT / "BENCHMARKS.md"
 
 
 def test_the_page_is_the_one_built_from_the_json() -> None:
-    built = page.build_page(results_page.HEAD, results_page.SECTIONS, RESULTS)
+    built = page.build_page(
+        results_page.HEAD, results_page.SECTIONS, RESULTS, aliases=results_page.ALIASES
+    )
     assert PAGE.read_text() == built, "BENCHMARKS.md is stale: run `dkfac bench report`"
 
 
@@ -80,6 +82,16 @@ def test_a_section_renders_its_table_placeholders_and_provenance(tmp_path: Path)
     assert "Half is 0.5." in text and "| 0.5 |" in text
     assert "- 2026-01-02: Some GPU, torch 2, Python 3" in text
     assert "dkfac bench step --model mlp" in text and "`benchmarks/results/a.json`" in text
+
+
+def test_a_recorded_program_is_shown_by_its_current_command() -> None:
+    aliases = {"python old.py": "dkfac bench new --flag"}
+    assert page.current_command({"command": "python old.py --x 1"}, aliases) == (
+        "dkfac bench new --flag --x 1"
+    )
+    probe = {"command": "dkfac bench tta --seeds 3", "probe_command": "python old.py tta"}
+    assert page.current_command(probe, aliases) == "dkfac bench new --flag tta"
+    assert page.current_command({"command": "python older.py"}, aliases) == "python older.py"
 
 
 def test_check_fails_on_a_stale_page(tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tta": ("dkfac.bench.tta", "digits: time and steps to a test accuracy, K-FAC and peers"),
     "autoencoder": ("dkfac.bench.autoencoder", "digits autoencoder: loss vs time, K-FAC and peers"),
     "lm": ("dkfac.bench.lm", "byte-level GPT: validation loss vs time, K-FAC and peers"),
+    "lm-interleaved": ("dkfac.bench.interleave", "bench lm with the optimizers' steps interleaved"),
+    "paired": ("dkfac.bench.paired", "paired per-seed loss differences of two optimizers"),
     "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
     "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
     "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),

@@ -90,7 +90,17 @@ def _machine(record: Mapping[str, Any]) -> str:
     return f"{where}, torch {record.get('torch', '?')}, Python {record.get('python', '?')}"
 
 
-def provenance(payloads: Payloads, extra: Sequence[str]) -> str:
+def current_command(payload: Mapping[str, Any], aliases: Mapping[str, str]) -> str:
+    """The command that reproduces ``payload``: its ``probe_command`` (the program that ran
+    it) or ``command``, with a program's recorded name replaced by today's (``aliases``)."""
+    command = str(payload.get("probe_command") or payload["command"])
+    for old, new in aliases.items():
+        if command.startswith(old + " "):
+            return new + command[len(old) :]
+    return command
+
+
+def provenance(payloads: Payloads, extra: Sequence[str], aliases: Mapping[str, str]) -> str:
     """The dates, machines and commands of a section's sources, as markdown."""
     lines: list[str] = []
     seen: set[tuple[str, str]] = set()
@@ -103,13 +113,18 @@ def provenance(payloads: Payloads, extra: Sequence[str]) -> str:
             seen.add(key)
             lines.append(f"- {key[0]}: {key[1]}")
     files = ", ".join(f"`benchmarks/results/{name}`" for name in payloads)
-    commands = [*extra, *(str(p["command"]) for p in payloads.values() if p.get("command"))]
+    commands = [
+        *extra,
+        *(current_command(p, aliases) for p in payloads.values() if p.get("command")),
+    ]
     out = "Measured on:\n\n" + "\n".join(lines) + "\n\n" if lines else ""
     out += f"Results: {files}. Reproduce with:\n\n```\n" + "\n".join(commands) + "\n```"
     return out
 
 
-def render_section(section: Section, payloads: Payloads, plots: str) -> str:
+def render_section(
+    section: Section, payloads: Payloads, plots: str, aliases: Mapping[str, str]
+) -> str:
     """One section of the page."""
     values = section.values(payloads) if section.values else {}
     parts = [f"## {section.title}", section.text.format(**values).strip()]
@@ -118,19 +133,26 @@ def render_section(section: Section, payloads: Payloads, plots: str) -> str:
         parts.append(section.notes.format(**values).strip())
     if section.plot:
         parts.append(f"![{section.title}]({plots}/{section.plot[0]})")
-    parts.append(provenance(payloads, section.commands))
+    parts.append(provenance(payloads, section.commands, aliases))
     return "\n\n".join(parts)
 
 
 def build_page(
-    head: str, sections: Sequence[Section], results: Path, plots: str = "benchmarks"
+    head: str,
+    sections: Sequence[Section],
+    results: Path,
+    plots: str = "benchmarks",
+    aliases: Mapping[str, str] | None = None,
 ) -> str:
-    """The whole results page: ``head``, a list of the sections, then each section."""
+    """The whole results page: ``head``, a list of the sections, then each section.
+
+    ``aliases`` maps the name a recorded command used for a program to today's name.
+    """
     contents = "\n".join(
         f"- [{s.title}](#{re.sub(r'[^a-z0-9 -]', '', s.title.lower()).replace(' ', '-')})"
         for s in sections
     )
-    body = [render_section(s, load_sources(s, results), plots) for s in sections]
+    body = [render_section(s, load_sources(s, results), plots, aliases or {}) for s in sections]
     return "\n\n".join([head.strip(), contents, *body]) + "\n"
 
 

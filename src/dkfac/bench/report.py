@@ -38,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not results.is_dir():
         parser.error(f"--results {args.results!r} is not a folder")
     try:
-        page = build_page(results_page.HEAD, results_page.SECTIONS, results)
+        page = build_page(
+            results_page.HEAD, results_page.SECTIONS, results, aliases=results_page.ALIASES
+        )
     except (OSError, KeyError, ValueError) as err:
         print(f"dkfac bench report: cannot build the page: {err!r}", file=sys.stderr)
         return 2

@@ -55,6 +55,18 @@ the exact command. How to add a section: `src/dkfac/bench/results_page.py`. What
 and did not win: [docs/tried.md](docs/tried.md).
 """
 
+ALIASES = {
+    "python benchmarks/probes/lm_interleaved.py": "dkfac bench lm-interleaved --muon-dtype float32",
+    "python benchmarks/probes/lm_paired.py": "dkfac bench paired",
+    **{
+        f"python benchmarks/probes/muon_float32.py {task}": (
+            f"dkfac bench {task} --muon-dtype float32"
+        )
+        for task in ("tta", "autoencoder", "lm")
+    },
+}
+"""The programs some results were recorded with -> the command that runs them today."""
+
 CPU_RUNS = {
     "eigen_adam": tuple(f"step_resnet20_cpu_launches_eigen_adam_after_{i}.json" for i in (1, 2, 3)),
     "eigen": tuple(f"step_resnet20_cpu_launches_eigen_after_{i}.json" for i in (1, 2)),
@@ -177,7 +189,7 @@ optimizer at the best lr of an equal grid swept over three seeds. The dkfac reci
 samples, a Kronecker-structured basis for the first linear layer); the `for_model` default
 is `KFACOptimizer.for_model(model)` as shipped. `torch.optim.Muon` runs its Newton–Schulz
 iteration in bf16, which an AVX2 CPU emulates at many times float32's cost; the last run
-gives Muon a float32 iteration (`benchmarks/probes/muon_float32.py`).
+gives Muon a float32 iteration (`--muon-dtype float32`).
 """,
         tables=(peers_table(TTA_RUNS, "tta"),),
         plot=("tta_digits.png", plot_with("tta", TTA_RUNS["AVX-512 CPU, split 0"])),
@@ -207,7 +219,7 @@ standard library's source: validation loss (nats per byte) after 60 seconds of t
 medians over seeds, the optimizers' steps interleaved so that the machine's drift hits all
 alike. The dkfac recipe is `benchmarks/recipes/gpt-text.toml` (`eigen_adam` with Muon's
 orthogonalised step on the blocks' matrices, Adam on the embeddings and the head). Muon runs
-in float32 on the AVX2 CPU (`benchmarks/probes/muon_float32.py`) and as shipped (bf16) on
+in float32 on the AVX2 CPU (`--muon-dtype float32`) and as shipped (bf16) on
 the AMX CPU. The texts differ between machines, so compare losses within a run.
 """,
         tables=(peers_table(LM_RUNS, "lm"), paired_table(LM_PAIRED)),
@@ -220,8 +232,8 @@ ahead at equal steps, with a step that costs more than Muon's.
         values=_lm_values,
         plot=("lm_gpt.png", plot_with("lm", LM_RUNS["AVX2 CPU, seeds 150–152"])),
         commands=(
-            "python benchmarks/probes/lm_paired.py --first gpt-text --second muon --at-step 75 "
-            "--seconds 60 --out benchmarks/results/lm_paired_recipe_muon_60s.json "
+            "dkfac bench paired --first gpt-text --second muon --at-step 75 --seconds 60 "
+            "--out benchmarks/results/lm_paired_recipe_muon_60s.json "
             "benchmarks/results/lm_gpt_interleaved_*_seeds*.json",
         ),
     ),
