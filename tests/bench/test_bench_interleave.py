@@ -58,7 +58,7 @@ def test_interleaving_needs_no_sweep(text_folder: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as info:
         interleave.main([*TINY, "--text-path", str(text_folder)])
     assert info.value.code == 2
-    assert "pass --no-sweep" in capsys.readouterr().err
+    assert "pass --no-sweep" in capsys.readouterr().err.splitlines()[-1]
 
 
 def _lm_file(path: Path, seconds: float, losses: dict[str, list[tuple[int, float]]]) -> str:

@@ -21,10 +21,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
-from dkfac.app.cifar import DataError
-from dkfac.app.devices import pick_device
 from dkfac.bench import lm
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.sweep import build_specs, split_available
@@ -71,18 +67,7 @@ def run(args: argparse.Namespace, task: lm.TextTask) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench lm-interleaved``: ``bench lm``'s flags and output."""
-    parser = lm.build_parser()
-    parser.prog = "dkfac bench lm-interleaved"
-    args = parser.parse_args(argv)
-    lm.validate(parser, args)
-    if not args.no_sweep:
-        parser.error("the interleaved bench runs each optimizer's first lr: pass --no-sweep")
-    try:
-        task = lm.load_task(args, pick_device(args.device))
-    except DataError as error:
-        parser.error(str(error))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args, task = lm.prepare(argv, "dkfac bench lm-interleaved", sweeps=False)
     payload = run(args, task)
     write_result(args.name, payload, args.out_dir, command_line("dkfac bench lm-interleaved", argv))
     if args.plot:
