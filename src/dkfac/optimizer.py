@@ -105,7 +105,7 @@ class KFACOptimizer(Optimizer):
         weight_decay: float = 0.0,
         **options: Any,
     ) -> KFACOptimizer:
-        """The best general method for ``model``, built from the model alone.
+        """dkfac's recommended default for ``model``, built from the model alone.
 
         :data:`DEFAULT_OPTIONS` (``method="eigen_adam"``, see there) with ``options`` over
         them, under ``torch.optim.SGD(lr=lr, momentum=0, weight_decay=weight_decay)``: the
@@ -114,6 +114,15 @@ class KFACOptimizer(Optimizer):
         not take (LayerNorm, raw ``nn.Parameter``s; ``pre.describe()`` lists them) get
         Adam's direction on their raw gradient (``leftover_update``), so the same SGD steps
         them as AdamW at ``lr`` would.
+
+        The same advice holds for a transformer: use this, adding
+        ``loss_average="positions"`` when the loss is a mean over every token, and a large
+        vocabulary's head in ``skip_layers``. The tuned configurations measured against
+        AdamW, Muon and SOAP are in ``benchmarks/recipes/`` (docs/transformers.md shows the
+        language model's as options of this method).
+
+        Example:
+            >>> opt = KFACOptimizer.for_model(model)  # doctest: +SKIP
 
         Args:
             model: The model to train (its trainable parameters go to the inner SGD).

@@ -122,7 +122,7 @@ def test_train_for_times_only_training_steps(text_folder: Path) -> None:
 
 
 def test_interleaved_steps_give_each_run_its_own_results(text_folder: Path) -> None:
-    """Two runs stepped in turn (as benchmarks/probes/lm_interleaved.py does) give each the
+    """Two runs stepped in turn (as ``dkfac bench lm-interleaved`` does) give each the
     trace ``train_for`` gives it alone: its own model, batches and clock."""
     task = lm.load_task(_args(text_folder, "--batch-size", "4", "--eval-batches", "1"))
     specs = [OptimizerSpec("adamw", "adamw", [0.01]), OptimizerSpec("sgd", "sgd", [0.1])]

@@ -31,8 +31,9 @@ from dkfac.app.runconfig import (
 from dkfac.app.schedules import SCHEDULES, parse_piecewise
 from dkfac.app.text import DEFAULT_GLOB, DEFAULT_TEXT_BYTES
 from dkfac.config import check_schedule_value
+from dkfac.optimizer import DEFAULT_OPTIONS
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "kfac", "kfac-adam")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "kfac", "kfac-adam", "dkfac")
 AMP_MODES = ("none", "bf16", "fp16")
 MIXUP_MODES = ("standard", "running")
 EXTERNAL = {"bench": "dkfac.bench", "plan": "dkfac.app.plan"}
@@ -132,7 +133,10 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default="kfac",
-        help="kfac = K-FAC + SGD, kfac-adam = K-FAC + Adam (default: kfac)",
+        help="dkfac = KFACOptimizer.for_model, the recommended default (the K-FAC flags that "
+        "differ from KFACPreconditioner's defaults change it); kfac = K-FAC + SGD, kfac-adam "
+        "= K-FAC + Adam; muon = torch.optim.Muon on the hidden weights, AdamW on the rest "
+        "(default: kfac)",
     )
     g.add_argument("--epochs", type=int, default=15, help="epochs (default: 15)")
     g.add_argument("--steps", type=opt(int), default=None, help="stop after this many steps")
@@ -140,6 +144,20 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=64, help="global samples per optimizer step (default: 64)"
     )
     g.add_argument("--lr", type=float, default=0.05, help="base learning rate (default: 0.05)")
+    g.add_argument(
+        "--lrs",
+        nargs="*",
+        default=[],
+        metavar="OPTIMIZER=LR",
+        help="learning rates per optimizer, e.g. adamw=0.003 muon=0.05: the one named by "
+        "--optimizer (each of --optimizers in compare) replaces --lr",
+    )
+    g.add_argument(
+        "--muon-adamw-lr",
+        type=float,
+        default=1e-3,
+        help="--optimizer muon: the lr of AdamW on the parameters Muon leaves (default: 1e-3)",
+    )
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum / Adam beta1")
     g.add_argument(
         "--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum"
@@ -284,6 +302,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--overwrite starts the run folder afresh; it cannot go with --resume")
     _check_recipe(args, parser)
     _check_language_model(args, parser)
+    _check_lrs(args, parser)
     if args.command == "compare":
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         bad = [n for n in names if n not in OPTIMIZERS]
@@ -297,6 +316,27 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     _check_kfac(args, parser)
 
 
+def _check_lrs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--lrs NAME=LR ...``: known optimizers, once each, finite rates > 0; applied to
+    ``args.lr`` for ``train`` (``compare`` applies them per optimizer)."""
+    rates: dict[str, float] = {}
+    for item in args.lrs:
+        name, _, value = str(item).partition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = float("nan")
+        if name not in OPTIMIZERS or name in rates or not 0 < rate < float("inf"):
+            parser.error(
+                f"--lrs takes OPTIMIZER=LR with an optimizer from {', '.join(OPTIMIZERS)} "
+                f"(each once) and a finite LR > 0, got {item!r}"
+            )
+        rates[name] = rate
+    args.lrs = [f"{name}={rate!r}" for name, rate in rates.items()]
+    if args.command == "train" and args.optimizer in rates:
+        args.lr = rates[args.optimizer]
+
+
 def _check_kfac(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """The K-FAC flags: :class:`KFACConfig`'s own checks, schedules, ``--skip-layers`` regexes."""
     for pattern in args.skip_layers:
@@ -304,8 +344,12 @@ def _check_kfac(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
             re.compile(pattern)
         except re.error as err:
             parser.error(f"--skip-layers {pattern!r} is not a regular expression: {err}")
+    names = args.optimizers.split(",") if args.command == "compare" else [args.optimizer]
+    kfac = [n for n in names if n.startswith("kfac") or n == "dkfac"]
+    # Checked as `dkfac` reads them when it is the only K-FAC optimizer of the run.
+    defaults = DEFAULT_OPTIONS if kfac == ["dkfac"] else None
     try:
-        kfac_config_from_args(args)
+        kfac_config_from_args(args, defaults=defaults)
         for name, value in vars(args).items():
             if name.endswith("_schedule") and value is not None:
                 field = name.removesuffix("_schedule")
@@ -351,6 +395,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """
     parser, subs = build_parser()
     argv = list(argv)
+    typed = list(argv)  # as given, before the config file's values are merged in
     first, _ = parser.parse_known_args(argv)
     if first.command is None:
         parser.print_usage(sys.stderr)
@@ -367,6 +412,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         at = argv.index(first.command) + 1
         argv = [*argv[:at], *tokens, *argv[at:]]
     args = parser.parse_args(argv)
+    if any(a == "--lr" or a.startswith("--lr=") for a in typed):
+        # --lr on the command line wins over the config file's --lrs entry for this run.
+        args.lrs = [e for e in args.lrs if not str(e).startswith(f"{args.optimizer}=")]
     _check(args, sub)
     return args
 

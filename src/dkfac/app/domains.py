@@ -90,6 +90,7 @@ DOMAINS: dict[str, Domain] = {
     "eval_every": COUNT,
     "seed": Domain(0, SEED_MAX),
     "lr": Domain(0.0, low_open=True),
+    "muon_adamw_lr": Domain(0.0, low_open=True),
     "momentum": Domain(0.0, 1.0, high_open=True),
     "weight_decay": Domain(0.0),
     "warmup_epochs": Domain(0.0),

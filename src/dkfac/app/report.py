@@ -277,9 +277,16 @@ def _cell(value: Any) -> str:
 
 
 def markdown_table(rows: Sequence[Record]) -> str:
-    """A markdown table of :func:`run_summary` rows."""
+    """A markdown table of :func:`run_summary` rows.
+
+    With a target accuracy the table leads with the time and steps to it, fastest first (runs
+    that never reached it last, in their given order); without one, rows keep their order.
+    """
+    target = rows[0]["target_accuracy"] if rows else None
+    lead = [("seconds_to_target", "s to target"), ("steps_to_target", "steps to target")]
     columns = [
         ("optimizer", "optimizer"),
+        *(lead if target is not None else []),
         ("final_accuracy", "final test acc"),
         ("best_accuracy", "best test acc"),
         ("final_loss", "final test loss"),
@@ -287,20 +294,26 @@ def markdown_table(rows: Sequence[Record]) -> str:
         ("steps", "steps"),
         ("train_seconds", "train s"),
         ("seconds_per_step", "s/step"),
-        ("steps_to_target", "steps to target"),
-        ("seconds_to_target", "s to target"),
     ]
     columns = [
         (key, head)
         for key, head in columns
         if key != "final_bits_per_byte" or any(row.get(key) is not None for row in rows)
     ]
+    if target is not None:
+        rows = sorted(
+            rows, key=lambda r: (r["seconds_to_target"] is None, r["seconds_to_target"] or 0)
+        )
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row[k]) for k, _ in columns) + " |")
-    target = rows[0]["target_accuracy"] if rows else None
-    note = f"\nTarget test accuracy: {target}.\n" if target is not None else "\n"
-    return "\n".join(lines) + "\n" + note
+    head = (
+        f"Time to test accuracy {target} (training seconds, evaluations not counted), "
+        "fastest first.\n\n"
+        if target is not None
+        else ""
+    )
+    return head + "\n".join(lines) + "\n"
 
 
 def write_comparison(

@@ -213,8 +213,15 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
             )
 
 
-def kfac_config_from_args(args: argparse.Namespace, steps_per_epoch: int = 1) -> KFACConfig:
+def kfac_config_from_args(
+    args: argparse.Namespace,
+    steps_per_epoch: int = 1,
+    defaults: collections.abc.Mapping[str, Any] | None = None,
+) -> KFACConfig:
     """The :class:`KFACConfig` of parsed arguments, with schedules bound to the epoch length.
+
+    ``defaults`` (e.g. :data:`dkfac.optimizer.DEFAULT_OPTIONS`) replaces the value of every
+    field it names whose flag was left at :class:`KFACConfig`'s default.
 
     Raises:
         ValueError / TypeError: From :class:`KFACConfig` validation.
@@ -231,6 +238,8 @@ def kfac_config_from_args(args: argparse.Namespace, steps_per_epoch: int = 1) ->
         if text is not None:
             integer = "interval" in field.name or hints[field.name] is int
             value = piecewise_by_step(text, steps_per_epoch, integer=integer)
+        elif defaults and field.name in defaults and value == _field_default(field):
+            value = defaults[field.name]
         values[field.name] = value
     return KFACConfig(**values)
 

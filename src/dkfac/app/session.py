@@ -28,10 +28,11 @@ from torch import Tensor, nn
 from dkfac.app.data import DataError, Splits, load_dataset, random_crop_flip, shard_indices
 from dkfac.app.gpt import gpt_options
 from dkfac.app.models import ModelError, SmallCNN, build_model
+from dkfac.app.muon import MuonAdamW
 from dkfac.app.recipe import RunningMixup, mixing_weight, rescale_weights, scale_momentum
 from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.app.schedules import make_lr_lambda
-from dkfac.optimizer import KFACOptimizer
+from dkfac.optimizer import DEFAULT_OPTIONS, KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -170,7 +171,21 @@ def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
         model = nn.parallel.DistributedDataParallel(bare, device_ids=ids)
     scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
     opt: torch.optim.Optimizer
-    if args.optimizer in ("sgd", "kfac"):
+    pre = None
+    if args.optimizer == "dkfac":
+        opt = _default_kfac(args, model, scaler, steps_per_epoch)
+        pre = opt.preconditioner
+    elif args.optimizer == "muon":
+        if scaler is not None:
+            raise UsageError("--optimizer muon does not run under --amp fp16 (use bf16)")
+        opt = MuonAdamW(
+            bare,
+            args.lr,
+            adamw_lr=args.muon_adamw_lr,
+            momentum=args.momentum,
+            weight_decay=args.weight_decay,
+        )
+    elif args.optimizer in ("sgd", "kfac"):
         opt = torch.optim.SGD(
             bare.parameters(),
             lr=args.lr,
@@ -198,7 +213,6 @@ def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lam)
     if getattr(args, "momentum_scale_with_lr", False):
         scale_momentum(opt, args.momentum)
-    pre = None
     if args.optimizer.startswith("kfac"):
         config = kfac_config_from_args(args, steps_per_epoch)
         try:
@@ -352,3 +366,25 @@ def evaluate(run: Session) -> tuple[float, float | None]:
     run.bare.train()
     loss, correct, count = all_sum(sums, run.device)
     return loss / max(count, 1), None if run.reconstruct else correct / max(count, 1)
+
+
+def _default_kfac(
+    args: argparse.Namespace,
+    model: nn.Module,
+    scaler: torch.amp.GradScaler | None,
+    steps_per_epoch: int,
+) -> KFACOptimizer:
+    """``--optimizer dkfac``: :meth:`KFACOptimizer.for_model` at ``--lr``/``--weight-decay``.
+
+    The K-FAC flags left at ``KFACPreconditioner``'s defaults take ``for_model``'s
+    (:data:`~dkfac.optimizer.DEFAULT_OPTIONS`); the others are passed on over them.
+    """
+    config = kfac_config_from_args(args, steps_per_epoch, defaults=DEFAULT_OPTIONS)
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    del options["lr"]  # the inner SGD's, fed to the preconditioner by KFACOptimizer
+    try:
+        return KFACOptimizer.for_model(
+            model, args.lr, weight_decay=args.weight_decay, grad_scaler=scaler, **options
+        )
+    except (TypeError, ValueError) as err:  # options that do not fit this model / world
+        raise UsageError(f"K-FAC options: {err}") from None

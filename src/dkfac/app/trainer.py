@@ -291,6 +291,12 @@ def train(
     return RunResult(folder if main else None, writer.records, final, run.bare, step, problem)
 
 
+def optimizer_lr(args: argparse.Namespace, name: str) -> float:
+    """The learning rate of optimizer ``name``: its ``--lrs`` entry, else ``--lr``."""
+    rates = dict(str(item).split("=", 1) for item in args.lrs)
+    return float(rates[name]) if name in rates else float(args.lr)
+
+
 def compare(args: argparse.Namespace, beacon: Beacon | None = None) -> dict[str, RunResult]:
     """Trains once per ``--optimizers`` entry on the same data and seed; writes the report."""
     rank, world = session.world_info()
@@ -299,6 +305,7 @@ def compare(args: argparse.Namespace, beacon: Beacon | None = None) -> dict[str,
     for name in args.optimizers.split(","):
         sub = copy.copy(args)
         sub.optimizer, sub.out = name, str(folder / name)
+        sub.lr = optimizer_lr(args, name)
         results[name] = train(sub, label=f"[{name}] ", beacon=beacon)
     if rank == 0:
         runs = {name: result.records for name, result in results.items()}

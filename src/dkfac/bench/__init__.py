@@ -12,6 +12,7 @@ does not break the others.
     python -m dkfac.bench tta --recipe benchmarks/recipes/digits-cnn.toml   # a K-FAC recipe
     python -m dkfac.bench comm      # and: memory
     python -m dkfac.bench soak --steps 10000 --method eigen
+    python -m dkfac.bench report    # BENCHMARKS.md and its plots from benchmarks/results/
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tta": ("dkfac.bench.tta", "digits: time and steps to a test accuracy, K-FAC and peers"),
     "autoencoder": ("dkfac.bench.autoencoder", "digits autoencoder: loss vs time, K-FAC and peers"),
     "lm": ("dkfac.bench.lm", "byte-level GPT: validation loss vs time, K-FAC and peers"),
+    "lm-interleaved": ("dkfac.bench.interleave", "bench lm with the optimizers' steps interleaved"),
+    "paired": ("dkfac.bench.paired", "paired per-seed loss differences of two optimizers"),
     "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
     "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
     "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),
     "soak": ("dkfac.bench.soak", "thousands of K-FAC steps on gloo ranks: resident memory"),
+    "report": ("dkfac.bench.report", "BENCHMARKS.md and its plots from benchmarks/results/"),
 }
 """Sub-benchmark name -> (``module`` or ``module:function``, one-line description)."""
 

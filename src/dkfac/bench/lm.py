@@ -403,17 +403,29 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(message)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``dkfac bench lm``."""
+def prepare(
+    argv: list[str] | None, prog: str = "dkfac bench lm", sweeps: bool = True
+) -> tuple[argparse.Namespace, TextTask]:
+    """Parses and checks the flags, sets the threads and loads the text (exit 2 on bad input;
+    without ``sweeps``, ``--no-sweep`` is required)."""
     p = build_parser()
+    p.prog = prog
     args = p.parse_args(argv)
     validate(p, args)
+    if not sweeps and not args.no_sweep:
+        p.error("this bench runs each optimizer's first lr: pass --no-sweep")
     try:
         task = load_task(args, pick_device(args.device))
     except DataError as error:
         p.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
+    return args, task
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dkfac bench lm``."""
+    args, task = prepare(argv)
     payload = run(args, task)
     write_result(args.name, payload, args.out_dir, command_line("dkfac bench lm", argv))
     if args.plot:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dkfac.bench.common import parse_options
+from dkfac.bench.muon_precision import use_float32_muon
 from dkfac.bench.peers import (
     KINDS,
     PEER_OPTIONS,
@@ -74,6 +75,13 @@ def add_peer_arguments(
         aliases: Kind -> an older spelling of its grid flag that stays accepted.
         optimizers: The kinds run unless ``--optimizers`` says otherwise.
     """
+    parser.add_argument(
+        "--muon-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="precision of Muon's Newton-Schulz iteration: bfloat16 (torch.optim.Muon as "
+        "shipped) or float32 (for a CPU that emulates bf16)",
+    )
     parser.add_argument(
         "--optimizers",
         nargs="+",
@@ -218,6 +226,9 @@ def check_peer_flags(
 ) -> None:
     """The checks every peer benchmark makes of its flags, each a one-line ``parser.error``.
 
+    With ``--muon-dtype float32`` it also switches Muon's iteration to float32 for the process
+    (:mod:`dkfac.bench.muon_precision`).
+
     Args:
         parser: The benchmark's parser.
         args: Its parsed flags.
@@ -228,6 +239,8 @@ def check_peer_flags(
         default_kfac: As for :func:`build_specs`, which checks the optimizers last.
         task_options: As for :func:`build_specs`.
     """
+    if getattr(args, "muon_dtype", "bfloat16") == "float32":
+        use_float32_muon()  # every Muon run of this process
     if any(getattr(args, name) <= 0 for name in positive):
         flags = [f"--{name.replace('_', '-')}" for name in positive]
         listed = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"

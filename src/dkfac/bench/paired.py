@@ -1,15 +1,15 @@
-"""Probe: paired differences of two optimizers' validation loss over seeds, from bench JSONs.
+"""``dkfac bench paired``: two optimizers' validation loss, seed by seed, from ``bench lm`` JSONs.
 
-Reads ``dkfac bench lm`` or ``lm_interleaved.py`` result files and, for every seed that both
-``--first`` and ``--second`` (their run labels in the JSON's ``runs``, e.g. ``gpt-text`` and
-``muon``) ran, takes ``first − second`` of the final loss (at the run's time budget) and,
-with ``--at-step N``, of the loss at step ``N`` where both traces have it. Prints each
-pair, then the mean, its standard error, the median and how many are below zero;
-``--out`` writes the same as JSON. This is how BENCHMARKS.md pools paired seeds
-(sections 29 and 30); a seed present in several files is counted once (the first file).
+Reads ``dkfac bench lm`` or ``dkfac bench lm-interleaved`` result files and, for every seed that
+both ``--first`` and ``--second`` (their run labels in the JSON's ``runs``, e.g. ``gpt-text``
+and ``muon``) ran, takes ``first − second`` of the final loss (at the run's time budget) and,
+with ``--at-step N``, of the loss at step ``N`` where both traces have it. Prints each pair,
+then the mean, its standard error, the median and how many are below zero; ``--out`` writes
+the same as JSON. A seed present in several files is counted once (the first file).
 
-    python benchmarks/probes/lm_paired.py --first gpt-text --second muon --at-step 75 \\
-        --seconds 60 benchmarks/results/lm_gpt_interleaved_*_seeds*.json
+    dkfac bench paired --first gpt-text --second muon --at-step 75 --seconds 60 \
+        --out benchmarks/results/lm_paired_recipe_muon_60s.json \
+        benchmarks/results/lm_gpt_interleaved_*_seeds*.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import json
 import math
 import statistics
 from typing import Any
+
+__all__ = ["main", "pairs", "summary"]
 
 
 def loss_at(run: dict[str, Any], step: int) -> float | None:
@@ -81,9 +83,9 @@ def pairs(
     return rows
 
 
-def main() -> None:
-    """Parses the arguments, prints the pairs and their summary."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dkfac bench paired``: prints the pairs and their summary."""
+    parser = argparse.ArgumentParser(prog="dkfac bench paired", description=__doc__.split("\n")[0])
     parser.add_argument("--first", required=True, help="run label whose loss is subtracted from")
     parser.add_argument("--second", required=True, help="run label subtracted")
     parser.add_argument("--at-step", type=int, help="also compare the losses at this step")
@@ -92,7 +94,7 @@ def main() -> None:
     )
     parser.add_argument("--out", help="also write the pairs and summaries to this JSON file")
     parser.add_argument("files", nargs="+")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = pairs(args.files, args.first, args.second, args.at_step, args.seconds)
     if not rows:
         parser.exit(2, f"no seed has both {args.first!r} and {args.second!r} in these files\n")
@@ -114,6 +116,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=1)
+    return 0
 
 
 def _text(s: dict[str, Any]) -> str:
@@ -123,7 +126,3 @@ def _text(s: dict[str, Any]) -> str:
         f"{s['pairs']} pairs, mean {s['mean']:+.4f} (standard error {s['standard_error']:.4f}), "
         f"median {s['median']:+.4f}, below zero on {s['below_zero']}"
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,267 @@
+"""The sections of BENCHMARKS.md: which JSON each reads, its tables, plot and prose.
+
+How to add a section (or a figure to one):
+
+1. Put the benchmark's JSON under ``benchmarks/results/`` (every ``dkfac bench`` command
+   writes one with its ``machine`` and ``command``; keep that file: the page cites it).
+2. Append a :class:`~dkfac.bench.page.Section` to :data:`SECTIONS`: its ``sources`` (the
+   JSON paths under ``benchmarks/results/``), its ``tables`` (reuse a builder of
+   :mod:`dkfac.bench.results_tables` or write one of a few lines), its ``plot`` if any, and
+   its prose. A figure in the prose is a ``{placeholder}`` that ``values`` fills from the
+   JSON, or a literal number the JSON holds.
+3. Run ``dkfac bench report`` (``make benchmarks``) and commit the page, the plot and the
+   JSON. ``tests/bench/test_results_page.py`` fails until the page is the one built from
+   the JSON and every literal figure of the prose is in the section's files.
+
+A newer result replaces the old one in its section (change ``sources``); nothing
+superseded stays on the page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dkfac.bench.page import Payloads, Section
+from dkfac.bench.results_tables import (
+    amortised,
+    comm_table,
+    cpu_step_table,
+    f,
+    gpu_step_table,
+    lm_phases_table,
+    paired_table,
+    peers_table,
+    plot_comm,
+    plot_soak,
+    plot_step,
+    plot_with,
+    soak_table,
+)
+
+__all__ = ["HEAD", "SECTIONS"]
+
+HEAD = """
+# Benchmarks
+
+The current results of dkfac against the optimizers a user would pick instead (AdamW, Muon,
+SOAP) and against plain SGD, one section per benchmark. Every comparison is measured side by
+side in one run (the contenders' steps interleaved where the machine drifts), with medians
+over seeds and repeats; CPU runs use one torch thread. Read ratios and step counts across
+tables, not absolute times: the machines differ.
+
+This page is generated: `dkfac bench report` (or `make benchmarks`) rebuilds it and its
+plots from the JSON files in `benchmarks/results/`, which hold every repeat, the machine and
+the exact command. How to add a section: `src/dkfac/bench/results_page.py`. What was tried
+and did not win: [docs/tried.md](docs/tried.md).
+"""
+
+ALIASES = {
+    "python benchmarks/probes/lm_interleaved.py": "dkfac bench lm-interleaved --muon-dtype float32",
+    "python benchmarks/probes/lm_paired.py": "dkfac bench paired",
+    **{
+        f"python benchmarks/probes/muon_float32.py {task}": (
+            f"dkfac bench {task} --muon-dtype float32"
+        )
+        for task in ("tta", "autoencoder", "lm")
+    },
+}
+"""The programs some results were recorded with -> the command that runs them today."""
+
+CPU_RUNS = {
+    "eigen_adam": tuple(f"step_resnet20_cpu_launches_eigen_adam_after_{i}.json" for i in (1, 2, 3)),
+    "eigen": tuple(f"step_resnet20_cpu_launches_eigen_after_{i}.json" for i in (1, 2)),
+}
+
+H200 = "h200_2026_11_28/"
+GPU_MODELS = {
+    "ResNet-20": H200 + "step_resnet20_cuda.json",
+    "ResNet-32": H200 + "step_resnet32_cuda.json",
+    "ResNet-56": H200 + "step_resnet56_cuda.json",
+    "ResNet-20, `eigen_adam`": H200 + "step_resnet20_cuda_eigen_adam.json",
+    "GPT 4 × 128, batch 32 × 128, `eigen_adam`": H200 + "step_gpt_cuda_eigen_adam.json",
+    "ResNet-50 224², bf16 autocast, 32-sample bf16 factors": (
+        "h200_2026_11_27/step_resnet50_cuda_bf16.json"
+    ),
+}
+LM_PHASES = H200 + "lm_phases_cuda.json"
+
+TTA_RUNS = {
+    "AVX-512 CPU, split 0": "tta_digits_v7.json",
+    "AVX-512 CPU, split 1": "tta_digits_v7_split1.json",
+    "AVX2 CPU (bf16 emulated)": "tta_digits_v9_avx2.json",
+    "AVX2 CPU, Muon in float32": "tta_muon_float32_avx2.json",
+}
+AE_RUNS = {
+    "AVX-512 CPU, seeds 0–2": "autoencoder_digits_v12.json",
+    "AVX-512 CPU, held-out seeds": "autoencoder_digits_v13_heldout_split1.json",
+    "AVX2 CPU, Muon in float32": "autoencoder_muon_float32_avx2.json",
+}
+LM_RUNS = {
+    "AVX2 CPU, seeds 150–152": "lm_gpt_interleaved_peers_avx2_seeds150.json",
+    "AVX2 CPU, nine seeds from 240": "lm_gpt_interleaved_muon32_avx2_seeds240.json",
+    "AMX CPU (H200 host), Muon in bf16": (
+        "h200_2026_11_27/lm_gpt_interleaved_h200host_seeds200.json"
+    ),
+}
+LM_PAIRED = "lm_paired_recipe_muon_60s.json"
+SOAK_RUNS = {
+    "eigen": "soak-digits-2ranks.json",
+    "cholesky": "soak-digits-2ranks-cholesky.json",
+    "smw": "soak-digits-2ranks-smw.json",
+    "auto": "soak-digits-2ranks-auto.json",
+}
+
+
+def _cpu_values(p: Payloads) -> dict[str, str]:
+    sgd = [p[n]["summary"]["sgd_seconds"] for n in CPU_RUNS["eigen_adam"]]
+    return {"sgd": f(min(sgd)), "sgd_high": f(max(sgd))}
+
+
+def _gpu_values(p: Payloads) -> dict[str, str]:
+    r20 = amortised(p[GPU_MODELS["ResNet-20"]], "10,100")
+    gpt = amortised(p[GPU_MODELS["GPT 4 × 128, batch 32 × 128, `eigen_adam`"]], "10,100")
+    phases = p[LM_PHASES]["phases"]
+    recipe = phases["benchmarks/recipes/gpt-text.toml"]["total_ms"] / phases["muon"]["total_ms"]
+    return {
+        "r20_sgd": f(r20["ratio_to_sgd"]),
+        "r20_adamw": f(r20["ratio_to_adamw"]),
+        "gpt_adamw": f(gpt["ratio_to_adamw"]),
+        "lm_vs_muon": f(recipe),
+    }
+
+
+def _lm_values(p: Payloads) -> dict[str, Any]:
+    nine = p[LM_RUNS["AVX2 CPU, nine seeds from 240"]]["summary"]
+    final = p[LM_PAIRED]["final"]
+    return {
+        "nine_recipe": f(nine["gpt-text"]["median_final_loss"], 3),
+        "nine_muon": f(nine["muon"]["median_final_loss"], 3),
+        "pairs": final["pairs"],
+        "mean": f(final["mean"], 3),
+        "se": f(final["standard_error"], 3),
+        "below": final["below_zero"],
+    }
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        title="Per-step cost on a CPU",
+        sources=(*CPU_RUNS["eigen_adam"], *CPU_RUNS["eigen"]),
+        text="""
+CIFAR ResNet-20 on random 32×32 inputs, batch 128, one thread: SGD, AdamW and the K-FAC step
+kinds (precondition only, with a factor update, with a basis refresh) measured interleaved
+on one batch; a schedule "factors every f steps, basis every i" costs the exact amortisation
+of the three kinds. `eigen_adam` is the `for_model` preconditioner with power refresh and
+`rotation_dtype="auto"`. SGD's step took {sgd}–{sgd_high} s on this machine.
+""",
+        tables=(cpu_step_table(CPU_RUNS),),
+        values=_cpu_values,
+        plot=("step_resnet20_cpu.png", plot_step(CPU_RUNS["eigen_adam"][0])),
+    ),
+    Section(
+        title="Per-step cost on a GPU",
+        sources=(*GPU_MODELS.values(), LM_PHASES),
+        text="""
+The same measurement on an NVIDIA H200 (`dkfac bench step --device cuda`, batch 128 unless
+said, fp32, medians of 5 repeats, exact factors, `eigen` unless said). ResNet-50 was cut by
+the deadline of the latest GPU run; its row is the run before, with its date. On this GPU a
+small model's step is bound by the host: ResNet-20 at (10, 100) costs {r20_sgd}× SGD
+({r20_adamw}× AdamW) and the GPT with `eigen_adam` {gpt_adamw}× AdamW, where a CPU pays the
+small ratios of the section above. The second table is the language model's step phase by
+phase (synchronised timers): the recipe's step is {lm_vs_muon}× Muon's there.
+""",
+        tables=(
+            gpu_step_table(GPU_MODELS),
+            lm_phases_table(LM_PHASES, {"benchmarks/recipes/gpt-text.toml": "dkfac recipe"}),
+        ),
+        values=_gpu_values,
+        plot=("step_resnet20_cuda.png", plot_step(GPU_MODELS["ResNet-20"])),
+        commands=("GPU_RUNS_SECONDS=420 bash benchmarks/gpu_runs.sh $OUT",),
+    ),
+    Section(
+        title="Time to accuracy: digits CNN",
+        sources=tuple(TTA_RUNS.values()),
+        text="""
+The training program's small CNN on scikit-learn's digits (batch 700), trained until the
+test accuracy reaches 97.5%: steps and seconds to the target, medians over 10 seeds, each
+optimizer at the best lr of an equal grid swept over three seeds. The dkfac recipe is
+`benchmarks/recipes/digits-cnn.toml` (`eigen_adam`, a refresh every 2 steps, factors from 50
+samples, a Kronecker-structured basis for the first linear layer); the `for_model` default
+is `KFACOptimizer.for_model(model)` as shipped. `torch.optim.Muon` runs its Newton–Schulz
+iteration in bf16, which an AVX2 CPU emulates at many times float32's cost; the last run
+gives Muon a float32 iteration (`--muon-dtype float32`).
+""",
+        tables=(peers_table(TTA_RUNS, "tta"),),
+        plot=("tta_digits.png", plot_with("tta", TTA_RUNS["AVX-512 CPU, split 0"])),
+    ),
+    Section(
+        title="Time to a training loss: digits autoencoder",
+        sources=tuple(AE_RUNS.values()),
+        text="""
+The deep autoencoder (64-1000-500-250-30, mirrored) on digits, batch 512, trained until the
+training MSE reaches 0.02: the exact step and its seconds (an untimed twin run finds the
+step), medians over 3 seeds, and the MSE at the 20-second budget. The dkfac recipe is
+`benchmarks/recipes/digits-autoencoder.toml` (`eigen_adam` with a three-step orthogonalised
+update on the hidden layers and block-diagonal bases).
+""",
+        tables=(peers_table(AE_RUNS, "autoencoder"),),
+        plot=(
+            "autoencoder_digits.png",
+            plot_with("autoencoder", AE_RUNS["AVX-512 CPU, seeds 0–2"]),
+        ),
+    ),
+    Section(
+        title="Language model: byte-level GPT at equal time",
+        sources=(*LM_RUNS.values(), LM_PAIRED),
+        text="""
+The training program's GPT (4 layers, width 128, context 128, batch 32) on the Python
+standard library's source: validation loss (nats per byte) after 60 seconds of training,
+medians over seeds, the optimizers' steps interleaved so that the machine's drift hits all
+alike. The dkfac recipe is `benchmarks/recipes/gpt-text.toml` (`eigen_adam` with Muon's
+orthogonalised step on the blocks' matrices, Adam on the embeddings and the head). Muon runs
+in float32 on the AVX2 CPU (`--muon-dtype float32`) and as shipped (bf16) on
+the AMX CPU. The texts differ between machines, so compare losses within a run.
+""",
+        tables=(peers_table(LM_RUNS, "lm"), paired_table(LM_PAIRED)),
+        notes="""
+In the nine-seed run the recipe's median is {nine_recipe} against Muon's {nine_muon}. Over
+all {pairs} interleaved seeds of this size the recipe's loss minus Muon's is {mean} nats on
+average (standard error {se}), below zero on {below}: level to slightly ahead at equal time,
+ahead at equal steps, with a step that costs more than Muon's.
+""",
+        values=_lm_values,
+        plot=("lm_gpt.png", plot_with("lm", LM_RUNS["AVX2 CPU, seeds 150–152"])),
+        commands=(
+            "dkfac bench paired --first gpt-text --second muon --at-step 75 --seconds 60 "
+            "--out benchmarks/results/lm_paired_recipe_muon_60s.json "
+            "benchmarks/results/lm_gpt_interleaved_*_seeds*.json",
+        ),
+    ),
+    Section(
+        title="Distributed: bytes and memory per rank",
+        sources=("comm-cnn.json",),
+        text="""
+A small CNN (two convolutions with BatchNorm, two linear layers) for three steps under every
+strategy on 2 and 4 gloo ranks: the bytes each rank's K-FAC collectives sent (the ledger of
+`pre.comm_stats()`) on a step with a basis refresh and on a factor-only step, and the K-FAC
+state each rank holds (`pre.memory_usage()`), against the cost model behind `dkfac plan` and
+`strategy="auto"`. The last column says whether every rank's ledger and memory equal the
+model's prediction byte for byte.
+""",
+        tables=(comm_table("comm-cnn.json"),),
+        plot=("comm_memory.png", plot_comm("comm-cnn.json")),
+        commands=("dkfac bench memory",),
+    ),
+    Section(
+        title="Soak: 10,000 steps on 2 ranks",
+        sources=tuple(SOAK_RUNS.values()),
+        text="""
+An MLP on digits, batch 32, on 2 gloo ranks for 10,000 K-FAC steps with every method, a
+checkpoint every 500 steps and an evaluation every 250: the resident memory of each rank
+after the first 10% of the steps and its growth over the other 90%.
+""",
+        tables=(soak_table(SOAK_RUNS),),
+        plot=("soak.png", plot_soak(SOAK_RUNS)),
+    ),
+)
+"""The results page's sections, in the order they appear."""

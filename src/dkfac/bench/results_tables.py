@@ -1,0 +1,324 @@
+"""The tables and plots of BENCHMARKS.md's sections, each a function of their JSON files.
+
+Each builder takes what it needs to know about the files (their names, row labels) and
+returns a function of the section's payloads, as :class:`~dkfac.bench.page.Section` wants.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dkfac.bench.page import Payloads, Table
+
+
+def f(value: float | None, digits: int = 2) -> str:
+    """``value`` to ``digits`` decimals (``–`` for none or infinity)."""
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+# ---- per-step cost (`dkfac bench step`) ------------------------------------------------
+
+
+def amortised(payload: Mapping[str, Any], key: str, config: str = "exact") -> dict[str, Any]:
+    return dict(payload["summary"]["configs"][config]["amortised"][key])
+
+
+def cpu_step_table(runs: Mapping[str, Sequence[str]]) -> Callable[[Payloads], Table]:
+    """Medians over repeated ``bench step`` runs of each method: × SGD and × AdamW."""
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for method, names in runs.items():
+            for key in ("10,100", "1,10", "1,1"):
+                entries = [amortised(payloads[n], key) for n in names]
+                by_adamw = [e["ratio_to_adamw"] for e in entries]
+                rows.append(
+                    [
+                        f"`{method}`",
+                        f"({key.replace(',', ', ')})",
+                        f(_median([e["seconds"] for e in entries])),
+                        f(_median([e["ratio_to_sgd"] for e in entries])),
+                        f(_median(by_adamw)),
+                        f"{f(min(by_adamw))}–{f(max(by_adamw))}",
+                        str(len(names)),
+                    ]
+                )
+        headers = ["method", "(factors, basis) every", "s/step", "× SGD", "× AdamW"]
+        return Table([*headers, "× AdamW, runs", "runs"], rows)
+
+    return table
+
+
+def gpu_step_table(models: Mapping[str, str]) -> Callable[[Payloads], Table]:
+    """One row per ``bench step`` file on a GPU: SGD's and AdamW's step, K-FAC's ratios."""
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for label, name in models.items():
+            summary = payloads[name]["summary"]
+            plain = summary["configs"]["exact"]["kind_seconds"]["plain"]
+            long, short = amortised(payloads[name], "10,100"), amortised(payloads[name], "1,10")
+            rows.append(
+                [
+                    label,
+                    str(payloads[name]["machine"]["date"])[:10],
+                    f(summary["sgd_seconds"] * 1000, 1),
+                    f(summary["adamw_seconds"] * 1000, 1),
+                    f(plain / summary["adamw_seconds"]),
+                    f"**{f(long['ratio_to_sgd'])}** / {f(long['ratio_to_adamw'])}",
+                    f(short["ratio_to_sgd"]),
+                ]
+            )
+        headers = ["model", "measured", "SGD ms", "AdamW ms", "plain step × AdamW"]
+        return Table([*headers, "(10, 100) × SGD / × AdamW", "(1, 10) × SGD"], rows)
+
+    return table
+
+
+def lm_phases_table(name: str, labels: Mapping[str, str]) -> Callable[[Payloads], Table]:
+    """The language model's step, phase by phase (``lm_step_phases.py``), per optimizer."""
+
+    def table(payloads: Payloads) -> Table:
+        phases = payloads[name]["phases"]
+        muon = phases["muon"]["total_ms"]
+        rows = [
+            [
+                labels.get(key, key),
+                f(p["fwd_ms"], 1),
+                f(p["bwd_ms"], 1),
+                f"{f(p['opt_ms'], 1)} ({f(p['opt_median_ms'], 1)})",
+                f(p["total_ms"], 1),
+                f(p["total_ms"] / muon),
+            ]
+            for key, p in phases.items()
+        ]
+        headers = ["optimizer", "forward ms", "backward ms", "step ms (median)", "total ms"]
+        return Table([*headers, "÷ Muon"], rows)
+
+    return table
+
+
+def plot_step(name: str) -> Callable[[Payloads, str], None]:
+    """``bench step``'s own phase plot of one file."""
+
+    def draw(payloads: Payloads, path: str) -> None:
+        from dkfac.bench.step_report import plot_breakdown
+
+        plot_breakdown(payloads[name], path)
+
+    return draw
+
+
+# ---- optimizers side by side (`bench tta`, `bench autoencoder`, `bench lm`) --------------
+
+RECIPES = {"digits-cnn", "digits-autoencoder", "gpt-text"}
+NAMES = {
+    "default": "`for_model` default",
+    "digits-cnn": "**dkfac recipe**",
+    "digits-autoencoder": "**dkfac recipe**",
+    "gpt-text": "**dkfac recipe**",
+}
+
+
+def _recipe(summary: Mapping[str, Any]) -> Mapping[str, Any]:
+    return next(v for k, v in summary.items() if k in RECIPES)
+
+
+def peers_table(runs: Mapping[str, str], kind: str) -> Callable[[Payloads], Table]:
+    """One row per optimizer of each run; times divided by the recipe's in the same run.
+
+    Args:
+        runs: Row label of a run -> its JSON file.
+        kind: ``"tta"`` (steps and seconds to the test accuracy), ``"autoencoder"`` (exact
+            steps and seconds to the training loss) or ``"lm"`` (loss at the time budget).
+    """
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for label, name in runs.items():
+            summary = payloads[name]["summary"]
+            mine = _recipe(summary)
+            for key, entry in summary.items():
+                row = [label, NAMES.get(key, key), f"{entry['lr']:g}"]
+                if kind == "tta":
+                    seconds, base = entry["median_seconds"], mine["median_seconds"]
+                    row += [f(entry["median_steps"], 1), f(seconds), f(seconds / base)]
+                    row.append(f"{entry['reached']}/{entry['runs']}")
+                elif kind == "autoencoder":
+                    seconds = entry["median_exact_seconds_to_target"]
+                    base = mine["median_exact_seconds_to_target"]
+                    row += [f(entry["median_exact_steps_to_target"], 0), f(seconds)]
+                    row += [f(seconds / base), f(entry["median_final_loss"], 4)]
+                else:
+                    row += [f(entry["median_final_loss"], 3), f"{entry['median_steps']:g}"]
+                    row.append(f(entry["seconds_per_step"] / mine["seconds_per_step"]))
+                rows.append(row)
+        headers = {
+            "tta": ["steps", "seconds", "time ÷ recipe's", "reached"],
+            "autoencoder": ["steps", "seconds", "time ÷ recipe's", "MSE at budget"],
+            "lm": ["loss at budget", "steps", "step ÷ recipe's"],
+        }[kind]
+        return Table(["run", "optimizer", "lr", *headers], rows)
+
+    return table
+
+
+def paired_table(name: str) -> Callable[[Payloads], Table]:
+    """``lm_paired.py``'s summary: the recipe's loss minus Muon's over paired seeds."""
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for key, label in (("final", "at 60 s"), ("at_step", "at step 75")):
+            s = payloads[name][key]
+            rows.append(
+                [
+                    label,
+                    str(s["pairs"]),
+                    f(s["mean"], 3),
+                    f(s["standard_error"], 3),
+                    f(s["median"], 3),
+                    f"{s['below_zero']}/{s['pairs']}",
+                ]
+            )
+        headers = ["recipe − Muon", "seeds", "mean", "standard error", "median", "below Muon"]
+        return Table(headers, rows)
+
+    return table
+
+
+def plot_with(module: str, name: str) -> Callable[[Payloads, str], None]:
+    """The ``plot(payload, path)`` of ``dkfac.bench.<module>`` on one file."""
+
+    def draw(payloads: Payloads, path: str) -> None:
+        import importlib
+
+        importlib.import_module(f"dkfac.bench.{module}").plot(payloads[name], path)
+
+    return draw
+
+
+# ---- distributed bytes and memory, soak -------------------------------------------------
+
+
+def comm_table(name: str) -> Callable[[Payloads], Table]:
+    """Per strategy and world size: bytes a rank sends, memory per rank, the model's match."""
+
+    def table(payloads: Payloads) -> Table:
+        groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for row in payloads[name]["rows"]:
+            groups.setdefault((row["world_size"], row["strategy"]), []).append(row)
+        rows = []
+        for (world, strategy), ranks in groups.items():
+            sent = [sum(r["ledger_full_step"].values()) for r in ranks]
+            factor = [sum(r["ledger_factor_step"].values()) for r in ranks]
+            memory = [sum(r["memory"].values()) for r in ranks]
+            exact = all(
+                r["ledger_full_step"] == r["predicted_full_step"]
+                and r["ledger_factor_step"] == r["predicted_factor_step"]
+                and r["memory"] == r["predicted_memory"]
+                for r in ranks
+            )
+            rows.append(
+                [
+                    str(world),
+                    f"`{strategy}`",
+                    f"{max(sent):,}",
+                    f"{max(factor):,}",
+                    f"{min(memory):,}–{max(memory):,}",
+                    "yes" if exact else "**no**",
+                ]
+            )
+        headers = ["ranks", "strategy", "bytes sent, full step", "factor step"]
+        return Table([*headers, "memory per rank (bytes)", "= cost model"], rows)
+
+    return table
+
+
+def plot_comm(name: str) -> Callable[[Payloads, str], None]:
+    """Bars: bytes sent per full step and the largest memory per rank, at 4 ranks."""
+
+    def draw(payloads: Payloads, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in payloads[name]["rows"] if r["world_size"] == 4]
+        strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+        sent = [
+            max(sum(r["ledger_full_step"].values()) for r in rows if r["strategy"] == s)
+            for s in strategies
+        ]
+        memory = [
+            max(sum(r["memory"].values()) for r in rows if r["strategy"] == s) for s in strategies
+        ]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+        left.bar(strategies, [b / 1e3 for b in sent])
+        left.set_ylabel("kB sent by a rank, full step")
+        right.bar(strategies, [b / 1e3 for b in memory])
+        right.set_ylabel("kB of K-FAC state, largest rank")
+        for ax in (left, right):
+            ax.tick_params(axis="x", labelrotation=30)
+        fig.suptitle("small CNN on 4 gloo ranks: the ledger (equal to the cost model)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    return draw
+
+
+def soak_table(runs: Mapping[str, str]) -> Callable[[Payloads], Table]:
+    """One row per method: steps, time, accuracy and resident memory of each rank."""
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for method, name in runs.items():
+            p = payloads[name]
+            growth = p["growth_after_first_10pct"]
+            rows.append(
+                [
+                    f"`{method}`",
+                    str(p["config"]["steps"]),
+                    f(p["wall_seconds"], 0),
+                    f(p["test_accuracy"], 3),
+                    " / ".join(f(g["rss_mib_at_10pct"], 0) for g in growth),
+                    " / ".join(f(g["growth_mib"], 1) for g in growth),
+                    " / ".join(f(g["slope_mib_per_1000_steps"], 2) for g in growth),
+                ]
+            )
+        headers = ["method", "steps", "seconds", "test accuracy", "RSS MiB at 10% (ranks)"]
+        return Table([*headers, "growth MiB after", "MiB per 1000 steps"], rows)
+
+    return table
+
+
+def plot_soak(runs: Mapping[str, str]) -> Callable[[Payloads, str], None]:
+    """Resident memory of rank 0 against the step, one line per method."""
+
+    def draw(payloads: Payloads, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for method, name in runs.items():
+            samples = payloads[name]["samples"][0]
+            ax.plot([s["step"] for s in samples], [s["rss_mib"] for s in samples], label=method)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("resident memory of rank 0 (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    return draw
