@@ -73,14 +73,15 @@ CPU_RUNS = {
 }
 
 H200 = "h200_2026_11_28/"
+GUARD = "h200_2026_11_28_device_guard/"  # the finiteness guard on the device
 GPU_MODELS = {
-    "ResNet-20": H200 + "step_resnet20_cuda.json",
+    "ResNet-20": GUARD + "step_resnet20_cuda_head.json",
     "ResNet-32": H200 + "step_resnet32_cuda.json",
     "ResNet-56": H200 + "step_resnet56_cuda.json",
-    "ResNet-20, `eigen_adam`": H200 + "step_resnet20_cuda_eigen_adam.json",
-    "GPT 4 × 128, batch 32 × 128, `eigen_adam`": H200 + "step_gpt_cuda_eigen_adam.json",
+    "ResNet-20, `eigen_adam`": GUARD + "step_resnet20_cuda_eigen_adam_head.json",
+    "GPT 4 × 128, batch 32 × 128, `eigen_adam`": GUARD + "step_gpt_cuda_eigen_adam_head.json",
     "ResNet-50 224², bf16 autocast, 32-sample bf16 factors": (
-        "h200_2026_11_27/step_resnet50_cuda_bf16.json"
+        GUARD + "step_resnet50_cuda_bf16_head.json"
     ),
 }
 LM_PHASES = H200 + "lm_phases_cuda.json"
@@ -163,8 +164,9 @@ of the three kinds. `eigen_adam` is the `for_model` preconditioner with power re
         sources=(*GPU_MODELS.values(), LM_PHASES),
         text="""
 The same measurement on an NVIDIA H200 (`dkfac bench step --device cuda`, batch 128 unless
-said, fp32, medians of 5 repeats, exact factors, `eigen` unless said). ResNet-50 was cut by
-the deadline of the latest GPU run; its row is the run before, with its date. On this GPU a
+said, fp32, medians of 5 repeats, exact factors, `eigen` unless said). ResNet-32 and
+ResNet-56 were measured before the finiteness guard kept its flags on the device (the
+other rows after). On this GPU a
 small model's step is bound by the host: ResNet-20 at (10, 100) costs {r20_sgd}× SGD
 ({r20_adamw}× AdamW) and the GPT with `eigen_adam` {gpt_adamw}× AdamW, where a CPU pays the
 small ratios of the section above. The second table is the language model's step phase by
@@ -176,7 +178,10 @@ phase (synchronised timers): the recipe's step is {lm_vs_muon}× Muon's there.
         ),
         values=_gpu_values,
         plot=("step_resnet20_cuda.png", plot_step(GPU_MODELS["ResNet-20"])),
-        commands=("GPU_RUNS_SECONDS=420 bash benchmarks/gpu_runs.sh $OUT",),
+        commands=(
+            "GPU_RUNS_SECONDS=420 bash benchmarks/gpu_runs.sh $OUT",
+            "dkfac bench step --device cuda --model resnet20 --batch-size 128 --repeats 5",
+        ),
     ),
     Section(
         title="Time to accuracy: digits CNN",
