@@ -6,6 +6,7 @@ summary table. Sub-benchmarks are imported lazily so that one with a missing opt
 does not break the others.
 
     python -m dkfac.bench step --model resnet20 --batch-size 128
+    python -m dkfac.bench dispatches --model resnet20 --launch-bound   # a GPU's launches
     python -m dkfac.bench tta --seeds 3   # SGD, AdamW, Muon, SOAP, K-FAC (dkfac.bench.peers)
     python -m dkfac.bench autoencoder
     python -m dkfac.bench lm --seconds 90   # byte-level GPT: AdamW, Muon, SOAP, K-FAC
@@ -25,6 +26,7 @@ __all__ = ["SUBCOMMANDS", "main"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "step": ("dkfac.bench.step", "per-step time of SGD vs K-FAC configurations, phases"),
+    "dispatches": ("dkfac.bench.dispatches", "tensor operations one step dispatches, by kind"),
     "tta": ("dkfac.bench.tta", "digits: time and steps to a test accuracy, K-FAC and peers"),
     "autoencoder": ("dkfac.bench.autoencoder", "digits autoencoder: loss vs time, K-FAC and peers"),
     "lm": ("dkfac.bench.lm", "byte-level GPT: validation loss vs time, K-FAC and peers"),

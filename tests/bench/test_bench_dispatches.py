@@ -1,0 +1,61 @@
+"""``dkfac bench dispatches``: the counter against operations counted by hand, the command's
+kinds and its device forms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dkfac.bench import dispatches
+from dkfac.engine import launches
+
+
+def test_the_counter_counts_each_operation_and_its_views() -> None:
+    x = torch.ones(3)
+    with dispatches.Dispatches() as counter:
+        y = x + 1  # add
+        y.view(3, 1)  # a view
+        torch.mm(y.view(1, 3), y.view(3, 1))  # two views and mm
+    assert counter.total == 5
+    assert counter.views == 3
+
+
+def _lines(payload: dict, kind: str) -> str:
+    return " ".join(payload["counts"][kind]["top_dkfac_lines"])
+
+
+def test_every_kind_is_counted_and_launch_bound_takes_the_multi_tensor_forms(
+    tmp_path: Path,
+) -> None:
+    common = ["--model", "mlp", "--batch-size", "8", "--top", "200", "--out-dir", str(tmp_path)]
+    assert dispatches.main([*common, "--name", "cpu"]) == 0
+    assert dispatches.main([*common, "--name", "gpu", "--launch-bound"]) == 0
+    assert launches.launch_bound(torch.device("cpu")) is False  # put back after the run
+    cpu = json.loads((tmp_path / "cpu.json").read_text())
+    gpu = json.loads((tmp_path / "gpu.json").read_text())
+    assert cpu["command"].startswith("dkfac bench dispatches")
+    for payload in (cpu, gpu):
+        counts = payload["counts"]
+        assert set(counts) == {"sgd", "adamw", "plain", "factor", "inverse"}
+        assert counts["sgd"]["dispatches"] < counts["plain"]["dispatches"]
+        assert counts["plain"]["dispatches"] < counts["factor"]["dispatches"]
+        for entry in counts.values():
+            assert entry["not_views"] == entry["dispatches"] - entry["views"]
+    # The finiteness check: one sum a tensor on a CPU, one multi-tensor norm on a GPU, where
+    # the guard's flags also stay on the device.
+    assert "engine/finite.py" in _lines(cpu, "plain") and "_foreach_norm" not in _lines(
+        cpu, "plain"
+    )
+    assert "_foreach_norm" in _lines(gpu, "plain")
+    assert "device_checks.py" in _lines(gpu, "plain")
+    assert "device_checks.py" not in _lines(cpu, "plain")
+
+
+@pytest.mark.parametrize("bad", [["--threads", "0"], ["--top", "-1"], ["--conv-path", "x"]])
+def test_bad_arguments_exit_2(bad: list[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        dispatches.main(bad)
+    assert err.value.code == 2
