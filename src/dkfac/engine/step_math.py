@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -122,6 +123,10 @@ def update_inverses(
 ) -> None:
     """Owners recompute their layers' solver states; the strategy shares them.
 
+    Layers whose solvers give one :meth:`~dkfac.solvers.base.Solver.refresh_key` are
+    recomputed together (:meth:`~dkfac.solvers.base.Solver.compute_batch`: one batched
+    decomposition and one check for the group; a failed group is recomputed layer by layer).
+
     An owner's solver gets its previous state of the layer (a basis refreshed by power
     iteration follows it). Afterwards every rank that preconditions a layer with moments
     carries them into the new state (:meth:`~dkfac.solvers.base.Solver.carry_moments`).
@@ -133,16 +138,36 @@ def update_inverses(
         names: The layers to recompute (default: all); every layer's state is shared.
     """
     previous = {name: layer.solver_state for name, layer in layers.items()}
+    groups: dict[Hashable, list[tuple[str, dict[str, Any]]]] = {}
     for name in layers if names is None else names:
         layer = layers[name]
         if not strategy.is_owner(name) or not layer.complete:
             continue
-        try:
-            layer.solver_state = layer.solver.compute_statistics(
-                layer.solver_inputs(), damping, previous[name]
-            )
-        except SolverError as err:
-            logger.warning("%s: %s; keeping the last good inverse", name, err)
+        inputs = layer.solver_inputs()
+        key = layer.solver.refresh_key(inputs, previous[name])
+        groups.setdefault(("alone", name) if key is None else key, []).append((name, inputs))
+    for members in groups.values():
+        if len(members) > 1:
+            solver = layers[members[0][0]].solver
+            try:
+                computed = solver.compute_batch(
+                    [inputs for _, inputs in members],
+                    damping,
+                    [previous[name] for name, _ in members],
+                )
+            except SolverError:
+                pass  # each layer again on its own, with its own warning
+            else:
+                for (name, _), state in zip(members, computed, strict=True):
+                    layers[name].solver_state = state
+                continue
+        for name, inputs in members:
+            try:
+                layers[name].solver_state = layers[name].solver.compute_statistics(
+                    inputs, damping, previous[name]
+                )
+            except SolverError as err:
+                logger.warning("%s: %s; keeping the last good inverse", name, err)
     states = {name: layer.solver_state for name, layer in layers.items()}
     devices = {name: layer.block.parameters()[0].device for name, layer in layers.items()}
     strategy.share_solver_states(states, devices)

@@ -121,6 +121,30 @@ class Solver(ABC):
         del previous
         return self.compute(stats["A"], stats["G"], damping)
 
+    def refresh_key(
+        self, stats: Mapping[str, Any], previous: SolverState | None
+    ) -> Hashable | None:
+        """Layers whose solvers give equal keys (not ``None``) for their statistics and
+        previous states are refreshed together by one :meth:`compute_batch`, on the first
+        one's solver; so a key must hold whatever that call reads of the solver. ``None``
+        (the default): this layer alone."""
+        del stats, previous
+        return None
+
+    def compute_batch(
+        self,
+        stats: Sequence[Mapping[str, Any]],
+        damping: float,
+        previous: Sequence[SolverState | None],
+    ) -> list[SolverState]:
+        """:meth:`compute_statistics` of several layers of equal :meth:`refresh_key`, in
+        order (the default computes them one by one; a solver may decompose them as one
+        batch: one call, and one check of the results, for the group)."""
+        return [
+            self.compute_statistics(one, damping, before)
+            for one, before in zip(stats, previous, strict=True)
+        ]
+
     @abstractmethod
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """Returns the preconditioned ``g_dim × a_dim`` gradient matrix."""
@@ -230,3 +254,10 @@ def select_moments(
     if new is None or before is None:
         return new
     return {key: torch.where(advance, value, before[key]) for key, value in new.items()}
+
+
+def unstack(state: SolverState, count: int) -> list[SolverState]:
+    """The ``count`` states of a state whose tensors carry a leading layer dimension (one
+    ``unbind`` a key)."""
+    parts = {key: value.unbind(0) for key, value in state.items()}
+    return [{key: part[i] for key, part in parts.items()} for i in range(count)]

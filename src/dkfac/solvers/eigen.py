@@ -19,12 +19,13 @@ solver's float64 retry (twice the cost, paid on the first step of the digits aut
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import Solver, SolverState
+from dkfac.solvers.base import Solver, SolverState, unstack
 from dkfac.solvers.stacking import StateStack, stack_key
 
 SHIFT = 1e-6
@@ -32,7 +33,8 @@ SHIFT = 1e-6
 
 
 def symmetric_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix in ``dtype``.
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix in ``dtype``
+    (or of each of a stack of them: one batched call, one check).
 
     Retries once on ``F + δI`` when LAPACK does not converge or returns non-finite
     eigenvectors (module notes).
@@ -41,12 +43,15 @@ def symmetric_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         torch.linalg.LinAlgError: If the shifted matrix fails too.
     """
     sym = matrix.to(dtype)
-    sym = (sym + sym.T) / 2
+    sym = (sym + sym.mT) / 2
     try:
         values, vectors = torch.linalg.eigh(sym)
         if not bool(torch.isfinite(vectors).all()):  # LAPACK's other way of failing
             raise torch.linalg.LinAlgError("non-finite eigenvectors")
     except torch.linalg.LinAlgError:
+        if sym.dim() > 2:  # a stack: each matrix is tried again on its own
+            pairs = [symmetric_eigh(one, dtype) for one in sym.unbind(0)]
+            return torch.stack([v for v, _ in pairs]), torch.stack([q for _, q in pairs])
         shift = SHIFT * float(torch.diagonal(sym).abs().mean()) or SHIFT
         eye = torch.eye(len(sym), dtype=dtype, device=sym.device)
         values, vectors = torch.linalg.eigh(sym + shift * eye)
@@ -78,6 +83,33 @@ class EigenSolver(Solver):
             }
 
         return self.with_retry(run)
+
+    def refresh_key(
+        self, stats: Mapping[str, Any], previous: SolverState | None
+    ) -> Hashable | None:
+        """The class, the compute dtype and both factors' shapes, dtypes and device: equal
+        keys share :meth:`compute_batch`."""
+        del previous
+        a, g = stats["A"], stats["G"]
+        if not (isinstance(a, Tensor) and isinstance(g, Tensor)):
+            return None
+        shapes = (tuple(a.shape), tuple(g.shape), a.dtype, g.dtype, a.device)
+        return (type(self), self.compute_dtype, shapes)
+
+    def compute_batch(
+        self,
+        stats: Sequence[Mapping[str, Any]],
+        damping: float,
+        previous: Sequence[SolverState | None],
+    ) -> list[SolverState]:
+        """:meth:`compute` of every layer as one batched ``eigh`` a side (one call and one
+        check for the group; a failure retries the stack in float64, and a matrix that
+        fails there too alone, as :func:`symmetric_eigh` does)."""
+        if len(stats) == 1:
+            return super().compute_batch(stats, damping, previous)
+        a = torch.stack([one["A"] for one in stats])
+        g = torch.stack([one["G"] for one in stats])
+        return unstack(self.compute(a, g, damping), len(stats))
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """``Q_G [(Q_Gᵀ ∇W Q_A) ⊘ (λ_G λ_Aᵀ + λ)] Q_Aᵀ``; every tensor may carry a leading

@@ -163,14 +163,14 @@ one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import Solver, SolverState
+from dkfac.solvers.base import Solver, SolverState, unstack
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
 from dkfac.solvers.polar import (
@@ -431,20 +431,26 @@ def power_refresh(
     estimates) / (n − k)``. Cost ``2n²k`` for the product and about ``4n²k`` for the
     reflectors and completion, instead of ``2n³ + (8/3)n³``: at ``n = 1000``, ``k = 256``,
     23-27 against 67-82 ms here.
+
+    ``matrix`` and ``previous`` may carry a leading layer dimension (a stack of layers of
+    one shape, refreshed in one batched call) when ``rank`` is ``None``.
     """
     sym = matrix.to(dtype)
-    size = sym.shape[0]
+    size = sym.shape[-1]
     kept = size if rank is None else min(rank, size)
-    lead = previous.to(dtype)[:, :kept]
+    if kept < size and sym.dim() > 2:
+        raise ValueError("power_refresh takes a stack of matrices only with the full rank")
+    lead = previous.to(dtype)[..., :kept]
     product = sym @ lead
-    top = (lead * product).sum(dim=0).clamp(min=0.0)
+    top = (lead * product).sum(dim=-2).clamp(min=0.0)
     reflectors, tau = torch.geqrf(product)  # what torch.linalg.qr runs, R on the diagonal
     if kept < size:  # the k reflectors, applied to all n columns: the span and its completion
         padded = reflectors.new_zeros(size, size)
         padded[:, :kept] = reflectors
         reflectors = padded
     q = torch.linalg.householder_product(reflectors, tau)
-    q[:, :kept].mul_(torch.where(torch.diagonal(reflectors)[:kept] < 0, -1.0, 1.0).to(dtype))
+    signs = torch.diagonal(reflectors, dim1=-2, dim2=-1)[..., :kept] < 0
+    q[..., :kept].mul_(torch.where(signs, -1.0, 1.0).to(dtype).unsqueeze(-2))
     if kept == size:
         return top, q
     rest = (torch.trace(sym) - top.sum()).clamp(min=0.0) / (size - kept)
@@ -565,6 +571,51 @@ class EigenMomentsSolver(Solver):
             return state
 
         return self.with_retry(run)
+
+    def refresh_key(
+        self, stats: Mapping[str, Any], previous: SolverState | None
+    ) -> Hashable | None:
+        """For a power step of both sides from dense bases of the factors' own shapes (the
+        steady state of ``basis_refresh="power"`` without ``power_rank``, blocks, a wide
+        side or the structured input side): the class, the options, the compute dtype and
+        the factors' shapes, dtypes and device; else ``None`` (the layer alone)."""
+        a, g = stats["A"], stats["G"]
+        power = self.options.basis_refresh == "power" and self.options.power_rank is None
+        if not power or self.input_map is not None or not isinstance(a, Tensor):
+            return None
+        for key, factor in (("qa", a), ("qg", g)):
+            size = factor.shape[0]
+            basis = self._previous_basis(previous, key)
+            if self._one_sided(size, key == "qa") or self._block_width(size, key == "qa"):
+                return None
+            if basis is None or basis.shape != factor.shape:
+                return None
+        shapes = (tuple(a.shape), tuple(g.shape), a.dtype, g.dtype, a.device)
+        return (type(self), self.options, self.compute_dtype, shapes)
+
+    def compute_batch(
+        self,
+        stats: Sequence[Mapping[str, Any]],
+        damping: float,
+        previous: Sequence[SolverState | None],
+    ) -> list[SolverState]:
+        """One power step of every layer of one :meth:`refresh_key` as one batched product
+        and QR a side (one call and one check for the group)."""
+        if len(stats) == 1:
+            return super().compute_batch(stats, damping, previous)
+        a = torch.stack([one["A"] for one in stats])
+        g = torch.stack([one["G"] for one in stats])
+        qa = torch.stack([before["qa"] for before in previous])  # type: ignore[index]
+        qg = torch.stack([before["qg"] for before in previous])  # type: ignore[index]
+        storage = a.dtype
+
+        def run(dtype: torch.dtype) -> SolverState:
+            da, new_qa = power_refresh(a, qa, dtype)
+            dg, new_qg = power_refresh(g, qg, dtype)
+            pairs = {"qa": new_qa, "da": da, "qg": new_qg, "dg": dg}
+            return {key: value.to(storage) for key, value in pairs.items()}
+
+        return unstack(self.with_retry(run), len(stats))
 
     def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
         """The basis ``previous[key]`` that a power step may follow: ``None`` where its
