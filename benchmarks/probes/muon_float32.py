@@ -22,28 +22,15 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import torch.optim._muon as torch_muon
-from torch import Tensor
 
 from dkfac import bench
-from dkfac.solvers.polar import NS_COEFFICIENTS, newton_schulz
-
-
-def float32_newton_schulz(
-    grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
-) -> Tensor:
-    """Muon's iteration (the default coefficients only) in float32."""
-    del eps
-    default = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
-    if tuple(ns_coefficients) != default or default != NS_COEFFICIENTS:
-        raise ValueError(f"this probe runs Muon's default coefficients, got {ns_coefficients}")
-    return newton_schulz(grad, ns_steps, torch.float32)
+from dkfac.bench.muon_float32 import float32_newton_schulz
 
 
 def patch() -> None:
     """Makes every ``torch.optim.Muon`` of this process iterate in float32."""
-    torch_muon._zeropower_via_newtonschulz = float32_newton_schulz  # type: ignore[assignment]
+    torch_muon._zeropower_via_newtonschulz = float32_newton_schulz
 
 
 if __name__ == "__main__":
