@@ -264,4 +264,5 @@ def load_task(name: str, split: int = 0, *, tiny: bool = False) -> Task:
     }
     if name == "autoencoder":
         return Task(name, builders[name], x_tr, x_tr, x_te, x_te, 256, _mse, False, 0.03)
-    return Task(name, builders[name], x_tr, y_tr, x_te, y_te, 256, _cross_entropy, True, 0.95)
+    target = 0.93 if name == "vit" else 0.95  # the transformer learns digits more slowly
+    return Task(name, builders[name], x_tr, y_tr, x_te, y_te, 256, _cross_entropy, True, target)
