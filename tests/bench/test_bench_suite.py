@@ -175,10 +175,26 @@ def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--seeds", "0"], ["--max-steps", "-1"], ["--tasks", "rnn"], ["--threads", "0"]]
+    "argv",
+    [
+        ["--seeds", "0"],
+        ["--max-steps", "-1"],
+        ["--tasks", "rnn"],
+        ["--threads", "0"],
+        ["--dkfac-options", "overhead"],
+    ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         suite.main(argv)
     assert exit_info.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_dkfac_options_reach_for_model() -> None:
+    task = load_task("mlp", tiny=True)
+    chosen = suite.make_optimizer("dkfac", task.build(), 0.01, {"overhead": None, "damping": 0.5})
+    pre = chosen.preconditioner  # type: ignore[attr-defined]
+    assert pre.budget is None and pre.config.damping == 0.5
+    default = suite.make_optimizer("dkfac", task.build(), 0.01)
+    assert default.preconditioner.budget is not None  # type: ignore[attr-defined]

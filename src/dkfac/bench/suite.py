@@ -39,7 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dkfac.bench.common import command_line, format_table, interleaved, machine_info, write_result
+from dkfac.bench.common import (
+    command_line,
+    format_table,
+    interleaved,
+    machine_info,
+    parse_options,
+    write_result,
+)
 from dkfac.bench.peers import (
     OptimizerSpec,
     Stepper,
@@ -71,10 +78,13 @@ MUON_ADAMW_LR = 3e-3
 """The lr of Muon's AdamW part (embeddings, the first layer, the head, norms, biases)."""
 
 
-def make_optimizer(name: str, model: nn.Module, lr: float) -> Stepper:
-    """The optimizer ``name`` of :data:`OPTIMIZERS` over ``model`` at ``lr``."""
+def make_optimizer(
+    name: str, model: nn.Module, lr: float, dkfac_options: dict[str, Any] | None = None
+) -> Stepper:
+    """The optimizer ``name`` of :data:`OPTIMIZERS` over ``model`` at ``lr``
+    (``dkfac_options``: keyword options of ``for_model``, none by default)."""
     if name == "dkfac":
-        return KFACOptimizer.for_model(model, lr=lr)
+        return KFACOptimizer.for_model(model, lr=lr, **(dkfac_options or {}))
     if name in ("muon", "muon32"):
         options = resolve_options("muon", {"adamw_lr": MUON_ADAMW_LR})
         if name == "muon32":
@@ -97,7 +107,14 @@ def _step(task: Task, model: nn.Module, optimizer: Stepper, batch: Callable[[], 
     return float(loss.detach())
 
 
-def train_to_target(task: Task, name: str, lr: float, seed: int, max_steps: int) -> dict[str, Any]:
+def train_to_target(
+    task: Task,
+    name: str,
+    lr: float,
+    seed: int,
+    max_steps: int,
+    dkfac_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Trains ``name`` at ``lr`` from seed ``seed`` until the metric reaches the target.
 
     Returns:
@@ -106,7 +123,7 @@ def train_to_target(task: Task, name: str, lr: float, seed: int, max_steps: int)
     """
     torch.manual_seed(seed)
     model = task.build()
-    optimizer = make_optimizer(name, model, lr)
+    optimizer = make_optimizer(name, model, lr, dkfac_options)
     batch = task.batches(torch.Generator().manual_seed(seed))
     trace = [[0, 0.0, task.metric(model)]]
     elapsed, step, diverged, reached = 0.0, 0, False, None
@@ -145,7 +162,12 @@ def _score(run: dict[str, Any], higher_is_better: bool) -> tuple[float, float]:
 
 
 def step_seconds(
-    task: Task, lrs: dict[str, float], *, blocks: int, steps: int
+    task: Task,
+    lrs: dict[str, float],
+    *,
+    blocks: int,
+    steps: int,
+    dkfac_options: dict[str, Any] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per step of every optimizer at its lr, measured in alternated blocks.
 
@@ -156,7 +178,7 @@ def step_seconds(
     for name, lr in lrs.items():
         torch.manual_seed(0)
         model = task.build()
-        optimizer = make_optimizer(name, model, lr)
+        optimizer = make_optimizer(name, model, lr, dkfac_options)
         batch = task.batches(torch.Generator().manual_seed(0))
 
         def block(model: nn.Module = model, opt: Stepper = optimizer, draw: Any = batch) -> None:
@@ -175,7 +197,9 @@ def run_task(args: argparse.Namespace, family: str, names: Sequence[str]) -> dic
     sweep: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for i in range(len(GRIDS[names[0]])):
         for name in names:
-            run = train_to_target(task, name, GRIDS[name][i], args.sweep_seed, args.max_steps)
+            run = train_to_target(
+                task, name, GRIDS[name][i], args.sweep_seed, args.max_steps, args.dkfac_options
+            )
             sweep[name].append({k: v for k, v in run.items() if k != "trace"})
             logger.info("%s sweep %s lr=%g: %s steps", family, name, run["lr"], run["reached"])
     chosen = {n: min(sweep[n], key=lambda r: _score(r, task.higher_is_better))["lr"] for n in names}
@@ -185,9 +209,17 @@ def run_task(args: argparse.Namespace, family: str, names: Sequence[str]) -> dic
     for split, split_task in tasks.items():
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for name in names:
-                run = train_to_target(split_task, name, chosen[name], seed, args.max_steps)
+                run = train_to_target(
+                    split_task, name, chosen[name], seed, args.max_steps, args.dkfac_options
+                )
                 runs[str(split)][name].append(run)
-    timing = step_seconds(task, chosen, blocks=args.timing_blocks, steps=args.timing_steps)
+    timing = step_seconds(
+        task,
+        chosen,
+        blocks=args.timing_blocks,
+        steps=args.timing_steps,
+        dkfac_options=args.dkfac_options,
+    )
     record = {
         "task": family,
         "target": task.target,
@@ -215,12 +247,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=150, help="step budget of every run")
     p.add_argument("--timing-blocks", type=int, default=5)
     p.add_argument("--timing-steps", type=int, default=10)
+    p.add_argument(
+        "--dkfac-options",
+        type=_options,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="options of for_model over its defaults (none: the default as a user gets it), "
+        "e.g. overhead=none or orthogonal_layers=role:hidden",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--tiny", action="store_true", help="tiny models (tests of the mechanics)")
     p.add_argument("--name", default="suite")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--plot-dir", default=None, help="one PNG per task: <dir>/<name>_<task>.png")
     return p
+
+
+def _options(text: str) -> dict[str, Any]:
+    """``--dkfac-options``: ``key=value,...`` (:func:`~dkfac.bench.common.parse_options`)."""
+    try:
+        return parse_options(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
