@@ -22,10 +22,11 @@ from dkfac.costmodel.budget import (
 def test_layer_costs_are_the_counted_flops() -> None:
     d = DISPATCH_FLOPS
     costs = layer_costs(
-        [LayerShape(a=5, g=3, rows=7), LayerShape(a=9, g=2, rows=4, a_parts=(3, 3))]
+        [LayerShape(a=5, g=3, rows=7, polar_steps=2), LayerShape(a=9, g=2, rows=4, a_parts=(3, 3))]
     )
     assert costs.step == 6 * 7 * 5 * 3 + 6 * 4 * 9 * 2 + 6 * d
-    assert costs.fixed == 4 * 5 * 3 * 8 + 4 * 9 * 2 * 11 + 28 * d
+    polar = 2 * (6 * 5 * 3 * 3 + 4 * d)  # two Newton-Schulz steps on the first layer
+    assert costs.fixed == 4 * 5 * 3 * 8 + 4 * 9 * 2 * 11 + 28 * d + polar
     assert costs.capture == 2 * 7 * (25 + 9) + 2 * 4 * (81 + 4) + 8 * d
     # a flattened map's input basis is refreshed as its channel and position sides
     assert costs.refresh == 6 * (125 + 27) + 6 * (27 + 27 + 8) + 16 * d
@@ -119,7 +120,9 @@ def test_the_preconditioner_applies_the_choice_after_the_first_step() -> None:
     opt = KFACOptimizer.for_model(model, overhead=0.3)
     assert opt.preconditioner.describe()[-1]["reason"] == "chosen after the first step"
     _step(model, opt, 0)
-    shapes = [LayerShape(21, 64, 128), LayerShape(65, 64, 128), LayerShape(65, 5, 128)]
+    # the hidden layer (role:hidden) takes the polar update: five Newton-Schulz steps
+    hidden = LayerShape(65, 64, 128, polar_steps=5)
+    shapes = [LayerShape(21, 64, 128), hidden, LayerShape(65, 5, 128)]
     want = choose(layer_costs(shapes), 128, 0.3)
     config = opt.preconditioner.config
     assert config.factor_batch_size == want.factor_batch_size

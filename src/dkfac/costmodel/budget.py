@@ -51,12 +51,14 @@ class LayerShape:
     """One preconditioned layer: its input side ``a`` (bias column included), output side
     ``g``, the rows one training step sees (samples × positions), and the sides its input
     basis is refreshed as (``(channels, positions)`` for a flattened map's Kronecker
-    basis; ``()``: the whole side ``a``)."""
+    basis; ``()``: the whole side ``a``), and the Newton–Schulz steps of its orthogonalised
+    update (0: none)."""
 
     a: int
     g: int
     rows: int
     a_parts: tuple[int, ...] = ()
+    polar_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,20 @@ def layer_costs(layers: Sequence[LayerShape]) -> Costs:
     Per layer: the training step is three products (forward, two in the backward) of
     ``2 · rows · a · g`` flops; the fixed part rotates into and out of the basis (four
     products of ``2 · a · g · min(a, g)``-ish, counted as ``4 · a · g · (a + g)``) plus
-    about ten elementwise moment operations; a capture is two products ``2 · rows · (a² +
-    g²)`` and two running-average updates; a refresh is a power step and a QR per side,
-    counted as ``6 · (a³ + g³)`` in eight operations. Each operation adds
+    about ten elementwise moment operations, and an orthogonalised update three products of
+    ``2 · a · g · min(a, g)`` and an addition per Newton–Schulz step; a capture is two
+    products ``2 · rows · (a² + g²)`` and two running-average updates; a refresh is a power
+    step and a QR per side, counted as ``6 · (a³ + g³)`` in eight operations. Each adds
     :data:`DISPATCH_FLOPS`.
     """
     d = DISPATCH_FLOPS
     step = sum(6.0 * x.rows * x.a * x.g + 3 * d for x in layers)
-    fixed = sum(4.0 * x.a * x.g * (x.a + x.g) + 14 * d for x in layers)
+    fixed = sum(
+        4.0 * x.a * x.g * (x.a + x.g)
+        + 14 * d
+        + x.polar_steps * (6.0 * x.a * x.g * min(x.a, x.g) + 4 * d)
+        for x in layers
+    )
     capture = sum(2.0 * x.rows * (x.a**2 + x.g**2) + 4 * d for x in layers)
     refresh = sum(6.0 * (sum(p**3 for p in x.a_parts or (x.a,)) + x.g**3) + 8 * d for x in layers)
     return Costs(step, fixed, capture, refresh)
@@ -178,7 +186,8 @@ def choose(
     overhead, _, b, fi, ii = min(fitting, key=lambda c: (c[1], -c[2], c[3], c[4]))
     reason = (
         f"factors from {b} of {batch} samples every {fi} step(s), bases every {ii}: "
-        f"{overhead:.0%} over the training step (the per-step rotation alone {fixed_share:.0%}) "
+        f"{overhead:.0%} over the training step (the per-step work alone {fixed_share:.0%}: "
+        "rotations, moments, polar factors) "
         + ("within" if within else "over")
         + f" the {budget:.0%} budget"
         + (

@@ -79,6 +79,7 @@ class OverheadBudget:
                 layer.block.g_dim,
                 self.rows.get(name, self.batch),
                 tuple((maps or {}).get(name, ())),
+                _polar_steps(layer),
             )
             for name, layer in layers.items()
         ]
@@ -102,3 +103,11 @@ class OverheadBudget:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _polar_steps(layer: LayerState) -> int:
+    """The Newton–Schulz steps of the layer's orthogonalised update (0 when it has none)."""
+    options = getattr(layer.solver, "options", None)
+    if options is None or getattr(options, "orthogonal_rms", None) is None:
+        return 0
+    return int(getattr(options, "orthogonal_steps", 0))
