@@ -6,7 +6,7 @@ clipping utilities and checkpointing code written for plain optimizers work unch
 
 :meth:`KFACOptimizer.for_model` builds the best general method measured (BENCHMARKS.md
 sections 10-12) from nothing but the model: :data:`DEFAULT_OPTIONS` under an SGD without
-momentum.
+momentum, its factor batch and intervals chosen within :data:`DEFAULT_OVERHEAD`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dkfac.config import unread_moment_fields
 from dkfac.config.checks import check_range
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import finite_each
+from dkfac.engine.overhead import BUDGETED_OPTIONS
 from dkfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_LR: Final = 3e-3
 """The step size of :meth:`KFACOptimizer.for_model` (the recipes' lr on the autoencoder and
 the language model; the digits CNN's recipe takes 0.01)."""
+
+DEFAULT_OVERHEAD: Final = 0.3
+"""The overhead budget of :meth:`KFACOptimizer.for_model`: the preconditioner's work at most
+30% over the training step, as its cost model counts it (:mod:`dkfac.costmodel.budget`)."""
 
 DEFAULT_OPTIONS: Final[dict[str, Any]] = {
     "method": "eigen_adam",
@@ -39,14 +44,24 @@ DEFAULT_OPTIONS: Final[dict[str, Any]] = {
     "kl_clip": None,
     "factor_update_interval": 1,
     "inverse_update_interval": 5,
+    "flattened_inputs": "graph",
+    "orthogonal_layers": "role:hidden",
 }
 """The preconditioner of :meth:`KFACOptimizer.for_model`: Adam's moments in the eigenbasis of
-K-FAC's factors (SOAP's update with K-FAC's bases), Nesterov's first moment, factors every
-step, the basis followed by one power-iteration step every 5 steps with the moments
-restarted (reset beats keeping them at that interval), no KL-clip (Adam's normalisation
-bounds the step). A refresh every 5 steps against 10: 11 steps to 97.5% on the digits CNN
-against 13 (10 seeds), 35 to the autoencoder's MSE 0.02 against 39 (3 seeds), less time on
-both. Why each, and the comparison with AdamW, Muon and SOAP: BENCHMARKS.md section 12.
+K-FAC's factors (SOAP's update with K-FAC's bases), Nesterov's first moment, the basis
+followed by one power-iteration step at each refresh, the moments restarted after it
+(reset beats keeping them), no KL-clip (Adam's normalisation bounds the step); a linear
+layer that reads a flattened convolution map gets the Kronecker-structured input basis, the
+map found in the model's graph (``flattened_inputs="graph"``, :mod:`dkfac.engine.roles`);
+the hidden matrices (every linear or convolution layer but the input layer and the head,
+Muon's split, found by role: ``"role:hidden"``) take the orthogonal polar factor of that
+update (fewer steps on five of the six families of ``dkfac bench suite``, the same on the
+digits CNN).
+The factor batch and both intervals are chosen within :data:`DEFAULT_OVERHEAD`; with
+``overhead=None``, factors every step and a refresh every 5 steps. A refresh every 5 steps
+against 10: 11 steps to 97.5% on the digits CNN against 13 (10 seeds), 35 to the
+autoencoder's MSE 0.02 against 39 (3 seeds), less time on both. Why each, and the comparison
+with AdamW, Muon and SOAP: BENCHMARKS.md section 12.
 ``rotation_dtype=torch.bfloat16`` is left out: it pays only where bf16 matrix products are
 fast (GPUs, CPUs with AVX512-BF16 or AMX); ``rotation_dtype="auto"`` takes bf16 only there
 (:mod:`dkfac.solvers.precision`), not yet measured with these options."""
@@ -103,6 +118,7 @@ class KFACOptimizer(Optimizer):
         lr: float = DEFAULT_LR,
         *,
         weight_decay: float = 0.0,
+        overhead: float | None = DEFAULT_OVERHEAD,
         **options: Any,
     ) -> KFACOptimizer:
         """dkfac's recommended default for ``model``, built from the model alone.
@@ -128,6 +144,13 @@ class KFACOptimizer(Optimizer):
             model: The model to train (its trainable parameters go to the inner SGD).
             lr: Step size > 0.
             weight_decay: Decoupled weight decay >= 0.
+            overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
+                the first step, the factor batch and the factor and basis intervals are
+                chosen so that the preconditioner's work stays within ``overhead`` times
+                the training step (``describe()``'s last row says what and why); an
+                interval or factor batch passed in ``options`` is kept. ``None``: the
+                fixed intervals of :data:`DEFAULT_OPTIONS` (factors every step, the basis
+                every 5) and the whole batch.
             **options: Any :class:`~dkfac.KFACConfig` field, over the defaults; with another
                 ``method``, the defaults that method does not read
                 (:func:`~dkfac.config.unread_moment_fields`) are left out.
@@ -143,8 +166,12 @@ class KFACOptimizer(Optimizer):
         # Another method keeps the defaults it reads (the moment ones it does not are
         # errors when passed, so they are dropped unless the caller passed them).
         unread = unread_moment_fields(options.get("method", DEFAULT_OPTIONS["method"]))
+        if "moment_beta2" in unread:  # no basis of moments: no structured basis, no polar
+            unread = (*unread, "flattened_inputs", "orthogonal_layers")
+        if overhead is not None:  # the budget chooses these unless the caller did
+            unread = (*unread, *BUDGETED_OPTIONS)
         defaults = {k: v for k, v in DEFAULT_OPTIONS.items() if k not in unread}
-        preconditioner = KFACPreconditioner(model, **{**defaults, **options})
+        preconditioner = KFACPreconditioner(model, overhead=overhead, **{**defaults, **options})
         params = [p for p in model.parameters() if p.requires_grad]
         # Fused on a launch-bound device: it skips a non-finite step without a host read.
         fused = preconditioner.flags_on_device and all(p.is_cuda for p in params)

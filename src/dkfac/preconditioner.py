@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
+from dkfac.config.checks import check_range
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
@@ -68,6 +69,7 @@ from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.leftover import LeftoverAdam
+from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
@@ -78,6 +80,7 @@ from dkfac.engine.registration import (
     rows_rule,
     unwrap,
 )
+from dkfac.engine.roles import apply_model_rules
 from dkfac.engine.step_math import (
     finite_flags,
     finite_masks,
@@ -105,6 +108,12 @@ class KFACPreconditioner:
         grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any.
         process_group: The ranks that train together (default: the default group; none
             needed for one process).
+        overhead: An overhead budget (e.g. 0.3: the preconditioner's work at most 30% over
+            the training step): after the first step, the factor batch and the factor and
+            basis intervals the options do not set are chosen within it from the layer
+            sizes and the rows the first step saw (:mod:`dkfac.costmodel.budget`);
+            ``describe()`` ends with a row that says what was chosen and why. ``None``:
+            the options as given.
         **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).
 
     Raises:
@@ -121,14 +130,11 @@ class KFACPreconditioner:
         config: KFACConfig | None = None,
         grad_scaler: Any | None = None,
         process_group: Any | None = None,
+        overhead: float | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if config is None:
-            config = KFACConfig(**options)
-        elif options:
-            config = dataclasses.replace(config, **options)
         if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler (it has no get_scale())")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -136,6 +142,21 @@ class KFACPreconditioner:
                 "process_group must be a torch.distributed.ProcessGroup or None, got "
                 f"{type(process_group).__name__}"
             )
+        if config is None:
+            config = KFACConfig(**options)
+        elif options:
+            config = dataclasses.replace(config, **options)
+        config = apply_model_rules(unwrap(model), config)
+        self.budget: OverheadBudget | None = None
+        if overhead is not None:
+            check_range("overhead", overhead, low=0.0)
+            defaults = KFACConfig()
+            given = {
+                k: getattr(config, k)
+                for k in BUDGETED_OPTIONS
+                if k in options or getattr(config, k) != getattr(defaults, k)
+            }
+            self.budget = OverheadBudget(float(overhead), given)
         self.config = config
         self.model = model
         self.grad_scaler = grad_scaler
@@ -175,6 +196,8 @@ class KFACPreconditioner:
         )
         if self.eager is not None:
             self._hooks.add(self.eager)
+        if self.budget is not None:
+            self.budget.watch(self.layers)
         self._other_params = other_parameters(unwrap(model), self.layers)
         self.leftover: LeftoverAdam | None = None
         if leftover_adam(config):
@@ -204,6 +227,8 @@ class KFACPreconditioner:
         ``step()`` and ``sample_fisher()`` raise afterwards; ``state_dict()`` still works.
         """
         self._hooks.remove(self)
+        if self.budget is not None:
+            self.budget.remove()
 
     def _params(self) -> dict[str, list[Tensor]]:
         return {name: layer.block.parameters() for name, layer in self.layers.items()}
@@ -307,6 +332,8 @@ class KFACPreconditioner:
         self.comm.ledger.end_step()
         self._marks.record(self._params())
         self._steps += 1
+        if self.budget is not None and self.budget.choice is None:
+            self._spend_budget()
         self._set_block_steps()
         self.schedule_captures(self._steps)
 
@@ -330,6 +357,17 @@ class KFACPreconditioner:
         self._late.record(step, masks, self._guard_messages)
         grads.update(zero_nonfinite(grads, masks, names))
         return {name: (True, True) for name in names}, masks[1::2]
+
+    def _spend_budget(self) -> None:
+        """Applies the overhead budget's choice once it can be made (after the first step)."""
+        assert self.budget is not None
+        maps = self.config.flattened_inputs
+        if self.budget.decide(self.layers, maps) is None or not (chosen := self.budget.options()):
+            return
+        self.config = dataclasses.replace(self.config, **chosen)
+        self.capture.config = self.config
+        if self.config.refresh == "fixed":
+            self.refresh = make_refresh_policy("fixed", self.config.factor_update_interval)
 
     def _reduce(
         self, grads: dict[str, Tensor | None], capturing: bool
@@ -458,6 +496,11 @@ class KFACPreconditioner:
             for row in table:
                 if row["block"] == "inner optimizer" and row["name"] in self.leftover.params:
                     row["method"] = "adam"
+        if self.budget is not None and table:
+            choice = self.budget.choice
+            reason = choice.reason if choice else "chosen after the first step"
+            row = dict.fromkeys(table[0])
+            table.append({**row, "name": "overhead budget", "block": "cost", "reason": reason})
         return table
 
     def state_dict(self, include_inverses: bool = False, gather: bool = True) -> dict[str, Any]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dkfac import KFACOptimizer, KFACPreconditioner
-from dkfac.optimizer import DEFAULT_LR, DEFAULT_OPTIONS
+from dkfac.engine.overhead import BUDGETED_OPTIONS
+from dkfac.optimizer import DEFAULT_LR, DEFAULT_OPTIONS, DEFAULT_OVERHEAD
 from tests.strategy_cases import make_model, serial_step
 
 
@@ -24,7 +25,11 @@ def test_for_model_is_the_documented_construction() -> None:
     twin_model = make_model()
     twin = KFACOptimizer(
         torch.optim.SGD(twin_model.parameters(), lr=DEFAULT_LR, momentum=0.0),
-        KFACPreconditioner(twin_model, **DEFAULT_OPTIONS),
+        KFACPreconditioner(
+            twin_model,
+            overhead=DEFAULT_OVERHEAD,
+            **{k: v for k, v in DEFAULT_OPTIONS.items() if k not in BUDGETED_OPTIONS},
+        ),
     )
     _train(opt, model, 12)
     _train(twin, twin_model, 12)
@@ -51,7 +56,8 @@ def test_another_method_keeps_only_the_defaults_it_reads(method: str) -> None:
     """The moment defaults a method never reads would be refused by its config, so they
     are left out; those it reads (ekfac: the power refresh and the reset carry) stay, and
     one the caller passes is still refused."""
-    config = KFACOptimizer.for_model(make_model(), method=method).preconditioner.config
+    config = KFACOptimizer.for_model(make_model(), method=method, overhead=None)
+    config = config.preconditioner.config
     assert config.method == method and config.moment_nesterov is False
     assert (config.kl_clip, config.inverse_update_interval) == (None, 5)
     reads_refresh = method == "ekfac"

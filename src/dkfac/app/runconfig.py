@@ -125,6 +125,16 @@ def _field_default(field: dataclasses.Field[Any]) -> Any:
     return None
 
 
+def _left_at_default(value: Any, field: dataclasses.Field[Any]) -> bool:
+    """Whether a flag's value is the field's default (an empty list flag for an empty
+    mapping or sequence default too)."""
+    default = _field_default(field)
+    empty = (tuple, list, dict)
+    if isinstance(value, empty) and isinstance(default, empty):
+        return not value and not default
+    return bool(value == default)
+
+
 def _is_schedule(hint: Any) -> bool:
     return any(
         typing.get_origin(arg) is collections.abc.Callable or arg is collections.abc.Callable
@@ -238,7 +248,7 @@ def kfac_config_from_args(
         if text is not None:
             integer = "interval" in field.name or hints[field.name] is int
             value = piecewise_by_step(text, steps_per_epoch, integer=integer)
-        elif defaults and field.name in defaults and value == _field_default(field):
+        elif defaults and field.name in defaults and _left_at_default(value, field):
             value = defaults[field.name]
         values[field.name] = value
     return KFACConfig(**values)

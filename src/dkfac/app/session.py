@@ -32,6 +32,7 @@ from dkfac.app.muon import MuonAdamW
 from dkfac.app.recipe import RunningMixup, mixing_weight, rescale_weights, scale_momentum
 from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.app.schedules import make_lr_lambda
+from dkfac.config import KFACConfig
 from dkfac.optimizer import DEFAULT_OPTIONS, KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -380,8 +381,15 @@ def _default_kfac(
     (:data:`~dkfac.optimizer.DEFAULT_OPTIONS`); the others are passed on over them.
     """
     config = kfac_config_from_args(args, steps_per_epoch, defaults=DEFAULT_OPTIONS)
-    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    del options["lr"]  # the inner SGD's, fed to the preconditioner by KFACOptimizer
+    reference = KFACConfig(**DEFAULT_OPTIONS)
+    # Only what differs from for_model's own choice is passed: an option passed is kept as
+    # given, where for_model's overhead budget would otherwise choose it. The lr is the
+    # inner SGD's, fed to the preconditioner by KFACOptimizer.
+    options = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name != "lr" and getattr(config, f.name) != getattr(reference, f.name)
+    }
     try:
         return KFACOptimizer.for_model(
             model, args.lr, weight_decay=args.weight_decay, grad_scaler=scaler, **options

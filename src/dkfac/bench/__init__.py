@@ -12,6 +12,7 @@ does not break the others.
     python -m dkfac.bench lm --seconds 90   # byte-level GPT: AdamW, Muon, SOAP, K-FAC
     python -m dkfac.bench tta --recipe benchmarks/recipes/digits-cnn.toml   # a K-FAC recipe
     python -m dkfac.bench comm      # and: memory
+    python -m dkfac.bench suite --threads 1   # six families, the default vs peers
     python -m dkfac.bench soak --steps 10000 --method eigen
     python -m dkfac.bench report    # BENCHMARKS.md and its plots from benchmarks/results/
 """
@@ -35,6 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "solvers": ("dkfac.bench.solvers", "eigen / cholesky / smw inverse time vs width, batch"),
     "comm": ("dkfac.bench.comm", "ledger bytes per strategy vs the cost model"),
     "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),
+    "suite": ("dkfac.bench.suite", "the default vs AdamW, Muon, SOAP on six model families"),
     "soak": ("dkfac.bench.soak", "thousands of K-FAC steps on gloo ranks: resident memory"),
     "report": ("dkfac.bench.report", "BENCHMARKS.md and its plots from benchmarks/results/"),
 }

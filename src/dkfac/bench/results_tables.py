@@ -322,3 +322,56 @@ def plot_soak(runs: Mapping[str, str]) -> Callable[[Payloads, str], None]:
         plt.close(fig)
 
     return draw
+
+
+def suite_table(name: str, earlier: str) -> Callable[[Payloads], Table]:
+    """``dkfac bench suite``: per family, the default's steps (both splits), its step and
+    time against the best peer of the run, and SOAP's and shipped Muon's steps from
+    ``earlier`` (a run of the same seeds with every peer; steps do not depend on the run)."""
+
+    def table(payloads: Payloads) -> Table:
+        before = {
+            task["task"]: task["summary"]["optimizers"] for task in payloads[earlier]["tasks"]
+        }
+        rows = []
+        for task in payloads[name]["tasks"]:
+            summary = task["summary"]
+            mine, best = summary["optimizers"]["dkfac"], summary["best_peer"]
+            peer = summary["optimizers"][best]
+            old = before.get(task["task"], {})
+            rows.append(
+                [
+                    task["task"],
+                    f"{f(mine['median_steps'], 0)} / {f(mine['median_steps_split1'], 0)}",
+                    f(mine["step_vs_adamw"]),
+                    f"{best}: {f(peer['median_steps'], 0)}, {f(peer['step_vs_adamw'])}",
+                    f"**{f(mine['time_vs_best_peer'])}**",
+                    " / ".join(
+                        f(old[n]["median_steps"], 0) if n in old else "–" for n in ("soap", "muon")
+                    ),
+                ]
+            )
+        headers = ["family", "dkfac steps (split 0 / 1)", "dkfac step × AdamW"]
+        return Table(
+            [
+                *headers,
+                "best peer: steps, step × AdamW",
+                "dkfac time ÷ best peer",
+                "SOAP / Muon steps",
+            ],
+            rows,
+        )
+
+    return table
+
+
+def plot_suite(name: str, task: str) -> Callable[[Payloads, str], None]:
+    """The suite's plot of one task (:func:`dkfac.bench.suite_report.plot_task`)."""
+
+    def plot(payloads: Payloads, path: str) -> None:
+        from dkfac.bench.suite_report import plot_task
+
+        record = next(t for t in payloads[name]["tasks"] if t["task"] == task)
+        plot_task(record, path)
+
+    return plot

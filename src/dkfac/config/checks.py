@@ -26,6 +26,11 @@ __all__ = [
     "check_range",
 ]
 
+GRAPH = "graph"
+"""``flattened_inputs="graph"``: the maps are read off the model's graph."""
+GRAPH_MAPS = {"<graph>": (1, 1)}
+"""How a config holds ``"graph"`` until the preconditioner resolves it (no layer is named
+``<graph>``: module names hold no angle brackets)."""
 _INPUT_MAP = re.compile(r"^\s*(\S+?)\s*=\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
@@ -119,14 +124,17 @@ def check_input_maps(name: str, value: Any) -> dict[str, tuple[int, int]]:
     """Layer name -> ``(channels, positions)``, from a mapping or ``"NAME=CxP"`` strings.
 
     The strings are the command line's spelling (``classifier.0=64x16``); one string alone
-    is one entry.
+    is one entry. ``"graph"`` (alone) asks for the maps found in the model's graph: it is
+    kept as the one entry :data:`GRAPH_MAPS` until the preconditioner reads the model.
 
     Raises:
         TypeError: If ``value`` is neither a mapping nor strings.
         ValueError: For a malformed entry, an empty name, a name given twice, or a count
             that is not an integer >= 1.
     """
-    allowed = "a mapping {layer name: (channels, positions)} or strings 'NAME=CxP'"
+    allowed = "'graph', a mapping {layer name: (channels, positions)} or strings 'NAME=CxP'"
+    if value == GRAPH or (isinstance(value, (list, tuple)) and list(value) == [GRAPH]):
+        return dict(GRAPH_MAPS)
     entries: list[tuple[Any, Any]] = []
     if isinstance(value, Mapping):
         entries = list(value.items())

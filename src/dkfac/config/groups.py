@@ -174,9 +174,12 @@ class SolverConfig:
             milliseconds instead of a 1025³ product and QR, for the same steps on the
             digits CNN (BENCHMARKS.md section 13). A name that is not a registered linear
             layer with ``channels · positions`` inputs is an error at registration.
+            ``"graph"`` finds them in the model's graph, with no names
+            (:func:`dkfac.engine.roles.flattened_conv_inputs`).
         orthogonal_layers: ``"ekfac"``/``"eigen_adam"``: regular expressions; a
             preconditioned layer whose qualified name or class name contains a match of one
-            (``re.search``, as ``skip_layers``) takes the orthogonal polar factor of its
+            (``re.search``, as ``skip_layers``; ``"role:hidden"`` picks the hidden matrices,
+            :mod:`dkfac.engine.roles`) takes the orthogonal polar factor of its
             update, scaled to ``orthogonal_rms`` (Muon's Newton–Schulz step applied to the
             preconditioned update: :mod:`dkfac.solvers.eigen_moments`). Meant for a
             transformer's hidden layers, e.g. ``("^blocks\\.",)``, leaving the embeddings

@@ -1,0 +1,113 @@
+"""The overhead budget in a running preconditioner: shapes seen, then one choice.
+
+:class:`OverheadBudget` watches the first training forward of every registered layer (the
+rows it sees: samples × positions, and the batch), and after the first step chooses the
+factor batch and the factor and basis intervals within the budget
+(:func:`dkfac.costmodel.budget.choose`, a pure function of the layer sizes and those rows:
+every rank makes the same choice). The first step itself captures the whole batch and
+refreshes every basis, as any first step does. Options the user set are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from dkfac.costmodel.budget import Choice, LayerShape, choose, layer_costs
+from dkfac.engine.layer_state import LayerState
+
+__all__ = ["BUDGETED_OPTIONS", "OverheadBudget"]
+
+logger = logging.getLogger(__name__)
+
+BUDGETED_OPTIONS = ("factor_batch_size", "factor_update_interval", "inverse_update_interval")
+"""The options the budget chooses unless the user set them."""
+
+
+class OverheadBudget:
+    """Chooses the budgeted options once the first training forward has been seen.
+
+    Args:
+        budget: The most overhead over the training step, e.g. 0.3 (> 0).
+        explicit: The budgeted options the user set (kept as given).
+    """
+
+    def __init__(self, budget: float, explicit: Mapping[str, Any]) -> None:
+        self.budget = budget
+        self.explicit = {k: v for k, v in explicit.items() if k in BUDGETED_OPTIONS}
+        self.rows: dict[str, int] = {}
+        self.batch: int | None = None
+        self.choice: Choice | None = None
+        self._handles: list[RemovableHandle] = []
+
+    def watch(self, layers: Mapping[str, LayerState]) -> None:
+        """Records, on the first training forward, each layer's rows and the batch."""
+        for name, layer in layers.items():
+
+            def seen(module: nn.Module, inputs: Any, output: Any, name: str = name) -> None:
+                if not module.training or name in self.rows:
+                    return
+                out = output[0] if isinstance(output, (tuple, list)) else output
+                g = layers[name].block.g_dim
+                if isinstance(out, Tensor) and g > 0:
+                    self.rows[name] = max(1, out.numel() // g)
+                first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+                if self.batch is None and first is not None and first.dim() > 0:
+                    self.batch = int(first.shape[0])
+
+            self._handles.append(layer.block.module.register_forward_hook(seen))
+
+    def decide(
+        self, layers: Mapping[str, LayerState], maps: Mapping[str, tuple[int, int]] | None = None
+    ) -> Choice | None:
+        """The choice, once shapes were seen (``None`` before any training forward);
+        ``maps``: the layers with a flattened map's Kronecker input basis."""
+        if self.choice is not None:
+            return self.choice
+        if self.batch is None or not self.rows:
+            return None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        shapes = [
+            LayerShape(
+                layer.block.a_dim,
+                layer.block.g_dim,
+                self.rows.get(name, self.batch),
+                tuple((maps or {}).get(name, ())),
+                _polar_steps(layer),
+            )
+            for name, layer in layers.items()
+        ]
+        self.choice = choose(layer_costs(shapes), self.batch, self.budget, self.explicit)
+        logger.info("overhead budget: %s", self.choice.reason)
+        return self.choice
+
+    def options(self) -> dict[str, Any]:
+        """The chosen values of the options the user did not set."""
+        if self.choice is None:
+            return {}
+        chosen = {
+            "factor_batch_size": self.choice.factor_batch_size,
+            "factor_update_interval": self.choice.factor_update_interval,
+            "inverse_update_interval": self.choice.inverse_update_interval,
+        }
+        return {k: v for k, v in chosen.items() if k not in self.explicit}
+
+    def remove(self) -> None:
+        """Removes the watching hooks (with the preconditioner's)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _polar_steps(layer: LayerState) -> int:
+    """The Newton–Schulz steps of the layer's orthogonalised update (0 when it has none)."""
+    options = getattr(layer.solver, "options", None)
+    if options is None or getattr(options, "orthogonal_rms", None) is None:
+        return 0
+    return int(getattr(options, "orthogonal_steps", 0))

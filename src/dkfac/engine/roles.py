@@ -1,0 +1,233 @@
+"""Rules that need no layer names: each layer's role, and flattened convolution maps.
+
+A recipe used to name layers by regular expression (``orthogonal_layers=["^blocks\\."]``,
+``skip_layers=["^tokens$", "^head$"]``) and shapes by hand (``flattened_inputs=
+["classifier.0=64x16"]``). The rules here read them off the model instead:
+
+* :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.MultiheadAttention`` and
+  ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``, the first
+  matrix layer when the model has no embedding (it reads the raw data); ``"head"``, the last
+  matrix layer (it writes the outputs); ``"hidden"``, every other one. A pattern
+  ``"role:NAME"`` in ``skip_layers`` or ``orthogonal_layers`` stands for the layers of that
+  role (:func:`resolve_role_patterns`); module names never hold a colon, so no regular
+  expression is taken for a role by mistake.
+* :func:`flattened_conv_inputs`: a linear layer whose input is ``flatten(x, 1)`` of a
+  convolution's ``C``-channel map (through pooling, activations, normalisation, dropout and
+  residual additions, which keep the channels) reads ``C × P`` features, channel-major, with
+  ``P = in_features / C`` positions: found by tracing the model's graph (``torch.fx``), with
+  no input. A model fx cannot trace (data-dependent control flow) gets none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from dkfac.config import KFACConfig
+from dkfac.config.checks import GRAPH_MAPS
+
+__all__ = [
+    "ROLES",
+    "ROLE_PREFIX",
+    "apply_model_rules",
+    "basis_block_from_widths",
+    "flattened_conv_inputs",
+    "layer_roles",
+    "resolve_role_patterns",
+]
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("input", "hidden", "head", "embedding")
+"""Every role :func:`layer_roles` gives."""
+
+ROLE_PREFIX = "role:"
+"""A pattern ``"role:NAME"`` picks the layers of role ``NAME``."""
+
+_MATRIX = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CHANNEL_COUNTS = {nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm}
+_KEEPS_CHANNELS_MODULES = (
+    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity,
+    nn.Dropout, nn.Dropout2d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
+    nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool2d,
+)  # fmt: skip
+_KEEPS_CHANNELS_FUNCTIONS = {
+    F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid, F.max_pool2d, F.avg_pool2d,
+    F.adaptive_avg_pool2d, F.dropout, operator.add, torch.add, operator.mul,
+}  # fmt: skip
+_KEEPS_CHANNELS_METHODS = {"relu", "relu_", "tanh", "sigmoid", "contiguous", "add", "mul"}
+
+
+def apply_model_rules(model: nn.Module, config: KFACConfig) -> KFACConfig:
+    """``config`` with its rules read off ``model``: ``"role:NAME"`` patterns of
+    ``skip_layers`` and ``orthogonal_layers`` resolved to the layers' names, and
+    ``flattened_inputs="graph"`` to the maps of :func:`flattened_conv_inputs`.
+
+    Raises:
+        ValueError: For an unknown role.
+    """
+    changes: dict[str, Any] = {}
+    for option in ("skip_layers", "orthogonal_layers"):
+        patterns = getattr(config, option)
+        resolved = resolve_role_patterns(option, patterns, model)
+        if resolved != patterns:
+            changes[option] = resolved
+    if dict(config.flattened_inputs) == GRAPH_MAPS:
+        maps = flattened_conv_inputs(model)
+        logger.info("flattened_inputs from the graph: %s", maps or "none")
+        changes["flattened_inputs"] = maps
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def layer_roles(model: nn.Module) -> dict[str, str]:
+    """Qualified module name -> its role (see the module docstring), in module order."""
+    modules = list(model.named_modules())
+    has_embedding = any(isinstance(m, nn.Embedding) for _, m in modules)
+    matrices = [name for name, m in modules if isinstance(m, _MATRIX)]
+    roles: dict[str, str] = {}
+    for name, module in modules:
+        if isinstance(module, nn.Embedding):
+            roles[name] = "embedding"
+        elif isinstance(module, _MATRIX):
+            first = name == matrices[0] and not has_embedding
+            roles[name] = "head" if name == matrices[-1] else "input" if first else "hidden"
+    return roles
+
+
+MIN_BLOCK = 128
+"""The narrowest block :func:`basis_block_from_widths` gives (a narrower one loses most of
+the coupling a basis keeps)."""
+
+
+def basis_block_from_widths(model: nn.Module) -> int | None:
+    """A ``basis_block_size`` from the widths: the narrowest output width of a hidden layer
+    that is at least :data:`MIN_BLOCK`, when some side of a layer is more than twice that
+    (else ``None``: every basis whole). A wide layer's basis is then cut into blocks as wide
+    as the model's narrow layers, whose whole bases cost as much (the recipes' 250 on the
+    64-1000-500-250-30 autoencoder, 128 on the width-128 language model, whose MLP is 512
+    wide)."""
+    roles = layer_roles(model)
+    modules = dict(model.named_modules())
+    widths, sides = [], []
+    for name, role in roles.items():
+        module = modules[name]
+        if isinstance(module, nn.Linear):
+            out, inp = module.out_features, module.in_features + (module.bias is not None)
+        elif isinstance(module, _CONV):
+            out = module.out_channels
+            inp = module.in_channels * math.prod(module.kernel_size) + (module.bias is not None)
+        else:
+            continue
+        sides += [out, inp]
+        if role == "hidden":
+            widths.append(out)
+    wide = [w for w in widths if w >= MIN_BLOCK]
+    if not wide or max(sides) <= 2 * min(wide):
+        return None
+    return min(wide)
+
+
+def resolve_role_patterns(
+    option: str, patterns: Sequence[str], model: nn.Module
+) -> tuple[str, ...]:
+    """``patterns`` with every ``"role:NAME"`` replaced by exact-name patterns of the layers
+    of that role (none when no layer has it); other patterns are kept as they are.
+
+    Raises:
+        ValueError: For a role outside :data:`ROLES`.
+    """
+    if not any(p.startswith(ROLE_PREFIX) for p in patterns):
+        return tuple(patterns)
+    roles = layer_roles(model)
+    resolved: list[str] = []
+    for pattern in patterns:
+        if not pattern.startswith(ROLE_PREFIX):
+            resolved.append(pattern)
+            continue
+        role = pattern[len(ROLE_PREFIX) :]
+        if role not in ROLES:
+            raise ValueError(
+                f"{option}: unknown role {role!r} in {pattern!r}; roles: {', '.join(ROLES)}"
+            )
+        # the layer itself, or the blocks under its name (an attention layer's projections)
+        names = [f"^{re.escape(n)}(?:$|[.:])" for n, r in roles.items() if r == role]
+        logger.info("%s %r: %s", option, pattern, names or "no layer")
+        resolved += names
+    return tuple(dict.fromkeys(resolved))
+
+
+def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Linear layer name -> ``(channels, positions)`` of the convolution map it reads
+    flattened (see the module docstring); empty when the model cannot be traced."""
+    try:
+        graph = fx.symbolic_trace(model).graph
+    except Exception as error:
+        logger.info("flattened inputs: %s is not traceable (%s)", type(model).__name__, error)
+        return {}
+    modules = dict(model.named_modules())
+    found: dict[str, tuple[int, int]] = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Linear):
+            continue
+        linear = modules[node.target]
+        assert isinstance(linear, nn.Linear)
+        source = _flattened_source(node.args[0], modules) if node.args else None
+        channels = None if source is None else _channels(source, modules)
+        if channels and linear.in_features % channels == 0:
+            positions = linear.in_features // channels
+            if positions > 1:
+                found[str(node.target)] = (channels, positions)
+    return found
+
+
+def _flattened_source(node: object, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The node whose output ``node`` flattens from dimension 1 on, if it is such a flatten."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_module" and isinstance(modules.get(str(node.target)), nn.Flatten):
+        flatten = modules[str(node.target)]
+        assert isinstance(flatten, nn.Flatten)
+        ok = flatten.start_dim == 1 and flatten.end_dim == -1
+        return node.args[0] if ok and isinstance(node.args[0], fx.Node) else None
+    is_flatten = (node.op == "call_function" and node.target is torch.flatten) or (
+        node.op == "call_method" and node.target == "flatten"
+    )
+    if not is_flatten or len(node.args) < 2 or node.args[1] != 1:
+        return None
+    if len(node.args) > 2 or node.kwargs.get("end_dim", -1) != -1:
+        return None
+    return node.args[0] if isinstance(node.args[0], fx.Node) else None
+
+
+def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
+    """The channel count of ``node``'s output, read back through channel-keeping nodes to a
+    convolution or a normalisation over channels."""
+    seen = 0
+    current: object = node
+    while isinstance(current, fx.Node) and seen < 64:
+        seen += 1
+        module = modules.get(str(current.target)) if current.op == "call_module" else None
+        if isinstance(module, _CONV):
+            return int(module.out_channels)
+        if type(module) in _CHANNEL_COUNTS:
+            return int(getattr(module, "num_features", getattr(module, "num_channels", 0)))
+        keeps = (
+            isinstance(module, _KEEPS_CHANNELS_MODULES)
+            or (current.op == "call_function" and current.target in _KEEPS_CHANNELS_FUNCTIONS)
+            or (current.op == "call_method" and current.target in _KEEPS_CHANNELS_METHODS)
+        )
+        if isinstance(module, nn.Sequential) or not keeps or not current.args:
+            return None
+        current = current.args[0]
+    return None

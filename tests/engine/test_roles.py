@@ -1,0 +1,163 @@
+"""Rules without names: roles and flattened convolution maps read off the model, checked
+against the values the recipes wrote by hand."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dkfac import KFACPreconditioner
+from dkfac.app.gpt import GPT
+from dkfac.app.models import build_model
+from dkfac.bench.peers import muon_split
+from dkfac.engine.roles import (
+    basis_block_from_widths,
+    flattened_conv_inputs,
+    layer_roles,
+    resolve_role_patterns,
+)
+
+
+def _cnn() -> nn.Module:
+    return build_model("cnn", in_channels=1, image_size=8, num_classes=10)
+
+
+def test_the_digits_cnn_map_is_the_recipes() -> None:
+    # benchmarks/recipes/digits-cnn.toml wrote flattened-inputs = ["classifier.0=64x16"]
+    assert flattened_conv_inputs(_cnn()) == {"classifier.0": (64, 16)}
+
+
+class _Functional(nn.Module):
+    """A conv, a residual addition, BatchNorm, a pool, then ``x.flatten(1)`` twice over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)
+        self.norm = nn.BatchNorm2d(5)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(5 * 16, 4)
+        self.pooled = nn.Linear(5, 4)
+        self.flat = nn.Flatten()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv(x)
+        y = self.pool(torch.relu(self.norm(y) + y))
+        z = nn.functional.adaptive_avg_pool2d(y, 1)
+        return self.head(y.flatten(1)) + self.pooled(self.flat(z))
+
+
+def test_maps_are_found_through_channel_keeping_operations() -> None:
+    # the 1×1 pooled map has one position: no structure to use, no map
+    assert flattened_conv_inputs(_Functional()) == {"head": (5, 16)}
+
+
+class _Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.fc = nn.Linear(2 * 36, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:  # data-dependent: fx cannot trace it
+            x = -x
+        return self.fc(self.conv(x).flatten(1))
+
+
+def test_an_untraceable_model_or_a_plain_mlp_gets_no_map() -> None:
+    assert flattened_conv_inputs(_Untraceable()) == {}
+    assert flattened_conv_inputs(nn.Sequential(nn.Flatten(), nn.Linear(64, 8))) == {}
+    assert flattened_conv_inputs(GPT(256, 16, 1, 16, 4)) == {}
+
+
+def test_the_gpt_roles_are_the_recipes_split() -> None:
+    model = GPT(256, 16, 2, 16, 4)
+    roles = layer_roles(model)
+    hidden = resolve_role_patterns("orthogonal_layers", ["role:hidden"], model)
+    skipped = resolve_role_patterns("skip_layers", ["role:embedding", "role:head"], model)
+    # benchmarks/recipes/gpt-text.toml: orthogonal "^blocks\\.", skip tokens, positions, head
+    names = [n for n, _ in model.named_modules()]
+    by_recipe = {n for n in names if re.search("^blocks\\.", n) and n in roles}
+    assert {n for n in roles if any(re.search(p, n) for p in hidden)} == by_recipe
+    assert {n for n in roles if any(re.search(p, n) for p in skipped)} == {
+        "tokens",
+        "positions",
+        "head",
+    }
+
+
+def test_roles_match_the_muon_split_of_the_peers() -> None:
+    for model in (_cnn(), GPT(256, 16, 2, 16, 4)):
+        roles = layer_roles(model)
+        hidden = {f"{n}.weight" for n, r in roles.items() if r == "hidden"}
+        assert hidden == set(muon_split(model).muon)
+
+
+def test_role_patterns_reach_the_preconditioner_and_explicit_maps_win() -> None:
+    model = _cnn()
+    pre = KFACPreconditioner(
+        model,
+        method="eigen_adam",
+        orthogonal_layers=["role:hidden"],
+        skip_layers="role:head",
+        flattened_inputs="graph",
+    )
+    assert set(pre.layers) == {"features.0", "features.2", "features.5", "classifier.0"}
+    assert pre.config.flattened_inputs == {"classifier.0": (64, 16)}
+    pre.remove_hooks()
+    plain = KFACPreconditioner(_cnn(), method="eigen_adam")  # not asked: no map
+    assert plain.config.flattened_inputs == {}
+    plain.remove_hooks()
+    with pytest.raises(ValueError, match="flattened_inputs needs method"):
+        KFACPreconditioner(_cnn(), method="eigen", flattened_inputs="graph")
+
+
+def test_an_unknown_role_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"unknown role 'hiden'.*roles: input, hidden"):
+        KFACPreconditioner(_cnn(), method="eigen_adam", orthogonal_layers=["role:hiden"])
+
+
+HAND_WRITTEN = {
+    "digits-cnn": {"flattened_inputs": {"classifier.0": (64, 16)}},
+    "gpt-text": {
+        "orthogonal_layers": ("^blocks\\.",),
+        "skip_layers": ("^tokens$", "^positions$", "^head$"),
+    },
+    "digits-autoencoder": {"orthogonal_layers": ("^encoder\\.[246]$", "^decoder\\.[024]$")},
+}
+"""What each recipe named by hand before its rules read the model."""
+
+
+def _recipe_model(name: str) -> nn.Module:
+    if name == "gpt-text":
+        return GPT(256, 128, 4, 128, 4)
+    model = "cnn" if name == "digits-cnn" else "autoencoder"
+    return build_model(model, in_channels=1, image_size=8, num_classes=10)
+
+
+def _picks(pre: KFACPreconditioner) -> tuple[object, ...]:
+    orthogonal = {n for n, s in pre.layers.items() if s.solver.options.orthogonal_rms is not None}
+    return set(pre.layers), orthogonal, dict(pre.config.flattened_inputs)
+
+
+@pytest.mark.parametrize("name", sorted(HAND_WRITTEN))
+def test_each_shrunk_recipe_picks_what_its_names_picked(name: str) -> None:
+    from dkfac.bench.peers import kfac_parts
+    from dkfac.bench.recipes import load_recipe
+
+    _, options = kfac_parts(load_recipe(f"benchmarks/recipes/{name}.toml").options)
+    by_rule = KFACPreconditioner(_recipe_model(name), **options)
+    by_name = KFACPreconditioner(_recipe_model(name), **{**options, **HAND_WRITTEN[name]})
+    assert _picks(by_rule) == _picks(by_name)
+    assert _picks(by_rule)[1] or _picks(by_rule)[2]  # the rule picked something
+
+
+def test_block_sizes_from_widths_are_the_recipes() -> None:
+    # digits-autoencoder.toml: basis-block-size 250; gpt-text.toml: 128
+    assert basis_block_from_widths(_recipe_model("digits-autoencoder")) == 250
+    assert basis_block_from_widths(_recipe_model("gpt-text")) == 128
+    # narrow models keep whole bases
+    assert basis_block_from_widths(GPT(256, 16, 2, 32, 4)) is None
+    assert basis_block_from_widths(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))) is None
