@@ -36,9 +36,12 @@ replaces the gradients of the parameters no block takes by Adam's direction on t
 (:mod:`~dkfac.engine.leftover`).
 
 Scale convention (see :class:`~dkfac.engine.capture.FactorCapture`): factors are on the
-per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
-``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
-unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient clipping).
+per-sample Fisher scale whatever the batch size and the number of micro-batches a step
+accumulates (counted from the backward passes; each micro-batch's loss divided by their
+number, as the frameworks do). With a ``GradScaler`` the factors are divided by the square
+of its scale, and ``step()`` must see unscaled gradients (call ``scaler.unscale_(optimizer)``
+first, as for gradient clipping); a scaler not given is named in one warning
+(:mod:`~dkfac.engine.scaler_check`).
 Checkpoints: :mod:`~dkfac.engine.checkpoint`.
 """
 
@@ -71,6 +74,7 @@ from dkfac.engine.registration import (
     rows_rule,
     unwrap,
 )
+from dkfac.engine.scaler_check import MAX_CHECKS, gradient_ratio, warn_if_scaled
 from dkfac.engine.step_math import (
     finite_flags,
     kept_statistics,
@@ -133,6 +137,8 @@ class KFACPreconditioner:
         self.grad_scaler = grad_scaler
         self._steps = 0
         self.capture = FactorCapture(config)
+        self.capture.checking = grad_scaler is None and config.fisher == "empirical"
+        self._scaler_checks = 0
         self.refresh = make_refresh_policy(
             config.refresh,
             config.factor_update_interval,
@@ -188,6 +194,22 @@ class KFACPreconditioner:
         ``step()`` and ``sample_fisher()`` raise afterwards; ``state_dict()`` still works.
         """
         self._hooks.remove(self)
+
+    def adopt_parameters(self, params: list[Tensor], prefix: str) -> None:
+        """Parameters added to the optimizer after construction (``add_param_group``).
+
+        Those that no registered layer holds get what the model's other parameters get:
+        Adam's direction with ``leftover_update`` (named ``prefix.i``), the gradient
+        reduction of ``"spngd"``; parameters already known are left as they are.
+        """
+        known = {id(p) for p in self._other_params}
+        known.update(id(p) for layer in self.layers.values() for p in layer.block.parameters())
+        for i, param in enumerate(params):
+            if id(param) in known:
+                continue
+            self._other_params.append(param)
+            if self.leftover is not None:
+                self.leftover.params[f"{prefix}.{i}"] = param
 
     def _params(self) -> dict[str, list[Tensor]]:
         return {name: layer.block.parameters() for name, layer in self.layers.items()}
@@ -246,6 +268,7 @@ class KFACPreconditioner:
         except (TypeError, ValueError) as err:
             raise type(err)(f"step(): {err}") from None
         self._marks.check(self._params())
+        self._check_scaler()
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -277,6 +300,7 @@ class KFACPreconditioner:
                 self.leftover.step()
         self.comm.ledger.end_step()
         self._marks.record(self._params())
+        self.capture.end_step(self.layers)
         self._steps += 1
         self._set_block_steps()
         self.schedule_captures(self._steps)
@@ -300,10 +324,25 @@ class KFACPreconditioner:
         return new
 
     def _g_scale(self) -> float:
-        """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""
+        """``k²`` for the ``k`` micro-batches of the step (each one's loss is divided by ``k``;
+        a sampled Fisher backward's is not), over the square of an enabled GradScaler's scale
+        (G was captured from scaled gradients)."""
+        passes = self.capture.backward_passes() if self.config.fisher == "empirical" else 1
+        scale = float(passes) ** 2
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            return float(self.grad_scaler.get_scale()) ** -2
-        return 1.0
+            return scale * float(self.grad_scaler.get_scale()) ** -2
+        return scale
+
+    def _check_scaler(self) -> None:
+        """On one of the first steps: warns of a GradScaler not given (:mod:`scaler_check`)."""
+        if not (self.capture.checking and self.capture.bias_sums):
+            return
+        self._scaler_checks += 1
+        ratio = gradient_ratio(self.layers, self.capture.bias_sums)
+        if ratio is not None or self._scaler_checks >= MAX_CHECKS:
+            self.capture.checking = False
+        if ratio is not None:
+            warn_if_scaled(ratio, self.strategy.world_size)
 
     def _update_factors(
         self,
