@@ -98,7 +98,10 @@ class KFACPreconditioner:
             gradients arrive averaged. ``"spngd"`` needs the unwrapped model: its
             ``step()`` averages the gradients of *all* parameters itself.
         config: A :class:`KFACConfig`; keyword ``options`` override its fields.
-        grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any.
+        grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any. A
+            scaler created later (by a framework) may be set as ``pre.grad_scaler`` before
+            the first step, except under ``strategy="spngd"`` with ``overlap_comm``, whose
+            gradient traffic is planned here. One not given is named in a warning.
         process_group: The ranks that train together (default: the default group; none
             needed for one process).
         **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).
@@ -336,6 +339,9 @@ class KFACPreconditioner:
     def _check_scaler(self) -> None:
         """On one of the first steps: warns of a GradScaler not given (:mod:`scaler_check`)."""
         if not (self.capture.checking and self.capture.bias_sums):
+            return
+        if self.grad_scaler is not None:  # given after construction
+            self.capture.checking = False
             return
         self._scaler_checks += 1
         ratio = gradient_ratio(self.layers, self.capture.bias_sums)

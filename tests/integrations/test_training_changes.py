@@ -138,6 +138,11 @@ def test_accumulation_equals_the_unaccumulated_run_without_a_declared_count(meth
 
 def _scaled_run(model: nn.Module, scaler: torch.amp.GradScaler, **options) -> KFACOptimizer:
     opt = KFACOptimizer.for_model(model, **options)
+    _scaled_steps(model, opt, scaler)
+    return opt
+
+
+def _scaled_steps(model: nn.Module, opt: KFACOptimizer, scaler: torch.amp.GradScaler) -> None:
     for step in range(2):
         x, y = _batch(step)
         opt.zero_grad()
@@ -146,7 +151,6 @@ def _scaled_run(model: nn.Module, scaler: torch.amp.GradScaler, **options) -> KF
         torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
         scaler.step(opt)
         scaler.update()
-    return opt
 
 
 def test_a_grad_scaler_not_given_is_named_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -167,3 +171,18 @@ def test_a_grad_scaler_given_or_absent_raises_no_warning(caplog: pytest.LogCaptu
     assert "GradScaler" not in caplog.text
     # Given, the scaler changes nothing: its scale is a power of two.
     assert max_difference(given, unscaled) < 1e-6
+
+
+def test_a_grad_scaler_set_after_construction_counts_as_given(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A framework that creates its scaler after the optimizer: ``pre.grad_scaler = ...``."""
+    given, late = _mlp(), _mlp()
+    scaler, late_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2))
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        _scaled_run(given, scaler, grad_scaler=scaler)
+        opt = KFACOptimizer.for_model(late)
+        opt.preconditioner.grad_scaler = late_scaler
+        _scaled_steps(late, opt, late_scaler)
+    assert "GradScaler" not in caplog.text
+    assert max_difference(given, late) == 0.0
