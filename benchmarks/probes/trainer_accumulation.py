@@ -5,7 +5,10 @@ from a config, nothing downloaded) trained for ``--steps`` steps through
 ``transformers.Trainer`` at batch 16, and at batch 8 with ``gradient_accumulation_steps=2``
 (the same samples in the same order); the largest absolute weight difference between the
 two is written per optimizer: AdamW (the Trainer's own) and ``KFACOptimizer.for_model``
-with its defaults, with ``moment_eps=1e-3`` and with ``method="eigen"``.
+with its defaults, with ``moment_eps=1e-3``, with ``method="eigen"``, and with the
+position embedding left out (``skip_layers``), alone and with ``moment_eps=1e-3``: the
+position embedding's G is one sample's (``T`` rows, rank below its width), so the null space
+of its eigenbasis is an arbitrary choice in which Adam's per-coordinate normalisation acts.
 
     PYTHONPATH=src python benchmarks/probes/trainer_accumulation.py --label after \\
         --out benchmarks/results/trainer_accumulation.json
@@ -29,6 +32,8 @@ VARIANTS = {
     "kfac_default": {},
     "kfac_eps_1e-3": {"moment_eps": 1e-3},
     "kfac_eigen": {"method": "eigen"},
+    "kfac_skip_wpe": {"skip_layers": ("wpe",)},
+    "kfac_skip_wpe_eps_1e-3": {"skip_layers": ("wpe",), "moment_eps": 1e-3},
 }
 
 
