@@ -74,7 +74,7 @@ from dkfac.engine.registration import (
     rows_rule,
     unwrap,
 )
-from dkfac.engine.scaler_check import MAX_CHECKS, gradient_ratio, warn_if_scaled
+from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
     kept_statistics,
@@ -140,8 +140,7 @@ class KFACPreconditioner:
         self.grad_scaler = grad_scaler
         self._steps = 0
         self.capture = FactorCapture(config)
-        self.capture.checking = grad_scaler is None and config.fisher == "empirical"
-        self._scaler_checks = 0
+        self._scaler_check = ScalerCheck(self.capture, grad_scaler is None)
         self.refresh = make_refresh_policy(
             config.refresh,
             config.factor_update_interval,
@@ -271,7 +270,7 @@ class KFACPreconditioner:
         except (TypeError, ValueError) as err:
             raise type(err)(f"step(): {err}") from None
         self._marks.check(self._params())
-        self._check_scaler()
+        self._scaler_check.step(self.layers, self.grad_scaler, self.strategy.world_size)
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -335,20 +334,6 @@ class KFACPreconditioner:
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             return scale * float(self.grad_scaler.get_scale()) ** -2
         return scale
-
-    def _check_scaler(self) -> None:
-        """On one of the first steps: warns of a GradScaler not given (:mod:`scaler_check`)."""
-        if not (self.capture.checking and self.capture.bias_sums):
-            return
-        if self.grad_scaler is not None:  # given after construction
-            self.capture.checking = False
-            return
-        self._scaler_checks += 1
-        ratio = gradient_ratio(self.layers, self.capture.bias_sums)
-        if ratio is not None or self._scaler_checks >= MAX_CHECKS:
-            self.capture.checking = False
-        if ratio is not None:
-            warn_if_scaled(ratio, self.strategy.world_size)
 
     def _update_factors(
         self,

@@ -51,15 +51,17 @@ def test_example_runs(title: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     if '__name__ == "__main__"' in code:
         script = tmp_path / "example.py"
         script.write_text(code)
-        env = {
-            **os.environ,
+        env = {  # nothing the frameworks of earlier tests put in os.environ
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(tmp_path),
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+            "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(find_free_port()),
             "OMP_NUM_THREADS": "1",
         }
         done = subprocess.run(
             [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
         )
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
         return
     exec(compile(code, f"docs/integrations.md: {title}", "exec"), {"__name__": "__docs__"})

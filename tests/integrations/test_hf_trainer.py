@@ -4,7 +4,6 @@ embedding broadcast over the batch; nothing downloaded), each run against its tw
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -85,12 +84,6 @@ def train(
     )
     trainer.train(resume_from_checkpoint=resume)
     return model
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> None:
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("dkfac").setLevel(logging.ERROR)  # the tied embedding's notice
 
 
 def test_accumulation_equals_the_unaccumulated_batch(tmp_path: Path) -> None:

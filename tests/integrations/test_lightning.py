@@ -6,7 +6,6 @@ and ``16-mixed`` (a CPU GradScaler, handed to dkfac), manual optimization, and
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -108,12 +107,6 @@ def _hand_loop(steps: int, autocast: torch.dtype | None = None) -> nn.Module:
         opt.zero_grad()
         schedule.step()
     return net
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> None:
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16])

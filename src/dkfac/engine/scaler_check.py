@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from dkfac.engine.capture import FactorCapture
 from dkfac.engine.layer_state import LayerState
 
-__all__ = ["MAX_CHECKS", "gradient_ratio", "looks_scaled", "warn_if_scaled"]
+__all__ = ["MAX_CHECKS", "ScalerCheck", "gradient_ratio", "looks_scaled", "warn_if_scaled"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,3 +73,32 @@ def warn_if_scaled(ratio: float, world_size: int) -> bool:
         ratio**2,
     )
     return True
+
+
+class ScalerCheck:
+    """The check of a preconditioner: on until a step decides it (or :data:`MAX_CHECKS`).
+
+    Args:
+        capture: The hooks that record the column sums (:attr:`FactorCapture.checking`).
+        enabled: ``False`` when a scaler was given (nothing to find).
+    """
+
+    def __init__(self, capture: FactorCapture, enabled: bool) -> None:
+        self.capture = capture
+        self.tries = 0
+        capture.checking = enabled and capture.config.fisher == "empirical"
+
+    def step(self, layers: Mapping[str, LayerState], grad_scaler: Any, world_size: int) -> None:
+        """At the start of ``step()``: compares this step's sums with the gradients, once."""
+        capture = self.capture
+        if not (capture.checking and capture.bias_sums):
+            return
+        if grad_scaler is not None:  # given after construction
+            capture.checking = False
+            return
+        self.tries += 1
+        ratio = gradient_ratio(layers, capture.bias_sums)
+        if ratio is not None or self.tries >= MAX_CHECKS:
+            capture.checking = False
+        if ratio is not None:
+            warn_if_scaled(ratio, world_size)
