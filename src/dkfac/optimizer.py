@@ -106,10 +106,27 @@ class KFACOptimizer(Optimizer):
         self._skipped = 0  # read on the host, and on the device (``skipped_steps``)
         self._skipped_late: torch.Tensor | None = None
         self._late = LateWarnings()
+        self._shared = False
         super().__init__(inner.param_groups, inner.defaults)
         # Share, not copy: schedulers and users mutate these dicts.
         self.param_groups = inner.param_groups
         self.state = inner.state
+        self._shared = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group to the inner optimizer (the list is shared), as for any optimizer.
+
+        Parameters no registered layer holds get what the model's other parameters get
+        (:meth:`~dkfac.KFACPreconditioner.adopt_parameters`: Adam's direction under
+        ``leftover_update``); those of a registered layer are preconditioned with it.
+        ``torch.optim.Optimizer``'s checks apply (a parameter already in a group raises
+        ``ValueError``).
+        """
+        super().add_param_group(param_group)
+        if self._shared:  # not Optimizer.__init__'s own calls
+            index = len(self.param_groups) - 1
+            params = list(self.param_groups[index]["params"])
+            self.preconditioner.adopt_parameters(params, f"param_groups.{index}")
 
     @classmethod
     def for_model(
@@ -141,7 +158,8 @@ class KFACOptimizer(Optimizer):
             >>> opt = KFACOptimizer.for_model(model)  # doctest: +SKIP
 
         Args:
-            model: The model to train (its trainable parameters go to the inner SGD).
+            model: The model to train (all of its parameters go to the inner SGD: frozen
+                ones are stepped once they are unfrozen and have gradients).
             lr: Step size > 0.
             weight_decay: Decoupled weight decay >= 0.
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
@@ -172,7 +190,9 @@ class KFACOptimizer(Optimizer):
             unread = (*unread, *BUDGETED_OPTIONS)
         defaults = {k: v for k, v in DEFAULT_OPTIONS.items() if k not in unread}
         preconditioner = KFACPreconditioner(model, overhead=overhead, **{**defaults, **options})
-        params = [p for p in model.parameters() if p.requires_grad]
+        # Every parameter, frozen ones too, as AdamW(model.parameters()) takes them: one
+        # unfrozen later is stepped (a parameter without a gradient is left as it is).
+        params = list(model.parameters())
         # Fused on a launch-bound device: it skips a non-finite step without a host read.
         fused = preconditioner.flags_on_device and all(p.is_cuda for p in params)
         inner = torch.optim.SGD(

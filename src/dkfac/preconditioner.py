@@ -36,9 +36,12 @@ replaces the gradients of the parameters no block takes by Adam's direction on t
 (:mod:`~dkfac.engine.leftover`).
 
 Scale convention (see :class:`~dkfac.engine.capture.FactorCapture`): factors are on the
-per-sample Fisher scale whatever the batch size and ``accumulation_steps``. With a
-``GradScaler`` the factors are divided by the square of its scale, and ``step()`` must see
-unscaled gradients (call ``scaler.unscale_(optimizer)`` first, as for gradient clipping).
+per-sample Fisher scale whatever the batch size and the number of micro-batches a step
+accumulates (counted from the backward passes; each micro-batch's loss divided by their
+number, as the frameworks do). With a ``GradScaler`` the factors are divided by the square
+of its scale, and ``step()`` must see unscaled gradients (call ``scaler.unscale_(optimizer)``
+first, as for gradient clipping); a scaler not given is named in one warning
+(:mod:`~dkfac.engine.scaler_check`).
 Checkpoints: :mod:`~dkfac.engine.checkpoint`.
 """
 
@@ -81,6 +84,7 @@ from dkfac.engine.registration import (
     unwrap,
 )
 from dkfac.engine.roles import apply_model_rules
+from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
     finite_masks,
@@ -105,7 +109,10 @@ class KFACPreconditioner:
             gradients arrive averaged. ``"spngd"`` needs the unwrapped model: its
             ``step()`` averages the gradients of *all* parameters itself.
         config: A :class:`KFACConfig`; keyword ``options`` override its fields.
-        grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any.
+        grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any. A
+            scaler created later (by a framework) may be set as ``pre.grad_scaler`` before
+            the first step, except under ``strategy="spngd"`` with ``overlap_comm``, whose
+            gradient traffic is planned here. One not given is named in a warning.
         process_group: The ranks that train together (default: the default group; none
             needed for one process).
         overhead: An overhead budget (e.g. 0.3: the preconditioner's work at most 30% over
@@ -162,6 +169,7 @@ class KFACPreconditioner:
         self.grad_scaler = grad_scaler
         self._steps = 0
         self.capture = FactorCapture(config)
+        self._scaler_check = ScalerCheck(self.capture, grad_scaler is None)
         self.refresh = make_refresh_policy(
             config.refresh,
             config.factor_update_interval,
@@ -230,6 +238,22 @@ class KFACPreconditioner:
         if self.budget is not None:
             self.budget.remove()
 
+    def adopt_parameters(self, params: list[Tensor], prefix: str) -> None:
+        """Parameters added to the optimizer after construction (``add_param_group``).
+
+        Those that no registered layer holds get what the model's other parameters get:
+        Adam's direction with ``leftover_update`` (named ``prefix.i``), the gradient
+        reduction of ``"spngd"``; parameters already known are left as they are.
+        """
+        known = {id(p) for p in self._other_params}
+        known.update(id(p) for layer in self.layers.values() for p in layer.block.parameters())
+        for i, param in enumerate(params):
+            if id(param) in known:
+                continue
+            self._other_params.append(param)
+            if self.leftover is not None:
+                self.leftover.params[f"{prefix}.{i}"] = param
+
     def _params(self) -> dict[str, list[Tensor]]:
         return {name: layer.block.parameters() for name, layer in self.layers.items()}
 
@@ -287,6 +311,7 @@ class KFACPreconditioner:
         except (TypeError, ValueError) as err:
             raise type(err)(f"step(): {err}") from None
         self._marks.check(self._params())
+        self._scaler_check.step(self.layers, self.grad_scaler, self.strategy.world_size)
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -331,6 +356,7 @@ class KFACPreconditioner:
                 self.leftover.step()
         self.comm.ledger.end_step()
         self._marks.record(self._params())
+        self.capture.end_step(self.layers)
         self._steps += 1
         if self.budget is not None and self.budget.choice is None:
             self._spend_budget()
@@ -388,10 +414,14 @@ class KFACPreconditioner:
         return new
 
     def _g_scale(self) -> float:
-        """``1 / scale²`` of an enabled GradScaler (G was captured from scaled gradients)."""
+        """``k²`` for the ``k`` micro-batches of the step (each one's loss is divided by ``k``;
+        a sampled Fisher backward's is not), over the square of an enabled GradScaler's scale
+        (G was captured from scaled gradients)."""
+        passes = self.capture.backward_passes() if self.config.fisher == "empirical" else 1
+        scale = float(passes) ** 2
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            return float(self.grad_scaler.get_scale()) ** -2
-        return 1.0
+            return scale * float(self.grad_scaler.get_scale()) ** -2
+        return scale
 
     def _update_factors(
         self,

@@ -76,21 +76,22 @@ def test_optimizer_step_twice_raises_and_leaves_the_weights() -> None:
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
-def test_gradient_accumulation_is_one_step_on_the_summed_gradient() -> None:
-    """Two backwards then one step equals one backward of the summed loss, then one step."""
-    accumulated, summed = _mlp(), _mlp()
-    pre_a = KFACPreconditioner(accumulated, damping=0.1, accumulation_steps=2)
-    pre_s = KFACPreconditioner(summed, damping=0.1, accumulation_steps=2)
-    for _ in range(2):
+def test_gradient_accumulation_equals_the_unaccumulated_step() -> None:
+    """Two micro-batches (each loss halved) then one step equal one step on both at once;
+    nothing declares the two: the preconditioner counts the backward passes."""
+    accumulated, full = _mlp(), _mlp()
+    pre_a = KFACPreconditioner(accumulated, damping=0.1)
+    pre_f = KFACPreconditioner(full, damping=0.1)
+    for step in range(2):
         accumulated.zero_grad()
-        summed.zero_grad()
-        _backward(accumulated, seed=1)
-        _backward(accumulated, seed=2)
-        (x1, y1), (x2, y2) = _batch(1), _batch(2)
-        (F.cross_entropy(summed(x1), y1) + F.cross_entropy(summed(x2), y2)).backward()
+        full.zero_grad()
+        (x1, y1), (x2, y2) = _batch(1 + 2 * step), _batch(2 + 2 * step)
+        for x, y in ((x1, y1), (x2, y2)):
+            (F.cross_entropy(accumulated(x), y) / 2).backward()
+        F.cross_entropy(full(torch.cat([x1, x2])), torch.cat([y1, y2])).backward()
         pre_a.step()
-        pre_s.step()
-        for a, s in zip(_grads(accumulated), _grads(summed), strict=True):
+        pre_f.step()
+        for a, s in zip(_grads(accumulated), _grads(full), strict=True):
             torch.testing.assert_close(a, s, rtol=1e-5, atol=1e-6)
 
 

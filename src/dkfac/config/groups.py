@@ -408,7 +408,11 @@ class EstimationConfig:
             Monte-Carlo sampled backward through :meth:`KFACPreconditioner.sample_fisher`).
         factor_decay: Running-average decay of the factors in [0, 1); 0 keeps only the
             newest factors.
-        accumulation_steps: Micro-batches (forward/backward passes) per ``step()``.
+        accumulation_steps: Micro-batches (forward/backward passes) expected per
+            ``step()``: read only where nothing else says which backward is a step's last
+            (``overlap_comm`` on a model without DDP) and to estimate a step's rows for
+            ``method="auto"``. The factors' scale follows the backward passes actually run
+            (counted), so gradient accumulation needs no count here.
         loss_average: What the training loss is a mean over, which sets the scale of the
             output-gradient factors G (they are kept on the scale of one term of the loss):
             ``"samples"`` (default; a mean over the first dimension, e.g. classification) or

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,9 +13,11 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.profiler import record_function
 
+from dkfac.blocks.linear import LinearBlock
 from dkfac.config import KFACConfig
 from dkfac.engine.fisher import mc_sample_loss
 from dkfac.engine.layer_state import LayerState
+from dkfac.engine.micro_batches import BackwardCounter
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +29,57 @@ def _label(name: str) -> contextlib.AbstractContextManager[Any]:
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
+@dataclass
+class _Forward:
+    """One captured forward of a layer, until its output's gradient arrives.
+
+    Attributes:
+        inputs: The layer's (detached, possibly truncated) input; ``None`` once its input
+            statistics were added.
+        batch: Samples of the forward.
+        scale: The squared number of terms the micro-batch's loss averages over.
+        keep: Rows kept for the statistics (``factor_batch_size``), ``None``: all.
+        context: What the block's input capture returned, for its gradient capture.
+    """
+
+    inputs: Tensor | None
+    batch: int
+    scale: float
+    keep: int | None
+    context: Any = None
+
+
+@dataclass
+class _Broadcast:
+    """A broadcast layer's output gradient summed over this step's micro-batches."""
+
+    context: Any
+    total: Tensor
+    scale: float
+
+
 class FactorCapture:
     """The hooks that feed each layer's accumulators, and the Monte-Carlo Fisher backward.
 
     Scale convention: the backward hook sees ``grad_output = g / (B · k)`` for a loss that
-    is the mean over the ``B`` samples of a micro-batch divided by ``k =
-    accumulation_steps``; it multiplies by ``B · k`` so the factors are on the per-sample
-    Fisher scale. With ``loss_average="positions"`` the loss is a mean over ``B · T``
-    terms (``T``: the layer's output positions, a sequence's length) and the hook
-    multiplies by ``B · T · k``: the factors are then on the scale of one term (a token).
+    is the mean over the ``B`` samples of a micro-batch divided by ``k``, the micro-batches
+    of the step; it multiplies by ``B`` and the step multiplies the gradient statistics by
+    ``k²`` (:meth:`backward_passes`: ``k`` is counted, never stated), so the factors are on
+    the per-sample Fisher scale. With ``loss_average="positions"`` the loss is a mean over
+    ``B · T`` terms (``T``: the layer's output positions, a sequence's length) and the hook
+    multiplies by ``B · T``: the factors are then on the scale of one term (a token).
+
+    Statistics come only from forwards whose output is backpropagated before the step: the
+    forward hook keeps the layer's input and the input statistics are added when the
+    output's gradient arrives (a metric forward with gradients enabled, or the first pass
+    of a checkpointed segment whose recomputation is what the backward runs through,
+    leaves nothing). A frozen layer (weight without ``requires_grad``) captures nothing.
+
+    A layer whose input has one sample while the step's micro-batches have more (a position
+    embedding looked up with ``position_ids`` of shape ``(1, T)``: its output is broadcast
+    over the batch and its output gradient is the batch's sum) has no per-sample gradient;
+    its G is built once a step from the sum of its output gradients over the micro-batches,
+    i.e. from the step's gradient, as it is without accumulation.
 
     Args:
         config: The preconditioner's configuration.
@@ -42,6 +87,9 @@ class FactorCapture:
     Attributes:
         active: Whether this step captures (a factor-update step); hooks do nothing if not.
         generator: The Monte-Carlo sampling generator (created on first use).
+        bias_sums: With :attr:`checking`, layer name -> the sum of its raw output-gradient
+            rows this step (a bias's gradient: :mod:`~dkfac.engine.scaler_check`).
+        checking: Whether the hooks record :attr:`bias_sums`.
     """
 
     def __init__(self, config: KFACConfig) -> None:
@@ -54,6 +102,11 @@ class FactorCapture:
         self._mc_roots: list[GradientEdge] = []
         self._warned_missing: set[str] = set()
         self._handles: list[Any] = []
+        self.counter = BackwardCounter()
+        self._largest_batch = 0  # of the forwards captured this step
+        self._broadcast: dict[str, _Broadcast] = {}
+        self.checking = False
+        self.bias_sums: dict[str, Tensor] = {}
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
         """Registers the forward hook (which registers the backward hook) on ``module``.
@@ -67,12 +120,26 @@ class FactorCapture:
             self._handles.append(installed)
         hook = functools.partial(self._forward_hook, layer)
         self._handles.append(module.register_forward_hook(hook))
+        self.counter.watch(layer.block.parameters())
 
     def remove(self) -> None:
         """Detaches every hook and undoes the blocks' installs."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.counter.remove()
+
+    def backward_passes(self) -> int:
+        """The micro-batches of this step: backward passes through the registered layers."""
+        return self.counter.passes
+
+    def end_step(self, layers: dict[str, LayerState]) -> None:
+        """Forgets this step's counts and sums; counts the layers unfrozen since."""
+        self.counter.reset()
+        self.counter.watch(p for layer in layers.values() for p in layer.block.parameters())
+        self._largest_batch = 0
+        self._broadcast.clear()
+        self.bias_sums = {}
 
     def _forward_hook(
         self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
@@ -81,42 +148,87 @@ class FactorCapture:
             return
         if not (module.training and torch.is_grad_enabled()):
             return
+        if not layer.block.parameters()[0].requires_grad:
+            return  # frozen now: nothing to precondition (counted again once unfrozen)
         x = layer.block.hooked_input(inputs)
-        if x is None:
+        output = layer.block.hooked_output(output)
+        if x is None or output is None or not output.requires_grad:
             return
         x = x.detach()
         batch = layer.block.batch_size(x)
-        output = layer.block.hooked_output(output)
-        # The G scale is that of the whole micro-batch's mean loss, whatever rows are kept:
-        # the number of terms the loss averages over (samples, or every sample's positions).
-        terms = batch * self.config.accumulation_steps
-        if self.config.loss_average == "positions" and output is not None:
+        self._largest_batch = max(self._largest_batch, batch)
+        # The G scale is that of the micro-batch's mean loss, whatever rows are kept: the
+        # number of terms the loss averages over (samples, or every sample's positions).
+        terms = batch
+        if self.config.loss_average == "positions":
             terms *= layer.block.output_positions(output)
-        scale = float(terms) ** 2
         keep = self.config.factor_batch_size
         if keep is None or batch <= keep or x.shape[0] != batch:
             keep = None
         else:
             x = x[:keep]
-        with _label("dkfac.capture_a"):
-            context = layer.block.capture_input(x, layer.due_sinks())
-        if output is not None and output.requires_grad:
-            hook = functools.partial(self._grad_hook, layer, scale, context, keep)
-            output.register_hook(hook)
-            if self.config.fisher == "mc":
-                # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
-                # would move the tensor's history past the node this hook belongs to.
-                self._mc_roots.append(get_gradient_edge(output))
+        pending = _Forward(x, batch, float(terms) ** 2, keep)
+        output.register_hook(functools.partial(self._grad_hook, layer, pending))
+        if self.config.fisher == "mc":
+            # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
+            # would move the tensor's history past the node this hook belongs to.
+            self._mc_roots.append(get_gradient_edge(output))
 
-    def _grad_hook(
-        self, layer: LayerState, scale: float, context: Any, keep: int | None, grad: Tensor
-    ) -> None:
+    def _grad_hook(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
+        sinks = layer.due_sinks()
+        if pending.inputs is not None:  # the first backward through this forward: its A
+            with _label("dkfac.capture_a"):
+                pending.context = layer.block.capture_input(pending.inputs, sinks)
+            pending.inputs = None
         if self.config.fisher == "mc" and not self._mc_active:
-            return
-        grad = grad.detach() if keep is None else grad.detach()[:keep]
-        with _label("dkfac.capture_g"):
-            layer.block.capture_grad(context, grad, layer.due_sinks(), scale)
+            return  # G comes from the sampled backward only (check_mc: that it came)
+        grad = grad.detach()
+        if self.checking and self.config.fisher == "empirical":
+            self._add_bias_sum(layer, grad)
+        grad = grad if pending.keep is None else grad[: pending.keep]
+        if self._broadcasts(pending):
+            self._add_broadcast(layer, pending, grad)
+        else:
+            with _label("dkfac.capture_g"):
+                layer.block.capture_grad(pending.context, grad, sinks, pending.scale)
         self._mc_captured = True
+
+    def _broadcasts(self, pending: _Forward) -> bool:
+        """A one-sample input in a step whose micro-batches have more (see the class notes)."""
+        return self.config.fisher == "empirical" and pending.batch == 1 < self._largest_batch
+
+    def _add_broadcast(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
+        """Adds a broadcast layer's output gradient to the step's sum (G at the step's end)."""
+        held = self._broadcast.get(layer.name)
+        if held is not None and held.total.shape != grad.shape:  # another shape: G as it is
+            layer.block.capture_grad(held.context, held.total, layer.due_sinks(), held.scale)
+            held = None
+        if held is None:
+            self._broadcast[layer.name] = _Broadcast(pending.context, grad.clone(), pending.scale)
+        else:
+            held.total.add_(grad)
+            held.context = pending.context
+
+    def _add_bias_sum(self, layer: LayerState, grad: Tensor) -> None:
+        """Adds the raw output gradient's column sums of a layer with a folded bias."""
+        block = layer.block
+        if not (isinstance(block, LinearBlock) and block.has_bias):
+            return
+        column = grad.reshape(-1, block.g_dim).sum(0)
+        held = self.bias_sums.get(layer.name)
+        self.bias_sums[layer.name] = column if held is None else held + column
+
+    def _flush_broadcast(self, layer: LayerState) -> None:
+        """A broadcast layer's G from the step's summed output gradient.
+
+        Its scale leaves out the ``k²`` the step applies to every gradient statistic: the
+        sum already carries each micro-batch's ``1 / k``.
+        """
+        held = self._broadcast.pop(layer.name, None)
+        if held is None:
+            return
+        scale = held.scale / float(self.backward_passes()) ** 2
+        layer.block.capture_grad(held.context, held.total, layer.due_sinks(), scale)
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
         """One backward of targets sampled from ``outputs``; only the G hooks see it.
@@ -148,6 +260,7 @@ class FactorCapture:
             ``(means or None, missing_g)``: ``missing_g`` says the layer has some statistic
             but not every due gradient statistic (checked by :meth:`check_mc`).
         """
+        self._flush_broadcast(layer)
         grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
         missing_g = any(acc.has_data for acc in layer.accumulators.values()) and any(
             not layer.accumulators[key].has_data for key in grad_keys

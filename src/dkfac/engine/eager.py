@@ -6,13 +6,15 @@ With :class:`EagerReducer` a layer's statistics (and, for ``spngd``, its gradien
 same buffers) are handed to the strategy as soon as they are final:
 
 * **When a layer is final.** A post-accumulate-grad hook on each of the layer's parameters
-  counts backward passes since the last ``step()``. When every parameter of the layer has
-  accumulated ``accumulation_steps`` gradients, the last micro-batch's backward has passed
-  the layer: its A (captured in that micro-batch's forward) and its G (the output-gradient
-  hooks of every use of the layer fire before its weight gradient accumulates) are
-  complete, and so is its gradient. Parameter hooks fire once per backward even when a
-  module is called several times, and not for ``torch.autograd.grad`` (the Monte-Carlo
-  Fisher backward of ``sample_fisher``).
+  sees every backward pass through it. Under ``DistributedDataParallel`` the last
+  micro-batch is the one DDP synchronises (``require_backward_grad_sync``, off inside
+  ``no_sync()``), so no count is needed; a model without DDP counts ``accumulation_steps``
+  backward passes. When every parameter of the layer has accumulated its last gradient,
+  the last micro-batch's backward has passed the layer: its A and its G (the
+  output-gradient hooks of every use of the layer, which add both, fire before its weight
+  gradient accumulates) are complete, and so is its gradient. Parameter hooks fire once
+  per backward even when a module is called several times, and not for
+  ``torch.autograd.grad`` (the Monte-Carlo Fisher backward of ``sample_fisher``).
 * **Fixed buckets.** Before each step every rank forms the same buckets: the layers with
   traffic this step (due statistics on a factor-update step; every layer when the strategy
   averages gradients), in reverse registration order (about the backward order), filled up
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,10 +119,16 @@ def build_eager(
         layers,
         capture,
         strategy,
+        synced=None if ddp is None else (lambda: bool(ddp.require_backward_grad_sync)),
         accumulation_steps=config.accumulation_steps,
         bucket_bytes=config.bucket_bytes,
         with_gradients=strategy.reduces_gradients and not grad_scaled,
     )
+
+
+def _trainable(layer: LayerState) -> bool:
+    """Whether the layer's weight requires a gradient now (a frozen layer has no traffic)."""
+    return bool(layer.block.parameters()[0].requires_grad)
 
 
 class EagerReducer:
@@ -130,7 +138,9 @@ class EagerReducer:
         layers: The registered layers (registration order).
         capture: The preconditioner's hooks (per-layer statistics and the MC check).
         strategy: Where the statistics and gradients go (:meth:`Strategy.reduce_step`).
-        accumulation_steps: Backward passes per ``step()``.
+        accumulation_steps: Backward passes per ``step()`` when ``synced`` is ``None``.
+        synced: Whether the current backward is the one DDP synchronises (the step's
+            last micro-batch); ``None`` without DDP.
         bucket_bytes: Cap of one bucket's estimated payload.
         with_gradients: Also launch the layers' gradients (a strategy that averages them
             itself, without a GradScaler that ``unscale_`` would change after the backward).
@@ -149,8 +159,10 @@ class EagerReducer:
         accumulation_steps: int,
         bucket_bytes: int,
         with_gradients: bool,
+        synced: Callable[[], bool] | None = None,
     ) -> None:
         self.layers = layers
+        self.synced = synced
         self.capture = capture
         self.strategy = strategy
         self.accumulation_steps = accumulation_steps
@@ -192,6 +204,7 @@ class EagerReducer:
             and self.strategy.factor_reduction != "none"
             and layer.captures
             and bool(layer.due)
+            and _trainable(layer)
         )
 
     def plan(self, capturing: bool) -> None:
@@ -206,7 +219,7 @@ class EagerReducer:
             if self._factor_traffic(layer):
                 shapes = layer.statistic_shapes()
                 nbytes += sum(math.prod(shapes[key]) for key in layer.due) * element
-            if self.with_gradients:
+            if self.with_gradients and _trainable(layer):
                 nbytes += layer.block.a_dim * layer.block.g_dim * element  # its g×a gradient
             if nbytes == 0:
                 continue
@@ -226,20 +239,30 @@ class EagerReducer:
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, key: int) -> None:
-        count = self._counts.get(key, 0) + 1
+        if self.synced is None:
+            count = self._counts.get(key, 0) + 1
+            last = self.accumulation_steps
+        else:  # DDP says which backward is the last: the one it synchronises
+            if not self.synced():
+                return
+            count = self._counts.get(key, 0) + 1
+            last = 1
         self._counts[key] = count
-        if count > self.accumulation_steps:
+        if count > last:
             self._problem = (
-                f"more backward passes than accumulation_steps={self.accumulation_steps} "
-                "before step(): with overlap_comm the statistics were already sent after "
+                "more synchronised backward passes than one before step()"
+                if self.synced is not None
+                else f"more backward passes than accumulation_steps={self.accumulation_steps}"
+            ) + (
+                " before step(): with overlap_comm the statistics were already sent after "
                 "the last expected one"
             )
             return
-        if count < self.accumulation_steps:
+        if count < last:
             return
         for name in self._users[key]:
             params = [p for p in self.layers[name].block.parameters() if p.requires_grad]
-            if all(self._counts.get(id(p), 0) >= self.accumulation_steps for p in params):
+            if all(self._counts.get(id(p), 0) >= last for p in params):
                 self._ready.add(name)
         self._launch_in_order(pending_too=False)
 
@@ -272,7 +295,7 @@ class EagerReducer:
                     )
                     return
                 stats[name] = means
-            if self.with_gradients:
+            if self.with_gradients and _trainable(layer):
                 grad = layer.block.weight_grad()
                 if grad is None:
                     self._problem = f"layer {name} has no gradient on this rank; {_OFF_HINT}"

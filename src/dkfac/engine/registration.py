@@ -2,7 +2,7 @@
 
 :func:`register` walks the (unwrapped) model once: every module that the block registry
 (:func:`~dkfac.blocks.registry.blocks_or_reason`) knows, that ``skip_layers`` does not
-exclude and whose weight requires a gradient gets its block(s); what every other parameter
+exclude gets its block(s) (a frozen one too, for when it is unfrozen); what every other parameter
 gets, and why, is recorded in a :class:`~dkfac.engine.coverage.Coverage` (``describe()``).
 Once the strategy is known, :func:`create_layers` gives each a
 :class:`~dkfac.engine.layer_state.LayerState` with its solver and accumulators. Every other
@@ -138,12 +138,19 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
 
 
 def _admitted(block: Block, config: KFACConfig, coverage: Coverage) -> dict[str, Block]:
-    """``{block.name: block}`` unless its own name is skipped or its weight is frozen."""
+    """``{block.name: block}`` unless its own name is skipped or only its weight is frozen.
+
+    A wholly frozen layer (no parameter requires a gradient) is registered: it captures
+    nothing and has no gradient while frozen, and is preconditioned once unfrozen (gradual
+    unfreezing), as ``torch.optim.AdamW(model.parameters())`` would step it. A layer whose
+    weight is frozen but not its bias (BitFit) leaves the bias to the inner optimizer.
+    """
     pattern = matching_pattern(block.name, block.module, config.skip_layers)
     if pattern is not None:
         coverage.leave(block.module, f"skip_layers pattern {pattern!r}", chosen=True)
         return {}
-    if not block.parameters()[0].requires_grad:
+    params = block.parameters()
+    if not params[0].requires_grad and any(p.requires_grad for p in params):
         logger.info("skipping %s: its weight does not require a gradient", block.name)
         coverage.leave(block.module, "its layer's weight does not require a gradient", True)
         return {}
@@ -286,6 +293,7 @@ def orthogonal_layers(blocks: Mapping[str, Block], config: KFACConfig) -> set[st
 
 
 def other_parameters(model: nn.Module, layers: dict[str, LayerState]) -> list[Tensor]:
-    """The trainable parameters of the bare ``model`` that no registered block holds."""
+    """The parameters of the bare ``model`` that no registered block holds (frozen ones
+    too: they have no gradient until they are unfrozen)."""
     block_params = {id(p) for layer in layers.values() for p in layer.block.parameters()}
-    return [p for p in model.parameters() if p.requires_grad and id(p) not in block_params]
+    return [p for p in model.parameters() if id(p) not in block_params]

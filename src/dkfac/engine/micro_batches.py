@@ -1,0 +1,63 @@
+"""Backward passes counted between two steps: the micro-batches a step accumulates.
+
+A training loop that accumulates gradients over ``k`` micro-batches divides each
+micro-batch's mean loss by ``k`` (HF's ``Trainer``, Lightning's ``accumulate_grad_batches``,
+accelerate, a DDP ``no_sync()`` loop), so each micro-batch's output gradients are ``1 / k``
+of the per-sample scale and the output-gradient factors ``1 / k²`` of it. The count comes
+from the parameters' post-accumulate-grad hooks, which fire once per backward pass through
+a parameter (however often its module ran in the forward, and not for
+``torch.autograd.grad``: the Monte-Carlo Fisher's sampled backward is no micro-batch), so
+the user never states it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["BackwardCounter"]
+
+
+class BackwardCounter:
+    """Counts the backward passes through the registered parameters since :meth:`reset`.
+
+    Hooks go on the parameters that require a gradient; :meth:`watch` is called again at
+    every step so that a parameter unfrozen later is counted too.
+    """
+
+    def __init__(self) -> None:
+        self._passes: dict[int, int] = {}
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
+
+    def watch(self, params: Iterable[Tensor]) -> None:
+        """Hooks every parameter of ``params`` that requires a gradient and has no hook yet."""
+        for param in params:
+            key = id(param)
+            if key in self._hooked or not param.requires_grad:
+                continue
+            self._hooked.add(key)
+            self._handles.append(
+                param.register_post_accumulate_grad_hook(lambda _p, key=key: self._count(key))
+            )
+
+    def _count(self, key: int) -> None:
+        self._passes[key] = self._passes.get(key, 0) + 1
+
+    @property
+    def passes(self) -> int:
+        """Backward passes since the last reset (the most through any parameter), at least 1."""
+        return max(self._passes.values(), default=1)
+
+    def reset(self) -> None:
+        """Starts the count of the next step."""
+        self._passes.clear()
+
+    def remove(self) -> None:
+        """Detaches the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._hooked.clear()

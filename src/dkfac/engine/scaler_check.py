@@ -1,0 +1,104 @@
+"""Finds gradients scaled by a ``GradScaler`` that the preconditioner was not given.
+
+Under ``torch.amp.GradScaler`` the backward runs on ``s · loss``: the capture hooks see
+output gradients ``s`` times too large, and ``scaler.unscale_`` divides only the parameters'
+gradients. Without ``grad_scaler=`` the output-gradient factors are then ``s²`` too large.
+The hooks of the first steps also add up each biased linear layer's raw output-gradient rows,
+whose sum is exactly the bias's gradient (the folded bias column of the weight gradient); the
+ratio of the two is ``s`` after unscaling (a power of two) and 1 without a scaler. One host
+synchronisation on one of the first steps, then never again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dkfac.engine.capture import FactorCapture
+from dkfac.engine.layer_state import LayerState
+
+__all__ = ["MAX_CHECKS", "ScalerCheck", "gradient_ratio", "looks_scaled", "warn_if_scaled"]
+
+logger = logging.getLogger(__name__)
+
+MAX_CHECKS = 3
+"""Steps on which the check is tried before it is given up (no biased layer had gradients)."""
+
+
+def gradient_ratio(layers: Mapping[str, LayerState], sums: Mapping[str, Tensor]) -> float | None:
+    """``Σ⟨c, b⟩ / Σ⟨b, b⟩`` over the layers of ``sums``: ``c`` the captured column sums,
+    ``b`` the bias gradients as ``step()`` sees them; ``None`` when every ``b`` is zero."""
+    dot = torch.zeros((), dtype=torch.float64)
+    norm = torch.zeros((), dtype=torch.float64)
+    for name, captured in sums.items():
+        grad = layers[name].block.weight_grad()
+        if grad is None:
+            continue
+        bias = grad[:, -1].double()
+        dot += (captured.double() * bias).sum().cpu()
+        norm += bias.square().sum().cpu()
+    if not (norm > 0 and torch.isfinite(dot) and torch.isfinite(norm)):
+        return None
+    return float(dot / norm)
+
+
+def looks_scaled(ratio: float, world_size: int) -> bool:
+    """Whether ``ratio`` is a loss scale: a power of two >= 2 (one process: the column sums
+    and the gradient are the same numbers), or >= 2¹⁰ (several: the gradient is the ranks'
+    average, the sums are this rank's)."""
+    if ratio >= 2.0**10:
+        return True
+    if world_size > 1 or ratio < 2.0:
+        return False
+    power = math.log2(ratio)
+    return abs(power - round(power)) < 0.01
+
+
+def warn_if_scaled(ratio: float, world_size: int) -> bool:
+    """Logs the one warning when ``ratio`` looks like an unannounced loss scale."""
+    if not looks_scaled(ratio, world_size):
+        return False
+    logger.warning(
+        "the output gradients the K-FAC hooks captured are %.4g times the parameters' "
+        "gradients at step(): a torch.amp.GradScaler (or another loss scale) scales the "
+        "backward but was not given to the preconditioner, so the output-gradient factors "
+        "are about %.3g times too large; pass grad_scaler=scaler to KFACPreconditioner "
+        "(KFACOptimizer.for_model(model, grad_scaler=scaler))",
+        ratio,
+        ratio**2,
+    )
+    return True
+
+
+class ScalerCheck:
+    """The check of a preconditioner: on until a step decides it (or :data:`MAX_CHECKS`).
+
+    Args:
+        capture: The hooks that record the column sums (:attr:`FactorCapture.checking`).
+        enabled: ``False`` when a scaler was given (nothing to find).
+    """
+
+    def __init__(self, capture: FactorCapture, enabled: bool) -> None:
+        self.capture = capture
+        self.tries = 0
+        capture.checking = enabled and capture.config.fisher == "empirical"
+
+    def step(self, layers: Mapping[str, LayerState], grad_scaler: Any, world_size: int) -> None:
+        """At the start of ``step()``: compares this step's sums with the gradients, once."""
+        capture = self.capture
+        if not (capture.checking and capture.bias_sums):
+            return
+        if grad_scaler is not None:  # given after construction
+            capture.checking = False
+            return
+        self.tries += 1
+        ratio = gradient_ratio(layers, capture.bias_sums)
+        if ratio is not None or self.tries >= MAX_CHECKS:
+            capture.checking = False
+        if ratio is not None:
+            warn_if_scaled(ratio, world_size)

@@ -1,0 +1,146 @@
+"""Lightning with ``KFACOptimizer`` in ``configure_optimizers``, for real, each against a
+hand-written loop that does what Lightning documents: automatic optimization (the step runs
+the closure) with ``accumulate_grad_batches``, ``gradient_clip_val``, a per-step scheduler
+and ``16-mixed`` (a CPU GradScaler, handed to dkfac), manual optimization, and
+``fit(ckpt_path=...)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac import KFACOptimizer
+from tests.integrations.twins import max_difference
+
+lightning = pytest.importorskip("lightning")
+L = lightning.pytorch
+
+BATCH, SAMPLES, ACCUMULATE, CLIP = 8, 64, 2, 0.5
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(5)
+    return torch.utils.data.TensorDataset(
+        torch.randn(SAMPLES, 6, generator=gen), torch.randint(0, 3, (SAMPLES,), generator=gen)
+    )
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False)
+
+
+def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + step))
+
+
+class Classifier(L.LightningModule):
+    """The network, trained by Lightning with dkfac's optimizer and a per-step schedule."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.net = _net()
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch: tuple[Tensor, Tensor], index: int) -> Tensor | None:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        self.manual_backward(loss / ACCUMULATE)
+        if (index + 1) % ACCUMULATE == 0:
+            self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            self.lr_schedulers().step()
+        return None
+
+    def configure_optimizers(self) -> dict:
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        opt = KFACOptimizer.for_model(self.net, lr=0.01, grad_scaler=scaler)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": _schedule(opt), "interval": "step"}}
+
+
+def _fit(root: Path, module: Classifier, steps: int, ckpt: str | None = None, **options) -> None:
+    if module.automatic_optimization:
+        options = {"accumulate_grad_batches": ACCUMULATE, "gradient_clip_val": CLIP, **options}
+    trainer = L.Trainer(
+        default_root_dir=root,
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"enable_checkpointing": False, **options},
+    )
+    trainer.fit(module, _loader(), ckpt_path=ckpt)
+
+
+def _hand_loop(steps: int, autocast: torch.dtype | None = None) -> nn.Module:
+    """What Lightning documents, written out: micro-batches of loss / 2, unscale, clip by
+    norm, precondition and step, zero, schedule (a GradScaler under float16)."""
+    net = _net()
+    mixed = autocast == torch.float16
+    scaler = torch.amp.GradScaler("cpu", enabled=mixed)
+    opt = KFACOptimizer.for_model(net, lr=0.01, grad_scaler=scaler if mixed else None)
+    schedule = _schedule(opt)
+    batches = iter(_loader())
+    for _ in range(steps):
+        for _ in range(ACCUMULATE):
+            x, y = next(batches)
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = F.cross_entropy(net(x), y)
+            scaler.scale(loss / ACCUMULATE).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        schedule.step()
+    return net
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16])
+def test_automatic_optimization_equals_the_hand_loop(
+    tmp_path: Path, autocast: torch.dtype | None
+) -> None:
+    """32-true, bf16-mixed, and 16-mixed with a CPU GradScaler (Lightning picks bf16 for
+    ``precision="16-mixed"`` on a CPU, so the plugin is given)."""
+    module = Classifier()
+    if autocast == torch.float16:
+        scaler = torch.amp.GradScaler("cpu")
+        plugin = L.plugins.MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        _fit(tmp_path, module, steps=3, plugins=[plugin])
+    else:
+        _fit(tmp_path, module, steps=3, precision="32-true" if autocast is None else "bf16-mixed")
+    assert max_difference(module.net, _hand_loop(3, autocast)) == 0.0
+
+
+def test_manual_optimization_equals_the_hand_loop(tmp_path: Path) -> None:
+    module = Classifier(manual=True)
+    _fit(tmp_path, module, steps=3)
+    assert max_difference(module.net, _hand_loop(3)) == 0.0
+
+
+def test_fit_from_a_checkpoint_restores_the_optimizer_exactly(tmp_path: Path) -> None:
+    """Two epochs straight against one epoch, its checkpoint, and ``fit(ckpt_path=...)``
+    into a fresh module (epoch boundaries: the data order is the same)."""
+    straight = Classifier()
+    _fit(tmp_path / "a", straight, steps=-1, max_epochs=2)
+    first = Classifier()
+    _fit(tmp_path / "b", first, steps=-1, max_epochs=1, enable_checkpointing=True)
+    [saved] = (tmp_path / "b").rglob("*.ckpt")
+    resumed = Classifier()
+    with torch.no_grad():
+        resumed.net[0].weight.add_(1.0)  # the checkpoint's weights must replace these
+    _fit(tmp_path / "c", resumed, steps=-1, max_epochs=2, ckpt=str(saved))
+    assert max_difference(straight.net, resumed.net) == 0.0

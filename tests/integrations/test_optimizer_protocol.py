@@ -1,0 +1,119 @@
+"""``KFACOptimizer`` where frameworks treat it as a ``torch.optim.Optimizer``: step hooks,
+``add_param_group``, ``zero_grad(set_to_none=False)`` and state dicts that load with
+``torch.load(weights_only=True)``, each against a twin run."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac import KFACOptimizer
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(10 + step)
+    return torch.randn(12, 4, generator=gen), torch.randint(0, 3, (12,), generator=gen)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, none: bool = True) -> None:
+    x, y = _batch(step)
+    opt.zero_grad(set_to_none=none)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_step_pre_and_post_hooks_fire_around_each_step() -> None:
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model)
+    calls: list[tuple[str, int]] = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o.preconditioner.steps)))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o.preconditioner.steps)))
+    for step in range(2):
+        _step(model, opt, step)
+    assert calls == [("pre", 0), ("post", 1), ("pre", 1), ("post", 2)]
+
+
+def test_zero_grad_keeping_the_tensors_equals_setting_them_to_none() -> None:
+    kept, dropped = _mlp(), _mlp()
+    opt_kept, opt_dropped = KFACOptimizer.for_model(kept), KFACOptimizer.for_model(dropped)
+    for step in range(3):
+        _step(kept, opt_kept, step, none=False)
+        _step(dropped, opt_dropped, step)
+    assert all(p.grad is not None for p in kept.parameters())
+    assert _same(kept, dropped)
+
+
+class WithOffset(nn.Module):
+    """The MLP with an extra output offset held by the model from the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+        self.offset = nn.Parameter(torch.full((3,), 0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) + self.offset
+
+
+def test_a_group_added_later_is_stepped_as_the_models_other_parameters() -> None:
+    """An offset added with add_param_group gets Adam's direction (``leftover_update``) as
+    the same offset held by the model from the start does."""
+    held = WithOffset()
+    model = _mlp()
+    offset = nn.Parameter(torch.full((3,), 0.5))
+    opt_held = KFACOptimizer.for_model(held)
+    opt = KFACOptimizer.for_model(model)
+    opt.add_param_group({"params": [offset]})
+    assert opt.inner.param_groups[-1]["params"] == [offset]
+    for step in range(3):
+        x, y = _batch(step)
+        opt_held.zero_grad()
+        F.cross_entropy(held(x), y).backward()
+        opt_held.step()
+        opt.zero_grad()
+        F.cross_entropy(model(x) + offset, y).backward()
+        opt.step()
+    assert _same(held.net, model)
+    assert torch.equal(held.offset, offset) and not torch.equal(offset, torch.full((3,), 0.5))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model[0].weight]})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"method": "eigen"}, {"method": "auto"}, {"method": "ekfac", "refresh": "adaptive"}],
+    ids=["default", "eigen", "auto", "ekfac-adaptive"],
+)
+def test_state_dict_loads_with_weights_only_and_resumes_exactly(options: dict) -> None:
+    straight, resumed = _mlp(), _mlp()
+    opt_straight = KFACOptimizer.for_model(straight, **options)
+    opt_first = KFACOptimizer.for_model(resumed, **options)
+    for step in range(3):
+        _step(straight, opt_straight, step)
+        _step(resumed, opt_first, step)
+    buffer = io.BytesIO()
+    torch.save({"model": resumed.state_dict(), "optimizer": opt_first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    opt_first.preconditioner.remove_hooks()
+    fresh = _mlp(seed=1)
+    fresh.load_state_dict(saved["model"])
+    opt_fresh = KFACOptimizer.for_model(fresh, **options)
+    opt_fresh.load_state_dict(saved["optimizer"])
+    for step in range(3, 6):
+        _step(straight, opt_straight, step)
+        _step(fresh, opt_fresh, step)
+    assert _same(straight, fresh)

@@ -1,0 +1,192 @@
+"""What users do to a model while it trains, each against a twin run that does not.
+
+Gradual unfreezing, a forward whose output is never backpropagated, gradient accumulation
+without a declared count (a layer broadcast over the batch included), and a GradScaler the
+preconditioner was not given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac import KFACOptimizer
+from tests.integrations.twins import max_difference
+
+DT = torch.float64
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(step: int, size: int = 16) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, 6, generator=gen), torch.randint(0, 3, (size,), generator=gen)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x, y = _batch(step)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+# ----------------------------------------------------------------- gradual unfreezing
+
+
+def test_a_layer_frozen_when_built_trains_once_unfrozen_as_one_frozen_after() -> None:
+    """Frozen before ``for_model`` or right after it: the same run; once unfrozen it moves.
+
+    An unfrozen layer is preconditioned from the next refresh on (its plain gradient until
+    then): the fixed intervals (``overhead=None``) put one within the run; the overhead
+    budget may choose a longer basis interval for this small model."""
+    frozen_first, frozen_after = _mlp(), _mlp()
+    frozen_first[0].requires_grad_(False)
+    opt_first = KFACOptimizer.for_model(frozen_first, overhead=None)
+    opt_after = KFACOptimizer.for_model(frozen_after, overhead=None)
+    frozen_after[0].requires_grad_(False)
+    assert any(p is frozen_first[0].weight for g in opt_first.param_groups for p in g["params"])
+    start = frozen_first[0].weight.detach().clone()
+    for step in range(6):
+        if step == 2:
+            frozen_first[0].requires_grad_(True)
+            frozen_after[0].requires_grad_(True)
+        _train_step(frozen_first, opt_first, step)
+        _train_step(frozen_after, opt_after, step)
+        if step == 1:
+            assert torch.equal(frozen_first[0].weight, start)
+    assert max_difference(frozen_first, frozen_after) == 0.0
+    assert (frozen_first[0].weight - start).abs().max() > 1e-3
+    assert "0" in opt_first.preconditioner.factors()
+
+
+# ----------------------------------------------------------------- forwards not backpropagated
+
+
+@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
+def test_a_forward_never_backpropagated_changes_nothing(method: str) -> None:
+    """A metric forward with gradients enabled, before and after the training forward."""
+    plain, logged = _mlp(), _mlp()
+    opt_plain = KFACOptimizer.for_model(plain, method=method, inverse_update_interval=1)
+    opt_logged = KFACOptimizer.for_model(logged, method=method, inverse_update_interval=1)
+    for step in range(4):
+        _train_step(plain, opt_plain, step)
+        x, y = _batch(step)
+        probe = logged(torch.randn(5, 6))  # grad enabled, never backpropagated
+        opt_logged.zero_grad()
+        F.cross_entropy(logged(x), y).backward()
+        logged(x * 2).sum()  # after the backward too
+        opt_logged.step()
+        del probe
+    assert max_difference(plain, logged) == 0.0
+
+
+# ----------------------------------------------------------------- accumulation, counted
+
+
+class Positions(nn.Module):
+    """Tokens plus a position embedding looked up with one row of positions for the whole
+    batch (as GPT-2 does): its output is broadcast over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(11, 6)
+        self.positions = nn.Embedding(5, 6)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        where = torch.arange(ids.shape[1]).unsqueeze(0)  # (1, T)
+        return self.head(torch.tanh(self.mix(self.tokens(ids) + self.positions(where))))
+
+
+def _lm_loss(model: nn.Module, ids: Tensor) -> Tensor:
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, 11), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
+def test_accumulation_equals_the_unaccumulated_run_without_a_declared_count(method: str) -> None:
+    """Two micro-batches of 4 (each loss halved) against one batch of 8, float64, 4 steps;
+    the position embedding's G is built from its step gradient in both."""
+    full, accumulated = Positions().to(DT), Positions().to(DT)
+    opts = {"method": method, "inverse_update_interval": 2, "kl_clip": None}
+    opt_full = KFACOptimizer.for_model(full, lr=0.01, **opts)
+    opt_acc = KFACOptimizer.for_model(accumulated, lr=0.01, **opts)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        ids = torch.randint(0, 11, (8, 6), generator=gen)
+        opt_full.zero_grad()
+        _lm_loss(full, ids).backward()
+        opt_full.step()
+        opt_acc.zero_grad()
+        for part in ids.chunk(2):
+            (_lm_loss(accumulated, part) / 2).backward()
+        opt_acc.step()
+    assert max_difference(full, accumulated) < 1e-10
+    for name, (a, g) in opt_full.preconditioner.factors().items():
+        a2, g2 = opt_acc.preconditioner.factors()[name]
+        torch.testing.assert_close(a2, a, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g2, g, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------- a GradScaler not given
+
+
+def _scaled_run(model: nn.Module, scaler: torch.amp.GradScaler, **options) -> KFACOptimizer:
+    opt = KFACOptimizer.for_model(model, **options)
+    _scaled_steps(model, opt, scaler)
+    return opt
+
+
+def _scaled_steps(model: nn.Module, opt: KFACOptimizer, scaler: torch.amp.GradScaler) -> None:
+    for step in range(2):
+        x, y = _batch(step)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_a_grad_scaler_not_given_is_named_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        _scaled_run(_mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    named = [r for r in caplog.records if "GradScaler" in r.getMessage()]
+    assert len(named) == 1
+    assert "4096 times" in named[0].getMessage() and "grad_scaler=scaler" in named[0].getMessage()
+
+
+def test_a_grad_scaler_given_or_absent_raises_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    given = _mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    unscaled = _mlp()
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        _scaled_run(given, scaler, grad_scaler=scaler)
+        _scaled_run(unscaled, torch.amp.GradScaler("cpu", enabled=False))
+    assert "GradScaler" not in caplog.text
+    # Given, the scaler changes nothing: its scale is a power of two.
+    assert max_difference(given, unscaled) < 1e-6
+
+
+def test_a_grad_scaler_set_after_construction_counts_as_given(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A framework that creates its scaler after the optimizer: ``pre.grad_scaler = ...``."""
+    given, late = _mlp(), _mlp()
+    scaler, late_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2))
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        _scaled_run(given, scaler, grad_scaler=scaler)
+        opt = KFACOptimizer.for_model(late)
+        opt.preconditioner.grad_scaler = late_scaler
+        _scaled_steps(late, opt, late_scaler)
+    assert "GradScaler" not in caplog.text
+    assert max_difference(given, late) == 0.0
