@@ -45,6 +45,7 @@ Checkpoints: :mod:`~dkfac.engine.checkpoint`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ from torch.profiler import record_function
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategies import Strategy
-from dkfac.engine.capture import FactorCapture
+from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
 from dkfac.engine.device_checks import (
     LateWarnings,
@@ -162,6 +163,8 @@ class KFACPreconditioner:
             ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel),
         )
         gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
+        if gathered > 1 and self.comm.active:
+            self.capture.rank_mean = functools.partial(rank_mean, self.comm)
         self.layers: dict[str, LayerState] = create_layers(
             blocks, config, rows_rule(config, gathered)
         )

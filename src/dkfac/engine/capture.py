@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,7 +14,9 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.profiler import record_function
 
+from dkfac.blocks.base import Rows
 from dkfac.config import KFACConfig
+from dkfac.distributed.comm import Communicator
 from dkfac.engine.fisher import mc_sample_loss
 from dkfac.engine.layer_state import LayerState
 
@@ -24,6 +28,31 @@ def _label(name: str) -> contextlib.AbstractContextManager[Any]:
     on a factor step, and a label is two dispatched operations even with no profiler (a
     GPU step is launches)."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+def rank_mean(comm: Communicator, rows: Tensor) -> Tensor:
+    """``rows`` averaged over the ranks of ``comm`` (a blocking all-reduce, ledger kind
+    ``"factors"``); ``rows`` itself is left as it is."""
+    out = rows.contiguous().clone()
+    comm.all_reduce([out], "factors").wait()
+    return out
+
+
+class _RankMeanSink:
+    """A sink that averages rows marked :attr:`~dkfac.blocks.base.Rows.batch_mean` over the
+    ranks before handing them to ``sink`` (every other contribution passes through)."""
+
+    def __init__(self, sink: Any, mean: Callable[[Tensor], Tensor]) -> None:
+        self._sink = sink
+        self._mean = mean
+
+    def __getattr__(self, name: str) -> Any:  # takes_sums, dtype, compute_dtype, add_sum
+        return getattr(self._sink, name)
+
+    def add(self, rows: Rows, scale: float = 1.0) -> None:
+        if getattr(rows, "batch_mean", False):
+            rows = dataclasses.replace(rows, rows=self._mean(rows.rows))
+        self._sink.add(rows, scale)
 
 
 class FactorCapture:
@@ -42,6 +71,10 @@ class FactorCapture:
     Attributes:
         active: Whether this step captures (a factor-update step); hooks do nothing if not.
         generator: The Monte-Carlo sampling generator (created on first use).
+        rank_mean: Averages a tensor over the ranks whose statistics are later averaged
+            (``None``: one process, or statistics kept per rank). Gradient rows marked
+            :attr:`~dkfac.blocks.base.Rows.batch_mean` go through it before their products,
+            so their statistic is the serial one of the global batch.
     """
 
     def __init__(self, config: KFACConfig) -> None:
@@ -54,6 +87,7 @@ class FactorCapture:
         self._mc_roots: list[GradientEdge] = []
         self._warned_missing: set[str] = set()
         self._handles: list[Any] = []
+        self.rank_mean: Callable[[Tensor], Tensor] | None = None
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
         """Registers the forward hook (which registers the backward hook) on ``module``.
@@ -114,8 +148,11 @@ class FactorCapture:
         if self.config.fisher == "mc" and not self._mc_active:
             return
         grad = grad.detach() if keep is None else grad.detach()[:keep]
+        sinks = layer.due_sinks()
+        if self.rank_mean is not None:
+            sinks = {key: _RankMeanSink(sink, self.rank_mean) for key, sink in sinks.items()}
         with _label("dkfac.capture_g"):
-            layer.block.capture_grad(context, grad, layer.due_sinks(), scale)
+            layer.block.capture_grad(context, grad, sinks, scale)
         self._mc_captured = True
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
