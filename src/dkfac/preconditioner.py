@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from torch.profiler import record_function
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.distributed.comm import Communicator
+from dkfac.distributed.layout import ShardedLayout, find_layout
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
@@ -156,11 +158,19 @@ class KFACPreconditioner:
         self._hooks.add(self.capture)
         self._marks = GradientMarks()
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
+        self.layout: ShardedLayout | None = find_layout(
+            model,
+            {name: b.parameters() for name, b in blocks.items()},
+            strategy=config.strategy,
+            ledger=self.comm.ledger,
+            bucket_bytes=config.bucket_bytes,
+        )
         self.strategy: Strategy = build_strategy(
             config,
             self.comm,
             blocks,
-            ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel),
+            ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel)
+            or self.layout is not None,
         )
         gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
         if gathered > 1 and self.comm.active:
@@ -270,6 +280,22 @@ class KFACPreconditioner:
         damping = resolve("damping", cfg.damping, step)
         inverse_interval = resolve("inverse_update_interval", cfg.inverse_update_interval, step)
         assert damping is not None and inverse_interval is not None
+        with self.layout.full_gradients() if self.layout is not None else nullcontext():
+            self._precondition_layers(step, damping, int(inverse_interval), lr)
+        if self.leftover is not None:
+            with record_function("dkfac.leftover"):
+                self.leftover.step()
+        self.comm.ledger.end_step()
+        self._marks.record(self._params())
+        self._steps += 1
+        self._set_block_steps()
+        self.schedule_captures(self._steps)
+
+    def _precondition_layers(
+        self, step: int, damping: float, inverse_interval: int, lr: float | None
+    ) -> None:
+        """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients."""
+        cfg = self.config
         grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
         keep: Tensor | None = None  # the guard's gradient flags, on the device
@@ -281,7 +307,7 @@ class KFACPreconditioner:
             else:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
-        if step % int(inverse_interval) == 0:
+        if step % inverse_interval == 0:
             with record_function("dkfac.inverse"):
                 self.update_inverses(damping)
         with record_function("dkfac.precondition"):
@@ -304,14 +330,6 @@ class KFACPreconditioner:
                 factors = dict(zip(self.layers, both.unbind(0), strict=True))
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
-        if self.leftover is not None:
-            with record_function("dkfac.leftover"):
-                self.leftover.step()
-        self.comm.ledger.end_step()
-        self._marks.record(self._params())
-        self._steps += 1
-        self._set_block_steps()
-        self.schedule_captures(self._steps)
 
     def _device_guard(
         self,

@@ -1,0 +1,137 @@
+"""``torch.distributed.checkpoint`` with :class:`~dkfac.KFACOptimizer`: the standard way.
+
+``get_state_dict(model, optimizer)`` → ``dcp.save``, then in a fresh run ``get_state_dict``
+→ ``dcp.load`` → ``set_state_dict``, continues exactly as the uninterrupted run (one
+process, and DDP on 2 gloo ranks; ``eigen_adam`` with its moments and the leftover Adam
+state, and ``eigen`` with momentum SGD). Taking a state dict mid-run does not disturb the
+run: ``get_state_dict`` steps a stateless optimizer with zero gradients and lr 0 to create
+its state, which must leave K-FAC's step counter, factors and moments alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.engine.optimizer_state import KFAC_KEY, unpack
+from tests.distributed_utils import run_distributed
+from tests.strategy_cases import global_batch, make_model
+
+SAVED_AT, STEPS = 3, 6
+
+
+def _optimizer(model: nn.Module, method: str) -> KFACOptimizer:
+    if method == "eigen_adam":  # the defaults: SGD without momentum (stateless), leftover Adam
+        return KFACOptimizer.for_model(model, lr=0.01, inverse_update_interval=2)
+    pre = KFACPreconditioner(model, method=method, inverse_update_interval=2, damping=0.01)
+    return KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), pre)
+
+
+def _steps(wrapped: nn.Module, opt: KFACOptimizer, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        x, y = global_batch(step, world)
+        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        opt.zero_grad()
+        F.cross_entropy(wrapped(x[rows]), y[rows]).backward()
+        opt.step()
+
+
+def _run(rank: int, world: int, folder: str, method: str) -> dict[str, Any]:
+    """The uninterrupted run (saving at SAVED_AT), then a fresh run resumed from the save."""
+    ddp = world > 1 and dist.is_initialized()
+    runs = {}
+    for resumed in (False, True):
+        model = make_model()
+        wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model
+        opt = _optimizer(wrapped, method)
+        if resumed:
+            state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
+            dcp.load(state, checkpoint_id=folder)
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+            _steps(wrapped, opt, range(SAVED_AT, STEPS), rank, world)
+        else:
+            _steps(wrapped, opt, range(SAVED_AT), rank, world)
+            opt.zero_grad()
+            model_sd, optim_sd = get_state_dict(model, opt)
+            assert KFAC_KEY in optim_sd["param_groups"][0]
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+            _steps(wrapped, opt, range(SAVED_AT, STEPS), rank, world)
+        runs[resumed] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "steps": opt.preconditioner.steps,
+        }
+    return runs
+
+
+def _check(runs: dict[bool, dict[str, Any]], label: str) -> None:
+    assert runs[False]["steps"] == runs[True]["steps"] == STEPS, label
+    for index, (got, want) in enumerate(
+        zip(runs[True]["params"], runs[False]["params"], strict=True)
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{label}, tensor {index}")
+
+
+@pytest.mark.parametrize("method", ["eigen_adam", "eigen"])
+def test_one_process_resumes_exactly(tmp_path: Path, method: str) -> None:
+    _check(_run(0, 1, str(tmp_path), method), method)
+
+
+def test_ddp_on_two_ranks_resumes_exactly(tmp_path: Path) -> None:
+    for method in ("eigen_adam", "eigen"):
+        folder = tmp_path / method
+        for rank, runs in enumerate(run_distributed(_run, 2, str(folder), method, timeout=180)):
+            _check(runs, f"{method}, rank {rank}")
+
+
+def test_taking_a_state_dict_does_not_disturb_the_run() -> None:
+    runs = []
+    for look in (False, True):
+        model = make_model()
+        opt = _optimizer(model, "eigen_adam")
+        for step in range(4):
+            _steps(model, opt, range(step, step + 1), 0, 1)
+            if look:  # without gradients, get_state_dict steps the stateless SGD with lr 0
+                opt.zero_grad()
+                get_state_dict(model, opt)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for got, want in zip(*runs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_state_dict_is_a_standard_optimizer_state_dict() -> None:
+    model = make_model()
+    opt = _optimizer(model, "eigen")
+    _steps(model, opt, range(2), 0, 1)
+    state = opt.state_dict()
+    assert set(state) == {"state", "param_groups"}
+    assert isinstance(state["param_groups"][0][KFAC_KEY], bytes)
+    inner, pre, skipped = unpack(state)
+    assert KFAC_KEY not in inner["param_groups"][0] and skipped == 0 and pre["step"] == 2
+    fresh = _optimizer(make_model(), "eigen")
+    fresh.load_state_dict(state)
+    assert fresh.preconditioner.steps == 2
+    assert KFAC_KEY not in fresh.param_groups[0]  # the live groups stay the inner's
+    legacy = {"inner": opt.inner.state_dict(), "preconditioner": pre, "skipped_steps": 0}
+    _optimizer(make_model(), "eigen").load_state_dict(legacy)
+    with pytest.raises(ValueError, match="holds no 'kfac'"):
+        fresh.load_state_dict(opt.inner.state_dict())
+
+
+def test_a_lr_zero_step_with_gradients_still_preconditions() -> None:
+    model = make_model()
+    opt = _optimizer(model, "eigen")
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    _steps(model, opt, range(1), 0, 1)
+    assert opt.preconditioner.steps == 1
