@@ -1,11 +1,12 @@
-"""Models sharded with FSDP2 (``fully_shard``) train exactly as serial K-FAC, 2 and 4 ranks.
+"""Models sharded with FSDP2 / HSDP (``fully_shard``) train exactly as serial K-FAC.
 
 ``fully_shard`` on every block, then on the root (with and without
 ``reshard_after_forward``), the model handed to the preconditioner as a DDP model would be:
 after several steps with refreshes the weights equal the serial twin's on the same global
 batch (float64, 1e-9), for ``eigen``, ``cholesky``, ``smw`` and ``eigen_adam`` and the
 ``replicated``, ``mem-opt`` and ``kaisa`` strategies, with Conv2d, Linear, LayerNorm,
-Embedding (an unbatched position lookup too), MultiheadAttention and HF Conv1D layers.
+Embedding (an unbatched position lookup too), MultiheadAttention and HF Conv1D layers, on
+2 and 4 ranks; HSDP (a 2 × 2 mesh, replicate × shard) on 4.
 
 The gradient exchange is exact in bytes: per step, one all-gather per bucket of every
 rank's padded rows (``ceil(rows / P)`` of each sharded weight and bias, float64), on the
@@ -40,14 +41,19 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 MOMENTS = {"basis_refresh": "power", "moment_carry": "rotate", "moment_eps": 1e-6}
 
 
-def _shard_children(reshard: bool, model: nn.Module) -> None:
-    """``fully_shard`` on every child holding parameters, then on the root."""
+def _shard_children(reshard: bool, hsdp: bool, model: nn.Module) -> None:
+    """``fully_shard`` on every child holding parameters, then on the root; with ``hsdp``
+    on a 2-D mesh (replicate over 2 groups × shard within each)."""
+    mesh = None
+    if hsdp:
+        world = torch.distributed.get_world_size()
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     blocks = getattr(model, "blocks", None)
     children = list(blocks) if isinstance(blocks, nn.Sequential) else list(model.children())
     for child in children:
         if any(True for _ in child.parameters()):
-            fully_shard(child, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(child, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 
 def _make_hf() -> nn.Module:
@@ -81,6 +87,11 @@ CASES: dict[int, dict[str, Case]] = {
         "cnn-eigen": ("cnn", {"method": "eigen"}),
         "cnn-cholesky-mem-opt": ("cnn", {"method": "cholesky", "strategy": "mem-opt"}),
         "gpt-eigen": ("gpt", {"method": "eigen", "damping": 1e-3}),
+        "cnn-eigen-hsdp": ("cnn", {"method": "eigen", "hsdp": True}),
+        "gpt-cholesky-hsdp-mem-opt": (
+            "gpt",
+            {"method": "cholesky", "damping": 1e-3, "hsdp": True, "strategy": "mem-opt"},
+        ),
     },
 }
 
@@ -89,6 +100,7 @@ def _train(rank: int | None, world: int, case: Case) -> Any:
     model, options = case
     options = {**OPTIONS, **options}
     reshard = options.pop("reshard", True)
+    hsdp = options.pop("hsdp", False)
     model_fn, batch_fn = MODELS[model]
     return train_sharded(
         rank,
@@ -96,7 +108,7 @@ def _train(rank: int | None, world: int, case: Case) -> Any:
         model_fn=model_fn,
         batch_fn=functools.partial(batch_fn, world=world),
         steps=STEPS,
-        shard=None if rank is None else functools.partial(_shard_children, reshard),
+        shard=None if rank is None else functools.partial(_shard_children, reshard, hsdp),
         **options,
     )
 
@@ -157,7 +169,7 @@ def _refusals() -> dict[str, str]:
     for other in (tensor_parallel[0], tensor_parallel[4], tensor_parallel[6]):
         fully_shard(other)
     sharded = make_model()
-    _shard_children(True, sharded)
+    _shard_children(True, False, sharded)
     return {
         "mixed": _message(lambda: KFACPreconditioner(mixed)),
         "shard1": _message(lambda: KFACPreconditioner(tensor_parallel)),
