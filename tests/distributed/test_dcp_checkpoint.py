@@ -1,5 +1,7 @@
 """``torch.distributed.checkpoint`` with :class:`~dkfac.KFACOptimizer`: the standard way.
 
+Also under FSDP2 on 2 ranks, and from 2 ranks into one process (a re-shard).
+
 ``get_state_dict(model, optimizer)`` → ``dcp.save``, then in a fresh run ``get_state_dict``
 → ``dcp.load`` → ``set_state_dict``, continues exactly as the uninterrupted run (one
 process, and DDP on 2 gloo ranks; ``eigen_adam`` with its moments and the leftover Adam
@@ -20,6 +22,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.engine.optimizer_state import KFAC_KEY, unpack
@@ -36,21 +40,36 @@ def _optimizer(model: nn.Module, method: str) -> KFACOptimizer:
     return KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), pre)
 
 
-def _steps(wrapped: nn.Module, opt: KFACOptimizer, steps: range, rank: int, world: int) -> None:
+def _steps(
+    wrapped: nn.Module, opt: KFACOptimizer, steps: range, rank: int, world: int, parts: int = 0
+) -> None:
+    """Steps on ``global_batch(step, world)``, of which this rank trains part ``rank`` of
+    ``parts`` (default ``world``; ``rank=0, parts=1``: all of it)."""
+    parts = parts or world
     for step in steps:
         x, y = global_batch(step, world)
-        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        rows = slice(rank * len(x) // parts, (rank + 1) * len(x) // parts)
         opt.zero_grad()
         F.cross_entropy(wrapped(x[rows]), y[rows]).backward()
         opt.step()
 
 
-def _run(rank: int, world: int, folder: str, method: str) -> dict[str, Any]:
-    """The uninterrupted run (saving at SAVED_AT), then a fresh run resumed from the save."""
-    ddp = world > 1 and dist.is_initialized()
+def _shard(model: nn.Module) -> nn.Module:
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    return fully_shard(model)
+
+
+def _run(rank: int, world: int, folder: str, method: str, layout: str = "ddp") -> dict[str, Any]:
+    """The uninterrupted run (saving at SAVED_AT), then a fresh run resumed from the save;
+    on several ranks under DDP or sharded with FSDP2 (``layout="fsdp"``)."""
+    ddp = world > 1 and dist.is_initialized() and layout == "ddp"
     runs = {}
     for resumed in (False, True):
         model = make_model()
+        if layout == "fsdp":
+            _shard(model)
         wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model
         opt = _optimizer(wrapped, method)
         if resumed:
@@ -68,10 +87,14 @@ def _run(rank: int, world: int, folder: str, method: str) -> dict[str, Any]:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
             _steps(wrapped, opt, range(SAVED_AT, STEPS), rank, world)
         runs[resumed] = {
-            "params": [p.detach().clone() for p in model.parameters()],
+            "params": [_whole(p) for p in model.parameters()],
             "steps": opt.preconditioner.steps,
         }
     return runs
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach().clone()
 
 
 def _check(runs: dict[bool, dict[str, Any]], label: str) -> None:
@@ -92,6 +115,30 @@ def test_ddp_on_two_ranks_resumes_exactly(tmp_path: Path) -> None:
         folder = tmp_path / method
         for rank, runs in enumerate(run_distributed(_run, 2, str(folder), method, timeout=180)):
             _check(runs, f"{method}, rank {rank}")
+
+
+def test_fsdp_on_two_ranks_resumes_exactly_and_in_one_process(tmp_path: Path) -> None:
+    """Sharded with FSDP2, the standard checkpoint resumes exactly on 2 ranks, and loads in
+    one process (the shards joined by dcp, K-FAC's state world-size independent), which then
+    continues as the 2-rank run did (to rounding: one process sums in another order; with
+    ``eigen``: Adam in an eigenbasis of these rank-deficient factors turns rounding into
+    much more, tests/engine/test_moments_dist.py)."""
+    for method in ("eigen_adam", "eigen"):
+        folder = str(tmp_path / method)
+        ranks = run_distributed(_run, 2, folder, method, "fsdp", timeout=180)
+        for rank, runs in enumerate(ranks):
+            _check(runs, f"fsdp, {method}, rank {rank}")
+    model = make_model()
+    opt = _optimizer(model, method)
+    state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert opt.preconditioner.steps == SAVED_AT
+    _steps(model, opt, range(SAVED_AT, STEPS), 0, 2, parts=1)
+    for index, (got, want) in enumerate(
+        zip(model.parameters(), ranks[0][False]["params"], strict=True)
+    ):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11, msg=f"{index}")
 
 
 def test_taking_a_state_dict_does_not_disturb_the_run() -> None:

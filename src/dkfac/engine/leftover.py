@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dkfac.config import SolverConfig
+from dkfac.distributed.layout import gather_rows, own_rows
 from dkfac.engine.finite import finite_each
 from dkfac.solvers import EigenAdamSolver, SolverState
 
@@ -117,8 +118,15 @@ class LeftoverAdam:
         return sum(t.numel() * t.element_size() for m in self.moments.values() for t in m.values())
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        """The moments by parameter name (copies)."""
-        return {name: {k: t.clone() for k, t in m.items()} for name, m in self.moments.items()}
+        """The moments by parameter name (copies; a sharded parameter's gathered whole, a
+        collective under FSDP2)."""
+        return {
+            name: {
+                k: (t if k == "t" else gather_rows(self.params[name], t)).clone()
+                for k, t in m.items()
+            }
+            for name, m in self.moments.items()
+        }
 
     def check_state_dict(self, state: Any) -> None:
         """Raises ValueError unless ``state`` is a :meth:`state_dict` of these parameters.
@@ -153,6 +161,11 @@ class LeftoverAdam:
         """Restores :meth:`state_dict`'s moments (checked first); absent ones start afresh."""
         self.check_state_dict(state)
         self.moments = {
-            name: {k: t.to(self.params[name].device).clone() for k, t in moments.items()}
+            name: {
+                k: (t if k == "t" else own_rows(self.params[name], t))
+                .to(self.params[name].device)
+                .clone()
+                for k, t in moments.items()
+            }
             for name, moments in state.items()
         }
