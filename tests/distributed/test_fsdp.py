@@ -4,7 +4,8 @@
 ``reshard_after_forward``), the model handed to the preconditioner as a DDP model would be:
 after several steps with refreshes the weights equal the serial twin's on the same global
 batch (float64, 1e-9), for ``eigen``, ``cholesky``, ``smw`` and ``eigen_adam`` and the
-``replicated``, ``mem-opt`` and ``kaisa`` strategies, with Conv2d, Linear, LayerNorm,
+``replicated``, ``mem-opt`` and ``kaisa`` strategies (and with a bfloat16
+``MixedPrecisionPolicy``, within its rounding), with Conv2d, Linear, LayerNorm,
 Embedding (an unbatched position lookup too), MultiheadAttention and HF Conv1D layers, on
 2 and 4 ranks; HSDP (a 2 × 2 mesh, replicate × shard) on 4.
 
@@ -27,7 +28,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dkfac import KFACPreconditioner
@@ -41,10 +42,17 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 MOMENTS = {"basis_refresh": "power", "moment_carry": "rotate", "moment_eps": 1e-6}
 
 
-def _shard_children(reshard: bool, hsdp: bool, model: nn.Module) -> None:
+def _shard_children(reshard: bool, hsdp: bool, bf16: bool, model: nn.Module) -> None:
     """``fully_shard`` on every child holding parameters, then on the root; with ``hsdp``
-    on a 2-D mesh (replicate over 2 groups × shard within each)."""
+    on a 2-D mesh (replicate over 2 groups × shard within each); with ``bf16`` under a
+    ``MixedPrecisionPolicy`` of bfloat16 parameters and float32 gradient reduction."""
     mesh = None
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw: dict[str, Any] = (
+        {"reshard_after_forward": reshard, "mp_policy": policy}
+        if bf16
+        else {"reshard_after_forward": reshard}
+    )
     if hsdp:
         world = torch.distributed.get_world_size()
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -52,8 +60,8 @@ def _shard_children(reshard: bool, hsdp: bool, model: nn.Module) -> None:
     children = list(blocks) if isinstance(blocks, nn.Sequential) else list(model.children())
     for child in children:
         if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(child, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
 
 def _make_hf() -> nn.Module:
@@ -70,6 +78,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], Any]]] = {
     # 64 rows: full-rank factors, so Adam in the eigenbasis does not depend on how rounding
     # picks a basis inside a degenerate eigenspace (tests/engine/test_moments_dist.py)
     "cnn64": (make_model, lambda step, world: global_batch(step, 8)),
+    "gpt32": (lambda: make_gpt().float(), lambda step, world: gpt_batch(step, 4 * world)),
 }
 Case = tuple[str, dict[str, Any]]  # (model, options)
 CASES: dict[int, dict[str, Case]] = {
@@ -82,6 +91,7 @@ CASES: dict[int, dict[str, Case]] = {
         "cnn-eigen_adam": ("cnn64", {"method": "eigen_adam", **MOMENTS}),
         "gpt-eigen": ("gpt", {"method": "eigen", "damping": 1e-3}),
         "hf-eigen": ("hf", {"method": "eigen"}),
+        "gpt32-eigen-bf16": ("gpt32", {"method": "eigen", "damping": 1e-3, "bf16": True}),
     },
     4: {
         "cnn-eigen": ("cnn", {"method": "eigen"}),
@@ -101,6 +111,7 @@ def _train(rank: int | None, world: int, case: Case) -> Any:
     options = {**OPTIONS, **options}
     reshard = options.pop("reshard", True)
     hsdp = options.pop("hsdp", False)
+    bf16 = options.pop("bf16", False)
     model_fn, batch_fn = MODELS[model]
     return train_sharded(
         rank,
@@ -108,7 +119,7 @@ def _train(rank: int | None, world: int, case: Case) -> Any:
         model_fn=model_fn,
         batch_fn=functools.partial(batch_fn, world=world),
         steps=STEPS,
-        shard=None if rank is None else functools.partial(_shard_children, reshard, hsdp),
+        shard=None if rank is None else functools.partial(_shard_children, reshard, hsdp, bf16),
         **options,
     )
 
@@ -117,7 +128,12 @@ def _rank_main(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, case in CASES[world].items():
         run = _train(rank, world, case)
-        out[key] = {"params": run.params(), "stats": run.pre.comm_stats()}
+        out[key] = {
+            "params": run.params(),
+            "stats": run.pre.comm_stats(),
+            "factor_dtypes": {a.dtype for a, g in run.pre.factors().values()}
+            | {g.dtype for a, g in run.pre.factors().values()},
+        }
     if world == 2:
         out["errors"] = _refusals()
     return out
@@ -127,7 +143,8 @@ _spawned = once_per_key(lambda world: run_distributed(_rank_main, world, timeout
 
 
 @pytest.mark.parametrize(
-    ("world", "key"), [(world, key) for world, cases in CASES.items() for key in cases]
+    ("world", "key"),
+    [(world, key) for world, cases in CASES.items() for key in cases if "bf16" not in key],
 )
 def test_sharded_model_trains_as_serial(world: int, key: str) -> None:
     results = _spawned(world)
@@ -135,6 +152,22 @@ def test_sharded_model_trains_as_serial(world: int, key: str) -> None:
     assert_ranks_match(
         [r[key]["params"] for r in results], serial.params(), label=f"{world} ranks, {key}", **TOL
     )
+
+
+def test_bf16_parameters_with_float32_reduction_stay_within_bf16_rounding_of_serial() -> None:
+    # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): the layers compute
+    # in bfloat16, so the run is the serial float32 run up to bfloat16 rounding (measured:
+    # 6% of how far a tensor moved in 4 steps); the factors are kept in float32.
+    key = "gpt32-eigen-bf16"
+    serial = _train(None, 2, CASES[2][key])
+    start = [p.detach() for p in make_gpt().float().parameters()]
+    for rank, result in enumerate(_spawned(2)):
+        assert result[key]["factor_dtypes"] == {torch.float32}
+        for index, (got, want, init) in enumerate(
+            zip(result[key]["params"], serial.params(), start, strict=True)
+        ):
+            moved = (want - init).norm()
+            assert (got - want).norm() <= 0.25 * moved, f"rank {rank}, tensor {index}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -169,7 +202,7 @@ def _refusals() -> dict[str, str]:
     for other in (tensor_parallel[0], tensor_parallel[4], tensor_parallel[6]):
         fully_shard(other)
     sharded = make_model()
-    _shard_children(True, False, sharded)
+    _shard_children(True, False, False, sharded)
     return {
         "mixed": _message(lambda: KFACPreconditioner(mixed)),
         "shard1": _message(lambda: KFACPreconditioner(tensor_parallel)),
