@@ -1,6 +1,7 @@
 """``torch.distributed.checkpoint`` with :class:`~dkfac.KFACOptimizer`: the standard way.
 
-Also under FSDP2 on 2 ranks, and from 2 ranks into one process (a re-shard).
+Also under FSDP2: on 2 ranks, and re-sharded from 2 ranks to one process, to 4 ranks and
+from 4 back to 2.
 
 ``get_state_dict(model, optimizer)`` → ``dcp.save``, then in a fresh run ``get_state_dict``
 → ``dcp.load`` → ``set_state_dict``, continues exactly as the uninterrupted run (one
@@ -182,3 +183,48 @@ def test_a_lr_zero_step_with_gradients_still_preconditions() -> None:
         group["lr"] = 0.0
     _steps(model, opt, range(1), 0, 1)
     assert opt.preconditioner.steps == 1
+
+
+def _fsdp_phase(rank: int, world: int, save_to: str, load_from: str) -> dict[str, Any]:
+    """On ``world`` FSDP ranks: resume the checkpoint in ``load_from`` (if any) to STEPS,
+    and run from scratch to STEPS saving at SAVED_AT into ``save_to`` (if any). Every
+    world size trains on the same global batches (``global_batch(step, 4)``)."""
+    out: dict[str, Any] = {}
+    for folder, resumed in ((load_from, True), (save_to, False)):
+        if not folder:
+            continue
+        model = _shard(make_model())
+        opt = _optimizer(model, "eigen")
+        if resumed:
+            state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
+            dcp.load(state, checkpoint_id=folder)
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+        else:
+            _steps(model, opt, range(SAVED_AT), rank, 4, parts=world)
+            opt.zero_grad()
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+        _steps(model, opt, range(SAVED_AT, STEPS), rank, 4, parts=world)
+        out["resumed" if resumed else "uninterrupted"] = [_whole(p) for p in model.parameters()]
+    return out
+
+
+def test_fsdp_checkpoints_reshard_from_two_ranks_to_four_and_back(tmp_path: Path) -> None:
+    """A 2-rank FSDP checkpoint resumed on 4 ranks continues as the 2-rank run did, and a
+    4-rank one on 2 ranks as the 4-rank run did (to rounding: the ranks sum in another
+    order)."""
+    two, four = str(tmp_path / "two"), str(tmp_path / "four")
+    first = run_distributed(_fsdp_phase, 2, two, "", timeout=180)
+    second = run_distributed(_fsdp_phase, 4, four, two, timeout=240)
+    third = run_distributed(_fsdp_phase, 2, "", four, timeout=180)
+    for label, runs, want in (
+        ("2 -> 4", second, first[0]["uninterrupted"]),
+        ("4 -> 2", third, second[0]["uninterrupted"]),
+    ):
+        for rank, result in enumerate(runs):
+            for index, (got, expected) in enumerate(zip(result["resumed"], want, strict=True)):
+                torch.testing.assert_close(
+                    got, expected, rtol=1e-9, atol=1e-11, msg=f"{label}, rank {rank}, {index}"
+                )
