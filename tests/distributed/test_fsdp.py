@@ -7,7 +7,8 @@ batch (float64, 1e-9), for ``eigen``, ``cholesky``, ``smw`` and ``eigen_adam`` a
 ``replicated``, ``mem-opt`` and ``kaisa`` strategies (and with a bfloat16
 ``MixedPrecisionPolicy``, within its rounding), with Conv2d, Linear, LayerNorm,
 Embedding (an unbatched position lookup too), MultiheadAttention and HF Conv1D layers, on
-2 and 4 ranks; HSDP (a 2 × 2 mesh, replicate × shard) on 4.
+2 and 4 ranks; HSDP (a 2 × 2 mesh, replicate × shard) on 4. ``dp`` (owner-local factors,
+another estimator) equals serial where it should: every rank given the same rows.
 
 The gradient exchange is exact in bytes: per step, one all-gather per bucket of every
 rank's padded rows (``ceil(rows / P)`` of each sharded weight and bias, float64), on the
@@ -79,7 +80,17 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], Any]]] = {
     # picks a basis inside a degenerate eigenspace (tests/engine/test_moments_dist.py)
     "cnn64": (make_model, lambda step, world: global_batch(step, 8)),
     "gpt32": (lambda: make_gpt().float(), lambda step, world: gpt_batch(step, 4 * world)),
+    # every rank the same 8 rows (the global batch their copies): dp's owner-local factors
+    # are then the serial ones
+    "cnn-same": (make_model, lambda step, world: _repeated(global_batch(step, 1), world)),
 }
+
+
+def _repeated(batch: tuple[torch.Tensor, torch.Tensor], world: int) -> Any:
+    x, y = batch
+    return x.repeat(world, 1, 1, 1), y.repeat(world)
+
+
 Case = tuple[str, dict[str, Any]]  # (model, options)
 CASES: dict[int, dict[str, Case]] = {
     2: {
@@ -88,6 +99,7 @@ CASES: dict[int, dict[str, Case]] = {
         "cnn-eigen-micro2": ("cnn", {"method": "eigen", "micro": 2}),
         "cnn-cholesky-mem-opt": ("cnn", {"method": "cholesky", "strategy": "mem-opt"}),
         "cnn-smw-kaisa": ("cnn", {"method": "smw", "strategy": "kaisa"}),
+        "cnn-same-eigen-dp": ("cnn-same", {"method": "eigen", "strategy": "dp"}),
         "cnn-eigen_adam": ("cnn64", {"method": "eigen_adam", **MOMENTS}),
         "gpt-eigen": ("gpt", {"method": "eigen", "damping": 1e-3}),
         "hf-eigen": ("hf", {"method": "eigen"}),
@@ -203,7 +215,10 @@ def _refusals() -> dict[str, str]:
         fully_shard(other)
     sharded = make_model()
     _shard_children(True, False, False, sharded)
+    auto = KFACPreconditioner(sharded, strategy="auto")
+    auto.remove_hooks()
     return {
+        "auto": type(auto.strategy).name,
         "mixed": _message(lambda: KFACPreconditioner(mixed)),
         "shard1": _message(lambda: KFACPreconditioner(tensor_parallel)),
         "spngd": _message(lambda: KFACPreconditioner(sharded, strategy="spngd")),
@@ -227,5 +242,7 @@ def _fsdp1() -> Any:
     ],
 )
 def test_unsupported_sharding_is_refused_at_construction(case: str, pattern: str) -> None:
+    # and strategy="auto" never picks spngd for a sharded model
+    assert {r["errors"]["auto"] for r in _spawned(2)} <= {"replicated", "kaisa", "mem-opt"}
     for rank, result in enumerate(_spawned(2)):
         assert re.search(pattern, result["errors"][case]), f"rank {rank}: {result['errors'][case]}"
