@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.engine.optimizer_state import KFAC_KEY, unpack
 from tests.distributed_utils import run_distributed
+from tests.serial_vs_distributed import once_per_key
 from tests.strategy_cases import global_batch, make_model
 
 SAVED_AT, STEPS = 3, 6
@@ -111,35 +112,75 @@ def test_one_process_resumes_exactly(tmp_path: Path, method: str) -> None:
     _check(_run(0, 1, str(tmp_path), method), method)
 
 
-def test_ddp_on_two_ranks_resumes_exactly(tmp_path: Path) -> None:
-    for method in ("eigen_adam", "eigen"):
-        folder = tmp_path / method
-        for rank, runs in enumerate(run_distributed(_run, 2, str(folder), method, timeout=180)):
-            _check(runs, f"{method}, rank {rank}")
+# ---------------------------------------------------------------- several ranks
+# One spawn of 2 ranks runs every 2-rank case (spawning is the slow part); then 4 ranks
+# resume its FSDP checkpoint and save their own, which 2 ranks resume again.
+LAYOUTS = [(layout, method) for layout in ("ddp", "fsdp") for method in ("eigen_adam", "eigen")]
 
 
-def test_fsdp_on_two_ranks_resumes_exactly_and_in_one_process(tmp_path: Path) -> None:
-    """Sharded with FSDP2, the standard checkpoint resumes exactly on 2 ranks, and loads in
-    one process (the shards joined by dcp, K-FAC's state world-size independent), which then
-    continues as the 2-rank run did (to rounding: one process sums in another order; with
-    ``eigen``: Adam in an eigenbasis of these rank-deficient factors turns rounding into
-    much more, tests/engine/test_moments_dist.py)."""
-    for method in ("eigen_adam", "eigen"):
-        folder = str(tmp_path / method)
-        ranks = run_distributed(_run, 2, folder, method, "fsdp", timeout=180)
-        for rank, runs in enumerate(ranks):
-            _check(runs, f"fsdp, {method}, rank {rank}")
+def _two_ranks(rank: int, world: int, root: str) -> dict[Any, Any]:
+    out: dict[Any, Any] = {
+        case: _run(rank, world, f"{root}/{case[0]}-{case[1]}", case[1], case[0]) for case in LAYOUTS
+    }
+    out["phase"] = _fsdp_phase(rank, world, f"{root}/two", "")
+    return out
+
+
+def _four_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    return _fsdp_phase(rank, world, f"{root}/four", f"{root}/two")
+
+
+def _back_to_two(rank: int, world: int, root: str) -> dict[str, Any]:
+    return _fsdp_phase(rank, world, "", f"{root}/four")
+
+
+_two = once_per_key(lambda root: run_distributed(_two_ranks, 2, root, timeout=300))
+_four = once_per_key(lambda root: _two(root) and run_distributed(_four_ranks, 4, root, timeout=240))
+_back = once_per_key(lambda root: _four(root) and run_distributed(_back_to_two, 2, root))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.mark.parametrize(("layout", "method"), LAYOUTS)
+def test_two_ranks_resume_exactly(root: str, layout: str, method: str) -> None:
+    for rank, result in enumerate(_two(root)):
+        _check(result[(layout, method)], f"{layout}, {method}, rank {rank}")
+
+
+def test_a_two_rank_fsdp_checkpoint_continues_in_one_process(root: str) -> None:
+    """The shards joined by dcp, K-FAC's state world-size independent: one process continues
+    as the 2-rank run did (to rounding: one process sums in another order; ``eigen``: Adam
+    in an eigenbasis of these rank-deficient factors turns rounding into much more,
+    tests/engine/test_moments_dist.py)."""
+    want = _two(root)[0][("fsdp", "eigen")][False]["params"]
     model = make_model()
-    opt = _optimizer(model, method)
+    opt = _optimizer(model, "eigen")
     state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
-    dcp.load(state, checkpoint_id=folder)
+    dcp.load(state, checkpoint_id=f"{root}/fsdp-eigen")
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert opt.preconditioner.steps == SAVED_AT
     _steps(model, opt, range(SAVED_AT, STEPS), 0, 2, parts=1)
-    for index, (got, want) in enumerate(
-        zip(model.parameters(), ranks[0][False]["params"], strict=True)
-    ):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-11, msg=f"{index}")
+    for index, (got, expected) in enumerate(zip(model.parameters(), want, strict=True)):
+        torch.testing.assert_close(got.detach(), expected, rtol=1e-9, atol=1e-11, msg=f"{index}")
+
+
+@pytest.mark.parametrize("direction", ["2 -> 4", "4 -> 2"])
+def test_fsdp_checkpoints_reshard(root: str, direction: str) -> None:
+    """A 2-rank FSDP checkpoint resumed on 4 ranks continues as the 2-rank run did, and a
+    4-rank one on 2 ranks as the 4-rank run did (to rounding: the ranks sum in another
+    order)."""
+    if direction == "2 -> 4":
+        runs, want = _four(root), _two(root)[0]["phase"]["uninterrupted"]
+    else:
+        runs, want = _back(root), _four(root)[0]["uninterrupted"]
+    for rank, result in enumerate(runs):
+        for index, (got, expected) in enumerate(zip(result["resumed"], want, strict=True)):
+            torch.testing.assert_close(
+                got, expected, rtol=1e-9, atol=1e-11, msg=f"{direction}, rank {rank}, {index}"
+            )
 
 
 def test_taking_a_state_dict_does_not_disturb_the_run() -> None:
@@ -209,22 +250,3 @@ def _fsdp_phase(rank: int, world: int, save_to: str, load_from: str) -> dict[str
         _steps(model, opt, range(SAVED_AT, STEPS), rank, 4, parts=world)
         out["resumed" if resumed else "uninterrupted"] = [_whole(p) for p in model.parameters()]
     return out
-
-
-def test_fsdp_checkpoints_reshard_from_two_ranks_to_four_and_back(tmp_path: Path) -> None:
-    """A 2-rank FSDP checkpoint resumed on 4 ranks continues as the 2-rank run did, and a
-    4-rank one on 2 ranks as the 4-rank run did (to rounding: the ranks sum in another
-    order)."""
-    two, four = str(tmp_path / "two"), str(tmp_path / "four")
-    first = run_distributed(_fsdp_phase, 2, two, "", timeout=180)
-    second = run_distributed(_fsdp_phase, 4, four, two, timeout=240)
-    third = run_distributed(_fsdp_phase, 2, "", four, timeout=180)
-    for label, runs, want in (
-        ("2 -> 4", second, first[0]["uninterrupted"]),
-        ("4 -> 2", third, second[0]["uninterrupted"]),
-    ):
-        for rank, result in enumerate(runs):
-            for index, (got, expected) in enumerate(zip(result["resumed"], want, strict=True)):
-                torch.testing.assert_close(
-                    got, expected, rtol=1e-9, atol=1e-11, msg=f"{label}, rank {rank}, {index}"
-                )
