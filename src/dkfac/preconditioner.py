@@ -102,8 +102,10 @@ class KFACPreconditioner:
             other parameter keeps its plain gradient (under ``"eigen_adam"``: Adam's
             direction on it, ``leftover_update``). For every strategy but ``"spngd"``
             wrap it in ``DistributedDataParallel`` when training on several ranks, so the
-            gradients arrive averaged. ``"spngd"`` needs the unwrapped model: its
-            ``step()`` averages the gradients of *all* parameters itself.
+            gradients arrive averaged, or shard it with FSDP2 / HSDP (``fully_shard`` on
+            its blocks and root: :mod:`~dkfac.distributed.layout`). ``"spngd"`` needs the
+            unwrapped model: its ``step()`` averages the gradients of *all* parameters
+            itself.
         config: A :class:`KFACConfig`; keyword ``options`` override its fields.
         grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any.
         process_group: The ranks that train together (default: the default group; none
@@ -112,8 +114,10 @@ class KFACPreconditioner:
 
     Raises:
         ValueError: For a bad option value, a model with no supported layer, a
-            DDP-wrapped model with ``strategy="spngd"``, or layers another live
-            preconditioner holds (call its ``remove_hooks()`` first).
+            DDP-wrapped or sharded model with ``strategy="spngd"``, a sharded model K-FAC
+            cannot take (FSDP1, tensor parallelism, DTensor and plain parameters mixed),
+            or layers another live preconditioner holds (call its ``remove_hooks()``
+            first).
         TypeError: For an unknown option or a value of the wrong type.
     """
 
