@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dkfac import KFACPreconditioner
 
@@ -81,8 +82,12 @@ class Run:
     losses: list[Tensor] = field(default_factory=list)
 
     def params(self) -> list[Tensor]:
-        """Copies of the model's parameters, in ``parameters()`` order."""
-        return [p.detach().clone() for p in self.model.parameters()]
+        """Copies of the model's parameters, in ``parameters()`` order (a sharded one
+        gathered whole: a collective under FSDP2)."""
+        return [
+            p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            for p in self.model.parameters()
+        ]
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Copies of the statistics this rank keeps, by layer name."""
@@ -173,12 +178,15 @@ def _build(
     model_fn: Callable[[], nn.Module],
     *,
     ddp: bool,
+    shard: Callable[[nn.Module], Any] | None,
     lr: float,
     momentum: float,
     grad_scale: float | None,
     options: dict[str, Any],
 ) -> Run:
     model = model_fn()
+    if shard is not None:
+        shard(model)
     wrapped: nn.Module = nn.parallel.DistributedDataParallel(model) if ddp else model
     scaler = None
     if grad_scale is not None:
@@ -213,6 +221,7 @@ def train_sharded(
     steps: int | range,
     micro: int = 1,
     ddp: bool = False,
+    shard: Callable[[nn.Module], Any] | None = None,
     lr: float = 0.1,
     momentum: float = 0.9,
     grad_scale: float | None = None,
@@ -231,6 +240,8 @@ def train_sharded(
             run restored by a ``setup`` hook).
         micro: Micro-batches per shard and step (``accumulation_steps``).
         ddp: Wrap the model in ``DistributedDataParallel`` (needs a process group).
+        shard: Shards the built model in place (``fully_shard`` on its blocks and root:
+            FSDP2 or HSDP, needs a process group); it averages the gradients itself.
         lr: The learning rate of SGD and of ``pre.step(lr=...)`` (so the preconditioner's own
             ``lr`` option is never read).
         momentum: SGD's momentum.
@@ -246,6 +257,7 @@ def train_sharded(
     run = _build(
         model_fn,
         ddp=ddp,
+        shard=shard,
         lr=lr,
         momentum=momentum,
         grad_scale=grad_scale,
@@ -253,7 +265,8 @@ def train_sharded(
     )
     hooks = hooks or Hooks()
     group = _group_size()
-    average_over = group if group > 1 and not ddp and not run.pre.strategy.reduces_gradients else 1
+    averaged = ddp or shard is not None or run.pre.strategy.reduces_gradients
+    average_over = group if group > 1 and not averaged else 1
     mc = options.get("fisher") == "mc"
     if hooks.setup is not None:
         hooks.setup(run)

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from dkfac.config import unread_moment_fields
 from dkfac.config.checks import check_range
+from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import finite_each
 from dkfac.engine.overhead import BUDGETED_OPTIONS
@@ -216,11 +217,18 @@ class KFACOptimizer(Optimizer):
         Args:
             closure: Re-evaluates the model and returns the loss (run with grad enabled
                 before preconditioning), as for any optimizer.
+
+        A step that cannot move any weight (every learning rate 0 and every gradient zero:
+        what ``torch.distributed.checkpoint`` runs to create an optimizer's state) steps only
+        the inner optimizer and leaves K-FAC's state as it is.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if optimizer_state.initialises_state(self.param_groups):
+            self.inner.step()  # nothing can move: K-FAC's state is left as it is
+            return loss
         raw_finite = self._finite_flag() if self.skip_nonfinite else None
         self.preconditioner.step(lr=float(self.param_groups[0]["lr"]))
         finite = self._finite_flag() if self.skip_nonfinite else None
@@ -269,15 +277,24 @@ class KFACOptimizer(Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict and the preconditioner's."""
-        return {
-            "inner": self.inner.state_dict(),
-            "preconditioner": self.preconditioner.state_dict(include_inverses=True),
-            "skipped_steps": self.skipped_steps,
-        }
+        """The inner optimizer's state dict, with the K-FAC part in its first group.
+
+        A standard optimizer state dict (``"state"``, ``"param_groups"``), so
+        ``torch.distributed.checkpoint``'s ``get_state_dict``/``set_state_dict`` and
+        ``dcp.save``/``dcp.load`` handle it; the preconditioner's state (with its solver
+        states) and :attr:`skipped_steps` are one ``bytes`` entry of the first group
+        (:mod:`dkfac.engine.optimizer_state`). A collective with several ranks (the
+        preconditioner's state is gathered from the layers' owners): call it on every rank.
+        """
+        return optimizer_state.pack(
+            self.inner.state_dict(),
+            self.preconditioner.state_dict(include_inverses=True),
+            self.skipped_steps,
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict`, all or nothing.
+        """Restores a :meth:`state_dict` (or one of the older ``"inner"``/``"preconditioner"``
+        layout), all or nothing.
 
         The preconditioner part is checked first (without changing anything); the inner
         optimizer is then loaded and, if anything after that fails, put back as it was
@@ -287,21 +304,18 @@ class KFACOptimizer(Optimizer):
         Raises:
             ValueError: If the state dict is not one of this optimizer; nothing is changed.
         """
-        if not isinstance(state_dict, dict) or not {"inner", "preconditioner"} <= set(state_dict):
-            raise ValueError("not a KFACOptimizer state dict (needs 'inner' and 'preconditioner')")
-        inner = state_dict["inner"]
+        inner, preconditioner, skipped = optimizer_state.unpack(state_dict)
         if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
             raise ValueError(
                 "'inner' is not an optimizer state dict (needs 'state', 'param_groups')"
             )
-        skipped = state_dict.get("skipped_steps", 0)
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
-        self.preconditioner.check_state_dict(state_dict["preconditioner"])
+        self.preconditioner.check_state_dict(preconditioner)
         before = {"state": self.inner.state, "param_groups": self.inner.param_groups}
         try:
             self.inner.load_state_dict(inner)
-            self.preconditioner.load_state_dict(state_dict["preconditioner"])
+            self.preconditioner.load_state_dict(preconditioner)
         except BaseException:
             self.inner.__setstate__(before)
             raise

@@ -48,6 +48,8 @@ Checkpoints: :mod:`~dkfac.engine.checkpoint`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -58,8 +60,9 @@ from torch.profiler import record_function
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.config.checks import check_range
 from dkfac.distributed.comm import Communicator
+from dkfac.distributed.layout import ShardedLayout, find_layout
 from dkfac.distributed.strategies import Strategy
-from dkfac.engine.capture import FactorCapture
+from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
 from dkfac.engine.device_checks import (
     LateWarnings,
@@ -106,8 +109,10 @@ class KFACPreconditioner:
             other parameter keeps its plain gradient (under ``"eigen_adam"``: Adam's
             direction on it, ``leftover_update``). For every strategy but ``"spngd"``
             wrap it in ``DistributedDataParallel`` when training on several ranks, so the
-            gradients arrive averaged. ``"spngd"`` needs the unwrapped model: its
-            ``step()`` averages the gradients of *all* parameters itself.
+            gradients arrive averaged, or shard it with FSDP2 / HSDP (``fully_shard`` on
+            its blocks and root: :mod:`~dkfac.distributed.layout`). ``"spngd"`` needs the
+            unwrapped model: its ``step()`` averages the gradients of *all* parameters
+            itself.
         config: A :class:`KFACConfig`; keyword ``options`` override its fields.
         grad_scaler: The ``torch.amp.GradScaler`` used for mixed precision, if any. A
             scaler created later (by a framework) may be set as ``pre.grad_scaler`` before
@@ -125,8 +130,10 @@ class KFACPreconditioner:
 
     Raises:
         ValueError: For a bad option value, a model with no supported layer, a
-            DDP-wrapped model with ``strategy="spngd"``, or layers another live
-            preconditioner holds (call its ``remove_hooks()`` first).
+            DDP-wrapped or sharded model with ``strategy="spngd"``, a sharded model K-FAC
+            cannot take (FSDP1, tensor parallelism, DTensor and plain parameters mixed),
+            or layers another live preconditioner holds (call its ``remove_hooks()``
+            first).
         TypeError: For an unknown option or a value of the wrong type.
     """
 
@@ -184,13 +191,23 @@ class KFACPreconditioner:
         self._hooks.add(self.capture)
         self._marks = GradientMarks()
         self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
+        self.layout: ShardedLayout | None = find_layout(
+            model,
+            {name: b.parameters() for name, b in blocks.items()},
+            strategy=config.strategy,
+            ledger=self.comm.ledger,
+            bucket_bytes=config.bucket_bytes,
+        )
         self.strategy: Strategy = build_strategy(
             config,
             self.comm,
             blocks,
-            ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel),
+            ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel)
+            or self.layout is not None,
         )
         gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
+        if gathered > 1 and self.comm.active:
+            self.capture.rank_mean = functools.partial(rank_mean, self.comm)
         self.layers: dict[str, LayerState] = create_layers(
             blocks, config, rows_rule(config, gathered)
         )
@@ -317,6 +334,25 @@ class KFACPreconditioner:
         damping = resolve("damping", cfg.damping, step)
         inverse_interval = resolve("inverse_update_interval", cfg.inverse_update_interval, step)
         assert damping is not None and inverse_interval is not None
+        with self.layout.full_gradients() if self.layout is not None else nullcontext():
+            self._precondition_layers(step, damping, int(inverse_interval), lr)
+        if self.leftover is not None:
+            with record_function("dkfac.leftover"):
+                self.leftover.step()
+        self.comm.ledger.end_step()
+        self._marks.record(self._params())
+        self.capture.end_step(self.layers)
+        self._steps += 1
+        if self.budget is not None and self.budget.choice is None:
+            self._spend_budget()
+        self._set_block_steps()
+        self.schedule_captures(self._steps)
+
+    def _precondition_layers(
+        self, step: int, damping: float, inverse_interval: int, lr: float | None
+    ) -> None:
+        """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients."""
+        cfg = self.config
         grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
         keep: Tensor | None = None  # the guard's gradient flags, on the device
@@ -328,7 +364,7 @@ class KFACPreconditioner:
             else:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
-        if step % int(inverse_interval) == 0:
+        if step % inverse_interval == 0:
             with record_function("dkfac.inverse"):
                 self.update_inverses(damping)
         with record_function("dkfac.precondition"):
@@ -351,17 +387,6 @@ class KFACPreconditioner:
                 factors = dict(zip(self.layers, both.unbind(0), strict=True))
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
-        if self.leftover is not None:
-            with record_function("dkfac.leftover"):
-                self.leftover.step()
-        self.comm.ledger.end_step()
-        self._marks.record(self._params())
-        self.capture.end_step(self.layers)
-        self._steps += 1
-        if self.budget is not None and self.budget.choice is None:
-            self._spend_budget()
-        self._set_block_steps()
-        self.schedule_captures(self._steps)
 
     def _device_guard(
         self,

@@ -18,6 +18,7 @@ from dkfac.app import resume, session
 from dkfac.app.checkpoint import LATEST, load_checkpoint
 from dkfac.app.cli import parse_args
 from dkfac.app.trainer import train
+from dkfac.engine.optimizer_state import unpack
 from tests.distributed_utils import run_distributed
 
 BASE = [
@@ -88,7 +89,7 @@ def test_two_ranks_to_one_and_to_another_strategy(tmp_path: Path) -> None:
 
 def _check(strategy: str, folder: Path, ranks: list[dict[str, Any]]) -> None:
     state = load_checkpoint(folder / LATEST)
-    saved = state["optimizer"]["preconditioner"]["layers"]
+    saved = unpack(state["optimizer"])[1]["layers"]
     assert state["position"]["step"] == 4
     statistics = sum(
         len([k for k in e if k not in ("inverse", "inverse_solver")]) for e in saved.values()

@@ -9,6 +9,7 @@ import torch
 from dkfac.app.checkpoint import load_checkpoint
 from dkfac.app.cli import parse_args
 from dkfac.app.trainer import train
+from dkfac.engine.optimizer_state import unpack
 from tests.cli_args import TINY
 from tests.distributed_utils import run_distributed
 
@@ -71,7 +72,7 @@ def test_two_ranks_write_checkpoints_with_every_layers_factors(tmp_path) -> None
         files = sorted(out.rglob("*.pt"))
         assert files, f"{strategy}: no checkpoint written"
         state = load_checkpoint(files[-1])
-        layers = state["optimizer"]["preconditioner"]["layers"]
+        layers = unpack(state["optimizer"])[1]["layers"]
         assert layers and all(
             entry["A" if "A" in entry else "F"] is not None for entry in layers.values()
         )

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
 from dkfac.engine.leftover import LeftoverAdam
+from dkfac.engine.optimizer_state import unpack
 from dkfac.solvers import _REGISTERED as REGISTERED
 from dkfac.solvers import SOLVERS, EigenAdamSolver, register_solver
 
@@ -188,7 +189,7 @@ def test_a_checkpoint_round_trip_continues_to_the_bit() -> None:
     opt = KFACOptimizer.for_model(model, 0.01)
     _train(opt, model, range(3))
     state = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    assert set(state[1]["preconditioner"]["leftover"]) == set(LEFT)
+    assert set(unpack(state[1])[1]["leftover"]) == set(LEFT)
     _train(opt, model, range(3, 7))
     resumed = Net()
     resumed_opt = KFACOptimizer.for_model(resumed, 0.01)

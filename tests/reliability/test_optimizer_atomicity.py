@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.engine.optimizer_state import pack, unpack
 
 
 def _setup(seed: int = 0, lr: float = 0.1, **options: Any) -> tuple[nn.Module, KFACOptimizer]:
@@ -67,10 +68,17 @@ def _assert_unchanged(model: nn.Module, opt: KFACOptimizer, before: dict[str, An
 
 
 def _saved_elsewhere() -> dict[str, Any]:
-    """A state dict of the same model trained otherwise (lr 0.5, 5 steps, other data)."""
+    """A state dict of the same model trained otherwise (lr 0.5, 5 steps, other data),
+    its parts unpacked (``inner``, ``preconditioner``, ``skipped_steps``) for tampering."""
     model, opt = _setup(seed=3, lr=0.5)
     _train(model, opt, 5, seed=7)
-    return copy.deepcopy(opt.state_dict())
+    inner, pre, skipped = unpack(copy.deepcopy(opt.state_dict()))
+    return {"inner": inner, "preconditioner": pre, "skipped_steps": skipped}
+
+
+def _packed(state: dict[str, Any]) -> dict[str, Any]:
+    """The tampered parts as the optimizer's own state dict layout."""
+    return pack(state["inner"], state["preconditioner"], state["skipped_steps"])
 
 
 def _set_step(state: dict[str, Any]) -> None:
@@ -121,7 +129,7 @@ def test_a_refused_state_dict_changes_nothing(case: str) -> None:
     _train(model, opt, 3)
     before = _snapshot(model, opt)
     with pytest.raises(ValueError, match=message):
-        opt.load_state_dict(state)
+        opt.load_state_dict(_packed(state))
     _assert_unchanged(model, opt, before)
     _train(model, opt, 1)  # and it still trains
     assert opt.preconditioner.steps == 4
@@ -157,7 +165,7 @@ def test_a_failure_after_the_inner_load_puts_the_inner_back(
 
     monkeypatch.setattr(opt.preconditioner, "load_state_dict", broken)
     with pytest.raises(RuntimeError, match="a collective failed"):
-        opt.load_state_dict(state)
+        opt.load_state_dict(_packed(state))
     _assert_unchanged(model, opt, before)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from dkfac.app.checkpoint import LATEST, load_checkpoint, save_checkpoint
 from dkfac.app.resume import RunMismatchError, convert_method
+from dkfac.engine.optimizer_state import unpack
 from tests.cli_args import TINY
 from tests.reliability.cli_runs import last_line, run_cli
 
@@ -87,7 +88,7 @@ def test_another_method_is_converted_from_the_factors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     _make(tmp_path / "a", capsys, "--method", old)
-    saved = load_checkpoint(tmp_path / "a" / LATEST)["optimizer"]["preconditioner"]
+    saved = unpack(load_checkpoint(tmp_path / "a" / LATEST)["optimizer"])[1]
     # Inverses every 10 steps: the resumed steps 3 and 4 use the inverses made at loading.
     extra = ["--method", new, "--inverse-update-interval", "10"]
     with caplog.at_level(logging.WARNING, logger="dkfac.app.resume"):
@@ -96,7 +97,7 @@ def test_another_method_is_converted_from_the_factors(
     assert f"made with --method {old}; converted to --method {new}" in caplog.text
     after = load_checkpoint(tmp_path / "b" / LATEST)
     assert after["made_with"]["--method"] == new and after["position"]["step"] == 4
-    layers = after["optimizer"]["preconditioner"]["layers"]
+    layers = unpack(after["optimizer"])[1]["layers"]
     assert set(layers) == set(saved["layers"])
     for name, entry in layers.items():  # fresh inverses of the new method for every layer
         assert entry["inverse"].keys() != saved["layers"][name]["inverse"].keys(), name

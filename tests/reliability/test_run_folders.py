@@ -165,7 +165,7 @@ def _set_step(state: dict[str, Any]) -> None:
 
 
 def _set_lr(state: dict[str, Any]) -> None:
-    state["optimizer"]["inner"]["param_groups"][0]["lr"] = "fast"
+    state["optimizer"]["param_groups"][0]["lr"] = "fast"
 
 
 def _set_nan_weight(state: dict[str, Any]) -> None:

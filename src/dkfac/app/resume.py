@@ -36,6 +36,7 @@ import torch
 
 from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
 from dkfac.app.session import Session
+from dkfac.engine import optimizer_state as kfac_state
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ def convert_method(optimizer_state: dict[str, Any], old: str, new: str) -> None:
     Raises:
         RunMismatchError: If the state holds low-rank factors and ``new`` needs full ones.
     """
-    layers = optimizer_state["preconditioner"]["layers"]
+    preconditioner = kfac_state.unpack(optimizer_state)[1]
+    layers = preconditioner["layers"]
     lowrank = sorted(n for n, e in layers.items() if (e.get("plan") or {}).get("lowrank"))
     if lowrank and new not in LOWRANK_METHODS:
         raise RunMismatchError(
@@ -119,6 +121,7 @@ def convert_method(optimizer_state: dict[str, Any], old: str, new: str) -> None:
         entry.pop("inverse", None)
         if name not in lowrank:
             entry.pop("plan", None)
+    kfac_state.replace_preconditioner(optimizer_state, preconditioner)
     logger.warning(
         "the checkpoint was made with --method %s; converted to --method %s (inverses "
         "recomputed from the saved factors)",

@@ -31,10 +31,16 @@ class Rows:
     Attributes:
         rows: A ``(r, d)`` matrix.
         normaliser: The count the outer products are averaged over (rows, or samples).
+        batch_mean: The rows are the gradient of the whole batch's mean loss, not rows of
+            single samples (a lookup whose output the caller broadcast over the batch: its
+            output gradient arrives summed over the samples). The statistic is quadratic in
+            them, so with the batch split over ranks the rows must be averaged over the
+            ranks *before* their products; the capture does that (one small all-reduce).
     """
 
     rows: Tensor
     normaliser: float
+    batch_mean: bool = False
 
     def scaled(self) -> Tensor:
         """``rows / sqrt(normaliser)``: the ``(r, d)`` matrix ``Uᵀ`` with factor ``U Uᵀ``."""

@@ -12,17 +12,25 @@ convention the weight matrix is ``Wᵀ`` (``D × V``), ``ā_r = e_{x_r}`` and
 counting in the normaliser, as positions whose per-sample gradient for ``W`` is zero.
 The rows of ``A`` are one-hot, so a dense solver holds a ``V × V`` factor: fine for the
 vocabularies of small models; very large vocabularies should be listed in ``skip_layers``.
+
+An *unbatched* lookup (1-D ids, e.g. GPT-2's ``wpe(arange(T))`` added to every sample of
+the batch by broadcasting) counts as one sample: autograd sums its output gradient over the
+batch before the hook sees it, so ``G``'s rows are the gradient of the batch's mean loss
+(:attr:`~dkfac.blocks.base.Rows.batch_mean`). ``G`` is quadratic in them, so on several ranks
+the rows are averaged over the ranks before their products (the capture does it); averaging
+each rank's ``G`` instead would differ from the serial ``G`` of the global batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block, BlockCost, Rows
+from dkfac.blocks.base import Block, BlockCost, Rows, StatisticSink
 
 
 class EmbeddingBlock(Block):
@@ -77,6 +85,21 @@ class EmbeddingBlock(Block):
         if self.module.padding_idx is not None:
             rows[ids == self.module.padding_idx] = 0
         return Rows(rows, float(ids.numel()))
+
+    def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
+        """Adds A's rows; the context says whether the lookup is unbatched (1-D ids)."""
+        super().capture_input(inputs, sinks)
+        return inputs.dim() == 1
+
+    def capture_grad(
+        self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
+    ) -> None:
+        """Adds G's rows, marked as the batch's mean gradient after an unbatched lookup."""
+        if "G" in sinks:
+            rows = self.g_rows(grad_output)
+            if context:
+                rows = Rows(rows.rows, rows.normaliser, batch_mean=True)
+            sinks["G"].add(rows, scale)
 
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Every output-gradient row, averaged over all rows."""

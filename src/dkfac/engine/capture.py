@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +15,10 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.profiler import record_function
 
+from dkfac.blocks.base import Rows
 from dkfac.blocks.linear import LinearBlock
 from dkfac.config import KFACConfig
+from dkfac.distributed.comm import Communicator
 from dkfac.engine.fisher import mc_sample_loss
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.micro_batches import BackwardCounter
@@ -58,6 +62,31 @@ class _Broadcast:
     scale: float
 
 
+def rank_mean(comm: Communicator, rows: Tensor) -> Tensor:
+    """``rows`` averaged over the ranks of ``comm`` (a blocking all-reduce, ledger kind
+    ``"factors"``); ``rows`` itself is left as it is."""
+    out = rows.contiguous().clone()
+    comm.all_reduce([out], "factors").wait()
+    return out
+
+
+class _RankMeanSink:
+    """A sink that averages rows marked :attr:`~dkfac.blocks.base.Rows.batch_mean` over the
+    ranks before handing them to ``sink`` (every other contribution passes through)."""
+
+    def __init__(self, sink: Any, mean: Callable[[Tensor], Tensor]) -> None:
+        self._sink = sink
+        self._mean = mean
+
+    def __getattr__(self, name: str) -> Any:  # takes_sums, dtype, compute_dtype, add_sum
+        return getattr(self._sink, name)
+
+    def add(self, rows: Rows, scale: float = 1.0) -> None:
+        if getattr(rows, "batch_mean", False):
+            rows = dataclasses.replace(rows, rows=self._mean(rows.rows))
+        self._sink.add(rows, scale)
+
+
 class FactorCapture:
     """The hooks that feed each layer's accumulators, and the Monte-Carlo Fisher backward.
 
@@ -90,6 +119,10 @@ class FactorCapture:
         bias_sums: With :attr:`checking`, layer name -> the sum of its raw output-gradient
             rows this step (a bias's gradient: :mod:`~dkfac.engine.scaler_check`).
         checking: Whether the hooks record :attr:`bias_sums`.
+        rank_mean: Averages a tensor over the ranks whose statistics are later averaged
+            (``None``: one process, or statistics kept per rank). Gradient rows marked
+            :attr:`~dkfac.blocks.base.Rows.batch_mean` go through it before their products,
+            so their statistic is the serial one of the global batch.
     """
 
     def __init__(self, config: KFACConfig) -> None:
@@ -107,6 +140,7 @@ class FactorCapture:
         self._broadcast: dict[str, _Broadcast] = {}
         self.checking = False
         self.bias_sums: dict[str, Tensor] = {}
+        self.rank_mean: Callable[[Tensor], Tensor] | None = None
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
         """Registers the forward hook (which registers the backward hook) on ``module``.
@@ -174,11 +208,20 @@ class FactorCapture:
             # would move the tensor's history past the node this hook belongs to.
             self._mc_roots.append(get_gradient_edge(output))
 
-    def _grad_hook(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
+    def _grad_sinks(self, layer: LayerState) -> dict[str, Any]:
+        """The layer's due sinks for gradient rows: rows marked
+        :attr:`~dkfac.blocks.base.Rows.batch_mean` averaged over the ranks first
+        (:attr:`rank_mean`)."""
         sinks = layer.due_sinks()
+        if self.rank_mean is None:
+            return sinks
+        mean = self.rank_mean
+        return {key: _RankMeanSink(sink, mean) for key, sink in sinks.items()}
+
+    def _grad_hook(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         if pending.inputs is not None:  # the first backward through this forward: its A
             with _label("dkfac.capture_a"):
-                pending.context = layer.block.capture_input(pending.inputs, sinks)
+                pending.context = layer.block.capture_input(pending.inputs, layer.due_sinks())
             pending.inputs = None
         if self.config.fisher == "mc" and not self._mc_active:
             return  # G comes from the sampled backward only (check_mc: that it came)
@@ -190,7 +233,9 @@ class FactorCapture:
             self._add_broadcast(layer, pending, grad)
         else:
             with _label("dkfac.capture_g"):
-                layer.block.capture_grad(pending.context, grad, sinks, pending.scale)
+                layer.block.capture_grad(
+                    pending.context, grad, self._grad_sinks(layer), pending.scale
+                )
         self._mc_captured = True
 
     def _broadcasts(self, pending: _Forward) -> bool:
@@ -201,7 +246,7 @@ class FactorCapture:
         """Adds a broadcast layer's output gradient to the step's sum (G at the step's end)."""
         held = self._broadcast.get(layer.name)
         if held is not None and held.total.shape != grad.shape:  # another shape: G as it is
-            layer.block.capture_grad(held.context, held.total, layer.due_sinks(), held.scale)
+            layer.block.capture_grad(held.context, held.total, self._grad_sinks(layer), held.scale)
             held = None
         if held is None:
             self._broadcast[layer.name] = _Broadcast(pending.context, grad.clone(), pending.scale)
@@ -228,7 +273,7 @@ class FactorCapture:
         if held is None:
             return
         scale = held.scale / float(self.backward_passes()) ** 2
-        layer.block.capture_grad(held.context, held.total, layer.due_sinks(), scale)
+        layer.block.capture_grad(held.context, held.total, self._grad_sinks(layer), scale)
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
         """One backward of targets sampled from ``outputs``; only the G hooks see it.

@@ -28,12 +28,20 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dkfac.config import SolverConfig
+from dkfac.distributed.layout import gather_rows, own_rows
 from dkfac.engine.finite import finite_each
 from dkfac.solvers import EigenAdamSolver, SolverState
 
 __all__ = ["LeftoverAdam"]
+
+
+def _local(grad: Tensor) -> Tensor:
+    """This rank's part of a gradient: the local shard of a DTensor (FSDP2), Adam being
+    elementwise; the gradient itself otherwise."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _matrix_shape(tensor: Tensor) -> tuple[int, int]:
@@ -79,7 +87,7 @@ class LeftoverAdam:
         groups: dict[tuple[Any, ...], list[tuple[str, Tensor]]] = {}
         for name, param in self.params.items():
             if param.grad is not None:
-                matrix = _matrix(param.grad)
+                matrix = _matrix(_local(param.grad))  # Adam is elementwise: a shard's own
                 key = (tuple(matrix.shape), matrix.dtype, matrix.device)
                 groups.setdefault(key, []).append((name, matrix))
         for members in groups.values():
@@ -93,6 +101,7 @@ class LeftoverAdam:
         )
         update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
         grads = [self.params[name].grad for name, _ in members]
+        grads = [None if g is None else _local(g) for g in grads]
         finite = finite_each(grads, matrices.device)  # type: ignore[arg-type]
         kept = {
             key: torch.where(finite.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
@@ -109,8 +118,15 @@ class LeftoverAdam:
         return sum(t.numel() * t.element_size() for m in self.moments.values() for t in m.values())
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        """The moments by parameter name (copies)."""
-        return {name: {k: t.clone() for k, t in m.items()} for name, m in self.moments.items()}
+        """The moments by parameter name (copies; a sharded parameter's gathered whole, a
+        collective under FSDP2)."""
+        return {
+            name: {
+                k: (t if k == "t" else gather_rows(self.params[name], t)).clone()
+                for k, t in m.items()
+            }
+            for name, m in self.moments.items()
+        }
 
     def check_state_dict(self, state: Any) -> None:
         """Raises ValueError unless ``state`` is a :meth:`state_dict` of these parameters.
@@ -145,6 +161,11 @@ class LeftoverAdam:
         """Restores :meth:`state_dict`'s moments (checked first); absent ones start afresh."""
         self.check_state_dict(state)
         self.moments = {
-            name: {k: t.to(self.params[name].device).clone() for k, t in moments.items()}
+            name: {
+                k: (t if k == "t" else own_rows(self.params[name], t))
+                .to(self.params[name].device)
+                .clone()
+                for k, t in moments.items()
+            }
             for name, moments in state.items()
         }
