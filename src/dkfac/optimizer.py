@@ -61,8 +61,8 @@ digits CNN).
 The factor batch and both intervals are chosen within :data:`DEFAULT_OVERHEAD`; with
 ``overhead=None``, factors every step and a refresh every 5 steps. A refresh every 5 steps
 against 10: 11 steps to 97.5% on the digits CNN against 13 (10 seeds), 35 to the
-autoencoder's MSE 0.02 against 39 (3 seeds), less time on both. Why each, and the comparison
-with AdamW, Muon and SOAP: BENCHMARKS.md section 12.
+autoencoder's MSE 0.02 against 39 (3 seeds), less time on both. The comparison with AdamW,
+Muon and SOAP: the results page (BENCHMARKS.md).
 ``rotation_dtype=torch.bfloat16`` is left out: it pays only where bf16 matrix products are
 fast (GPUs, CPUs with AVX512-BF16 or AMX); ``rotation_dtype="auto"`` takes bf16 only there
 (:mod:`dkfac.solvers.precision`), not yet measured with these options."""

@@ -54,7 +54,7 @@ from dkfac.bench.sweep import (
     table_cell,
 )
 
-# The best configuration measured (BENCHMARKS.md §3, update 2): MC Fisher, statistics from
+# The best configuration measured: MC Fisher, statistics from
 # half of each 512-sample batch, factors every 5 steps and inverses every 10.
 DEFAULT_KFAC = (
     "kfac:method=cholesky,fisher=mc,factor_update_interval=5,inverse_update_interval=10,"
@@ -72,7 +72,7 @@ GRIDS: dict[str, tuple[float, ...]] = {
 """Default learning-rate grids, the same size for every kind."""
 
 TASK_OPTIONS = {"muon": {"adamw_lr": 1e-3}}
-"""Muon's AdamW part at Adam's best lr on this task (BENCHMARKS.md §3)."""
+"""Muon's AdamW part at Adam's best lr on this task."""
 
 
 def full_loss(model: nn.Module, x: Tensor) -> float:

@@ -27,6 +27,7 @@ from dkfac.bench.results_tables import (
     comm_table,
     cpu_step_table,
     f,
+    fsdp_memory_table,
     gpu_step_table,
     lm_phases_table,
     paired_table,
@@ -107,6 +108,7 @@ LM_RUNS = {
     ),
 }
 LM_PAIRED = "lm_paired_recipe_muon_60s.json"
+FSDP_MEMORY = "fsdp_memory_cpu.json"
 SUITE = "suite_default_v6.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 SOAK_RUNS = {
@@ -291,6 +293,20 @@ model's prediction byte for byte.
         tables=(comm_table("comm-cnn.json"),),
         plot=("comm_memory.png", plot_comm("comm-cnn.json")),
         commands=("dkfac bench memory",),
+    ),
+    Section(
+        title="Sharded models (FSDP2): memory and bytes per rank",
+        sources=(FSDP_MEMORY,),
+        text="""
+A byte-level GPT (4 blocks of width 64) sharded with `fully_shard` on every block and the
+root, on gloo CPU ranks, `KFACOptimizer.for_model` (`eigen_adam`) at fixed intervals: K-FAC's memory per rank
+(factors, inverses or bases, moments) under the `replicated` and `mem-opt` strategies, beside
+the model's parameter shard and AdamW's state, and the bytes each rank sends a step (the
+layers' gradient rows gathered, factors, inverses and preconditioned gradients; at
+`(1, 10)` and `(10, 100)` intervals). Under `mem-opt` the curvature lives only on each
+layer's owner. Step times were measured on a shared, loaded machine and are not shown.
+""",
+        tables=(fsdp_memory_table(FSDP_MEMORY),),
     ),
     Section(
         title="Soak: 10,000 steps on 2 ranks",

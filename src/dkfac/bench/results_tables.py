@@ -375,3 +375,37 @@ def plot_suite(name: str, task: str) -> Callable[[Payloads, str], None]:
         plot_task(record, path)
 
     return plot
+
+
+def fsdp_memory_table(name: str) -> Callable[[Payloads], Table]:
+    """K-FAC under FSDP2 per world size and strategy: memory per rank (factors, inverses,
+    moments; the range over the ranks), the parameter shard and AdamW's state beside it,
+    and the bytes each rank sends a step at ``(1, 10)`` and ``(10, 100)``."""
+
+    def mib(values: Sequence[float]) -> str:
+        low, high = min(values) / 2**20, max(values) / 2**20
+        return f(low) if f(low) == f(high) else f"{f(low)}–{f(high)}"
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for world, ranks in payloads[name]["worlds"].items():
+            for strategy in ("replicated", "mem-opt"):
+                short, long = f"kfac-{strategy}@1,10", f"kfac-{strategy}@10,100"
+                memory = [sum(rank[short]["kfac_memory"].values()) for rank in ranks]
+                sent = [
+                    sum(ranks[0][key]["bytes_per_step"].values()) / 1024 for key in (short, long)
+                ]
+                rows.append(
+                    [
+                        world,
+                        strategy,
+                        mib(memory),
+                        mib([rank["adamw"]["param_shard_bytes"] for rank in ranks]),
+                        mib([rank["adamw"]["adam_state_bytes"] for rank in ranks]),
+                        f"{f(sent[0], 0)} / {f(sent[1], 0)}",
+                    ]
+                )
+        headers = ["ranks", "strategy", "K-FAC MiB per rank", "parameter shard MiB"]
+        return Table([*headers, "AdamW state MiB", "KiB sent a step (1, 10) / (10, 100)"], rows)
+
+    return table

@@ -15,7 +15,7 @@ Shared by ``bench tta``, ``bench autoencoder`` and ``bench lm``:
    each of the ``--sweep-seeds`` sweep seeds (``--sweep-seed`` onwards), optimizers
    interleaved; the lr whose median run (by the task's score) is best wins. One sweep seed
    (the default) picks by a single run, which on digits moved a recipe's lr by 2x and its
-   median step count by 2 (BENCHMARKS.md section 12); three are steadier, for every
+   median step count by 2; three are steadier, for every
    optimizer alike.
 4. **Seeds**: every optimizer runs at its chosen lr on seeds ``0 .. --seeds-1``, seed-major,
    optimizers inner, so machine noise hits all alike.

@@ -71,10 +71,10 @@ GRIDS: dict[str, tuple[float, ...]] = {
 }
 """Default learning-rate grids, the same size for every kind. Muon's moved up on 2026-11-25:
 its old top lr (0.1) had won, and over seeds 0-9 it takes 17.5 steps at 0.1, 12 at 0.2, 11
-at 0.4 and 17 at 0.8 (BENCHMARKS.md section 12)."""
+at 0.4 and 17 at 0.8."""
 
 TASK_OPTIONS = {"muon": {"adamw_lr": 0.01}}
-"""Muon's AdamW part at Adam's best lr on this task (BENCHMARKS.md §2, runs 1-3)."""
+"""Muon's AdamW part at Adam's best lr on this task."""
 
 
 def evaluate(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:

@@ -656,7 +656,7 @@ def unfold_cost(
 # On a GPU every operation is a kernel launch of several µs against ~30 multiply-adds a ns:
 # the unfolded product (~75 operations for a 3x3 kernel with a bias, counted with a
 # dispatch mode) beats the shift path (~445) unless its rows are very large. The H200's
-# profile of a ResNet-20 factor step (batch 128, BENCHMARKS.md section 28's JSON) spent
+# profile of a ResNet-20 factor step (batch 128) spent
 # 90 ms of host time in the A captures, about 19 layers x 445 launches; not yet timed
 # path by path on a GPU (benchmarks/gpu_runs.sh runs conv_factor_paths.py there).
 UNFOLD_MAX_BYTES = 512 * 2**20

@@ -154,7 +154,7 @@ class SolverConfig:
             CPU); ``"auto"``: bfloat16 where the layer's device multiplies it natively, the
             default elsewhere (:mod:`dkfac.solvers.precision`). The rotation into the
             basis, the moments and the basis keep their own precision
-            (:mod:`dkfac.solvers.eigen_moments`; measured in BENCHMARKS.md sections 12, 24).
+            (:mod:`dkfac.solvers.eigen_moments`).
         gradient_rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of
             the gradient into the eigenbasis (the other half of their per-step cost):
             ``None`` (default) the gradient's; ``torch.bfloat16`` or ``"auto"`` as above
@@ -164,7 +164,7 @@ class SolverConfig:
             :mod:`dkfac.solvers.eigen_moments`).
             The entries of the rotated gradient below the rounding then move with the sign
             the rounding gives them, so distributed runs match serial ones only to that
-            rounding (the ranks agree to the bit). Measured in BENCHMARKS.md section 16.
+            rounding (the ranks agree to the bit).
         flattened_inputs: ``"ekfac"``/``"eigen_adam"``: linear layers that read a flattened
             ``channels × positions`` map (a convolution's output flattened channel-major,
             ``torch.flatten``'s order), by qualified name: ``{"classifier.0": (64, 16)}``,
@@ -172,7 +172,7 @@ class SolverConfig:
             factor gets a Kronecker-structured basis ``Q_C ⊗ Q_P`` from its two partial
             traces (:mod:`dkfac.solvers.kron_basis`): a refresh of a 1025-wide factor in
             milliseconds instead of a 1025³ product and QR, for the same steps on the
-            digits CNN (BENCHMARKS.md section 13). A name that is not a registered linear
+            digits CNN. A name that is not a registered linear
             layer with ``channels · positions`` inputs is an error at registration.
             ``"graph"`` finds them in the model's graph, with no names
             (:func:`dkfac.engine.roles.flattened_conv_inputs`).
@@ -183,7 +183,7 @@ class SolverConfig:
             update, scaled to ``orthogonal_rms`` (Muon's Newton–Schulz step applied to the
             preconditioned update: :mod:`dkfac.solvers.eigen_moments`). Meant for a
             transformer's hidden layers, e.g. ``("^blocks\\.",)``, leaving the embeddings
-            and the head to the plain method as Muon does (BENCHMARKS.md section 15). A
+            and the head to the plain method as Muon does. A
             pattern that matches no preconditioned layer is an error at registration.
         orthogonal_rms: RMS entry (> 0) of an orthogonalised update per unit of learning
             rate (default 1.5, the language-model recipe's: at ``lr=0.003`` a 128 × 128
@@ -193,21 +193,21 @@ class SolverConfig:
         orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
             Muon's); three cost 3/5 of the flops and leave the smallest singular values
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
-            preconditioning (BENCHMARKS.md section 16). A value other than the default without
+            preconditioning. A value other than the default without
             ``orthogonal_layers`` is an error.
         orthogonal_split: The share ``S`` in [0, 1] of the update's scaling (Adam's ``1 /
             (√v̂ + ε)`` under ``"eigen_adam"``) applied after the polar factor instead of
             before it: ``D^-S ⊙ polar(D^(S-1) ⊙ m̂)``, rescaled to RMS ``orthogonal_rms``
             (:mod:`dkfac.solvers.eigen_moments`); 0 (default): the polar factor of the
             scaled update. 0.5 is the language-model recipe's: 0.05 to 0.09 nats lower
-            than 0 at 50, 75 and 125 steps, level at 100, for a few elementwise passes
-            (BENCHMARKS.md section 26). A value other than 0 without
+            than 0 at 50, 75 and 125 steps, level at 100, for a few elementwise passes. A
+            value other than 0 without
             ``orthogonal_layers`` is an error.
         power_rank: ``basis_refresh="power"`` only: a refresh follows the leading
             ``power_rank`` eigenvectors of a wider factor and completes them with an
             orthonormal basis of the rest (unrelated to the previous one), instead of
             following every column: about a third of the refresh of a 1000-wide factor at
-            256, for the same steps on the digits autoencoder (BENCHMARKS.md section 17).
+            256, for the same steps on the digits autoencoder.
             Needs ``moment_carry`` ``"reset"`` or ``"rotate"`` (the rest of the basis
             changes at every refresh, so a kept second moment would scale other
             directions). ``None`` (default): every column follows.
@@ -219,7 +219,7 @@ class SolverConfig:
             decompositions, for the correlations between blocks
             (:mod:`dkfac.solvers.eigen_moments`; a convolution's precomputed sum is formed
             whole, then masked). Meant for sides whose units have no order, such as a
-            transformer MLP's 4·width hidden units (BENCHMARKS.md section 20); it applies to
+            transformer MLP's 4·width hidden units; it applies to
             every layer. Not applied to the structured input side of ``flattened_inputs``.
             With ``basis_max_dim`` it must be smaller (else no side would get blocks).
             ``None`` (default): every basis is dense.

@@ -37,7 +37,7 @@ most a quarter of its width, as a factor from a subsample of a wide layer's batc
 wider factor and complete them with an orthonormal basis of the rest (unrelated to the
 previous one, so it needs the ``"reset"`` or ``"rotate"`` carry: a kept ``v`` would
 scale other directions): about a third of the refresh of a 1000-wide factor at
-``k = 256``, for the same steps on the digits autoencoder (BENCHMARKS.md section 17).
+``k = 256``, for the same steps on the digits autoencoder.
 
 **Carrying the moments across a refresh** (``Q → Q'``; on every rank that preconditions the
 layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
@@ -78,7 +78,7 @@ follows the previous basis only where it has the same blocks (``_previous_basis`
 diagonal blocks of a dense basis, from a checkpoint without the option, are not
 orthogonal); elsewhere each block gets an ``eigh``. It drops the correlations between
 blocks, so it suits a side whose units have no order, such as a transformer MLP's hidden
-units (BENCHMARKS.md section 20).
+units.
 
 **Rotation precision** (``rotation_dtype``): the rotation of the update out of the basis,
 ``V = Q_G S Q_Aᵀ``, may run in a lower precision than the gradient, e.g. ``torch.bfloat16``
@@ -99,8 +99,8 @@ about the learning rate whatever its size, so the entries whose rotated gradient
 the rounding of the products take their sign from it (on a small test CNN, three steps with
 a float32 rotation of float64 gradients differ from exact ones by up to half of the
 movement; a distributed run matches a serial one only to the rounding, as the all-reduce
-sums in another order). Measured on the digits autoencoder and the language model
-(BENCHMARKS.md section 16): the same loss per step, 5-15% less time a step, on a CPU with
+sums in another order). Measured on the digits autoencoder and the language model: the same
+loss per step, 5-15% less time a step, on a CPU with
 bf16 instructions; where bf16 is emulated it costs many times float32 (section 24). The
 engine's options take ``"auto"`` as well (:mod:`dkfac.solvers.precision`): bf16 where the
 layer's device multiplies it natively, the default precision elsewhere; it reaches this
@@ -114,7 +114,7 @@ rate. Orthogonalising the raw momentum is Muon; here the singular vectors are th
 preconditioned ``V``, which K-FAC's eigenbasis and Adam's second moment there have turned.
 The moments are those of ``"eigen_adam"`` / ``"ekfac"`` unchanged. Meant for a transformer's
 hidden layers (the engine's ``orthogonal_layers`` picks them; Muon's convention leaves the
-embeddings and the head out); measured in BENCHMARKS.md section 15. ``orthogonal_steps``
+embeddings and the head out). ``orthogonal_steps``
 sets the Newton–Schulz steps (default 5, Muon's): the preconditioned update's spectrum is
 flatter than a raw momentum's, and three steps (a softer polar factor,
 :mod:`dkfac.solvers.polar`) took the autoencoder to its target in the same steps as five.
@@ -129,7 +129,7 @@ its bias corrections folded into one constant per matrix:
 O(W ⊙ m̂)`` with ``W = D^-1/2`` (the steepest-descent direction under the spectral norm
 weighted by ``D^1/2`` where ``D`` is a product of a row and a column weight). On the
 language model ``S = 0.5`` was 0.05–0.09 nats lower than ``S = 0`` at 50, 75 and 125 steps,
-level at 100 (BENCHMARKS.md section 26).
+level at 100.
 The polar factor is taken in the basis and then rotated out: ``O(Q_G S Q_Aᵀ) = Q_G O(S)
 Q_Aᵀ`` for orthogonal bases (block-diagonal, one-sided and structured ones included; the
 Newton–Schulz iteration commutes with them exactly, as the SVD does), and the rotation out
@@ -138,7 +138,7 @@ of a matrix whose singular values are all about one runs in the iteration's own 
 for float64: :func:`~dkfac.solvers.polar.polar_dtype`; ``rotation_dtype`` when set) at no
 loss: the update has that precision either way. The order used to be the other one, with
 the rotation out in the gradient's precision (float32 products cost about 2.2x bf16 ones
-on the AVX512-BF16 benchmark CPU: BENCHMARKS.md section 23).
+on the AVX512-BF16 benchmark CPU).
 
 **Moment precision**: the moments and the arithmetic on them are float32 at least: a
 float16 or bfloat16 gradient is cast to float32 before its rotation (which then runs in
@@ -157,7 +157,7 @@ on this CPU they do not at the shapes measured); the engine groups the layers by
 :meth:`EigenMomentsSolver.batch_key`. A structured input side is applied layer by layer.
 
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
-one) carries nothing. Measured on digits (BENCHMARKS.md section 10): with a refresh every
+one) carries nothing. Measured on digits: with a refresh every
 1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps ``"reset"`` does.
 """
 

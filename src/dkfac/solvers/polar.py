@@ -14,7 +14,7 @@ with the same singular vectors, which is what a Muon step needs. Fewer steps lea
 singular values short of the band: after three, those above 1.8e-2 of ``‖U‖_F`` land in
 [0.68, 1.21] and smaller ones are scaled by about ``a³ ≈ 41`` (a soft polar factor, enough
 for an update whose spectrum is already flat, too little for a raw momentum: Muon itself
-needs twice the steps to its target with three, BENCHMARKS.md section 16). It runs on the
+needs twice the steps to its target with three). It runs on the
 wide orientation (``m <= n``; a tall matrix is transposed), so ``X Xᵀ`` is ``k × k``. Its cost is
 ``steps · (2k²n + 2k³ + 2k²n)`` flops (the Gram matrix, its square and the product), each
 step as ``torch.optim.Muon`` takes it: the Gram matrix, then two ``addmm`` that add ``b X
@@ -39,8 +39,7 @@ orthogonalised on its own. On a GPU the stack runs as batched products (``bmm``)
 the layers of one shape cost one launch instead of ``L``; on a CPU, where a launch costs
 nothing, the matrices are iterated one after another, as ``torch.optim.Muon`` does: the
 batched products of the language model's stacks (16 × 128 × 129, 4 × 512 × 129,
-4 × 128 × 513, float32, one thread) took 7-17% longer than a loop of single ones
-(BENCHMARKS.md section 29).
+4 × 128 × 513, float32, one thread) took 7-17% longer than a loop of single ones.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ compute capability 8.0 and later, and x86 CPUs with AVX512-BF16 or AMX. Elsewher
 emulates them, and they are far slower than float32: on a 2-core AVX2 VM (one thread) a
 512 × 512 product took 206 ms in bf16 against 4.7 ms in float32, and the language model's
 recipe step took 1.9 s with its bf16 rotations, captures and Newton–Schulz iteration
-against 0.72 s in float32 (BENCHMARKS.md section 24). So a lowered precision is a choice
+against 0.72 s in float32. So a lowered precision is a choice
 that depends on the machine, and ``"auto"`` makes it there:
 
 - :func:`bfloat16_is_fast`: whether a device multiplies bf16 natively (decided once per
