@@ -299,8 +299,9 @@ model's prediction byte for byte.
         sources=(FSDP_MEMORY,),
         text="""
 A byte-level GPT (4 blocks of width 64) sharded with `fully_shard` on every block and the
-root, on gloo CPU ranks, `KFACOptimizer.for_model` (`eigen_adam`) at fixed intervals: K-FAC's memory per rank
-(factors, inverses or bases, moments) under the `replicated` and `mem-opt` strategies, beside
+root, on gloo CPU ranks, `KFACOptimizer.for_model` (`eigen_adam`) at fixed intervals:
+K-FAC's memory per rank (factors, inverses or bases, moments) under the `replicated` and
+`mem-opt` strategies, beside
 the model's parameter shard and AdamW's state, and the bytes each rank sends a step (the
 layers' gradient rows gathered, factors, inverses and preconditioned gradients; at
 `(1, 10)` and `(10, 100)` intervals). Under `mem-opt` the curvature lives only on each
