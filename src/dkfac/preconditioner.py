@@ -59,6 +59,7 @@ from torch.profiler import record_function
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.config.checks import check_range
+from dkfac.costmodel.budget import Choice
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.layout import ShardedLayout, find_layout
 from dkfac.distributed.strategies import Strategy
@@ -328,7 +329,6 @@ class KFACPreconditioner:
         except (TypeError, ValueError) as err:
             raise type(err)(f"step(): {err}") from None
         self._marks.check(self._params())
-        self._scaler_check.step(self.layers, self.grad_scaler, self.strategy.world_size)
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -352,6 +352,7 @@ class KFACPreconditioner:
         self, step: int, damping: float, inverse_interval: int, lr: float | None
     ) -> None:
         """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients."""
+        self._scaler_check.step(self.layers, self.grad_scaler, self.strategy.world_size)
         cfg = self.config
         grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
@@ -584,6 +585,8 @@ class KFACPreconditioner:
         }
         if self.leftover is not None:  # the same on every rank: no gathering
             state["leftover"] = self.leftover.state_dict()
+        if self.budget is not None and self.budget.choice is not None:
+            state["budget"] = dataclasses.asdict(self.budget.choice)
         return state
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
@@ -594,6 +597,21 @@ class KFACPreconditioner:
         """
         check_state(state, self.layers, self.refresh, self._device())
         self._check_leftover(state)
+        self._saved_choice(state)
+
+    def _saved_choice(self, state: dict[str, Any]) -> Choice | None:
+        """The overhead budget's saved choice (``None``: none saved, or no budget here).
+
+        Raises:
+            ValueError: If the saved entry is not a choice.
+        """
+        saved = state.get("budget")
+        if saved is None or self.budget is None:
+            return None
+        try:
+            return Choice(**saved)
+        except TypeError as err:
+            raise ValueError(f"'budget' is not an overhead budget's choice: {err}") from None
 
     def _check_leftover(self, state: dict[str, Any]) -> None:
         """Raises ValueError unless the saved leftover moments fit (absent ones are fine)."""
@@ -617,6 +635,12 @@ class KFACPreconditioner:
         """
         step = check_state(state, self.layers, self.refresh, self._device())
         self._check_leftover(state)
+        choice = self._saved_choice(state)
+        if choice is not None:  # the run's chosen intervals, before its refresh state
+            assert self.budget is not None
+            self.budget.remove()
+            self.budget.choice = choice
+            self._spend_budget()
         stale = load_layers_state(self.layers, self.strategy, state["layers"])
         if self.leftover is not None:
             self.leftover.load_state_dict(state.get("leftover") or {})

@@ -56,12 +56,13 @@ def test_gpt_with_unbatched_position_lookup_equals_serial(key: str) -> None:
 
 
 def test_the_position_rows_travel_on_the_ledger() -> None:
-    # One all-reduce of the LENGTH x WIDTH float64 rows per micro-batch and factor step,
-    # on top of the factors: the ddp-micro2 run sends twice the rows of the ddp run.
+    # The LENGTH x WIDTH float64 rows travel once a factor step, summed over the step's
+    # micro-batches first (the broadcast layer's G is built at the step): the ddp-micro2 run
+    # sends exactly the factor bytes of the ddp run, and both more than the factors alone.
     stats = {key: _spawned(2)[0][key]["stats"] for key in ("ddp", "ddp-micro2")}
     rows = LENGTH * WIDTH * 8
-    extra = stats["ddp-micro2"]["total"]["factors"] - stats["ddp"]["total"]["factors"]
-    assert extra == STEPS * rows
+    assert stats["ddp-micro2"]["total"]["factors"] == stats["ddp"]["total"]["factors"]
+    assert stats["ddp"]["total"]["factors"] >= STEPS * rows
 
 
 def test_one_process_keeps_the_rows_local() -> None:
