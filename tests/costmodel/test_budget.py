@@ -158,3 +158,35 @@ def test_without_a_budget_nothing_is_chosen() -> None:
 def test_a_bad_overhead_is_refused() -> None:
     with pytest.raises(ValueError, match="overhead"):
         KFACPreconditioner(_mlp(), overhead=-0.5)
+
+
+def test_the_choice_is_saved_and_a_resumed_run_continues_as_the_uninterrupted_one() -> None:
+    """A run resumed before its first step there takes the saved choice (the budget would
+    otherwise choose only after a step at the fixed intervals)."""
+    model, twin = _mlp(), _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    _step(model, opt, 0)
+    state = opt.state_dict()
+    twin.load_state_dict(model.state_dict())
+    resumed = KFACOptimizer.for_model(twin, overhead=0.3)
+    resumed.load_state_dict(state)
+    chosen = opt.preconditioner.budget.choice  # type: ignore[union-attr]
+    assert resumed.preconditioner.budget.choice == chosen  # type: ignore[union-attr]
+    assert resumed.preconditioner.config.inverse_update_interval == (
+        opt.preconditioner.config.inverse_update_interval
+    )
+    for seed in range(1, 6):
+        _step(model, opt, seed)
+        _step(twin, resumed, seed)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_saved_choice_that_is_not_one_is_refused() -> None:
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    _step(model, opt, 0)
+    state = opt.preconditioner.state_dict()
+    state["budget"] = {"factor_update_interval": 2}
+    with pytest.raises(ValueError, match="'budget' is not an overhead budget's choice"):
+        opt.preconditioner.check_state_dict(state)
