@@ -170,17 +170,16 @@ def resolve_role_patterns(
 def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Linear layer name -> ``(channels, positions)`` of the convolution map it reads
     flattened (see the module docstring); empty when the model cannot be traced, and for a
-    model whose modules have forward hooks (FSDP2's ``fully_shard`` among them: tracing runs
-    them) or that FSDP1 wraps, which a trace would set off."""
-    hooked = [
+    sharded model (FSDP2's ``fully_shard`` or FSDP1): tracing would run the sharding's
+    forward hooks from a submodule before the root, which FSDP refuses."""
+    sharded = [
         name
         for name, module in model.named_modules()
-        if module._forward_hooks
-        or module._forward_pre_hooks
+        if type(module).__name__.startswith("FSDP")
         or type(module).__name__ == "FullyShardedDataParallel"
     ]
-    if hooked:
-        logger.info("flattened inputs: not traced (forward hooks on %s)", hooked[0] or "the model")
+    if sharded:
+        logger.info("flattened inputs: not traced (%s is sharded)", sharded[0] or "the model")
         return {}
     try:
         graph = fx.symbolic_trace(model).graph
