@@ -22,7 +22,7 @@ timeout 200 python3 -m dkfac bench lm-interleaved --device cuda --seeds 2 \
 lscpu | grep -E "Model name|^CPU\(s\)" || true
 grep -o -w -E "avx512_bf16|amx_bf16" /proc/cpuinfo | sort | uniq -c
 python3 -c "import torch; print(torch.__version__, torch.backends.cpu.get_cpu_capability())"
-taskset -c "$core" timeout 120 python3 benchmarks/probes/lm_step_phases.py --steps 20 \
+taskset -c "$core" timeout 120 python3 -m dkfac bench phases --steps 20 \
   --out "$out/lm_phases_host.json" muon adamw "$recipe" || echo "FAILED (rc $?): phases"
 taskset -c "$core" timeout 330 python3 -m dkfac bench lm-interleaved --threads 1 \
   --seeds 2 --first-seed 200 --no-sweep --seconds 60 --eval-every 25 --optimizers muon kfac \

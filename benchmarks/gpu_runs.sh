@@ -5,7 +5,7 @@
 # Each run is interleaved SGD / AdamW / K-FAC steps on one model and batch, the median of the
 # repeats. The runs go smallest first under one deadline ($GPU_RUNS_SECONDS, default 540 s),
 # so a short lease still brings back the small models; a run the deadline cuts writes nothing
-# and the script says so. First the CUDA tests and the conv factor paths (conv_factor_paths.py),
+# and the script says so. First the CUDA tests and the conv factor paths (bench conv-paths),
 # then the language model's step phases on the GPU (the recipe beside Muon and AdamW). The
 # language model's side-by-sides are benchmarks/gpu_lm_runs.sh, after this.
 set -uo pipefail
@@ -30,11 +30,11 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
   tests/app/test_devices.py \
   || echo "FAILED or cut (rc $?): the CUDA tests"
 echo "== the conv factor's three exact paths on the GPU (auto unfolds there: check it)"
-timeout 120 python3 benchmarks/probes/conv_factor_paths.py --device cuda --repeats 2 \
+timeout 120 python3 -m dkfac bench conv-paths --device cuda --repeats 2 \
   --out "$out/conv_factor_paths_cuda.json" \
   || echo "FAILED or cut (rc $?): the conv factor paths"
 echo "== language model step phases on the GPU"
-timeout 150 python3 benchmarks/probes/lm_step_phases.py --device cuda \
+timeout 150 python3 -m dkfac bench phases --device cuda \
   --steps 60 --out "$out/lm_phases_cuda.json" muon adamw benchmarks/recipes/gpt-text.toml \
   || echo "FAILED or cut (rc $?): the GPU step phases"
 for model in resnet20 resnet32 resnet56; do

@@ -14,6 +14,8 @@ does not break the others.
     python -m dkfac.bench comm      # and: memory
     python -m dkfac.bench suite --threads 1   # six families, the default vs peers
     python -m dkfac.bench soak --steps 10000 --method eigen
+    python -m dkfac.bench phases muon adamw benchmarks/recipes/gpt-text.toml   # step phases
+    python -m dkfac.bench conv-paths   # and: fsdp-memory, accumulation
     python -m dkfac.bench report    # BENCHMARKS.md and its plots from benchmarks/results/
 """
 
@@ -38,6 +40,22 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("dkfac.bench.comm:main_memory", "memory per rank per strategy vs the cost model"),
     "suite": ("dkfac.bench.suite", "the default vs AdamW, Muon, SOAP on six model families"),
     "soak": ("dkfac.bench.soak", "thousands of K-FAC steps on gloo ranks: resident memory"),
+    "conv-paths": (
+        "dkfac.bench.conv_paths",
+        "the conv input factor's exact paths: time, auto's regret",
+    ),
+    "phases": (
+        "dkfac.bench.phases",
+        "language model step: forward, backward, optimizer step apart",
+    ),
+    "fsdp-memory": (
+        "dkfac.bench.fsdp_memory",
+        "K-FAC under FSDP2 on gloo ranks: memory, bytes, step time",
+    ),
+    "accumulation": (
+        "dkfac.bench.accumulation",
+        "HF Trainer: gradient accumulation against one large batch",
+    ),
     "report": ("dkfac.bench.report", "BENCHMARKS.md and its plots from benchmarks/results/"),
 }
 """Sub-benchmark name -> (``module`` or ``module:function``, one-line description)."""

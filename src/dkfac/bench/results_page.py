@@ -59,6 +59,10 @@ and did not win: [docs/tried.md](docs/tried.md).
 """
 
 ALIASES = {
+    "python benchmarks/probes/lm_step_phases.py": "dkfac bench phases",
+    "python benchmarks/probes/fsdp_memory.py": "dkfac bench fsdp-memory",
+    "python benchmarks/probes/conv_factor_paths.py": "dkfac bench conv-paths",
+    "python benchmarks/probes/trainer_accumulation.py": "dkfac bench accumulation",
     "python benchmarks/probes/lm_interleaved.py": "dkfac bench lm-interleaved --muon-dtype float32",
     "python benchmarks/probes/lm_paired.py": "dkfac bench paired",
     **{

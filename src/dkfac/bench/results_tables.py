@@ -84,7 +84,7 @@ def gpu_step_table(models: Mapping[str, str]) -> Callable[[Payloads], Table]:
 
 
 def lm_phases_table(name: str, labels: Mapping[str, str]) -> Callable[[Payloads], Table]:
-    """The language model's step, phase by phase (``lm_step_phases.py``), per optimizer."""
+    """The language model's step, phase by phase (``dkfac bench phases``), per optimizer."""
 
     def table(payloads: Payloads) -> Table:
         phases = payloads[name]["phases"]

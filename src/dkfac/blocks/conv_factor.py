@@ -540,8 +540,8 @@ def flat_factor_sum(
 # stride-1 shapes (N 8-700, C 1-512, planes 2x2-32x32, 3x3 and 5x5 kernels, with and
 # without padding; one thread, ~40 multiply-adds/ns): the picked path's total time is 1.01x
 # the fastest path's there and 1.00x on 10 shapes left out of the fit, against 1.24x / 1.06x
-# for the earlier shift-or-segment choice without overhead terms (benchmarks/probes/
-# conv_factor_paths.py, benchmarks/results/conv_factor_paths.json). Only steers the path
+# for the earlier shift-or-segment choice without overhead terms (dkfac bench conv-paths,
+# benchmarks/results/conv_factor_paths.json). Only steers the path
 # choice; every path is exact.
 #
 # Copying one element (strided copies run at ~1 element/ns, products at 30-40/ns).
@@ -658,7 +658,7 @@ def unfold_cost(
 # dispatch mode) beats the shift path (~445) unless its rows are very large. The H200's
 # profile of a ResNet-20 factor step (batch 128) spent
 # 90 ms of host time in the A captures, about 19 layers x 445 launches; not yet timed
-# path by path on a GPU (benchmarks/gpu_runs.sh runs conv_factor_paths.py there).
+# path by path on a GPU (benchmarks/gpu_runs.sh runs dkfac bench conv-paths there).
 UNFOLD_MAX_BYTES = 512 * 2**20
 """The largest im2col rows (``N·Ho·Wo × D`` entries of the product's precision) that
 ``"auto"`` unfolds on a GPU; the unfold and its position-major copy hold twice that at once.

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.layer_state import LayerState
@@ -32,12 +33,15 @@ MAX_CHECKS = 3
 
 def gradient_ratio(layers: Mapping[str, LayerState], sums: Mapping[str, Tensor]) -> float | None:
     """``Σ⟨c, b⟩ / Σ⟨b, b⟩`` over the layers of ``sums``: ``c`` the captured column sums,
-    ``b`` the bias gradients as ``step()`` sees them; ``None`` when every ``b`` is zero."""
+    ``b`` the bias gradients as ``step()`` sees them; ``None`` when every ``b`` is zero.
+
+    A layer whose gradient is sharded (a ``DTensor``: FSDP2 holds this rank's rows of it
+    at the start of ``step()``, the sums hold every row) is left out."""
     dot = torch.zeros((), dtype=torch.float64)
     norm = torch.zeros((), dtype=torch.float64)
     for name, captured in sums.items():
         grad = layers[name].block.weight_grad()
-        if grad is None:
+        if grad is None or isinstance(grad, DTensor):
             continue
         bias = grad[:, -1].double()
         dot += (captured.double() * bias).sum().cpu()
