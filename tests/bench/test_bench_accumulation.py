@@ -4,6 +4,8 @@ the file are kept, and the refusals."""
 
 from __future__ import annotations
 
+import logging
+
 import json
 from pathlib import Path
 
@@ -18,7 +20,9 @@ def test_accumulated_runs_end_where_the_large_batch_ends(tmp_path: Path) -> None
     out = tmp_path / "accumulation.json"
     out.write_text(json.dumps({"before": {"steps": 8, "max_weight_difference": {}}}))
     argv = ["--label", "now", "--steps", "2", "--variants", "adamw", "kfac_eigen"]
+    before = logging.getLogger("dkfac").level
     assert accumulation.main([*argv, "--out", str(out)]) == 0
+    assert logging.getLogger("dkfac").level == before  # the caller's logging is left alone
     payload = json.loads(out.read_text())
     assert list(payload) == ["before", "now"]
     entry = payload["now"]

@@ -130,13 +130,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         import transformers
     except ImportError:
         parser.error("dkfac bench accumulation needs transformers (pip install transformers)")
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("dkfac").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     gaps = {}
-    for name in args.variants:
-        gaps[name] = weight_gap(VARIANTS[name], args.steps)
-        print(args.label, name, f"{gaps[name]:.3g}", flush=True)
+    # Quiet while it runs, and put back after (a caller's logging is left as it was).
+    verbosity, ours = transformers.logging.get_verbosity(), logging.getLogger("dkfac")
+    level = ours.level
+    transformers.logging.set_verbosity_error()
+    ours.setLevel(logging.ERROR)
+    try:
+        for name in args.variants:
+            gaps[name] = weight_gap(VARIANTS[name], args.steps)
+            print(args.label, name, f"{gaps[name]:.3g}", flush=True)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        ours.setLevel(level)
     results[args.label] = {
         "command": command_line("dkfac bench accumulation", None if argv is None else list(argv)),
         "machine": machine_info(),
