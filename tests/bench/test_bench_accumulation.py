@@ -4,9 +4,8 @@ the file are kept, and the refusals."""
 
 from __future__ import annotations
 
-import logging
-
 import json
+import logging
 from pathlib import Path
 
 import pytest
