@@ -95,6 +95,7 @@ from dkfac.engine.step_math import (
     kept_statistics,
     kl_clip_scale,
     precondition,
+    read_flags,
     update_inverses,
     write_back,
 )
@@ -404,8 +405,7 @@ class KFACPreconditioner:
         names = list(self.layers)
         masks = finite_masks(self.layers, self.strategy, new, grads)
         if not hold_statistics(self.layers, self.strategy, new, masks):
-            values = masks.tolist()
-            return {n: (values[2 * i], values[2 * i + 1]) for i, n in enumerate(names)}, None
+            return read_flags(masks, names), None
         self._late.record(step, masks, self._guard_messages)
         grads.update(zero_nonfinite(grads, masks, names))
         return {name: (True, True) for name in names}, masks[1::2]

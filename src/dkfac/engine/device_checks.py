@@ -35,6 +35,7 @@ from torch import Tensor
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.launches import device_constant
 from dkfac.engine.layer_state import LayerState
+from dkfac.engine.step_math import FACTORS_SKIPPED, GRADIENT_ZEROED
 from dkfac.solvers.statistics import DenseStatistic
 
 __all__ = [
@@ -169,10 +170,7 @@ class LateWarnings:
 def guard_messages(names: Sequence[str]) -> list[str]:
     """The guard's warnings in the layout of :func:`~dkfac.engine.step_math.finite_masks`."""
     return [
-        message % name.replace("%", "%%")
+        message.replace("%s", name.replace("%", "%%"))
         for name in names
-        for message in (
-            "step %%d: non-finite factors in %s; update skipped",
-            "step %%d: non-finite gradient in %s; zeroed",
-        )
+        for message in (FACTORS_SKIPPED, GRADIENT_ZEROED)
     ]

@@ -30,18 +30,27 @@ from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError, SolverState
 
 __all__ = [
+    "FACTORS_SKIPPED",
+    "GRADIENT_ZEROED",
     "apply_grouped",
     "carry_moments",
     "finite_flags",
+    "finite_masks",
     "kept_statistics",
     "kl_clip_scale",
     "precondition",
+    "read_flags",
     "sum_of_products",
     "update_inverses",
     "write_back",
 ]
 
 logger = logging.getLogger(__name__)
+
+FACTORS_SKIPPED = "step %d: non-finite factors in %s; update skipped"
+"""The guard's warning for a layer's non-finite statistics (step, layer)."""
+GRADIENT_ZEROED = "step %d: non-finite gradient in %s; zeroed"
+"""The guard's warning for a layer's non-finite gradient (step, layer)."""
 
 
 def finite_flags(
@@ -60,8 +69,13 @@ def finite_flags(
         new: This step's reduced statistics by layer (absent layers count as finite).
         grads: Gradient matrices by layer (``None`` counts as finite).
     """
-    values = finite_masks(layers, strategy, new, grads).tolist()
-    names = list(layers)
+    return read_flags(finite_masks(layers, strategy, new, grads), list(layers))
+
+
+def read_flags(masks: Tensor, names: Sequence[str]) -> dict[str, tuple[bool, bool]]:
+    """:func:`finite_masks` read on the host (one synchronisation): per layer, (statistics
+    finite, gradient finite)."""
+    values = masks.tolist()
     return {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
 
 
@@ -109,7 +123,7 @@ def kept_statistics(
         if not strategy.keeps_statistics(name):
             continue
         if not finite[name][0]:
-            logger.warning("step %d: non-finite factors in %s; update skipped", step, name)
+            logger.warning(FACTORS_SKIPPED, step, name)
             continue
         kept[name] = stats
     return kept
@@ -228,7 +242,7 @@ def precondition(
         if grad is None:
             continue
         if not finite[name][1]:
-            logger.warning("step %d: non-finite gradient in %s; zeroed", step, name)
+            logger.warning(GRADIENT_ZEROED, step, name)
             layer.block.set_weight_grad(torch.zeros_like(grad))
             continue
         is_ready = name in strategy.ready and (

@@ -170,7 +170,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import Solver, SolverState, unstack
+from dkfac.solvers.base import Solver, SolverState, select_moments, unstack
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
 from dkfac.solvers.polar import (
@@ -739,7 +739,7 @@ class EigenMomentsSolver(Solver):
             stacked = self.stack_moments(moments, grads)
         update, new = self.apply_with_moments(state, stacked, grad, damping)
         if advance is not None:
-            new = {key: torch.where(advance, value, stacked[key]) for key, value in new.items()}
+            new = select_moments(advance, new, stacked)  # type: ignore[assignment]
         parts = {key: value.unbind(0) for key, value in new.items()}  # one call a key
         slices = [{key: part[i] for key, part in parts.items()} for i in range(len(grads))]
         self._last_batch = (new, slices)
