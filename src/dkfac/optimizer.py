@@ -227,13 +227,13 @@ class KFACOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if optimizer_state.initialises_state(self.param_groups):
-            self.inner.step()  # nothing can move: K-FAC's state is left as it is
+            self._inner_step()  # nothing can move: K-FAC's state is left as it is
             return loss
         raw_finite = self._finite_flag() if self.skip_nonfinite else None
         self.preconditioner.step(lr=float(self.param_groups[0]["lr"]))
         finite = self._finite_flag() if self.skip_nonfinite else None
         if raw_finite is None or finite is None:
-            self.inner.step()
+            self._inner_step()
             return loss
         ok = raw_finite & finite
         if self.preconditioner.flags_on_device and _skips_on_device(self.inner):
@@ -243,8 +243,24 @@ class KFACOptimizer(Optimizer):
             self._skipped += 1
             logger.warning(_SKIP_MESSAGE[0], self.preconditioner.steps - 1)
             return loss
-        self.inner.step()
+        self._inner_step()
         return loss
+
+    def _inner_step(self) -> None:
+        """The inner optimizer's step, without torch's *global* step hooks
+        (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``): they
+        already fire around this optimizer's step, and a user's step is one step. The inner
+        optimizer's own hooks (``inner.register_step_pre_hook``) still fire."""
+        inner = self.inner
+        step = type(inner).step
+        if "step" in vars(inner) or not getattr(step, "hooked", False):
+            inner.step()  # patched on the instance, or not torch's hooked step: call as is
+            return
+        for pre_hook in list(inner._optimizer_step_pre_hooks.values()):
+            pre_hook(inner, (), {})
+        step.__wrapped__(inner)  # type: ignore[attr-defined]
+        for post_hook in list(inner._optimizer_step_post_hooks.values()):
+            post_hook(inner, (), {})
 
     def _step_unless(self, ok: torch.Tensor) -> None:
         """The inner step, skipped on the device where ``ok`` fails (no host read): the
@@ -254,7 +270,7 @@ class KFACOptimizer(Optimizer):
         self.inner.found_inf = failed  # type: ignore[attr-defined]
         self.inner.grad_scale = None  # type: ignore[attr-defined]
         try:
-            self.inner.step()
+            self._inner_step()
         finally:
             del self.inner.found_inf, self.inner.grad_scale  # type: ignore[attr-defined]
         late = self._skipped_late

@@ -73,6 +73,7 @@ from dkfac.engine.device_checks import (
 )
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
+from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.leftover import LeftoverAdam
@@ -213,6 +214,7 @@ class KFACPreconditioner:
         self.layers: dict[str, LayerState] = create_layers(
             blocks, config, rows_rule(config, gathered)
         )
+        self.late = LateLayers(self.layers)
         self._set_block_steps()
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
@@ -280,9 +282,11 @@ class KFACPreconditioner:
         """Asks the refresh policy which statistics the hooks capture at ``step``.
 
         The answer is the same on every rank; a statistic that is not due costs nothing on
-        that step (no capture, no communication).
+        that step (no capture, no communication). A layer waiting for its first refresh
+        (:class:`~dkfac.engine.late_layers.LateLayers`) that now trains captures at once.
         """
-        self.capture.active = mark_due(self.refresh, self.layers, step)
+        due = mark_due(self.refresh, self.layers, step)
+        self.capture.active = self.late.mark_due(self.layers) or due
         if self.eager is not None:
             self.eager.plan(self.capture.active)
 
@@ -369,6 +373,11 @@ class KFACPreconditioner:
         if step % inverse_interval == 0:
             with record_function("dkfac.inverse"):
                 self.update_inverses(damping)
+            self.late.refreshed(self.layers, grads)
+        elif arrived := self.late.arrived(self.layers, grads):
+            with record_function("dkfac.inverse"):
+                self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
+            self.late.refreshed(self.layers, grads, arrived)
         with record_function("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
             dampings = {"damping": damping, "bn_damping": bn_damping or damping}
@@ -582,6 +591,7 @@ class KFACPreconditioner:
             "layers": layers,
             "mc_generator": None if generator is None else generator.get_state(),
             "refresh": self.refresh.state_dict(),
+            "late_layers": self.late.state_dict(),
         }
         if self.leftover is not None:  # the same on every rank: no gathering
             state["leftover"] = self.leftover.state_dict()
@@ -598,6 +608,21 @@ class KFACPreconditioner:
         check_state(state, self.layers, self.refresh, self._device())
         self._check_leftover(state)
         self._saved_choice(state)
+        self._saved_late(state)
+
+    def _saved_late(self, state: dict[str, Any]) -> LateLayers:
+        """The layers still waiting for their first refresh in ``state`` (none when the
+        entry is absent: a checkpoint from before it was saved).
+
+        Raises:
+            ValueError: If the entry is not a list of this model's layer names.
+        """
+        late = LateLayers(())
+        saved = state.get("late_layers") or []
+        if not isinstance(saved, list | tuple) or not all(isinstance(n, str) for n in saved):
+            raise ValueError(f"'late_layers' must be a list of layer names, got {saved!r}")
+        late.load_state_dict(saved, self.layers)
+        return late
 
     def _saved_choice(self, state: dict[str, Any]) -> Choice | None:
         """The overhead budget's saved choice (``None``: none saved, or no budget here).
@@ -636,12 +661,14 @@ class KFACPreconditioner:
         step = check_state(state, self.layers, self.refresh, self._device())
         self._check_leftover(state)
         choice = self._saved_choice(state)
+        late = self._saved_late(state)
         if choice is not None:  # the run's chosen intervals, before its refresh state
             assert self.budget is not None
             self.budget.remove()
             self.budget.choice = choice
             self._spend_budget()
         stale = load_layers_state(self.layers, self.strategy, state["layers"])
+        self.late = late
         if self.leftover is not None:
             self.leftover.load_state_dict(state.get("leftover") or {})
         if state.get("refresh"):

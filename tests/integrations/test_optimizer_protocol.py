@@ -46,6 +46,39 @@ def test_step_pre_and_post_hooks_fire_around_each_step() -> None:
     assert calls == [("pre", 0), ("post", 1), ("pre", 1), ("post", 2)]
 
 
+def test_global_step_hooks_fire_once_a_step_and_the_inner_optimizers_own_hooks_still_fire() -> None:
+    """torch's global hooks see one step per user step (the wrapper's, not also the inner
+    SGD's); hooks registered on the inner optimizer itself still fire, and the run equals
+    one without hooks."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    model, twin = _mlp(), _mlp()
+    opt, twin_opt = KFACOptimizer.for_model(model), KFACOptimizer.for_model(twin)
+    seen: list[tuple[str, str]] = []
+    inner_calls: list[str] = []
+    opt.inner.register_step_pre_hook(lambda o, a, k: inner_calls.append("pre"))
+    opt.inner.register_step_post_hook(lambda o, a, k: inner_calls.append("post"))
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("pre", type(o).__name__))),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append(("post", type(o).__name__))),
+    ]
+    try:
+        for step in range(2):
+            _step(model, opt, step)
+            _step(twin, twin_opt, step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [s for s in seen if s[1] != "KFACOptimizer"] == []
+    assert seen.count(("pre", "KFACOptimizer")) == 4  # two optimizers, two steps each
+    assert seen.count(("post", "KFACOptimizer")) == 4
+    assert inner_calls == ["pre", "post", "pre", "post"]
+    assert _same(model, twin)
+
+
 def test_zero_grad_keeping_the_tensors_equals_setting_them_to_none() -> None:
     kept, dropped = _mlp(), _mlp()
     opt_kept, opt_dropped = KFACOptimizer.for_model(kept), KFACOptimizer.for_model(dropped)

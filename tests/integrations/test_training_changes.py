@@ -41,15 +41,13 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None
 
 
 def test_a_layer_frozen_when_built_trains_once_unfrozen_as_one_frozen_after() -> None:
-    """Frozen before ``for_model`` or right after it: the same run; once unfrozen it moves.
-
-    An unfrozen layer is preconditioned from the next refresh on (its plain gradient until
-    then): the fixed intervals (``overhead=None``) put one within the run; the overhead
-    budget may choose a longer basis interval for this small model."""
+    """Frozen before ``for_model`` or right after it: the same run; once unfrozen it moves,
+    preconditioned from the step after it was unfrozen although the default overhead budget
+    captures factors only every few steps here."""
     frozen_first, frozen_after = _mlp(), _mlp()
     frozen_first[0].requires_grad_(False)
-    opt_first = KFACOptimizer.for_model(frozen_first, overhead=None)
-    opt_after = KFACOptimizer.for_model(frozen_after, overhead=None)
+    opt_first = KFACOptimizer.for_model(frozen_first)
+    opt_after = KFACOptimizer.for_model(frozen_after)
     frozen_after[0].requires_grad_(False)
     assert any(p is frozen_first[0].weight for g in opt_first.param_groups for p in g["params"])
     start = frozen_first[0].weight.detach().clone()
@@ -61,9 +59,79 @@ def test_a_layer_frozen_when_built_trains_once_unfrozen_as_one_frozen_after() ->
         _train_step(frozen_after, opt_after, step)
         if step == 1:
             assert torch.equal(frozen_first[0].weight, start)
+        if step == 3:
+            pre = opt_first.preconditioner
+            assert pre.config.factor_update_interval > 3  # the schedule would wait longer
+            assert pre.layers["0"].solver_state is not None
     assert max_difference(frozen_first, frozen_after) == 0.0
     assert (frozen_first[0].weight - start).abs().max() > 1e-3
     assert "0" in opt_first.preconditioner.factors()
+
+
+def _states(opt: KFACOptimizer) -> dict[str, dict[str, Tensor] | None]:
+    return {name: layer.solver_state for name, layer in opt.preconditioner.layers.items()}
+
+
+@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
+def test_an_unfrozen_layer_is_refreshed_at_once_not_at_the_next_scheduled_refresh(
+    method: str,
+) -> None:
+    """Basis every 50 steps: the layer unfrozen at step 2 gets its own solver state at that
+    step (from its running factors, as a scheduled refresh would compute it), the other
+    layers keep theirs, and from step 3 its update is the preconditioned one."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = KFACOptimizer.for_model(
+        model, overhead=None, method=method, inverse_update_interval=50, factor_update_interval=1
+    )
+    pre = opt.preconditioner
+    for step in range(2):
+        _train_step(model, opt, step)
+    assert pre.layers["0"].solver_state is None
+    assert pre.late.waiting == {"0"}
+    before = _states(opt)
+    model[0].requires_grad_(True)
+    _train_step(model, opt, 2)
+    after = _states(opt)
+    assert pre.late.waiting == set()
+    for name in ("2", "4"):
+        state_before, state_after = before[name], after[name]
+        assert state_before is not None and state_after is not None
+        assert all(torch.equal(state_before[k], state_after[k]) for k in state_before)
+    layer = pre.layers["0"]
+    expected = layer.solver.compute_statistics(layer.solver_inputs(), pre.config.damping, None)
+    state = after["0"]
+    assert state is not None
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+    # Step 3 preconditions layer 0: its gradient is no longer the plain one.
+    x, y = _batch(3)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    plain = model[0].weight.grad.detach().clone()
+    pre.step()
+    assert not torch.allclose(model[0].weight.grad, plain)
+
+
+def test_a_checkpoint_taken_while_a_layer_is_frozen_resumes_its_late_refresh() -> None:
+    """Saved at step 2 with layer 0 still frozen, loaded into a twin: unfreezing then gives
+    the uninterrupted run's weights to the bit."""
+    run, resumed = _mlp(), _mlp()
+    for model in (run, resumed):
+        model[0].requires_grad_(False)
+    opt = KFACOptimizer.for_model(run, overhead=None, inverse_update_interval=50)
+    for step in range(2):
+        _train_step(run, opt, step)
+    state = opt.state_dict()
+    opt_resumed = KFACOptimizer.for_model(resumed, overhead=None, inverse_update_interval=50)
+    resumed.load_state_dict(run.state_dict())
+    opt_resumed.load_state_dict(state)
+    assert opt_resumed.preconditioner.late.waiting == {"0"}
+    for step in range(2, 5):
+        for model, o in ((run, opt), (resumed, opt_resumed)):
+            model[0].requires_grad_(True)
+            _train_step(model, o, step)
+    assert max_difference(run, resumed) == 0.0
 
 
 # ----------------------------------------------------------------- forwards not backpropagated

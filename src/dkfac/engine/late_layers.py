@@ -1,0 +1,84 @@
+"""Layers that join late: frozen when the preconditioner was built, or unused so far.
+
+A layer with no gradient at a refresh gets no solver state then, and would take its plain
+gradient until its next scheduled capture and refresh, which under the overhead budget's
+intervals (tens of steps) leaves a just-unfrozen layer nearly still. Instead, a waiting
+layer whose parameters require a gradient is captured at the next step whatever the
+schedule says, refreshed on its own at the first step that captured all of its statistics
+with a gradient present, and preconditioned from the step after. A layer that stays frozen
+(a frozen backbone) costs nothing: it is never captured.
+
+Which layers wait depends only on what every rank sees alike (``requires_grad``, whether a
+layer has a gradient, and the captures the agreed schedule marked due), so every rank
+refreshes the same layers at the same step (a refresh is a collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch import Tensor
+
+from dkfac.engine.layer_state import LayerState
+
+__all__ = ["LateLayers"]
+
+
+class LateLayers:
+    """The layers still waiting for a refresh with statistics of their own.
+
+    Args:
+        names: Every registered layer (all wait until the first refresh).
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.waiting: set[str] = set(names)
+
+    def mark_due(self, layers: Mapping[str, LayerState]) -> bool:
+        """Marks every statistic of each waiting layer that now trains as due; whether any."""
+        joining = [
+            layers[n]
+            for n in self.waiting
+            if any(p.requires_grad for p in layers[n].block.parameters())
+        ]
+        for layer in joining:
+            layer.due = frozenset(layer.statistic_shapes())
+        return bool(joining)
+
+    @staticmethod
+    def _captured(layer: LayerState, grad: Tensor | None) -> bool:
+        """Whether this step gave the layer a gradient and every one of its statistics."""
+        return grad is not None and layer.due == frozenset(layer.statistic_shapes())
+
+    def arrived(
+        self, layers: Mapping[str, LayerState], grads: Mapping[str, Tensor | None]
+    ) -> list[str]:
+        """The waiting layers this step captured in full, in registration order."""
+        return [n for n in layers if n in self.waiting and self._captured(layers[n], grads[n])]
+
+    def refreshed(
+        self,
+        layers: Mapping[str, LayerState],
+        grads: Mapping[str, Tensor | None],
+        names: Iterable[str] | None = None,
+    ) -> None:
+        """Records a refresh of ``names`` (default: every layer) at this step."""
+        for name in layers if names is None else names:
+            if self._captured(layers[name], grads[name]):
+                self.waiting.discard(name)
+
+    def state_dict(self) -> list[str]:
+        """The waiting layers, sorted (the same on every rank)."""
+        return sorted(self.waiting)
+
+    def load_state_dict(self, names: Iterable[str], known: Iterable[str]) -> None:
+        """Restores :meth:`state_dict`.
+
+        Raises:
+            ValueError: If a name is not one of ``known`` (the registered layers).
+        """
+        names = list(names)
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise ValueError(f"'late_layers' names layers this model does not have: {unknown}")
+        self.waiting = set(names)
