@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
 from dkfac.engine.optimizer_state import unpack
+from dkfac.solvers.null_space import ROUNDING_FLOOR
 from dkfac.solvers.statistics import BlockDiagonalStatistic
 from tests.oracles import weight_grad_matrix
 from tests.strategy_cases import global_batch, make_model, serial_step
@@ -55,7 +56,9 @@ def test_engine_update_is_adam_in_the_basis_of_the_layer_state(
     ``gradient_rotation_dtype`` that product is taken in that precision (the same products
     in the same order, so to the bit), the rest in the model's; with
     ``basis_block_size=8`` the 19- and 49-wide bases are block-diagonal (blocks of 8, the
-    last of 3 and 1) and the engine's block-by-block rotations equal the dense products."""
+    last of 3 and 1) and the engine's block-by-block rotations equal the dense products.
+    Where a factor of the first steps is singular, Adam's rounding floor applies in its null
+    directions (``dkfac.solvers.null_space``)."""
     model = make_model()
     options = {**OPTIONS, "inverse_update_interval": 10, "basis_max_dim": max_dim}
     if block is not None:
@@ -92,7 +95,13 @@ def test_engine_update_is_adam_in_the_basis_of_the_layer_state(
             r = ((qg.T.to(low) @ raw[name].to(low)) @ qa.to(low)).to(raw[name].dtype)
             m[name] = b1 * m.get(name, 0 * r) + (1 - b1) * r
             v[name] = b2 * v.get(name, 0 * r) + (1 - b2) * r * r
-            scaled = (m[name] / (1 - b1**t)) / ((v[name] / (1 - b2**t)).sqrt() + eps)
+            v_hat = v[name] / (1 - b2**t)
+            floor = 0.0 * v_hat  # the rounding floor: only in a singular factor's null space
+            if "null_g" in state:
+                null = (state["null_g"][:, None] + state["null_a"][None, :]).clamp(max=1.0)
+                assert torch.equal(state["null_g"], (state["dg"] == 0).to(null.dtype))
+                floor = ROUNDING_FLOOR * v_hat.sum().sqrt() * null
+            scaled = (m[name] / (1 - b1**t)) / (v_hat.sqrt() + eps + floor)
             want = qg @ scaled @ qa.T
             torch.testing.assert_close(weight_grad_matrix(layer.block.module), want)
             assert layer.moments is not None and layer.moments["t"].tolist() == [float(t)]

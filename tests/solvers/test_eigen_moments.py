@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, eigen_moments, make_solver
 from dkfac.solvers.eigen_moments import descending_eigh, power_refresh, range_eigh
+from dkfac.solvers.null_space import canonical_null_basis
 from tests.oracles import quintic_polar
 
 DT = torch.float64
@@ -744,17 +745,22 @@ def test_range_eigh_refuses_a_factor_of_higher_rank() -> None:
 def test_the_first_decomposition_of_a_wide_low_rank_factor_takes_the_range(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Wide enough and of low rank: the range basis; full rank: eigh; later: the power step."""
+    """Wide enough and of low rank: the range basis; full rank: eigh; later: the power step;
+    each with its null space in the canonical basis."""
     monkeypatch.setattr(eigen_moments, "RANGE_MIN_DIM", 32)
     solver = EigenAdamSolver(DT, MomentOptions(basis_refresh="power"))
     low = _low_rank(40, 6, seed=4)
     first = solver.compute_statistics({"A": low, "G": G}, 0.1)
     want = range_eigh(low, DT, rank=10)
     assert want is not None
-    torch.testing.assert_close(first["qa"], want[1], rtol=0, atol=0)
-    torch.testing.assert_close(first["da"], want[0], rtol=0, atol=0)
+    values, canonical = canonical_null_basis(want[0], want[1], DT)
+    torch.testing.assert_close(first["qa"], canonical, rtol=0, atol=0)
+    torch.testing.assert_close(first["da"], values, rtol=0, atol=0)
+    assert torch.equal(first["null_a"], (values == 0).to(DT)) and first["null_a"].sum() == 34
+    assert not first["null_g"].any()  # G has full rank
     second = solver.compute_statistics({"A": low, "G": G}, 0.1, first)
-    torch.testing.assert_close(second["qa"], power_refresh(low, first["qa"], DT)[1])
+    stepped = power_refresh(low, first["qa"], DT)
+    torch.testing.assert_close(second["qa"], canonical_null_basis(*stepped, DT)[1])
     full = _low_rank(40, 200, seed=5)
     fresh = solver.compute_statistics({"A": full, "G": G}, 0.1)
     torch.testing.assert_close(fresh["qa"], descending_eigh(full, DT)[1], rtol=0, atol=0)

@@ -22,6 +22,7 @@ the check is a ``torch.where``, no host sync.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -68,7 +69,9 @@ class LeftoverAdam:
 
     def __init__(self, params: Mapping[str, Tensor], config: SolverConfig) -> None:
         self.params = dict(params)
-        self.solver = EigenAdamSolver(torch.float32, config.adam_options())
+        # Nothing is rotated here: no rounding floor (Adam's own update, to the bit).
+        options = dataclasses.replace(config.adam_options(), rounding_floor=0.0)
+        self.solver = EigenAdamSolver(torch.float32, options)
         self.moments: dict[str, SolverState] = {}
 
     @staticmethod

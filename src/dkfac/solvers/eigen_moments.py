@@ -11,7 +11,13 @@ moment updates since the moments started.
     m ← β₁ m + (1−β₁) R        v ← β₂ v + (1−β₂) R∘R        t ← t + 1
     m̂ = m / (1−β₁ᵗ)            v̂ = v / (1−β₂ᵗ)               (bias correction; off: m̂ = m, v̂ = v)
     Nesterov: m̂ = (β₁ m + (1−β₁) R) / (1−β₁ᵗ⁺¹)
-    V = Q_G [m̂ ⊘ (√v̂ + ε)] Q_Aᵀ
+    V = Q_G [m̂ ⊘ (√v̂ + ε + φ)] Q_Aᵀ
+
+where a factor is singular its null space gets a canonical basis, and ``φ``, a floor at the
+rounding level of the rotated gradient, is added in the null directions only (0 elsewhere;
+:mod:`~dkfac.solvers.null_space`): without them Adam's per-coordinate normalisation turns
+rounding, and an arbitrary choice of basis, into whole steps (a batch and the same batch
+accumulated in two halves ended 1e-2 apart after 8 steps, where AdamW's end 4e-6 apart).
 
 The damping is not used (``ε`` plays its part). Run it under an inner SGD without momentum
 whose learning rate is the step size; the inner SGD's ``weight_decay`` then acts on ``V``
@@ -173,6 +179,13 @@ from torch import Tensor
 from dkfac.solvers.base import Solver, SolverState, select_moments, unstack
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
+from dkfac.solvers.null_space import (
+    ROUNDING_FLOOR,
+    canonical_null_basis,
+    null_indicators,
+    null_weights,
+    rounding_floor,
+)
 from dkfac.solvers.polar import (
     NS_STEPS,
     orthogonal_update,
@@ -246,6 +259,10 @@ class MomentOptions:
             cut into consecutive blocks of ``block_size`` (the last one shorter), each
             with the basis of the factor's diagonal block (module notes); ``None``: every
             basis is dense.
+        rounding_floor: ``φ / ‖√v̂‖_F``, the floor added to Adam's ``ε`` at the rounding
+            level of the rotated gradient (>= 0; ``"eigen_adam"`` only; module notes and
+            :mod:`~dkfac.solvers.null_space`); 0 for Adam without a basis (the leftover
+            update), where nothing is rotated.
     """
 
     beta1: float = 0.9
@@ -263,6 +280,7 @@ class MomentOptions:
     gradient_rotation_dtype: torch.dtype | None = None
     power_rank: int | None = None
     block_size: int | None = None
+    rounding_floor: float = ROUNDING_FLOOR
 
     def __post_init__(self) -> None:
         for name in ("rotation_dtype", "gradient_rotation_dtype"):
@@ -297,6 +315,11 @@ class MomentOptions:
             raise TypeError(f"eps must be a number, got {type(self.eps).__name__}")
         if not 0.0 < self.eps < float("inf"):
             raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        floor = self.rounding_floor
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+            raise TypeError(f"rounding_floor must be a number, got {type(floor).__name__}")
+        if not 0.0 <= floor < float("inf"):
+            raise ValueError(f"rounding_floor must be a finite number >= 0, got {floor!r}")
         for name in ("bias_correction", "nesterov"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -561,6 +584,8 @@ class EigenMomentsSolver(Solver):
                 da, qa = self._side(a, self._previous_basis(previous, "qa"), dtype)
             dg, qg = self._side(g, self._previous_basis(previous, "qg"), dtype)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
+            input_values = None if self.input_map is not None else da
+            pairs.update(self._null_entries(dg, input_values, (g.shape[0], a.shape[0])))
             for key, factor in (("qa", a), ("qg", g)):
                 width = self._block_width(factor.shape[0], key == "qa")
                 if width is not None:
@@ -612,10 +637,22 @@ class EigenMomentsSolver(Solver):
         def run(dtype: torch.dtype) -> SolverState:
             da, new_qa = power_refresh(a, qa, dtype)
             dg, new_qg = power_refresh(g, qg, dtype)
+            for values, bases in ((da, new_qa), (dg, new_qg)):
+                for i in range(len(stats)):  # each layer's null space (module notes)
+                    values[i], bases[i] = canonical_null_basis(values[i], bases[i], storage)
             pairs = {"qa": new_qa, "da": da, "qg": new_qg, "dg": dg}
+            pairs.update(self._null_entries(dg, da, (g.shape[-1], a.shape[-1])))
             return {key: value.to(storage) for key, value in pairs.items()}
 
         return unstack(self.with_retry(run), len(stats))
+
+    def _null_entries(
+        self, dg: Tensor, da: Tensor | None, sizes: tuple[int, int]
+    ) -> dict[str, Tensor]:
+        """The null indicators Adam's rounding floor reads (none without a floor)."""
+        if not (self.adam_scaled and self.options.rounding_floor):
+            return {}
+        return null_indicators(dg, da, sizes)
 
     def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
         """The basis ``previous[key]`` that a power step may follow: ``None`` where its
@@ -660,14 +697,14 @@ class EigenMomentsSolver(Solver):
         ``previous`` basis, or a full ``eigh`` (the first decomposition of a wide factor of
         low rank: :func:`range_eigh`)."""
         power = self.options.basis_refresh == "power"
+        found: tuple[Tensor, Tensor] | None = None
         if power and previous is not None and previous.shape == factor.shape:
-            return power_refresh(factor, previous, dtype, self.options.power_rank)
-        if previous is None and factor.shape[0] >= RANGE_MIN_DIM:
+            found = power_refresh(factor, previous, dtype, self.options.power_rank)
+        elif previous is None and factor.shape[0] >= RANGE_MIN_DIM:
             # The first decomposition of a wide factor: often from fewer rows than n / 4.
-            low_rank = range_eigh(factor, dtype, factor.shape[0] // 4)
-            if low_rank is not None:
-                return low_rank
-        return descending_eigh(factor, dtype)
+            found = range_eigh(factor, dtype, factor.shape[0] // 4)
+        values, basis = found if found is not None else descending_eigh(factor, dtype)
+        return canonical_null_basis(values, basis, factor.dtype)
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """The update from fresh moments (:meth:`apply_with_moments` with none)."""
@@ -694,13 +731,14 @@ class EigenMomentsSolver(Solver):
             moments = self.zero_moments(rotated)
         new = self.update_moments(moments, rotated)
         steps, split = self.options.orthogonal_steps, self.options.orthogonal_split
+        null = null_weights(state)
         if rms is not None and split:  # in the basis, then out (module notes)
-            ratio, weight = self.split_parts(new, rotated, damping, split)
+            ratio, weight = self.split_parts(new, rotated, damping, split, null=null)
             scaled = weighted_polar(ratio, weight, rms, steps)
         elif rms is not None:
-            scaled = orthogonal_update(self.scaled(new, rotated, damping), rms, steps)
+            scaled = orthogonal_update(self.scaled(new, rotated, damping, null=null), rms, steps)
         else:
-            scaled = self.scaled(new, rotated, damping)
+            scaled = self.scaled(new, rotated, damping, null=null)
         update = change_basis(scaled, state, out, out=True)
         return update.to(grad.dtype), new
 
@@ -791,8 +829,12 @@ class EigenMomentsSolver(Solver):
             return torch.ones((), dtype=like.dtype, device=like.device)
         return (1.0 - torch.pow(beta, t[..., None])).to(like.dtype)
 
-    def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
-        """The update in the eigenbasis (each method's formula)."""
+    def scaled(
+        self, moments: SolverState, rotated: Tensor, damping: float, *, null: Tensor | None = None
+    ) -> Tensor:
+        """The update in the eigenbasis (each method's formula); ``null``: 1.0 on the
+        coordinates in a factor's null space (:func:`~dkfac.solvers.null_space.null_weights`),
+        read by Adam's rounding floor."""
         raise NotImplementedError
 
     def denominator(self, moments: SolverState, damping: float) -> Tensor:
@@ -800,13 +842,19 @@ class EigenMomentsSolver(Solver):
         raise NotImplementedError
 
     def split_parts(
-        self, moments: SolverState, rotated: Tensor, damping: float, split: float
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        split: float,
+        *,
+        null: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``(V ⊘ W, W)`` with ``W = D^-S`` (``S = split``), the inputs of
         :func:`~dkfac.solvers.polar.weighted_polar` for ``orthogonal_split``, each matrix's
         values up to a positive scale of its own (which ``weighted_polar`` drops)."""
         weight = self.denominator(moments, damping).pow_(-split)
-        return self.scaled(moments, rotated, damping) / weight, weight
+        return self.scaled(moments, rotated, damping, null=null) / weight, weight
 
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
@@ -941,8 +989,11 @@ class EigenAdamSolver(EigenMomentsSolver):
         new["m"] = (moments["m"].to(rotated.dtype) * beta1).add_(rotated, alpha=1.0 - beta1)
         return new
 
-    def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
-        """``m̂ ⊘ (√v̂ + ε)`` (Nesterov: the look-ahead ``m̂``), computed as ``(√c₂ / c₁) · m ⊘
+    def scaled(
+        self, moments: SolverState, rotated: Tensor, damping: float, *, null: Tensor | None = None
+    ) -> Tensor:
+        """``m̂ ⊘ (√v̂ + ε + φ)`` (Nesterov: the look-ahead ``m̂``; ``φ`` the rounding floor in
+        ``null`` coordinates, :mod:`~dkfac.solvers.null_space`), computed as ``(√c₂ / c₁) · m ⊘
         (√v + ε√c₂)`` with ``c = 1 − βᵗ``: the same value in four elementwise passes instead
         of five, two of them in place."""
         del damping
@@ -953,8 +1004,15 @@ class EigenAdamSolver(EigenMomentsSolver):
             t = t + 1.0
         c1 = self.correction(beta1, t, m)
         root_c2 = self.correction(self.options.beta2, moments["t"], m).sqrt()
-        denominator = moments["v"].sqrt().add_(root_c2 * self.options.eps)
+        denominator = self._floored_root(moments["v"], root_c2 * self.options.eps, null)
         return torch.div(m, denominator).mul_(root_c2 / c1)
+
+    def _floored_root(self, v: Tensor, eps: Tensor | float, null: Tensor | None) -> Tensor:
+        """``√v + ε + φ``, ``φ = rounding_floor · ‖√v‖_F`` on the ``null`` coordinates."""
+        if null is None:
+            return v.sqrt().add_(eps)
+        floor = rounding_floor(v, self.options.rounding_floor).mul(null)
+        return v.sqrt().add_(floor.add_(eps))
 
     def denominator(self, moments: SolverState, damping: float) -> Tensor:
         """``√v̂ + ε``."""
@@ -963,7 +1021,13 @@ class EigenAdamSolver(EigenMomentsSolver):
         return torch.div(moments["v"], c2).sqrt_().add_(self.options.eps)
 
     def split_parts(
-        self, moments: SolverState, rotated: Tensor, damping: float, split: float
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        split: float,
+        *,
+        null: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``V ⊘ W = m̂ ⊙ D^(S-1)`` and ``W = D^-S`` (``W`` up to a constant per matrix,
         which the weighted polar factor drops) from ``d = √v + ε√c₂ = √c₂ · D``:
@@ -980,7 +1044,7 @@ class EigenAdamSolver(EigenMomentsSolver):
             m = (like * (k * beta1)).addcmul_(rotated, k, value=1.0 - beta1)
         else:
             m = like * k
-        d = moments["v"].sqrt().add_(root_c2 * self.options.eps)
+        d = self._floored_root(moments["v"], root_c2 * self.options.eps, null)
         if split == 0.5:
             weight = d.rsqrt_()
             return m.mul_(weight), weight
@@ -993,8 +1057,11 @@ class EKFACSolver(EigenMomentsSolver):
 
     name = "ekfac"
 
-    def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
-        """``R ⊘ (v̂ + λ)``."""
+    def scaled(
+        self, moments: SolverState, rotated: Tensor, damping: float, *, null: Tensor | None = None
+    ) -> Tensor:
+        """``R ⊘ (v̂ + λ)`` (the damping bounds the null directions: ``null`` unread)."""
+        del null
         return rotated / self.denominator(moments, damping)
 
     def denominator(self, moments: SolverState, damping: float) -> Tensor:

@@ -1,0 +1,94 @@
+"""The canonical null-space basis and Adam's rounding floor in a singular factor's null
+directions, against explicit constructions: a rank-deficient factor built two ways that
+differ only by rounding (a batch, and the same batch summed in two halves)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from dkfac.solvers import EigenAdamSolver, MomentOptions
+from dkfac.solvers.eigen_moments import descending_eigh
+from dkfac.solvers.null_space import (
+    canonical_null_basis,
+    null_indicators,
+    null_weights,
+    numerical_rank,
+)
+
+DT = torch.float64
+
+
+def _rows(n_rows: int, width: int, seed: int, dtype: torch.dtype = DT) -> Tensor:
+    return torch.randn(n_rows, width, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _two_ways(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``RᵀR`` at once and as the sum of its two halves' products."""
+    half = rows.shape[0] // 2
+    return rows.T @ rows, rows[:half].T @ rows[:half] + rows[half:].T @ rows[half:]
+
+
+def test_the_null_basis_follows_the_range_where_eigh_picks_any() -> None:
+    rows = _rows(5, 12, seed=0)
+    one, other = _two_ways(rows)
+    (d1, q1), (d2, q2) = descending_eigh(one, DT), descending_eigh(other, DT)
+    assert numerical_rank(d1, DT) == numerical_rank(d2, DT) == 5
+    assert (q1[:, 5:] - q2[:, 5:]).abs().max() > 0.1  # eigh: any basis of the null space
+    (c1, b1), (_, b2) = canonical_null_basis(d1, q1, DT), canonical_null_basis(d2, q2, DT)
+    signs = torch.sign((b1[:, 5:] * b2[:, 5:]).sum(0))
+    assert torch.equal(signs, torch.ones(7, dtype=DT))
+    torch.testing.assert_close(b1[:, 5:], b2[:, 5:], rtol=0, atol=1e-10)
+    assert torch.equal(b1[:, :5], q1[:, :5])  # the range is kept as it was
+    torch.testing.assert_close(b1.T @ b1, torch.eye(12, dtype=DT), rtol=0, atol=1e-12)
+    torch.testing.assert_close(one @ b1[:, 5:], torch.zeros(12, 7, dtype=DT), rtol=0, atol=1e-10)
+    assert torch.equal(c1[5:], torch.zeros(7, dtype=DT)) and torch.equal(c1[:5], d1[:5])
+
+
+def test_a_factor_of_full_rank_or_zero_is_left_as_it_is() -> None:
+    full = _rows(30, 12, seed=1)
+    values, basis = descending_eigh(full.T @ full, DT)
+    assert canonical_null_basis(values, basis, DT) == (values, basis)
+    zero_values, zero_basis = descending_eigh(torch.zeros(4, 4, dtype=DT), DT)
+    got = canonical_null_basis(zero_values, zero_basis, DT)
+    assert got[0] is zero_values and got[1] is zero_basis
+
+
+def test_null_indicators_and_weights() -> None:
+    dg = torch.tensor([3.0, 1.0, 0.0], dtype=DT)
+    da = torch.tensor([2.0, 0.0], dtype=DT)
+    entries = null_indicators(dg, da, (3, 2))
+    assert torch.equal(entries["null_g"], torch.tensor([0.0, 0.0, 1.0], dtype=DT))
+    weights = null_weights(entries)
+    assert weights is not None
+    assert torch.equal(weights, torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 1.0]], dtype=DT))
+    assert null_indicators(dg[:2], da[:1], (2, 1)) == {}
+    one_sided = null_indicators(dg, torch.zeros(0, dtype=DT), (3, 4))  # identity input side
+    assert torch.equal(one_sided["null_a"], torch.zeros(4, dtype=DT))
+    assert null_weights({}) is None
+
+
+def _update(solver: EigenAdamSolver, g_factor: Tensor, grad: Tensor, a: Tensor) -> Tensor:
+    return solver.apply(solver.compute(a, g_factor, 0.1), grad, 0.1)
+
+
+def test_adam_in_a_singular_basis_moves_rounding_by_a_thousandth_of_a_step() -> None:
+    """float32, a G of rank 6 of 16 and a gradient in its range, each built at once and in
+    two halves: the first eigen_adam steps agree to 1e-3 of a step; without the floor the
+    null coordinates' rounding is normalised into steps of their own."""
+    rows = _rows(6, 16, seed=2, dtype=torch.float32)
+    coefficients = _rows(6, 5, seed=3, dtype=torch.float32)
+    a = (lambda r: r.T @ r)(_rows(20, 5, seed=4, dtype=torch.float32))
+    g_once, g_halves = _two_ways(rows)
+    grad_once = rows.T @ coefficients
+    grad_halves = rows[:3].T @ coefficients[:3] + rows[3:].T @ coefficients[3:]
+    solver = EigenAdamSolver(torch.float32, MomentOptions())
+    once = _update(solver, g_once, grad_once, a)
+    halves = _update(solver, g_halves, grad_halves, a)
+    assert (once - halves).abs().max() < 1e-3
+    bare = EigenAdamSolver(torch.float32, dataclasses.replace(MomentOptions(), rounding_floor=0.0))
+    assert (
+        _update(bare, g_once, grad_once, a) - _update(bare, g_halves, grad_halves, a)
+    ).abs().max() > 0.05
