@@ -9,8 +9,8 @@ two is written per optimizer (``--variants``, default all): AdamW (the Trainer's
 ``KFACOptimizer.for_model`` with its defaults, with ``moment_eps=1e-3``, with
 ``method="eigen"``, and with the position embedding left out (``skip_layers``), alone and
 with ``moment_eps=1e-3``: the position embedding's G is one sample's (``T`` rows, rank below
-its width), the case :mod:`dkfac.solvers.null_space` is for. The result is stored under ``--label`` in ``--out``
-(other labels in the file are kept).
+its width), the case :mod:`dkfac.solvers.null_space` is for. The result is stored under
+``--label`` in ``--out`` (other labels in the file are kept).
 
     dkfac bench accumulation --label after --out benchmarks/results/trainer_accumulation.json
 """
