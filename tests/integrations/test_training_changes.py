@@ -113,6 +113,32 @@ def test_an_unfrozen_layer_is_refreshed_at_once_not_at_the_next_scheduled_refres
     assert not torch.allclose(model[0].weight.grad, plain)
 
 
+class WithUnusedHead(nn.Module):
+    """The MLP and a second head that trains but is never used (no gradient ever)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+        self.unused = nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def test_a_trainable_layer_that_never_gets_a_gradient_adds_no_captures() -> None:
+    """Only a layer seen frozen is captured out of schedule: an unused head (trainable, never
+    backpropagated) leaves the steps between factor captures without captures, as before."""
+    model = WithUnusedHead()
+    opt = KFACOptimizer.for_model(model, overhead=None, factor_update_interval=4)
+    pre = opt.preconditioner
+    active = []
+    for step in range(6):
+        active.append(pre.capture.active)
+        _train_step(model, opt, step)
+    assert active == [True, False, False, False, True, False]
+    assert pre.late.waiting == {"unused"}
+
+
 def test_a_checkpoint_taken_while_a_layer_is_frozen_resumes_its_late_refresh() -> None:
     """Saved at step 2 with layer 0 still frozen, loaded into a twin: unfreezing then gives
     the uninterrupted run's weights to the bit."""

@@ -3,10 +3,11 @@
 A layer with no gradient at a refresh gets no solver state then, and would take its plain
 gradient until its next scheduled capture and refresh, which under the overhead budget's
 intervals (tens of steps) leaves a just-unfrozen layer nearly still. Instead, a waiting
-layer whose parameters require a gradient is captured at the next step whatever the
-schedule says, refreshed on its own at the first step that captured all of its statistics
-with a gradient present, and preconditioned from the step after. A layer that stays frozen
-(a frozen backbone) costs nothing: it is never captured.
+layer that was seen frozen and now requires a gradient is captured at the next step
+whatever the schedule says, refreshed on its own at the first step that captured all of
+its statistics with a gradient present, and preconditioned from then on. A layer that stays
+frozen (a frozen backbone) costs nothing: it is never captured; nor is one that trains but
+never gets a gradient (an unused head), which waits for the schedule's captures.
 
 Which layers wait depends only on what every rank sees alike (``requires_grad``, whether a
 layer has a gradient, and the captures the agreed schedule marked due), so every rank
@@ -33,14 +34,18 @@ class LateLayers:
 
     def __init__(self, names: Iterable[str]) -> None:
         self.waiting: set[str] = set(names)
+        self.frozen: set[str] = set()  # waiting layers seen without a trainable parameter
 
     def mark_due(self, layers: Mapping[str, LayerState]) -> bool:
-        """Marks every statistic of each waiting layer that now trains as due; whether any."""
-        joining = [
-            layers[n]
-            for n in self.waiting
-            if any(p.requires_grad for p in layers[n].block.parameters())
-        ]
+        """Marks every statistic due of each waiting layer seen frozen that now trains;
+        whether any."""
+        joining = []
+        for name in sorted(self.waiting):
+            layer = layers[name]
+            if not any(p.requires_grad for p in layer.block.parameters()):
+                self.frozen.add(name)
+            elif name in self.frozen:
+                joining.append(layer)
         for layer in joining:
             layer.due = frozenset(layer.statistic_shapes())
         return bool(joining)
@@ -66,6 +71,7 @@ class LateLayers:
         for name in layers if names is None else names:
             if self._captured(layers[name], grads[name]):
                 self.waiting.discard(name)
+                self.frozen.discard(name)
 
     def state_dict(self) -> list[str]:
         """The waiting layers, sorted (the same on every rank)."""
@@ -82,3 +88,4 @@ class LateLayers:
         if unknown:
             raise ValueError(f"'late_layers' names layers this model does not have: {unknown}")
         self.waiting = set(names)
+        self.frozen = set()  # seen again at the next schedule
