@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from dkfac.app.checkpoint import LATEST as FILE_LATEST
 from dkfac.app.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "PREVIOUS",
     "TEMP",
     "apply_sharded",
+    "choose_sharded_resume",
     "is_sharded_checkpoint",
     "load_sharded",
     "newest_good_sharded",
@@ -154,6 +156,32 @@ def newest_good_sharded(folder: Path) -> Path | None:
             return path
         logger.warning("skipping %s: it is not a complete checkpoint", path)
     return None
+
+
+def choose_sharded_resume(resume: str | None, run_folder: Path) -> Path | None:
+    """The sharded checkpoint to resume from (``--resume`` of a ``--parallel fsdp/hsdp`` run).
+
+    ``"auto"``: the run folder's newest complete checkpoint, ``None`` when it holds none; a
+    checkpoint folder: itself; a run folder: its newest complete checkpoint.
+
+    Raises:
+        CheckpointError: If a named folder holds no complete sharded checkpoint (a single
+            file of ``--parallel ddp`` is named as such).
+    """
+    if resume is None:
+        return None
+    where = run_folder if resume == "auto" else Path(resume)
+    if is_sharded_checkpoint(where):
+        return where
+    found = newest_good_sharded(where) if where.is_dir() else None
+    if found is not None or (resume == "auto" and not (where / FILE_LATEST).exists()):
+        return found
+    if where.is_file() or (where / FILE_LATEST).is_file():
+        raise CheckpointError(
+            f"--resume {resume}: {where} holds a single-file checkpoint of --parallel ddp; "
+            "resume it with --parallel ddp (a sharded run reads checkpoint folders)"
+        )
+    raise CheckpointError(f"--resume {resume}: {where} holds no complete sharded checkpoint")
 
 
 def load_sharded(
