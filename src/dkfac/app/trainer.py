@@ -9,7 +9,9 @@ over ranks and only rank 0 writes files or prints.
 
 Checkpoints: the state is gathered on every rank (the K-FAC state dict is a collective that
 collects each layer's factors from its owner, so it loads at any world size) and rank 0
-writes it, keeping the previous one. ``--resume auto`` is decided on rank 0 (the newest
+writes it, keeping the previous one. A sharded run (``--parallel fsdp``/``hsdp``) writes a
+``torch.distributed.checkpoint`` folder instead, every rank its own shards
+(:mod:`dkfac.app.sharded_checkpoint`). ``--resume auto`` is decided on rank 0 (the newest
 checkpoint that verifies) and broadcast. The data position is the global step within the
 epoch: rank ``r`` of ``P`` takes every ``P``-th sample of the epoch's shared permutation, so
 global batch ``k`` holds the same samples at any world size and a run resumed on a different
