@@ -177,7 +177,7 @@ def _group_size() -> int:
 def _build(
     model_fn: Callable[[], nn.Module],
     *,
-    ddp: bool,
+    ddp: bool | Mapping[str, Any],
     shard: Callable[[nn.Module], Any] | None,
     lr: float,
     momentum: float,
@@ -187,7 +187,10 @@ def _build(
     model = model_fn()
     if shard is not None:
         shard(model)
-    wrapped: nn.Module = nn.parallel.DistributedDataParallel(model) if ddp else model
+    ddp_options = ddp if isinstance(ddp, Mapping) else {}
+    wrapped: nn.Module = (
+        nn.parallel.DistributedDataParallel(model, **ddp_options) if ddp is not False else model
+    )
     scaler = None
     if grad_scale is not None:
         scaler = torch.amp.GradScaler("cpu", init_scale=grad_scale)
@@ -220,7 +223,7 @@ def train_sharded(
     batch_fn: Callable[[int], Batch],
     steps: int | range,
     micro: int = 1,
-    ddp: bool = False,
+    ddp: bool | Mapping[str, Any] = False,
     shard: Callable[[nn.Module], Any] | None = None,
     lr: float = 0.1,
     momentum: float = 0.9,
@@ -239,7 +242,8 @@ def train_sharded(
         steps: How many steps from step 0, or which steps (a ``range``: e.g. the rest of a
             run restored by a ``setup`` hook).
         micro: Micro-batches per shard and step (``accumulation_steps``).
-        ddp: Wrap the model in ``DistributedDataParallel`` (needs a process group).
+        ddp: Wrap the model in ``DistributedDataParallel`` (needs a process group); a
+            mapping wraps it too and holds the wrapper's keyword arguments.
         shard: Shards the built model in place (``fully_shard`` on its blocks and root:
             FSDP2 or HSDP, needs a process group); it averages the gradients itself.
         lr: The learning rate of SGD and of ``pre.step(lr=...)`` (so the preconditioner's own
@@ -265,7 +269,7 @@ def train_sharded(
     )
     hooks = hooks or Hooks()
     group = _group_size()
-    averaged = ddp or shard is not None or run.pre.strategy.reduces_gradients
+    averaged = ddp is not False or shard is not None or run.pre.strategy.reduces_gradients
     average_over = group if group > 1 and not averaged else 1
     mc = options.get("fisher") == "mc"
     if hooks.setup is not None:

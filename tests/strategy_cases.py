@@ -41,6 +41,22 @@ def make_model() -> nn.Module:
     ).double()
 
 
+def make_bn_model() -> nn.Module:
+    """:func:`make_model` with BatchNorm2d(3) after the convolution and BatchNorm1d(6) after
+    the hidden Linear (affine: unit-wise blocks) in place of the LayerNorm."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 16, 6),
+        nn.BatchNorm1d(6),
+        nn.Tanh(),
+        nn.Linear(6, 3),
+    ).double()
+
+
 def global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(PER_RANK * world_size, 2, 4, 4, generator=gen, dtype=torch.float64)

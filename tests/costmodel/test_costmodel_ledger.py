@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dkfac import KFACPreconditioner
 from dkfac.costmodel import DtypeBytes, extract_layers, predict_ledger_bytes, predict_memory
 from tests.distributed_utils import run_distributed
-from tests.strategy_cases import make_model
+from tests.strategy_cases import make_bn_model, make_model
 
 STEPS = 3
 PER_RANK = 8
@@ -40,20 +39,6 @@ CONFIGS: list[tuple[str, float, dict[str, Any]]] = [
     ("spngd", 1.0, {"method": "eigen_adam"}),
     ("kaisa", 0.5, {"method": "cholesky", "pack_triangles": True}),
 ]
-
-
-def make_bn_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1),
-        nn.BatchNorm2d(3),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(3 * 16, 6),
-        nn.BatchNorm1d(6),
-        nn.Tanh(),
-        nn.Linear(6, 3),
-    ).double()
 
 
 MODELS = {"mlp": make_model, "bn": make_bn_model}

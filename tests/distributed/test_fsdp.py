@@ -10,6 +10,12 @@ Embedding (an unbatched position lookup too), MultiheadAttention and HF Conv1D l
 2 and 4 ranks; HSDP (a 2 × 2 mesh, replicate × shard) on 4. ``dp`` (owner-local factors,
 another estimator) equals serial where it should: every rank given the same rows.
 
+BatchNorm (unit-wise blocks, ``γ`` and ``β`` DTensors cut over the ranks): a rank's
+BatchNorm normalises with its own batch's moments and keeps its own running statistics, as
+under DDP without ``SyncBatchNorm`` (FSDP2 neither shards nor synchronises buffers). So with
+every rank given the same rows the run is the serial run on those rows, running statistics
+included; with different rows it is the DDP run (buffers not broadcast), rank by rank.
+
 The gradient exchange is exact in bytes: per step, one all-gather per bucket of every
 rank's padded rows (``ceil(rows / P)`` of each sharded weight and bias, float64), on the
 ledger as ``"gradients"``. Every configuration of a world size runs inside one spawned
@@ -34,8 +40,13 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dkfac import KFACPreconditioner
 from tests.distributed_utils import run_distributed
-from tests.serial_vs_distributed import assert_ranks_match, once_per_key, train_sharded
-from tests.strategy_cases import OPTIONS, global_batch, make_model
+from tests.serial_vs_distributed import (
+    assert_ranks_match,
+    assert_tensors_close,
+    once_per_key,
+    train_sharded,
+)
+from tests.strategy_cases import OPTIONS, global_batch, make_bn_model, make_model
 from tests.transformer_cases import gpt_batch, make_gpt
 
 STEPS = 4  # inverse_update_interval=2: refreshes at steps 0 and 2
@@ -65,6 +76,9 @@ def _shard_children(reshard: bool, hsdp: bool, bf16: bool, model: nn.Module) -> 
     fully_shard(model, mesh=mesh, **kw)
 
 
+BN_LAYERS = {"1", "5"}  # make_bn_model's BatchNorm2d(3) and BatchNorm1d(6): cut 2 + 1, 3 + 3
+
+
 def _make_hf() -> nn.Module:
     from transformers.pytorch_utils import Conv1D
 
@@ -83,6 +97,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], Any]]] = {
     # every rank the same 8 rows (the global batch their copies): dp's owner-local factors
     # are then the serial ones
     "cnn-same": (make_model, lambda step, world: _repeated(global_batch(step, 1), world)),
+    "bn": (make_bn_model, lambda step, world: global_batch(step, world)),
+    "bn-same": (make_bn_model, lambda step, world: _repeated(global_batch(step, 1), world)),
 }
 
 
@@ -104,6 +120,10 @@ CASES: dict[int, dict[str, Case]] = {
         "gpt-eigen": ("gpt", {"method": "eigen", "damping": 1e-3}),
         "hf-eigen": ("hf", {"method": "eigen"}),
         "gpt32-eigen-bf16": ("gpt32", {"method": "eigen", "damping": 1e-3, "bf16": True}),
+        "bn-same-eigen": ("bn-same", {"method": "eigen"}),
+        "bn-same-cholesky-mem-opt": ("bn-same", {"method": "cholesky", "strategy": "mem-opt"}),
+        "bn-eigen": ("bn", {"method": "eigen"}),
+        "bn-eigen-ddp": ("bn", {"method": "eigen", "ddp": {"broadcast_buffers": False}}),
     },
     4: {
         "cnn-eigen": ("cnn", {"method": "eigen"}),
@@ -124,14 +144,17 @@ def _train(rank: int | None, world: int, case: Case) -> Any:
     reshard = options.pop("reshard", True)
     hsdp = options.pop("hsdp", False)
     bf16 = options.pop("bf16", False)
+    ddp = options.pop("ddp", False)
     model_fn, batch_fn = MODELS[model]
+    sharded = rank is not None and ddp is False
     return train_sharded(
         rank,
         world,
         model_fn=model_fn,
         batch_fn=functools.partial(batch_fn, world=world),
         steps=STEPS,
-        shard=None if rank is None else functools.partial(_shard_children, reshard, hsdp, bf16),
+        ddp=ddp if rank is not None else False,
+        shard=functools.partial(_shard_children, reshard, hsdp, bf16) if sharded else None,
         **options,
     )
 
@@ -142,6 +165,8 @@ def _rank_main(rank: int, world: int) -> dict[str, Any]:
         run = _train(rank, world, case)
         out[key] = {
             "params": run.params(),
+            "buffers": [b.clone() for b in run.model.buffers()],
+            "layers": set(run.pre.layers),
             "stats": run.pre.comm_stats(),
             "factor_dtypes": {a.dtype for a, g in run.pre.factors().values()}
             | {g.dtype for a, g in run.pre.factors().values()},
@@ -156,7 +181,12 @@ _spawned = once_per_key(lambda world: run_distributed(_rank_main, world, timeout
 
 @pytest.mark.parametrize(
     ("world", "key"),
-    [(world, key) for world, cases in CASES.items() for key in cases if "bf16" not in key],
+    [
+        (world, key)
+        for world, cases in CASES.items()
+        for key in cases
+        if "bf16" not in key and not key.startswith("bn")
+    ],
 )
 def test_sharded_model_trains_as_serial(world: int, key: str) -> None:
     results = _spawned(world)
@@ -180,6 +210,46 @@ def test_bf16_parameters_with_float32_reduction_stay_within_bf16_rounding_of_ser
         ):
             moved = (want - init).norm()
             assert (got - want).norm() <= 0.25 * moved, f"rank {rank}, tensor {index}"
+
+
+@pytest.mark.parametrize("key", ["bn-same-eigen", "bn-same-cholesky-mem-opt"])
+def test_batchnorm_trains_as_serial_running_statistics_included(key: str) -> None:
+    # every rank the same 8 rows: its batch moments are the global batch's, so the run is
+    # the serial run on those 8 rows once (the running variance's n / (n - 1) included)
+    _, options = CASES[2][key]
+    serial = train_sharded(
+        None,
+        1,
+        model_fn=make_bn_model,
+        batch_fn=lambda step: global_batch(step, 1),
+        steps=STEPS,
+        **{**OPTIONS, **options},
+    )
+    buffers = [b.clone() for b in serial.model.buffers()]
+    for rank, result in enumerate(_spawned(2)):
+        assert result[key]["layers"] >= BN_LAYERS, f"rank {rank}: {result[key]['layers']}"
+        assert_tensors_close(
+            result[key]["params"], serial.params(), label=f"{key}, rank {rank}", **TOL
+        )
+        assert_tensors_close(
+            result[key]["buffers"], buffers, label=f"{key} buffers, rank {rank}", **TOL
+        )
+
+
+def test_batchnorm_on_rank_local_batches_equals_ddp_rank_by_rank() -> None:
+    # different rows per rank: each BatchNorm normalises with its rank's moments (serial
+    # K-FAC on the global batch is another function); DDP without buffer broadcasts does the
+    # same, so FSDP2 equals it in the weights and in each rank's running statistics, which
+    # differ between ranks
+    results = _spawned(2)
+    for rank, result in enumerate(results):
+        sharded, ddp = result["bn-eigen"], result["bn-eigen-ddp"]
+        assert sharded["layers"] >= BN_LAYERS
+        label = f"rank {rank}"
+        assert_tensors_close(sharded["params"], ddp["params"], label=label, **TOL)
+        assert_tensors_close(sharded["buffers"], ddp["buffers"], label=f"{label} buffers", **TOL)
+    running_means = [r["bn-eigen"]["buffers"][0] for r in results]
+    assert not torch.allclose(*running_means)
 
 
 @pytest.mark.parametrize("world", [2, 4])

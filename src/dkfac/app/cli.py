@@ -19,6 +19,7 @@ from dkfac.app.devices import device_error
 from dkfac.app.domains import check_domains
 from dkfac.app.gpt import add_gpt_arguments, size_problem
 from dkfac.app.models import LANGUAGE_MODELS, ModelError, check_model_name, model_names
+from dkfac.app.parallel import add_parallel_arguments, flag_problem
 from dkfac.app.runconfig import (
     ConfigError,
     add_kfac_arguments,
@@ -245,6 +246,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds a rank waits in a collective before the job fails (default: 300)",
     )
+    add_parallel_arguments(g)
     reserved = {a.dest for a in p._actions}
     add_kfac_arguments(p, reserved)
 
@@ -303,6 +305,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     _check_recipe(args, parser)
     _check_language_model(args, parser)
     _check_lrs(args, parser)
+    if message := flag_problem(args):
+        parser.error(message)
     if args.command == "compare":
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         bad = [n for n in names if n not in OPTIMIZERS]

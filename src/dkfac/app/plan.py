@@ -11,6 +11,10 @@ wire bytes per rank, and the K-FAC memory per rank, then the recommendation: the
 strategy whose memory fits ``--memory-budget-gb``. ``--calibrate`` measures the matmul,
 eigh and Cholesky rates of the local device first. The model lives in
 :mod:`dkfac.costmodel`.
+
+``--parallel fsdp`` (or ``hsdp --shard-size S``) prices a model sharded with FSDP2 instead:
+bytes per step and memory per rank for AdamW and for K-FAC per strategy
+(:mod:`dkfac.app.plan_sharded`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from typing import Any
 import torch
 
 from dkfac.app.models import MODELS, build_model
+from dkfac.app.plan_sharded import (
+    align_table,
+    recommend_sharded,
+    sharded_rows,
+    sharded_table,
+)
 from dkfac.costmodel import (
     METHODS,
     PHASES,
@@ -116,7 +126,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure compute rates locally")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp", "hsdp"),
+        default="ddp",
+        help="how the model is spread: ddp (whole on every rank), fsdp or hsdp (sharded: "
+        "bytes and memory of AdamW and K-FAC under FSDP2)",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=_positive(int, "--shard-size"),
+        help="--parallel hsdp: ranks a weight is cut over (a divisor of --world-size)",
+    )
     return p
+
+
+def _sharded_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--parallel`` / ``--shard-size`` do not fit the world size, else ``None``."""
+    if args.shard_size is not None and args.parallel != "hsdp":
+        return f"--shard-size applies to --parallel hsdp, not --parallel {args.parallel}"
+    if args.parallel == "hsdp":
+        if args.shard_size is None:
+            return "--parallel hsdp needs --shard-size (ranks a weight is cut over)"
+        if args.world_size % args.shard_size:
+            return f"--shard-size {args.shard_size} must divide --world-size {args.world_size}"
+    return None
+
+
+def _plan_sharded(
+    args: argparse.Namespace,
+    spec: Any,
+    pairs: list[tuple[str, float]],
+    options: dict[str, Any],
+    budget: float | None,
+) -> int:
+    """Prints the sharded plan (table or JSON); 1 when no K-FAC strategy fits the budget."""
+    rows = sharded_rows(
+        spec,
+        args.world_size,
+        shard_size=args.shard_size if args.parallel == "hsdp" else None,
+        strategies=pairs,
+        method=options["method"],
+        dtypes=options["dtypes"],
+        factor_interval=options["factor_interval"],
+        inverse_interval=options["inverse_interval"],
+    )
+    if len(rows) == 1:
+        print(
+            "dkfac plan: error: no strategy offered for sharded models among --strategies "
+            "(spngd is not: FSDP2 has already reduced the gradients)",
+            file=sys.stderr,
+        )
+        return 2
+    choice = recommend_sharded(rows, budget)
+    if args.json:
+        payload = {
+            "model": args.model,
+            "world_size": args.world_size,
+            "parallel": args.parallel,
+            "shard_size": args.shard_size,
+            "options": {k: v for k, v in options.items() if k != "dtypes"},
+            "rows": [
+                {**dataclasses.asdict(r), "total_bytes": r.total_bytes, "memory": r.memory}
+                for r in rows
+            ],
+            "recommended": None if choice is None else choice.label,
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        shard = args.world_size if args.parallel == "fsdp" else args.shard_size
+        print(
+            f"{args.model}: {len(spec.layers)} K-FAC layers, {spec.param_numel / 1e6:.1f}M "
+            f"parameters; P={args.world_size}, --parallel {args.parallel} (weights cut over "
+            f"{shard} ranks), intervals (factors {args.factor_interval}, inverses "
+            f"{args.inverse_interval}), {args.method}"
+        )
+        print(sharded_table(rows, budget))
+        print(
+            "per step; bytes per rank (ledger: K-FAC's, amortised, the largest rank; FSDP: "
+            "FSDP2's own); memory per rank = state + K-FAC + step grads"
+        )
+        if choice is not None:
+            print(f"recommended: {choice.label} ({choice.total_bytes / 1e6:.2f} MB/step)")
+    if choice is None:
+        print("dkfac plan: no K-FAC strategy fits --memory-budget-gb", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _row(pred: StrategyPrediction, budget: float | None) -> list[str]:
@@ -146,11 +241,7 @@ def _table(preds: list[StrategyPrediction], budget: float | None) -> str:
         "K-FAC mem MB",
         "fits",
     ]
-    rows = [headers, *(_row(p, budget) for p in preds)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return align_table([headers, *(_row(p, budget) for p in preds)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pairs = [(name, f) for name, f in pairs if name in args.strategies]
         if not pairs:
             raise ValueError("no candidate strategy left (kaisa fractions must divide P)")
+        if problem := _sharded_problem(args):
+            raise ValueError(problem)
     except ValueError as err:
         print(f"dkfac plan: error: {err}", file=sys.stderr)
         return 2
@@ -186,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "factor_interval": args.factor_interval,
         "inverse_interval": args.inverse_interval,
     }
+    if args.parallel != "ddp":
+        return _plan_sharded(args, spec, pairs, options, budget)
     try:
         choice, preds = recommend(
             spec, args.world_size, batch_per_rank=args.batch_per_rank, rates=rates,

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from dkfac.app.checkpoint import CheckpointError, load_checkpoint, rng_state, set_rng_state
-from dkfac.app.session import Session
+from dkfac.app.session import Session, local
+from dkfac.app.sharded_checkpoint import apply_sharded, load_sharded
 from dkfac.engine import optimizer_state as kfac_state
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,13 @@ def checkpoint_state(run: Session, position: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": run.bare.state_dict(),
         "optimizer": run.optimizer.state_dict(),
+        **checkpoint_extras(run, position),
+    }
+
+
+def checkpoint_extras(run: Session, position: dict[str, Any]) -> dict[str, Any]:
+    """What a run needs to continue besides the model and optimizer states."""
+    return {
         "scheduler": run.scheduler.state_dict(),
         "scaler": None if run.scaler is None else run.scaler.state_dict(),
         "rng": rng_state(),
@@ -139,16 +147,26 @@ def _show(value: Any) -> str:
 def restore(run: Session, path: Path) -> dict[str, Any]:
     """Loads the checkpoint at ``path`` into ``run``; returns its position in the data.
 
+    A sharded run (``--parallel fsdp``/``hsdp``) reads a checkpoint folder of
+    :mod:`~dkfac.app.sharded_checkpoint` (a collective), any other a checkpoint file.
+
     Raises:
         CheckpointError: If the file is damaged, holds values the run cannot use, or does
             not match this run's model and optimizer.
     """
-    state = load_checkpoint(path)
+    if run.sharded:
+        model_state, optim_state, extras = load_sharded(run.bare, run.optimizer, path)
+        state = {**extras, "model": model_state, "optimizer": optim_state}
+    else:
+        state = load_checkpoint(path)
     try:
         match_run(state, run)
         position = check_state(state, run)
-        run.bare.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
+        if run.sharded:
+            apply_sharded(run.bare, run.optimizer, state["model"], state["optimizer"])
+        else:
+            run.bare.load_state_dict(state["model"])
+            run.optimizer.load_state_dict(state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])
         if run.scaler is not None and state.get("scaler") is not None:
             run.scaler.load_state_dict(state["scaler"])
@@ -220,6 +238,7 @@ def check_state(state: dict[str, Any], run: Session) -> dict[str, Any]:
     check_numbers(groups, live_groups, "optimizer.param_groups")
     check_numbers(state["scheduler"], run.scheduler.state_dict(), "scheduler")
     for name, tensor in dict(state["model"]).items():
+        tensor = local(tensor) if isinstance(tensor, torch.Tensor) else tensor
         floating = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
         if floating and not bool(torch.isfinite(tensor).all()):
             raise UnusableValueError(f"model.{name} holds values that are not finite")

@@ -11,13 +11,15 @@ deletes the old checkpoints so that no later ``--resume auto`` can pick one of t
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
+from dkfac.app import sharded_checkpoint as sharded
 from dkfac.app.checkpoint import LATEST, PREVIOUS, remove_temporaries
 
 METRICS = "metrics.jsonl"
-RUN_FILES = (LATEST, PREVIOUS, METRICS)
+RUN_FILES = (LATEST, PREVIOUS, sharded.LATEST, sharded.PREVIOUS, METRICS)
 
 
 class RunFolderError(ValueError):
@@ -60,4 +62,6 @@ def prepare_run_folder(folder: Path, *, resume: str | None, overwrite: bool) -> 
             )
         for name in (LATEST, PREVIOUS):
             (folder / name).unlink(missing_ok=True)
+        for name in (sharded.LATEST, sharded.PREVIOUS, sharded.TEMP):
+            shutil.rmtree(folder / name, ignore_errors=True)
     remove_temporaries(folder)

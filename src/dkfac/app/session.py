@@ -24,11 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from dkfac.app.data import DataError, Splits, load_dataset, random_crop_flip, shard_indices
 from dkfac.app.gpt import gpt_options
 from dkfac.app.models import ModelError, SmallCNN, build_model
 from dkfac.app.muon import MuonAdamW
+from dkfac.app.parallel import wrap_model
 from dkfac.app.recipe import RunningMixup, mixing_weight, rescale_weights, scale_momentum
 from dkfac.app.runconfig import kfac_config_from_args
 from dkfac.app.schedules import make_lr_lambda
@@ -68,8 +71,13 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
 
 def weights_finite(run: Session) -> bool:
     """Whether every parameter is finite on every rank (a collective with several ranks)."""
-    bad = sum(int(not bool(torch.isfinite(p).all())) for p in run.bare.parameters())
+    bad = sum(int(not bool(torch.isfinite(local(p)).all())) for p in run.bare.parameters())
     return all_sum([float(bad)], run.device)[0] == 0
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's part of a sharded tensor (DTensor), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def step_generator(seed: int, rank: int, step: int, device: torch.device) -> torch.Generator:
@@ -98,6 +106,11 @@ class Session:
     total_steps: int
     reconstruct: bool
     running_mixup: RunningMixup | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded (``--parallel fsdp`` or ``hsdp``)."""
+        return isinstance(self.bare, FSDPModule)
 
 
 def build_session(args: argparse.Namespace, device: torch.device) -> Session:
@@ -166,10 +179,18 @@ def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
             raise
         except ValueError as err:  # a shape this model cannot take
             raise UsageError(f"--model {args.model}: {err}") from None
-    model: nn.Module = bare
-    if world > 1 and getattr(args, "strategy", None) != "spngd":
-        ids = [device.index] if device.type == "cuda" else None
-        model = nn.parallel.DistributedDataParallel(bare, device_ids=ids)
+    parallel = getattr(args, "parallel", "ddp")
+    try:
+        model = wrap_model(
+            bare,
+            parallel,
+            world=world,
+            device=device,
+            shard_size=getattr(args, "shard_size", None),
+            strategy=getattr(args, "strategy", None),
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
     opt: torch.optim.Optimizer
     pre = None
@@ -304,6 +325,8 @@ def train_step(run: Session, indices: list[int], step: int) -> tuple[list[float]
             lam = mix.betavariate(args.mixup, args.mixup)
             perm = torch.randperm(len(y), generator=gen, device=gen.device).to(run.device)
             x, y2 = lam * x + (1 - lam) * x[perm], y[perm]
+        if isinstance(run.model, FSDPModule):  # reduce-scatter on the last micro-batch only
+            run.model.set_requires_gradient_sync(i == k - 1)
         sync = i == k - 1 or not isinstance(run.model, nn.parallel.DistributedDataParallel)
         ctx = contextlib.nullcontext() if sync else run.model.no_sync()  # type: ignore[operator]
         with ctx:
@@ -356,8 +379,11 @@ def evaluate(run: Session) -> tuple[float, float | None]:
     rows = EVAL_ROWS
     if y_all.dim() > 1 and len(y_all):  # sequences: about EVAL_TOKENS target tokens a chunk
         rows = max(1, EVAL_TOKENS // y_all[0].numel())
-    for start in range(0, len(mine), rows):
-        idx = mine[start : start + rows]
+    pieces = [mine[start : start + rows] for start in range(0, len(mine), rows)]
+    if run.sharded:  # every rank the same number of forwards (each all-gathers the weights)
+        most = -(-len(y_all) // run.world)
+        pieces = list(torch.tensor_split(mine, max(1, -(-most // rows))))
+    for idx in pieces:
         x, y = x_all[idx].to(run.device), y_all[idx].to(run.device)
         with autocast(run):
             out = run.bare(x)

@@ -9,7 +9,9 @@ over ranks and only rank 0 writes files or prints.
 
 Checkpoints: the state is gathered on every rank (the K-FAC state dict is a collective that
 collects each layer's factors from its owner, so it loads at any world size) and rank 0
-writes it, keeping the previous one. ``--resume auto`` is decided on rank 0 (the newest
+writes it, keeping the previous one. A sharded run (``--parallel fsdp``/``hsdp``) writes a
+``torch.distributed.checkpoint`` folder instead, every rank its own shards
+(:mod:`dkfac.app.sharded_checkpoint`). ``--resume auto`` is decided on rank 0 (the newest
 checkpoint that verifies) and broadcast. The data position is the global step within the
 epoch: rank ``r`` of ``P`` takes every ``P``-th sample of the epoch's shared permutation, so
 global batch ``k`` holds the same samples at any world size and a run resumed on a different
@@ -48,6 +50,8 @@ from dkfac.app.devices import pick_device
 from dkfac.app.runconfig import write_resolved_config
 from dkfac.app.runfolder import RunFolderError, prepare_run_folder
 from dkfac.app.session import UsageError
+from dkfac.app.sharded_checkpoint import LATEST as SHARDED_LATEST
+from dkfac.app.sharded_checkpoint import choose_sharded_resume, save_sharded
 
 __all__ = [
     "EXIT_DIVERGED",
@@ -117,9 +121,11 @@ def _run_folder(args: argparse.Namespace, world: int, write: bool) -> Path:
     return Path(_on_rank0(decide, world))
 
 
-def _agree_resume(resume: str | None, folder: Path, world: int) -> Path | None:
-    """Rank 0 picks the checkpoint (:func:`choose_resume`); every rank gets its choice."""
-    choice = _on_rank0(lambda: choose_resume(resume, folder), world)
+def _agree_resume(resume: str | None, folder: Path, world: int, sharded: bool) -> Path | None:
+    """Rank 0 picks the checkpoint (:func:`choose_resume`, or a checkpoint folder for a
+    sharded run); every rank gets its choice."""
+    choose = choose_sharded_resume if sharded else choose_resume
+    choice = _on_rank0(lambda: choose(resume, folder), world)
     return None if choice is None else Path(choice)
 
 
@@ -156,14 +162,15 @@ def train(
     run = session.build_session(args, device)
     rank, world = run.rank, run.world
     main = rank == 0 and write
-    resume = _agree_resume(args.resume, folder, world)
+    resume = _agree_resume(args.resume, folder, world, run.sharded)
     pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
     if resume is not None:
         beacon.enter(f"{label}resume from {resume.name}", 0)
         pos.update(resume_state.restore(run, resume))
     # Rotate the folder's latest checkpoint into the backup only once it is known good: after
     # a fallback to the backup (latest damaged or missing) the first save replaces it.
-    latest_good = resume is not None and resume.resolve() == (folder / LATEST).resolve()
+    latest = folder / (SHARDED_LATEST if run.sharded else LATEST)
+    latest_good = resume is not None and resume.resolve() == latest.resolve()
     if main:
         write_resolved_config(args, folder)
     writer = report.MetricsWriter(
@@ -225,9 +232,13 @@ def train(
         if not session.weights_finite(run):  # keep the last good checkpoint
             progress.log(f"{label}step {step}: the weights are not finite; checkpoint not written")
             return
-        state = resume_state.checkpoint_state(run, position)  # a collective: every rank
-        if main:
-            save_rotating(state, folder, rotate=latest_good)
+        if run.sharded:  # every rank writes its shards
+            extras = resume_state.checkpoint_extras(run, position)
+            save_sharded(run.bare, run.optimizer, extras, folder, rotate=latest_good)
+        else:
+            state = resume_state.checkpoint_state(run, position)  # a collective: every rank
+            if main:
+                save_rotating(state, folder, rotate=latest_good)
         latest_good = True
         if world > 1:
             dist.barrier()

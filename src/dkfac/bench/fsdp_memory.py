@@ -27,7 +27,7 @@ import queue as queues
 import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,15 @@ from dkfac import KFACOptimizer
 from dkfac.app.gpt import GPT
 from dkfac.bench.common import command_line, machine_info, write_result
 
-__all__ = ["INTERVALS", "SIZES", "main"]
+__all__ = [
+    "INTERVALS",
+    "SIZES",
+    "init_rank",
+    "local_bytes",
+    "main",
+    "sharded_gpt",
+    "spawn_ranks",
+]
 
 SIZES = {"layers": 4, "width": 64, "heads": 4}
 SEQ, PER_RANK, VOCAB = 32, 8, 256
@@ -49,7 +57,8 @@ INTERVALS = [(1, 10), (10, 100)]
 WARMUP = 2
 
 
-def _model() -> torch.nn.Module:
+def sharded_gpt() -> torch.nn.Module:
+    """The benchmark's GPT, ``fully_shard`` on each block and the root."""
     torch.manual_seed(0)
     model = GPT(
         vocab_size=VOCAB,
@@ -76,7 +85,7 @@ def _optimizer(model: torch.nn.Module, name: str, intervals: tuple[int, int]) ->
     )
 
 
-def _local_bytes(tensors: Any) -> int:
+def local_bytes(tensors: Any) -> int:
     """Bytes of the local shards of ``tensors`` (DTensors or plain tensors)."""
     total = 0
     for t in tensors:
@@ -87,7 +96,7 @@ def _local_bytes(tensors: Any) -> int:
 
 def _run(rank: int, name: str, intervals: tuple[int, int], steps: int) -> dict[str, Any]:
     """One configuration's steps on this rank: its step time, memory and bytes."""
-    model = _model()
+    model = sharded_gpt()
     opt = _optimizer(model, name, intervals)
     gen = torch.Generator().manual_seed(1000 + rank)
     times = []
@@ -103,7 +112,7 @@ def _run(rank: int, name: str, intervals: tuple[int, int], steps: int) -> dict[s
             times.append(time.perf_counter() - start)
     out: dict[str, Any] = {
         "step_seconds": statistics.fmean(times),
-        "param_shard_bytes": _local_bytes(model.parameters()),
+        "param_shard_bytes": local_bytes(model.parameters()),
     }
     if isinstance(opt, KFACOptimizer):
         pre = opt.preconditioner
@@ -111,7 +120,7 @@ def _run(rank: int, name: str, intervals: tuple[int, int], steps: int) -> dict[s
         stats = pre.comm_stats()["total"]
         out["bytes_per_step"] = {k: v / (WARMUP + steps) for k, v in stats.items()}
     else:
-        out["adam_state_bytes"] = _local_bytes(
+        out["adam_state_bytes"] = local_bytes(
             t
             for state in opt.state.values()
             for t in state.values()
@@ -120,9 +129,10 @@ def _run(rank: int, name: str, intervals: tuple[int, int], steps: int) -> dict[s
     return out
 
 
-def _worker(rank: int, world: int, port: int, steps: int, results: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def init_rank(rank: int, world: int, port: int, threads: int = 1) -> None:
+    """A spawned rank's gloo process group on 127.0.0.1, ``threads`` torch threads."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -130,6 +140,10 @@ def _worker(rank: int, world: int, port: int, steps: int, results: Any) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=1800),
     )
+
+
+def _worker(rank: int, world: int, port: int, results: Any, steps: int) -> None:
+    init_rank(rank, world, port)
     record = {}
     _run(rank, "adamw", INTERVALS[0], 5)  # warm-up, thrown away: the first run pays
     for intervals in INTERVALS:
@@ -148,8 +162,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_world(world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
-    """Every configuration on ``world`` spawned gloo ranks; each rank's record.
+def spawn_ranks(
+    target: Callable[..., None], world: int, args: tuple[Any, ...], timeout: float
+) -> list[Any]:
+    """Runs ``target(rank, world, port, results, *args)`` on ``world`` spawned ranks; each
+    rank puts ``(rank, record)`` on ``results``. Returns the records in rank order.
 
     Raises:
         RuntimeError: If a rank does not report within ``timeout`` seconds.
@@ -158,11 +175,11 @@ def run_world(world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, steps, results)) for r in range(world)
+        ctx.Process(target=target, args=(r, world, port, results, *args)) for r in range(world)
     ]
     for p in procs:
         p.start()
-    per_rank: dict[int, dict[str, Any]] = {}
+    per_rank: dict[int, Any] = {}
     try:
         deadline = time.monotonic() + timeout
         while len(per_rank) < world:
@@ -184,6 +201,15 @@ def run_world(world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
                 p.terminate()
                 p.join()
     return [per_rank[r] for r in range(world)]
+
+
+def run_world(world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
+    """Every configuration on ``world`` spawned gloo ranks; each rank's record.
+
+    Raises:
+        RuntimeError: If a rank does not report within ``timeout`` seconds.
+    """
+    return spawn_ranks(_worker, world, (steps,), timeout)
 
 
 def _parser() -> argparse.ArgumentParser:
