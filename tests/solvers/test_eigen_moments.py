@@ -756,8 +756,12 @@ def test_the_first_decomposition_of_a_wide_low_rank_factor_takes_the_range(
     values, canonical = canonical_null_basis(want[0], want[1], DT)
     torch.testing.assert_close(first["qa"], canonical, rtol=0, atol=0)
     torch.testing.assert_close(first["da"], values, rtol=0, atol=0)
-    assert torch.equal(first["null_a"], (values == 0).to(DT)) and first["null_a"].sum() == 34
-    assert not first["null_g"].any()  # G has full rank
+    assert "null_a" not in first  # derived on every rank, never sent
+    completed = solver.completed(first)
+    assert torch.equal(completed["null_a"], (values == 0).to(DT))
+    assert completed["null_a"].sum() == 34
+    assert not completed["null_g"].any()  # G has full rank
+    assert solver.shared(completed) == first
     second = solver.compute_statistics({"A": low, "G": G}, 0.1, first)
     stepped = power_refresh(low, first["qa"], DT)
     torch.testing.assert_close(second["qa"], canonical_null_basis(*stepped, DT)[1])

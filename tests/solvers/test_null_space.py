@@ -59,19 +59,21 @@ def test_a_factor_of_full_rank_or_zero_is_left_as_it_is() -> None:
 def test_null_indicators_and_weights() -> None:
     dg = torch.tensor([3.0, 1.0, 0.0], dtype=DT)
     da = torch.tensor([2.0, 0.0], dtype=DT)
-    entries = null_indicators(dg, da, (3, 2))
+    entries = null_indicators(dg, da)
     assert torch.equal(entries["null_g"], torch.tensor([0.0, 0.0, 1.0], dtype=DT))
     weights = null_weights(entries)
     assert weights is not None
     assert torch.equal(weights, torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 1.0]], dtype=DT))
-    assert null_indicators(dg[:2], da[:1], (2, 1)) == {}
-    one_sided = null_indicators(dg, torch.zeros(0, dtype=DT), (3, 4))  # identity input side
-    assert torch.equal(one_sided["null_a"], torch.zeros(4, dtype=DT))
+    assert null_indicators(dg[:2], da[:1]) == {}
+    one_sided = null_indicators(dg, torch.zeros(0, dtype=DT))  # identity input side
+    assert torch.equal(one_sided["null_a"], torch.zeros(1, dtype=DT))  # broadcasts
+    one_sided_weights = null_weights(one_sided)
+    assert one_sided_weights is not None and one_sided_weights.shape == (3, 1)
     assert null_weights({}) is None
 
 
 def _update(solver: EigenAdamSolver, g_factor: Tensor, grad: Tensor, a: Tensor) -> Tensor:
-    return solver.apply(solver.compute(a, g_factor, 0.1), grad, 0.1)
+    return solver.apply(solver.completed(solver.compute(a, g_factor, 0.1)), grad, 0.1)
 
 
 def test_adam_in_a_singular_basis_moves_rounding_by_a_thousandth_of_a_step() -> None:

@@ -289,7 +289,9 @@ def load_layers_state(
             )
             inverse = None
         layer.solver_state = (
-            None if inverse is None else {k: v.to(device) for k, v in inverse.items()}
+            None
+            if inverse is None
+            else layer.solver.completed({k: v.to(device) for k, v in inverse.items()})
         )
         if inverse is None:
             stale.append(name)

@@ -142,8 +142,10 @@ def update_inverses(
     decomposition and one check for the group; a failed group is recomputed layer by layer).
 
     An owner's solver gets its previous state of the layer (a basis refreshed by power
-    iteration follows it). Afterwards every rank that preconditions a layer with moments
-    carries them into the new state (:meth:`~dkfac.solvers.base.Solver.carry_moments`).
+    iteration follows it). Owners send each state's :meth:`~dkfac.solvers.base.Solver.shared`
+    part; every rank then adds what it derives (:meth:`~dkfac.solvers.base.Solver.completed`).
+    Afterwards every rank that preconditions a layer with moments carries them into the new
+    state (:meth:`~dkfac.solvers.base.Solver.carry_moments`).
 
     Args:
         layers: The registered layers; their ``solver_state`` is replaced.
@@ -182,11 +184,15 @@ def update_inverses(
                 )
             except SolverError as err:
                 logger.warning("%s: %s; keeping the last good inverse", name, err)
-    states = {name: layer.solver_state for name, layer in layers.items()}
+    states = {
+        name: None if layer.solver_state is None else layer.solver.shared(layer.solver_state)
+        for name, layer in layers.items()
+    }
     devices = {name: layer.block.parameters()[0].device for name, layer in layers.items()}
     strategy.share_solver_states(states, devices)
     for name, layer in layers.items():
-        layer.solver_state = states[name]
+        received = states[name]
+        layer.solver_state = None if received is None else layer.solver.completed(received)
         carry_moments(layer, previous[name])
 
 

@@ -203,6 +203,15 @@ class Solver(ABC):
         del grad
         return None
 
+    def shared(self, state: SolverState) -> SolverState:
+        """The part of ``state`` an owner sends to the other ranks (default: all of it)."""
+        return state
+
+    def completed(self, state: SolverState) -> SolverState:
+        """``state`` with what every rank derives from its :meth:`shared` part itself
+        (default: nothing), so that derived entries never travel."""
+        return state
+
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
     ) -> SolverState | None:

@@ -584,8 +584,6 @@ class EigenMomentsSolver(Solver):
                 da, qa = self._side(a, self._previous_basis(previous, "qa"), dtype)
             dg, qg = self._side(g, self._previous_basis(previous, "qg"), dtype)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
-            input_values = None if self.input_map is not None else da
-            pairs.update(self._null_entries(dg, input_values, (g.shape[0], a.shape[0])))
             for key, factor in (("qa", a), ("qg", g)):
                 width = self._block_width(factor.shape[0], key == "qa")
                 if width is not None:
@@ -641,18 +639,22 @@ class EigenMomentsSolver(Solver):
                 for i in range(len(stats)):  # each layer's null space (module notes)
                     values[i], bases[i] = canonical_null_basis(values[i], bases[i], storage)
             pairs = {"qa": new_qa, "da": da, "qg": new_qg, "dg": dg}
-            pairs.update(self._null_entries(dg, da, (g.shape[-1], a.shape[-1])))
             return {key: value.to(storage) for key, value in pairs.items()}
 
         return unstack(self.with_retry(run), len(stats))
 
-    def _null_entries(
-        self, dg: Tensor, da: Tensor | None, sizes: tuple[int, int]
-    ) -> dict[str, Tensor]:
-        """The null indicators Adam's rounding floor reads (none without a floor)."""
-        if not (self.adam_scaled and self.options.rounding_floor):
-            return {}
-        return null_indicators(dg, da, sizes)
+    def shared(self, state: SolverState) -> SolverState:
+        """The state without its null indicators (each rank derives them: :meth:`completed`)."""
+        return {k: v for k, v in state.items() if not k.startswith("null_")}
+
+    def completed(self, state: SolverState) -> SolverState:
+        """The state with the null indicators Adam's rounding floor reads, derived from the
+        exact zeros :func:`~dkfac.solvers.null_space.canonical_null_basis` leaves in its
+        values (none without a floor, or when neither side is singular)."""
+        if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
+            return state
+        input_values = None if "qa_order" in state else state["da"]
+        return {**state, **null_indicators(state["dg"], input_values)}
 
     def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
         """The basis ``previous[key]`` that a power step may follow: ``None`` where its

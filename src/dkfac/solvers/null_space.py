@@ -84,21 +84,21 @@ def canonical_null_basis(
     return values, torch.cat([kept, null], dim=1)
 
 
-def null_indicators(dg: Tensor, da: Tensor | None, sizes: tuple[int, int]) -> dict[str, Tensor]:
+def null_indicators(dg: Tensor, da: Tensor | None) -> dict[str, Tensor]:
     """``{"null_g", "null_a"}``: 1.0 where a side's value is exactly 0 (its null space after
     :func:`canonical_null_basis`), 0.0 elsewhere; empty when neither side has a null
-    direction (no entries: the layer's update is Adam's own).
+    direction (the layer's update is then Adam's own).
 
     Args:
-        dg: The output side's values (``(..., n_g)``; empty: the identity basis).
+        dg: The output side's values (``(n_g,)``; empty: the identity basis).
         da: The input side's values (``None`` or empty: no null directions looked for).
-        sizes: ``(n_g, n_a)``, the factors' widths.
+
+    A side without values gets one 0.0, which broadcasts over its width.
     """
-    lead = dg.shape[:-1] if dg.numel() else (da.shape[:-1] if da is not None else ())
     sides = []
-    for values, size in ((dg, sizes[0]), (da, sizes[1])):
+    for values in (dg, da):
         if values is None or values.numel() == 0:
-            sides.append(torch.zeros(*lead, size, dtype=dg.dtype, device=dg.device))
+            sides.append(torch.zeros(1, dtype=dg.dtype, device=dg.device))
         else:
             sides.append((values == 0).to(values.dtype))
     if not any(bool(side.any()) for side in sides):
