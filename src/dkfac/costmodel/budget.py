@@ -152,7 +152,8 @@ class Choice:
         inverse_update_interval: Steps between basis refreshes.
         overhead: The preconditioner's cost over the training step's, as chosen.
         budget: The budget it was chosen within.
-        within_budget: Whether any choice fitted (else the cheapest was taken).
+        within_budget: Whether any choice fitted (else the freshest near the cheapest
+            was taken).
         reason: One sentence for ``describe()`` and the log.
         orthogonal_steps: The Newton–Schulz steps of the orthogonalised updates, where
             :func:`choose_for` cut them (``None``: as configured).
