@@ -126,7 +126,9 @@ class KFACPreconditioner:
         overhead: An overhead budget (e.g. 0.3: the preconditioner's work at most 30% over
             the training step): after the first step, the factor batch and the factor and
             basis intervals the options do not set are chosen within it from the layer
-            sizes and the rows the first step saw (:mod:`dkfac.costmodel.budget`);
+            sizes and the rows the first step saw, and where the per-step work alone does
+            not fit, the Newton–Schulz steps of orthogonalised updates (unless set) are
+            cut to 3 (:mod:`dkfac.costmodel.budget`);
             ``describe()`` ends with a row that says what was chosen and why. ``None``:
             the options as given.
         **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).
@@ -427,6 +429,7 @@ class KFACPreconditioner:
             return
         self.config = dataclasses.replace(self.config, **chosen)
         self.capture.config = self.config
+        self.budget.apply(self.layers)
         if self.config.refresh == "fixed":
             self.refresh = make_refresh_policy("fixed", self.config.factor_update_interval)
 

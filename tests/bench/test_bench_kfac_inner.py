@@ -94,6 +94,8 @@ def test_kfac_parts_splits_inner_and_preconditioner_options() -> None:
         ({"inner_beta2": 0.9}, "kfac takes no option inner_beta2; inner ones: inner, "),
         ({"damping": -1.0}, "kfac option: "),
         ({"dampin": 1.0}, "kfac option: "),
+        ({"overhead": -0.3}, "kfac option: overhead"),
+        ({"overhead": "x"}, "kfac option: overhead"),
     ],
 )
 def test_bad_kfac_options_are_refused_before_any_run(
@@ -104,3 +106,13 @@ def test_bad_kfac_options_are_refused_before_any_run(
     assert message in str(info.value) and "\n" not in str(info.value)
     with pytest.raises((ValueError, TypeError)):  # the same options, when built
         build_optimizer(OptimizerSpec("k", "kfac", [0.1], options), _model(), 0.1, 0.9)
+
+
+def test_a_kfac_spec_takes_the_overhead_budget() -> None:
+    options = {"method": "eigen_adam", "overhead": 0.3, "inner_momentum": 0}
+    check_kfac_options(options)
+    opt = build_optimizer(OptimizerSpec("k", "kfac", [0.1], options), _model(), 0.1, 0.9)
+    budget = opt.preconditioner.budget  # type: ignore[attr-defined]
+    assert budget is not None and budget.budget == 0.3 and budget.explicit == {}
+    plain = build_optimizer(OptimizerSpec("k", "kfac", [0.1], {}), _model(), 0.1, 0.9)
+    assert plain.preconditioner.budget is None  # type: ignore[attr-defined]

@@ -140,6 +140,16 @@ def test_summary_picks_the_better_muon_and_the_best_peer() -> None:
     assert verdict["steps_at_most_fewest_peer"] is True
     assert verdict["time_at_most_best_peer"] is True  # 0.2 against 0.22
     assert verdict["step_within_budget"] is False  # 2x AdamW's step
+    assert "step_vs_adamw_cpu" not in table["dkfac"]  # no CPU clock recorded
+
+
+def test_summary_reads_the_cpu_clock_beside_the_wall_clock() -> None:
+    record = _record({"dkfac": [10, 9, 11], "adamw": [30, 40, 20]}, {"dkfac": 0.02, "adamw": 0.01})
+    record["step_cpu_seconds"] = {"dkfac": [0.05, 0.012, 0.013], "adamw": [0.01, 0.011, 0.009]}
+    table = summarise_task(record)["optimizers"]
+    assert table["dkfac"]["step_cpu_seconds"] == 0.013  # the median block
+    assert table["dkfac"]["step_vs_adamw_cpu"] == pytest.approx(1.3)
+    assert table["dkfac"]["step_vs_adamw"] == pytest.approx(2.0)  # the wall clock's, unchanged
 
 
 def test_summary_with_missed_targets_has_no_ratio() -> None:
@@ -171,6 +181,12 @@ def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:
         assert set(record["runs"]) == {"0", "1"}
         assert len(record["sweep"]["dkfac"]) == len(suite.GRIDS["dkfac"])
         assert record["summary"]["best_peer"] == "adamw"
+        # one timed block of one step, on both clocks (the untimed round left out)
+        assert {n: len(v) for n, v in record["step_cpu_seconds"].items()} == {
+            "dkfac": 1,
+            "adamw": 1,
+        }
+        assert record["summary"]["optimizers"]["dkfac"]["step_vs_adamw_cpu"] > 0
         assert (tmp_path / f"s_{record['task']}.png").stat().st_size > 0
 
 

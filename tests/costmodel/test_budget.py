@@ -12,10 +12,16 @@ from torch import nn
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.costmodel.budget import (
     DISPATCH_FLOPS,
+    MIN_FACTOR_ROWS,
+    MIN_FACTOR_SAMPLES,
+    OVER_BUDGET_ALLOWANCE,
+    OVER_BUDGET_POLAR_STEPS,
     Costs,
     LayerShape,
     choose,
+    choose_for,
     layer_costs,
+    min_factor_batch,
 )
 
 
@@ -26,10 +32,11 @@ def test_layer_costs_are_the_counted_flops() -> None:
     )
     assert costs.step == 6 * 7 * 5 * 3 + 6 * 4 * 9 * 2 + 6 * d
     polar = 2 * (6 * 5 * 3 * 3 + 4 * d)  # two Newton-Schulz steps on the first layer
-    assert costs.fixed == 4 * 5 * 3 * 8 + 4 * 9 * 2 * 11 + 28 * d + polar
+    # a flattened map's input side is rotated through its channel and position bases
+    assert costs.fixed == 4 * 5 * 3 * 8 + 4 * 9 * 2 * (3 + 3 + 2) + 28 * d + polar
     assert costs.capture == 2 * 7 * (25 + 9) + 2 * 4 * (81 + 4) + 8 * d
-    # a flattened map's input basis is refreshed as its channel and position sides
-    assert costs.refresh == 6 * (125 + 27) + 6 * (27 + 27 + 8) + 16 * d
+    # ... and refreshed as those two sides
+    assert costs.refresh == 10 * (125 + 27) + 10 * (27 + 27 + 8) + 32 * d
 
 
 COSTS = Costs(step=100.0, fixed=5.0, capture=40.0, refresh=200.0)
@@ -87,11 +94,49 @@ def test_explicit_options_are_kept() -> None:
     assert "kept as given: factor_batch_size, inverse_update_interval" in choice.reason
 
 
-def test_when_nothing_fits_the_rotation_gets_half_the_budget_on_top() -> None:
+def test_when_nothing_fits_the_freshest_near_the_cheapest_is_taken() -> None:
     costly = Costs(step=100.0, fixed=80.0, capture=40.0, refresh=200.0)
     choice = choose(costly, 256, 0.3)
     assert not choice.within_budget and "no choice fits" in choice.reason
-    assert choice.overhead <= 0.8 + 0.15 + 1e-12
+    b, fi = choice.factor_batch_size or 256, choice.factor_update_interval
+    ii = choice.inverse_update_interval
+    assert choice.overhead == pytest.approx(_overhead(256, b, fi, ii, costly))
+    # brute force: the cheapest candidate, and none fresher within the allowance over it
+    grid = [
+        (bb, f, i)
+        for bb in (256, 128, 64, 32)
+        for f in (1, 2, 4, 8)
+        for i in (5, 10, 20, 50)
+        if i >= f
+    ]
+    cheapest = min(_overhead(256, *c, costly) for c in grid)
+    allowed = cheapest + OVER_BUDGET_ALLOWANCE * 0.3
+    assert choice.overhead <= allowed + 1e-12
+
+    def staleness(bb: int, f: int, i: int) -> float:
+        return 0.5 * math.log2(256 / bb) + math.log2(f) + math.log2(i / 5)
+
+    best = min(staleness(*c) for c in grid if _overhead(256, *c, costly) <= allowed + 1e-12)
+    assert staleness(b, fi, ii) == pytest.approx(best)
+    # the longest intervals are not taken when a fresher choice costs little more
+    assert (b, fi, ii) != (32, 8, 50)
+
+
+def test_the_factor_batch_is_cut_to_rows_not_samples() -> None:
+    # a classifier's head sees one row per sample: 32 samples
+    flat = [LayerShape(65, 128, 256), LayerShape(129, 10, 256)]
+    assert min_factor_batch(flat, 256) == MIN_FACTOR_ROWS
+    # a language model's every layer sees 64 positions a sequence: 8 sequences
+    tokens = [LayerShape(65, 64, 32 * 64), LayerShape(64, 256, 32 * 64)]
+    assert min_factor_batch(tokens, 32) == MIN_FACTOR_SAMPLES
+    assert min_factor_batch(tokens, 4) == 4  # never more than the batch
+    costs = layer_costs(tokens)
+    batches = {
+        choose(costs, 32, budget, min_batch=8).factor_batch_size for budget in (0.01, 0.1, 1, 10)
+    }
+    assert 8 in batches and all(b is None or b >= 8 for b in batches)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        min_factor_batch(tokens, 0)
 
 
 @pytest.mark.parametrize("budget", [0.0, -1.0, math.inf, math.nan])
@@ -123,8 +168,13 @@ def test_the_preconditioner_applies_the_choice_after_the_first_step() -> None:
     # the hidden layer (role:hidden) takes the polar update: five Newton-Schulz steps
     hidden = LayerShape(65, 64, 128, polar_steps=5)
     shapes = [LayerShape(21, 64, 128), hidden, LayerShape(65, 5, 128)]
-    want = choose(layer_costs(shapes), 128, 0.3)
+    want = choose_for(shapes, 128, 0.3)
+    assert want.orthogonal_steps == OVER_BUDGET_POLAR_STEPS  # this MLP's polar is over budget
     config = opt.preconditioner.config
+    assert config.orthogonal_steps == OVER_BUDGET_POLAR_STEPS
+    layers = opt.preconditioner.layers
+    assert layers["2"].solver.options.orthogonal_steps == OVER_BUDGET_POLAR_STEPS  # type: ignore[attr-defined]
+    assert "3 steps" in layers["2"].solver.label
     assert config.factor_batch_size == want.factor_batch_size
     assert config.factor_update_interval == want.factor_update_interval
     assert config.inverse_update_interval == want.inverse_update_interval
@@ -133,6 +183,45 @@ def test_the_preconditioner_applies_the_choice_after_the_first_step() -> None:
     for seed in range(1, 4):  # it keeps training, the choice in place
         _step(model, opt, seed)
     assert opt.preconditioner.config.factor_update_interval == want.factor_update_interval
+
+
+def test_the_polar_steps_are_cut_only_over_the_budget_and_unless_set() -> None:
+    hidden = [LayerShape(129, 128, 256, polar_steps=5), LayerShape(129, 10, 256)]
+    over = choose_for(hidden, 256, 0.3)
+    cut = [LayerShape(129, 128, 256, polar_steps=3), LayerShape(129, 10, 256)]
+    assert over.orthogonal_steps == OVER_BUDGET_POLAR_STEPS and not over.within_budget
+    # the intervals are chosen with the cheaper polar factors counted
+    want = choose(layer_costs(cut), 256, 0.3, min_batch=min_factor_batch(cut, 256))
+    assert over.overhead == pytest.approx(want.overhead)
+    assert "3 Newton–Schulz steps instead of 5" in over.reason
+    assert choose_for(hidden, 256, 100.0).orthogonal_steps is None  # within: kept
+    assert choose_for(hidden, 256, 0.3, {"orthogonal_steps": 5}).orthogonal_steps is None
+    plain = [LayerShape(129, 128, 256), LayerShape(129, 10, 256)]
+    assert choose_for(plain, 256, 0.3).orthogonal_steps is None  # nothing to cut
+    assert choose_for(plain, 256, 0.3) == choose(
+        layer_costs(plain), 256, 0.3, min_batch=min_factor_batch(plain, 256)
+    )
+
+
+def test_explicit_polar_steps_win_over_the_budget() -> None:
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3, orthogonal_steps=4)
+    _step(model, opt, 0)
+    assert opt.preconditioner.config.orthogonal_steps == 4
+    assert opt.preconditioner.layers["2"].solver.options.orthogonal_steps == 4  # type: ignore[attr-defined]
+    assert opt.preconditioner.budget.choice.orthogonal_steps is None  # type: ignore[union-attr]
+
+
+def test_a_choice_saved_without_polar_steps_loads() -> None:
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    _step(model, opt, 0)
+    state = opt.preconditioner.state_dict()
+    del state["budget"]["orthogonal_steps"]
+    twin = KFACOptimizer.for_model(_mlp(), overhead=0.3)
+    twin.preconditioner.load_state_dict(state)
+    assert twin.preconditioner.budget.choice.orthogonal_steps is None  # type: ignore[union-attr]
+    assert twin.preconditioner.layers["2"].solver.options.orthogonal_steps == 5  # type: ignore[attr-defined]
 
 
 def test_explicit_intervals_win_over_the_budget() -> None:

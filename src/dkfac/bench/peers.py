@@ -27,6 +27,10 @@ Kinds (each run at the learning rate of its grid that the benchmark is sweeping)
     decoupled (``dkfac train --optimizer kfac-adam`` uses ``torch.optim.Adam``, whose decay
     is an L2 term in the gradient).
 
+A K-FAC spec's ``overhead`` (:data:`KFAC_BUDGET_OPTION`) gives the preconditioner the overhead
+budget ``KFACOptimizer.for_model`` gives it (the factor batch, intervals and Newton–Schulz
+steps the spec does not set are chosen within it).
+
 Options of a kind (``--peer-options KIND:key=value,...``) are checked against
 :data:`PEER_OPTIONS`; :func:`resolve_options` merges them over :data:`DEFAULT_OPTIONS` so that
 every result records what ran.
@@ -44,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from dkfac.config import KFACConfig
+from dkfac.config.checks import check_range
 from dkfac.optimizer import KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -83,6 +88,10 @@ PEER_OPTIONS: dict[str, frozenset[str]] = {
 
 KFAC_INNER_OPTIONS = frozenset({"inner", "inner_momentum", "inner_weight_decay"})
 """Keys of a K-FAC spec that set its inner optimizer rather than the preconditioner."""
+
+KFAC_BUDGET_OPTION = "overhead"
+"""The key of a K-FAC spec that sets the preconditioner's overhead budget (a number > 0, as
+``KFACOptimizer.for_model``'s ``overhead``; absent or ``none``: no budget)."""
 
 KFAC_INNER_KINDS = ("sgd", "adamw")
 """Values of a K-FAC spec's ``inner`` key."""
@@ -297,6 +306,7 @@ def build_optimizer(spec: OptimizerSpec, model: nn.Module, lr: float, momentum: 
     if spec.kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, **opts)
     inner, options = kfac_parts(opts)
+    overhead = options.pop(KFAC_BUDGET_OPTION, None)
     optimizer: torch.optim.Optimizer
     if inner["inner"] == "adamw":
         beta1 = float(inner.get("inner_momentum", 0.9))
@@ -309,7 +319,7 @@ def build_optimizer(spec: OptimizerSpec, model: nn.Module, lr: float, momentum: 
             momentum=float(inner.get("inner_momentum", momentum)),
             weight_decay=float(inner.get("inner_weight_decay", 0.0)),
         )
-    return KFACOptimizer(optimizer, KFACPreconditioner(model, lr=lr, **options))
+    return KFACOptimizer(optimizer, KFACPreconditioner(model, lr=lr, overhead=overhead, **options))
 
 
 def kfac_parts(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -356,7 +366,10 @@ def check_kfac_options(options: Mapping[str, Any]) -> None:
             domain); the message is one line.
     """
     _, preconditioner = kfac_parts(options)
+    overhead = preconditioner.pop(KFAC_BUDGET_OPTION, None)
     try:
+        if overhead is not None:
+            check_range(KFAC_BUDGET_OPTION, overhead, low=0.0)
         KFACConfig(**preconditioner)
     except (TypeError, ValueError) as error:
         raise ValueError(f"kfac option: {error}") from None

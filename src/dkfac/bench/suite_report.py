@@ -40,7 +40,9 @@ def summarise_task(record: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         record: ``{"chosen_lr": {name: lr}, "runs": {"0": {name: runs}, "1": {...}},
-            "step_seconds": {name: [seconds per step of each block]}}``.
+            "step_seconds": {name: [seconds per step of each block]}}``, optionally
+            ``"step_cpu_seconds"`` (the same blocks on the thread's CPU clock: then
+            ``step_vs_adamw_cpu`` too, beside the wall clock's ``step_vs_adamw``).
 
     Returns:
         ``{"optimizers": {name: figures}, "muon_peer", "best_peer", "verdict"}``; the
@@ -50,6 +52,8 @@ def summarise_task(record: dict[str, Any]) -> dict[str, Any]:
     names = list(record["chosen_lr"])
     per_step = {n: float(statistics.median(timing[n])) for n in names}
     adamw = per_step.get("adamw")
+    cpu_timing = record.get("step_cpu_seconds") or {}
+    per_cpu = {n: float(statistics.median(cpu_timing[n])) for n in names if cpu_timing.get(n)}
     table: dict[str, dict[str, Any]] = {}
     for n in names:
         steps = _steps(runs["0"][n])
@@ -64,6 +68,9 @@ def summarise_task(record: dict[str, Any]) -> dict[str, Any]:
             "seconds_to_target": steps * per_step[n] if math.isfinite(steps) else math.inf,
             "raw_median_seconds": float(statistics.median(r["seconds"] for r in runs["0"][n])),
         }
+        if n in per_cpu:
+            table[n]["step_cpu_seconds"] = per_cpu[n]
+            table[n]["step_vs_adamw_cpu"] = _ratio(per_cpu[n], per_cpu.get("adamw"))
 
     def seconds(name: str) -> float:
         return float(table[name]["seconds_to_target"])

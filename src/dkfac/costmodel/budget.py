@@ -10,10 +10,21 @@ layer sizes and the rows a step sees (in flops, plus a fixed cost per dispatched
 :func:`choose` then takes the freshest factor batch and intervals whose total stays within
 ``overhead`` times the training step. It is a pure function of those numbers: every rank
 computes the same choice from the same shapes, with no measurement to agree on.
+
+The constants are fitted to what the parts cost on a CPU core (``dkfac bench suite``'s six
+families, one thread, each part timed on its own against a plain SGD step): a dispatched
+operation of the preconditioner is worth about a million flops (10 µs at the 100 GFLOP/s
+its small products reach), and a refresh (a power step and a QR per side) about
+``10 · d³`` flops. Measured so, the per-step part alone is 25-35% of the training step on the
+convolutional and transformer families and 2-3 times it on the small MLP and autoencoder
+(per layer, a few hundred microseconds of dispatched operations, whatever its size). The
+training step is counted from the preconditioned layers' products alone, so a model with
+much other work (attention, norms) is counted as over its budget sooner than it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,21 +34,42 @@ __all__ = [
     "DISPATCH_FLOPS",
     "FACTOR_INTERVALS",
     "INVERSE_INTERVALS",
+    "MIN_FACTOR_ROWS",
+    "MIN_FACTOR_SAMPLES",
+    "OVER_BUDGET_ALLOWANCE",
+    "OVER_BUDGET_POLAR_STEPS",
     "Choice",
     "Costs",
     "LayerShape",
     "choose",
+    "choose_for",
     "layer_costs",
+    "min_factor_batch",
 ]
 
-DISPATCH_FLOPS = 2e5
-"""The cost of one dispatched operation, in flops (about 10 µs at 20 GFLOP/s)."""
+DISPATCH_FLOPS = 1e6
+"""The cost of one dispatched operation, in flops (about 10 µs at the 100 GFLOP/s of a CPU
+core's small products; module notes)."""
 
 BATCH_FRACTIONS = (1, 2, 4, 8)
-"""Factor batches tried: the batch divided by each (never below :data:`MIN_FACTOR_BATCH`)."""
+"""Factor batches tried: the batch divided by each (never below :func:`min_factor_batch`)."""
 
-MIN_FACTOR_BATCH = 32
-"""The fewest samples a factor batch is cut to (fewer estimate a factor poorly)."""
+MIN_FACTOR_ROWS = 32
+"""The fewest rows (samples × positions) a factor batch is cut to, in the layer that sees
+the fewest rows per sample (fewer estimate a factor poorly)."""
+
+MIN_FACTOR_SAMPLES = 8
+"""The fewest samples a factor batch is cut to, however many positions each has (the
+language-model recipe's 8 of 32 sequences)."""
+
+OVER_BUDGET_ALLOWANCE = 0.1
+"""When the per-step part alone exceeds the budget, the captures and refreshes may cost this
+share of the budget more than the cheapest candidate (the freshest within that wins)."""
+
+OVER_BUDGET_POLAR_STEPS = 3
+"""The Newton–Schulz steps of the orthogonalised updates when the five of the default do not
+fit the budget: 3/5 of their flops (the smallest singular values then fall short of one,
+:mod:`dkfac.solvers.polar`, which the eigenbasis preconditioning before them makes up for)."""
 
 FACTOR_INTERVALS = (1, 2, 4, 8)
 """Factor update intervals tried."""
@@ -78,24 +110,36 @@ def layer_costs(layers: Sequence[LayerShape]) -> Costs:
 
     Per layer: the training step is three products (forward, two in the backward) of
     ``2 · rows · a · g`` flops; the fixed part rotates into and out of the basis (four
-    products of ``2 · a · g · min(a, g)``-ish, counted as ``4 · a · g · (a + g)``) plus
-    about ten elementwise moment operations, and an orthogonalised update three products of
+    products of ``2 · a · g · min(a, g)``-ish, counted as ``4 · a · g · (a + g)``; a
+    flattened map's Kronecker input basis ``4 · a · g · (C + P)`` for its side) plus about
+    ten elementwise moment operations, and an orthogonalised update three products of
     ``2 · a · g · min(a, g)`` and an addition per Newton–Schulz step; a capture is two
     products ``2 · rows · (a² + g²)`` and two running-average updates; a refresh is a power
-    step and a QR per side, counted as ``6 · (a³ + g³)`` in eight operations. Each adds
+    step and a QR per side, counted as ``10 · (a³ + g³)`` in sixteen operations. Each adds
     :data:`DISPATCH_FLOPS`.
     """
     d = DISPATCH_FLOPS
     step = sum(6.0 * x.rows * x.a * x.g + 3 * d for x in layers)
     fixed = sum(
-        4.0 * x.a * x.g * (x.a + x.g)
+        4.0 * x.a * x.g * (sum(x.a_parts or (x.a,)) + x.g)
         + 14 * d
         + x.polar_steps * (6.0 * x.a * x.g * min(x.a, x.g) + 4 * d)
         for x in layers
     )
     capture = sum(2.0 * x.rows * (x.a**2 + x.g**2) + 4 * d for x in layers)
-    refresh = sum(6.0 * (sum(p**3 for p in x.a_parts or (x.a,)) + x.g**3) + 8 * d for x in layers)
+    refresh = sum(10.0 * (sum(p**3 for p in x.a_parts or (x.a,)) + x.g**3) + 16 * d for x in layers)
     return Costs(step, fixed, capture, refresh)
+
+
+def min_factor_batch(layers: Sequence[LayerShape], batch: int) -> int:
+    """The fewest samples a factor batch is cut to: enough for :data:`MIN_FACTOR_ROWS` rows
+    in the layer with the fewest rows per sample (a classifier's head: one; a language
+    model's: a sequence's positions), at least :data:`MIN_FACTOR_SAMPLES`, at most
+    ``batch``."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    per_sample = min((max(1, x.rows // batch) for x in layers), default=1)
+    return min(batch, max(MIN_FACTOR_SAMPLES, math.ceil(MIN_FACTOR_ROWS / per_sample)))
 
 
 @dataclass(frozen=True)
@@ -108,8 +152,11 @@ class Choice:
         inverse_update_interval: Steps between basis refreshes.
         overhead: The preconditioner's cost over the training step's, as chosen.
         budget: The budget it was chosen within.
-        within_budget: Whether any choice fitted (else the cheapest was taken).
+        within_budget: Whether any choice fitted (else the freshest near the cheapest
+            was taken).
         reason: One sentence for ``describe()`` and the log.
+        orthogonal_steps: The Newton–Schulz steps of the orthogonalised updates, where
+            :func:`choose_for` cut them (``None``: as configured).
     """
 
     factor_batch_size: int | None
@@ -119,10 +166,15 @@ class Choice:
     budget: float
     within_budget: bool
     reason: str
+    orthogonal_steps: int | None = None
 
 
 def choose(
-    costs: Costs, batch: int, budget: float, fixed_options: Mapping[str, int | None] | None = None
+    costs: Costs,
+    batch: int,
+    budget: float,
+    fixed_options: Mapping[str, int | None] | None = None,
+    min_batch: int | None = None,
 ) -> Choice:
     """The freshest factor batch and intervals whose overhead is within ``budget``.
 
@@ -133,9 +185,12 @@ def choose(
     per halving of the factor batch (the recipes cut it first: 50 of 700 samples on the
     digits CNN, 8 of 32 sequences on the language model) and one per doubling of the factor
     interval or of the basis interval over 5 (ties: the larger batch, then the shorter
-    intervals). When the per-step part alone exceeds the budget, no choice fits; the
-    captures and refreshes then get half the budget on top of that part (the freshest
-    within it, or the cheapest of all if even that fails).
+    intervals). When no candidate fits (the per-step part alone is at or over the budget),
+    the captures and refreshes take the freshest candidate within
+    :data:`OVER_BUDGET_ALLOWANCE` of the budget over the cheapest one: as little as they
+    can, without the staleness of the longest intervals where a fresher one costs a few
+    percent more (a basis every 50 steps instead of every 20 took 28 steps instead of 24 to
+    the residual CNN's target, for no measurable time).
 
     Args:
         costs: :func:`layer_costs`.
@@ -143,6 +198,8 @@ def choose(
         budget: The most overhead allowed, e.g. 0.3 for 30% over the training step (> 0).
         fixed_options: ``factor_batch_size`` / ``factor_update_interval`` /
             ``inverse_update_interval`` the user set: kept as given (explicit options win).
+        min_batch: The fewest samples a factor batch is cut to (:func:`min_factor_batch`;
+            ``None``: :data:`MIN_FACTOR_ROWS` samples).
 
     Raises:
         ValueError: For a budget or a batch that is not positive, or non-positive costs.
@@ -153,13 +210,12 @@ def choose(
         raise ValueError(f"batch must be >= 1, got {batch}")
     if costs.step <= 0:
         raise ValueError(f"the training step's cost must be > 0, got {costs.step}")
+    fewest = min(batch, MIN_FACTOR_ROWS if min_batch is None else max(1, min_batch))
     fixed = dict(fixed_options or {})
     if "factor_batch_size" in fixed:
         batches = [fixed["factor_batch_size"] or batch]
     else:
-        batches = sorted(
-            {max(min(batch, MIN_FACTOR_BATCH), batch // k) for k in BATCH_FRACTIONS}, reverse=True
-        )
+        batches = sorted({max(fewest, batch // k) for k in BATCH_FRACTIONS}, reverse=True)
     factor_intervals = list(FACTOR_INTERVALS)
     if "factor_update_interval" in fixed:
         factor_intervals = [fixed["factor_update_interval"] or 1]
@@ -179,10 +235,9 @@ def choose(
                 candidates.append((overhead, staleness, b, fi, ii))
     fixed_share = costs.fixed / costs.step
     within = any(c[0] <= budget for c in candidates)
-    # The rotation is paid every step whatever the intervals: when nothing fits, the
-    # captures and refreshes still get half the budget on top of it, not nothing.
-    allowed = budget if within else max(budget, fixed_share + budget / 2)
-    fitting = [c for c in candidates if c[0] <= allowed] or [min(candidates)]
+    cheapest = min(c[0] for c in candidates)
+    allowed = budget if within else cheapest + OVER_BUDGET_ALLOWANCE * budget
+    fitting = [c for c in candidates if c[0] <= allowed * (1 + 1e-12)]
     overhead, _, b, fi, ii = min(fitting, key=lambda c: (c[1], -c[2], c[3], c[4]))
     reason = (
         f"factors from {b} of {batch} samples every {fi} step(s), bases every {ii}: "
@@ -193,9 +248,44 @@ def choose(
         + (
             ""
             if within
-            else ": no choice fits, so the captures and refreshes get half the budget on top"
-            " of the rotation"
+            else ": no choice fits, so the captures and refreshes take the freshest within "
+            f"{OVER_BUDGET_ALLOWANCE * budget:.0%} of the cheapest"
         )
         + (f"; kept as given: {', '.join(sorted(fixed))}" if fixed else "")
     )
     return Choice(b if b < batch else None, fi, ii, overhead, float(budget), within, reason)
+
+
+def choose_for(
+    layers: Sequence[LayerShape],
+    batch: int,
+    budget: float,
+    fixed_options: Mapping[str, int | None] | None = None,
+) -> Choice:
+    """:func:`choose` on the layers' counted costs, with the fewest factor samples of
+    :func:`min_factor_batch`; when nothing fits and layers take an orthogonalised update
+    with more than :data:`OVER_BUDGET_POLAR_STEPS` steps, those steps are cut to it (the
+    per-step work is then counted with them), unless ``orthogonal_steps`` is among the
+    ``fixed_options``. The other options are :func:`choose`'s.
+    """
+    fixed = dict(fixed_options or {})
+    polar_fixed = "orthogonal_steps" in fixed
+    fewest = min_factor_batch(layers, batch)
+    choice = choose(layer_costs(layers), batch, budget, fixed, fewest)
+    polar = [x.polar_steps for x in layers if x.polar_steps]
+    if polar_fixed or choice.within_budget or max(polar, default=0) <= OVER_BUDGET_POLAR_STEPS:
+        return choice
+    cut = [
+        dataclasses.replace(x, polar_steps=min(x.polar_steps, OVER_BUDGET_POLAR_STEPS))
+        if x.polar_steps
+        else x
+        for x in layers
+    ]
+    cheaper = choose(layer_costs(cut), batch, budget, fixed, fewest)
+    note = (
+        f"; the orthogonalised updates in {OVER_BUDGET_POLAR_STEPS} Newton–Schulz steps "
+        f"instead of {max(polar)}"
+    )
+    return dataclasses.replace(
+        cheaper, orthogonal_steps=OVER_BUDGET_POLAR_STEPS, reason=cheaper.reason + note
+    )

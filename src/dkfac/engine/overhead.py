@@ -10,6 +10,7 @@ refreshes every basis, as any first step does. Options the user set are kept.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -17,15 +18,22 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from dkfac.costmodel.budget import Choice, LayerShape, choose, layer_costs
+from dkfac.costmodel.budget import Choice, LayerShape, choose_for
 from dkfac.engine.layer_state import LayerState
+from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
 __all__ = ["BUDGETED_OPTIONS", "OverheadBudget"]
 
 logger = logging.getLogger(__name__)
 
-BUDGETED_OPTIONS = ("factor_batch_size", "factor_update_interval", "inverse_update_interval")
-"""The options the budget chooses unless the user set them."""
+BUDGETED_OPTIONS = (
+    "factor_batch_size",
+    "factor_update_interval",
+    "inverse_update_interval",
+    "orthogonal_steps",
+)
+"""The options the budget chooses unless the user set them (``orthogonal_steps`` only where
+layers take an orthogonalised update and the budget does not hold)."""
 
 
 class OverheadBudget:
@@ -83,7 +91,7 @@ class OverheadBudget:
             )
             for name, layer in layers.items()
         ]
-        self.choice = choose(layer_costs(shapes), self.batch, self.budget, self.explicit)
+        self.choice = choose_for(shapes, self.batch, self.budget, self.explicit)
         logger.info("overhead budget: %s", self.choice.reason)
         return self.choice
 
@@ -91,12 +99,25 @@ class OverheadBudget:
         """The chosen values of the options the user did not set."""
         if self.choice is None:
             return {}
-        chosen = {
+        chosen: dict[str, Any] = {
             "factor_batch_size": self.choice.factor_batch_size,
             "factor_update_interval": self.choice.factor_update_interval,
             "inverse_update_interval": self.choice.inverse_update_interval,
         }
+        if self.choice.orthogonal_steps is not None:
+            chosen["orthogonal_steps"] = self.choice.orthogonal_steps
         return {k: v for k, v in chosen.items() if k not in self.explicit}
+
+    def apply(self, layers: Mapping[str, LayerState]) -> None:
+        """Gives the layers with an orthogonalised update the chosen Newton–Schulz steps
+        (their solvers' options; the intervals and factor batch are the config's)."""
+        steps = self.options().get("orthogonal_steps")
+        if steps is None:
+            return
+        for layer in layers.values():
+            solver = layer.solver
+            if _polar_steps(layer) and isinstance(solver, EigenMomentsSolver):
+                solver.options = dataclasses.replace(solver.options, orthogonal_steps=steps)
 
     def remove(self) -> None:
         """Removes the watching hooks (with the preconditioner's)."""
