@@ -377,6 +377,39 @@ def plot_suite(name: str, task: str) -> Callable[[Payloads, str], None]:
     return plot
 
 
+def fsdp_step_table(name: str) -> Callable[[Payloads], Table]:
+    """K-FAC's step against AdamW's, both under FSDP2, per world size: the step (the
+    slowest rank's, median over seeds), its ratio to AdamW's (the range over seeds), the
+    optimizer step alone, and K-FAC's bytes sent a step beside FSDP2's own."""
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for world, entry in payloads[name]["worlds"].items():
+            fsdp = sum(entry["fsdp_bytes_per_step"].values()) / 1024
+            for key, label in (("adamw", "AdamW"), ("kfac@1,10", "K-FAC (1, 10)")) + (
+                ("kfac@10,100", "K-FAC (10, 100)"),
+            ):
+                row = entry["summary"][key]
+                ratios = row["ratios"]
+                spread = f"{f(min(ratios))}–{f(max(ratios))}" if key != "adamw" else "–"
+                sent = sum(row["ledger_bytes_per_step"].values()) / 1024
+                rows.append(
+                    [
+                        world,
+                        label,
+                        f(row["step_ms"], 1),
+                        f(row["ratio_to_adamw"]),
+                        spread,
+                        f(row["optimizer_ms"], 1),
+                        f"{f(sent, 0)} / {f(fsdp, 0)}",
+                    ]
+                )
+        headers = ["ranks", "optimizer", "step ms", "× AdamW", "× AdamW, seeds"]
+        return Table([*headers, "optimizer step ms", "KiB sent a step: K-FAC / FSDP2"], rows)
+
+    return table
+
+
 def fsdp_memory_table(name: str) -> Callable[[Payloads], Table]:
     """K-FAC under FSDP2 per world size and strategy: memory per rank (factors, inverses,
     moments; the range over the ranks), the parameter shard and AdamW's state beside it,
