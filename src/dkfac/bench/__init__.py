@@ -15,7 +15,7 @@ does not break the others.
     python -m dkfac.bench suite --threads 1   # six families, the default vs peers
     python -m dkfac.bench soak --steps 10000 --method eigen
     python -m dkfac.bench phases muon adamw benchmarks/recipes/gpt-text.toml   # step phases
-    python -m dkfac.bench conv-paths   # and: fsdp-memory, accumulation
+    python -m dkfac.bench conv-paths   # and: fsdp-memory, shard-exchange, accumulation
     python -m dkfac.bench report    # BENCHMARKS.md and its plots from benchmarks/results/
 """
 
@@ -51,6 +51,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fsdp-memory": (
         "dkfac.bench.fsdp_memory",
         "K-FAC under FSDP2 on gloo ranks: memory, bytes, step time",
+    ),
+    "shard-exchange": (
+        "dkfac.bench.shard_exchange",
+        "K-FAC under FSDP2: exact vs local mode vs serial, digits and lm",
     ),
     "accumulation": (
         "dkfac.bench.accumulation",
