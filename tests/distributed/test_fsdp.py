@@ -185,6 +185,8 @@ def _rank_main(rank: int, world: int) -> dict[str, Any]:
             "factor_dtypes": {a.dtype for a, g in run.pre.factors().values()}
             | {g.dtype for a, g in run.pre.factors().values()},
         }
+        if key == "cnn-eigen-local":
+            out["local-checkpoint"] = _local_checkpoint(run)
     if world == 2:
         out["errors"] = _refusals()
     return out
@@ -275,6 +277,39 @@ def test_the_owner_exchange_moves_the_bytes_of_its_formula(world: int, key: str)
         assert stats["total"]["preconditioned"] == STEPS * want["preconditioned"], f"rank {rank}"
         assert stats["by_collective"]["all_to_all"] == STEPS * sum(want.values()), f"rank {rank}"
         assert stats["by_collective"]["all_gather"] == 0
+
+
+def _local_checkpoint(run: Any) -> dict[str, Any]:
+    """What a local-mode checkpoint saves, and the solver states' shapes before and after
+    loading it (each rank's own rows' block of G, recomputed from the saved factors)."""
+
+    def shapes() -> dict[str, list[tuple[int, ...]]]:
+        return {
+            name: sorted(tuple(t.shape) for t in (layer.solver_state or {}).values())
+            for name, layer in run.pre.layers.items()
+        }
+
+    before = shapes()
+    state = run.pre.state_dict(include_inverses=True)
+    run.pre.load_state_dict(state)
+    return {
+        "saved": {name: sorted(entry) for name, entry in state["layers"].items()},
+        "before": before,
+        "after": shapes(),
+        "rows": {name: (r.start, r.stop) for name, r in run.pre.layout.local_rows().items()},
+    }
+
+
+def test_a_local_mode_checkpoint_keeps_the_factors_and_recomputes_each_ranks_states() -> None:
+    # the solver states differ by rank (each its rows' block of G): none is saved, and
+    # each rank recomputes its own at load
+    results = [r["local-checkpoint"] for r in _spawned(2)]
+    assert results[0]["rows"] != results[1]["rows"]
+    for result in results:
+        assert all(keys == ["A", "G"] for keys in result["saved"].values()), result["saved"]
+        assert result["after"] == result["before"]
+        assert all(result["after"].values())
+    assert results[0]["before"] != results[1]["before"]  # e.g. conv: 2 and 1 rows of 3
 
 
 def _block_diagonal_g(parts: int) -> Any:
