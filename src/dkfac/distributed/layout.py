@@ -330,7 +330,7 @@ class ShardedLayout:
             s = self.params[index]
             local = grad_local(s)
             grad = local.new_zeros(s.param.shape)
-            start, stop = s.rows_of(s.index()) if s.parts > 1 else (0, s.param.shape[0])
+            start, stop = own_rows(s)
             grad[start:stop] = local
             full[index] = grad
         exchange.gather(present, full)
