@@ -187,6 +187,8 @@ def _rank_main(rank: int, world: int) -> dict[str, Any]:
         }
         if key == "cnn-eigen-local":
             out["local-checkpoint"] = _local_checkpoint(run)
+        if key == "cnn-eigen-mem-opt":
+            out[key]["full"] = _full_here(run)
     if world == 2:
         out["errors"] = _refusals()
     return out
@@ -254,6 +256,30 @@ def _cnn_exchange(world: int, workers: dict[str, tuple[int, ...]], hsdp: bool) -
     shard = [rank % shard_group for rank in range(world)]
     replica = [rank // shard_group for rank in range(world)]
     return exchange_bytes(params, layers, shard, replica)
+
+
+def _full_here(run: Any) -> dict[str, list[str]]:
+    """The parameters whose full gradient this rank holds in a step, and the parameters of
+    the layers it preconditions."""
+    layout = run.pre.layout
+    everything = frozenset(range(len(layout.params)))
+    full = sorted(layout.params[i].name for i in layout.exchange.needed(everything))
+    owned = sorted(
+        name
+        for layer, state in run.pre.layers.items()
+        if run.pre.strategy.preconditions(layer)
+        for name in (f"{layer}.weight", f"{layer}.bias")
+    )
+    return {"full": full, "owned": owned}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_under_the_owner_exchange_a_rank_holds_only_its_layers_full_gradients(world: int) -> None:
+    held = [r["cnn-eigen-mem-opt"]["full"] for r in _spawned(world)]
+    for rank, here in enumerate(held):
+        assert here["full"] == here["owned"], f"rank {rank}"
+    every = [name for here in held for name in here["full"]]
+    assert len(every) == len(set(every)) == 6  # each of the 3 layers' 2 tensors, once
 
 
 @pytest.mark.parametrize(
