@@ -61,7 +61,9 @@ from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolv
 from dkfac.config.checks import check_range
 from dkfac.costmodel.budget import Choice
 from dkfac.distributed.comm import Communicator
-from dkfac.distributed.layout import ShardedLayout, find_layout
+from dkfac.distributed.layout import ShardedLayout
+from dkfac.distributed.shard_exchange import Delivery
+from dkfac.distributed.sharding import find_layout
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
@@ -96,11 +98,12 @@ from dkfac.engine.step_math import (
     kept_statistics,
     kl_clip_scale,
     precondition,
+    presence_token,
     read_flags,
     update_inverses,
     write_back,
 )
-from dkfac.engine.strategy_choice import build_strategy
+from dkfac.engine.strategy_choice import build_strategy, local_layers
 
 
 class KFACPreconditioner:
@@ -202,6 +205,7 @@ class KFACPreconditioner:
             strategy=config.strategy,
             ledger=self.comm.ledger,
             bucket_bytes=config.bucket_bytes,
+            shard_exchange=config.shard_exchange,
         )
         self.strategy: Strategy = build_strategy(
             config,
@@ -210,6 +214,17 @@ class KFACPreconditioner:
             ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel)
             or self.layout is not None,
         )
+        self.delivery: Delivery = (
+            self.strategy
+            if self.layout is None
+            else self.layout.attach(
+                self.strategy,
+                {name: b.parameter_parts() for name, b in blocks.items()},
+                local_layers(config, blocks),
+            )
+        )
+        """Delivers the preconditioned gradients and adds the KL-clip sum: the strategy, or
+        the sharded layout's owner exchange (:mod:`~dkfac.distributed.shard_exchange`)."""
         gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
         if gathered > 1 and self.comm.active:
             self.capture.rank_mean = functools.partial(rank_mean, self.comm)
@@ -218,6 +233,9 @@ class KFACPreconditioner:
         )
         self.late = LateLayers(self.layers)
         self._set_block_steps()
+        if self.layout is not None:  # shard_exchange="local": each rank its rows' G block
+            for name, rows in self.layout.local_rows().items():
+                self.layers[name].g_rows = rows
         for name, layer in self.layers.items():
             layer.captures = self.strategy.captures(name)
             self.capture.attach(layer.block.module, layer)
@@ -359,9 +377,15 @@ class KFACPreconditioner:
         self, step: int, damping: float, inverse_interval: int, lr: float | None
     ) -> None:
         """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients."""
-        self._scaler_check.step(self.layers, self.grad_scaler, self.strategy.world_size)
+        partial = self.layout.partial if self.layout is not None else frozenset()
+        rows_only = partial | (self.layout.local if self.layout is not None else frozenset())
+        world = self.strategy.world_size
+        self._scaler_check.step(self.layers, self.grad_scaler, world, skip=rows_only)
         cfg = self.config
-        grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
+        grads = {
+            name: layer.block.weight_grad() if name not in partial else presence_token(layer)
+            for name, layer in self.layers.items()
+        }
         capturing = self.capture.active
         keep: Tensor | None = None  # the guard's gradient flags, on the device
         with record_function("dkfac.factors"):
@@ -385,14 +409,14 @@ class KFACPreconditioner:
             dampings = {"damping": damping, "bn_damping": bn_damping or damping}
             advance = None if keep is None else keep.all()
             finals, ready = precondition(
-                self.layers, self.strategy, grads, finite, dampings, step, advance
+                self.layers, self.strategy, grads, finite, dampings, step, advance, partial
             )
         with record_function("dkfac.distribute"):
-            delivered = self.strategy.distribute(finals, ready)
+            delivered = self.delivery.distribute(finals, ready)
         with record_function("dkfac.kl_clip"):
             kl_clip = resolve("kl_clip", cfg.kl_clip, step)
             lr = lr if lr is not None else resolve("lr", cfg.lr, step)
-            scale = kl_clip_scale(self.strategy, finals, ready, grads, kl_clip, lr)
+            scale = kl_clip_scale(self.delivery, finals, ready, grads, kl_clip, lr)
             factors = None
             if keep is not None:  # the scale times 0 where a gradient was not finite
                 ones = keep.to(torch.float32 if scale is None else scale.dtype)

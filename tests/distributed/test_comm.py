@@ -260,6 +260,7 @@ def test_collectives_exact_values_and_bytes(world_size: int) -> None:
             "reduce_scatter": 172,
             "all_gather": 100,
             "reduce": 12,
+            "all_to_all": 0,
         },
         "last_step": step2,
         "current_step": _step({}, {}),
@@ -268,6 +269,31 @@ def test_collectives_exact_values_and_bytes(world_size: int) -> None:
         "first_step_in_window": 0,
     }
     assert results == [expected] * world_size  # every rank records the same bytes
+
+
+def _all_to_all(rank: int, ws: int) -> dict[str, Any]:
+    # rank r sends r + 1 entries to each rank j (its own share included), valued 100 r + j
+    ledger = CommLedger()
+    comm = Communicator(ledger=ledger)
+    send = torch.cat([torch.full((rank + 1,), 100.0 * rank + j) for j in range(ws)])
+    out, handle = comm.all_to_all(
+        send, [rank + 1] * ws, [i + 1 for i in range(ws)], "gradients", nbytes=12
+    )
+    handle.wait()
+    want = torch.cat([torch.full((i + 1,), 100.0 * i + rank) for i in range(ws)])
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="one entry per rank"):
+        comm.all_to_all(send, [1], [1], "gradients", nbytes=0)
+    with pytest.raises(ValueError, match="sum\\(send_counts\\)"):
+        comm.all_to_all(send, [0] * ws, [0] * ws, "gradients", nbytes=0)
+    return ledger.stats()["total"] | {"all_to_all": ledger.stats()["by_collective"]["all_to_all"]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_to_all_delivers_each_ranks_share_and_records_the_plans_bytes(world_size: int) -> None:
+    # what the caller's plan says all ranks send together, the same on every rank
+    for stats in run_distributed(_all_to_all, world_size):
+        assert stats["gradients"] == 12 and stats["all_to_all"] == 12
 
 
 def _subgroups(rank: int, ws: int) -> int:

@@ -16,10 +16,18 @@ under DDP without ``SyncBatchNorm`` (FSDP2 neither shards nor synchronises buffe
 every rank given the same rows the run is the serial run on those rows, running statistics
 included; with different rows it is the DDP run (buffers not broadcast), rank by rank.
 
-The gradient exchange is exact in bytes: per step, one all-gather per bucket of every
-rank's padded rows (``ceil(rows / P)`` of each sharded weight and bias, float64), on the
-ledger as ``"gradients"``. Every configuration of a world size runs inside one spawned
-process group (spawning is the slow part). Bad models are refused at construction with
+Under ``mem-opt``, ``dp`` and ``kaisa`` with a fraction below 1 (the owner exchange: rows
+to the ranks that precondition a layer, each rank's rows of the results back) they equal
+serial too, on 2 and 4 ranks and HSDP, with Linear, Conv2d, attention, embeddings and HF
+Conv1D layers.
+
+The gradient exchange is exact in bytes: under ``replicated``, per step, one all-gather per
+bucket of every rank's padded rows (``ceil(rows / P)`` of each sharded weight and bias,
+float64), on the ledger as ``"gradients"``; under the owner exchange, the bytes of its pure
+formula (:func:`~dkfac.distributed.shard_plan.exchange_bytes`) as ``"gradients"`` and
+``"preconditioned"``, all in ``all_to_all``. Every configuration of a world size runs inside
+one spawned process group (spawning is the slow part). Bad models are refused at
+construction with
 an error naming the parameter and what is allowed.
 """
 
@@ -30,6 +38,7 @@ import math
 import re
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -39,6 +48,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dkfac import KFACPreconditioner
+from dkfac.distributed.assignment import serving_worker
+from dkfac.distributed.shard_plan import LayerRows, ShardedParam, exchange_bytes
+from dkfac.engine.layer_state import LayerState
 from tests.distributed_utils import run_distributed
 from tests.serial_vs_distributed import (
     assert_ranks_match,
@@ -52,6 +64,8 @@ from tests.transformer_cases import gpt_batch, make_gpt
 STEPS = 4  # inverse_update_interval=2: refreshes at steps 0 and 2
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 MOMENTS = {"basis_refresh": "power", "moment_carry": "rotate", "moment_eps": 1e-6}
+HALF = {"grad_worker_fraction": 0.5}
+LOCAL = {"shard_exchange": "local"}
 
 
 def _shard_children(reshard: bool, hsdp: bool, bf16: bool, model: nn.Module) -> None:
@@ -124,6 +138,19 @@ CASES: dict[int, dict[str, Case]] = {
         "bn-same-cholesky-mem-opt": ("bn-same", {"method": "cholesky", "strategy": "mem-opt"}),
         "bn-eigen": ("bn", {"method": "eigen"}),
         "bn-eigen-ddp": ("bn", {"method": "eigen", "ddp": {"broadcast_buffers": False}}),
+        # the owner exchange: rows to the ranks that precondition, results' rows back
+        "cnn-eigen-mem-opt": ("cnn", {"method": "eigen", "strategy": "mem-opt"}),
+        "cnn-eigen-kaisa-half": ("cnn", {"method": "eigen", "strategy": "kaisa", **HALF}),
+        "gpt-eigen-mem-opt": ("gpt", {"method": "eigen", "damping": 1e-3, "strategy": "mem-opt"}),
+        "hf-cholesky-mem-opt": ("hf", {"method": "cholesky", "strategy": "mem-opt"}),
+        # shard_exchange="local": each rank its own rows, its own diagonal block of G
+        "cnn-eigen-local": ("cnn", {"method": "eigen", **LOCAL}),
+        "cnn64-eigen_adam-local": ("cnn64", {"method": "eigen_adam", **MOMENTS, **LOCAL}),
+        "gpt-eigen-local": ("gpt", {"method": "eigen", "damping": 1e-3, **LOCAL}),
+        "cnn-eigen_adam-mem-opt": (
+            "cnn64",
+            {"method": "eigen_adam", "strategy": "mem-opt", **MOMENTS},
+        ),
     },
     4: {
         "cnn-eigen": ("cnn", {"method": "eigen"}),
@@ -134,6 +161,15 @@ CASES: dict[int, dict[str, Case]] = {
             "gpt",
             {"method": "cholesky", "damping": 1e-3, "hsdp": True, "strategy": "mem-opt"},
         ),
+        "cnn-eigen-mem-opt": ("cnn", {"method": "eigen", "strategy": "mem-opt"}),
+        "cnn-eigen-kaisa-half": ("cnn", {"method": "eigen", "strategy": "kaisa", **HALF}),
+        "cnn-same-eigen-dp": ("cnn-same", {"method": "eigen", "strategy": "dp"}),
+        "cnn-eigen-hsdp-kaisa-half": (
+            "cnn",
+            {"method": "eigen", "strategy": "kaisa", "hsdp": True, **HALF},
+        ),
+        "cnn-eigen-hsdp-local": ("cnn", {"method": "eigen", "hsdp": True, **LOCAL}),
+        "cnn-same-eigen-hsdp-dp": ("cnn-same", {"method": "eigen", "strategy": "dp", "hsdp": True}),
     },
 }
 
@@ -145,6 +181,9 @@ def _train(rank: int | None, world: int, case: Case) -> Any:
     hsdp = options.pop("hsdp", False)
     bf16 = options.pop("bf16", False)
     ddp = options.pop("ddp", False)
+    if rank is None:  # one process: every fraction is 1, nothing is sharded
+        options.pop("grad_worker_fraction", None)
+        options.pop("shard_exchange", None)
     model_fn, batch_fn = MODELS[model]
     sharded = rank is not None and ddp is False
     return train_sharded(
@@ -168,9 +207,14 @@ def _rank_main(rank: int, world: int) -> dict[str, Any]:
             "buffers": [b.clone() for b in run.model.buffers()],
             "layers": set(run.pre.layers),
             "stats": run.pre.comm_stats(),
+            "workers": {n: p.grad_workers for n, p in run.pre.strategy.placement.items()},
             "factor_dtypes": {a.dtype for a, g in run.pre.factors().values()}
             | {g.dtype for a, g in run.pre.factors().values()},
         }
+        if key == "cnn-eigen-local":
+            out["local-checkpoint"] = _local_checkpoint(run)
+        if key == "cnn-eigen-mem-opt":
+            out[key]["full"] = _full_here(run)
     if world == 2:
         out["errors"] = _refusals()
     return out
@@ -185,7 +229,7 @@ _spawned = once_per_key(lambda world: run_distributed(_rank_main, world, timeout
         (world, key)
         for world, cases in CASES.items()
         for key in cases
-        if "bf16" not in key and not key.startswith("bn")
+        if "bf16" not in key and "local" not in key and not key.startswith("bn")
     ],
 )
 def test_sharded_model_trains_as_serial(world: int, key: str) -> None:
@@ -263,6 +307,149 @@ def test_the_gradient_exchange_is_on_the_ledger(world: int) -> None:
     assert stats["total"]["preconditioned"] == 0  # replicated: every rank preconditions
 
 
+def _cnn_exchange(world: int, workers: dict[str, tuple[int, ...]], hsdp: bool) -> Any:
+    """The owner exchange's bytes a step for the CNN (weights and biases of its three
+    layers, float64) under a placement: :func:`exchange_bytes` of its shapes."""
+    shard_group = world // 2 if hsdp else world
+    shapes = {"0": (3, 18), "3": (6, 48), "6": (3, 6)}  # conv (3, 2, 3, 3), linear, linear
+    params: list[ShardedParam] = []
+    layers: list[LayerRows] = []
+    for name, (rows, cols) in shapes.items():
+        first = len(params)
+        params += [ShardedParam(rows, cols, 8, shard_group), ShardedParam(rows, 1, 8, shard_group)]
+        sources = tuple(serving_worker(workers[name], world, d) for d in range(world))
+        layers.append(LayerRows(((first, 0, rows), (first + 1, 0, rows)), workers[name], sources))
+    shard = [rank % shard_group for rank in range(world)]
+    replica = [rank // shard_group for rank in range(world)]
+    return exchange_bytes(params, layers, shard, replica)
+
+
+def _full_here(run: Any) -> dict[str, list[str]]:
+    """The parameters whose full gradient this rank holds in a step, and the parameters of
+    the layers it preconditions."""
+    layout = run.pre.layout
+    everything = frozenset(range(len(layout.params)))
+    full = sorted(layout.params[i].name for i in layout.exchange.needed(everything))
+    owned = sorted(
+        name
+        for layer, state in run.pre.layers.items()
+        if run.pre.strategy.preconditions(layer)
+        for name in (f"{layer}.weight", f"{layer}.bias")
+    )
+    return {"full": full, "owned": owned}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_under_the_owner_exchange_a_rank_holds_only_its_layers_full_gradients(world: int) -> None:
+    held = [r["cnn-eigen-mem-opt"]["full"] for r in _spawned(world)]
+    for rank, here in enumerate(held):
+        assert here["full"] == here["owned"], f"rank {rank}"
+    every = [name for here in held for name in here["full"]]
+    assert len(every) == len(set(every)) == 6  # each of the 3 layers' 2 tensors, once
+
+
+@pytest.mark.parametrize(
+    ("world", "key"),
+    [
+        (2, "cnn-eigen-mem-opt"),
+        (2, "cnn-eigen-kaisa-half"),
+        (4, "cnn-eigen-mem-opt"),
+        (4, "cnn-eigen-kaisa-half"),
+        (4, "cnn-eigen-hsdp-kaisa-half"),
+    ],
+)
+def test_the_owner_exchange_moves_the_bytes_of_its_formula(world: int, key: str) -> None:
+    # rows to the grad workers ("gradients") and each rank's rows of the results back
+    # ("preconditioned"), one all_to_all per bucket each way, and nothing else of them
+    for rank, result in enumerate(_spawned(world)):
+        stats = result[key]["stats"]
+        want = _cnn_exchange(world, result[key]["workers"], "hsdp" in key)
+        assert want["gradients"] > 0 and want["preconditioned"] > 0
+        assert stats["total"]["gradients"] == STEPS * want["gradients"], f"rank {rank}"
+        assert stats["total"]["preconditioned"] == STEPS * want["preconditioned"], f"rank {rank}"
+        assert stats["by_collective"]["all_to_all"] == STEPS * sum(want.values()), f"rank {rank}"
+        assert stats["by_collective"]["all_gather"] == 0
+
+
+def _local_checkpoint(run: Any) -> dict[str, Any]:
+    """What a local-mode checkpoint saves, and the solver states' shapes before and after
+    loading it (each rank's own rows' block of G, recomputed from the saved factors)."""
+
+    def shapes() -> dict[str, list[tuple[int, ...]]]:
+        return {
+            name: sorted(tuple(t.shape) for t in (layer.solver_state or {}).values())
+            for name, layer in run.pre.layers.items()
+        }
+
+    before = shapes()
+    state = run.pre.state_dict(include_inverses=True)
+    run.pre.load_state_dict(state)
+    return {
+        "saved": {name: sorted(entry) for name, entry in state["layers"].items()},
+        "before": before,
+        "after": shapes(),
+        "rows": {name: (r.start, r.stop) for name, r in run.pre.layout.local_rows().items()},
+    }
+
+
+def test_a_local_mode_checkpoint_keeps_the_factors_and_recomputes_each_ranks_states() -> None:
+    # the solver states differ by rank (each its rows' block of G): none is saved, and
+    # each rank recomputes its own at load
+    results = [r["local-checkpoint"] for r in _spawned(2)]
+    assert results[0]["rows"] != results[1]["rows"]
+    for result in results:
+        assert all(keys == ["A", "G"] for keys in result["saved"].values()), result["saved"]
+        assert result["after"] == result["before"]
+        assert all(result["after"].values())
+    assert results[0]["before"] != results[1]["before"]  # e.g. conv: 2 and 1 rows of 3
+
+
+def _block_diagonal_g(parts: int) -> Any:
+    """Serial K-FAC with each Linear / Conv2d layer's ``G`` block-diagonal: the blocks of
+    the rows ``torch.chunk`` gives ``parts`` shards, the rest zeroed (the oracle of the
+    local mode)."""
+    original = LayerState.solver_inputs
+
+    def solver_inputs(self: LayerState) -> dict[str, Any]:
+        inputs = original(self)
+        if not self.block.rows_are_outputs:
+            return inputs
+        g = inputs["G"]
+        chunk = math.ceil(g.shape[0] / parts)
+        mask = torch.zeros_like(g)
+        for start in range(0, g.shape[0], chunk):
+            mask[start : start + chunk, start : start + chunk] = 1.0
+        return {**inputs, "G": g * mask}
+
+    return mock.patch.object(LayerState, "solver_inputs", solver_inputs)
+
+
+@pytest.mark.parametrize(
+    ("world", "key"),
+    [(world, key) for world, cases in CASES.items() for key in cases if "local" in key],
+)
+def test_local_mode_is_serial_kfac_with_a_block_diagonal_g(world: int, key: str) -> None:
+    # each rank its own rows: the full A, its rows' diagonal block of G; embeddings and
+    # attention (rows that are not output rows) whole, as under "exact"
+    shard_group = world // 2 if "hsdp" in key else world
+    with _block_diagonal_g(shard_group):
+        oracle = _train(None, world, CASES[world][key])
+    results = [r[key]["params"] for r in _spawned(world)]
+    assert_ranks_match(results, oracle.params(), label=f"{world} ranks, {key}", **TOL)
+    exact = _train(None, world, CASES[world][key])  # the serial update, G whole
+    moved = max((a - b).abs().max().item() for a, b in zip(results[0], exact.params(), strict=True))
+    assert moved > 1e-6  # the off-diagonal blocks matter: not the exact run
+
+
+def test_local_mode_moves_no_gradient_and_no_solver_state() -> None:
+    # the CNN's layers are all Linear / Conv2d: only the factors' all-reduce travels
+    for world, key in ((2, "cnn-eigen-local"), (4, "cnn-eigen-hsdp-local")):
+        for result in _spawned(world):
+            total = result[key]["stats"]["total"]
+            assert total["factors"] > 0
+            assert total["gradients"] == total["preconditioned"] == total["inverses"] == 0
+
+
 # ---------------------------------------------------------------- refusals
 def _message(build: Callable[[], Any]) -> str:
     try:
@@ -292,6 +479,15 @@ def _refusals() -> dict[str, str]:
         "mixed": _message(lambda: KFACPreconditioner(mixed)),
         "shard1": _message(lambda: KFACPreconditioner(tensor_parallel)),
         "spngd": _message(lambda: KFACPreconditioner(sharded, strategy="spngd")),
+        "local-mem-opt": _message(
+            lambda: KFACPreconditioner(sharded, strategy="mem-opt", shard_exchange="local")
+        ),
+        "local-plain": _message(lambda: KFACPreconditioner(make_model(), shard_exchange="local")),
+        "local-blocks": _message(
+            lambda: KFACPreconditioner(
+                sharded, method="eigen_adam", shard_exchange="local", basis_block_size=2
+            )
+        ),
         "fsdp1": _message(_fsdp1),
     }
 
@@ -309,6 +505,9 @@ def _fsdp1() -> Any:
         ("shard1", r"parameter '3.weight' has placements \(Shard\(dim=1\),\).*not supported"),
         ("spngd", r'strategy="spngd" cannot apply .* use one of'),
         ("fsdp1", r"FSDP1's FullyShardedDataParallel .*fully_shard on each block"),
+        ("local-mem-opt", r'shard_exchange="local" .*strategy="mem-opt" cannot.*"replicated"'),
+        ("local-plain", r'shard_exchange="local" .*plain tensors.*shard_exchange="exact"'),
+        ("local-blocks", r'shard_exchange="local" .*basis_block_size'),
     ],
 )
 def test_unsupported_sharding_is_refused_at_construction(case: str, pattern: str) -> None:

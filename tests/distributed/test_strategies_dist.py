@@ -257,6 +257,7 @@ def test_case_matches_serial_and_ledger(world: int, config: Config, world_run: W
                 "reduce_scatter": PACKED_FACTORS + GRADS,
                 "all_gather": GRADS,
                 "reduce": 0,
+                "all_to_all": 0,
             }, label
         owned = [n for n in DIMS if OWNERS[world][n] == rank]
         if strategy != "replicated":  # only owned layers' factors are kept

@@ -15,7 +15,7 @@ does not break the others.
     python -m dkfac.bench suite --threads 1   # six families, the default vs peers
     python -m dkfac.bench soak --steps 10000 --method eigen
     python -m dkfac.bench phases muon adamw benchmarks/recipes/gpt-text.toml   # step phases
-    python -m dkfac.bench conv-paths   # and: fsdp-memory, fsdp-step, accumulation
+    python -m dkfac.bench conv-paths   # and: fsdp-memory, fsdp-step, shard-exchange, ...
     python -m dkfac.bench report    # BENCHMARKS.md and its plots from benchmarks/results/
 """
 
@@ -55,6 +55,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fsdp-step": (
         "dkfac.bench.fsdp_step",
         "K-FAC's step time against AdamW's under FSDP2, interleaved, medians of seeds",
+    ),
+    "shard-exchange": (
+        "dkfac.bench.shard_exchange",
+        "K-FAC under FSDP2: exact vs local mode vs serial, digits and lm",
     ),
     "accumulation": (
         "dkfac.bench.accumulation",

@@ -20,36 +20,24 @@ seed; step times on a shared machine are indicative only. Memory and bytes are e
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import queue as queues
-import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from dkfac import KFACOptimizer
 from dkfac.app.gpt import GPT
 from dkfac.bench.common import command_line, machine_info, write_result
+from dkfac.bench.gloo_ranks import run_ranks
 
-__all__ = [
-    "INTERVALS",
-    "SIZES",
-    "init_rank",
-    "local_bytes",
-    "main",
-    "sharded_gpt",
-    "spawn_ranks",
-]
+__all__ = ["INTERVALS", "SIZES", "local_bytes", "main", "sharded_gpt"]
 
 SIZES = {"layers": 4, "width": 64, "heads": 4}
 SEQ, PER_RANK, VOCAB = 32, 8, 256
@@ -129,21 +117,9 @@ def _run(rank: int, name: str, intervals: tuple[int, int], steps: int) -> dict[s
     return out
 
 
-def init_rank(rank: int, world: int, port: int, threads: int = 1) -> None:
-    """A spawned rank's gloo process group on 127.0.0.1, ``threads`` torch threads."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=1800),
-    )
-
-
-def _worker(rank: int, world: int, port: int, results: Any, steps: int) -> None:
-    init_rank(rank, world, port)
+def _record_all(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Every configuration on this rank (inside the process group of :func:`run_world`)."""
+    del world
     record = {}
     _run(rank, "adamw", INTERVALS[0], 5)  # warm-up, thrown away: the first run pays
     for intervals in INTERVALS:
@@ -152,55 +128,7 @@ def _worker(rank: int, world: int, port: int, results: Any, steps: int) -> None:
                 continue
             key = name if name == "adamw" else f"{name}@{intervals[0]},{intervals[1]}"
             record[key] = _run(rank, name, intervals, steps)
-    results.put((rank, record))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def spawn_ranks(
-    target: Callable[..., None], world: int, args: tuple[Any, ...], timeout: float
-) -> list[Any]:
-    """Runs ``target(rank, world, port, results, *args)`` on ``world`` spawned ranks; each
-    rank puts ``(rank, record)`` on ``results``. Returns the records in rank order.
-
-    Raises:
-        RuntimeError: If a rank does not report within ``timeout`` seconds.
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=target, args=(r, world, port, results, *args)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    per_rank: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + timeout
-        while len(per_rank) < world:
-            left = deadline - time.monotonic()
-            try:
-                rank, record = results.get(timeout=min(max(left, 0.1), 1.0))
-            except queues.Empty:
-                if left <= 0 or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(
-                        f"{world} ranks: {world - len(per_rank)} did not report within "
-                        f"{timeout:g} s (exit codes {[p.exitcode for p in procs]})"
-                    ) from None
-                continue
-            per_rank[rank] = record
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    return [per_rank[r] for r in range(world)]
+    return record
 
 
 def run_world(world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
@@ -209,7 +137,7 @@ def run_world(world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
     Raises:
         RuntimeError: If a rank does not report within ``timeout`` seconds.
     """
-    return spawn_ranks(_worker, world, (steps,), timeout)
+    return run_ranks(_record_all, world, (steps,), timeout)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -42,11 +42,10 @@ from dkfac.bench.fsdp_memory import (
     SEQ,
     SIZES,
     VOCAB,
-    init_rank,
     local_bytes,
     sharded_gpt,
-    spawn_ranks,
 )
+from dkfac.bench.gloo_ranks import run_ranks
 from dkfac.costmodel import extract_layers
 from dkfac.costmodel.sharded import fsdp_bytes
 
@@ -147,12 +146,13 @@ def _profile(model: torch.nn.Module, opt: Any, gen: torch.Generator, steps: int)
     return dict(sorted(phases.items(), key=lambda kv: -kv[1]))
 
 
-def _worker(rank: int, world: int, port: int, results: Any, args: dict[str, Any]) -> None:
-    init_rank(rank, world, port, args["threads"])
+def _record(rank: int, world: int, args: dict[str, Any]) -> dict[Any, Any]:
+    """Every seed's record on this rank (inside :func:`~dkfac.bench.gloo_ranks.run_ranks`'s
+    process group)."""
+    del world
+    torch.set_num_threads(args["threads"])
     keys = ["adamw", *(f"kfac@{f},{i}" for f, i in args["intervals"])]
-    seeds = {seed: _seed(rank, seed, keys, args) for seed in args["seeds"]}
-    results.put((rank, seeds))
-    dist.destroy_process_group()
+    return {seed: _seed(rank, seed, keys, args) for seed in args["seeds"]}
 
 
 def summarise(per_rank: list[dict[int, dict[str, Any]]]) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def summarise(per_rank: list[dict[int, dict[str, Any]]]) -> dict[str, Any]:
 
 def run_world(world: int, args: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Every seed and configuration on ``world`` ranks: per-rank records and the summary."""
-    per_rank = spawn_ranks(_worker, world, (args,), timeout)
+    per_rank = run_ranks(_record, world, (args,), timeout)
     spec = extract_layers(sharded_model_for_spec())
     return {
         "per_rank": per_rank,

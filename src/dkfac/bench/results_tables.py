@@ -377,6 +377,14 @@ def plot_suite(name: str, task: str) -> Callable[[Payloads, str], None]:
     return plot
 
 
+FSDP_STEP_ROWS = (
+    ("adamw", "AdamW"),
+    ("kfac@1,10", "K-FAC (1, 10)"),
+    ("kfac@10,100", "K-FAC (10, 100)"),
+)
+"""The configurations of ``dkfac bench fsdp-step`` the table shows, with their labels."""
+
+
 def fsdp_step_table(name: str) -> Callable[[Payloads], Table]:
     """K-FAC's step against AdamW's, both under FSDP2, per world size: the step (the
     slowest rank's, median over seeds), its ratio to AdamW's (the range over seeds), the
@@ -386,9 +394,7 @@ def fsdp_step_table(name: str) -> Callable[[Payloads], Table]:
         rows = []
         for world, entry in payloads[name]["worlds"].items():
             fsdp = sum(entry["fsdp_bytes_per_step"].values()) / 1024
-            for key, label in (("adamw", "AdamW"), ("kfac@1,10", "K-FAC (1, 10)")) + (
-                ("kfac@10,100", "K-FAC (10, 100)"),
-            ):
+            for key, label in FSDP_STEP_ROWS:
                 row = entry["summary"][key]
                 ratios = row["ratios"]
                 spread = f"{f(min(ratios))}–{f(max(ratios))}" if key != "adamw" else "–"

@@ -181,6 +181,7 @@ class AttentionProjectionBlock(LinearBlock):
     """
 
     module: Projection  # type: ignore[assignment]
+    rows_are_outputs = False  # rows of the shared in_proj_weight, not a whole parameter
 
     def __init__(self, name: str, module: Projection, forward: AttentionForward) -> None:
         super().__init__(name, module)

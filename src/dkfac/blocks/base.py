@@ -159,6 +159,11 @@ class Block(ABC):
     grad_statistics: ClassVar[tuple[str, ...]] = ("G",)
     damping_key: ClassVar[str] = "damping"
     """Which damping of the step applies: ``"damping"`` or ``"bn_damping"``."""
+    rows_are_outputs: ClassVar[bool] = False
+    """Dim 0 of each of its parameters indexes the rows of its ``g_dim × a_dim`` gradient
+    matrix (the ``G`` side), whole (Linear, Conv2d): a rank holding some rows of each can
+    precondition them with the full ``A`` and its rows' diagonal block of ``G``
+    (``shard_exchange="local"``)."""
     cost_kind: ClassVar[str | None] = None
     """The cost model's name of the layer kind (:class:`BlockCost`); ``None``: the cost
     model cannot describe the block (``strategy="auto"`` then falls back to its rule)."""

@@ -94,6 +94,7 @@ class Conv2dBlock(Block):
 
     module: nn.Conv2d
     cost_kind = "conv2d"
+    rows_are_outputs = True
 
     @classmethod
     def declines(cls, module: nn.Module, **options: Any) -> str | None:

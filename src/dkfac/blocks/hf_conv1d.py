@@ -20,6 +20,8 @@ QUALIFIED_NAME = "transformers.pytorch_utils.Conv1D"
 class HFConv1DBlock(LinearBlock):
     """Kronecker factors of a ``transformers`` ``Conv1D`` (a Linear with a transposed weight)."""
 
+    rows_are_outputs = False  # the stored weight's rows are its inputs
+
     @property
     def in_features(self) -> int:
         """``nx``: rows of the stored weight."""

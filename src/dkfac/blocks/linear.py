@@ -15,6 +15,7 @@ class LinearBlock(Block):
 
     module: nn.Linear
     cost_kind = "linear"
+    rows_are_outputs = True
 
     @property
     def in_features(self) -> int:

@@ -51,6 +51,7 @@ __all__ = [
     "OVERLAP_MODES",
     "PLACEMENT_COSTS",
     "REFRESH_KINDS",
+    "SHARD_EXCHANGES",
     "STRATEGY_CHOICES",
     "DistributionConfig",
     "EstimationConfig",
@@ -62,6 +63,7 @@ __all__ = [
     "PlacementCost",
     "RefreshConfig",
     "RefreshKind",
+    "ShardExchange",
     "SolverConfig",
     "StrategyChoice",
     "leftover_adam",
@@ -95,6 +97,8 @@ PlacementCost = Literal["compute", "memory"]
 PLACEMENT_COSTS: tuple[str, ...] = get_args(PlacementCost)
 OverlapMode = Literal["auto", "on", "off"]
 OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
+ShardExchange = Literal["exact", "local"]
+SHARD_EXCHANGES: tuple[str, ...] = get_args(ShardExchange)
 RefreshKind = Literal["fixed", "adaptive"]
 REFRESH_KINDS: tuple[str, ...] = get_args(RefreshKind)
 LeftoverUpdate = Literal["auto", "gradient", "adam"]
@@ -512,6 +516,13 @@ class DistributionConfig:
             ``find_unused_parameters=False``; ``"on"``: always (a rank that misses a layer
             raises ``RuntimeError`` in ``step()``); ``"off"``: reduce everything in
             ``step()`` after the ranks agree which layers ran (data-dependent branches).
+        shard_exchange: For a model sharded with FSDP2 / HSDP (``fully_shard``):
+            ``"exact"`` (default) moves gradient rows so that every layer is preconditioned
+            whole (the serial update); ``"local"`` has each rank precondition its own rows
+            of each Linear / Conv2d layer with the full ``A`` and its own diagonal block of
+            ``G`` (no gradient traffic; the serial update with a block-diagonal ``G``),
+            other layers whole as under ``"exact"``. ``"local"`` needs a sharded model and
+            ``strategy="replicated"`` (or ``"auto"``, which then takes it).
     """
 
     strategy: StrategyChoice = "replicated"
@@ -520,6 +531,7 @@ class DistributionConfig:
     pack_triangles: bool | None = None
     placement_cost: PlacementCost = "compute"
     overlap_comm: OverlapMode = "auto"
+    shard_exchange: ShardExchange = "exact"
 
     def __post_init__(self) -> None:
         self._check_distribution()
@@ -537,6 +549,7 @@ class DistributionConfig:
         check_bool("pack_triangles", self.pack_triangles, optional=True)
         check_choice("placement_cost", self.placement_cost, PLACEMENT_COSTS)
         check_choice("overlap_comm", self.overlap_comm, OVERLAP_MODES)
+        check_choice("shard_exchange", self.shard_exchange, SHARD_EXCHANGES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ Placement has two parts:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "grad_worker_groups",
     "grad_workers_for",
     "plan_placement",
+    "serving_worker",
     "shard_offsets",
     "shard_sizes",
 ]
@@ -154,6 +155,21 @@ def grad_receiver_groups(world_size: int, grad_worker_fraction: float) -> list[l
     n = grad_worker_count(world_size, grad_worker_fraction)
     size = world_size // n
     return [list(range(j * size, (j + 1) * size)) for j in range(n)]
+
+
+def serving_worker(grad_workers: Sequence[int], world_size: int, index: int) -> int:
+    """The grad worker that delivers a layer's preconditioned gradient to rank ``index``.
+
+    It is the one member of ``grad_workers`` inside ``index``'s grad-receiver block
+    (:func:`grad_receiver_groups`, blocks of ``P / n`` ranks): ``index`` itself when it is
+    one of them.
+
+    Args:
+        grad_workers: The layer's grad workers, ascending (one per receiver block).
+        world_size: Number of ranks ``P``.
+        index: The receiving rank.
+    """
+    return grad_workers[index // (world_size // len(grad_workers))]
 
 
 def _check_rank(name: str, rank: int, world_size: int) -> None:

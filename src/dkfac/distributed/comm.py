@@ -32,6 +32,8 @@ operation                             recorded collective  bytes recorded on eve
 ``reduce_to_owners_mixed(...)``       ``reduce_scatter``   Σ size(t) per kind, as above
 ``all_gather_from_owners(ts, own.)``  ``all_gather``       Σ size(t) over *all* tensors
 ``all_gather_rows(t)``                ``all_gather``       P · size(t) (the gathered result)
+``all_to_all(send, ..., nbytes)``     ``all_to_all``       ``nbytes``: what *all* ranks send to
+                                                           others (the caller's plan knows it)
 ====================================  ===================  ==================================
 
 Example: ``all_reduce`` of a 3×4 and a 5-element float32 tensor records
@@ -64,11 +66,20 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Kind = Literal["gradients", "factors", "inverses", "preconditioned"]
-Collective = Literal["all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce"]
+Collective = Literal[
+    "all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce", "all_to_all"
+]
 ReduceOpName = Literal["mean", "sum"]
 
 KINDS: tuple[str, ...] = ("gradients", "factors", "inverses", "preconditioned")
-COLLECTIVES: tuple[str, ...] = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce")
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter",
+    "all_gather",
+    "reduce",
+    "all_to_all",
+)
 
 
 class CommLedger:
@@ -496,6 +507,56 @@ class Communicator:
         self.ledger.record(kind, "all_gather", out.numel() * out.element_size())
         with torch.profiler.record_function("dkfac.comm.all_gather"):
             work = dist.all_gather(parts, source, group=self.group, async_op=True)
+        return out, CommHandle([work])
+
+    def all_to_all(
+        self,
+        send: Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int],
+        kind: Kind,
+        nbytes: int,
+    ) -> tuple[Tensor, CommHandle]:
+        """Sends ``send_counts[j]`` entries of the flat ``send`` to the ``j``-th rank of the
+        group (in order) and receives ``recv_counts[j]`` from it (one ``all_to_all_single``).
+
+        Args:
+            send: A 1-D tensor of ``sum(send_counts)`` entries.
+            send_counts: Entries for each rank of the group (this rank's own included).
+            recv_counts: Entries from each rank of the group.
+            kind: Ledger kind.
+            nbytes: What the ledger records: the bytes every rank together sends to others,
+                the same on every rank (the plan that made the counts knows it).
+
+        Returns:
+            ``(out, handle)``: ``out`` holds the received entries, by sending rank, after
+            ``handle.wait()`` (``send`` itself, with a no-op handle, when inactive).
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
+            raise ValueError(
+                f"send_counts and recv_counts need one entry per rank ({self.world_size}), got "
+                f"{len(send_counts)} and {len(recv_counts)}"
+            )
+        if send.dim() != 1 or send.numel() != sum(send_counts):
+            raise ValueError(
+                f"send must be 1-D with sum(send_counts) = {sum(send_counts)} entries, got shape "
+                f"{tuple(send.shape)}"
+            )
+        if not self.active:
+            return send, CommHandle()
+        out = send.new_empty(sum(recv_counts))
+        self.ledger.record(kind, "all_to_all", nbytes)
+        with torch.profiler.record_function("dkfac.comm.all_to_all"):
+            work = dist.all_to_all_single(
+                out,
+                send,
+                list(recv_counts),
+                list(send_counts),
+                group=self.group,
+                async_op=True,
+            )
         return out, CommHandle([work])
 
     # ------------------------------------------------------------- control messages

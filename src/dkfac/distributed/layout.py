@@ -5,159 +5,54 @@ With DDP (or one process) every rank holds every weight and its whole averaged g
 (``torch.distributed.fsdp.fully_shard``) and HSDP (``fully_shard`` on a 2-D mesh, replicate
 × shard) each weight and its averaged gradient are DTensors cut on dim 0 (output rows /
 output channels) over the shard dimension of the mesh: the *sharded* layout,
-:class:`ShardedLayout`.
+:class:`ShardedLayout` (found and checked by :func:`~dkfac.distributed.sharding.find_layout`).
 
 The hooks see full activations and full output gradients either way (a layer runs on
 unsharded weights), so factors are built and reduced as with DDP. What the sharded layout
-adds is the gradient exchange around the step (:meth:`ShardedLayout.full_gradients`): every
-rank's rows of the preconditioned layers' gradients are gathered (one all-gather per bucket
-of about ``bucket_bytes``, over the shard group, recorded as ``"gradients"`` on the ledger),
-the step runs on the full averaged gradients exactly as under DDP (so every strategy whose
-math is the serial math stays exact), and each rank keeps its own rows of the result.
+adds is the gradient exchange around the step (:meth:`ShardedLayout.full_gradients`),
+chosen for the strategy by :meth:`ShardedLayout.attach`:
 
-:func:`find_layout` checks a model at construction and refuses, naming the parameter and what
-is allowed: a model where some trainable parameters are DTensors and others not, a placement
-other than ``Shard(0)`` / ``Replicate()`` (tensor parallelism's ``Shard(1)``), DTensors on
-different meshes, FSDP1's ``FullyShardedDataParallel`` wrapper, and ``strategy="spngd"``
-(which reduces unreduced gradients itself; FSDP2 has already reduced them).
+* where every rank preconditions every layer, every rank's rows of the preconditioned
+  layers' gradients are all-gathered (one all-gather per bucket of about ``bucket_bytes``,
+  over the shard group, recorded as ``"gradients"``), the step runs on the full averaged
+  gradients exactly as under DDP, and each rank keeps its own rows of the result;
+* where only some ranks precondition a layer, the owner exchange
+  (:mod:`~dkfac.distributed.shard_exchange`) sends the rows only to them and each rank's
+  rows of the results back.
+
+Either way the strategy's math is the serial math, so every strategy that is exact under
+DDP stays exact.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+import itertools
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from dkfac.distributed.comm import CommLedger, Communicator
+from dkfac.distributed.shard_exchange import Delivery, OwnerDelivery, OwnerExchange
+from dkfac.distributed.shard_local import LocalDelivery, LocalRowsStrategy
+from dkfac.distributed.shard_params import (
+    ShardedParameter,
+    grad_local,
+    keep_local,
+    keep_rows,
+    own_rows,
+    row_numel,
+    set_local_grad,
+)
+from dkfac.distributed.shard_plan import LayerRows, ShardedParam
+from dkfac.distributed.strategy_base import Strategy
 
-__all__ = ["ShardedLayout", "find_layout"]
+__all__ = ["ShardedLayout"]
 
-_STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "auto")
-"""Strategies offered with the sharded layout (``auto`` never picks ``spngd`` here)."""
-
-
-def _is_fsdp1(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # a build without FSDP1
-        return False
-    return isinstance(module, FullyShardedDataParallel)
-
-
-@dataclass
-class _Sharded:
-    """One sharded parameter: where it sits in the model and how it is cut.
-
-    Attributes:
-        name: Its (first) qualified name.
-        param: The DTensor parameter.
-        slots: Every ``(module, attribute)`` that holds it (tied weights: several).
-        mesh_dim: The mesh dimension it is cut along (``None``: replicated DTensor).
-    """
-
-    name: str
-    param: DTensor
-    slots: list[tuple[nn.Module, str]]
-    mesh_dim: int | None
-
-    @property
-    def parts(self) -> int:
-        """Shards along dim 0 (1 for a replicated DTensor)."""
-        return 1 if self.mesh_dim is None else self.param.device_mesh.size(self.mesh_dim)
-
-    def chunk_rows(self) -> int:
-        """Rows of the largest shard (``torch.chunk``'s cut, as DTensor's ``Shard(0)``)."""
-        return math.ceil(self.param.shape[0] / self.parts)
-
-    def rows_of(self, index: int) -> tuple[int, int]:
-        """``[start, end)`` rows of shard ``index`` (empty past the end)."""
-        chunk = self.chunk_rows()
-        start = min(index * chunk, self.param.shape[0])
-        return start, min(start + chunk, self.param.shape[0])
-
-    def index(self) -> int:
-        """This rank's shard along the mesh dimension."""
-        return 0 if self.mesh_dim is None else self.param.device_mesh.get_local_rank(self.mesh_dim)
-
-
-def _placement_problem(name: str, param: Any) -> str | None:
-    placements = tuple(param.placements)
-    allowed = all(p == Shard(0) or isinstance(p, Replicate) for p in placements)
-    if allowed and sum(p == Shard(0) for p in placements) <= 1:
-        return None
-    return (
-        f"parameter {name!r} has placements {placements}: K-FAC takes parameters sharded on "
-        "dim 0 over at most one mesh dimension, Shard(0) and Replicate() (FSDP2's "
-        "fully_shard, HSDP); tensor parallelism (Shard(1), or dim 0 cut twice) is not "
-        "supported"
-    )
-
-
-def find_layout(
-    model: nn.Module,
-    layer_params: Mapping[str, Sequence[Tensor]],
-    *,
-    strategy: str,
-    ledger: CommLedger,
-    bucket_bytes: int,
-) -> ShardedLayout | None:
-    """The sharded layout of ``model``, ``None`` when its parameters are plain tensors.
-
-    Args:
-        model: The model handed to the preconditioner (wrappers included).
-        layer_params: The parameters each preconditioned layer takes, by layer name.
-        strategy: The configured strategy.
-        ledger: Where the gradient exchange records its bytes (the preconditioner's).
-        bucket_bytes: Size of one all-gather bucket.
-
-    Raises:
-        ValueError: For FSDP1, a mix of DTensor and plain parameters, a placement other
-            than ``Shard(0)``/``Replicate()``, DTensors on different meshes, or a strategy
-            that cannot apply to sharded parameters.
-    """
-    for name, module in [("", model), *model.named_modules()]:
-        if _is_fsdp1(module):
-            where = f" (at {name!r})" if name else ""
-            raise ValueError(
-                f"FSDP1's FullyShardedDataParallel{where} flattens parameters into flat "
-                "buffers that K-FAC cannot see as layers; shard the model with FSDP2 "
-                "(torch.distributed.fsdp.fully_shard on each block, then on the root), or "
-                "use DistributedDataParallel"
-            )
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sharded = [(n, p) for n, p in named if isinstance(p, DTensor)]
-    if not sharded:
-        return None
-    plain = [n for n, p in named if not isinstance(p, DTensor)]
-    if plain:
-        raise ValueError(
-            f"parameter {plain[0]!r} is a plain tensor while {sharded[0][0]!r} is a DTensor: "
-            "K-FAC needs every trainable parameter in one layout; apply fully_shard to the "
-            "root module too (or to none, under DDP)"
-        )
-    mesh = sharded[0][1].device_mesh
-    for name, param in sharded:
-        problem = _placement_problem(name, param)
-        if problem is not None:
-            raise ValueError(problem)
-        if param.device_mesh != mesh:
-            raise ValueError(
-                f"parameter {name!r} lives on another device mesh than {sharded[0][0]!r}; "
-                "K-FAC needs one FSDP/HSDP mesh for the whole model"
-            )
-    if strategy not in _STRATEGIES:
-        raise ValueError(
-            f'strategy="{strategy}" cannot apply to a model sharded with fully_shard: it '
-            "reduces unreduced gradients itself, and FSDP2 has already reduce-scattered them; "
-            f"use one of {', '.join(repr(s) for s in _STRATEGIES)}"
-        )
-    return ShardedLayout(model, layer_params, ledger=ledger, bucket_bytes=bucket_bytes)
+ParameterPart = tuple[Tensor, slice | None]
+"""A parameter a layer reads and its rows (``None``: all), as blocks describe them."""
 
 
 class ShardedLayout:
@@ -184,7 +79,7 @@ class ShardedLayout:
             for attr, param in module._parameters.items():
                 if param is not None:
                     slots.setdefault(id(param), []).append((module, attr))
-        self.params: list[_Sharded] = []
+        self.params: list[ShardedParameter] = []
         seen: set[int] = set()
         for params in layer_params.values():
             for tensor in params:
@@ -193,7 +88,7 @@ class ShardedLayout:
                 seen.add(id(tensor))
                 dims = [i for i, p in enumerate(tensor.placements) if p == Shard(0)]
                 self.params.append(
-                    _Sharded(
+                    ShardedParameter(
                         names[id(tensor)], tensor, slots[id(tensor)], dims[0] if dims else None
                     )
                 )
@@ -203,22 +98,146 @@ class ShardedLayout:
         group = None if mesh is None or self.mesh_dim is None else mesh.get_group(self.mesh_dim)
         self.comm = Communicator(group, ledger=ledger, bucket_bytes=bucket_bytes)
 
+        self.exchange: OwnerExchange | None = None
+        self.local: frozenset[str] = frozenset()
+        """Layers each rank preconditions on its own rows (``shard_exchange="local"``)."""
+        self.local_params: frozenset[int] = frozenset()
+        self._local_rows: dict[str, slice] = {}
+        self.partial: frozenset[str] = frozenset()
+        """Layers whose full gradient this rank never holds (the owner exchange's layers it
+        does not precondition): ``step()`` reads only whether they have a gradient, and
+        their results arrive as rows after it."""
+
+    def attach(
+        self,
+        strategy: Strategy,
+        parts: Mapping[str, Sequence[ParameterPart]],
+        local: Collection[str] = (),
+    ) -> Delivery:
+        """Chooses how gradients move for ``strategy``; returns what delivers its results.
+
+        Where every rank preconditions every layer (``replicated``, ``kaisa`` with fraction
+        1) each rank all-gathers every full gradient and keeps its rows: the strategy
+        delivers (nothing travels). With ``local`` layers (``shard_exchange="local"``,
+        :mod:`~dkfac.distributed.shard_local`) each rank keeps its own rows of theirs and
+        preconditions those alone; the other layers are all-gathered. Otherwise the owner
+        exchange (:mod:`~dkfac.distributed.shard_exchange`) moves rows to the grad workers
+        and each rank's rows of the results back, and :class:`OwnerDelivery` replaces the
+        strategy's broadcast of preconditioned gradients.
+
+        Args:
+            strategy: The built strategy (its communicator's ranks are placement indices);
+                a :class:`LocalRowsStrategy` with ``local`` layers.
+            parts: Layer name -> the parameters it reads, with their rows (``None``: all).
+            local: Layers each rank preconditions on its own rows (whose parameters no
+                other layer reads).
+
+        Raises:
+            ValueError: If rows must travel between ranks and the strategy's group is not
+                the set of ranks of the model's mesh.
+        """
+        if local:
+            return self._attach_local(strategy, parts, local)
+        if strategy.workers_per_layer >= strategy.world_size or not self.params:
+            return strategy
+        shard, replica = self._positions(strategy.comm.ranks, strategy.name)
+        index = {id(s.param): i for i, s in enumerate(self.params)}
+        shapes = [
+            ShardedParam(
+                rows=s.param.shape[0],
+                row_numel=row_numel(s.param),
+                itemsize=s.param.element_size(),
+                parts=s.parts,
+            )
+            for s in self.params
+        ]
+        layers: dict[str, LayerRows] = {}
+        for name, layer_parts in parts.items():
+            rows = []
+            for param, cut in layer_parts:
+                if id(param) not in index:
+                    continue
+                start, stop = (0, param.shape[0]) if cut is None else (cut.start, cut.stop)
+                rows.append((index[id(param)], start, stop))
+            workers = strategy.placement[name].grad_workers
+            sources = tuple(strategy.source(name, d) for d in range(strategy.world_size))
+            layers[name] = LayerRows(tuple(rows), workers, sources)
+        self.partial = frozenset(name for name in parts if not strategy.preconditions(name))
+        self.exchange = OwnerExchange(
+            [s.param for s in self.params], shapes, layers, shard, replica, strategy.comm
+        )
+        return OwnerDelivery(strategy)
+
+    def _attach_local(
+        self,
+        strategy: Strategy,
+        parts: Mapping[str, Sequence[ParameterPart]],
+        local: Collection[str],
+    ) -> Delivery:
+        """The local mode: see :meth:`attach`."""
+        assert isinstance(strategy, LocalRowsStrategy)
+        index = {id(s.param): i for i, s in enumerate(self.params)}
+        shared = {
+            index[id(param)]
+            for name, layer_parts in parts.items()
+            if name not in local
+            for param, _ in layer_parts
+            if id(param) in index
+        }
+        self.local = frozenset(
+            name for name in local if all(index.get(id(p)) not in shared for p, _ in parts[name])
+        )
+        self.local_params = frozenset(
+            index[id(p)] for name in self.local for p, _ in parts[name] if id(p) in index
+        )
+        self._local_rows = {}
+        for name in self.local:
+            first = next((index[id(p)] for p, _ in parts[name] if id(p) in index), None)
+            if first is not None:
+                s = self.params[first]
+                self._local_rows[name] = slice(*own_rows(s))
+        _, replica = self._positions(strategy.comm.ranks, "replicated")
+        return LocalDelivery(strategy, self.local, replica[strategy.index] == 0)
+
+    def local_rows(self) -> dict[str, slice]:
+        """Layer name -> the rows of it this rank preconditions alone (local mode)."""
+        return dict(self._local_rows)
+
+    def _positions(self, ranks: Sequence[int], strategy: str) -> tuple[list[int], list[int]]:
+        """Each rank's shard index and shard group on the model's mesh (placement order)."""
+        mesh = self.params[0].param.device_mesh
+        grid = mesh.mesh
+        coords = {
+            int(grid[coord].item()): coord for coord in itertools.product(*map(range, grid.shape))
+        }
+        if set(coords) != set(ranks):
+            raise ValueError(
+                f'strategy="{strategy}" on a sharded model sends gradient rows between the '
+                f"ranks of the model's mesh {sorted(coords)}, and the preconditioner's process "
+                f"group holds ranks {sorted(ranks)}: give it the mesh's ranks (the default "
+                'group for one mesh over every rank), or use strategy="replicated"'
+            )
+        shard = [0 if self.mesh_dim is None else coords[rank][self.mesh_dim] for rank in ranks]
+        rest = [tuple(c for i, c in enumerate(coords[r]) if i != self.mesh_dim) for r in ranks]
+        groups = {key: i for i, key in enumerate(dict.fromkeys(rest))}
+        return shard, [groups[key] for key in rest]
+
     @property
     def shards(self) -> int:
         """Ranks a weight is cut over (the shard group's size)."""
         return self.comm.world_size
 
-    def _gather(self, present: list[_Sharded]) -> dict[int, Tensor]:
+    def _gather(self, present: list[ShardedParameter]) -> dict[int, Tensor]:
         """Full gradients of ``present`` (their ``.grad`` set), in buckets of padded shards."""
         full: dict[int, Tensor] = {}
         cut = [s for s in present if s.parts > 1 and self.comm.active]
         for s in present:
             if s not in cut:  # replicated, or one shard: the local tensor is the whole
                 full[id(s.param)] = s.param.grad.to_local()  # type: ignore[union-attr]
-        buckets: list[list[_Sharded]] = []
+        buckets: list[list[ShardedParameter]] = []
         size = 0
         for s in cut:
-            nbytes = s.chunk_rows() * _row_numel(s.param) * s.param.element_size()
+            nbytes = s.chunk_rows() * row_numel(s.param) * s.param.element_size()
             if not buckets or size + nbytes > self.comm.bucket_bytes:
                 buckets.append([])
                 size = 0
@@ -228,10 +247,10 @@ class ShardedLayout:
             full.update(self._gather_bucket(bucket))
         return full
 
-    def _gather_bucket(self, bucket: list[_Sharded]) -> dict[int, Tensor]:
+    def _gather_bucket(self, bucket: list[ShardedParameter]) -> dict[int, Tensor]:
         """One all-gather of the bucket's padded shards; the full gradients it yields."""
         grads = [s.param.grad.to_local() for s in bucket]  # type: ignore[union-attr]
-        sizes = [s.chunk_rows() * _row_numel(s.param) for s in bucket]
+        sizes = [s.chunk_rows() * row_numel(s.param) for s in bucket]
         flat = grads[0].new_zeros(1, sum(sizes))
         offset = 0
         for grad, size in zip(grads, sizes, strict=True):
@@ -245,7 +264,7 @@ class ShardedLayout:
             pieces = []
             for index in range(s.parts):
                 start, end = s.rows_of(index)
-                count = (end - start) * _row_numel(s.param)
+                count = (end - start) * row_numel(s.param)
                 pieces.append(gathered[index, offset : offset + count])
             shape = (s.param.shape[0], *s.param.shape[1:])
             out[id(s.param)] = torch.cat(pieces).reshape(shape)
@@ -261,15 +280,67 @@ class ShardedLayout:
         The stand-ins hold no weights (a zero-stride view of the parameter's shape: the
         step reads only gradients), so the exchange moves gradients only.
         """
-        present = [s for s in self.params if s.param.grad is not None]
+        if self.exchange is not None:
+            with self._exchanged():
+                yield
+            return
+        kept = self.local_params  # their own rows only (local mode)
+        present = [
+            s for i, s in enumerate(self.params) if s.param.grad is not None and i not in kept
+        ]
         full = self._gather(present)
         stand_ins: dict[int, Tensor] = {}
-        for s in self.params:
+        for i, s in enumerate(self.params):
             local = s.param.to_local()
-            stand_in = local.new_zeros(()).expand(s.param.shape)
-            if id(s.param) in full:
+            stand_in = local.new_zeros(()).expand(local.shape if i in kept else s.param.shape)
+            if i in kept and s.param.grad is not None:
+                stand_in.grad = grad_local(s)
+            elif id(s.param) in full:
                 stand_in.grad = full[id(s.param)]
             stand_ins[id(s.param)] = stand_in
+            for module, attr in s.slots:
+                module._parameters[attr] = stand_in  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            for i, s in enumerate(self.params):
+                for module, attr in s.slots:
+                    module._parameters[attr] = s.param  # type: ignore[assignment]
+                grad = stand_ins[id(s.param)].grad
+                if i in kept:
+                    keep_local(s, grad)
+                else:
+                    keep_rows(s, grad)
+
+    @contextlib.contextmanager
+    def _exchanged(self) -> Iterator[None]:
+        """:meth:`full_gradients` with the owner exchange: a parameter this rank reads to
+        precondition a layer gets a full-shape stand-in whose ``.grad`` holds its rows and
+        the rows received (others stay zero); every other one a stand-in of its own rows
+        whose ``.grad`` is its shard's gradient itself. On leaving, each rank's rows of the
+        results arrive from the grad workers that serve it."""
+        exchange = self.exchange
+        assert exchange is not None
+        present = frozenset(i for i, s in enumerate(self.params) if s.param.grad is not None)
+        for index in exchange.completed(present) - present:
+            set_local_grad(self.params[index], self.params[index].param.to_local().new_zeros(()))
+        present = exchange.completed(present)
+        full: dict[int, Tensor] = {}
+        for index in exchange.needed(present):
+            s = self.params[index]
+            local = grad_local(s)
+            grad = local.new_zeros(s.param.shape)
+            start, stop = own_rows(s)
+            grad[start:stop] = local
+            full[index] = grad
+        exchange.gather(present, full)
+        for i, s in enumerate(self.params):
+            local = s.param.to_local()
+            stand_in = local.new_zeros(()).expand(s.param.shape if i in full else local.shape)
+            if i in full:
+                stand_in.grad = full[i]
+            elif i in present:
+                stand_in.grad = grad_local(s)
             for module, attr in s.slots:
                 module._parameters[attr] = stand_in  # type: ignore[assignment]
         try:
@@ -278,64 +349,4 @@ class ShardedLayout:
             for s in self.params:
                 for module, attr in s.slots:
                     module._parameters[attr] = s.param  # type: ignore[assignment]
-                _keep_rows(s, stand_ins[id(s.param)].grad)
-
-
-def _row_numel(param: Tensor) -> int:
-    """Entries in one dim-0 row of ``param``."""
-    return int(math.prod(param.shape[1:]))
-
-
-def _keep_rows(s: _Sharded, grad: Tensor | None) -> None:
-    """Writes this rank's rows of the full ``grad`` into the shard's gradient."""
-    if grad is None:
-        return
-    start, end = s.rows_of(s.index()) if s.parts > 1 else (0, s.param.shape[0])
-    rows = grad[start:end]
-    if s.param.grad is None:  # created by the step (a missing bias gradient, as zeros)
-        local = rows.clone()
-        s.param.grad = DTensor.from_local(
-            local,
-            s.param.device_mesh,
-            s.param.placements,
-            shape=s.param.shape,
-            stride=s.param.stride(),
-        )
-        return
-    sharded_grad = s.param.grad
-    assert isinstance(sharded_grad, DTensor)
-    target = sharded_grad.to_local()
-    if target.data_ptr() != rows.data_ptr():
-        target.copy_(rows)
-
-
-def gather_rows(param: Tensor, local: Tensor) -> Tensor:
-    """The whole of a tensor cut on dim 0 like ``param``, from this rank's rows ``local``.
-
-    For per-parameter state kept on each rank's shard (the leftover Adam moments, as
-    matrices whose dim 0 is the parameter's): a collective over the shard group when
-    ``param`` is a sharded DTensor (checkpoints only: not on the step's ledger); ``local``
-    itself otherwise.
-    """
-    if not isinstance(param, DTensor):
-        return local
-    shape = torch.Size((param.shape[0], *local.shape[1:]))
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    whole = DTensor.from_local(
-        local.contiguous(), param.device_mesh, param.placements, shape=shape, stride=stride
-    )
-    return whole.full_tensor()
-
-
-def own_rows(param: Tensor, whole: Tensor) -> Tensor:
-    """This rank's dim-0 rows of ``whole``, cut as ``param`` is (all of it for a plain one)."""
-    if not isinstance(param, DTensor):
-        return whole
-    dims = [i for i, p in enumerate(param.placements) if p == Shard(0)]
-    if not dims:
-        return whole
-    mesh = param.device_mesh
-    parts, index = mesh.size(dims[0]), mesh.get_local_rank(dims[0])
-    chunk = math.ceil(whole.shape[0] / parts)
-    start = min(index * chunk, whole.shape[0])
-    return whole[start : min(start + chunk, whole.shape[0])]
+            exchange.give_back(present, full)

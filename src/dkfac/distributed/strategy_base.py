@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dkfac.distributed.assignment import plan_placement
+from dkfac.distributed.assignment import plan_placement, serving_worker
 from dkfac.distributed.comm import CommHandle, CommLedger, Communicator
 
 __all__ = ["FactorReduction", "Strategy", "StrategyRule", "join_handles"]
@@ -108,6 +108,10 @@ class Strategy:
 
     name: ClassVar[str] = "strategy"
     rule: ClassVar[StrategyRule]
+    shares_solver_states: ClassVar[bool] = True
+    """A layer's solver state is the same on every rank that holds it (so checkpoints
+    save the owner's); ``False`` where each rank computes its own (the sharded layout's
+    local mode)."""
 
     def __init__(
         self,
@@ -155,6 +159,12 @@ class Strategy:
     def preconditions(self, name: str) -> bool:
         """Whether this rank applies the layer's solver (is one of its grad workers)."""
         return self.index in self.placement[name].grad_workers
+
+    def source(self, name: str, index: int) -> int:
+        """Placement index of the grad worker that delivers the layer's preconditioned
+        gradient to rank ``index`` (``index`` itself where it preconditions the layer)."""
+        workers = self.placement[name].grad_workers
+        return serving_worker(workers, self.world_size, index)
 
     def describe(self, name: str) -> dict[str, Any]:
         """Owner and grad workers of a layer, as global ranks."""
@@ -332,7 +342,7 @@ class Strategy:
             receivers = tuple(range(mine * block, (mine + 1) * block))
             by_source: dict[int, list[Tensor]] = {}
             for name in ready_finite:
-                source = self.placement[name].grad_workers[mine]
+                source = self.source(name, self.index)
                 by_source.setdefault(source, []).append(finals[name])
             comm = self._communicator(receivers)
             join_handles(

@@ -24,6 +24,10 @@ state whatever ``include_inverses`` says: they are coordinates in its basis. The
 every rank that preconditions the layer, and only with that basis: when the state is
 dropped (a method switch, or a checkpoint without it) the moments start afresh, and a layer
 whose solver keeps no moments ignores saved ones.
+
+Where each rank computes its own solver state (a strategy whose ``shares_solver_states``
+is false: the sharded layout's local mode) neither solver states nor moments are saved: a
+loaded checkpoint recomputes the states from the saved factors and starts the moments afresh.
 """
 
 from __future__ import annotations
@@ -82,11 +86,14 @@ def layers_state(
         name: None if layer.moments is None else dict(layer.moments)
         for name, layer in layers.items()
     }
+    shared = strategy.shares_solver_states
+    if not shared:  # each rank's own (the sharded layout's local mode): recomputed at load
+        inverses, moments = dict.fromkeys(inverses), dict.fromkeys(moments)
     if gather:
         running = strategy.gather_to_all(running, devices)
-        if include_inverses or stateful:
+        if (include_inverses or stateful) and shared:
             inverses = strategy.gather_to_all(inverses, devices)
-        if stateful:
+        if stateful and shared:
             moments = strategy.gather_to_all(moments, devices)
         # The same answer on every rank: under dp only owners capture, hence decide.
         if any(layer.solver.deferred or layer.decided for layer in layers.values()):

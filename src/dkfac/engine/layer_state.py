@@ -55,6 +55,9 @@ class LayerState:
         moments: A :attr:`~dkfac.solvers.base.Solver.stateful` solver's moments of the
             gradient, kept on every rank that preconditions the layer (identical copies);
             ``None`` before its first preconditioned step and elsewhere.
+        g_rows: The rows of its gradient this rank preconditions alone (the sharded
+            layout's local mode): the solver then takes ``G``'s diagonal block of them
+            (the rows of a low-rank ``U``); ``None``: all of ``G``.
     """
 
     block: Block
@@ -69,6 +72,7 @@ class LayerState:
     due: frozenset[str] = frozenset()
     decided: dict[str, Any] | None = None
     moments: SolverState | None = None
+    g_rows: slice | None = None
 
     @classmethod
     def create(
@@ -170,8 +174,15 @@ class LayerState:
         return set(self.running) == set(self.block.statistic_shapes())
 
     def solver_inputs(self) -> dict[str, Any]:
-        """The running statistics as the solver takes them (low-rank sides as ``LowRank``)."""
-        return {key: self.kinds[key].solver_input(value) for key, value in self.running.items()}
+        """The running statistics as the solver takes them (low-rank sides as ``LowRank``;
+        ``G`` cut to :attr:`g_rows`)."""
+        inputs = {}
+        for key, value in self.running.items():
+            if key == "G" and self.g_rows is not None:
+                rows = self.g_rows
+                value = value[rows] if self.kinds[key].gathered else value[rows, rows]
+            inputs[key] = self.kinds[key].solver_input(value)
+        return inputs
 
     def factor_kinds(self) -> dict[str, str]:
         """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"``, ``"blockdiag"`` or

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dkfac.config import SolverConfig
-from dkfac.distributed.layout import gather_rows, own_rows
+from dkfac.distributed.shard_rows import gather_rows, own_rows
 from dkfac.engine.finite import finite_each
 from dkfac.solvers import EigenAdamSolver, SolverState
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -31,15 +31,20 @@ MAX_CHECKS = 3
 """Steps on which the check is tried before it is given up (no biased layer had gradients)."""
 
 
-def gradient_ratio(layers: Mapping[str, LayerState], sums: Mapping[str, Tensor]) -> float | None:
+def gradient_ratio(
+    layers: Mapping[str, LayerState], sums: Mapping[str, Tensor], skip: Collection[str] = ()
+) -> float | None:
     """``Σ⟨c, b⟩ / Σ⟨b, b⟩`` over the layers of ``sums``: ``c`` the captured column sums,
     ``b`` the bias gradients as ``step()`` sees them; ``None`` when every ``b`` is zero.
 
     A layer whose gradient is sharded (a ``DTensor``: FSDP2 holds this rank's rows of it
-    at the start of ``step()``, the sums hold every row) is left out."""
+    at the start of ``step()``, the sums hold every row) is left out, and so are the
+    layers of ``skip`` (whose full gradient this rank never holds)."""
     dot = torch.zeros((), dtype=torch.float64)
     norm = torch.zeros((), dtype=torch.float64)
     for name, captured in sums.items():
+        if name in skip:
+            continue
         grad = layers[name].block.weight_grad()
         if grad is None or isinstance(grad, DTensor):
             continue
@@ -92,8 +97,15 @@ class ScalerCheck:
         self.tries = 0
         capture.checking = enabled and capture.config.fisher == "empirical"
 
-    def step(self, layers: Mapping[str, LayerState], grad_scaler: Any, world_size: int) -> None:
-        """At the start of ``step()``: compares this step's sums with the gradients, once."""
+    def step(
+        self,
+        layers: Mapping[str, LayerState],
+        grad_scaler: Any,
+        world_size: int,
+        skip: Collection[str] = (),
+    ) -> None:
+        """At the start of ``step()``: compares this step's sums with the gradients, once
+        (``skip``: layers left out, see :func:`gradient_ratio`)."""
         capture = self.capture
         if not (capture.checking and capture.bias_sums):
             return
@@ -101,7 +113,7 @@ class ScalerCheck:
             capture.checking = False
             return
         self.tries += 1
-        ratio = gradient_ratio(layers, capture.bias_sums)
+        ratio = gradient_ratio(layers, capture.bias_sums, skip)
         if ratio is not None or self.tries >= MAX_CHECKS:
             capture.checking = False
         if ratio is not None:

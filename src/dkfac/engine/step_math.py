@@ -16,13 +16,14 @@ preconditioned layer, whichever rank preconditioned it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dkfac.blocks.base import Block
+from dkfac.distributed.shard_exchange import Delivery
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine import launches
 from dkfac.engine.finite import finite_each
@@ -39,6 +40,7 @@ __all__ = [
     "kept_statistics",
     "kl_clip_scale",
     "precondition",
+    "presence_token",
     "read_flags",
     "sum_of_products",
     "update_inverses",
@@ -214,6 +216,7 @@ def precondition(
     dampings: Mapping[str, float],
     step: int,
     advance: Tensor | None = None,
+    partial: Collection[str] = (),
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Final gradient matrices (or receive buffers) and the layers ready to precondition.
 
@@ -233,6 +236,9 @@ def precondition(
             the moments advance where it holds and keep their values elsewhere, selected
             in the solvers' batched pass; ``None``: advance when every flag in ``finite``
             says the gradient is finite.
+        partial: Layers whose ``grads`` entry is only a :func:`presence_token` (this rank
+            does not precondition them and never holds their full gradient: the sharded
+            layout's owner exchange returns their results, zeros included, after the step).
 
     Returns:
         ``(finals, ready)``: per layer with a gradient, its preconditioned gradient, its
@@ -249,14 +255,17 @@ def precondition(
             continue
         if not finite[name][1]:
             logger.warning(GRADIENT_ZEROED, step, name)
-            layer.block.set_weight_grad(torch.zeros_like(grad))
+            if name not in partial:
+                layer.block.set_weight_grad(torch.zeros_like(grad))
             continue
         is_ready = name in strategy.ready and (
             layer.solver_state is not None or not strategy.preconditions(name)
         )
         if is_ready:
             ready.append(name)
-        if not strategy.preconditions(name):
+        if name in partial:
+            finals[name] = grad
+        elif not strategy.preconditions(name):
             finals[name] = torch.empty_like(grad)
         elif is_ready and layer.solver_state is not None:
             finals[name] = grad  # its place in the order; replaced by its update below
@@ -268,6 +277,13 @@ def precondition(
         if all_finite or advance is not None:
             layers[name].moments = moments
     return finals, ready
+
+
+def presence_token(layer: LayerState) -> Tensor | None:
+    """What ``step()`` reads of a layer whose full gradient this rank never holds: an empty
+    tensor of its gradient's dtype where it has one, ``None`` where it has none."""
+    grad = next((p.grad for p in layer.block.parameters() if p.grad is not None), None)
+    return None if grad is None else grad.new_empty(0)
 
 
 def apply_grouped(
@@ -311,7 +327,7 @@ def apply_grouped(
 
 
 def kl_clip_scale(
-    strategy: Strategy,
+    strategy: Delivery,
     finals: Mapping[str, Tensor],
     ready: Sequence[str],
     grads: Mapping[str, Tensor | None],
@@ -321,7 +337,8 @@ def kl_clip_scale(
     """The KL-clip factor ``ν`` (a 0-d tensor), or ``None`` when there is nothing to clip.
 
     Args:
-        strategy: Picks the layers this rank sums over and adds the partial sums of all ranks.
+        strategy: Picks the layers this rank sums over and adds the partial sums of all ranks
+            (the strategy, or the sharded layout's owner delivery).
         finals: Preconditioned gradients by layer (after :meth:`Strategy.distribute`).
         ready: The preconditioned layers.
         grads: The raw gradient matrices by layer.

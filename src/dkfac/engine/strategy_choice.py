@@ -16,9 +16,10 @@ from dkfac.blocks.base import Block
 from dkfac.config import KFACConfig
 from dkfac.costmodel import DtypeBytes, select_strategy, spec_from_blocks
 from dkfac.distributed.comm import Communicator
+from dkfac.distributed.shard_local import LocalRowsStrategy
 from dkfac.distributed.strategies import Strategy, choose_strategy, make_strategy
 
-__all__ = ["build_strategy", "resolve_auto"]
+__all__ = ["build_strategy", "local_layers", "resolve_auto"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +34,19 @@ def build_strategy(
     """The strategy a preconditioner with ``config`` uses for ``blocks``.
 
     Resolves ``"auto"`` with :func:`resolve_auto` (the cost model's recommendation) and
-    balances inverse owners by ``config.placement_cost``.
+    balances inverse owners by ``config.placement_cost``. With ``shard_exchange="local"``
+    it is the local mode's :class:`~dkfac.distributed.shard_local.LocalRowsStrategy`
+    (``"replicated"`` and ``"auto"`` only).
 
     Raises:
-        ValueError: For ``"spngd"`` with a DDP-wrapped model, or a fraction that does not
-            fit the world size.
+        ValueError: For ``"spngd"`` with a DDP-wrapped model, a fraction that does not fit
+            the world size, or ``shard_exchange="local"`` with a strategy that places
+            layers on owners.
     """
     name: str = config.strategy
+    costs = {layer: block.placement_cost(config.placement_cost) for layer, block in blocks.items()}
+    if config.shard_exchange == "local":
+        return _local_rows_strategy(config, comm, costs)
     if name == "spngd" and ddp_wrapped:
         raise ValueError(
             'strategy="spngd" averages the gradients itself (reduce-scatter to owners, '
@@ -50,7 +57,6 @@ def build_strategy(
     if name == "auto":
         name, fraction = resolve_auto(config, comm.world_size, blocks, ddp_wrapped=ddp_wrapped)
         logger.info("strategy='auto' chose %r (grad_worker_fraction=%g)", name, fraction)
-    costs = {layer: block.placement_cost(config.placement_cost) for layer, block in blocks.items()}
     return make_strategy(
         name,
         comm,
@@ -58,6 +64,40 @@ def build_strategy(
         grad_worker_fraction=fraction,
         pack_triangles=config.pack_triangles,
     )
+
+
+def local_layers(config: KFACConfig, blocks: Mapping[str, Block]) -> list[str]:
+    """The layers ``shard_exchange="local"`` has each rank precondition on its own rows:
+    those whose rows are output rows (:attr:`~dkfac.blocks.base.Block.rows_are_outputs`);
+    none under ``"exact"``.
+
+    Raises:
+        ValueError: For ``"local"`` with ``basis_block_size`` (its ``G`` blocks would not
+            line up with a rank's rows).
+    """
+    if config.shard_exchange != "local":
+        return []
+    if config.basis_block_size is not None:
+        raise ValueError(
+            "shard_exchange=\"local\" cuts G at each rank's rows, which basis_block_size's "
+            "blocks do not line up with: leave basis_block_size=None, or use "
+            'shard_exchange="exact"'
+        )
+    return [name for name, block in blocks.items() if block.rows_are_outputs]
+
+
+def _local_rows_strategy(
+    config: KFACConfig, comm: Communicator, costs: Mapping[str, float]
+) -> Strategy:
+    """``replicated`` with every rank its rows' owner (``shard_exchange="local"``)."""
+    if config.strategy not in ("replicated", "auto"):
+        raise ValueError(
+            f'shard_exchange="local" has every rank precondition its own rows of every '
+            f'layer, which strategy="{config.strategy}" cannot (it places each layer on '
+            'owners): use strategy="replicated" with it, or shard_exchange="exact" with '
+            f'strategy="{config.strategy}"'
+        )
+    return LocalRowsStrategy(comm, costs, pack_triangles=config.pack_triangles)
 
 
 def resolve_auto(
