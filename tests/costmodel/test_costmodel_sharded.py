@@ -34,6 +34,7 @@ from dkfac.costmodel.sharded import (
     predict_sharded_memory,
     sharded_state_bytes,
 )
+from dkfac.costmodel.traffic import placement_for
 from tests.distributed_utils import run_distributed
 from tests.serial_vs_distributed import once_per_key
 from tests.strategy_cases import make_bn_model, make_model
@@ -135,12 +136,25 @@ def test_the_exchange_is_a_named_swappable_term() -> None:
     spec = extract_layers(make_model())
     assert EXCHANGES["all-gather"] is gathered_rows_bytes
     nothing = predict_sharded_ledger_bytes(
-        spec, 2, "replicated", exchange=lambda ctx: dict.fromkeys(range(ctx.world_size), 0)
+        spec, 2, "replicated", exchange=lambda ctx: {r: {} for r in range(ctx.world_size)}
     )
     today = predict_sharded_ledger_bytes(spec, 2, "replicated")
     # Conv (3 rows of 18 + bias), Linear (6 of 48 + bias), Linear (3 of 6 + bias), float32
     padded = 2 * (2 * 19 + 3 * 49 + 2 * 7) * 4
     assert today[0]["gradients"] - nothing[0]["gradients"] == padded
+    # mem-opt on 2 ranks: each layer's owner receives the other rank's rows (exact, no
+    # padding) and sends them back preconditioned; the strategy's broadcast does not run.
+    owner = predict_sharded_ledger_bytes(spec, 2, "mem-opt")
+    owners = placement_for(spec, 2, "mem-opt").owners
+    per_row, rows = (19, 49, 7), (3, 6, 3)  # a ceil cut: 2 + 1, 3 + 3, 2 + 1 rows
+    held = [
+        min(math.ceil(n / 2), n - o * math.ceil(n / 2)) for n, o in zip(rows, owners, strict=True)
+    ]
+    moved = sum((n - h) * e for n, h, e in zip(rows, held, per_row, strict=True)) * 4
+    exchange = predict_sharded_ledger_bytes(spec, 2, "mem-opt", exchange=EXCHANGES["owner"])
+    assert owner == exchange
+    assert owner[0]["preconditioned"] == moved
+    assert owner[0]["gradients"] - nothing[0]["gradients"] == moved
 
 
 def test_fsdp_traffic_and_refusals() -> None:

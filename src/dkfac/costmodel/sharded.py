@@ -14,10 +14,16 @@ over the ``S`` ranks of the shard group (``S = P`` for FSDP; HSDP: ``P / S`` rep
   are reduced over all ``P`` ranks, inverses and preconditioned gradients as placed), plus
   the *gradient exchange* of the sharded layout, kind ``"gradients"``. The exchange is a
   function of an :class:`ExchangeContext` (the model, world, shard group, strategy and its
-  placement) that returns each rank's bytes; :data:`EXCHANGES` names them, and
-  :func:`gathered_rows_bytes` prices today's exchange: every rank all-gathers every
-  preconditioned layer's padded rows (``S · ceil(rows / S)`` rows of each weight and bias)
-  over the shard group.
+  placement) that returns each rank's bytes by kind; :data:`EXCHANGES` names them. Where
+  every rank preconditions every layer (``replicated``, ``kaisa`` with fraction 1)
+  :func:`gathered_rows_bytes` prices it: every rank all-gathers every preconditioned layer's
+  padded rows (``S · ceil(rows / S)`` rows of each weight and bias) over the shard group.
+  Where only some do (``mem-opt``, ``dp``, ``kaisa`` below 1) :func:`owner_rows_bytes`
+  prices the owner exchange (rows to the grad workers, each rank's rows of the results back,
+  :func:`~dkfac.distributed.shard_plan.exchange_bytes`), which replaces the strategy's
+  broadcast of preconditioned gradients. A layer is priced as one parameter of its
+  :func:`layer_rows` (weight and bias cut alike); attention's ``in_proj`` (q, k and v cut
+  together) is not modelled that way.
 
 Memory per rank (:func:`sharded_state_bytes`): the largest rank's shard of the parameters,
 gradients and optimizer states (``ceil(rows / S)`` rows of every K-FAC layer, the other
@@ -39,7 +45,15 @@ from typing import Any
 
 from dkfac.blocks.base import CostKind
 from dkfac.costmodel.layers import KFACLayer, ModelSpec
-from dkfac.costmodel.traffic import DtypeBytes, predict_ledger_bytes, predict_memory
+from dkfac.costmodel.traffic import (
+    DtypeBytes,
+    placement_for,
+    predict_ledger_bytes,
+    predict_memory,
+    rule_of,
+)
+from dkfac.distributed.assignment import grad_workers_for, serving_worker
+from dkfac.distributed.shard_plan import LayerRows, ShardedParam, exchange_bytes
 
 __all__ = [
     "EXCHANGES",
@@ -50,6 +64,8 @@ __all__ = [
     "gathered_gradient_bytes",
     "gathered_rows_bytes",
     "layer_rows",
+    "layout_exchange",
+    "owner_rows_bytes",
     "predict_sharded_ledger_bytes",
     "predict_sharded_memory",
     "shard_group_size",
@@ -122,25 +138,62 @@ class ExchangeContext:
     cost_kind: CostKind
 
 
-GradientExchange = Callable[[ExchangeContext], dict[int, int]]
-"""Each rank's ledger bytes (kind ``"gradients"``) of one step's gradient exchange."""
+GradientExchange = Callable[[ExchangeContext], dict[int, dict[str, int]]]
+"""Each rank's ledger bytes by kind of one step's gradient exchange: ``"gradients"`` adds to
+the strategy's; a ``"preconditioned"`` entry replaces the strategy's (its broadcast does
+not run)."""
 
 
-def gathered_rows_bytes(ctx: ExchangeContext) -> dict[int, int]:
-    """Today's exchange: every rank all-gathers the padded rows of every preconditioned
-    layer over its shard group, ``S · ceil(rows / S) · elements per row`` per layer (the
-    gathered whole, as the ledger counts an all-gather); nothing when ``S = 1``."""
-    if ctx.shard == 1:
-        return dict.fromkeys(range(ctx.world_size), 0)
+def gathered_rows_bytes(ctx: ExchangeContext) -> dict[int, dict[str, int]]:
+    """Every rank all-gathers the padded rows of every preconditioned layer over its shard
+    group, ``S · ceil(rows / S) · elements per row`` per layer (the gathered whole, as the
+    ledger counts an all-gather); nothing when ``S = 1``."""
     elements = 0
-    for layer in ctx.spec.layers:
+    for layer in ctx.spec.layers if ctx.shard > 1 else ():
         n, per_row = layer_rows(layer)
         elements += ctx.shard * math.ceil(n / ctx.shard) * per_row
-    return dict.fromkeys(range(ctx.world_size), elements * ctx.dtypes.grad)
+    return {rank: {"gradients": elements * ctx.dtypes.grad} for rank in range(ctx.world_size)}
 
 
-EXCHANGES: dict[str, GradientExchange] = {"all-gather": gathered_rows_bytes}
-"""The sharded layout's gradient exchanges by name."""
+def owner_rows_bytes(ctx: ExchangeContext) -> dict[int, dict[str, int]]:
+    """The owner exchange (module notes): the bytes of
+    :func:`~dkfac.distributed.shard_plan.exchange_bytes`, the whole exchange's on every
+    rank, as the ledger records them. Ranks are laid out as ``init_device_mesh`` numbers a
+    ``(replicas, S)`` mesh: rank ``r`` is shard ``r % S`` of replica ``r // S``."""
+    world = ctx.world_size
+    place = placement_for(ctx.spec, world, ctx.strategy, ctx.grad_worker_fraction, ctx.cost_kind)
+    fraction = rule_of(ctx.strategy).worker_fraction(world, ctx.grad_worker_fraction)
+    params, layers = [], []
+    for index, (layer, owner) in enumerate(zip(ctx.spec.layers, place.owners, strict=True)):
+        rows, per_row = layer_rows(layer)
+        params.append(ShardedParam(rows, per_row, ctx.dtypes.grad, ctx.shard))
+        workers = tuple(grad_workers_for(owner, world, fraction))
+        sources = tuple(serving_worker(workers, world, d) for d in range(world))
+        layers.append(LayerRows(((index, 0, rows),), workers, sources))
+    shard = [r % ctx.shard for r in range(world)]
+    replica = [r // ctx.shard for r in range(world)]
+    moved = dict(exchange_bytes(params, layers, shard, replica))
+    return {rank: dict(moved) for rank in range(world)}
+
+
+def layout_exchange(ctx: ExchangeContext) -> dict[int, dict[str, int]]:
+    """The exchange the sharded layout runs for ``ctx``'s strategy (``shard_exchange=
+    "exact"``): the owner exchange where only some ranks precondition a layer, else the
+    all-gather."""
+    place = placement_for(
+        ctx.spec, ctx.world_size, ctx.strategy, ctx.grad_worker_fraction, ctx.cost_kind
+    )
+    if ctx.shard > 1 and place.n_workers < ctx.world_size:
+        return owner_rows_bytes(ctx)
+    return gathered_rows_bytes(ctx)
+
+
+EXCHANGES: dict[str, GradientExchange] = {
+    "exact": layout_exchange,
+    "all-gather": gathered_rows_bytes,
+    "owner": owner_rows_bytes,
+}
+"""The sharded layout's gradient exchanges by name (``"exact"``: the one it runs)."""
 
 
 def _strategy(strategy: str) -> str:
@@ -158,7 +211,7 @@ def predict_sharded_ledger_bytes(
     strategy: str,
     *,
     shard_size: int | None = None,
-    exchange: GradientExchange = gathered_rows_bytes,
+    exchange: GradientExchange = layout_exchange,
     grad_worker_fraction: float = 1.0,
     method: str = "eigen",
     dtypes: DtypeBytes | None = None,
@@ -168,7 +221,8 @@ def predict_sharded_ledger_bytes(
 ) -> dict[int, dict[str, int]]:
     """Bytes each rank's ledger records in one K-FAC step on a sharded model.
 
-    The strategy's traffic as under DDP plus ``exchange``'s bytes in ``"gradients"``.
+    The strategy's traffic as under DDP plus ``exchange``'s bytes (its ``"gradients"``
+    added, its ``"preconditioned"`` in place of the strategy's broadcast).
     Arguments as :func:`~dkfac.costmodel.traffic.predict_ledger_bytes`, and:
 
     Args:
@@ -200,8 +254,10 @@ def predict_sharded_ledger_bytes(
         dtypes=dt,
         cost_kind=cost_kind,
     )
-    for rank, extra in exchange(ctx).items():
-        out[rank]["gradients"] += extra
+    for rank, moved in exchange(ctx).items():
+        out[rank]["gradients"] += moved.get("gradients", 0)
+        if "preconditioned" in moved:
+            out[rank]["preconditioned"] = moved["preconditioned"]
     return out
 
 
@@ -264,8 +320,9 @@ def sharded_state_bytes(
 
 
 def gathered_gradient_bytes(spec: ModelSpec, dtypes: DtypeBytes | None = None) -> int:
-    """The full gradients of the preconditioned layers every rank holds during ``step()``
-    under today's exchange (gathered, then dropped once its rows are written back)."""
+    """The full gradients of the preconditioned layers a rank holds during ``step()`` under
+    the all-gather (gathered, then dropped once its rows are written back); under the owner
+    exchange a rank holds only its own layers' (at most this)."""
     return spec.kfac_param_numel * (dtypes or DtypeBytes()).grad
 
 
