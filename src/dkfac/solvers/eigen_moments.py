@@ -180,7 +180,7 @@ from dkfac.solvers.polar import (
     weighted_polar,
 )
 from dkfac.solvers.precision import LowPrecision
-from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
+from dkfac.solvers.stacking import StateStack, matmul, same_tensors, stack_key
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
 __all__ = [
@@ -483,6 +483,7 @@ class EigenMomentsSolver(Solver):
         super().__init__(compute_dtype)
         self._last_batch: tuple[SolverState, list[SolverState]] | None = None
         self._state_stack = StateStack()
+        self._last_lowered: tuple[torch.dtype, SolverState, SolverState] | None = None
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -684,11 +685,8 @@ class EigenMomentsSolver(Solver):
         dtype."""
         work = torch.promote_types(grad.dtype, torch.float32)  # the moments' precision
         rms = self.options.orthogonal_rms
-        into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
-        if rms is not None and out is None:  # the polar factor goes out in its own precision
-            out = polar_dtype(work, grad.device)
-        if into is not None and into == out:  # cast each dense basis once for both rotations
-            state = lowered_bases(state, into)
+        into, out = self.rotation_dtypes(grad)
+        state, state_out = self.rotation_states(state, into, out)
         rotated = change_basis(grad.to(work), state, into)
         if moments is None:
             moments = self.zero_moments(rotated)
@@ -701,8 +699,33 @@ class EigenMomentsSolver(Solver):
             scaled = orthogonal_update(self.scaled(new, rotated, damping), rms, steps)
         else:
             scaled = self.scaled(new, rotated, damping)
-        update = change_basis(scaled, state, out, out=True)
+        update = change_basis(scaled, state_out, out, out=True)
         return update.to(grad.dtype), new
+
+    def rotation_dtypes(self, grad: Tensor) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """The precisions of the rotations into and out of the basis for ``grad`` (``None``:
+        the moments'; the polar factor goes out in its own precision)."""
+        into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
+        if self.options.orthogonal_rms is not None and out is None:
+            out = polar_dtype(torch.promote_types(grad.dtype, torch.float32), grad.device)
+        return into, out
+
+    def rotation_states(
+        self, state: SolverState, into: torch.dtype | None, out: torch.dtype | None
+    ) -> tuple[SolverState, SolverState]:
+        """``state`` for the rotation into and out of the basis: with a lowered rotation out,
+        its dense bases cast to ``out`` (once for both rotations where ``into`` is the
+        same), and kept for the next call while the state holds the same bases (states are
+        replaced at a refresh, never changed in place): no cast of a basis a step."""
+        if out is None:
+            return state, state
+        last = self._last_lowered
+        if last is not None and last[0] == out and same_tensors([last[1]], [_bases(state)]):
+            lowered = last[2]
+        else:
+            lowered = lowered_bases(state, out)
+            self._last_lowered = (out, _bases(state), lowered)
+        return (lowered if into == out else state), lowered
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
         """The class, the options, the gradient's shape, dtype and device and every state
@@ -860,7 +883,7 @@ def times_blocks(basis: Tensor, matrix: Tensor, block: int | None, left: bool) -
     size = basis.shape[-1]
     bounds = [] if block is None else block_bounds(size, block)
     if sum((j - i) ** 2 for i, j in bounds) > BLOCK_PRODUCT_SHARE * size * size or not bounds:
-        return basis @ matrix if left else matrix @ basis
+        return matmul(basis, matrix) if left else matmul(matrix, basis)
     if left:
         return torch.cat([basis[..., i:j, i:j] @ matrix[..., i:j, :] for i, j in bounds], dim=-2)
     return torch.cat([matrix[..., i:j] @ basis[..., i:j, i:j] for i, j in bounds], dim=-1)
@@ -895,6 +918,11 @@ def lowered_bases(state: SolverState, dtype: torch.dtype) -> SolverState:
     if "qa_order" not in state:
         lowered["qa"] = state["qa"].to(dtype)
     return lowered
+
+
+def _bases(state: SolverState) -> SolverState:
+    """The dense bases of ``state`` (what :func:`lowered_bases` casts)."""
+    return {key: state[key] for key in ("qa", "qg")}
 
 
 def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = False) -> Tensor:
