@@ -65,12 +65,7 @@ from dkfac.distributed.layout import ShardedLayout, find_layout
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
-from dkfac.engine.device_checks import (
-    LateWarnings,
-    guard_messages,
-    hold_statistics,
-    zero_nonfinite,
-)
+from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.launches import launch_bound
@@ -91,11 +86,9 @@ from dkfac.engine.roles import apply_model_rules
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
-    finite_masks,
     kept_statistics,
     kl_clip_scale,
     precondition,
-    read_flags,
     update_inverses,
     write_back,
 )
@@ -233,8 +226,7 @@ class KFACPreconditioner:
             self.leftover = LeftoverAdam(named, config)
         self.schedule_captures(0)
         self._kl_scale: Tensor | None = None
-        self._late = LateWarnings()
-        self._guard_messages = guard_messages(list(self.layers))
+        self._guard = DeviceGuard(list(self.layers))
         self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
         """Keep the finiteness guard's flags on the device (masks instead of branches, its
         warnings logged a step late: :mod:`~dkfac.engine.device_checks`), so that a step
@@ -361,8 +353,7 @@ class KFACPreconditioner:
         with record_function("dkfac.factors"):
             new_factors = self._reduce(grads, capturing)
             if self.flags_on_device:
-                self._late.poll()
-                finite, keep = self._device_guard(new_factors, grads, step)
+                finite, keep = self._guard.run(self.layers, self.strategy, new_factors, grads, step)
             else:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
@@ -389,26 +380,6 @@ class KFACPreconditioner:
                 factors = dict(zip(self.layers, both.unbind(0), strict=True))
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
-
-    def _device_guard(
-        self,
-        new: dict[str, dict[str, Tensor]],
-        grads: dict[str, Tensor | None],
-        step: int,
-    ) -> tuple[dict[str, tuple[bool, bool]], Tensor | None]:
-        """The finiteness guard with its flags left on the device
-        (:mod:`~dkfac.engine.device_checks`): ``new`` holds its failed statistics at their
-        running values and ``grads`` have their failed gradients zeroed, in place; returns
-        flags that pass every layer and the gradient flags (``keep``). Where a statistic
-        cannot be held (a first capture, a low-rank side) the flags are read as on a CPU,
-        and ``keep`` is ``None``."""
-        names = list(self.layers)
-        masks = finite_masks(self.layers, self.strategy, new, grads)
-        if not hold_statistics(self.layers, self.strategy, new, masks):
-            return read_flags(masks, names), None
-        self._late.record(step, masks, self._guard_messages)
-        grads.update(zero_nonfinite(grads, masks, names))
-        return {name: (True, True) for name in names}, masks[1::2]
 
     def _spend_budget(self) -> None:
         """Applies the overhead budget's choice once it can be made (after the first step)."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.engine.device_checks import GradientBuffer, zero_nonfinite
 from tests.host_reads import HostData, HostReads
 
 STEPS = 8
@@ -83,7 +84,7 @@ def _run(options: dict[str, Any], on_device: bool, fused: bool, caplog: Any) -> 
             if step == GRAD_NAN_STEP:
                 model[7].weight.grad[0, 0] = float("nan")
             opt.step()
-        pre._late.flush()
+        pre._guard.late.flush()
         opt._late.flush()
     warnings = sorted(r.getMessage() for r in caplog.records)
     moments = {
@@ -184,3 +185,36 @@ def test_an_optimizer_that_cannot_skip_on_the_device_reads_the_flag() -> None:
     assert opt.skipped_steps == 1
     for old, new in zip(before, model.parameters(), strict=True):
         assert torch.equal(old, new.detach())
+
+
+def test_the_gradient_buffer_zeroes_as_the_selection_does() -> None:
+    """:class:`GradientBuffer` against :func:`zero_nonfinite` (concatenate, select, split),
+    bit for bit, over steps whose failing layers change, a missing gradient, a change of
+    shapes (a new buffer) and gradients of two dtypes (the selection itself)."""
+    names = ["a", "b", "c", "d"]
+    buffer = GradientBuffer()
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (2, 5), (3, 4), (6, 1)]
+    for step in range(6):
+        if step == 4:
+            shapes[1] = (5, 2)
+        grads: dict[str, torch.Tensor | None] = {
+            n: torch.randn(*shape, generator=gen, dtype=torch.float64)
+            for n, shape in zip(names, shapes, strict=True)
+        }
+        if step == 2:
+            grads["c"] = None
+        if step == 5:
+            grads["d"] = grads["d"].float()  # type: ignore[union-attr]
+        grads["b"][0, 0] = float("nan")  # type: ignore[index]
+        masks = torch.rand(8, generator=gen) > 0.4
+        masks[3] = step % 2 == 0  # b's flag: its NaN kept or zeroed
+        want = zero_nonfinite(grads, masks, names)
+        got = buffer.zero_nonfinite(grads, masks, names)
+        assert got.keys() == want.keys()
+        for name in names:
+            w, g = want[name], got[name]
+            assert (w is None) == (g is None), (step, name)
+            if w is not None and g is not None:
+                assert g.shape == w.shape and g.dtype == w.dtype, (step, name)
+                assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), (step, name)

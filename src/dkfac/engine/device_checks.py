@@ -35,10 +35,17 @@ from torch import Tensor
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.launches import device_constant
 from dkfac.engine.layer_state import LayerState
-from dkfac.engine.step_math import FACTORS_SKIPPED, GRADIENT_ZEROED
+from dkfac.engine.step_math import (
+    FACTORS_SKIPPED,
+    GRADIENT_ZEROED,
+    finite_masks,
+    read_flags,
+)
 from dkfac.solvers.statistics import DenseStatistic
 
 __all__ = [
+    "DeviceGuard",
+    "GradientBuffer",
     "LateWarnings",
     "guard_messages",
     "hold_statistics",
@@ -47,6 +54,88 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceGuard:
+    """The finiteness guard of a preconditioner's steps with its flags left on the device
+    (module notes): its late warnings and the buffer of the gradients it selects.
+
+    Args:
+        names: The registered layers, in order.
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.late = LateWarnings()
+        self._messages = guard_messages(names)
+        self._buffer = GradientBuffer()
+
+    def run(
+        self,
+        layers: Mapping[str, LayerState],
+        strategy: Strategy,
+        new: dict[str, dict[str, Tensor]],
+        grads: dict[str, Tensor | None],
+        step: int,
+    ) -> tuple[dict[str, tuple[bool, bool]], Tensor | None]:
+        """Logs the warnings of earlier steps that have arrived; then ``new`` holds its
+        failed statistics at their running values and ``grads`` have their failed
+        gradients zeroed, in place. Returns flags that pass every layer and the gradient
+        flags (``keep``). Where a statistic cannot be held (a first capture, a low-rank
+        side) the flags are read as on a CPU, and ``keep`` is ``None``."""
+        self.late.poll()
+        names = list(layers)
+        masks = finite_masks(layers, strategy, new, grads)
+        if not hold_statistics(layers, strategy, new, masks):
+            return read_flags(masks, names), None
+        self.late.record(step, masks, self._messages)
+        grads.update(self._buffer.zero_nonfinite(grads, masks, names))
+        return {name: (True, True) for name in names}, masks[1::2]
+
+
+class GradientBuffer:
+    """:func:`zero_nonfinite` into one flat buffer whose views, one a gradient, are made
+    once for a set of gradient shapes: a step copies the gradients in (one multi-tensor
+    copy) and zeroes the failed ones' entries (one masked fill), instead of flattening,
+    concatenating, selecting and viewing each gradient again (two views a layer a step).
+    The zeroed gradients it returns are those views, overwritten at the next step: the
+    step reads them only within itself. Gradients of several dtypes or devices take
+    :func:`zero_nonfinite`."""
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._flat = torch.empty(0)
+        self._views: list[Tensor] = []
+        self._flag_index = torch.empty(0, dtype=torch.int64)
+
+    def zero_nonfinite(
+        self, grads: Mapping[str, Tensor | None], masks: Tensor, names: Sequence[str]
+    ) -> dict[str, Tensor | None]:
+        """Each gradient where its flag (``masks[2i + 1]``) holds, zeros elsewhere."""
+        present = [(2 * i + 1, name) for i, name in enumerate(names) if grads[name] is not None]
+        tensors: list[Tensor] = [grads[name] for _, name in present]  # type: ignore[misc]
+        if not tensors or len({(t.dtype, t.device) for t in tensors}) > 1:
+            return zero_nonfinite(grads, masks, names)
+        shapes = tuple(t.shape for t in tensors)
+        key = (tuple(p for p, _ in present), shapes, tensors[0].dtype, tensors[0].device)
+        if key != self._key:
+            self._build(key, tensors, [p for p, _ in present])
+        torch._foreach_copy_(self._views, tensors)
+        drop = masks.logical_not().index_select(0, self._flag_index)
+        self._flat.masked_fill_(drop, 0.0)
+        return {**grads, **dict(zip((name for _, name in present), self._views, strict=True))}
+
+    def _build(self, key: tuple[object, ...], tensors: list[Tensor], positions: list[int]) -> None:
+        """The buffer, its views and the flag of each entry for a new set of gradients."""
+        sizes = tuple(t.numel() for t in tensors)
+        device = tensors[0].device
+        self._flat = torch.empty(sum(sizes), dtype=tensors[0].dtype, device=device)
+        parts = self._flat.split(sizes)
+        self._views = [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
+        flags = device_constant(tuple(positions), device)
+        self._flag_index = flags.repeat_interleave(
+            device_constant(sizes, device), output_size=sum(sizes)
+        )
+        self._key = key
 
 
 def zero_nonfinite(
