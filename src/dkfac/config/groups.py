@@ -44,6 +44,7 @@ from dkfac.solvers import (
 )
 
 __all__ = [
+    "COMPILE_MOMENTS",
     "FISHER_TYPES",
     "LEFTOVER_UPDATES",
     "LOSS_AVERAGES",
@@ -52,6 +53,7 @@ __all__ = [
     "PLACEMENT_COSTS",
     "REFRESH_KINDS",
     "STRATEGY_CHOICES",
+    "CompileMoments",
     "DistributionConfig",
     "EstimationConfig",
     "FisherType",
@@ -81,6 +83,7 @@ UNREAD_WITHOUT_MOMENTS = (
     "moment_nesterov",
     "basis_refresh",
     "moment_carry",
+    "compile_moments",
 )
 """The :class:`SolverConfig` fields that only a method with a basis of moments reads."""
 ORTHOGONAL_RMS = 1.5
@@ -99,6 +102,8 @@ RefreshKind = Literal["fixed", "adaptive"]
 REFRESH_KINDS: tuple[str, ...] = get_args(RefreshKind)
 LeftoverUpdate = Literal["auto", "gradient", "adam"]
 LEFTOVER_UPDATES: tuple[str, ...] = get_args(LeftoverUpdate)
+CompileMoments = Literal["auto", "off", "inductor", "aot_eager"]
+COMPILE_MOMENTS: tuple[str, ...] = get_args(CompileMoments)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +237,13 @@ class SolverConfig:
             scale (``Solver.adam_scaled``: ``"eigen_adam"``). ``"auto"`` (default):
             ``"adam"`` under such a method (a LayerNorm's plain gradient at its lr hardly
             moves it), else ``"gradient"``.
+        compile_moments: ``"ekfac"``/``"eigen_adam"``: run each step's moment update and
+            scaling through ``torch.compile`` (:mod:`dkfac.solvers.compiled`; eager after a
+            failure, logged): ``"inductor"`` (fused generated kernels; on a CPU it needs a C
+            compiler), ``"aot_eager"`` (the capture only, for checks), ``"off"``, or
+            ``"auto"`` (default): ``"inductor"`` on a launch-bound device (CUDA) where
+            Triton is installed, ``"off"`` elsewhere (a CPU's elementwise passes are not
+            launches, and compiling costs seconds).
     """
 
     method: Method = "eigen"
@@ -258,6 +270,7 @@ class SolverConfig:
     power_rank: int | None = None
     basis_block_size: int | None = None
     leftover_update: LeftoverUpdate = "auto"
+    compile_moments: CompileMoments = "auto"
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -328,6 +341,7 @@ class SolverConfig:
                 "blocks; use a block smaller than basis_max_dim or drop one of them"
             )
         check_choice("leftover_update", self.leftover_update, LEFTOVER_UPDATES)
+        check_choice("compile_moments", self.compile_moments, COMPILE_MOMENTS)
         if self.leftover_update == "adam" and not _adam_scaled(self.method):
             scaled = [m for m in method_names() if _adam_scaled(m)]
             raise ValueError(

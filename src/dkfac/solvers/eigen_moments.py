@@ -175,6 +175,7 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.base import BatchJob, Solver, SolverState, select_moments, unstack
+from dkfac.solvers.compiled import Compiled, check_backend
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.flat_moments import FlatMoments
 from dkfac.solvers.kron_basis import check_input_map, structured_basis
@@ -261,6 +262,9 @@ class MomentOptions:
             cut into consecutive blocks of ``block_size`` (the last one shorter), each
             with the basis of the factor's diagonal block (module notes); ``None``: every
             basis is dense.
+        compile_backend: The moment update and scaling run through ``torch.compile`` with
+            this backend (:mod:`dkfac.solvers.compiled`: ``"inductor"`` or
+            ``"aot_eager"``, eager after a failure); ``None``: eagerly.
     """
 
     beta1: float = 0.9
@@ -278,8 +282,10 @@ class MomentOptions:
     gradient_rotation_dtype: torch.dtype | None = None
     power_rank: int | None = None
     block_size: int | None = None
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
+        check_backend(self.compile_backend)
         for name in ("rotation_dtype", "gradient_rotation_dtype"):
             value = getattr(self, name)
             if value is not None and not (
@@ -503,6 +509,7 @@ class EigenMomentsSolver(Solver):
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
+        self._moment_step = Compiled(self._eager_moment_step, self.options.compile_backend)
         self.input_map = None if input_map is None else check_input_map(input_map)
 
     @property
@@ -706,17 +713,36 @@ class EigenMomentsSolver(Solver):
         rotated = change_basis(grad.to(work), state, into)
         if moments is None:
             moments = self.zero_moments(rotated)
-        new = self.update_moments(moments, rotated)
         steps, split = self.options.orthogonal_steps, self.options.orthogonal_split
-        if rms is not None and split:  # in the basis, then out (module notes)
+        if rms is None:
+            new, scaled = self.moment_step(moments, rotated, damping)
+        elif split:  # in the basis, then out (module notes)
+            new = self.update_moments(moments, rotated)
             ratio, weight = self.split_parts(new, rotated, damping, split)
             scaled = weighted_polar(ratio, weight, rms, steps)
-        elif rms is not None:
-            scaled = orthogonal_update(self.scaled(new, rotated, damping), rms, steps)
         else:
-            scaled = self.scaled(new, rotated, damping)
+            new = self.update_moments(moments, rotated)
+            scaled = orthogonal_update(self.scaled(new, rotated, damping), rms, steps)
         update = change_basis(scaled, state_out, out, out=True)
         return update.to(grad.dtype), new
+
+    def moment_step(
+        self, moments: SolverState, rotated: Tensor, damping: float, index: Tensor | None = None
+    ) -> tuple[SolverState, Tensor]:
+        """``(moments after rotated, the update in the basis)``: :meth:`update_moments` and
+        :meth:`scaled`, through ``torch.compile`` where ``compile_backend`` is set
+        (:mod:`dkfac.solvers.compiled`). ``index``: for flat moments
+        (:mod:`dkfac.solvers.flat_moments`), the layer of each entry, whose count ``t``
+        (one a layer) the scaling reads."""
+        return self._moment_step(moments, rotated, damping, index)
+
+    def _eager_moment_step(
+        self, moments: SolverState, rotated: Tensor, damping: float, index: Tensor | None
+    ) -> tuple[SolverState, Tensor]:
+        """:meth:`moment_step` itself."""
+        new = self.update_moments(moments, rotated)
+        counts = new if index is None else {**new, "t": new["t"].index_select(0, index)}
+        return new, self.scaled(counts, rotated, damping)
 
     def rotation_dtypes(self, grad: Tensor) -> tuple[torch.dtype | None, torch.dtype | None]:
         """The precisions of the rotations into and out of the basis for ``grad`` (``None``:

@@ -58,12 +58,10 @@ class MomentSolver(Protocol):
         """Zero moments of a layer."""
         ...
 
-    def update_moments(self, moments: SolverState, rotated: Tensor) -> SolverState:
-        """The moments after a rotated gradient."""
-        ...
-
-    def scaled(self, moments: SolverState, rotated: Tensor, damping: float) -> Tensor:
-        """The update in the basis."""
+    def moment_step(
+        self, moments: SolverState, rotated: Tensor, damping: float, index: Tensor | None = None
+    ) -> tuple[SolverState, Tensor]:
+        """The moments after a rotated gradient and the update in the basis."""
         ...
 
 
@@ -116,9 +114,7 @@ class FlatMoments:
         given = [m for job in groups for m in job.moments]
         old = self._stacked(solver, given, groups, work)
         index = self._layer_index(layers, flat_r.device)
-        new = solver.update_moments(old, flat_r)  # "t" per layer
-        expanded = {**new, "t": new["t"].index_select(0, index)}  # "t" per entry
-        scaled = solver.scaled(expanded, flat_r, damping)
+        new, scaled = solver.moment_step(old, flat_r, damping, index)  # "t" per layer
         if advance is not None:
             new = select_moments(advance, new, old)  # type: ignore[assignment]
         results: list[list[tuple[Tensor, SolverState | None]]] = []
