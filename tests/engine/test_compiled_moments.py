@@ -69,7 +69,7 @@ def test_compiled_moments_equal_eager_ones(fused: bool) -> None:
     assert all(s._moment_step.active for s in solvers)  # no fallback on the way
 
 
-def test_the_rule_compiles_only_on_a_launch_bound_device_with_triton(
+def test_the_rule_compiles_only_on_a_cuda_device_with_triton(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -38,13 +38,13 @@ def device_constant(values: tuple[int, ...], device: torch.device) -> Tensor:
 
 def compile_backend(choice: str, device: torch.device) -> str | None:
     """The ``torch.compile`` backend of the ``compile_moments`` option on ``device``:
-    ``None`` for ``"off"``; for ``"auto"``, ``"inductor"`` on a launch-bound device where
-    Triton (inductor's GPU code generator) is installed, else ``None``; any other choice is
-    the backend itself."""
+    ``None`` for ``"off"``; for ``"auto"``, ``"inductor"`` on a CUDA device (launch-bound)
+    where Triton (inductor's GPU code generator) is installed, else ``None``; any other
+    choice is the backend itself."""
     if choice == "off":
         return None
     if choice != "auto":
         return choice
-    if launch_bound(device) and importlib.util.find_spec("triton") is not None:
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "inductor"
     return None
