@@ -347,7 +347,10 @@ class KFACPreconditioner:
         """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients."""
         self._scaler_check.step(self.layers, self.grad_scaler, self.strategy.world_size)
         cfg = self.config
-        grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
+        if self.flags_on_device and self.layout is None:  # one copy into the guard's buffer
+            grads = self._guard.gradients(self.layers)
+        else:
+            grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
         keep: Tensor | None = None  # the guard's gradient flags, on the device
         with record_function("dkfac.factors"):

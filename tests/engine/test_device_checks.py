@@ -218,3 +218,48 @@ def test_the_gradient_buffer_zeroes_as_the_selection_does() -> None:
             if w is not None and g is not None:
                 assert g.shape == w.shape and g.dtype == w.dtype, (step, name)
                 assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), (step, name)
+
+
+class _Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(7, 6)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.hidden = nn.Linear(4 * 9, 6, bias=False)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        mapped = self.norm(self.conv(images)).flatten(1)
+        return self.head(torch.tanh(self.hidden(mapped) + self.tokens(tokens)))
+
+
+def test_gathered_gradients_equal_each_block_s_own() -> None:
+    """:meth:`GradientBuffer.gather` against each block's ``weight_grad``, bit for bit:
+    convolutions and linear layers with and without a bias, BatchNorm (its two columns), an
+    embedding (its own ``weight_grad``, copied whole), a missing bias gradient (the block's
+    own zeros); over steps, the same views while the sources keep their shapes."""
+    model = _Mixed().double()
+    pre = KFACPreconditioner(model, method="eigen")
+    assert {type(layer.block).__name__ for layer in pre.layers.values()} >= {"EmbeddingBlock"}
+    buffer = GradientBuffer()
+    gen = torch.Generator().manual_seed(4)
+    last: dict[str, Any] = {}
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, 7, (8,), generator=gen)
+        images = torch.randn(8, 2, 3, 3, generator=gen, dtype=torch.float64)
+        model(tokens, images).sum().backward()
+        if step == 1:
+            model.head.bias.grad = None  # the block's weight_grad fills zeros
+        want = {name: layer.block.weight_grad() for name, layer in pre.layers.items()}
+        got = buffer.gather(pre.layers)
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            g = got[name]
+            assert w is not None and g is not None
+            assert g.shape == w.shape and torch.equal(g, w), (step, name)
+        if step == 3:  # the sources of step 2 again: the very same views
+            assert all(got[name] is last[name] for name in got)
+        last = got
