@@ -195,6 +195,7 @@ from dkfac.solvers.rotations import (
     times_blocks,
     times_input_basis,
     transition,
+    with_transposes,
 )
 from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
@@ -218,6 +219,9 @@ __all__ = [
     "times_blocks",
     "times_input_basis",
 ]
+
+_Rotations = tuple[torch.dtype | None, SolverState, SolverState, SolverState]
+"""``(out, the bases, state in, state out)``: :meth:`EigenMomentsSolver.rotation_states`'s last."""
 
 BasisRefresh = Literal["eigh", "power"]
 MomentCarry = Literal["reset", "keep_v", "rotate"]
@@ -504,7 +508,7 @@ class EigenMomentsSolver(Solver):
         super().__init__(compute_dtype)
         self._last_batch: tuple[SolverState, list[SolverState]] | None = None
         self._state_stack = StateStack()
-        self._last_lowered: tuple[torch.dtype, SolverState, SolverState] | None = None
+        self._last_lowered: _Rotations | None = None
         self._flat = FlatMoments()
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
@@ -757,17 +761,18 @@ class EigenMomentsSolver(Solver):
     ) -> tuple[SolverState, SolverState]:
         """``state`` for the rotation into and out of the basis: with a lowered rotation out,
         its dense bases cast to ``out`` (once for both rotations where ``into`` is the
-        same), and kept for the next call while the state holds the same bases (states are
-        replaced at a refresh, never changed in place): no cast of a basis a step."""
-        if out is None:
-            return state, state
+        same), with their transposes as views (:func:`~dkfac.solvers.rotations.with_transposes`),
+        and kept for the next call while the state holds the same bases (states are
+        replaced at a refresh, never changed in place): no cast or transpose of a basis a
+        step."""
         last = self._last_lowered
         if last is not None and last[0] == out and same_tensors([last[1]], [bases(state)]):
-            lowered = last[2]
-        else:
-            lowered = lowered_bases(state, out)
-            self._last_lowered = (out, bases(state), lowered)
-        return (lowered if into == out else state), lowered
+            return last[2], last[3]
+        lowered = state if out is None else lowered_bases(state, out)
+        state_in = with_transposes(lowered if into == out else state)
+        state_out = with_transposes(lowered)
+        self._last_lowered = (out, bases(state), state_in, state_out)
+        return state_in, state_out
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
         """The class, the options, the gradient's shape, dtype and device and every state

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.base import BatchJob, SolverState, select_moments
-from dkfac.solvers.rotations import change_basis
+from dkfac.solvers.rotations import change_basis, dense_side
 from dkfac.solvers.stacking import same_tensors
 
 __all__ = ["FlatMoments", "MomentSolver"]
@@ -115,6 +115,8 @@ class FlatMoments:
         old = self._stacked(solver, given, groups, work)
         index = self._layer_index(layers, flat_r.device)
         new, scaled = solver.moment_step(old, flat_r, damping, index)  # "t" per layer
+        if out is not None and all(dense_side(state) for state in outs):
+            scaled = scaled.to(out)  # what each group's rotation out casts its part to
         if advance is not None:
             new = select_moments(advance, new, old)  # type: ignore[assignment]
         results: list[list[tuple[Tensor, SolverState | None]]] = []

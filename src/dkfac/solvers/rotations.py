@@ -22,12 +22,14 @@ __all__ = [
     "BLOCK_PRODUCT_SHARE",
     "bases",
     "change_basis",
+    "dense_side",
     "lowered_bases",
     "rotate",
     "side_block",
     "times_blocks",
     "times_input_basis",
     "transition",
+    "with_transposes",
 ]
 
 
@@ -80,12 +82,12 @@ def change_basis(
     side (:func:`side_block`) is multiplied block by block.
     """
     structured = "qa_order" in state
-    dense = state["qg"].numel() > 0 or (not structured and state["qa"].numel() > 0)
-    low = (dtype if dense else None) or matrix.dtype
+    low = (dtype if dense_side(state) else None) or matrix.dtype
     qg = state["qg"].to(low)
     half = matrix.to(low)
     if qg.numel():
-        half = times_blocks(qg if out else qg.mT, half, side_block(state, "qg"), left=True)
+        side = qg if out else _transposed(state, "qg", low)
+        half = times_blocks(side, half, side_block(state, "qg"), left=True)
     if structured:
         half = half.to(matrix.dtype)
     return times_input_basis(half, state, transpose=out).to(matrix.dtype)
@@ -117,7 +119,36 @@ def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = Fals
     qa = state["qa"].to(matrix.dtype)
     if not qa.numel():
         return matrix
-    return times_blocks(qa.mT if transpose else qa, matrix, side_block(state, "qa"), left=False)
+    side = _transposed(state, "qa", matrix.dtype) if transpose else qa
+    return times_blocks(side, matrix, side_block(state, "qa"), left=False)
+
+
+def dense_side(state: SolverState) -> bool:
+    """Whether a state has a dense basis to multiply by (not both sides the identity, the
+    structured input side not counted): only then is a rotation lowered."""
+    structured = "qa_order" in state
+    return state["qg"].numel() > 0 or (not structured and state["qa"].numel() > 0)
+
+
+def with_transposes(state: SolverState) -> SolverState:
+    """``state`` with the transposes of its dense bases as views (``qg_mT``, ``qa_mT``),
+    which the rotations take instead of transposing a basis each step (a view is no
+    arithmetic, but a dispatched operation all the same)."""
+    extra = {}
+    if state["qg"].numel():
+        extra["qg_mT"] = state["qg"].mT
+    if "qa_order" not in state and state["qa"].numel():
+        extra["qa_mT"] = state["qa"].mT
+    return {**state, **extra}
+
+
+def _transposed(state: SolverState, key: str, dtype: torch.dtype) -> Tensor:
+    """The transpose of ``state[key]`` in ``dtype``: its view kept by
+    :func:`with_transposes` where that is in ``dtype``."""
+    kept = state.get(f"{key}_mT")
+    if kept is not None and kept.dtype == dtype:
+        return kept
+    return state[key].to(dtype).mT
 
 
 def transition(new: Tensor, old: Tensor) -> Tensor:
