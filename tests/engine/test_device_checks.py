@@ -22,6 +22,8 @@ from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.engine.device_checks import GradientBuffer, zero_nonfinite
+from dkfac.engine.grad_writes import GradientWrites
+from dkfac.engine.step_math import write_back
 from tests.host_reads import HostData, HostReads
 
 STEPS = 8
@@ -263,3 +265,46 @@ def test_gathered_gradients_equal_each_block_s_own() -> None:
         if step == 3:  # the sources of step 2 again: the very same views
             assert all(got[name] is last[name] for name in got)
         last = got
+
+
+def test_buffered_writes_equal_write_back() -> None:
+    """:class:`GradientWrites` against :func:`write_back` with the same per-layer factors,
+    bit for bit: ready layers times their factor (one of them 0, a failed gradient's),
+    a delivered layer that is not ready unscaled; over steps with the same views. A
+    block that writes its own way (an embedding) or a missing bias gradient: nothing
+    written, ``False``."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.Flatten(),
+        nn.Linear(4 * 9, 6, bias=False),
+        nn.Linear(6, 2),
+    ).double()
+    twin = copy.deepcopy(model)
+    pre, other = KFACPreconditioner(model), KFACPreconditioner(twin)
+    names = list(pre.layers)
+    writes = GradientWrites()
+    gen = torch.Generator().manual_seed(6)
+    for step in range(3):
+        for net in (model, twin):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            net(torch.randn(5, 2, 3, 3, dtype=torch.float64)).sum().backward()
+        finals = {
+            n: torch.randn(layer.block.weight_grad().shape, generator=gen, dtype=torch.float64)
+            for n, layer in pre.layers.items()
+        }
+        factors = torch.rand(len(names), generator=gen, dtype=torch.float64)
+        factors[1] = 0.0
+        ready = [n for n in names if n != names[2]]
+        assert writes.write(pre.layers, finals, names, ready, factors)
+        per_layer = dict(zip(names, factors.unbind(0), strict=True))
+        write_back(other.layers, finals, names, ready, None, per_layer)
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert torch.equal(a.grad, b.grad), step
+    model[4].bias.grad = None
+    assert not writes.write(pre.layers, finals, names, names, factors)
+    mixed = KFACPreconditioner(_Mixed().double())
+    finals = {n: torch.zeros(2) for n in mixed.layers}
+    assert not writes.write(mixed.layers, finals, list(mixed.layers), [], factors)

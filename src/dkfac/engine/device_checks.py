@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.strategy_base import Strategy
+from dkfac.engine.grad_writes import GradientWrites
 from dkfac.engine.launches import device_constant
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.step_math import (
@@ -67,6 +68,8 @@ class DeviceGuard:
 
     def __init__(self, names: Sequence[str]) -> None:
         self.late = LateWarnings()
+        self.writes = GradientWrites()
+        """The write-back through one buffer (:mod:`~dkfac.engine.grad_writes`)."""
         self._messages = guard_messages(names)
         self._buffer = GradientBuffer()
 
