@@ -1,7 +1,8 @@
 """What the solvers keep between steps equals what they would make anew.
 
 Oracle: a fresh solver of the same options (nothing kept), bit for bit: the eigen solver's
-``λ_G λ_Aᵀ + λ`` follows a new state, a new damping and a new dtype; eigen-Adam's bases
+cast bases, their transposes and ``λ_G λ_Aᵀ + λ`` follow a new state, a new damping and a
+new dtype; eigen-Adam's bases
 cast for a lowered rotation follow a refreshed state; ``matmul`` of two stacks is ``@``.
 """
 
@@ -26,7 +27,7 @@ def _grad(seed: int, shape: tuple[int, ...] = (5, 7)) -> Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
 
 
-def test_the_eigen_denominator_follows_state_damping_and_dtype() -> None:
+def test_the_eigen_bases_and_denominator_follow_state_damping_and_dtype() -> None:
     kept = EigenSolver(DT)
     first = kept.compute(_spd(7, 1), _spd(5, 2), 0.1)
     second = kept.compute(_spd(7, 3), _spd(5, 4), 0.1)
@@ -37,10 +38,10 @@ def test_the_eigen_denominator_follows_state_damping_and_dtype() -> None:
         want = EigenSolver(DT).apply(state, grad, damping)
         got = kept.apply(state, grad, damping)
         assert got.dtype == dtype and torch.equal(got, want), i
-    # The same eigenvalue tensors give the very same denominator (nothing recomputed).
-    before = kept._last_denominator
+    # The same state tensors give the very same prepared tensors (nothing recomputed).
+    before = kept._last_prepared
     kept.apply(second, _grad(9).float(), 0.3)
-    assert kept._last_denominator is before
+    assert kept._last_prepared is before
 
 
 def test_lowered_bases_follow_a_refreshed_state() -> None:
