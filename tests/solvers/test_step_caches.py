@@ -13,6 +13,7 @@ from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EigenSolver, MomentOptions
 from dkfac.solvers.stacking import matmul
+from dkfac.solvers.unitwise import UnitwiseSolver
 
 DT = torch.float64
 
@@ -64,3 +65,25 @@ def test_matmul_of_stacks_is_the_operator() -> None:
     assert torch.equal(matmul(a, b), a @ b)
     assert torch.equal(matmul(a[0], b[0]), a[0] @ b[0])
     assert torch.equal(matmul(a.mT.contiguous().mT, b), a @ b)
+
+
+def test_the_unitwise_parts_follow_states_and_damping() -> None:
+    """BatchNorm's 2×2 solve keeps ``F + λI``'s parts between refreshes: a kept solver
+    equals a fresh one bit for bit over a batch, a single layer, a new damping and new
+    states."""
+    kept = UnitwiseSolver(DT)
+
+    def states(seed: int) -> list[dict[str, Tensor]]:
+        gen = torch.Generator().manual_seed(seed)
+        fishers = [torch.randn(c, 2, 3, generator=gen, dtype=DT) for c in (3, 5)]
+        return [kept.compute_statistics({"F": f @ f.mT}, 0.1) for f in fishers]
+
+    first, second = states(1), states(2)
+    grads = [_grad(20 + i, (c, 2)) for i, c in enumerate((3, 5))]
+    for i, (group, damping) in enumerate([(first, 0.1), (first, 0.1), (first, 0.2), (second, 0.2)]):
+        got = kept.apply_batch(group, [None, None], grads, damping)
+        want = UnitwiseSolver(DT).apply_batch(group, [None, None], grads, damping)
+        for (g, _), (w, _) in zip(got, want, strict=True):
+            assert torch.equal(g, w), i
+        alone = kept.apply(group[1], grads[1], damping)
+        assert torch.equal(alone, UnitwiseSolver(DT).apply(group[1], grads[1], damping)), i
