@@ -55,7 +55,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.config.checks import check_range
@@ -72,6 +71,7 @@ from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
+from dkfac.engine.phases import phase
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
@@ -330,7 +330,7 @@ class KFACPreconditioner:
         with self.layout.full_gradients() if self.layout is not None else nullcontext():
             self._precondition_layers(step, damping, int(inverse_interval), lr)
         if self.leftover is not None:
-            with record_function("dkfac.leftover"):
+            with phase("dkfac.leftover"):
                 self.leftover.step()
         self.comm.ledger.end_step()
         self._marks.record(self._params())
@@ -353,7 +353,7 @@ class KFACPreconditioner:
             grads = {name: layer.block.weight_grad() for name, layer in self.layers.items()}
         capturing = self.capture.active
         keep: Tensor | None = None  # the guard's gradient flags, on the device
-        with record_function("dkfac.factors"):
+        with phase("dkfac.factors"):
             new_factors = self._reduce(grads, capturing)
             if self.flags_on_device:
                 finite, keep = self._guard.run(self.layers, self.strategy, new_factors, grads, step)
@@ -361,18 +361,18 @@ class KFACPreconditioner:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % inverse_interval == 0:
-            with record_function("dkfac.inverse"):
+            with phase("dkfac.inverse"):
                 self.update_inverses(damping)
-        with record_function("dkfac.precondition"):
+        with phase("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
             dampings = {"damping": damping, "bn_damping": bn_damping or damping}
             advance = None if keep is None else keep.all()
             finals, ready = precondition(
                 self.layers, self.strategy, grads, finite, dampings, step, advance
             )
-        with record_function("dkfac.distribute"):
+        with phase("dkfac.distribute"):
             delivered = self.strategy.distribute(finals, ready)
-        with record_function("dkfac.kl_clip"):
+        with phase("dkfac.kl_clip"):
             kl_clip = resolve("kl_clip", cfg.kl_clip, step)
             lr = lr if lr is not None else resolve("lr", cfg.lr, step)
             scale = kl_clip_scale(self.strategy, finals, ready, grads, kl_clip, lr)
