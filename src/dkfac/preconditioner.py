@@ -380,9 +380,9 @@ class KFACPreconditioner:
             if keep is not None:  # the scale times 0 where a gradient was not finite
                 ones = keep.to(torch.float32 if scale is None else scale.dtype)
                 both = ones if scale is None else ones * scale
-                if self._guard.writes.write(self.layers, finals, delivered, ready, both):
-                    delivered = []  # written through the guard's buffer
-                else:
+                # Through the guard's buffer; write_back takes the layers it leaves.
+                delivered = self._guard.writes.write(self.layers, finals, delivered, ready, both)
+                if delivered:
                     factors = dict(zip(self.layers, both.unbind(0), strict=True))
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step

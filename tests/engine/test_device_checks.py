@@ -271,8 +271,8 @@ def test_buffered_writes_equal_write_back() -> None:
     """:class:`GradientWrites` against :func:`write_back` with the same per-layer factors,
     bit for bit: ready layers times their factor (one of them 0, a failed gradient's),
     a delivered layer that is not ready unscaled; over steps with the same views. A
-    block that writes its own way (an embedding) or a missing bias gradient: nothing
-    written, ``False``."""
+    block that writes its own way (an embedding) or a missing bias gradient: that layer
+    left to ``write_back``."""
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
         nn.BatchNorm2d(4),
@@ -297,14 +297,20 @@ def test_buffered_writes_equal_write_back() -> None:
         factors = torch.rand(len(names), generator=gen, dtype=torch.float64)
         factors[1] = 0.0
         ready = [n for n in names if n != names[2]]
-        assert writes.write(pre.layers, finals, names, ready, factors)
+        assert writes.write(pre.layers, finals, names, ready, factors) == []
         per_layer = dict(zip(names, factors.unbind(0), strict=True))
         write_back(other.layers, finals, names, ready, None, per_layer)
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
             assert a.grad is not None and b.grad is not None
             assert torch.equal(a.grad, b.grad), step
     model[4].bias.grad = None
-    assert not writes.write(pre.layers, finals, names, names, factors)
-    mixed = KFACPreconditioner(_Mixed().double())
-    finals = {n: torch.zeros(2) for n in mixed.layers}
-    assert not writes.write(mixed.layers, finals, list(mixed.layers), [], factors)
+    assert writes.write(pre.layers, finals, names, names, factors) == [names[-1]]
+    net = _Mixed().double()
+    mixed = KFACPreconditioner(net)
+    net(torch.arange(4), torch.randn(4, 2, 3, 3, dtype=torch.float64)).sum().backward()
+    finals = {n: layer.block.weight_grad() for n, layer in mixed.layers.items()}  # type: ignore[misc]
+    ones = torch.ones(len(mixed.layers), dtype=torch.float64)
+    assert writes.write(mixed.layers, finals, list(mixed.layers), [], ones) == ["tokens"]
+    for name, layer in mixed.layers.items():  # the others written, unscaled (not ready)
+        if name != "tokens":
+            assert torch.equal(layer.block.weight_grad(), finals[name]), name

@@ -45,41 +45,40 @@ class GradientWrites:
         delivered: Sequence[str],
         ready: Sequence[str],
         factors: Tensor,
-    ) -> bool:
+    ) -> list[str]:
         """Sets each delivered layer's gradient to its final value, times its entry of
-        ``factors`` (one a layer of ``layers``, in order) where it is ready; ``False``
-        (nothing written) where the buffered form does not apply: a block that writes its
-        gradient its own way or lacks a parameter's ``.grad``, or values of several dtypes
-        or devices. Then :func:`~dkfac.engine.step_math.write_back` writes them."""
-        if not delivered:
-            return True
-        blocks = [layers[name].block for name in delivered]
+        ``factors`` (one a layer of ``layers``, in order) where it is ready; returns the
+        delivered layers it left for :func:`~dkfac.engine.step_math.write_back`: those
+        whose block writes its gradient its own way or lacks a parameter's ``.grad`` (all
+        of them where the values have several dtypes or devices)."""
+        mine: list[str] = []
+        rest: list[str] = []
         destinations: list[Tensor] = []
-        for block in blocks:
+        for name in delivered:
+            block = layers[name].block
             own_writes = type(block).set_weight_grad is not Block.set_weight_grad
             sources = None if own_writes else block.grad_sources()
             if sources is None:
-                return False
-            destinations += sources
-        values = [finals[name] for name in delivered]
-        if len({(v.dtype, v.device) for v in values}) > 1:
-            return False
+                rest.append(name)
+            else:
+                mine.append(name)
+                destinations += sources
+        values = [finals[name] for name in mine]
+        if not mine or len({(v.dtype, v.device) for v in values}) > 1:
+            return list(delivered)
         preconditioned = set(ready)
         index = {name: i for i, name in enumerate(layers)}
-        positions = tuple(
-            index[name] if name in preconditioned else len(layers) for name in delivered
-        )
+        positions = tuple(index[name] if name in preconditioned else len(layers) for name in mine)
         shapes = tuple(tuple(v.shape) for v in values)
-        key = (tuple(delivered), shapes, positions, values[0].dtype, values[0].device)
+        key = (tuple(mine), shapes, positions, values[0].dtype, values[0].device)
         if key != self._key:
-            self._build(key, blocks, values, positions)
+            self._build(key, [layers[name].block for name in mine], values, positions)
         torch._foreach_copy_(self._matrices, values)
-        extended = torch.cat(
-            [factors.to(values[0].dtype), factors.new_ones(1, dtype=values[0].dtype)]
-        )
+        dtype = values[0].dtype
+        extended = torch.cat([factors.to(dtype), factors.new_ones(1, dtype=dtype)])
         self._flat.mul_(extended.index_select(0, self._factor_index))
         torch._foreach_copy_(destinations, self._layout)
-        return True
+        return rest
 
     def _build(
         self,
