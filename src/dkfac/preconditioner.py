@@ -55,7 +55,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.config.checks import check_range
@@ -67,12 +66,7 @@ from dkfac.distributed.sharding import find_layout
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
-from dkfac.engine.device_checks import (
-    LateWarnings,
-    guard_messages,
-    hold_statistics,
-    zero_nonfinite,
-)
+from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.late_layers import LateLayers
@@ -80,6 +74,7 @@ from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
+from dkfac.engine.phases import phase
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
@@ -94,12 +89,10 @@ from dkfac.engine.roles import apply_model_rules
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
-    finite_masks,
     kept_statistics,
     kl_clip_scale,
     precondition,
     presence_token,
-    read_flags,
     update_inverses,
     write_back,
 )
@@ -255,8 +248,7 @@ class KFACPreconditioner:
             self.leftover = LeftoverAdam(named, config)
         self.schedule_captures(0)
         self._kl_scale: Tensor | None = None
-        self._late = LateWarnings()
-        self._guard_messages = guard_messages(list(self.layers))
+        self._guard = DeviceGuard(list(self.layers))
         self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
         """Keep the finiteness guard's flags on the device (masks instead of branches, its
         warnings logged a step late: :mod:`~dkfac.engine.device_checks`), so that a step
@@ -362,7 +354,7 @@ class KFACPreconditioner:
         with self.layout.full_gradients() if self.layout is not None else nullcontext():
             self._precondition_layers(step, damping, int(inverse_interval), lr)
         if self.leftover is not None:
-            with record_function("dkfac.leftover"):
+            with phase("dkfac.leftover"):
                 self.leftover.step()
         self.comm.ledger.end_step()
         self._marks.record(self._params())
@@ -382,38 +374,40 @@ class KFACPreconditioner:
         world = self.strategy.world_size
         self._scaler_check.step(self.layers, self.grad_scaler, world, skip=rows_only)
         cfg = self.config
-        grads = {
-            name: layer.block.weight_grad() if name not in partial else presence_token(layer)
-            for name, layer in self.layers.items()
-        }
+        if self.flags_on_device and self.layout is None:  # one copy into the guard's buffer
+            grads = self._guard.gradients(self.layers)
+        else:
+            grads = {
+                name: layer.block.weight_grad() if name not in partial else presence_token(layer)
+                for name, layer in self.layers.items()
+            }
         capturing = self.capture.active
         keep: Tensor | None = None  # the guard's gradient flags, on the device
-        with record_function("dkfac.factors"):
+        with phase("dkfac.factors"):
             new_factors = self._reduce(grads, capturing)
             if self.flags_on_device:
-                self._late.poll()
-                finite, keep = self._device_guard(new_factors, grads, step)
+                finite, keep = self._guard.run(self.layers, self.strategy, new_factors, grads, step)
             else:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
         if step % inverse_interval == 0:
-            with record_function("dkfac.inverse"):
+            with phase("dkfac.inverse"):
                 self.update_inverses(damping)
             self.late.refreshed(self.layers, grads)
         elif arrived := self.late.arrived(self.layers, grads):
-            with record_function("dkfac.inverse"):
+            with phase("dkfac.inverse"):
                 self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
             self.late.refreshed(self.layers, grads, arrived)
-        with record_function("dkfac.precondition"):
+        with phase("dkfac.precondition"):
             bn_damping = resolve("bn_damping", cfg.bn_damping, step)
             dampings = {"damping": damping, "bn_damping": bn_damping or damping}
             advance = None if keep is None else keep.all()
             finals, ready = precondition(
                 self.layers, self.strategy, grads, finite, dampings, step, advance, partial
             )
-        with record_function("dkfac.distribute"):
+        with phase("dkfac.distribute"):
             delivered = self.delivery.distribute(finals, ready)
-        with record_function("dkfac.kl_clip"):
+        with phase("dkfac.kl_clip"):
             kl_clip = resolve("kl_clip", cfg.kl_clip, step)
             lr = lr if lr is not None else resolve("lr", cfg.lr, step)
             scale = kl_clip_scale(self.delivery, finals, ready, grads, kl_clip, lr)
@@ -421,29 +415,12 @@ class KFACPreconditioner:
             if keep is not None:  # the scale times 0 where a gradient was not finite
                 ones = keep.to(torch.float32 if scale is None else scale.dtype)
                 both = ones if scale is None else ones * scale
-                factors = dict(zip(self.layers, both.unbind(0), strict=True))
+                # Through the guard's buffer; write_back takes the layers it leaves.
+                delivered = self._guard.writes.write(self.layers, finals, delivered, ready, both)
+                if delivered:
+                    factors = dict(zip(self.layers, both.unbind(0), strict=True))
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
-
-    def _device_guard(
-        self,
-        new: dict[str, dict[str, Tensor]],
-        grads: dict[str, Tensor | None],
-        step: int,
-    ) -> tuple[dict[str, tuple[bool, bool]], Tensor | None]:
-        """The finiteness guard with its flags left on the device
-        (:mod:`~dkfac.engine.device_checks`): ``new`` holds its failed statistics at their
-        running values and ``grads`` have their failed gradients zeroed, in place; returns
-        flags that pass every layer and the gradient flags (``keep``). Where a statistic
-        cannot be held (a first capture, a low-rank side) the flags are read as on a CPU,
-        and ``keep`` is ``None``."""
-        names = list(self.layers)
-        masks = finite_masks(self.layers, self.strategy, new, grads)
-        if not hold_statistics(self.layers, self.strategy, new, masks):
-            return read_flags(masks, names), None
-        self._late.record(step, masks, self._guard_messages)
-        grads.update(zero_nonfinite(grads, masks, names))
-        return {name: (True, True) for name in names}, masks[1::2]
 
     def _spend_budget(self) -> None:
         """Applies the overhead budget's choice once it can be made (after the first step)."""

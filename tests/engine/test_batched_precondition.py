@@ -9,8 +9,10 @@ BatchNorm layers of different widths under the unit-wise solver.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACPreconditioner
+from dkfac.engine import launches
 from dkfac.solvers.base import Solver
 from dkfac.solvers.eigen import EigenSolver
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
@@ -154,4 +157,61 @@ def test_eigen_layers_of_one_shape_share_one_pass_as_each_alone(
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
             assert a.grad is not None and b.grad is not None
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+        _move_both(model, twin)
+
+
+def _shapes_model() -> nn.Module:
+    torch.manual_seed(0)
+    widths = [6, 6, 6, 5, 5, 4]
+    layers: list[nn.Module] = []
+    for n_in, n_out in itertools.pairwise(widths):
+        layers += [nn.Linear(n_in, n_out), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+@pytest.mark.parametrize(("method", "device_guard"), [("eigen_adam", False), ("ekfac", True)])
+def test_groups_of_several_shapes_fused_equal_each_group_alone(
+    method: str, device_guard: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a launch-bound device the groups of one solver's options (four shapes here, one
+    of them a stack of two) share one flat pass of their elementwise work: bit for bit the
+    per-group path's gradients and moments, over refreshes, resets and a skipped step (the
+    guard's flags read on the host, or left on the device: the moments held by a mask)."""
+    options = {**OPTIONS, "method": method}
+    if method == "ekfac":
+        del options["moment_nesterov"]
+    (model, pre), (twin, alone) = _twins(_shapes_model, **options)
+    for layer in alone.layers.values():  # the twin batches by shape, as on a CPU
+        del layer.solver.batch_key
+    pre.flags_on_device = alone.flags_on_device = device_guard
+    calls: list[int] = []
+    original = EigenMomentsSolver.apply_groups
+
+    def counted(self: EigenMomentsSolver, groups: Any, *rest: Any, **kw: Any) -> Any:
+        calls.append(len(groups))
+        return original(self, groups, *rest, **kw)
+
+    monkeypatch.setattr(EigenMomentsSolver, "apply_groups", counted)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(6):
+        calls.clear()
+        x = torch.randn(16, 6, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 4, (16,), generator=gen)
+        for net, kfac in ((model, pre), (twin, alone)):
+            net.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            if step == 3:  # a non-finite gradient: the moments hold, the layer is zeroed
+                net[0].weight.grad[0, 0] = float("nan")
+            fused = kfac is pre
+            with mock.patch.object(launches, "launch_bound", lambda device, on=fused: on):
+                kfac.step()
+        assert calls == [4, 1, 1, 1, 1], calls  # one fused pass; the twin's, a group each
+        for name, layer in pre.layers.items():
+            other = alone.layers[name]
+            for a, b in zip(layer.block.parameters(), other.block.parameters(), strict=True):
+                assert a.grad is not None and b.grad is not None
+                assert torch.equal(a.grad, b.grad), (step, name)
+            assert layer.moments is not None and other.moments is not None
+            for key, value in layer.moments.items():
+                assert torch.equal(value, other.moments[key]), (step, name, key)
         _move_both(model, twin)

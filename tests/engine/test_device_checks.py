@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.engine.device_checks import GradientBuffer, zero_nonfinite
+from dkfac.engine.grad_writes import GradientWrites
+from dkfac.engine.step_math import write_back
 from tests.host_reads import HostData, HostReads
 
 STEPS = 8
@@ -83,7 +86,7 @@ def _run(options: dict[str, Any], on_device: bool, fused: bool, caplog: Any) -> 
             if step == GRAD_NAN_STEP:
                 model[7].weight.grad[0, 0] = float("nan")
             opt.step()
-        pre._late.flush()
+        pre._guard.late.flush()
         opt._late.flush()
     warnings = sorted(r.getMessage() for r in caplog.records)
     moments = {
@@ -184,3 +187,130 @@ def test_an_optimizer_that_cannot_skip_on_the_device_reads_the_flag() -> None:
     assert opt.skipped_steps == 1
     for old, new in zip(before, model.parameters(), strict=True):
         assert torch.equal(old, new.detach())
+
+
+def test_the_gradient_buffer_zeroes_as_the_selection_does() -> None:
+    """:class:`GradientBuffer` against :func:`zero_nonfinite` (concatenate, select, split),
+    bit for bit, over steps whose failing layers change, a missing gradient, a change of
+    shapes (a new buffer) and gradients of two dtypes (the selection itself)."""
+    names = ["a", "b", "c", "d"]
+    buffer = GradientBuffer()
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (2, 5), (3, 4), (6, 1)]
+    for step in range(6):
+        if step == 4:
+            shapes[1] = (5, 2)
+        grads: dict[str, torch.Tensor | None] = {
+            n: torch.randn(*shape, generator=gen, dtype=torch.float64)
+            for n, shape in zip(names, shapes, strict=True)
+        }
+        if step == 2:
+            grads["c"] = None
+        if step == 5:
+            grads["d"] = grads["d"].float()  # type: ignore[union-attr]
+        grads["b"][0, 0] = float("nan")  # type: ignore[index]
+        masks = torch.rand(8, generator=gen) > 0.4
+        masks[3] = step % 2 == 0  # b's flag: its NaN kept or zeroed
+        want = zero_nonfinite(grads, masks, names)
+        got = buffer.zero_nonfinite(grads, masks, names)
+        assert got.keys() == want.keys()
+        for name in names:
+            w, g = want[name], got[name]
+            assert (w is None) == (g is None), (step, name)
+            if w is not None and g is not None:
+                assert g.shape == w.shape and g.dtype == w.dtype, (step, name)
+                assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), (step, name)
+
+
+class _Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(7, 6)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.hidden = nn.Linear(4 * 9, 6, bias=False)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        mapped = self.norm(self.conv(images)).flatten(1)
+        return self.head(torch.tanh(self.hidden(mapped) + self.tokens(tokens)))
+
+
+def test_gathered_gradients_equal_each_block_s_own() -> None:
+    """:meth:`GradientBuffer.gather` against each block's ``weight_grad``, bit for bit:
+    convolutions and linear layers with and without a bias, BatchNorm (its two columns), an
+    embedding (its own ``weight_grad``, copied whole), a missing bias gradient (the block's
+    own zeros); over steps, the same views while the sources keep their shapes."""
+    model = _Mixed().double()
+    pre = KFACPreconditioner(model, method="eigen")
+    assert {type(layer.block).__name__ for layer in pre.layers.values()} >= {"EmbeddingBlock"}
+    buffer = GradientBuffer()
+    gen = torch.Generator().manual_seed(4)
+    last: dict[str, Any] = {}
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, 7, (8,), generator=gen)
+        images = torch.randn(8, 2, 3, 3, generator=gen, dtype=torch.float64)
+        model(tokens, images).sum().backward()
+        if step == 1:
+            model.head.bias.grad = None  # the block's weight_grad fills zeros
+        want = {name: layer.block.weight_grad() for name, layer in pre.layers.items()}
+        got = buffer.gather(pre.layers)
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            g = got[name]
+            assert w is not None and g is not None
+            assert g.shape == w.shape and torch.equal(g, w), (step, name)
+        if step == 3:  # the sources of step 2 again: the very same views
+            assert all(got[name] is last[name] for name in got)
+        last = got
+
+
+def test_buffered_writes_equal_write_back() -> None:
+    """:class:`GradientWrites` against :func:`write_back` with the same per-layer factors,
+    bit for bit: ready layers times their factor (one of them 0, a failed gradient's),
+    a delivered layer that is not ready unscaled; over steps with the same views. A
+    block that writes its own way (an embedding) or a missing bias gradient: that layer
+    left to ``write_back``."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.Flatten(),
+        nn.Linear(4 * 9, 6, bias=False),
+        nn.Linear(6, 2),
+    ).double()
+    twin = copy.deepcopy(model)
+    pre, other = KFACPreconditioner(model), KFACPreconditioner(twin)
+    names = list(pre.layers)
+    writes = GradientWrites()
+    gen = torch.Generator().manual_seed(6)
+    for step in range(3):
+        for net in (model, twin):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            net(torch.randn(5, 2, 3, 3, dtype=torch.float64)).sum().backward()
+        finals = {
+            n: torch.randn(layer.block.weight_grad().shape, generator=gen, dtype=torch.float64)
+            for n, layer in pre.layers.items()
+        }
+        factors = torch.rand(len(names), generator=gen, dtype=torch.float64)
+        factors[1] = 0.0
+        ready = [n for n in names if n != names[2]]
+        assert writes.write(pre.layers, finals, names, ready, factors) == []
+        per_layer = dict(zip(names, factors.unbind(0), strict=True))
+        write_back(other.layers, finals, names, ready, None, per_layer)
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert torch.equal(a.grad, b.grad), step
+    model[4].bias.grad = None
+    assert writes.write(pre.layers, finals, names, names, factors) == [names[-1]]
+    net = _Mixed().double()
+    mixed = KFACPreconditioner(net)
+    net(torch.arange(4), torch.randn(4, 2, 3, 3, dtype=torch.float64)).sum().backward()
+    finals = {n: layer.block.weight_grad() for n, layer in mixed.layers.items()}  # type: ignore[misc]
+    ones = torch.ones(len(mixed.layers), dtype=torch.float64)
+    assert writes.write(mixed.layers, finals, list(mixed.layers), [], ones) == ["tokens"]
+    for name, layer in mixed.layers.items():  # the others written, unscaled (not ready)
+        if name != "tokens":
+            assert torch.equal(layer.block.weight_grad(), finals[name]), name

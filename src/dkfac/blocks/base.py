@@ -15,6 +15,7 @@ Fisher scale.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -283,6 +284,34 @@ class Block(ABC):
             bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
+
+    def grad_sources(self) -> list[Tensor] | None:
+        """The ``.grad`` tensors :meth:`weight_grad`'s matrix is made of, in the order of
+        :meth:`grad_layout`'s views; ``None`` where one is missing or the block builds its
+        matrix otherwise (an override of :meth:`weight_grad`): then take :meth:`weight_grad`.
+
+        A GPU step is launches: the engine copies every layer's sources into views of one
+        buffer made once (:meth:`grad_layout`), one multi-tensor copy for all layers."""
+        if type(self).weight_grad is not Block.weight_grad:
+            return None
+        grads = [param.grad for param in self.parameters()]
+        return None if any(grad is None for grad in grads) else grads  # type: ignore[return-value]
+
+    def grad_shape(self) -> tuple[int, int]:
+        """The shape of :meth:`weight_grad`'s matrix (for :meth:`grad_layout`)."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        return (weight.shape[0], math.prod(weight.shape[1:]) + int(self.has_bias))
+
+    def grad_layout(self, matrix: Tensor) -> list[Tensor]:
+        """Views of a :meth:`grad_shape` matrix, one per tensor of :meth:`grad_sources`:
+        each gradient copied into its view makes :meth:`weight_grad`'s matrix."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        if not self.has_bias:
+            return [matrix.view(weight.shape)]
+        width = matrix.shape[1] - 1
+        return [matrix[:, :width].view(weight.shape), matrix[:, width]]
 
     def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
         """``(destination, value)`` pairs that write a ``g_dim × a_dim`` matrix back into

@@ -121,6 +121,19 @@ class BatchNormBlock(Block):
         beta = bias.grad if bias.grad is not None else torch.zeros_like(bias)
         return torch.stack([gamma, beta], dim=1)
 
+    def grad_sources(self) -> list[Tensor] | None:
+        """``γ.grad`` and ``β.grad`` (``None`` where one is missing)."""
+        grads = [self.module.weight.grad, self.module.bias.grad]
+        return None if any(grad is None for grad in grads) else grads  # type: ignore[return-value]
+
+    def grad_shape(self) -> tuple[int, int]:
+        """``(C, 2)``."""
+        return (self.channels, 2)
+
+    def grad_layout(self, matrix: Tensor) -> list[Tensor]:
+        """The two columns of a ``(C, 2)`` matrix."""
+        return list(matrix.unbind(1))
+
     def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
         """A ``(C, 2)`` matrix's columns into ``γ.grad`` and ``β.grad`` (created as zeros
         where missing)."""

@@ -44,6 +44,7 @@ from dkfac.solvers import (
 )
 
 __all__ = [
+    "COMPILE_MOMENTS",
     "FISHER_TYPES",
     "LEFTOVER_UPDATES",
     "LOSS_AVERAGES",
@@ -53,6 +54,7 @@ __all__ = [
     "REFRESH_KINDS",
     "SHARD_EXCHANGES",
     "STRATEGY_CHOICES",
+    "CompileMoments",
     "DistributionConfig",
     "EstimationConfig",
     "FisherType",
@@ -83,6 +85,7 @@ UNREAD_WITHOUT_MOMENTS = (
     "moment_nesterov",
     "basis_refresh",
     "moment_carry",
+    "compile_moments",
 )
 """The :class:`SolverConfig` fields that only a method with a basis of moments reads."""
 ORTHOGONAL_RMS = 1.5
@@ -103,6 +106,8 @@ RefreshKind = Literal["fixed", "adaptive"]
 REFRESH_KINDS: tuple[str, ...] = get_args(RefreshKind)
 LeftoverUpdate = Literal["auto", "gradient", "adam"]
 LEFTOVER_UPDATES: tuple[str, ...] = get_args(LeftoverUpdate)
+CompileMoments = Literal["auto", "off", "inductor", "aot_eager"]
+COMPILE_MOMENTS: tuple[str, ...] = get_args(CompileMoments)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +241,13 @@ class SolverConfig:
             scale (``Solver.adam_scaled``: ``"eigen_adam"``). ``"auto"`` (default):
             ``"adam"`` under such a method (a LayerNorm's plain gradient at its lr hardly
             moves it), else ``"gradient"``.
+        compile_moments: ``"ekfac"``/``"eigen_adam"``: run each step's moment update and
+            scaling through ``torch.compile`` (:mod:`dkfac.solvers.compiled`; eager after a
+            failure, logged): ``"inductor"`` (fused generated kernels; on a CPU it needs a C
+            compiler), ``"aot_eager"`` (the capture only, for checks), ``"off"``, or
+            ``"auto"`` (default): ``"inductor"`` on a launch-bound device (CUDA) where
+            Triton is installed, ``"off"`` elsewhere (a CPU's elementwise passes are not
+            launches, and compiling costs seconds).
     """
 
     method: Method = "eigen"
@@ -262,6 +274,7 @@ class SolverConfig:
     power_rank: int | None = None
     basis_block_size: int | None = None
     leftover_update: LeftoverUpdate = "auto"
+    compile_moments: CompileMoments = "auto"
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -332,6 +345,7 @@ class SolverConfig:
                 "blocks; use a block smaller than basis_max_dim or drop one of them"
             )
         check_choice("leftover_update", self.leftover_update, LEFTOVER_UPDATES)
+        check_choice("compile_moments", self.compile_moments, COMPILE_MOMENTS)
         if self.leftover_update == "adam" and not _adam_scaled(self.method):
             scaled = [m for m in method_names() if _adam_scaled(m)]
             raise ValueError(

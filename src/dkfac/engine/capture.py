@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -13,7 +12,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.profiler import record_function
 
 from dkfac.blocks.base import Rows
 from dkfac.blocks.linear import LinearBlock
@@ -22,15 +20,9 @@ from dkfac.distributed.comm import Communicator
 from dkfac.engine.fisher import mc_sample_loss
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.micro_batches import BackwardCounter
+from dkfac.engine.phases import phase
 
 logger = logging.getLogger(__name__)
-
-
-def _label(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A profiler label while a profiler runs, else nothing: the hooks run twice a layer
-    on a factor step, and a label is two dispatched operations even with no profiler (a
-    GPU step is launches)."""
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 @dataclass
@@ -220,7 +212,7 @@ class FactorCapture:
 
     def _grad_hook(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         if pending.inputs is not None:  # the first backward through this forward: its A
-            with _label("dkfac.capture_a"):
+            with phase("dkfac.capture_a"):
                 pending.context = layer.block.capture_input(pending.inputs, layer.due_sinks())
             pending.inputs = None
         if self.config.fisher == "mc" and not self._mc_active:
@@ -232,7 +224,7 @@ class FactorCapture:
         if self._broadcasts(pending):
             self._add_broadcast(layer, pending, grad)
         else:
-            with _label("dkfac.capture_g"):
+            with phase("dkfac.capture_g"):
                 layer.block.capture_grad(
                     pending.context, grad, self._grad_sinks(layer), pending.scale
                 )

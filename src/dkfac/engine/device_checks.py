@@ -26,6 +26,7 @@ polled without waiting.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,12 +34,20 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.strategy_base import Strategy
+from dkfac.engine.grad_writes import GradientWrites
 from dkfac.engine.launches import device_constant
 from dkfac.engine.layer_state import LayerState
-from dkfac.engine.step_math import FACTORS_SKIPPED, GRADIENT_ZEROED
+from dkfac.engine.step_math import (
+    FACTORS_SKIPPED,
+    GRADIENT_ZEROED,
+    finite_masks,
+    read_flags,
+)
 from dkfac.solvers.statistics import DenseStatistic
 
 __all__ = [
+    "DeviceGuard",
+    "GradientBuffer",
     "LateWarnings",
     "guard_messages",
     "hold_statistics",
@@ -47,6 +56,158 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceGuard:
+    """The finiteness guard of a preconditioner's steps with its flags left on the device
+    (module notes): its late warnings and the buffer of the gradients it selects.
+
+    Args:
+        names: The registered layers, in order.
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.late = LateWarnings()
+        self.writes = GradientWrites()
+        """The write-back through one buffer (:mod:`~dkfac.engine.grad_writes`)."""
+        self._messages = guard_messages(names)
+        self._buffer = GradientBuffer()
+
+    def gradients(self, layers: Mapping[str, LayerState]) -> dict[str, Tensor | None]:
+        """Each layer's gradient matrix, gathered into the guard's buffer
+        (:meth:`GradientBuffer.gather`), where :meth:`run` then zeroes failed ones in place."""
+        return self._buffer.gather(layers)
+
+    def run(
+        self,
+        layers: Mapping[str, LayerState],
+        strategy: Strategy,
+        new: dict[str, dict[str, Tensor]],
+        grads: dict[str, Tensor | None],
+        step: int,
+    ) -> tuple[dict[str, tuple[bool, bool]], Tensor | None]:
+        """Logs the warnings of earlier steps that have arrived; then ``new`` holds its
+        failed statistics at their running values and ``grads`` have their failed
+        gradients zeroed, in place. Returns flags that pass every layer and the gradient
+        flags (``keep``). Where a statistic cannot be held (a first capture, a low-rank
+        side) the flags are read as on a CPU, and ``keep`` is ``None``."""
+        self.late.poll()
+        names = list(layers)
+        masks = finite_masks(layers, strategy, new, grads)
+        if not hold_statistics(layers, strategy, new, masks):
+            return read_flags(masks, names), None
+        self.late.record(step, masks, self._messages)
+        grads.update(self._buffer.zero_nonfinite(grads, masks, names))
+        return {name: (True, True) for name in names}, masks[1::2]
+
+
+class GradientBuffer:
+    """The layers' gradient matrices in one flat buffer whose views are made once for a
+    set of shapes. :meth:`gather` builds the matrices from the parameters' ``.grad`` with
+    one multi-tensor copy (:meth:`~dkfac.blocks.base.Block.grad_sources` into
+    :meth:`~dkfac.blocks.base.Block.grad_layout`'s views; a block without them by its
+    ``weight_grad``), and :meth:`zero_nonfinite` zeroes a failed layer's entries with one
+    masked fill (copying other gradients in first): no per-layer views, stacks or
+    concatenations a step. The matrices it returns are its views, overwritten at the next
+    step: a step reads them only within itself. Gradients of several dtypes or devices take
+    the per-layer forms (``weight_grad``, :func:`zero_nonfinite`)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._flat = torch.empty(0)
+        self._matrices: dict[str, Tensor] = {}
+        self._layout: list[Tensor] = []
+        self._flag_index = torch.empty(0, dtype=torch.int64)
+
+    def gather(self, layers: Mapping[str, LayerState]) -> dict[str, Tensor | None]:
+        """Each layer's gradient matrix (``None`` without a gradient), as ``weight_grad``."""
+        sources: list[list[Tensor]] = []
+        entries: list[tuple[str, tuple[int, ...], bool]] = []  # name, shape, by its layout
+        for name, layer in layers.items():
+            block = layer.block
+            parts = block.grad_sources()
+            by_layout = parts is not None
+            if parts is None:
+                matrix = block.weight_grad()
+                if matrix is None:
+                    continue
+                parts, shape = [matrix], tuple(matrix.shape)
+            else:
+                shape = block.grad_shape()
+            sources.append(parts)
+            entries.append((name, shape, by_layout))
+        flat_sources = [t for parts in sources for t in parts]
+        if not flat_sources or len({(t.dtype, t.device) for t in flat_sources}) > 1:
+            return {name: layer.block.weight_grad() for name, layer in layers.items()}
+        index = {name: i for i, name in enumerate(layers)}
+        key = (
+            tuple(entries),
+            tuple(tuple(t.shape) for t in flat_sources),
+            flat_sources[0].dtype,
+            flat_sources[0].device,
+            tuple(index[name] for name, _, _ in entries),
+        )
+        if key != self._key:
+            shapes = [(name, shape) for name, shape, _ in entries]
+            positions = [2 * index[name] + 1 for name, _, _ in entries]
+            self._build(key, shapes, positions, flat_sources[0])
+            self._layout = [
+                view
+                for name, _, by_layout in entries
+                for view in (
+                    layers[name].block.grad_layout(self._matrices[name])
+                    if by_layout
+                    else [self._matrices[name]]
+                )
+            ]
+        torch._foreach_copy_(self._layout, flat_sources)
+        return {name: self._matrices.get(name) for name in layers}
+
+    def zero_nonfinite(
+        self, grads: Mapping[str, Tensor | None], masks: Tensor, names: Sequence[str]
+    ) -> dict[str, Tensor | None]:
+        """Each gradient where its flag (``masks[2i + 1]``) holds, zeros elsewhere: in place
+        when ``grads`` are :meth:`gather`'s last matrices, else copied in first."""
+        present = [(2 * i + 1, name) for i, name in enumerate(names) if grads[name] is not None]
+        tensors: list[Tensor] = [grads[name] for _, name in present]  # type: ignore[misc]
+        mine = [self._matrices.get(name) for _, name in present]
+        if not (
+            len(mine) == len(self._matrices)
+            and all(t is m for t, m in zip(tensors, mine, strict=True))
+        ):
+            if not tensors or len({(t.dtype, t.device) for t in tensors}) > 1:
+                return zero_nonfinite(grads, masks, names)
+            shapes = [(name, tuple(t.shape)) for (_, name), t in zip(present, tensors, strict=True)]
+            where = [p for p, _ in present]
+            key = (tuple(shapes), tensors[0].dtype, tensors[0].device, tuple(where))
+            if key != self._key:
+                self._build(key, shapes, where, tensors[0])
+            torch._foreach_copy_([self._matrices[name] for _, name in present], tensors)
+        drop = masks.logical_not().index_select(0, self._flag_index)
+        self._flat.masked_fill_(drop, 0.0)
+        return {**grads, **{name: self._matrices[name] for _, name in present}}
+
+    def _build(
+        self,
+        key: tuple[object, ...],
+        shapes: Sequence[tuple[str, tuple[int, ...]]],
+        positions: Sequence[int],
+        like: Tensor,
+    ) -> None:
+        """The buffer, its matrices and the flag of each entry for a new set of shapes."""
+        sizes = tuple(math.prod(shape) for _, shape in shapes)
+        device = like.device
+        self._flat = torch.empty(sum(sizes), dtype=like.dtype, device=device)
+        parts = self._flat.split(sizes)
+        self._matrices = {
+            name: part.view(shape) for (name, shape), part in zip(shapes, parts, strict=True)
+        }
+        flags = device_constant(tuple(positions), device)
+        self._flag_index = flags.repeat_interleave(
+            device_constant(sizes, device), output_size=sum(sizes)
+        )
+        self._layout = []
+        self._key = key
 
 
 def zero_nonfinite(

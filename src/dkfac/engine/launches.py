@@ -10,11 +10,12 @@ kernels, and the single forms, chosen for fewer passes, stay.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 from torch import Tensor
 
-__all__ = ["device_constant", "launch_bound"]
+__all__ = ["compile_backend", "device_constant", "launch_bound"]
 
 
 def launch_bound(device: torch.device) -> bool:
@@ -33,3 +34,17 @@ def device_constant(values: tuple[int, ...], device: torch.device) -> Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def compile_backend(choice: str, device: torch.device) -> str | None:
+    """The ``torch.compile`` backend of the ``compile_moments`` option on ``device``:
+    ``None`` for ``"off"``; for ``"auto"``, ``"inductor"`` on a CUDA device (launch-bound)
+    where Triton (inductor's GPU code generator) is installed, else ``None``; any other
+    choice is the backend itself."""
+    if choice == "off":
+        return None
+    if choice != "auto":
+        return choice
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "inductor"
+    return None

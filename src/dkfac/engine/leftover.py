@@ -50,11 +50,11 @@ def _matrix_shape(tensor: Tensor) -> tuple[int, int]:
     return (tensor.shape[0], math.prod(tensor.shape[1:])) if tensor.dim() else (1, 1)
 
 
-def _matrix(tensor: Tensor) -> Tensor:
-    """``tensor`` as that matrix, in float32 at least: a float16 gradient's square
-    underflows below 6e-8, and ``m̂ ⊘ (√v̂ + ε)`` over a flushed ``v`` would be ``m̂ / ε``."""
-    matrix = tensor.reshape(_matrix_shape(tensor))
-    return matrix.to(torch.promote_types(matrix.dtype, torch.float32))
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The moments' precision for a gradient of ``dtype``: float32 at least (a float16
+    gradient's square underflows below 6e-8, and ``m̂ ⊘ (√v̂ + ε)`` over a flushed ``v``
+    would be ``m̂ / ε``); float64 stays."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class LeftoverAdam:
@@ -90,31 +90,33 @@ class LeftoverAdam:
         groups: dict[tuple[Any, ...], list[tuple[str, Tensor]]] = {}
         for name, param in self.params.items():
             if param.grad is not None:
-                matrix = _matrix(_local(param.grad))  # Adam is elementwise: a shard's own
-                key = (tuple(matrix.shape), matrix.dtype, matrix.device)
-                groups.setdefault(key, []).append((name, matrix))
+                grad = _local(param.grad)  # Adam is elementwise: a shard's own
+                groups.setdefault((tuple(grad.shape), grad.dtype, grad.device), []).append(
+                    (name, grad)
+                )
         for members in groups.values():
             self._step_group(members)
 
     def _step_group(self, members: list[tuple[str, Tensor]]) -> None:
-        """One stack of gradient matrices of one shape (:meth:`step`)."""
-        matrices = torch.stack([matrix for _, matrix in members])
+        """The gradients of one shape, dtype and device as one stack of matrices
+        (:meth:`step`): a few calls for the group, none a parameter but the copy back."""
+        grads = [grad for _, grad in members]
+        stacked = torch.stack(grads)
+        matrices = stacked.view(len(grads), *_matrix_shape(grads[0])).to(_wide(stacked.dtype))
         old = self.solver.stack_moments(
-            [self.moments.get(name) for name, _ in members], [m for _, m in members]
+            [self.moments.get(name) for name, _ in members], [matrices[0]] * len(members)
         )
         update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
-        grads = [self.params[name].grad for name, _ in members]
-        grads = [None if g is None else _local(g) for g in grads]
-        finite = finite_each(grads, matrices.device)  # type: ignore[arg-type]
+        finite = finite_each(grads, matrices.device)
         kept = {
             key: torch.where(finite.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
             for key in new
         }
         update = torch.where(finite.view(-1, 1, 1), update, matrices)
-        for i, ((name, _), grad) in enumerate(zip(members, grads, strict=True)):
-            assert grad is not None
-            self.moments[name] = {key: value[i] for key, value in kept.items()}
-            grad.copy_(update[i].view(grad.shape))
+        parts = {key: value.unbind(0) for key, value in kept.items()}  # one call a key
+        for i, (name, _) in enumerate(members):
+            self.moments[name] = {key: part[i] for key, part in parts.items()}
+        torch._foreach_copy_(grads, list(update.view(stacked.shape).unbind(0)))
 
     def nbytes(self) -> int:
         """Bytes of the moments held."""

@@ -24,6 +24,7 @@ from dkfac.blocks.base import Block
 from dkfac.blocks.linear import LinearBlock
 from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
+from dkfac.engine import launches
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import EigenMomentsSolver, RowsRule, make_solver, precision
@@ -228,6 +229,7 @@ def create_layers(
                 gradient_rotation_dtype=lowered["gradient_rotation_dtype"],
                 power_rank=config.power_rank,
                 block_size=config.basis_block_size,
+                compile_backend=launches.compile_backend(config.compile_moments, param.device),
             ),
             maps.get(name),
         )

@@ -29,6 +29,7 @@ from dkfac.engine import launches
 from dkfac.engine.finite import finite_each
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError, SolverState
+from dkfac.solvers.base import BatchJob
 
 __all__ = [
     "FACTORS_SKIPPED",
@@ -291,10 +292,14 @@ def apply_grouped(
     grads: Mapping[str, Tensor | None],
     jobs: Sequence[tuple[str, float]],
     advance: Tensor | None = None,
+    fuse: bool | None = None,
 ) -> dict[str, tuple[Tensor, SolverState | None]]:
     """Each job's ``(update, moments)`` (:meth:`Solver.apply_with_moments`), the layers of
     one :meth:`~dkfac.solvers.base.Solver.batch_key` and damping in one
-    :meth:`~dkfac.solvers.base.Solver.apply_batch` on the first one's solver.
+    :meth:`~dkfac.solvers.base.Solver.apply_batch` on the first one's solver; with ``fuse``,
+    the groups whose first solvers give one
+    :meth:`~dkfac.solvers.base.Solver.fuse_key` (and one damping) in one
+    :meth:`~dkfac.solvers.base.Solver.apply_groups` (their elementwise work as one pass).
 
     Args:
         layers: The registered layers (each job's has a solver state).
@@ -302,27 +307,40 @@ def apply_grouped(
         jobs: ``(name, damping)`` of the layers to precondition, in order.
         advance: Passed to :meth:`~dkfac.solvers.base.Solver.apply_batch` (see
             :func:`precondition`).
+        fuse: Join the groups; ``None`` (default): on a launch-bound device
+            (:mod:`~dkfac.engine.launches`), where each elementwise pass is a launch.
     """
-    groups: dict[Hashable, list[tuple[str, float]]] = {}
+    groups: dict[Hashable, list[str]] = {}
     for name, damping in jobs:
         layer, grad = layers[name], grads[name]
         assert layer.solver_state is not None and grad is not None
         key = layer.solver.batch_key(layer.solver_state, grad)
-        groups.setdefault(("alone", name) if key is None else (key, damping), []).append(
-            (name, damping)
-        )
-    results: dict[str, tuple[Tensor, SolverState | None]] = {}
-    for members in groups.values():
-        names = [name for name, _ in members]
-        solver = layers[names[0]].solver
-        outputs = solver.apply_batch(
+        groups.setdefault(("alone", name) if key is None else (key, damping), []).append(name)
+    dampings = dict(jobs)
+    together: dict[Hashable, list[tuple[list[str], BatchJob]]] = {}
+    for key, names in groups.items():
+        first, grad = layers[names[0]], grads[names[0]]
+        assert first.solver_state is not None and grad is not None
+        joined = launches.launch_bound(grad.device) if fuse is None else fuse
+        shared = first.solver.fuse_key(first.solver_state, grad) if joined else None
+        job = BatchJob(
+            first.solver,
             [layers[n].solver_state for n in names],  # type: ignore[misc]
             [layers[n].moments for n in names],
             [grads[n] for n in names],  # type: ignore[misc]
-            members[0][1],
+        )
+        place = ("alone", key) if shared is None else (shared, dampings[names[0]])
+        together.setdefault(place, []).append((names, job))
+    results: dict[str, tuple[Tensor, SolverState | None]] = {}
+    for members in together.values():
+        batch = [job for _, job in members]
+        outputs = batch[0].solver.apply_groups(
+            batch,
+            dampings[members[0][0][0]],
             **({} if advance is None else {"advance": advance}),
         )
-        results.update(zip(names, outputs, strict=True))
+        for (names, _), group in zip(members, outputs, strict=True):
+            results.update(zip(names, group, strict=True))
     return results
 
 

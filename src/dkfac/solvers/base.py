@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,6 +29,16 @@ from dkfac.solvers.statistics import DenseStatistic, StatisticKind
 logger = logging.getLogger(__name__)
 
 SolverState = dict[str, Tensor]
+
+
+class BatchJob(NamedTuple):
+    """The layers of one :meth:`Solver.batch_key`, as :meth:`Solver.apply_batch` takes
+    them, with the solver of the first (which keeps the group's stacks between steps)."""
+
+    solver: Solver
+    states: Sequence[SolverState]
+    moments: Sequence[SolverState | None]
+    grads: Sequence[Tensor]
 
 
 class SolverError(RuntimeError):
@@ -195,6 +205,24 @@ class Solver(ABC):
                 select_moments(advance, new, self.zero_moments_like(grad) if old is None else old),
             )
             for (update, new), old, grad in zip(results, moments, grads, strict=True)
+        ]
+
+    def fuse_key(self, state: SolverState, grad: Tensor) -> Hashable | None:
+        """Groups of layers (each of one :meth:`batch_key`) whose first solvers give equal
+        keys (not ``None``) may be preconditioned together by one :meth:`apply_groups`, on
+        the first group's solver; ``None`` (the default): the group alone."""
+        del state, grad
+        return None
+
+    def apply_groups(
+        self, groups: Sequence[BatchJob], damping: float, *, advance: Tensor | None = None
+    ) -> list[list[tuple[Tensor, SolverState | None]]]:
+        """:meth:`apply_batch` of each group (on its own solver), in order; a solver may
+        run the groups' elementwise work as one pass (the default runs them one by one)."""
+        extra = {} if advance is None else {"advance": advance}
+        return [
+            job.solver.apply_batch(job.states, job.moments, job.grads, damping, **extra)
+            for job in groups
         ]
 
     def zero_moments_like(self, grad: Tensor) -> SolverState | None:

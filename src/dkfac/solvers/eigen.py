@@ -26,7 +26,12 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverState, unstack
-from dkfac.solvers.stacking import StateStack, stack_key
+from dkfac.solvers.stacking import StateStack, matmul, stack_key
+
+_Prepared = tuple[
+    tuple[Tensor, ...], tuple[torch.dtype, float], tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+]
+"""``(state tensors, (dtype, damping), prepared)``: :meth:`EigenSolver._prepared`'s last."""
 
 SHIFT = 1e-6
 """The relative diagonal shift of :func:`symmetric_eigh`'s retry (module notes)."""
@@ -67,6 +72,7 @@ class EigenSolver(Solver):
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(compute_dtype)
         self._state_stack = StateStack()
+        self._last_prepared: _Prepared | None = None
 
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Eigendecomposes both factors (``damping`` is applied later, in :meth:`apply`)."""
@@ -114,10 +120,31 @@ class EigenSolver(Solver):
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """``Q_G [(Q_Gᵀ ∇W Q_A) ⊘ (λ_G λ_Aᵀ + λ)] Q_Aᵀ``; every tensor may carry a leading
         layer dimension (a stack of layers of one shape: :meth:`apply_batch`)."""
-        qa, da, qg, dg = (state[k].to(grad.dtype) for k in ("qa", "da", "qg", "dg"))
-        rotated = qg.mT @ grad @ qa
-        rotated = rotated / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
-        return qg @ rotated @ qa.mT
+        qa, qg, qa_t, qg_t, denominator = self._prepared(state, grad.dtype, damping)
+        rotated = matmul(matmul(qg_t, grad), qa)
+        rotated = rotated / denominator
+        return matmul(matmul(qg, rotated), qa_t)
+
+    def _prepared(
+        self, state: SolverState, dtype: torch.dtype, damping: float
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``Q_A``, ``Q_G``, their transposes (views) and ``λ_G λ_Aᵀ + λ`` of ``state`` in
+        ``dtype``: the last ones again while the state holds the very same tensors (states
+        are replaced at a refresh, never changed in place) and the damping and dtype are
+        the same, else made anew (three passes and two transposes a step saved between
+        refreshes)."""
+        tensors = tuple(state[key] for key in ("qa", "qg", "da", "dg"))
+        last = self._last_prepared
+        if (
+            last is not None
+            and all(a is b for a, b in zip(last[0], tensors, strict=True))
+            and last[1] == (dtype, damping)
+        ):
+            return last[2]
+        qa, qg, da, dg = (tensor.to(dtype) for tensor in tensors)
+        value = (qa, qg, qa.mT, qg.mT, dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+        self._last_prepared = (tensors, (dtype, damping), value)
+        return value
 
     def batch_key(self, state: SolverState, grad: Tensor) -> Hashable | None:
         """The class, the gradient's shape, dtype and device and every state tensor's

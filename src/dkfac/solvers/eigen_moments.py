@@ -161,6 +161,10 @@ instead of ``L`` passes of small calls. Each layer's result is its own (the same
 on its own slice; the batched products may round in another order than single ones, which
 on this CPU they do not at the shapes measured); the engine groups the layers by
 :meth:`EigenMomentsSolver.batch_key`. A structured input side is applied layer by layer.
+On a launch-bound device the groups of one set of options (all shapes) go further: their
+moments and scaling run as one flat elementwise pass (:meth:`EigenMomentsSolver.apply_groups`,
+:mod:`dkfac.solvers.flat_moments`), the same values bit for bit. The products with the
+bases are in :mod:`dkfac.solvers.rotations`.
 
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
 one) carries nothing. Measured on digits: with a refresh every
@@ -176,9 +180,11 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import Solver, SolverState, select_moments, unstack
+from dkfac.solvers.base import BatchJob, Solver, SolverState, select_moments, unstack
+from dkfac.solvers.compiled import Compiled, check_backend
 from dkfac.solvers.eigen import symmetric_eigh
-from dkfac.solvers.kron_basis import check_input_map, structured_basis, times_basis
+from dkfac.solvers.flat_moments import FlatMoments
+from dkfac.solvers.kron_basis import check_input_map, structured_basis
 from dkfac.solvers.null_space import (
     ROUNDING_FLOOR,
     canonical_null_basis,
@@ -193,6 +199,17 @@ from dkfac.solvers.polar import (
     weighted_polar,
 )
 from dkfac.solvers.precision import LowPrecision
+from dkfac.solvers.rotations import (
+    bases,
+    change_basis,
+    lowered_bases,
+    rotate,
+    side_block,
+    times_blocks,
+    times_input_basis,
+    transition,
+    with_transposes,
+)
 from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
@@ -215,6 +232,9 @@ __all__ = [
     "times_blocks",
     "times_input_basis",
 ]
+
+_Rotations = tuple[torch.dtype | None, SolverState, SolverState, SolverState]
+"""``(out, the bases, state in, state out)``: :meth:`EigenMomentsSolver.rotation_states`'s last."""
 
 BasisRefresh = Literal["eigh", "power"]
 MomentCarry = Literal["reset", "keep_v", "rotate"]
@@ -263,6 +283,9 @@ class MomentOptions:
             level of the rotated gradient (>= 0; ``"eigen_adam"`` only; module notes and
             :mod:`~dkfac.solvers.null_space`); 0 for Adam without a basis (the leftover
             update), where nothing is rotated.
+        compile_backend: The moment update and scaling run through ``torch.compile`` with
+            this backend (:mod:`dkfac.solvers.compiled`: ``"inductor"`` or
+            ``"aot_eager"``, eager after a failure); ``None``: eagerly.
     """
 
     beta1: float = 0.9
@@ -281,8 +304,10 @@ class MomentOptions:
     power_rank: int | None = None
     block_size: int | None = None
     rounding_floor: float = ROUNDING_FLOOR
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
+        check_backend(self.compile_backend)
         for name in ("rotation_dtype", "gradient_rotation_dtype"):
             value = getattr(self, name)
             if value is not None and not (
@@ -506,9 +531,12 @@ class EigenMomentsSolver(Solver):
         super().__init__(compute_dtype)
         self._last_batch: tuple[SolverState, list[SolverState]] | None = None
         self._state_stack = StateStack()
+        self._last_lowered: _Rotations | None = None
+        self._flat = FlatMoments()
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
+        self._moment_step = Compiled(self._eager_moment_step, self.options.compile_backend)
         self.input_map = None if input_map is None else check_input_map(input_map)
 
     @property
@@ -635,9 +663,9 @@ class EigenMomentsSolver(Solver):
         def run(dtype: torch.dtype) -> SolverState:
             da, new_qa = power_refresh(a, qa, dtype)
             dg, new_qg = power_refresh(g, qg, dtype)
-            for values, bases in ((da, new_qa), (dg, new_qg)):
+            for values, columns in ((da, new_qa), (dg, new_qg)):
                 for i in range(len(stats)):  # each layer's null space (module notes)
-                    values[i], bases[i] = canonical_null_basis(values[i], bases[i], storage)
+                    values[i], columns[i] = canonical_null_basis(values[i], columns[i], storage)
             pairs = {"qa": new_qa, "da": da, "qg": new_qg, "dg": dg}
             return {key: value.to(storage) for key, value in pairs.items()}
 
@@ -723,26 +751,80 @@ class EigenMomentsSolver(Solver):
         dtype."""
         work = torch.promote_types(grad.dtype, torch.float32)  # the moments' precision
         rms = self.options.orthogonal_rms
-        into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
-        if rms is not None and out is None:  # the polar factor goes out in its own precision
-            out = polar_dtype(work, grad.device)
-        if into is not None and into == out:  # cast each dense basis once for both rotations
-            state = lowered_bases(state, into)
+        into, out = self.rotation_dtypes(grad)
+        state, state_out = self.rotation_states(state, into, out)
         rotated = change_basis(grad.to(work), state, into)
         if moments is None:
             moments = self.zero_moments(rotated)
-        new = self.update_moments(moments, rotated)
         steps, split = self.options.orthogonal_steps, self.options.orthogonal_split
         null = null_weights(state)
-        if rms is not None and split:  # in the basis, then out (module notes)
+        if rms is None:
+            new, scaled = self.moment_step(moments, rotated, damping, null=null)
+        elif split:  # in the basis, then out (module notes)
+            new = self.update_moments(moments, rotated)
             ratio, weight = self.split_parts(new, rotated, damping, split, null=null)
             scaled = weighted_polar(ratio, weight, rms, steps)
-        elif rms is not None:
-            scaled = orthogonal_update(self.scaled(new, rotated, damping, null=null), rms, steps)
         else:
-            scaled = self.scaled(new, rotated, damping, null=null)
-        update = change_basis(scaled, state, out, out=True)
+            new = self.update_moments(moments, rotated)
+            scaled = orthogonal_update(self.scaled(new, rotated, damping, null=null), rms, steps)
+        update = change_basis(scaled, state_out, out, out=True)
         return update.to(grad.dtype), new
+
+    def moment_step(
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        index: Tensor | None = None,
+        *,
+        null: Tensor | None = None,
+    ) -> tuple[SolverState, Tensor]:
+        """``(moments after rotated, the update in the basis)``: :meth:`update_moments` and
+        :meth:`scaled`, through ``torch.compile`` where ``compile_backend`` is set
+        (:mod:`dkfac.solvers.compiled`). ``index``: for flat moments
+        (:mod:`dkfac.solvers.flat_moments`), the layer of each entry, whose count ``t``
+        (one a layer) the scaling reads. ``null``: as :meth:`scaled` takes it (never with
+        ``index``: a floored layer is not fused)."""
+        return self._moment_step(moments, rotated, damping, index, null)
+
+    def _eager_moment_step(
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        index: Tensor | None,
+        null: Tensor | None,
+    ) -> tuple[SolverState, Tensor]:
+        """:meth:`moment_step` itself."""
+        new = self.update_moments(moments, rotated)
+        counts = new if index is None else {**new, "t": new["t"].index_select(0, index)}
+        return new, self.scaled(counts, rotated, damping, null=null)
+
+    def rotation_dtypes(self, grad: Tensor) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """The precisions of the rotations into and out of the basis for ``grad`` (``None``:
+        the moments'; the polar factor goes out in its own precision)."""
+        into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
+        if self.options.orthogonal_rms is not None and out is None:
+            out = polar_dtype(torch.promote_types(grad.dtype, torch.float32), grad.device)
+        return into, out
+
+    def rotation_states(
+        self, state: SolverState, into: torch.dtype | None, out: torch.dtype | None
+    ) -> tuple[SolverState, SolverState]:
+        """``state`` for the rotation into and out of the basis: with a lowered rotation out,
+        its dense bases cast to ``out`` (once for both rotations where ``into`` is the
+        same), with their transposes as views (:func:`~dkfac.solvers.rotations.with_transposes`),
+        and kept for the next call while the state holds the same bases (states are
+        replaced at a refresh, never changed in place): no cast or transpose of a basis a
+        step."""
+        last = self._last_lowered
+        if last is not None and last[0] == out and same_tensors([last[1]], [bases(state)]):
+            return last[2], last[3]
+        lowered = state if out is None else lowered_bases(state, out)
+        state_in = with_transposes(lowered if into == out else state)
+        state_out = with_transposes(lowered)
+        self._last_lowered = (out, bases(state), state_in, state_out)
+        return state_in, state_out
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
         """The class, the options, the gradient's shape, dtype and device and every state
@@ -773,7 +855,7 @@ class EigenMomentsSolver(Solver):
         if len(states) == 1:
             return super().apply_batch(states, moments, grads, damping, advance=advance)
         grad = torch.stack(list(grads))
-        state = self._state_stack.stacked(states)
+        state = self.stacked_states(states)
         stacked = self._restacked(moments)
         if stacked is None:
             stacked = self.stack_moments(moments, grads)
@@ -784,6 +866,31 @@ class EigenMomentsSolver(Solver):
         slices = [{key: part[i] for key, part in parts.items()} for i in range(len(grads))]
         self._last_batch = (new, slices)
         return list(zip(update.unbind(0), slices, strict=True))
+
+    def fuse_key(self, state: SolverState, grad: Tensor) -> Hashable | None:
+        """The class, the options and the gradient's dtype and device, for a state and
+        gradient that :meth:`batch_key` batches and an update that is not orthogonalised
+        (the polar factor is per matrix) nor floored in a null space (the floor is per
+        matrix: :mod:`~dkfac.solvers.null_space`); else ``None``."""
+        if self.options.orthogonal_rms is not None or self.batch_key(state, grad) is None:
+            return None
+        if "null_g" in state:
+            return None
+        return (type(self), self.options, grad.dtype, grad.device)
+
+    def apply_groups(
+        self, groups: Sequence[BatchJob], damping: float, *, advance: Tensor | None = None
+    ) -> list[list[tuple[Tensor, SolverState | None]]]:
+        """The groups' elementwise work as one flat pass (:mod:`dkfac.solvers.flat_moments`);
+        the same values as each group's :meth:`apply_batch`."""
+        if len(groups) == 1:
+            return super().apply_groups(groups, damping, advance=advance)
+        return self._flat.apply(self, groups, damping, advance)
+
+    def stacked_states(self, states: Sequence[SolverState]) -> SolverState:
+        """The states of a batch stacked key by key, kept between refreshes
+        (:class:`~dkfac.solvers.stacking.StateStack`)."""
+        return self._state_stack.stacked(states)
 
     def stack_moments(
         self, moments: Sequence[SolverState | None], likes: Sequence[Tensor]
@@ -829,7 +936,8 @@ class EigenMomentsSolver(Solver):
         ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction)."""
         if not self.options.bias_correction:
             return torch.ones((), dtype=like.dtype, device=like.device)
-        return (1.0 - torch.pow(beta, t[..., None])).to(like.dtype)
+        t = t if t.shape == like.shape else t[..., None]  # else one count per entry
+        return (1.0 - torch.pow(beta, t)).to(like.dtype)
 
     def scaled(
         self, moments: SolverState, rotated: Tensor, damping: float, *, null: Tensor | None = None
@@ -872,109 +980,10 @@ class EigenMomentsSolver(Solver):
             carried["m"] = change_basis(weights, new, None)
         if self.options.carry == "rotate":
             dtype = moments["v"].dtype
-            p_g = _transition(new["qg"].to(dtype), old["qg"].to(dtype))
-            p_a = _transition(new["qa"].to(dtype), old["qa"].to(dtype))
+            p_g = transition(new["qg"].to(dtype), old["qg"].to(dtype))
+            p_a = transition(new["qa"].to(dtype), old["qa"].to(dtype))
             carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
         return carried
-
-
-def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
-    """``left @ matrix @ right``, an empty ``left`` or ``right`` standing for the identity."""
-    if left.numel():
-        matrix = left @ matrix
-    return matrix @ right if right.numel() else matrix
-
-
-def side_block(state: SolverState, key: str) -> int | None:
-    """The block width of the basis ``state[key]`` (``"qa"``/``"qg"``): the last
-    dimension of its empty marker ``state[key + "_block"]``, ``None`` for a dense basis
-    (module notes: a shape, not a value, so that reading it never waits for a device)."""
-    marker = state.get(f"{key}_block")
-    return None if marker is None else int(marker.shape[-1])
-
-
-BLOCK_PRODUCT_SHARE = 0.75
-"""A block-diagonal basis is multiplied block by block only when its blocks hold at most
-this share of the dense product's flops (``Σ bᵢ² ≤ share · n²``): a side split into one
-block and a remainder of a few columns (a 129-wide input side in blocks of 128: the bias
-column) saves under 2% of the flops, less than the extra products and the concatenation
-cost (measured on the language model)."""
-
-
-def times_blocks(basis: Tensor, matrix: Tensor, block: int | None, left: bool) -> Tensor:
-    """``basis @ matrix`` (``left``) or ``matrix @ basis`` for a square ``basis`` that is
-    block-diagonal with blocks of ``block`` (:func:`~dkfac.solvers.statistics.block_bounds`;
-    ``None``: dense): one product per block, the zero blocks never multiplied (the whole
-    product where that saves little, :data:`BLOCK_PRODUCT_SHARE`; the same value). Both
-    may carry a leading layer dimension."""
-    size = basis.shape[-1]
-    bounds = [] if block is None else block_bounds(size, block)
-    if sum((j - i) ** 2 for i, j in bounds) > BLOCK_PRODUCT_SHARE * size * size or not bounds:
-        return basis @ matrix if left else matrix @ basis
-    if left:
-        return torch.cat([basis[..., i:j, i:j] @ matrix[..., i:j, :] for i, j in bounds], dim=-2)
-    return torch.cat([matrix[..., i:j] @ basis[..., i:j, i:j] for i, j in bounds], dim=-1)
-
-
-def change_basis(
-    matrix: Tensor, state: SolverState, dtype: torch.dtype | None, out: bool = False
-) -> Tensor:
-    """``Q_Gᵀ M Q_A`` (into the basis), or ``Q_G M Q_Aᵀ`` with ``out``, in ``matrix``'s dtype.
-
-    The dense products run in ``dtype`` (``None``: ``matrix``'s; the module notes on
-    rotation precision); the structured input side is cheap and keeps full precision, and
-    a state with no dense side (both one-sided) is not rounded at all. A block-diagonal
-    side (:func:`side_block`) is multiplied block by block.
-    """
-    structured = "qa_order" in state
-    dense = state["qg"].numel() > 0 or (not structured and state["qa"].numel() > 0)
-    low = (dtype if dense else None) or matrix.dtype
-    qg = state["qg"].to(low)
-    half = matrix.to(low)
-    if qg.numel():
-        half = times_blocks(qg if out else qg.mT, half, side_block(state, "qg"), left=True)
-    if structured:
-        half = half.to(matrix.dtype)
-    return times_input_basis(half, state, transpose=out).to(matrix.dtype)
-
-
-def lowered_bases(state: SolverState, dtype: torch.dtype) -> SolverState:
-    """``state`` with its dense bases cast to ``dtype`` (the structured input side's parts
-    kept): what :func:`change_basis` casts them to, done once for several rotations."""
-    lowered = {**state, "qg": state["qg"].to(dtype)}
-    if "qa_order" not in state:
-        lowered["qa"] = state["qa"].to(dtype)
-    return lowered
-
-
-def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = False) -> Tensor:
-    """``matrix @ Q_A`` (or ``@ Q_Aᵀ``) of a state: through the Kronecker structure when
-    the state carries its parts (``qa_channels``, ``qa_positions``, ``qa_order``; the same
-    product as with the dense ``qa``, for ``(C + P)/(C·P)`` of its cost), else dense (an
-    empty ``qa`` is the identity)."""
-    if "qa_order" in state:
-        channels = state["qa_channels"].to(matrix.dtype)
-        positions = state["qa_positions"].to(matrix.dtype)
-        return times_basis(matrix, channels, positions, state["qa_order"], transpose)
-    qa = state["qa"].to(matrix.dtype)
-    if not qa.numel():
-        return matrix
-    return times_blocks(qa.mT if transpose else qa, matrix, side_block(state, "qa"), left=False)
-
-
-def _transition(new: Tensor, old: Tensor) -> Tensor:
-    """``Q'ᵀ Q`` from basis ``old`` to ``new``; empty (the identity) when both are identities.
-
-    A side that switches between the identity and a basis (a checkpoint of another
-    ``max_dim``) gets that basis itself (or its transpose), the other being the identity.
-    """
-    if not new.numel() and not old.numel():
-        return new
-    if not new.numel():
-        return old
-    if not old.numel():
-        return new.T
-    return new.T @ old
 
 
 class EigenAdamSolver(EigenMomentsSolver):

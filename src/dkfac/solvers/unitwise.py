@@ -29,10 +29,21 @@ def damped_solve_2x2(fisher: Tensor, grad: Tensor, damping: float) -> Tensor:
         grad: ``(C, 2)``: ``[∇γ_c, ∇β_c]``.
         damping: ``λ > 0``.
     """
+    return solve_2x2(damped_2x2(fisher, damping), grad)
+
+
+def damped_2x2(fisher: Tensor, damping: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(a, b, d, det)`` of ``F_c + λ I = [[a, b], [b, d]]`` for every channel, what
+    :func:`solve_2x2` reads (fixed between refreshes for one damping)."""
     a = fisher[:, 0, 0] + damping
     b = fisher[:, 0, 1]
     d = fisher[:, 1, 1] + damping
-    det = a * d - b * b
+    return a, b, d, a * d - b * b
+
+
+def solve_2x2(parts: tuple[Tensor, Tensor, Tensor, Tensor], grad: Tensor) -> Tensor:
+    """The closed-form solve with :func:`damped_2x2`'s parts."""
+    a, b, d, det = parts
     g0, g1 = grad[:, 0], grad[:, 1]
     return torch.stack([(d * g0 - b * g1) / det, (a * g1 - b * g0) / det], dim=-1)
 
@@ -55,9 +66,33 @@ class UnitwiseSolver(Solver):
             raise SolverError("unitwise: non-finite BatchNorm Fisher")
         return {"fisher": ((fisher + fisher.transpose(1, 2)) / 2).clone()}
 
+    def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(compute_dtype)
+        self._last: tuple[tuple[Tensor, ...], tuple[torch.dtype, float], Any] | None = None
+
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """``(F_c + λ I)^{-1} grad_c`` for every channel."""
-        return damped_solve_2x2(state["fisher"].to(grad.dtype), grad, damping)
+        return solve_2x2(self._parts([state], grad.dtype, damping), grad)
+
+    def _parts(
+        self, states: Sequence[SolverState], dtype: torch.dtype, damping: float
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:func:`damped_2x2` of the states' Fishers (channels concatenated) in ``dtype``:
+        the last ones again while the states hold the very same Fishers (replaced at a
+        refresh, never changed in place) for the same damping and dtype."""
+        fishers = tuple(state["fisher"] for state in states)
+        last = self._last
+        if (
+            last is not None
+            and len(last[0]) == len(fishers)
+            and all(a is b for a, b in zip(last[0], fishers, strict=True))
+            and last[1] == (dtype, damping)
+        ):
+            return last[2]
+        joined = fishers[0] if len(fishers) == 1 else torch.cat(fishers)
+        parts = damped_2x2(joined.to(dtype), damping)
+        self._last = (fishers, (dtype, damping), parts)
+        return parts
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
         """The class, the gradient's dtype and device and the Fisher's dtype: any number of
@@ -77,7 +112,7 @@ class UnitwiseSolver(Solver):
         each update is its layer's rows of the result."""
         if len(grads) == 1:
             return super().apply_batch(states, moments, grads, damping, advance=advance)
-        fisher = torch.cat([state["fisher"] for state in states]).to(grads[0].dtype)
-        solved = damped_solve_2x2(fisher, torch.cat(list(grads)), damping)
+        parts = self._parts(states, grads[0].dtype, damping)
+        solved = solve_2x2(parts, torch.cat(list(grads)))
         updates = solved.split([grad.shape[0] for grad in grads])
         return list(zip(updates, moments, strict=True))

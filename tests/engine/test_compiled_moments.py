@@ -1,0 +1,94 @@
+"""``compile_moments``: the option, its rule, and a preconditioner whose moments compile.
+
+Oracle: a twin preconditioner with ``compile_moments="off"`` (eager), float64, the same
+batches over refreshes, the per-shape and the flat (launch-bound) paths: gradients and
+moments to 1e-12. ``aot_eager`` stands in for inductor here (the same capture, eager
+kernels; inductor's CPU kernels are checked in ``tests/solvers/test_compiled.py``, its
+CUDA ones in ``tests/engine/test_cuda.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac import KFACConfig, KFACPreconditioner
+from dkfac.engine import launches
+from dkfac.solvers.eigen_moments import EigenMomentsSolver
+
+OPTIONS: dict[str, Any] = {
+    "method": "eigen_adam",
+    "kl_clip": None,
+    "inverse_update_interval": 2,
+    "basis_refresh": "power",
+    "moment_nesterov": True,
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)
+    ).double()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_moments_equal_eager_ones(fused: bool) -> None:
+    torch._dynamo.reset()
+    model, twin = _model(), _model()
+    pre = KFACPreconditioner(model, compile_moments="aot_eager", **OPTIONS)
+    eager = KFACPreconditioner(twin, compile_moments="off", **OPTIONS)
+    solvers = [layer.solver for layer in pre.layers.values()]
+    assert all(isinstance(s, EigenMomentsSolver) and s._moment_step.active for s in solvers)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        x = torch.randn(12, 6, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (12,), generator=gen)
+        for net, kfac in ((model, pre), (twin, eager)):
+            net.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            with mock.patch.object(launches, "launch_bound", lambda device: fused):
+                kfac.step()
+        for name, layer in pre.layers.items():
+            other = eager.layers[name]
+            for a, b in zip(layer.block.parameters(), other.block.parameters(), strict=True):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+            assert layer.moments is not None and other.moments is not None
+            for key, value in layer.moments.items():
+                torch.testing.assert_close(value, other.moments[key], rtol=1e-12, atol=1e-12)
+        with torch.no_grad():
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                a -= 0.05 * a.grad
+                b.copy_(a)
+    assert all(s._moment_step.active for s in solvers)  # no fallback on the way
+
+
+def test_the_rule_compiles_only_on_a_cuda_device_with_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert launches.compile_backend("auto", cpu) is None
+    assert launches.compile_backend("off", cuda) is None
+    assert launches.compile_backend("aot_eager", cpu) == "aot_eager"
+    assert launches.compile_backend("inductor", cpu) == "inductor"
+    found = object()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: found)
+    assert launches.compile_backend("auto", cuda) == "inductor"
+    assert launches.compile_backend("auto", cpu) is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert launches.compile_backend("auto", cuda) is None
+
+
+def test_the_option_is_validated() -> None:
+    with pytest.raises(ValueError, match="compile_moments"):
+        KFACConfig(method="eigen_adam", compile_moments="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compile_moments is not read by method 'eigen'"):
+        KFACConfig(method="eigen", compile_moments="off")
+    assert KFACConfig(method="eigen").compile_moments == "auto"
+    KFACConfig(method="ekfac", compile_moments="inductor")

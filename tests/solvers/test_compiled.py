@@ -1,0 +1,156 @@
+"""The moment update and scaling through ``torch.compile`` equal the eager ones.
+
+Oracle: the same solver without a backend (eager), over several steps, through each path
+that runs it (one layer, a stack of one shape, the flat pass over groups of several
+shapes). ``aot_eager`` captures the functions and runs the captured graph with eager
+kernels: to 1e-12 in float64. ``inductor`` generates C++ on this CPU (it needs a C
+compiler, skipped without one): to 1e-12 in float64 as well (its kernels may contract a
+multiply and an add, a rounding apart). A compiler that fails is logged once and the
+eager function runs from then on, with eager's values.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions
+from dkfac.solvers.base import BatchJob
+from dkfac.solvers.compiled import Compiled, check_backend
+
+DT = torch.float64
+TOL: dict[str, Any] = {"rtol": 1e-12, "atol": 1e-12}
+SHAPES = [(5, 7, 3), (4, 6, 1), (3, 5, 2)]
+"""``(g, a, layers)`` of each group."""
+
+
+def _spd(n: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2 * n, generator=gen, dtype=DT)
+    return x @ x.T / n + 0.05 * torch.eye(n, dtype=DT)
+
+
+def _grads(step: int, group: int) -> list[Tensor]:
+    g, a, count = SHAPES[group]
+    gen = torch.Generator().manual_seed(100 * step + group)
+    return [torch.randn(g, a, generator=gen, dtype=DT) for _ in range(count)]
+
+
+def _run(
+    cls: type[EigenAdamSolver] | type[EKFACSolver], options: MomentOptions, steps: int = 3
+) -> list[Tensor]:
+    """Every update and moment of ``steps`` steps: the flat pass over the groups, each
+    group's own batched pass and the first layer alone (fresh solvers of ``options``)."""
+    solvers = [cls(DT, options) for _ in SHAPES]
+    states = [
+        [solvers[k].compute(_spd(a, 5 * k + i), _spd(g, 5 * k + i + 2), 0.1) for i in range(c)]
+        for k, (g, a, c) in enumerate(SHAPES)
+    ]
+    alone, batched = cls(DT, options), [cls(DT, options) for _ in SHAPES]
+    flat: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
+    own: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
+    single: Any = None
+    out: list[Tensor] = []
+    for step in range(steps):
+        grads = [_grads(step, k) for k in range(len(SHAPES))]
+        jobs = [BatchJob(solvers[k], states[k], flat[k], grads[k]) for k in range(len(SHAPES))]
+        for k, group in enumerate(solvers[0].apply_groups(jobs, 0.1)):
+            flat[k] = [m for _, m in group]
+            out += [u for u, _ in group] + [v for m in flat[k] for v in m.values()]
+        for k in range(len(SHAPES)):
+            results = batched[k].apply_batch(states[k], own[k], grads[k], 0.1)
+            own[k] = [m for _, m in results]
+            out += [u for u, _ in results] + [v for m in own[k] for v in m.values()]
+        update, single = alone.apply_with_moments(states[0][0], single, grads[0][0], 0.1)
+        out += [update, *single.values()]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("cls", "options"),
+    [
+        (EigenAdamSolver, MomentOptions()),
+        (EigenAdamSolver, MomentOptions(nesterov=True, block_size=4)),
+        (EKFACSolver, MomentOptions(bias_correction=False)),
+    ],
+)
+def test_the_captured_moment_step_equals_the_eager_one(
+    cls: type[EigenAdamSolver], options: MomentOptions
+) -> None:
+    torch._dynamo.reset()
+    eager = _run(cls, options)
+    captured = _run(cls, MomentOptions(**{**vars(options), "compile_backend": "aot_eager"}))
+    assert len(captured) == len(eager)
+    for got, want in zip(captured, eager, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")), reason="inductor needs a C compiler"
+)
+def test_inductor_s_kernels_equal_the_eager_ones_on_the_cpu() -> None:
+    """One compiled step (the flat pass's, one graph) against eager, two steps."""
+    torch._dynamo.reset()
+    options = MomentOptions(nesterov=True)
+    solvers = [EigenAdamSolver(DT, options) for _ in SHAPES]
+    compiled_options = MomentOptions(nesterov=True, compile_backend="inductor")
+    twins = [EigenAdamSolver(DT, compiled_options) for _ in SHAPES]
+    states = [
+        [solvers[k].compute(_spd(a, 3 * k + i), _spd(g, 3 * k + i + 1), 0.1) for i in range(c)]
+        for k, (g, a, c) in enumerate(SHAPES)
+    ]
+    mine: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
+    theirs: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
+    for step in range(2):
+        grads = [_grads(step, k) for k in range(len(SHAPES))]
+        want = solvers[0].apply_groups(
+            [BatchJob(solvers[k], states[k], mine[k], grads[k]) for k in range(len(SHAPES))], 0.1
+        )
+        got = twins[0].apply_groups(
+            [BatchJob(twins[k], states[k], theirs[k], grads[k]) for k in range(len(SHAPES))], 0.1
+        )
+        assert twins[0]._moment_step.active  # compiled, not fallen back
+        for k in range(len(SHAPES)):
+            for (u, m), (w, n) in zip(got[k], want[k], strict=True):
+                torch.testing.assert_close(u, w, **TOL)
+                for key in n:
+                    torch.testing.assert_close(m[key], n[key], **TOL)
+            mine[k] = [m for _, m in want[k]]
+            theirs[k] = [m for _, m in got[k]]
+
+
+def test_a_failing_compiler_falls_back_to_eager_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(function: Any, **kwargs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            raise RuntimeError("no backend here\nsecond line")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    eager = _run(EigenAdamSolver, MomentOptions(), steps=2)
+    with caplog.at_level(logging.WARNING, logger="dkfac.solvers.compiled"):
+        fallen = _run(EigenAdamSolver, MomentOptions(compile_backend="inductor"), steps=2)
+    for got, want in zip(fallen, eager, strict=True):
+        assert torch.equal(got, want)
+    # once per solver that compiled (the flat pass's, three groups' and one layer's)
+    warned = [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+    assert len(warned) == 5
+    assert all("RuntimeError: no backend here" in r.getMessage() for r in warned)
+
+
+def test_backends_are_checked() -> None:
+    check_backend(None)
+    check_backend("aot_eager")
+    with pytest.raises(ValueError, match="compile_backend must be None or one of"):
+        check_backend("cudagraphs")
+    with pytest.raises(ValueError, match="compile_backend"):
+        MomentOptions(compile_backend="fast")
+    plain = Compiled(lambda x: x + 1, None)
+    assert not plain.active and plain(1) == 2

@@ -1,0 +1,124 @@
+"""``apply_groups``: layer groups of several shapes, their elementwise work as one flat pass.
+
+Oracle: each group's own :meth:`~dkfac.solvers.base.Solver.apply_batch` on twin solvers
+(the per-group path), bit for bit: the flat pass runs the same elementwise formulas on the
+same numbers, and each group's rotations are its own. Over several steps (the flat moments
+read back from the last call), with fresh, carried and replaced moments mixed, an advance
+that fails on one step, and every option the flat pass takes (Nesterov without bias
+correction, EKFAC, one-sided and block-diagonal sides, lowered rotations). The orthogonal
+update and the structured input side are not fused (``fuse_key`` is ``None``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, make_solver
+from dkfac.solvers.base import BatchJob
+from dkfac.solvers.eigen_moments import EigenMomentsSolver
+from tests.solvers.test_apply_batch import CASES as BATCH_CASES
+
+DT = torch.float64
+SHAPES = [(6, 9, 3), (4, 5, 1), (6, 8, 2), (3, 4, 1)]
+"""``(g, a, layers)`` of each group: stacked groups and single layers."""
+
+
+def _spd(n: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3 * n, generator=gen, dtype=DT)
+    return x @ x.T / (3 * n) + 0.01 * torch.eye(n, dtype=DT)
+
+
+def _grads(step: int, group: int) -> list[Tensor]:
+    g, a, count = SHAPES[group]
+    gen = torch.Generator().manual_seed(1000 * step + group)
+    return [torch.randn(g, a, generator=gen, dtype=DT) for _ in range(count)]
+
+
+CASES: dict[str, tuple[type[EigenMomentsSolver], MomentOptions]] = {
+    name: case for name, case in BATCH_CASES.items() if case[1].orthogonal_rms is None
+}
+CASES["lowered rotation out"] = (EigenAdamSolver, MomentOptions(rotation_dtype=torch.bfloat16))
+
+
+def _setup(
+    cls: type[EigenMomentsSolver], options: MomentOptions
+) -> tuple[list[EigenMomentsSolver], list[list[dict[str, Tensor]]]]:
+    """A solver a group and each group's states."""
+    solvers = [cls(DT, options) for _ in SHAPES]
+    states = [
+        [solvers[k].compute(_spd(a, 7 * k + i), _spd(g, 7 * k + i + 3), 0.1) for i in range(count)]
+        for k, (g, a, count) in enumerate(SHAPES)
+    ]
+    return solvers, states
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_flat_pass_equals_each_group_s_own_bit_for_bit(case: str) -> None:
+    cls, options = CASES[case]
+    fused_solvers, states = _setup(cls, options)
+    own_solvers, _ = _setup(cls, options)
+    pairs = enumerate(zip(fused_solvers, states, strict=True))
+    keys = {s.fuse_key(st[0], _grads(0, k)[0]) for k, (s, st) in pairs}
+    assert len(keys) == 1 and None not in keys
+    fused: list[list[Any]] = [[None] * count for _, _, count in SHAPES]
+    own: list[list[Any]] = [[None] * count for _, _, count in SHAPES]
+    for step in range(5):
+        grads = [_grads(step, k) for k in range(len(SHAPES))]
+        if step == 2:  # one layer starts afresh, another gets new tensors (a carry)
+            fused[0][1] = own[0][1] = None
+            fused[2][0] = {k: v.clone() for k, v in fused[2][0].items()}
+        advance = None if step != 3 else torch.tensor(step != 3)
+        extra = {} if advance is None else {"advance": advance}
+        jobs = [
+            BatchJob(fused_solvers[k], states[k], fused[k], grads[k]) for k in range(len(SHAPES))
+        ]
+        outputs = fused_solvers[0].apply_groups(jobs, 0.1, **extra)
+        for k, group in enumerate(outputs):
+            wants = own_solvers[k].apply_batch(states[k], own[k], grads[k], 0.1, **extra)
+            assert len(group) == len(wants) == SHAPES[k][2]
+            for i, ((update, moments), (want, want_moments)) in enumerate(
+                zip(group, wants, strict=True)
+            ):
+                where = f"{case}: step {step}, group {k}, layer {i}"
+                assert update.dtype == want.dtype and torch.equal(update, want), where
+                assert moments is not None and want_moments is not None
+                assert moments.keys() == want_moments.keys(), where
+                for key, value in moments.items():
+                    assert value.shape == want_moments[key].shape, (where, key)
+                    assert torch.equal(value, want_moments[key]), (where, key)
+                fused[k][i], own[k][i] = moments, want_moments
+    assert own[0][0]["t"].item() == 4.0 and own[0][1]["t"].item() == 2.0  # step 3 held
+
+
+def test_the_given_moments_are_left_alone() -> None:
+    solvers, states = _setup(EigenAdamSolver, MomentOptions())
+    jobs = [
+        BatchJob(solvers[k], states[k], [None] * c, _grads(0, k))
+        for k, (_, _, c) in enumerate(SHAPES)
+    ]
+    first = solvers[0].apply_groups(jobs, 0.1)
+    moments = [[m for _, m in group] for group in first]
+    copies = [[{k: v.clone() for k, v in m.items()} for m in group] for group in moments]  # type: ignore[union-attr]
+    jobs = [BatchJob(solvers[k], states[k], moments[k], _grads(1, k)) for k in range(len(SHAPES))]
+    solvers[0].apply_groups(jobs, 0.1)
+    for group, saved in zip(moments, copies, strict=True):
+        for m, c in zip(group, saved, strict=True):
+            assert m is not None and all(torch.equal(m[k], c[k]) for k in c)
+
+
+def test_orthogonal_and_structured_layers_are_not_fused() -> None:
+    grad = torch.zeros(6, 9, dtype=DT)
+    orthogonal = EigenAdamSolver(DT, MomentOptions(orthogonal_rms=0.5))
+    state = orthogonal.compute(_spd(9, 0), _spd(6, 1), 0.1)
+    assert orthogonal.fuse_key(state, grad) is None
+    assert EigenAdamSolver(DT).fuse_key(state, grad) is not None
+    assert EigenAdamSolver(DT).fuse_key(state, grad) != EKFACSolver(DT).fuse_key(state, grad)
+    structured = make_solver("eigen_adam", DT, input_map=(3, 3))
+    assert isinstance(structured, EigenMomentsSolver)
+    s_state = structured.compute(_spd(9, 0), _spd(6, 1), 0.1)
+    assert structured.fuse_key(s_state, grad) is None
