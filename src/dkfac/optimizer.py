@@ -17,6 +17,7 @@ from typing import Any, Final
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dkfac.config import unread_moment_fields
@@ -205,13 +206,21 @@ class KFACOptimizer(Optimizer):
         return cls(inner, preconditioner)
 
     def _finite_flag(self) -> torch.Tensor | None:
-        """A 0-d bool tensor: every parameter gradient is finite (``None``: no gradients)."""
+        """A 0-d bool tensor: every parameter gradient is finite (``None``: no gradients).
+
+        A sharded gradient (FSDP2's ``DTensor``) is checked on this rank's shard and the
+        answer agreed over the ranks with one tiny all-reduce, where the check of the
+        ``DTensor`` itself would all-reduce once per parameter (and pay its dispatch)."""
         grads = [
             p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
         if not grads:
             return None
-        return finite_each(grads, grads[0].device).all()
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flag = finite_each(local, local[0].device).all()
+        if any(isinstance(g, DTensor) for g in grads):
+            flag = self.preconditioner.comm.all_true(flag.reshape(1)).reshape(())
+        return flag
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

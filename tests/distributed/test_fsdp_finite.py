@@ -1,0 +1,57 @@
+"""A non-finite gradient in one rank's shard of a sharded model skips the step on every
+rank (the optimizer checks each rank's shards and agrees the answer in one all-reduce)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dkfac import KFACOptimizer
+from tests.distributed_utils import run_distributed
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    fully_shard(model)
+    return model
+
+
+def _step(model: nn.Module, opt: KFACOptimizer, step: int, poison: bool) -> None:
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    if poison:  # only this rank's shard of the LayerNorm's weight (no K-FAC layer holds it)
+        grad = model[1].weight.grad
+        assert isinstance(grad, DTensor)
+        grad.to_local()[0] = float("nan")
+    opt.step()
+
+
+def _rank_main(rank: int, world: int) -> dict[str, Any]:
+    model = _model()
+    opt = KFACOptimizer.for_model(model, overhead=None)
+    _step(model, opt, 0, poison=False)
+    before = [p.to_local().clone() for p in model.parameters()]
+    _step(model, opt, 1, poison=rank == 1)
+    same = all(
+        torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before, strict=True)
+    )
+    _step(model, opt, 2, poison=False)
+    moved = not all(
+        torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before, strict=True)
+    )
+    return {"unchanged": same, "skipped": opt.skipped_steps, "moved_after": moved}
+
+
+def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank() -> None:
+    results = run_distributed(_rank_main, 2, timeout=180)
+    assert [r["unchanged"] for r in results] == [True, True]
+    assert [r["skipped"] for r in results] == [1, 1]
+    assert [r["moved_after"] for r in results] == [True, True]
