@@ -205,22 +205,25 @@ class KFACOptimizer(Optimizer):
         )
         return cls(inner, preconditioner)
 
-    def _finite_flag(self) -> torch.Tensor | None:
-        """A 0-d bool tensor: every parameter gradient is finite (``None``: no gradients).
-
-        A sharded gradient (FSDP2's ``DTensor``) is checked on this rank's shard and the
-        answer agreed over the ranks with one tiny all-reduce, where the check of the
-        ``DTensor`` itself would all-reduce once per parameter (and pay its dispatch)."""
+    def _finite_flag(self) -> tuple[torch.Tensor, bool] | None:
+        """``(flag, sharded)``: a 0-d bool tensor, every parameter gradient on this rank is
+        finite, and whether any is a shard (FSDP2's ``DTensor``, checked on this rank's
+        shard: the ranks then agree with :meth:`_agreed`); ``None``: no gradients."""
         grads = [
             p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
         if not grads:
             return None
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        flag = finite_each(local, local[0].device).all()
-        if any(isinstance(g, DTensor) for g in grads):
-            flag = self.preconditioner.comm.all_true(flag.reshape(1)).reshape(())
-        return flag
+        sharded = any(isinstance(g, DTensor) for g in grads)
+        return finite_each(local, local[0].device).all(), sharded
+
+    def _agreed(self, flag: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """``flag`` AND-ed over the ranks where gradients are sharded: one tiny all-reduce a
+        step, where checking the ``DTensor`` itself would all-reduce once per parameter."""
+        if not sharded:
+            return flag
+        return self.preconditioner.comm.all_true(flag.reshape(1)).reshape(())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -247,7 +250,7 @@ class KFACOptimizer(Optimizer):
         if raw_finite is None or finite is None:
             self._inner_step()
             return loss
-        ok = raw_finite & finite
+        ok = self._agreed(raw_finite[0] & finite[0], raw_finite[1] or finite[1])
         if self.preconditioner.flags_on_device and _skips_on_device(self.inner):
             self._step_unless(ok)
             return loss
