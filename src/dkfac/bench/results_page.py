@@ -28,6 +28,7 @@ from dkfac.bench.results_tables import (
     cpu_step_table,
     f,
     fsdp_memory_table,
+    fsdp_step_table,
     gpu_step_table,
     lm_phases_table,
     paired_table,
@@ -113,6 +114,7 @@ LM_RUNS = {
 }
 LM_PAIRED = "lm_paired_recipe_muon_60s.json"
 FSDP_MEMORY = "fsdp_memory_cpu.json"
+FSDP_STEP = "fsdp_step_cpu.json"
 SUITE = "suite_default_v7.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 SOAK_RUNS = {
@@ -148,6 +150,14 @@ def _suite_values(p: Payloads) -> dict[str, Any]:
         "time_wins": sum(v["time_at_most_best_peer"] for v in verdicts),
         "step_wins": sum(v["steps_at_most_fewest_peer"] for v in verdicts),
         "within": sum(v["step_within_budget"] for v in verdicts),
+    }
+
+
+def _fsdp_step_values(p: Payloads) -> dict[str, Any]:
+    worlds = p[FSDP_STEP]["worlds"]
+    return {
+        f"r{world}": f(entry["summary"]["kfac@10,100"]["ratio_to_adamw"])
+        for world, entry in worlds.items()
     }
 
 
@@ -314,6 +324,20 @@ layers' gradient rows gathered, factors, inverses and preconditioned gradients; 
 layer's owner. Step times were measured on a shared, loaded machine and are not shown.
 """,
         tables=(fsdp_memory_table(FSDP_MEMORY),),
+    ),
+    Section(
+        title="Sharded models (FSDP2): step time against AdamW",
+        sources=(FSDP_STEP,),
+        text="""
+The same GPT under FSDP2 on gloo CPU ranks (one thread each; four ranks share two cores):
+AdamW and `KFACOptimizer.for_model` (`mem-opt`, with the owner exchange) interleaved step
+by step on the same batch, each step timed as the slowest rank's, means over 100 steps and
+medians over three seeds. At `(10, 100)` K-FAC's step costs {r2}× AdamW's on 2 ranks and
+{r4}× on 4; the last column is the bytes a step K-FAC's ledger records beside FSDP2's own
+parameter all-gathers and gradient reduce-scatter.
+""",
+        tables=(fsdp_step_table(FSDP_STEP),),
+        values=_fsdp_step_values,
     ),
     Section(
         title="Soak: 10,000 steps on 2 ranks",
