@@ -77,7 +77,7 @@ TASK_KEYS = frozenset(
 
 INERT_KEYS = frozenset(
     {"accumulation_steps", "label_smoothing", "mixup", "mixup_mode", "weight_rescale"}
-    | {"momentum_scale_with_lr", "amp", "lrs", "muon_adamw_lr"}
+    | {"momentum_scale_with_lr", "amp", "lrs", "muon_adamw_lr", "parallel", "shard_size"}
 )
 """Training flags the benchmark does not implement: allowed at ``dkfac train``'s default only."""
 
