@@ -101,6 +101,7 @@ DOMAINS: dict[str, Domain] = {
     "mixup": Domain(0.0, meaning="Beta(a, a) parameter; 0 = off"),
     "target_accuracy": Domain(0.0, 1.0, low_open=True),
     "dist_timeout": Domain(0.0, 7 * 86400.0, low_open=True, meaning="seconds"),
+    "shard_size": Domain(1, 1_000_000, meaning="ranks"),
 }
 
 

@@ -73,8 +73,6 @@ def flag_problem(args: argparse.Namespace) -> str | None:
     parallel, size = args.parallel, args.shard_size
     if size is not None and parallel != "hsdp":
         return f"--shard-size applies to --parallel hsdp, not --parallel {parallel}"
-    if size is not None and size < 1:
-        return f"--shard-size must be a number of ranks >= 1, got {size}"
     if parallel not in SHARDED:
         return None
     other = "; or use --parallel ddp"
