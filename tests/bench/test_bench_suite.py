@@ -172,8 +172,9 @@ def test_train_to_target_stops_at_the_target() -> None:
 def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:
     argv = ["--tiny", "--tasks", "mlp", "gpt", "--optimizers", "dkfac", "adamw", "--seeds", "1",
             "--max-steps", "2", "--timing-blocks", "1", "--timing-steps", "1",
-            "--out-dir", str(tmp_path), "--plot-dir", str(tmp_path), "--name", "s"]  # fmt: skip
-    assert suite.main(argv) == 0
+            "--out-dir", str(tmp_path), "--plot-dir", str(tmp_path / "plots"),
+            "--name", "s"]  # fmt: skip
+    assert suite.main(argv) == 0  # the plot folder is made (before the runs)
     payload = json.loads((tmp_path / "s.json").read_text())
     assert payload["command"].startswith("dkfac bench suite")
     assert [t["task"] for t in payload["tasks"]] == ["mlp", "gpt"]
@@ -187,7 +188,7 @@ def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:
             "adamw": 1,
         }
         assert record["summary"]["optimizers"]["dkfac"]["step_vs_adamw_cpu"] > 0
-        assert (tmp_path / f"s_{record['task']}.png").stat().st_size > 0
+        assert (tmp_path / "plots" / f"s_{record['task']}.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

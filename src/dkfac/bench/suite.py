@@ -304,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    if args.plot_dir:  # made before the runs, so that a bad folder fails now, not after them
+        try:
+            Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--plot-dir {args.plot_dir!r} cannot be made: {error}")
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [n for n in dict.fromkeys(args.optimizers) if unavailable_reason(n) is None]
