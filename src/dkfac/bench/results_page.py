@@ -26,6 +26,7 @@ from dkfac.bench.results_tables import (
     amortised,
     comm_table,
     cpu_step_table,
+    dispatch_table,
     f,
     fsdp_memory_table,
     fsdp_step_table,
@@ -113,6 +114,11 @@ LM_RUNS = {
     ),
 }
 LM_PAIRED = "lm_paired_recipe_muon_60s.json"
+DISPATCHES = {
+    "ResNet-20 batch 128, `eigen_adam`": "dispatches_resnet20_eigen_adam_launch_bound.json",
+    "ResNet-20 batch 128, `eigen`": "dispatches_resnet20_eigen_launch_bound.json",
+    "GPT 4 × 128, batch 32 × 128, `eigen_adam`": "dispatches_gpt_eigen_adam_launch_bound.json",
+}
 FSDP_MEMORY = "fsdp_memory_cpu.json"
 FSDP_STEP = "fsdp_step_cpu.json"
 SUITE = "suite_default_v8.json"
@@ -212,6 +218,19 @@ phase (synchronised timers): the recipe's step is {lm_vs_muon}× Muon's there.
             "GPU_RUNS_SECONDS=420 bash benchmarks/gpu_runs.sh $OUT",
             "dkfac bench step --device cuda --model resnet20 --batch-size 128 --repeats 5",
         ),
+    ),
+    Section(
+        title="Operations a step dispatches",
+        sources=tuple(DISPATCHES.values()),
+        text="""
+On a GPU a small model's step is bound by the host's kernel launches, so the number of
+tensor operations a step dispatches is a proxy for its cost there that any machine can
+count (`dkfac bench dispatches --launch-bound`: the operations of one step on a CPU, with
+the code paths a CUDA device takes). SGD's and AdamW's steps include the forward and
+backward; K-FAC's plain step preconditions with the current bases, its factor step also
+captures and updates the factors, and its refresh step also recomputes the bases.
+""",
+        tables=(dispatch_table(DISPATCHES),),
     ),
     Section(
         title="The default on six model families",

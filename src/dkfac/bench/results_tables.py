@@ -377,6 +377,30 @@ def plot_suite(name: str, task: str) -> Callable[[Payloads, str], None]:
     return plot
 
 
+def dispatch_table(runs: Mapping[str, str]) -> Callable[[Payloads], Table]:
+    """Tensor operations one step dispatches (``dkfac bench dispatches --launch-bound``), per
+    model and method: SGD's and AdamW's beside K-FAC's plain, factor and refresh steps, and
+    the plain step over the optimizer it replaces (AdamW under ``eigen_adam``, else SGD)."""
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for label, name in runs.items():
+            counts = payloads[name]["counts"]
+            method = payloads[name]["settings"]["method"]
+            peer = "adamw" if method == "eigen_adam" else "sgd"
+            plain = counts["plain"]["dispatches"]
+            rows.append(
+                [label]
+                + [str(counts[k]["dispatches"]) for k in ("sgd", "adamw", "plain")]
+                + [f"{f(plain / counts[peer]['dispatches'])} ({peer})"]
+                + [str(counts[k]["dispatches"]) for k in ("factor", "inverse")]
+            )
+        headers = ["model, method", "SGD", "AdamW", "K-FAC plain step", "plain ÷"]
+        return Table([*headers, "factor step", "refresh step"], rows)
+
+    return table
+
+
 FSDP_STEP_ROWS = (
     ("adamw", "AdamW"),
     ("kfac@1,10", "K-FAC (1, 10)"),
