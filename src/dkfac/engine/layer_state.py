@@ -207,14 +207,15 @@ class LayerState:
 
     def memory(self) -> dict[str, int]:
         """Bytes of running ``factors``, solver state (``inverses``), a stateful solver's
-        ``moments`` and ``accumulators``. A singular factor's null indicators
-        (:mod:`dkfac.solvers.null_space`: ``n_g + n_a`` values beside ``n_g² + n_a²`` of
-        bases, present only when the data made a factor singular) are not counted, so that
-        the count is what the cost model predicts from the shapes."""
-        state = self.solver_state or {}
+        ``moments`` and ``accumulators``. Of the solver state, the part an owner sends
+        (:meth:`~dkfac.solvers.base.Solver.shared`) is counted: what every rank derives from
+        it (a singular factor's null indicators, ``n_g + n_a`` values beside ``n_g² + n_a²``
+        of bases, present only when the data made a factor singular) is not, so that the
+        count is what the cost model predicts from the shapes."""
+        state = self.solver.shared(self.solver_state) if self.solver_state else {}
         groups = {
             "factors": list(self.running.values()),
-            "inverses": [t for k, t in state.items() if not k.startswith("null_")],
+            "inverses": list(state.values()),
             "moments": list((self.moments or {}).values()),
             "accumulators": [t for acc in self.accumulators.values() for t in acc.tensors()],
         }
