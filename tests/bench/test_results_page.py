@@ -101,3 +101,26 @@ def test_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     assert report.main(args) == 1
     assert report.main(["--results", str(RESULTS), "--page", str(stale), "--no-plots"]) == 0
     assert report.main(args) == 0
+
+
+def test_the_default_is_compared_with_the_best_of_the_other_optimizers() -> None:
+    """Time over the fastest peer's (the default left out of the peers) for a run to a
+    target; the loss minus the best peer's for a run to a time budget."""
+    from dkfac.bench.results_tables import default_tasks_table, versus_best_peer
+
+    tta = {
+        "adamw": {"lr": 0.01, "median_steps": 30, "median_seconds": 3.0},
+        "muon": {"lr": 0.2, "median_steps": 12, "median_seconds": 2.0},
+        "default": {"lr": 0.01, "median_steps": 8, "median_seconds": 1.0},
+    }
+    assert versus_best_peer("tta", tta) == {"adamw": 1.5, "muon": 1.0, "default": 0.5}
+    lm = {
+        key: {"lr": 1.0, "median_steps": 9, "seconds_per_step": 0.1, "median_final_loss": loss}
+        for key, loss in (("adamw", 2.5), ("muon", 2.0), ("default", 2.25))
+    }
+    assert versus_best_peer("lm", lm) == {"adamw": 0.5, "muon": 0.0, "default": 0.25}
+    table = default_tasks_table({"cnn": ("tta", "a.json"), "gpt": ("lm", "b.json")})(
+        {"a.json": {"summary": tta}, "b.json": {"summary": lm}}
+    )
+    assert table.rows[2] == ["cnn", "**dkfac default**", "0.01", "–", "8", "1.00", "0.50×"]
+    assert table.rows[5][-1] == "+0.250 nats"

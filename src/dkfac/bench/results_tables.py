@@ -472,3 +472,63 @@ def fsdp_memory_table(name: str) -> Callable[[Payloads], Table]:
         return Table([*headers, "AdamW state MiB", "KiB sent a step (1, 10) / (10, 100)"], rows)
 
     return table
+
+
+# ---- the default on the training program's tasks (tta, autoencoder, lm) ---------------
+
+DEFAULT_TASK_KINDS = ("tta", "autoencoder", "lm")
+"""The kinds of run :func:`default_tasks_table` reads, as ``peers_table``'s ``kind``."""
+
+
+def task_result(kind: str, entry: Mapping[str, Any]) -> tuple[float, float, float]:
+    """``(steps, seconds, final)`` of one optimizer's summary: to the target for ``tta``
+    and ``autoencoder`` (infinite where not reached), the loss at the budget for ``lm``
+    (then steps are those taken and seconds are per step)."""
+    if kind == "tta":
+        return entry["median_steps"], entry["median_seconds"], float("nan")
+    if kind == "autoencoder":
+        steps, seconds = entry["median_steps_to_target"], entry["median_seconds_to_target"]
+        return steps, seconds, entry["median_final_loss"]
+    return entry["median_steps"], entry["seconds_per_step"], entry["median_final_loss"]
+
+
+def versus_best_peer(kind: str, summary: Mapping[str, Any]) -> dict[str, float]:
+    """Each optimizer's seconds over the fastest peer's (``tta``, ``autoencoder``) or loss
+    minus the best peer's (``lm``); the peers are every entry but ``"default"``."""
+    results = {key: task_result(kind, entry) for key, entry in summary.items()}
+    peers = [r for key, r in results.items() if key != "default"]
+    if kind == "lm":
+        best = min(p[2] for p in peers)
+        return {key: r[2] - best for key, r in results.items()}
+    fastest = min(p[1] for p in peers)
+    return {key: r[1] / fastest for key, r in results.items()}
+
+
+def default_tasks_table(runs: Mapping[str, tuple[str, str]]) -> Callable[[Payloads], Table]:
+    """The ``for_model`` default (summary key ``"default"``) against the peers of the same
+    run on each training task: steps and seconds to the target and the time over the
+    fastest peer's (``tta``, ``autoencoder``), or the loss at the time budget and its gap to
+    the best peer's (``lm``).
+
+    Args:
+        runs: Row label -> ``(kind, JSON file)``, ``kind`` one of :data:`DEFAULT_TASK_KINDS`.
+    """
+
+    def table(payloads: Payloads) -> Table:
+        rows = []
+        for label, (kind, name) in runs.items():
+            summary = payloads[name]["summary"]
+            versus = versus_best_peer(kind, summary)
+            for key, entry in summary.items():
+                steps, seconds, final = task_result(kind, entry)
+                if kind == "lm":
+                    cells = [f(final, 3), f(steps, 0), "–", f"{versus[key]:+.3f} nats"]
+                else:
+                    loss = f(final, 4) if kind == "autoencoder" else "–"
+                    cells = [loss, f(steps, 0), f(seconds), f"{f(versus[key])}×"]
+                name_cell = "**dkfac default**" if key == "default" else NAMES.get(key, key)
+                rows.append([label, name_cell, f"{entry['lr']:g}", *cells])
+        headers = ["task", "optimizer", "lr", "loss at budget", "steps", "seconds"]
+        return Table([*headers, "against the best peer"], rows)
+
+    return table
