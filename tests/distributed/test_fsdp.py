@@ -217,7 +217,22 @@ def _rank_main(rank: int, world: int) -> dict[str, Any]:
             out[key]["full"] = _full_here(run)
     if world == 2:
         out["errors"] = _refusals()
+        out["graph rules"] = _graph_rules(sharded=True)
     return out
+
+
+def _graph_rules(sharded: bool) -> dict[str, Any]:
+    """The graph's rules (flattened maps, roles) of the digits CNN and of a model whose map
+    is read back through a BatchNorm, each ``fully_shard`` per child when ``sharded``."""
+    from dkfac.engine.roles import flattened_conv_inputs, layer_roles
+    from tests.engine.test_roles import _cnn, _Functional
+
+    found = {}
+    for name, model in (("cnn", _cnn()), ("functional", _Functional())):
+        if sharded:
+            _shard_children(True, False, False, model)
+        found[name] = (flattened_conv_inputs(model), layer_roles(model))
+    return found
 
 
 _spawned = once_per_key(lambda world: run_distributed(_rank_main, world, timeout=300))
@@ -496,6 +511,15 @@ def _fsdp1() -> Any:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return KFACPreconditioner(FullyShardedDataParallel(make_model(), device_id=torch.device("cpu")))
+
+
+def test_a_sharded_model_gets_the_graph_rules_of_the_unsharded_one() -> None:
+    # for_model's flattened_inputs="graph": the same maps, hence the same config, under FSDP2
+    unsharded = _graph_rules(sharded=False)
+    assert unsharded["cnn"][0] == {"classifier.0": (64, 16)}
+    assert unsharded["functional"][0] == {"head": (5, 16)}
+    for rank, result in enumerate(_spawned(2)):
+        assert result["graph rules"] == unsharded, f"rank {rank}"
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,8 @@
 """``dkfac bench shard-exchange``: K-FAC under FSDP2, the exact and the local mode against serial.
 
 Two tasks, each trained with ``KFACOptimizer.for_model`` (its defaults: ``eigen_adam``, the
-basis every 5 steps; no overhead budget, so that every rank takes the same intervals, and
-no ``flattened_inputs`` map, see :data:`COMMON`) from the same initialisation on the same
-global batches:
+basis every 5 steps; no overhead budget, so that every rank takes the same intervals) from
+the same initialisation on the same global batches:
 
 * **digits**: the training program's CNN on scikit-learn's digits (global batch 128),
   the test accuracy after every step; the figure is the steps to ``--target`` accuracy;
@@ -58,10 +57,6 @@ __all__ = ["MODES", "main"]
 MODES = ("serial", "exact", "local")
 DIGITS_BATCH, LM_BATCH, LM_CONTEXT, LM_EVAL_WINDOWS = 128, 16, 64, 64
 LM_LAYERS, LM_WIDTH, LM_HEADS = 2, 64, 4
-COMMON: dict[str, Any] = {"flattened_inputs": {}}
-"""Over ``for_model``'s defaults in every mode: its ``flattened_inputs="graph"`` rule reads
-the graph of the unsharded model only (it finds no map under ``fully_shard``), so it is
-off for all three alike."""
 MODE_OPTIONS: dict[str, dict[str, Any]] = {
     "serial": {},
     "exact": {"strategy": "mem-opt"},
@@ -95,7 +90,7 @@ def _digits(seed: int, steps: int, rank: int, world: int, mode: str) -> list[flo
     model = build_model("cnn", in_channels=1, image_size=8, num_classes=10).double()
     if world:
         _shard(model)
-    opt = KFACOptimizer.for_model(model, overhead=None, **COMMON, **MODE_OPTIONS[mode])
+    opt = KFACOptimizer.for_model(model, overhead=None, **MODE_OPTIONS[mode])
     gen = torch.Generator().manual_seed(seed)
     trace = []
     for _ in range(steps):
@@ -122,7 +117,7 @@ def _lm(seed: int, steps: int, every: int, rank: int, world: int, mode: str) -> 
     if world:
         _shard(model)
     opt = KFACOptimizer.for_model(
-        model, overhead=None, loss_average="positions", **COMMON, **MODE_OPTIONS[mode]
+        model, overhead=None, loss_average="positions", **MODE_OPTIONS[mode]
     )
     gen = torch.Generator().manual_seed(seed)
     trace = []
@@ -246,7 +241,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "context": LM_CONTEXT,
                 "batch": LM_BATCH,
             },
-            "options": COMMON,
             "modes": MODE_OPTIONS,
         },
         "summary": summary,

@@ -21,6 +21,7 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import operator
@@ -170,19 +171,17 @@ def resolve_role_patterns(
 def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Linear layer name -> ``(channels, positions)`` of the convolution map it reads
     flattened (see the module docstring); empty when the model cannot be traced, and for a
-    sharded model (FSDP2's ``fully_shard`` or FSDP1): tracing would run the sharding's
-    forward hooks from a submodule before the root, which FSDP refuses."""
-    sharded = [
-        name
-        for name, module in model.named_modules()
-        if type(module).__name__.startswith("FSDP")
-        or type(module).__name__ == "FullyShardedDataParallel"
+    model wrapped in FSDP1's ``FullyShardedDataParallel`` (its flat parameters hide the
+    layers). A model sharded with FSDP2's ``fully_shard`` is traced as its unsharded twin
+    (:class:`_UnshardedTracer`), so it gets the same maps."""
+    wrapped = [
+        n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
     ]
-    if sharded:
-        logger.info("flattened inputs: not traced (%s is sharded)", sharded[0] or "the model")
+    if wrapped:
+        logger.info("flattened inputs: not traced (%s is FSDP1-wrapped)", wrapped[0] or "the model")
         return {}
     try:
-        graph = fx.symbolic_trace(model).graph
+        graph = _UnshardedTracer().trace(model)
     except Exception as error:
         logger.info("flattened inputs: %s is not traceable (%s)", type(model).__name__, error)
         return {}
@@ -231,7 +230,7 @@ def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
         module = modules.get(str(current.target)) if current.op == "call_module" else None
         if isinstance(module, _CONV):
             return int(module.out_channels)
-        if type(module) in _CHANNEL_COUNTS:
+        if _unsharded(type(module)) in _CHANNEL_COUNTS:
             return int(getattr(module, "num_features", getattr(module, "num_channels", 0)))
         keeps = (
             isinstance(module, _KEEPS_CHANNELS_MODULES)
@@ -242,3 +241,41 @@ def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
             return None
         current = current.args[0]
     return None
+
+
+def _unsharded(cls: type) -> type:
+    """The class ``fully_shard`` derived ``cls`` from (``FSDPLinear`` -> ``nn.Linear``), or
+    ``cls`` itself when it is not such a class."""
+    sharded = _fsdp_module()
+    if sharded is not None and issubclass(cls, sharded) and len(cls.__bases__) == 2:
+        return cls.__bases__[1]
+    return cls
+
+
+def _fsdp_module() -> type | None:
+    """FSDP2's ``FSDPModule`` (``None`` where ``torch.distributed`` is not built)."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+class _UnshardedTracer(fx.Tracer):
+    """``torch.fx``'s tracer that sees a ``fully_shard`` model as the model it was made
+    from: a sharded ``torch.nn`` layer is a leaf as its class would be, and a sharded module
+    is traced through its own ``forward``, without the sharding's hooks (which gather
+    parameters, and which FSDP refuses to run from a submodule before the root)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        cls = _unsharded(type(m))
+        return cls.__module__.startswith(("torch.nn", "torch.ao.nn")) and not issubclass(
+            cls, nn.Sequential
+        )
+
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if _unsharded(type(m)) is not type(m):
+            forward = functools.partial(type(m).forward, m)
+        return super().call_module(m, forward, args, kwargs)
