@@ -85,7 +85,7 @@ from dkfac.engine.registration import (
     rows_rule,
     unwrap,
 )
-from dkfac.engine.roles import apply_model_rules
+from dkfac.engine.roles import apply_model_rules, layer_roles
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
@@ -222,7 +222,7 @@ class KFACPreconditioner:
         if gathered > 1 and self.comm.active:
             self.capture.rank_mean = functools.partial(rank_mean, self.comm)
         self.layers: dict[str, LayerState] = create_layers(
-            blocks, config, rows_rule(config, gathered)
+            blocks, config, rows_rule(config, gathered), layer_roles(unwrap(model))
         )
         self.late = LateLayers(self.layers)
         self._set_block_steps()

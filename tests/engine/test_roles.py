@@ -7,9 +7,10 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac import KFACPreconditioner
+from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.app.gpt import GPT
 from dkfac.app.models import build_model
 from dkfac.bench.peers import muon_split
@@ -112,6 +113,49 @@ def test_role_patterns_reach_the_preconditioner_and_explicit_maps_win() -> None:
     plain.remove_hooks()
     with pytest.raises(ValueError, match="flattened_inputs needs method"):
         KFACPreconditioner(_cnn(), method="eigen", flattened_inputs="graph")
+
+
+class _Unsupported(nn.Module):
+    """Hidden layers K-FAC leaves to the inner optimizer: a depthwise convolution beside a
+    pointwise one, and (``conv1d``) only 1-D convolutions, which have no block."""
+
+    def __init__(self, conv1d: bool) -> None:
+        super().__init__()
+        self.conv1d = conv1d
+        if conv1d:
+            self.first, self.hidden = nn.Conv1d(3, 4, 3, padding=1), nn.Conv1d(4, 4, 3, padding=1)
+        else:
+            self.first, self.hidden = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, groups=4)
+        self.pointwise = None if conv1d else nn.Conv2d(4, 4, 1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.hidden(torch.relu(self.first(x)))
+        y = y if self.pointwise is None else self.pointwise(y)
+        return self.head(y.flatten(2).mean(-1))
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_a_role_is_picked_among_the_preconditioned_layers(conv1d: bool) -> None:
+    """``for_model``'s ``role:hidden`` on hidden layers that have no block or are declined:
+    the preconditioned hidden layers are orthogonalised (none when there is none) and the
+    model trains; an explicit pattern that matches nothing is still an error."""
+    model = _Unsupported(conv1d)
+    opt = KFACOptimizer.for_model(model)
+    orthogonal = {
+        n for n, s in opt.preconditioner.layers.items() if s.solver.options.orthogonal_rms
+    }
+    assert orthogonal == (set() if conv1d else {"pointwise"})
+    x = torch.randn(8, 3, 6) if conv1d else torch.randn(8, 3, 6, 6)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x), torch.arange(8) % 2).backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(ValueError, match=r"pattern '\^hidden\$' matches none"):
+        KFACPreconditioner(
+            _Unsupported(conv1d), method="eigen_adam", orthogonal_layers=["^hidden$"]
+        )
 
 
 def test_an_unknown_role_is_refused() -> None:

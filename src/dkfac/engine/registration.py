@@ -27,6 +27,7 @@ from dkfac.config import KFACConfig, resolve
 from dkfac.engine import launches
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.layer_state import LayerState
+from dkfac.engine.roles import ROLE_PREFIX, role_blocks
 from dkfac.solvers import EigenMomentsSolver, RowsRule, make_solver, precision
 
 __all__ = [
@@ -179,7 +180,10 @@ def rows_rule(config: KFACConfig, gathered_ranks: int) -> RowsRule:
 
 
 def create_layers(
-    blocks: Mapping[str, Block], config: KFACConfig, rule: RowsRule
+    blocks: Mapping[str, Block],
+    config: KFACConfig,
+    rule: RowsRule,
+    roles: Mapping[str, str] | None = None,
 ) -> dict[str, LayerState]:
     """The state of every block's layer: its solver, statistic kinds and accumulators.
 
@@ -188,15 +192,16 @@ def create_layers(
     deferred solver, decided by ``rule`` at the first capture; another block under
     ``"auto"`` gets the SMW solver with dense sides. A layer of ``flattened_inputs`` gets
     its input map (:func:`input_maps`), a layer of ``orthogonal_layers`` an orthogonalised
-    update (:func:`orthogonal_layers`). An ``"auto"`` precision is resolved here, from the
-    device and dtype of the layer's parameters (:func:`dkfac.solvers.precision.resolve`).
+    update (:func:`orthogonal_layers`, its roles from ``roles``). An ``"auto"`` precision is
+    resolved here, from the device and dtype of the layer's parameters
+    (:func:`dkfac.solvers.precision.resolve`).
 
     Raises:
         ValueError: For a ``flattened_inputs`` entry that does not fit (:func:`input_maps`),
             or an ``orthogonal_layers`` pattern that matches no layer.
     """
     maps = input_maps(blocks, config)
-    orthogonal = orthogonal_layers(blocks, config)
+    orthogonal = orthogonal_layers(blocks, config, roles)
     layers: dict[str, LayerState] = {}
     decided: dict[tuple[str, str, torch.dtype | None], None] = {}  # "auto", in order
     for name, block in blocks.items():
@@ -274,20 +279,31 @@ def input_maps(blocks: Mapping[str, Block], config: KFACConfig) -> dict[str, tup
     return maps
 
 
-def orthogonal_layers(blocks: Mapping[str, Block], config: KFACConfig) -> set[str]:
-    """The layers ``config.orthogonal_layers`` picks (by name or class name, ``re.search``).
+def orthogonal_layers(
+    blocks: Mapping[str, Block], config: KFACConfig, roles: Mapping[str, str] | None = None
+) -> set[str]:
+    """The layers ``config.orthogonal_layers`` picks: by name or class name (``re.search``),
+    or by role (``"role:NAME"``, :func:`~dkfac.engine.roles.role_blocks` with ``roles``, the
+    model's :func:`~dkfac.engine.roles.layer_roles`).
 
     Raises:
-        ValueError: If a pattern matches no layer (the message lists them).
+        ValueError: If a pattern that is not a role matches no layer (the message lists
+            them); a role that no preconditioned layer has picks none (logged): it is a
+            rule, which a model may not need.
     """
     picked: set[str] = set()
     for pattern in config.orthogonal_layers:
-        matched = {n for n, b in blocks.items() if matching_pattern(n, b.module, (pattern,))}
-        if not matched:
-            raise ValueError(
-                f"orthogonal_layers pattern {pattern!r} matches none of the preconditioned "
-                f"layers {list(blocks)}"
-            )
+        if pattern.startswith(ROLE_PREFIX):
+            matched = set(role_blocks(pattern, roles or {}, blocks))
+            if not matched:
+                logger.info("orthogonal_layers %r: no preconditioned layer has it", pattern)
+        else:
+            matched = {n for n, b in blocks.items() if matching_pattern(n, b.module, (pattern,))}
+            if not matched:
+                raise ValueError(
+                    f"orthogonal_layers pattern {pattern!r} matches none of the preconditioned "
+                    f"layers {list(blocks)}"
+                )
         picked |= matched
     if picked:
         logger.info("K-FAC orthogonalises the updates of %s", sorted(picked))

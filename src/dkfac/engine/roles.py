@@ -26,7 +26,7 @@ import logging
 import math
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ __all__ = [
     "flattened_conv_inputs",
     "layer_roles",
     "resolve_role_patterns",
+    "role_blocks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,18 +73,22 @@ _KEEPS_CHANNELS_METHODS = {"relu", "relu_", "tanh", "sigmoid", "contiguous", "ad
 
 def apply_model_rules(model: nn.Module, config: KFACConfig) -> KFACConfig:
     """``config`` with its rules read off ``model``: ``"role:NAME"`` patterns of
-    ``skip_layers`` and ``orthogonal_layers`` resolved to the layers' names, and
-    ``flattened_inputs="graph"`` to the maps of :func:`flattened_conv_inputs`.
+    ``skip_layers`` resolved to the layers' names, and ``flattened_inputs="graph"`` to the
+    maps of :func:`flattened_conv_inputs`. The roles of ``orthogonal_layers`` are checked
+    here and resolved at registration (:func:`role_blocks`), among the layers K-FAC
+    preconditions: a role none of them has (every hidden layer a depthwise convolution, say)
+    picks nothing instead of failing as an explicit pattern that matches nothing does.
 
     Raises:
         ValueError: For an unknown role.
     """
     changes: dict[str, Any] = {}
-    for option in ("skip_layers", "orthogonal_layers"):
-        patterns = getattr(config, option)
-        resolved = resolve_role_patterns(option, patterns, model)
-        if resolved != patterns:
-            changes[option] = resolved
+    resolved = resolve_role_patterns("skip_layers", config.skip_layers, model)
+    if resolved != config.skip_layers:
+        changes["skip_layers"] = resolved
+    for pattern in config.orthogonal_layers:
+        if pattern.startswith(ROLE_PREFIX):
+            _role("orthogonal_layers", pattern)
     if dict(config.flattened_inputs) == GRAPH_MAPS:
         maps = flattened_conv_inputs(model)
         logger.info("flattened_inputs from the graph: %s", maps or "none")
@@ -156,16 +161,36 @@ def resolve_role_patterns(
         if not pattern.startswith(ROLE_PREFIX):
             resolved.append(pattern)
             continue
-        role = pattern[len(ROLE_PREFIX) :]
-        if role not in ROLES:
-            raise ValueError(
-                f"{option}: unknown role {role!r} in {pattern!r}; roles: {', '.join(ROLES)}"
-            )
-        # the layer itself, or the blocks under its name (an attention layer's projections)
-        names = [f"^{re.escape(n)}(?:$|[.:])" for n, r in roles.items() if r == role]
+        names = _role_patterns(_role(option, pattern), roles)
         logger.info("%s %r: %s", option, pattern, names or "no layer")
         resolved += names
     return tuple(dict.fromkeys(resolved))
+
+
+def role_blocks(pattern: str, roles: Mapping[str, str], blocks: Iterable[str]) -> list[str]:
+    """The names of ``blocks`` that ``pattern`` (``"role:NAME"``) picks: the layers of that
+    role in ``roles`` (:func:`layer_roles`) and the blocks under their names.
+
+    Raises:
+        ValueError: For a role outside :data:`ROLES`.
+    """
+    names = _role_patterns(_role("orthogonal_layers", pattern), roles)
+    return [b for b in blocks if any(re.search(n, b) for n in names)]
+
+
+def _role(option: str, pattern: str) -> str:
+    role = pattern[len(ROLE_PREFIX) :]
+    if role not in ROLES:
+        raise ValueError(
+            f"{option}: unknown role {role!r} in {pattern!r}; roles: {', '.join(ROLES)}"
+        )
+    return role
+
+
+def _role_patterns(role: str, roles: Mapping[str, str]) -> list[str]:
+    """Exact-name patterns of the layers of ``role``: the layer itself, or the blocks under
+    its name (an attention layer's projections)."""
+    return [f"^{re.escape(n)}(?:$|[.:])" for n, r in roles.items() if r == role]
 
 
 def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
