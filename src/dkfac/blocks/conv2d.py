@@ -31,6 +31,7 @@ times fewer operations).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,49 @@ from dkfac.blocks.base import Block, Rows, StatisticSink, append_ones
 from dkfac.blocks.conv_factor import conv_input_factor_sum, output_size, window_sums
 
 
-def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
+@dataclass(frozen=True)
+class ConvGeometry:
+    """A convolution's window as a 2-D one: ``nn.Conv2d``'s own, ``nn.Conv1d``'s as a
+    height-1 image (``(1, k)`` kernel, ``(1, s)`` stride, no padding of the height)."""
+
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    padding: str | tuple[int, int]
+    padding_mode: str
+
+    @classmethod
+    def of(cls, module: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
+        """The 2-D geometry of ``module``."""
+        if isinstance(module, nn.Conv2d):
+            return cls(
+                module.in_channels,
+                module.out_channels,
+                _pair(module.kernel_size),
+                _pair(module.stride),
+                _pair(module.dilation),
+                module.padding if isinstance(module.padding, str) else _pair(module.padding),
+                module.padding_mode,
+            )
+        pad = module.padding
+        return cls(
+            module.in_channels,
+            module.out_channels,
+            (1, int(module.kernel_size[0])),
+            (1, int(module.stride[0])),
+            (1, int(module.dilation[0])),
+            pad if isinstance(pad, str) else (0, int(pad[0])),
+            module.padding_mode,
+        )
+
+
+def _pair(values: Any) -> tuple[int, int]:
+    return int(values[0]), int(values[1])
+
+
+def conv_padding(module: ConvGeometry) -> tuple[int, int, int, int]:
     """Explicit (left, right, top, bottom) padding of a convolution, as ``F.pad`` takes it."""
     pads: list[int] = []
     # F.pad lists the last dimension (width) first.
@@ -58,7 +101,7 @@ def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
     return pads[0], pads[1], pads[2], pads[3]
 
 
-def pad_input(module: nn.Conv2d, inputs: Tensor) -> Tensor:
+def pad_input(module: ConvGeometry, inputs: Tensor) -> Tensor:
     """``inputs`` padded as the convolution pads them (any ``padding_mode``)."""
     pads = conv_padding(module)
     if any(pads):
@@ -67,7 +110,7 @@ def pad_input(module: nn.Conv2d, inputs: Tensor) -> Tensor:
     return inputs
 
 
-def unfold_patches(module: nn.Conv2d, inputs: Tensor) -> Tensor:
+def unfold_patches(module: ConvGeometry, inputs: Tensor) -> Tensor:
     """im2col patches of ``inputs`` as a ``(B, C_in·kh·kw, T)`` tensor."""
     return F.unfold(
         pad_input(module, inputs),
@@ -93,6 +136,8 @@ class Conv2dBlock(Block):
     """
 
     module: nn.Conv2d
+    module_type: type[nn.Module] = nn.Conv2d
+    """The convolution class the block takes."""
     cost_kind = "conv2d"
     rows_are_outputs = True
 
@@ -118,10 +163,14 @@ class Conv2dBlock(Block):
         seed: int = 0,
     ) -> None:
         super().__init__(name, module)
-        if not isinstance(module, nn.Conv2d):
-            raise TypeError(f"{name}: module must be an nn.Conv2d, got {type(module).__name__}")
+        kind = self.module_type.__name__
+        if not isinstance(module, self.module_type):
+            raise TypeError(f"{name}: module must be an nn.{kind}, got {type(module).__name__}")
         if module.groups != 1:
-            raise ValueError(f"{name}: Conv2dBlock supports groups=1 only, got {module.groups}")
+            raise ValueError(
+                f"{name}: {type(self).__name__} supports groups=1 only, got {module.groups}"
+            )
+        self.geometry = ConvGeometry.of(module)  # type: ignore[arg-type]
         if reduction not in CONV_REDUCTIONS:
             raise ValueError(f"reduction must be one of {CONV_REDUCTIONS}, got {reduction!r}")
         if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
@@ -157,6 +206,11 @@ class Conv2dBlock(Block):
         self._drawn = (key, indices)
         return indices
 
+    def image(self, tensor: Tensor) -> Tensor:
+        """A forward input or output gradient as a batch of images ``(B, C, H, W)`` (an
+        unbatched ``(C, H, W)`` one as a batch of one)."""
+        return tensor.unsqueeze(0) if tensor.dim() == 3 else tensor
+
     def batch_size(self, inputs: Tensor) -> int:
         """Images in a forward input (1 for an unbatched ``(C, H, W)`` input)."""
         return int(inputs.shape[0]) if inputs.dim() == 4 else 1
@@ -164,13 +218,13 @@ class Conv2dBlock(Block):
     @property
     def a_dim(self) -> int:
         """``C_in · kh · kw``, plus one for the bias."""
-        kh, kw = self.module.kernel_size
-        return self.module.in_channels * kh * kw + int(self.has_bias)
+        kh, kw = self.geometry.kernel_size
+        return self.geometry.in_channels * kh * kw + int(self.has_bias)
 
     @property
     def g_dim(self) -> int:
         """Output channels."""
-        return self.module.out_channels
+        return self.geometry.out_channels
 
     def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
         """Forward hook: adds A, without unfolding when the sum of outer products will do.
@@ -188,15 +242,14 @@ class Conv2dBlock(Block):
         sink = sinks["A"]
         if self.reduction is not None or not sink.takes_sums:
             return super().capture_input(inputs, sinks)
-        if inputs.dim() == 3:  # unbatched input
-            inputs = inputs.unsqueeze(0)
-        module = self.module
+        inputs = self.image(inputs)
+        module = self.geometry
         zeros = module.padding_mode == "zeros"  # padded inside the sum, never copied whole
         total, count = conv_input_factor_sum(
             inputs if zeros else pad_input(module, inputs),
-            module.kernel_size,  # type: ignore[arg-type]
-            module.stride,  # type: ignore[arg-type]
-            module.dilation,  # type: ignore[arg-type]
+            module.kernel_size,
+            module.stride,
+            module.dilation,
             self.has_bias,
             zero_padding=conv_padding(module) if zeros else (0, 0, 0, 0),
             compute_dtype=sink.compute_dtype,
@@ -207,14 +260,13 @@ class Conv2dBlock(Block):
 
     def a_rows(self, inputs: Tensor) -> Rows:
         """Patch rows under the block's reduction (see the module docstring)."""
-        if inputs.dim() == 3:  # unbatched input
-            inputs = inputs.unsqueeze(0)
+        inputs = self.image(inputs)
         if self.reduction == "sum":
             rows = self._patch_means(inputs)  # the factor is ÷ T²
         elif self.reduction == "subsample":
-            rows = self._sampled_patches(pad_input(self.module, inputs))
+            rows = self._sampled_patches(pad_input(self.geometry, inputs))
         else:
-            patches = unfold_patches(self.module, inputs)  # (B, D, T)
+            patches = unfold_patches(self.geometry, inputs)  # (B, D, T)
             rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
         if self.has_bias:
             rows = append_ones(rows)
@@ -222,12 +274,12 @@ class Conv2dBlock(Block):
 
     def _patch_means(self, inputs: Tensor) -> Tensor:
         """``(B, D)`` mean patch of each image (no bias), from window sums (no unfolding)."""
-        module = self.module
+        module = self.geometry
         zeros = module.padding_mode == "zeros"  # zero padding is never materialised
         source = inputs if zeros else pad_input(module, inputs)
         kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
         padding = conv_padding(module) if zeros else (0, 0, 0, 0)
-        sums = window_sums(source, kernel, stride, dilation, padding)  # type: ignore[arg-type]
+        sums = window_sums(source, kernel, stride, dilation, padding)
         left, right, top, bottom = padding
         out_h = output_size(source.shape[2] + top + bottom, kernel[0], stride[0], dilation[0])
         out_w = output_size(source.shape[3] + left + right, kernel[1], stride[1], dilation[1])
@@ -236,9 +288,9 @@ class Conv2dBlock(Block):
     def _sampled_patches(self, padded: Tensor) -> Tensor:
         """``(B·s, D)`` patches (no bias) at the sampled positions, gathered, not unfolded."""
         (kh, kw), (sh, sw), (dh, dw) = (
-            self.module.kernel_size,
-            self.module.stride,
-            self.module.dilation,
+            self.geometry.kernel_size,
+            self.geometry.stride,
+            self.geometry.dilation,
         )
         out_h = output_size(padded.shape[2], kh, sh, dh)
         out_w = output_size(padded.shape[3], kw, sw, dw)
@@ -266,8 +318,7 @@ class Conv2dBlock(Block):
         if sink is None or self.reduction is not None or not sink.takes_sums:
             super().capture_grad(context, grad_output, sinks, scale)
             return
-        if grad_output.dim() == 3:  # unbatched
-            grad_output = grad_output.unsqueeze(0)
+        grad_output = self.image(grad_output)
         if sink.compute_dtype is not None:
             grad_output = grad_output.to(sink.compute_dtype)
         per_image = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1)
@@ -277,8 +328,7 @@ class Conv2dBlock(Block):
 
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Output-gradient rows under the block's reduction (see the module docstring)."""
-        if grad_output.dim() == 3:
-            grad_output = grad_output.unsqueeze(0)
+        grad_output = self.image(grad_output)
         batch, channels = grad_output.shape[0], grad_output.shape[1]
         flat = grad_output.reshape(batch, channels, -1)  # (B, C, T)
         total = flat.shape[2]

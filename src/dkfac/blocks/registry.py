@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from dkfac.blocks.attention import attention_blocks, functional_children
 from dkfac.blocks.base import Block
 from dkfac.blocks.batchnorm import BatchNormBlock
+from dkfac.blocks.conv1d import Conv1dBlock
 from dkfac.blocks.conv2d import Conv2dBlock
 from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
@@ -31,6 +32,7 @@ BlockFactory = Callable[..., Block | Sequence[Block]]
 
 _REGISTRY: dict[type[nn.Module], BlockFactory] = {
     nn.Linear: LinearBlock,
+    nn.Conv1d: Conv1dBlock,
     nn.Conv2d: Conv2dBlock,
     nn.Embedding: EmbeddingBlock,
     _BatchNorm: BatchNormBlock,

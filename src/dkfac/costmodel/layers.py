@@ -200,7 +200,9 @@ def extract_layers(
             flops += 2.0 * t * cost.a_dim * cost.g_dim
         kfac_params.update(id(p) for p in block.parameters())
     if not layers:
-        raise ValueError("model has no nn.Linear or nn.Conv2d (groups=1) layer to precondition")
+        raise ValueError(
+            "model has no nn.Linear or nn.Conv1d/Conv2d (groups=1) layer to precondition"
+        )
     others = [p for p in inner.parameters() if p.requires_grad and id(p) not in kfac_params]
     return ModelSpec(
         layers=tuple(layers),
