@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from dkfac import KFACPreconditioner
+from dkfac import KFACOptimizer, KFACPreconditioner
 
 
 class Mixed(nn.Module):
@@ -107,3 +107,35 @@ def test_every_row_has_the_same_keys() -> None:
     fc, pos = rows[0], next(row for row in rows if row["name"] == "pos")
     assert fc["reason"] is None and fc["numel"] == 6 * 7  # weight and bias
     assert pos["owner"] is None and pos["method"] is None and pos["a_dim"] is None
+
+
+def test_a_reparametrised_weight_is_left_to_the_inner_optimizer_with_its_reason() -> None:
+    """``weight_norm`` / ``spectral_norm`` (and the old hook-based ``weight_norm``) compute
+    the weight from other parameters at each forward: its hooks would fail (the weight is
+    not a leaf) and its gradient is not theirs. Declined, named, and the rest trains."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2)
+    )
+    parametrizations.weight_norm(model[2])
+    parametrizations.spectral_norm(model[4])
+    with pytest.warns(FutureWarning):
+        nn.utils.weight_norm(model[5])
+    opt = KFACOptimizer.for_model(model)
+    reasons = {r["name"]: r.get("reason") for r in opt.preconditioner.describe()}
+    assert set(opt.preconditioner.layers) == {"0"}
+    assert reasons["2.parametrizations.weight.original0"] == (
+        "declined by its block: parametrized weight (weight_norm, spectral_norm...) is not "
+        "supported"
+    )
+    assert "spectral_norm" in reasons["4.parametrizations.weight.original"]
+    assert "computed, not a parameter" in reasons["5.weight_v"]
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(16, 4)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), torch.arange(16) % 2).backward()
+        opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

@@ -13,8 +13,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 from dkfac.blocks.attention import attention_blocks, functional_children
 from dkfac.blocks.base import Block
@@ -88,8 +89,15 @@ def find_factory(module: nn.Module) -> BlockFactory | None:
 
 def owned_children(module: nn.Module) -> list[nn.Module]:
     """Submodules that ``module`` calls functionally: their blocks come from ``module``'s
-    factory (``nn.MultiheadAttention``'s ``out_proj``), never from their own."""
-    return functional_children(module)
+    factory (``nn.MultiheadAttention``'s ``out_proj``), never from their own; and the
+    parametrizations of a reparametrised weight (:func:`computed_weight`), whose parameters
+    share their layer's fate."""
+    owned = functional_children(module)
+    if parametrize.is_parametrized(module):
+        reparametrised = module.parametrizations
+        assert isinstance(reparametrised, nn.Module)
+        owned += list(reparametrised.modules())
+    return owned
 
 
 def blocks_or_reason(name: str, module: nn.Module, **options: Any) -> list[Block] | str | None:
@@ -124,12 +132,27 @@ def block_or_reason(
     factory = find_factory(module)
     if factory is None:
         return None
+    computed = computed_weight(module)
+    if computed is not None:
+        return computed
     if isinstance(factory, type) and issubclass(factory, Block):
         reason = factory.declines(module, **options)
         if reason is not None:
             return reason
     made = factory(name, module, **_accepted(factory, options))
     return made if isinstance(made, Block) else list(made)
+
+
+def computed_weight(module: nn.Module) -> str | None:
+    """Why ``module``'s weight is not its own parameter (a reparametrisation such as
+    ``weight_norm`` or ``spectral_norm``, old or new API: the weight is computed from other
+    parameters at each forward, so its gradient is not theirs), or ``None``."""
+    if parametrize.is_parametrized(module):
+        return "parametrized weight (weight_norm, spectral_norm...) is not supported"
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter):
+        return "its weight is computed, not a parameter (old-style weight_norm?): not supported"
+    return None
 
 
 def make_block(name: str, module: nn.Module, **options: Any) -> Block | list[Block] | None:
