@@ -413,8 +413,7 @@ class KFACPreconditioner:
             scale = kl_clip_scale(self.delivery, finals, ready, grads, kl_clip, lr)
             factors = None
             if keep is not None:  # the scale times 0 where a gradient was not finite
-                ones = keep.to(torch.float32 if scale is None else scale.dtype)
-                both = ones if scale is None else ones * scale
+                both = keep.to(torch.float32) if scale is None else keep * scale  # 1 call
                 # Through the guard's buffer; write_back takes the layers it leaves.
                 delivered = self._guard.writes.write(self.layers, finals, delivered, ready, both)
                 if delivered:

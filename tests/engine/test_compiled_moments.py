@@ -2,7 +2,9 @@
 
 Oracle: a twin preconditioner with ``compile_moments="off"`` (eager), float64, the same
 batches over refreshes, the per-shape and the flat (launch-bound) paths: gradients and
-moments to 1e-12. ``aot_eager`` stands in for inductor here (the same capture, eager
+moments to 1e-12. The head's output factor is singular (a softmax's gradients sum to zero)
+and a LayerNorm makes the input factor of the layer after it singular, so Adam's rounding
+floor runs in both paths. ``aot_eager`` stands in for inductor here (the same capture, eager
 kernels; inductor's CPU kernels are checked in ``tests/solvers/test_compiled.py``, its
 CUDA ones in ``tests/engine/test_cuda.py``).
 """
@@ -34,7 +36,7 @@ OPTIONS: dict[str, Any] = {
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)
+        nn.Linear(6, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)
     ).double()
 
 
@@ -67,6 +69,8 @@ def test_compiled_moments_equal_eager_ones(fused: bool) -> None:
                 a -= 0.05 * a.grad
                 b.copy_(a)
     assert all(s._moment_step.active for s in solvers)  # no fallback on the way
+    floored = [name for name, layer in pre.layers.items() if "null_g" in (layer.solver_state or {})]
+    assert floored  # the floor ran (the head's G: the softmax's gradients sum to zero)
 
 
 def test_the_rule_compiles_only_on_a_cuda_device_with_triton(

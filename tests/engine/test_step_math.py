@@ -1,12 +1,15 @@
 """step_math's sum of products (the KL-clip's Σ⟨V, ∇W⟩) against the float64 definition,
-in both forms: a dot product per layer (a CPU's) and the multi-tensor one (a GPU's)."""
+in both forms: a dot product per layer (a CPU's) and the multi-tensor one (a GPU's); and the
+KL-clip scale against its formula, at its edges."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from dkfac.engine.step_math import sum_of_products
+from dkfac.engine.step_math import kl_clip_scale, sum_of_products
 
 
 def _pairs(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -54,3 +57,38 @@ def test_the_fused_sum_of_half_products_passes_their_range() -> None:
     lefts = [torch.full((64, 64), 2.0, dtype=torch.float16) for _ in range(4)]
     got = sum_of_products(lefts, lefts, lefts[0], fused=True)
     assert got.dtype == torch.float32 and float(got) == 65536.0
+
+
+class _Serial:
+    """The strategy's part kl_clip_scale reads, for one process."""
+
+    def kl_layers(self, ready: list[str]) -> list[str]:
+        return list(ready)
+
+    def reduce_kl(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+
+@pytest.mark.parametrize(
+    ("total", "kl_clip", "lr"),
+    [
+        (2.5, 1e-3, 0.1),  # clipped
+        (-2.5, 1e-3, 0.1),  # a negative sum clips by its size
+        (1e-3, 10.0, 0.1),  # not clipped: 1
+        (0.0, 1e-3, 0.1),  # nothing to clip: 1
+        (1e-45, 1e-40, 1e-3),  # lr²|s| below 1e-30: the sum is taken as 1e-30
+        (float("nan"), 1e-3, 0.1),
+    ],
+)
+def test_the_kl_clip_scale_is_the_definition(total: float, kl_clip: float, lr: float) -> None:
+    """ν = min(1, √(κ / max(lr² |Σ⟨V, ∇W⟩|, 1e-30))) in float64, from one layer whose
+    product sums to ``total``."""
+    final = torch.tensor([[total, 0.0]], dtype=torch.float64)
+    raw = torch.tensor([[1.0, 3.0]], dtype=torch.float64)
+    got = kl_clip_scale(_Serial(), {"w": final}, ["w"], {"w": raw}, kl_clip, lr)  # type: ignore[arg-type]
+    assert got is not None and got.shape == () and got.dtype == torch.float64
+    if math.isnan(total):
+        assert math.isnan(float(got))
+        return
+    want = min(1.0, math.sqrt(kl_clip / max(lr**2 * abs(total), 1e-30)))
+    assert float(got) == pytest.approx(want, rel=1e-14)

@@ -29,8 +29,16 @@ SHAPES = [(5, 7, 3), (4, 6, 1), (3, 5, 2)]
 """``(g, a, layers)`` of each group."""
 
 
-def _spd(n: int, seed: int) -> Tensor:
+SINGULAR = {(0, "A"): 3, (2, "G"): 2}
+"""``(group, side) -> rank`` of the factors made singular in the singular runs."""
+
+
+def _spd(n: int, seed: int, rank: int | None = None) -> Tensor:
+    """A full-rank factor, or one of ``rank`` (a null space: Adam's rounding floor)."""
     gen = torch.Generator().manual_seed(seed)
+    if rank is not None:
+        x = torch.randn(n, rank, generator=gen, dtype=DT)
+        return x @ x.T / rank
     x = torch.randn(n, 2 * n, generator=gen, dtype=DT)
     return x @ x.T / n + 0.05 * torch.eye(n, dtype=DT)
 
@@ -42,15 +50,32 @@ def _grads(step: int, group: int) -> list[Tensor]:
 
 
 def _run(
-    cls: type[EigenAdamSolver] | type[EKFACSolver], options: MomentOptions, steps: int = 3
+    cls: type[EigenAdamSolver] | type[EKFACSolver],
+    options: MomentOptions,
+    steps: int = 3,
+    singular: bool = False,
 ) -> list[Tensor]:
     """Every update and moment of ``steps`` steps: the flat pass over the groups, each
-    group's own batched pass and the first layer alone (fresh solvers of ``options``)."""
+    group's own batched pass and the first layer alone (fresh solvers of ``options``;
+    the factors of :data:`SINGULAR` singular where ``singular``)."""
     solvers = [cls(DT, options) for _ in SHAPES]
+
+    def factor(k: int, side: str, n: int, seed: int) -> Tensor:
+        return _spd(n, seed, SINGULAR.get((k, side)) if singular else None)
+
     states = [
-        [solvers[k].compute(_spd(a, 5 * k + i), _spd(g, 5 * k + i + 2), 0.1) for i in range(c)]
+        [
+            solvers[k].completed(
+                solvers[k].compute(
+                    factor(k, "A", a, 5 * k + i), factor(k, "G", g, 5 * k + i + 2), 0.1
+                )
+            )
+            for i in range(c)
+        ]
         for k, (g, a, c) in enumerate(SHAPES)
     ]
+    if singular and cls.adam_scaled:
+        assert ["null_g" in group[0] for group in states] == [True, False, True]
     alone, batched = cls(DT, options), [cls(DT, options) for _ in SHAPES]
     flat: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
     own: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
@@ -72,19 +97,22 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    ("cls", "options"),
+    ("cls", "options", "singular"),
     [
-        (EigenAdamSolver, MomentOptions()),
-        (EigenAdamSolver, MomentOptions(nesterov=True, block_size=4)),
-        (EKFACSolver, MomentOptions(bias_correction=False)),
+        (EigenAdamSolver, MomentOptions(), False),
+        (EigenAdamSolver, MomentOptions(), True),
+        (EigenAdamSolver, MomentOptions(nesterov=True, block_size=4), False),
+        (EKFACSolver, MomentOptions(bias_correction=False), False),
     ],
 )
 def test_the_captured_moment_step_equals_the_eager_one(
-    cls: type[EigenAdamSolver], options: MomentOptions
+    cls: type[EigenAdamSolver], options: MomentOptions, singular: bool
 ) -> None:
+    """Singular factors too: the rounding floor, per matrix and per layer of the flat pass."""
     torch._dynamo.reset()
-    eager = _run(cls, options)
-    captured = _run(cls, MomentOptions(**{**vars(options), "compile_backend": "aot_eager"}))
+    eager = _run(cls, options, singular=singular)
+    compiled = MomentOptions(**{**vars(options), "compile_backend": "aot_eager"})
+    captured = _run(cls, compiled, singular=singular)
     assert len(captured) == len(eager)
     for got, want in zip(captured, eager, strict=True):
         torch.testing.assert_close(got, want, **TOL)
@@ -94,16 +122,27 @@ def test_the_captured_moment_step_equals_the_eager_one(
     not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")), reason="inductor needs a C compiler"
 )
 def test_inductor_s_kernels_equal_the_eager_ones_on_the_cpu() -> None:
-    """One compiled step (the flat pass's, one graph) against eager, two steps."""
+    """One compiled step (the flat pass's, one graph, with the rounding floor of the
+    :data:`SINGULAR` factors) against eager, two steps."""
     torch._dynamo.reset()
     options = MomentOptions(nesterov=True)
     solvers = [EigenAdamSolver(DT, options) for _ in SHAPES]
     compiled_options = MomentOptions(nesterov=True, compile_backend="inductor")
     twins = [EigenAdamSolver(DT, compiled_options) for _ in SHAPES]
     states = [
-        [solvers[k].compute(_spd(a, 3 * k + i), _spd(g, 3 * k + i + 1), 0.1) for i in range(c)]
+        [
+            solvers[k].completed(
+                solvers[k].compute(
+                    _spd(a, 3 * k + i, SINGULAR.get((k, "A"))),
+                    _spd(g, 3 * k + i + 1, SINGULAR.get((k, "G"))),
+                    0.1,
+                )
+            )
+            for i in range(c)
+        ]
         for k, (g, a, c) in enumerate(SHAPES)
     ]
+    assert ["null_g" in group[0] for group in states] == [True, False, True]
     mine: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
     theirs: list[list[Any]] = [[None] * c for _, _, c in SHAPES]
     for step in range(2):

@@ -10,15 +10,21 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, MomentOptions
+from dkfac.solvers.base import BatchJob
 from dkfac.solvers.eigen_moments import descending_eigh
 from dkfac.solvers.null_space import (
+    ROUNDING_FLOOR,
     canonical_null_basis,
+    flat_rounding_floor,
     null_indicators,
     null_weights,
     numerical_rank,
+    rounding_floor,
 )
 
 DT = torch.float64
+DIMS = [(7, 5, 3), (4, 6, 2), (3, 3, 4), (2, 4, 6)]
+"""``(g, a, rows)`` of four layers: factors from ``rows`` rows (the first two singular)."""
 
 
 def _rows(n_rows: int, width: int, seed: int, dtype: torch.dtype = DT) -> Tensor:
@@ -94,3 +100,48 @@ def test_adam_in_a_singular_basis_moves_rounding_by_a_thousandth_of_a_step() -> 
     assert (
         _update(bare, g_once, grad_once, a) - _update(bare, g_halves, grad_halves, a)
     ).abs().max() > 0.05
+
+
+def test_the_flat_floor_is_each_layer_s_floor() -> None:
+    """Against ``ROUNDING_FLOOR · √(Σ v)`` of each layer, written out."""
+    gen = torch.Generator().manual_seed(5)
+    layers = [torch.rand(g, a, generator=gen, dtype=DT) for g, a, _ in DIMS]
+    sizes = tuple(v.numel() for v in layers)
+    index = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
+    flat = flat_rounding_floor(torch.cat([v.reshape(-1) for v in layers]), sizes, index)
+    for v, part in zip(layers, flat.split(sizes), strict=True):
+        want = ROUNDING_FLOOR * float(v.sum()) ** 0.5
+        torch.testing.assert_close(part, torch.full_like(part, want), rtol=1e-15, atol=0)
+        assert torch.equal(part, rounding_floor(v).expand(v.shape).reshape(-1))
+    stack = torch.stack([layers[0], layers[0] * 2])  # each matrix of a stack its own
+    per = rounding_floor(stack)
+    assert per.shape == (2, 1, 1) and torch.equal(per[0], rounding_floor(layers[0]))
+
+
+def test_singular_layers_in_the_flat_pass_equal_each_layer_alone() -> None:
+    """Layers of four shapes, two with singular factors (floored) and two without, through
+    the flat pass against each layer's own apply, bit for bit (one layer a group: the same
+    products), two steps each of three compositions (the last two: the same floored layer
+    beside layers of other shapes without a floor)."""
+    fused = [EigenAdamSolver(DT) for _ in DIMS]
+    alone = EigenAdamSolver(DT)
+    states = []
+    for k, (g, a, rows) in enumerate(DIMS):
+        x_a, x_g = _rows(rows, a, seed=10 + k), _rows(rows, g, seed=20 + k)
+        states.append(fused[k].completed(fused[k].compute(x_a.T @ x_a, x_g.T @ x_g, 0.1)))
+    assert ["null_g" in state for state in states] == [True, True, False, False]
+    keys = {
+        s.fuse_key(st, torch.zeros(g, a, dtype=DT))
+        for s, st, (g, a, _) in zip(fused, states, DIMS, strict=True)
+    }
+    assert len(keys) == 1 and None not in keys
+    flat: list[dict[str, Tensor] | None] = [None] * len(DIMS)
+    own: list[dict[str, Tensor] | None] = [None] * len(DIMS)
+    for step, members in enumerate([[0, 1, 2]] * 2 + [[0, 2]] * 2 + [[0, 3]] * 2):
+        grads = [_rows(g, a, seed=100 * step + k) for k, (g, a, _) in enumerate(DIMS)]
+        jobs = [BatchJob(fused[k], [states[k]], [flat[k]], [grads[k]]) for k in members]
+        for k, [(update, moments)] in zip(members, fused[0].apply_groups(jobs, 0.1), strict=True):
+            want, own[k] = alone.apply_with_moments(states[k], own[k], grads[k], 0.1)
+            assert torch.equal(update, want), (step, k)
+            assert moments is not None and all(torch.equal(moments[n], own[k][n]) for n in own[k])
+            flat[k] = moments

@@ -58,3 +58,17 @@ def test_the_polar_factor_iterates_in_bf16_only_where_native(
     double = update.double()
     want64 = newton_schulz(double, dtype=torch.float64) * (0.5 * 9**0.5)
     assert torch.equal(orthogonal_update(double, 0.5), want64)
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_the_moments_are_float32_at_least(given: torch.dtype, want: torch.dtype) -> None:
+    assert precision.moment_dtype(given) is want
+    assert precision.moment_dtype(given) is torch.promote_types(given, torch.float32)

@@ -67,8 +67,8 @@ def test_matmul_of_stacks_is_the_operator() -> None:
     assert torch.equal(matmul(a.mT.contiguous().mT, b), a @ b)
 
 
-def test_the_unitwise_parts_follow_states_and_damping() -> None:
-    """BatchNorm's 2×2 solve keeps ``F + λI``'s parts between refreshes: a kept solver
+def test_the_unitwise_inverse_follows_states_and_damping() -> None:
+    """BatchNorm's 2×2 solve keeps ``(F + λI)⁻¹`` between refreshes: a kept solver
     equals a fresh one bit for bit over a batch, a single layer, a new damping and new
     states."""
     kept = UnitwiseSolver(DT)

@@ -24,13 +24,18 @@ def launch_bound(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def device_constant(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """``values`` as an int64 tensor on ``device``, made once for each ``values``.
+def device_constant(
+    values: tuple[int, ...] | tuple[float, ...],
+    device: torch.device,
+    dtype: torch.dtype = torch.int64,
+) -> Tensor:
+    """``values`` as a tensor of ``dtype`` (int64 by default) on ``device``, made once for
+    each ``values`` and dtype.
 
     A tensor built from host data on a CUDA device is a copy from pageable memory, which
     the host waits for: this one goes through pinned memory without waiting (the pinned
     buffer is kept until the copy has run by PyTorch's host allocator)."""
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -372,8 +372,10 @@ def kl_clip_scale(
         assert raw is not None
         raws.append(raw)
     partial = sum_of_products([finals[name] for name in names], raws, finals[ready[0]])
-    vg_abs = (strategy.reduce_kl(partial) * lr**2).abs()
-    return torch.clamp(torch.sqrt(kl_clip / vg_abs.clamp(min=1e-30)), max=1.0)
+    # min(1, √(κ / max(lr²|s|, 1e-30))) as 1 / √max(lr²|s| / κ, 1, 1e-30 / κ): four calls.
+    floor = max(1.0, 1e-30 / kl_clip)
+    ratio = strategy.reduce_kl(partial).abs().mul_(lr**2 / kl_clip)
+    return ratio.clamp_(min=floor).rsqrt_()
 
 
 def sum_of_products(
@@ -384,8 +386,9 @@ def sum_of_products(
     dtype.
 
     A GPU step is launches: the fused form is a few multi-tensor calls for any number of
-    layers, ``Σ x = 2 Σ max(x, 0) − Σ |x|`` over the products ``x`` (the two sums as
-    1-norms; its rounding is a plain sum's, ``ε Σ |x|``). A CPU takes one dot product per
+    layers, ``Σ x = 2 Σ max(x, 0) − Σ |x|`` over the products ``x`` (each layer's two sums
+    as 1-norms in one multi-tensor call, combined by one dot product with ``(−1, 2)``
+    weights; its rounding is a plain sum's, ``ε Σ |x|``). A CPU takes one dot product per
     layer, a single pass each.
 
     Args:
@@ -409,10 +412,10 @@ def sum_of_products(
     products = torch._foreach_mul(list(lefts), rights)
     # Half-precision products are summed into float32 (their own range ends at 65504).
     wide = None if any(p.dtype == torch.float64 for p in products) else torch.float32
-    absolute = torch.stack(torch._foreach_norm(products, 1, dtype=wide)).sum()
     positives = torch._foreach_clamp_min(products, 0.0)
-    positive = torch.stack(torch._foreach_norm(positives, 1, dtype=wide)).sum()
-    return 2.0 * positive - absolute
+    norms = torch.stack(torch._foreach_norm([*products, *positives], 1, dtype=wide))
+    weights = (-1.0,) * len(products) + (2.0,) * len(products)
+    return torch.dot(norms, launches.device_constant(weights, norms.device, norms.dtype))
 
 
 def write_back(

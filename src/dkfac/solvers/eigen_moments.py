@@ -183,11 +183,12 @@ from torch import Tensor
 from dkfac.solvers.base import BatchJob, Solver, SolverState, select_moments, unstack
 from dkfac.solvers.compiled import Compiled, check_backend
 from dkfac.solvers.eigen import symmetric_eigh
-from dkfac.solvers.flat_moments import FlatMoments
+from dkfac.solvers.flat_moments import FlatMoments, LayerIndex
 from dkfac.solvers.kron_basis import check_input_map, structured_basis
 from dkfac.solvers.null_space import (
     ROUNDING_FLOOR,
     canonical_null_basis,
+    flat_rounding_floor,
     null_indicators,
     null_weights,
     rounding_floor,
@@ -198,7 +199,7 @@ from dkfac.solvers.polar import (
     polar_dtype,
     weighted_polar,
 )
-from dkfac.solvers.precision import LowPrecision
+from dkfac.solvers.precision import LowPrecision, moment_dtype
 from dkfac.solvers.rotations import (
     bases,
     change_basis,
@@ -749,7 +750,7 @@ class EigenMomentsSolver(Solver):
         :meth:`apply_batch`); each layer's slice is its own result. A half-precision
         gradient is worked on in float32 (module notes) and its update returned in its own
         dtype."""
-        work = torch.promote_types(grad.dtype, torch.float32)  # the moments' precision
+        work = moment_dtype(grad.dtype)  # the moments' precision
         rms = self.options.orthogonal_rms
         into, out = self.rotation_dtypes(grad)
         state, state_out = self.rotation_states(state, into, out)
@@ -775,7 +776,7 @@ class EigenMomentsSolver(Solver):
         moments: SolverState,
         rotated: Tensor,
         damping: float,
-        index: Tensor | None = None,
+        index: LayerIndex | None = None,
         *,
         null: Tensor | None = None,
     ) -> tuple[SolverState, Tensor]:
@@ -783,8 +784,8 @@ class EigenMomentsSolver(Solver):
         :meth:`scaled`, through ``torch.compile`` where ``compile_backend`` is set
         (:mod:`dkfac.solvers.compiled`). ``index``: for flat moments
         (:mod:`dkfac.solvers.flat_moments`), the layer of each entry, whose count ``t``
-        (one a layer) the scaling reads. ``null``: as :meth:`scaled` takes it (never with
-        ``index``: a floored layer is not fused)."""
+        (one a layer) and rounding floor the scaling reads per entry. ``null``: as
+        :meth:`scaled` takes it (flat too with ``index``)."""
         return self._moment_step(moments, rotated, damping, index, null)
 
     def _eager_moment_step(
@@ -792,20 +793,22 @@ class EigenMomentsSolver(Solver):
         moments: SolverState,
         rotated: Tensor,
         damping: float,
-        index: Tensor | None,
+        index: LayerIndex | None,
         null: Tensor | None,
     ) -> tuple[SolverState, Tensor]:
         """:meth:`moment_step` itself."""
         new = self.update_moments(moments, rotated)
-        counts = new if index is None else {**new, "t": new["t"].index_select(0, index)}
-        return new, self.scaled(counts, rotated, damping, null=null)
+        if index is None:
+            return new, self.scaled(new, rotated, damping, null=null)
+        counts = {**new, "t": new["t"].index_select(0, index.entries)}
+        return new, self.scaled(counts, rotated, damping, null=null, layers=index)
 
     def rotation_dtypes(self, grad: Tensor) -> tuple[torch.dtype | None, torch.dtype | None]:
         """The precisions of the rotations into and out of the basis for ``grad`` (``None``:
         the moments'; the polar factor goes out in its own precision)."""
         into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
         if self.options.orthogonal_rms is not None and out is None:
-            out = polar_dtype(torch.promote_types(grad.dtype, torch.float32), grad.device)
+            out = polar_dtype(moment_dtype(grad.dtype), grad.device)
         return into, out
 
     def rotation_states(
@@ -870,11 +873,10 @@ class EigenMomentsSolver(Solver):
     def fuse_key(self, state: SolverState, grad: Tensor) -> Hashable | None:
         """The class, the options and the gradient's dtype and device, for a state and
         gradient that :meth:`batch_key` batches and an update that is not orthogonalised
-        (the polar factor is per matrix) nor floored in a null space (the floor is per
-        matrix: :mod:`~dkfac.solvers.null_space`); else ``None``."""
+        (the polar factor is per matrix); else ``None``. A layer floored in a null space
+        (:mod:`~dkfac.solvers.null_space`) joins too: the flat pass takes its floor per
+        layer."""
         if self.options.orthogonal_rms is not None or self.batch_key(state, grad) is None:
-            return None
-        if "null_g" in state:
             return None
         return (type(self), self.options, grad.dtype, grad.device)
 
@@ -912,7 +914,7 @@ class EigenMomentsSolver(Solver):
 
     def zero_moments_like(self, grad: Tensor) -> SolverState:
         """Zero moments of a layer with gradient ``grad``, in the moments' precision."""
-        work = torch.promote_types(grad.dtype, torch.float32)
+        work = moment_dtype(grad.dtype)
         return self.zero_moments(torch.empty(grad.shape, dtype=work, device=grad.device))
 
     def zero_moments(self, like: Tensor) -> SolverState:
@@ -940,11 +942,18 @@ class EigenMomentsSolver(Solver):
         return (1.0 - torch.pow(beta, t)).to(like.dtype)
 
     def scaled(
-        self, moments: SolverState, rotated: Tensor, damping: float, *, null: Tensor | None = None
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        *,
+        null: Tensor | None = None,
+        layers: LayerIndex | None = None,
     ) -> Tensor:
         """The update in the eigenbasis (each method's formula); ``null``: 1.0 on the
         coordinates in a factor's null space (:func:`~dkfac.solvers.null_space.null_weights`),
-        read by Adam's rounding floor."""
+        read by Adam's rounding floor; ``layers``: the layers of flat moments (the floor is
+        then each layer's, :func:`~dkfac.solvers.null_space.flat_rounding_floor`)."""
         raise NotImplementedError
 
     def denominator(self, moments: SolverState, damping: float) -> Tensor:
@@ -1001,7 +1010,13 @@ class EigenAdamSolver(EigenMomentsSolver):
         return new
 
     def scaled(
-        self, moments: SolverState, rotated: Tensor, damping: float, *, null: Tensor | None = None
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        *,
+        null: Tensor | None = None,
+        layers: LayerIndex | None = None,
     ) -> Tensor:
         """``m̂ ⊘ (√v̂ + ε + φ)`` (Nesterov: the look-ahead ``m̂``; ``φ`` the rounding floor in
         ``null`` coordinates, :mod:`~dkfac.solvers.null_space`), computed as ``(√c₂ / c₁) · m ⊘
@@ -1015,15 +1030,26 @@ class EigenAdamSolver(EigenMomentsSolver):
             t = t + 1.0
         c1 = self.correction(beta1, t, m)
         root_c2 = self.correction(self.options.beta2, moments["t"], m).sqrt()
-        denominator = self._floored_root(moments["v"], root_c2 * self.options.eps, null)
+        denominator = self._floored_root(moments["v"], root_c2 * self.options.eps, null, layers)
         return torch.div(m, denominator).mul_(root_c2 / c1)
 
-    def _floored_root(self, v: Tensor, eps: Tensor | float, null: Tensor | None) -> Tensor:
-        """``√v + ε + φ``, ``φ = rounding_floor · ‖√v‖_F`` on the ``null`` coordinates."""
+    def _floored_root(
+        self,
+        v: Tensor,
+        eps: Tensor | float,
+        null: Tensor | None,
+        layers: LayerIndex | None = None,
+    ) -> Tensor:
+        """``√v + ε + φ``, ``φ = rounding_floor · ‖√v‖_F`` on the ``null`` coordinates (of
+        each matrix of ``v``, or of each layer of a flat ``v`` with ``layers``)."""
         if null is None:
             return v.sqrt().add_(eps)
-        floor = rounding_floor(v, self.options.rounding_floor).mul(null)
-        return v.sqrt().add_(floor.add_(eps))
+        relative = self.options.rounding_floor
+        if layers is None:
+            floor = rounding_floor(v, relative)
+        else:
+            floor = flat_rounding_floor(v, layers.sizes, layers.entries, relative)
+        return v.sqrt().add_(floor.mul(null).add_(eps))
 
     def denominator(self, moments: SolverState, damping: float) -> Tensor:
         """``√v̂ + ε``."""
@@ -1069,10 +1095,16 @@ class EKFACSolver(EigenMomentsSolver):
     name = "ekfac"
 
     def scaled(
-        self, moments: SolverState, rotated: Tensor, damping: float, *, null: Tensor | None = None
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        *,
+        null: Tensor | None = None,
+        layers: LayerIndex | None = None,
     ) -> Tensor:
         """``R ⊘ (v̂ + λ)`` (the damping bounds the null directions: ``null`` unread)."""
-        del null
+        del null, layers
         return rotated / self.denominator(moments, damping)
 
     def denominator(self, moments: SolverState, damping: float) -> Tensor:

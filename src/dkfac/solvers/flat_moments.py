@@ -11,8 +11,13 @@ out of each basis stay per group (batched products of one shape).
 
 The count ``t`` is per layer; its bias corrections are taken per element from ``t``
 repeated to each layer's entries (an index made once for a composition of groups, on the
-device, from no host data). Each layer's result is the same elementwise formula on the same
-numbers as in its group's own pass: the updates and moments are equal bit for bit.
+device, from no host data). So is Adam's rounding floor of the layers with a singular factor
+(:mod:`~dkfac.solvers.null_space`): each layer's ``‖√v‖_F`` is one multi-tensor norm of
+the flat ``v``'s slices, repeated to its entries, and its null coordinates are a flat vector
+of weights (0 for a layer without null directions) built when the states change, i.e. at a
+refresh. Each layer's result is the same elementwise formula on the same numbers as in its
+group's own pass: the updates and moments are equal bit for bit (on a CPU; a GPU's
+multi-tensor norm may sum a layer in another order than its own norm, a rounding apart).
 
 Each layer's new moments are views of the flat vectors (the moments are never changed in
 place, so the views are never written through); when the next call is handed exactly those
@@ -21,6 +26,7 @@ views, it reads the flat vectors again instead of concatenating them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
@@ -28,10 +34,20 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.base import BatchJob, SolverState, select_moments
+from dkfac.solvers.null_space import null_weights
+from dkfac.solvers.precision import moment_dtype
 from dkfac.solvers.rotations import change_basis, dense_side
 from dkfac.solvers.stacking import same_tensors
 
-__all__ = ["FlatMoments", "MomentSolver"]
+__all__ = ["FlatMoments", "LayerIndex", "MomentSolver"]
+
+
+class LayerIndex(NamedTuple):
+    """The layers of a flat vector: ``entries``, the layer of each entry (int64, on the
+    device), and ``sizes``, each layer's number of entries, in order."""
+
+    entries: Tensor
+    sizes: tuple[int, ...]
 
 
 class MomentSolver(Protocol):
@@ -59,10 +75,20 @@ class MomentSolver(Protocol):
         ...
 
     def moment_step(
-        self, moments: SolverState, rotated: Tensor, damping: float, index: Tensor | None = None
+        self,
+        moments: SolverState,
+        rotated: Tensor,
+        damping: float,
+        index: LayerIndex | None = None,
+        *,
+        null: Tensor | None = None,
     ) -> tuple[SolverState, Tensor]:
         """The moments after a rotated gradient and the update in the basis."""
         ...
+
+
+_NullKey = tuple[tuple[torch.Size, ...], list[tuple[Tensor | None, Tensor | None]]]
+"""The groups' shapes and null indicators that :meth:`FlatMoments._null_weights` was built for."""
 
 
 class _Last(NamedTuple):
@@ -76,7 +102,8 @@ class FlatMoments:
 
     def __init__(self) -> None:
         self._last: _Last | None = None
-        self._index: tuple[tuple[int, ...], Tensor] | None = None
+        self._index: LayerIndex | None = None
+        self._null: tuple[_NullKey, Tensor | None] | None = None
 
     def apply(
         self,
@@ -96,15 +123,17 @@ class FlatMoments:
             advance: As :meth:`~dkfac.solvers.base.Solver.apply_batch` says.
         """
         first = groups[0].grads[0]
-        work = torch.promote_types(first.dtype, torch.float32)
+        work = moment_dtype(first.dtype)
         into, out = solver.rotation_dtypes(first)
         rotated: list[Tensor] = []
         outs: list[SolverState] = []
+        states: list[SolverState] = []
         for job in groups:
             own: MomentSolver = job.solver  # type: ignore[assignment]
             many = len(job.grads) > 1
             grad = torch.stack(list(job.grads)) if many else job.grads[0]
             state = own.stacked_states(job.states) if many else job.states[0]
+            states.append(state)
             state_in, state_out = own.rotation_states(state, into, out)
             rotated.append(change_basis(grad.to(work), state_in, into))
             outs.append(state_out)
@@ -114,7 +143,8 @@ class FlatMoments:
         given = [m for job in groups for m in job.moments]
         old = self._stacked(solver, given, groups, work)
         index = self._layer_index(layers, flat_r.device)
-        new, scaled = solver.moment_step(old, flat_r, damping, index)  # "t" per layer
+        null = self._null_weights(states, [r.shape for r in rotated])
+        new, scaled = solver.moment_step(old, flat_r, damping, index, null=null)
         if out is not None and all(dense_side(state) for state in outs):
             scaled = scaled.to(out)  # what each group's rotation out casts its part to
         if advance is not None:
@@ -124,7 +154,9 @@ class FlatMoments:
         views = {
             key: _layer_views(value, groups, sizes) for key, value in new.items() if key != "t"
         }
-        views["t"] = [part.split(1) for part in new["t"].split(counts)]
+        each_t = new["t"].split(1)  # each layer's count, one call for all
+        starts = [sum(counts[:g]) for g in range(len(counts))]
+        views["t"] = [each_t[start : start + n] for start, n in zip(starts, counts, strict=True)]
         slices: list[SolverState] = []
         for g, (job, part) in enumerate(zip(groups, scaled.split(sizes), strict=True)):
             shape = rotated[g].shape
@@ -159,17 +191,56 @@ class FlatMoments:
         flat["t"] = torch.cat([m["t"].reshape(-1) for m in present])
         return flat
 
-    def _layer_index(self, layers: tuple[int, ...], device: torch.device) -> Tensor:
+    def _layer_index(self, layers: tuple[int, ...], device: torch.device) -> LayerIndex:
         """The layer of each flat entry (``layers`` holds each layer's entries), made on
         the device once for a composition."""
-        if self._index is not None and self._index[0] == layers and self._index[1].device == device:
-            return self._index[1]
+        last = self._index
+        if last is not None and last.sizes == layers and last.entries.device == device:
+            return last
         parts = [
             torch.full((n,), i, dtype=torch.int64, device=device) for i, n in enumerate(layers)
         ]
-        index = torch.cat(parts)
-        self._index = (layers, index)
-        return index
+        self._index = LayerIndex(torch.cat(parts), layers)
+        return self._index
+
+    def _null_weights(
+        self, states: Sequence[SolverState], shapes: Sequence[torch.Size]
+    ) -> Tensor | None:
+        """Each group's :func:`~dkfac.solvers.null_space.null_weights` (its rotated
+        gradient's ``shapes``; zeros for a group without null directions) flat, in the
+        indicators' precision; ``None`` where no group has any. Kept while the groups have
+        the same shapes and their states hold the very same indicator tensors (they are
+        replaced at a refresh, never changed in place)."""
+        present = [(state.get("null_g"), state.get("null_a")) for state in states]
+        last = self._null
+        if (
+            last is not None
+            and last[0][0] == tuple(shapes)
+            and len(last[0][1]) == len(present)
+            and all(
+                a is b
+                for old, now in zip(last[0][1], present, strict=True)
+                for a, b in zip(old, now, strict=True)
+            )
+        ):
+            return last[1]
+        weights = [null_weights(state) for state in states]
+        found = [w for w in weights if w is not None]
+        flat: Tensor | None = None
+        if found:
+            dtype = found[0].dtype
+            for w in found[1:]:
+                dtype = torch.promote_types(dtype, w.dtype)
+            flat = torch.cat(
+                [
+                    found[0].new_zeros(math.prod(shape), dtype=dtype)
+                    if w is None
+                    else w.to(dtype).expand(shape).reshape(-1)
+                    for w, shape in zip(weights, shapes, strict=True)
+                ]
+            )
+        self._null = ((tuple(shapes), present), flat)
+        return flat
 
 
 def _layer_views(

@@ -36,6 +36,7 @@ from torch import Tensor
 __all__ = [
     "ROUNDING_FLOOR",
     "canonical_null_basis",
+    "flat_rounding_floor",
     "null_indicators",
     "null_weights",
     "numerical_rank",
@@ -115,5 +116,22 @@ def null_weights(state: dict[str, Tensor]) -> Tensor | None:
 
 
 def rounding_floor(v: Tensor, relative: float = ROUNDING_FLOOR) -> Tensor:
-    """``relative · ‖√v‖_F`` of each matrix in ``v`` (shaped to broadcast over it)."""
-    return v.sum(dim=(-2, -1), keepdim=True).sqrt_().mul_(relative)
+    """``relative · ‖√v‖_F`` of each matrix in ``v`` (shaped to broadcast over it).
+
+    ``‖√v‖_F² = Σ v`` is taken as the 1-norm of ``v`` (``v ≥ 0``): the reduction
+    :func:`flat_rounding_floor` runs on each layer of a flat vector, so both round alike.
+    """
+    return torch.linalg.vector_norm(v, 1, dim=(-2, -1), keepdim=True).sqrt_().mul_(relative)
+
+
+def flat_rounding_floor(
+    v: Tensor, sizes: tuple[int, ...], index: Tensor, relative: float = ROUNDING_FLOOR
+) -> Tensor:
+    """:func:`rounding_floor` of each layer of a flat vector ``v`` (layers of ``sizes``
+    entries end to end), repeated to its entries (``index``: the layer of each entry).
+
+    The layers' norms are one multi-tensor norm of ``v``'s slices (a few launches for any
+    number of layers), each the norm :func:`rounding_floor` takes of that layer's matrix.
+    """
+    norms = torch.stack(torch._foreach_norm(v.split(sizes), 1))
+    return norms.sqrt_().mul_(relative).index_select(0, index)

@@ -25,11 +25,19 @@ from each layer's parameters: build it after moving the model to its device. It 
 
 from __future__ import annotations
 
+import functools
 from typing import Final, Literal
 
 import torch
 
-__all__ = ["AUTO", "LowPrecision", "bfloat16_is_fast", "low_precision", "resolve"]
+__all__ = [
+    "AUTO",
+    "LowPrecision",
+    "bfloat16_is_fast",
+    "low_precision",
+    "moment_dtype",
+    "resolve",
+]
 
 AUTO: Final = "auto"
 """The option value that lets the device decide (module notes)."""
@@ -90,3 +98,11 @@ def low_precision(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     if dtype == torch.float64:
         return torch.float64
     return torch.bfloat16 if bfloat16_is_fast(device) else torch.float32
+
+
+@functools.lru_cache(maxsize=16)
+def moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` promoted to float32 at least: the precision moments of a gradient of
+    ``dtype`` are kept and worked on in (``torch.promote_types`` is a dispatched
+    operation, host time on a launch-bound step: decided once a dtype)."""
+    return torch.promote_types(dtype, torch.float32)

@@ -4,10 +4,12 @@ The block (:class:`~dkfac.blocks.batchnorm.BatchNormBlock`) feeds the statistic 
 the per-channel Fisher of ``(γ_c, β_c)`` of shape ``(C, 2, 2)``; the gradient matrix is
 ``(C, 2)`` = ``[∇γ_c, ∇β_c]``. The update is ``(F_c + λ_BN I₂)^{-1} [∇γ_c, ∇β_c]``, with
 the BatchNorm damping ``λ_BN`` passed to :meth:`UnitwiseSolver.apply`. No decomposition is
-needed, so the state is the Fisher itself and the solve happens at apply time (a damping
-schedule takes effect at once). The solve is per channel, so the BatchNorm layers of one
-dtype and device are solved as one (:meth:`UnitwiseSolver.apply_batch`: their channels
-concatenated), whatever their widths.
+needed, so the state is the Fisher itself; the closed-form inverses of its damped 2×2
+blocks are formed at the first apply after a refresh or a change of damping (a damping
+schedule takes effect at once) and kept, so a step's solve is one product and one sum of
+pairs. The solve is per channel, so the BatchNorm layers of one dtype and device are solved
+as one (:meth:`UnitwiseSolver.apply_batch`: their channels concatenated), whatever their
+widths.
 """
 
 from __future__ import annotations
@@ -29,23 +31,25 @@ def damped_solve_2x2(fisher: Tensor, grad: Tensor, damping: float) -> Tensor:
         grad: ``(C, 2)``: ``[∇γ_c, ∇β_c]``.
         damping: ``λ > 0``.
     """
-    return solve_2x2(damped_2x2(fisher, damping), grad)
+    return solve_2x2(damped_inverse_2x2(fisher, damping), grad)
 
 
-def damped_2x2(fisher: Tensor, damping: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(a, b, d, det)`` of ``F_c + λ I = [[a, b], [b, d]]`` for every channel, what
-    :func:`solve_2x2` reads (fixed between refreshes for one damping)."""
+def damped_inverse_2x2(fisher: Tensor, damping: float) -> Tensor:
+    """``(F_c + λ I)^{-1} = [[d, −b], [−b, a]] / (ad − b²)`` of every channel, with
+    ``F_c + λ I = [[a, b], [b, d]]``: ``(C, 2, 2)``, what :func:`solve_2x2` reads (fixed
+    between refreshes for one damping)."""
     a = fisher[:, 0, 0] + damping
     b = fisher[:, 0, 1]
     d = fisher[:, 1, 1] + damping
-    return a, b, d, a * d - b * b
+    det = a * d - b * b
+    rows = torch.stack([d, -b, -b, a], dim=-1).view(-1, 2, 2)
+    return rows / det[:, None, None]
 
 
-def solve_2x2(parts: tuple[Tensor, Tensor, Tensor, Tensor], grad: Tensor) -> Tensor:
-    """The closed-form solve with :func:`damped_2x2`'s parts."""
-    a, b, d, det = parts
-    g0, g1 = grad[:, 0], grad[:, 1]
-    return torch.stack([(d * g0 - b * g1) / det, (a * g1 - b * g0) / det], dim=-1)
+def solve_2x2(inverse: Tensor, grad: Tensor) -> Tensor:
+    """``inverse_c grad_c`` for every channel (``(C, 2, 2)`` and ``(C, 2)``): one product
+    and one sum of pairs (a GPU step is launches)."""
+    return (inverse * grad.unsqueeze(-2)).sum(dim=-1)
 
 
 class UnitwiseSolver(Solver):
@@ -68,16 +72,14 @@ class UnitwiseSolver(Solver):
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(compute_dtype)
-        self._last: tuple[tuple[Tensor, ...], tuple[torch.dtype, float], Any] | None = None
+        self._last: tuple[tuple[Tensor, ...], tuple[torch.dtype, float], Tensor] | None = None
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """``(F_c + λ I)^{-1} grad_c`` for every channel."""
-        return solve_2x2(self._parts([state], grad.dtype, damping), grad)
+        return solve_2x2(self._inverse([state], grad.dtype, damping), grad)
 
-    def _parts(
-        self, states: Sequence[SolverState], dtype: torch.dtype, damping: float
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:func:`damped_2x2` of the states' Fishers (channels concatenated) in ``dtype``:
+    def _inverse(self, states: Sequence[SolverState], dtype: torch.dtype, damping: float) -> Tensor:
+        """:func:`damped_inverse_2x2` of the states' Fishers (channels concatenated) in ``dtype``:
         the last ones again while the states hold the very same Fishers (replaced at a
         refresh, never changed in place) for the same damping and dtype."""
         fishers = tuple(state["fisher"] for state in states)
@@ -90,9 +92,9 @@ class UnitwiseSolver(Solver):
         ):
             return last[2]
         joined = fishers[0] if len(fishers) == 1 else torch.cat(fishers)
-        parts = damped_2x2(joined.to(dtype), damping)
-        self._last = (fishers, (dtype, damping), parts)
-        return parts
+        inverse = damped_inverse_2x2(joined.to(dtype), damping)
+        self._last = (fishers, (dtype, damping), inverse)
+        return inverse
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
         """The class, the gradient's dtype and device and the Fisher's dtype: any number of
@@ -112,7 +114,7 @@ class UnitwiseSolver(Solver):
         each update is its layer's rows of the result."""
         if len(grads) == 1:
             return super().apply_batch(states, moments, grads, damping, advance=advance)
-        parts = self._parts(states, grads[0].dtype, damping)
-        solved = solve_2x2(parts, torch.cat(list(grads)))
+        inverse = self._inverse(states, grads[0].dtype, damping)
+        solved = solve_2x2(inverse, torch.cat(list(grads)))
         updates = solved.split([grad.shape[0] for grad in grads])
         return list(zip(updates, moments, strict=True))
