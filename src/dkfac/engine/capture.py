@@ -18,7 +18,7 @@ from dkfac.blocks.linear import LinearBlock
 from dkfac.config import KFACConfig
 from dkfac.distributed.comm import Communicator
 from dkfac.engine.fisher import mc_sample_loss
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter
 from dkfac.engine.phases import phase
 
@@ -297,6 +297,12 @@ class FactorCapture:
             ``(means or None, missing_g)``: ``missing_g`` says the layer has some statistic
             but not every due gradient statistic (checked by :meth:`check_mc`).
         """
+        missing_g = self._finish_layer(layer)  # before the sums are taken
+        return layer.take_means(), missing_g
+
+    def _finish_layer(self, layer: LayerState) -> bool:
+        """Adds a broadcast layer's G; whether the layer lacks a due gradient statistic
+        (warned once, see :meth:`take_layer`)."""
         self._flush_broadcast(layer)
         grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
         missing_g = any(acc.has_data for acc in layer.accumulators.values()) and any(
@@ -311,7 +317,7 @@ class FactorCapture:
                 "(its output does not reach the loss); its factors are not updated until it does",
                 layer.name,
             )
-        return layer.take_means(), missing_g
+        return missing_g
 
     def check_mc(self, missing_g: bool) -> None:
         """Ends a capture step: with ``fisher="mc"``, G must have come from a sampled backward.
@@ -358,13 +364,10 @@ class FactorCapture:
         Raises:
             RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
         """
-        new: dict[str, dict[str, Tensor]] = {}
         missing_g = False
-        for name, layer in layers.items():
-            means, missing = self.take_layer(layer)
-            missing_g = missing_g or missing
-            if means is not None:
-                new[name] = means
+        for layer in layers.values():
+            missing_g = self._finish_layer(layer) or missing_g
+        new = take_means_all(layers)
         self.scale_grad_statistics(layers, new, g_scale)
         self.check_mc(missing_g)
         return new
