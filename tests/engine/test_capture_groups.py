@@ -20,6 +20,7 @@ from dkfac import KFACPreconditioner
 from dkfac.blocks import conv_factor
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.conv2d import Conv2dBlock
+from dkfac.blocks.linear import LinearBlock
 from dkfac.engine import launches
 
 
@@ -37,6 +38,11 @@ class _Stage(nn.Module):
         return x
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to 1e-12 of the statistic's largest entry (the rounding of other products)."""
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -46,6 +52,12 @@ def _model() -> nn.Module:
         nn.Flatten(),
         nn.Linear(4 * 25, 8),
         nn.BatchNorm1d(8),  # a shape of its own: captured alone
+        nn.Tanh(),
+        nn.Linear(8, 8),  # two linear layers of one shape: a group
+        nn.Tanh(),
+        nn.Linear(8, 8, bias=False),  # another group (of one: captured alone)
+        nn.Tanh(),
+        nn.Linear(8, 8),
         nn.Tanh(),
         nn.Linear(8, 3),
     ).double()
@@ -77,12 +89,13 @@ def _counted(kind: Any, calls: dict[str, int]) -> Any:
 
 def _run(grouping: bool, parts: int = 1, **options: Any) -> tuple[dict[str, Any], dict[str, int]]:
     model = _model()
-    calls = {"BatchNormBlock": 0, "Conv2dBlock": 0}
+    calls = {"BatchNormBlock": 0, "Conv2dBlock": 0, "LinearBlock": 0}
     with (
         mock.patch.object(launches, "launch_bound", lambda device: True),
         mock.patch.object(conv_factor, "auto_path", lambda *a, **k: "unfold"),
         mock.patch.object(BatchNormBlock, "capture_group", _counted(BatchNormBlock, calls)),
         mock.patch.object(Conv2dBlock, "capture_group", _counted(Conv2dBlock, calls)),
+        mock.patch.object(LinearBlock, "capture_group", _counted(LinearBlock, calls)),
     ):
         pre = KFACPreconditioner(model, damping=0.05, factor_decay=0.8, lr=0.1, **options)
         pre.capture.grouping = grouping
@@ -105,16 +118,21 @@ def _run(grouping: bool, parts: int = 1, **options: Any) -> tuple[dict[str, Any]
 def test_grouped_captures_equal_each_layer_captured_alone(method: str, parts: int) -> None:
     alone, none = _run(False, parts, method=method)
     grouped, calls = _run(True, parts, method=method)
-    assert none == {"BatchNormBlock": 0, "Conv2dBlock": 0}
-    # A step: the four BatchNorm2d and the three stage convolutions (the first one has a
-    # bias), and with two micro-batches the BatchNorm1d's two forwards.
-    assert calls == {"BatchNormBlock": 3 * parts, "Conv2dBlock": 3}
+    assert none == {"BatchNormBlock": 0, "Conv2dBlock": 0, "LinearBlock": 0}
+    # A step: the four BatchNorm2d, the three stage convolutions (the first one has a
+    # bias) and the two biased 8 x 8 linear layers; with two micro-batches also each
+    # layer alone of its kind twice (the BatchNorm1d, the unbiased 8 x 8 and the others).
+    assert calls == {
+        "BatchNormBlock": 3 * parts,
+        "Conv2dBlock": 3,
+        "LinearBlock": 3 * (1 + 3 * (parts - 1)),
+    }
     assert alone.keys() == grouped.keys()
     assert {k for layer in alone.values() for k in layer} == {"A", "G", "F"}
     for name, stats in alone.items():
         assert stats.keys() == grouped[name].keys(), name
         for key, value in stats.items():
-            torch.testing.assert_close(grouped[name][key], value, rtol=1e-12, atol=1e-14)
+            _close(grouped[name][key], value)
 
 
 def test_a_cpu_takes_no_group_and_factor_batch_size_is_kept() -> None:
@@ -127,10 +145,10 @@ def test_a_cpu_takes_no_group_and_factor_batch_size_is_kept() -> None:
     assert not pre.capture._groups._groups
     alone, _ = _run(False, factor_batch_size=16)
     grouped, calls = _run(True, factor_batch_size=16)
-    assert calls == {"BatchNormBlock": 3, "Conv2dBlock": 3}
+    assert calls == {"BatchNormBlock": 3, "Conv2dBlock": 3, "LinearBlock": 3}
     for name, stats in alone.items():
         for key, value in stats.items():
-            torch.testing.assert_close(grouped[name][key], value, rtol=1e-12, atol=1e-14)
+            _close(grouped[name][key], value)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")
