@@ -238,6 +238,7 @@ class KFACPreconditioner:
         )
         if self.eager is not None:
             self._hooks.add(self.eager)
+            self.capture.grouping = False  # each layer's statistics leave as its backward ends
         if self.budget is not None:
             self.budget.watch(self.layers)
         self._other_params = other_parameters(unwrap(model), self.layers)

@@ -19,6 +19,12 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from dkfac import KFACPreconditioner
+from dkfac.blocks.unitwise_stats import (
+    batch_moments,
+    grouped_unit_fisher,
+    per_sample_grads,
+    unit_fisher,
+)
 from tests.distributed_utils import run_distributed
 from tests.serial_vs_distributed import assert_ranks_match, train_sharded
 
@@ -214,3 +220,17 @@ def test_batchnorm_two_ranks_equal_serial(
         rtol=1e-10,
         atol=1e-12,
     )
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 4), (3, 9, 4, 5, 6), (4, 9, 5)])
+def test_grouped_unit_fisher_equals_each_layer_s(shape: tuple[int, ...]) -> None:
+    """The group's sums (moments by one var_mean) equal each layer's own to rounding."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen, dtype=DT) * 2.0 + 1.5
+    delta = torch.randn(shape, generator=gen, dtype=DT)
+    got = grouped_unit_fisher(x, delta, 1e-5)
+    assert got.shape == (shape[0], shape[2], 2, 2)
+    for layer in range(shape[0]):
+        mean, inv_std = batch_moments(x[layer], 1e-5)
+        want = unit_fisher(*per_sample_grads(x[layer], mean, inv_std, delta[layer]))
+        torch.testing.assert_close(got[layer], want, rtol=1e-12, atol=1e-12)

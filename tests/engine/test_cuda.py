@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
-from dkfac.blocks.unitwise_stats import batch_moments
+from dkfac.blocks.unitwise_stats import batch_moments, grouped_unit_fisher
 from dkfac.engine.finite import finite_each
 from dkfac.engine.step_math import sum_of_products
 from dkfac.solvers.eigen_moments import power_refresh, range_eigh
@@ -255,6 +255,18 @@ def test_the_launch_bound_forms_on_cuda_equal_the_cpu_ones() -> None:
     )
     assert got_sum.device.type == "cuda"
     assert float(got_sum) == pytest.approx(float(want_sum), rel=1e-5, abs=1e-5)
+
+
+@needs_cuda
+def test_grouped_batchnorm_statistics_on_cuda_equal_the_cpu_ones() -> None:
+    """The BatchNorm group's sums (what a CUDA step computes for layers of one shape)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 8, 6, 5, 5, generator=gen) * 2.0 + 1.0
+    delta = torch.randn(3, 8, 6, 5, 5, generator=gen)
+    want = grouped_unit_fisher(x.double(), delta.double(), 1e-5)
+    got = grouped_unit_fisher(x.to(CUDA), delta.to(CUDA), 1e-5)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
 
 
 def _steady_model(device: torch.device) -> nn.Module:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -49,6 +49,11 @@ class Rows:
 
 
 CostKind = Literal["compute", "memory"]
+
+GROUP_MAX_ELEMENTS = 2**22
+"""The largest input or output gradient (entries) whose capture a block groups with others
+(:meth:`Block.group_key`): a group stacks them, a copy of each, which the small models whose
+steps launches bound afford."""
 
 
 def kronecker_cost(a_dim: int, g_dim: int, kind: CostKind = "compute") -> float:
@@ -124,6 +129,25 @@ class StatisticSink(Protocol):
 
     def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
         """Adds a precomputed sum of outer products and its normaliser."""
+
+
+@dataclass(frozen=True)
+class HeldForward:
+    """One forward whose capture waits for its group (:meth:`Block.capture_group`).
+
+    Attributes:
+        block: The layer's block.
+        inputs: The input it saw.
+        grad: Its output's gradient.
+        sinks: Its due statistics.
+        scale: The scale of its gradient statistics (as :meth:`Block.capture_grad`'s).
+    """
+
+    block: Block
+    inputs: Tensor
+    grad: Tensor
+    sinks: Mapping[str, StatisticSink]
+    scale: float
 
 
 class Removable(Protocol):
@@ -230,6 +254,23 @@ class Block(ABC):
         del context
         if "G" in sinks:
             sinks["G"].add(self.g_rows(grad_output), scale)
+
+    def group_key(
+        self, inputs: Tensor, grad_output: Tensor, sinks: Mapping[str, StatisticSink]
+    ) -> Hashable | None:
+        """What the layers share whose captures :meth:`capture_group` may compute together
+        (where launches bound the step); ``None`` (the default): captured alone, in the
+        hooks."""
+        del inputs, grad_output, sinks
+        return None
+
+    @classmethod
+    def capture_group(cls, members: Sequence[HeldForward]) -> None:
+        """The captures of forwards of one :meth:`group_key`; the default: each alone, as
+        the hooks would. A group's sums are its own tensors: a sink may keep them."""
+        for held in members:
+            context = held.block.capture_input(held.inputs, held.sinks)
+            held.block.capture_grad(context, held.grad, held.sinks, held.scale)
 
     def placement_cost(self, kind: CostKind = "compute") -> float:
         """Relative cost of the layer's second-order work (:func:`kronecker_cost`)."""

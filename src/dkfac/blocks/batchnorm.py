@@ -14,15 +14,28 @@ as an approximation, as SP-NGD does).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dkfac.blocks.base import Block, BlockCost, CostKind, Rows, StatisticSink
-from dkfac.blocks.unitwise_stats import batch_moments, per_sample_grads, unit_fisher
+from dkfac.blocks.base import (
+    GROUP_MAX_ELEMENTS,
+    Block,
+    BlockCost,
+    CostKind,
+    HeldForward,
+    Rows,
+    StatisticSink,
+)
+from dkfac.blocks.unitwise_stats import (
+    batch_moments,
+    grouped_unit_fisher,
+    per_sample_grads,
+    unit_fisher,
+)
 
 
 class BatchNormBlock(Block):
@@ -84,15 +97,14 @@ class BatchNormBlock(Block):
     def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
         """The input and its batch moments (``None`` when the layer uses running statistics).
 
-        The input is kept by reference (autograd keeps it for the layer's own backward);
-        ``x̂`` is never materialised.
+        The input is kept by reference (autograd keeps it for the layer's own backward;
+        the capture reads it without gradients); ``x̂`` is never materialised.
         """
         module = self.module
         if "F" not in sinks or (not module.training and module.track_running_stats):
             return None
         if inputs.dim() < 2 or inputs.shape[0] < 2:
             return None  # a single sample has no batch statistics
-        inputs = inputs.detach()
         mean, inv_std = batch_moments(inputs, module.eps)
         return inputs, mean, inv_std
 
@@ -107,6 +119,48 @@ class BatchNormBlock(Block):
             inputs, mean.to(grad_output.dtype), inv_std.to(grad_output.dtype), grad_output
         )
         sinks["F"].add_sum(unit_fisher(g_gamma, g_beta), float(grad_output.shape[0]), scale)
+
+    def group_key(
+        self, inputs: Tensor, grad_output: Tensor, sinks: Mapping[str, StatisticSink]
+    ) -> Hashable | None:
+        """BatchNorm layers with batch statistics, of one input shape, dtype and ``eps``
+        (inputs of at most :data:`GROUP_MAX_ELEMENTS` entries), whose ``"F"`` takes sums
+        of one precision."""
+        module = self.module
+        sink = sinks.get("F")
+        if sink is None or not sink.takes_sums or len(sinks) != 1:
+            return None
+        if not module.training and module.track_running_stats:
+            return None
+        if inputs.dim() < 2 or inputs.shape[0] < 2 or inputs.shape != grad_output.shape:
+            return None
+        if inputs.dtype != grad_output.dtype or inputs.numel() > GROUP_MAX_ELEMENTS:
+            return None
+        shape = tuple(inputs.shape)
+        return (type(self), shape, inputs.dtype, inputs.device, float(module.eps), sink.dtype)
+
+    @classmethod
+    def capture_group(cls, members: Sequence[HeldForward]) -> None:
+        """The unit-wise sums of the group's layers from their stacked inputs and output
+        gradients (:func:`~dkfac.blocks.unitwise_stats.grouped_unit_fisher`), scaled once,
+        and handed to each sink as a view of the result."""
+        first = members[0]
+        if len(members) < 2 or len({held.scale for held in members}) > 1:
+            super().capture_group(members)
+            return
+        module = first.block.module
+        assert isinstance(module, _BatchNorm)
+        inputs = torch.stack([held.inputs for held in members])
+        grads = torch.stack([held.grad for held in members])
+        fishers = grouped_unit_fisher(inputs, grads, float(module.eps))
+        dtype = first.sinks["F"].dtype
+        if dtype is not None:
+            fishers = fishers.to(dtype)
+        if first.scale != 1.0:
+            fishers.mul_(first.scale)
+        batch = float(first.grad.shape[0])
+        for held, part in zip(members, fishers.unbind(0), strict=True):
+            held.sinks["F"].add_sum(part, batch)
 
     def placement_cost(self, kind: CostKind = "compute") -> float:
         """A closed-form 2×2 solve per channel: ``8C`` (compute) or ``4C`` (memory)."""

@@ -30,7 +30,7 @@ times fewer operations).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block, Rows, StatisticSink, append_ones
+from dkfac.blocks import conv_factor
+from dkfac.blocks.base import (
+    GROUP_MAX_ELEMENTS,
+    Block,
+    HeldForward,
+    Rows,
+    StatisticSink,
+    append_ones,
+)
 from dkfac.blocks.conv_factor import conv_input_factor_sum, output_size, window_sums
 
 
@@ -326,6 +334,74 @@ class Conv2dBlock(Block):
         total = products.sum(dim=0, dtype=sink.dtype)  # summed in the storage precision
         sink.add_sum(total, float(grad_output.shape[0]), scale)
 
+    def group_key(
+        self, inputs: Tensor, grad_output: Tensor, sinks: Mapping[str, StatisticSink]
+    ) -> Hashable | None:
+        """Expand-convention convolutions without a bias, zero-padded, of one geometry,
+        input and gradient shape and precisions, whose A and G take sums and whose input
+        factor :func:`~dkfac.blocks.conv_factor.conv_input_factor_sum` unfolds (inputs and
+        gradients of at most :data:`~dkfac.blocks.base.GROUP_MAX_ELEMENTS` entries)."""
+        a_sink, g_sink = sinks.get("A"), sinks.get("G")
+        module = self.geometry
+        if self.reduction is not None or self.has_bias or module.padding_mode != "zeros":
+            return None
+        if a_sink is None or g_sink is None or len(sinks) != 2:
+            return None
+        if not (a_sink.takes_sums and g_sink.takes_sums):
+            return None
+        if inputs.dim() != 4 or grad_output.dim() != 4:
+            return None
+        if max(inputs.numel(), grad_output.numel()) > GROUP_MAX_ELEMENTS:
+            return None
+        padding = conv_padding(module)
+        left, right, top, bottom = padding
+        batch, channels, height, width = inputs.shape
+        shape = (batch, channels, height + top + bottom, width + left + right)
+        compute = a_sink.compute_dtype or inputs.dtype
+        geometry = (module.kernel_size, module.stride, module.dilation, padding)
+        path = conv_factor.auto_path(shape, *geometry, inputs.device.type, compute.itemsize)
+        if path != "unfold":
+            return None
+        return (
+            type(self),
+            geometry,
+            (tuple(inputs.shape), inputs.dtype, tuple(grad_output.shape), grad_output.dtype),
+            inputs.device,
+            (a_sink.compute_dtype, a_sink.dtype, g_sink.compute_dtype, g_sink.dtype),
+        )
+
+    @classmethod
+    def capture_group(cls, members: Sequence[HeldForward]) -> None:
+        """A and G of the group's layers from their stacked inputs and output gradients:
+        one unfold and one batched product for the A's, one batched product for the G's
+        (:func:`grouped_input_sums`, :func:`grouped_grad_sums`), each layer's a view of
+        the result, in chunks of at most :data:`~dkfac.blocks.conv_factor.UNFOLD_MAX_BYTES`
+        of unfolded rows."""
+        first = members[0]
+        if len(members) < 2 or len({held.scale for held in members}) > 1:
+            super().capture_group(members)
+            return
+        block = first.block
+        assert isinstance(block, Conv2dBlock)
+        module = block.geometry
+        a_sink, g_sink = first.sinks["A"], first.sinks["G"]
+        compute = a_sink.compute_dtype or first.inputs.dtype
+        batch, _, out_h, out_w = first.grad.shape
+        entries = batch * out_h * out_w * first.block.a_dim
+        chunk = max(1, conv_factor.UNFOLD_MAX_BYTES // (entries * compute.itemsize))
+        count = float(batch * out_h * out_w)
+        for start in range(0, len(members), chunk):
+            part = members[start : start + chunk]
+            inputs = torch.stack([held.inputs for held in part])
+            grads = torch.stack([held.grad for held in part])
+            a_sums = grouped_input_sums(inputs, module, compute, a_sink.dtype)
+            g_sums = grouped_grad_sums(grads, g_sink.compute_dtype, g_sink.dtype)
+            if first.scale != 1.0:
+                g_sums.mul_(first.scale)
+            for held, a_sum, g_sum in zip(part, a_sums.unbind(0), g_sums.unbind(0), strict=True):
+                held.sinks["A"].add_sum(a_sum, count)
+                held.sinks["G"].add_sum(g_sum, float(batch))
+
     def g_rows(self, grad_output: Tensor) -> Rows:
         """Output-gradient rows under the block's reduction (see the module docstring)."""
         grad_output = self.image(grad_output)
@@ -342,3 +418,37 @@ class Conv2dBlock(Block):
             return Rows(rows, batch * count / total)
         rows = flat.transpose(1, 2).reshape(-1, channels)
         return Rows(rows, float(batch))
+
+
+def grouped_input_sums(
+    inputs: Tensor, module: ConvGeometry, compute: torch.dtype, out_dtype: torch.dtype | None
+) -> Tensor:
+    """``Σ ā āᵀ`` of each of ``L`` layers of one geometry (``module``'s, zero padding, no
+    bias) from their stacked inputs ``(L, N, C, H, W)``: one unfold of all of them and one
+    batched product of their position-major rows, ``(L, D, D)`` in ``out_dtype`` (default:
+    the input's), as :func:`~dkfac.blocks.conv_factor.conv_input_factor_sum` unfolds one."""
+    layers, batch = inputs.shape[0], inputs.shape[1]
+    with torch.autocast(inputs.device.type, enabled=False):
+        source = inputs.flatten(0, 1).to(compute)
+        padding = conv_padding(module)
+        padded = F.pad(source, padding) if any(padding) else source
+        patches = F.unfold(
+            padded, module.kernel_size, dilation=module.dilation, stride=module.stride
+        )  # (L·N, D, T)
+        dim = patches.shape[1]
+        rows = patches.unflatten(0, (layers, batch)).transpose(2, 3).reshape(layers, -1, dim)
+        return torch.bmm(rows.mT, rows).to(out_dtype or inputs.dtype)
+
+
+def grouped_grad_sums(
+    grads: Tensor, compute: torch.dtype | None, out_dtype: torch.dtype | None
+) -> Tensor:
+    """``Σ_n g_n g_nᵀ`` of each of ``L`` layers from their stacked output gradients
+    ``(L, N, C, H, W)`` (each image's ``(C, T)`` slice as it lies): one batched product,
+    summed over the images in ``out_dtype``; ``(L, C, C)``."""
+    layers, batch, channels = grads.shape[0], grads.shape[1], grads.shape[2]
+    if compute is not None:
+        grads = grads.to(compute)
+    per_image = grads.reshape(layers * batch, channels, -1)
+    products = torch.bmm(per_image, per_image.transpose(1, 2))
+    return products.view(layers, batch, channels, channels).sum(dim=1, dtype=out_dtype)

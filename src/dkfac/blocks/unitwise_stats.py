@@ -71,3 +71,24 @@ def unit_fisher(g_gamma: Tensor, g_beta: Tensor) -> Tensor:
     per_sample = torch.stack([g_gamma, g_beta], dim=-1)  # (N, C, 2)
     # One batched product over the channels (an einsum dispatches twice as many calls).
     return torch.bmm(per_sample.permute(1, 2, 0), per_sample.permute(1, 0, 2))
+
+
+def grouped_unit_fisher(x: Tensor, grad_output: Tensor, eps: float) -> Tensor:
+    """:func:`unit_fisher` of ``L`` layers of one shape at once, shape ``(L, C, 2, 2)``.
+
+    ``x`` and ``grad_output`` stack the layers' inputs and output gradients, ``(L, N, C,
+    *)``. The moments are one ``var_mean`` (biased), not :func:`batch_moments`' sums: a
+    few launches for all the layers, where each layer's statistics would cost a dozen (the
+    values agree to rounding).
+    """
+    layers, batch, channels = x.shape[0], x.shape[1], x.shape[2]
+    inputs = x.reshape(layers, batch, channels, -1)
+    delta = grad_output.reshape(layers, batch, channels, -1)
+    var, mean = torch.var_mean(inputs, dim=(1, 3), correction=0)  # (L, C)
+    inv_std = torch.rsqrt(var + eps)
+    g_beta = delta.sum(dim=3)  # (L, N, C)
+    dots = (delta * inputs).sum(dim=3)
+    g_gamma = (dots - mean.unsqueeze(1) * g_beta) * inv_std.unsqueeze(1)
+    per_sample = torch.stack([g_gamma, g_beta], dim=-1)  # (L, N, C, 2)
+    rows = per_sample.permute(0, 2, 3, 1).reshape(layers * channels, 2, batch)
+    return torch.bmm(rows, rows.mT).view(layers, channels, 2, 2)

@@ -17,8 +17,10 @@ from dkfac.blocks.base import Rows
 from dkfac.blocks.linear import LinearBlock
 from dkfac.config import KFACConfig
 from dkfac.distributed.comm import Communicator
+from dkfac.engine import launches
+from dkfac.engine.capture_groups import CaptureGroups
 from dkfac.engine.fisher import mc_sample_loss
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter
 from dkfac.engine.phases import phase
 
@@ -30,8 +32,8 @@ class _Forward:
     """One captured forward of a layer, until its output's gradient arrives.
 
     Attributes:
-        inputs: The layer's (detached, possibly truncated) input; ``None`` once its input
-            statistics were added.
+        inputs: The layer's (possibly truncated) input, not detached (the grad hook reads
+            it under ``torch.no_grad``); ``None`` once its input statistics were added.
         batch: Samples of the forward.
         scale: The squared number of terms the micro-batch's loss averages over.
         keep: Rows kept for the statistics (``factor_batch_size``), ``None``: all.
@@ -115,6 +117,11 @@ class FactorCapture:
             (``None``: one process, or statistics kept per rank). Gradient rows marked
             :attr:`~dkfac.blocks.base.Rows.batch_mean` go through it before their products,
             so their statistic is the serial one of the global batch.
+        grouping: Where launches bound the step (:mod:`~dkfac.engine.launches`), hold the
+            captures of layers that their blocks can compute together
+            (:meth:`~dkfac.blocks.base.Block.group_key`) until :meth:`flush_groups`: one
+            group's work is then a few launches instead of a dozen a layer. Off while an
+            overlapped reduction takes each layer's statistics as its backward ends.
     """
 
     def __init__(self, config: KFACConfig) -> None:
@@ -133,6 +140,8 @@ class FactorCapture:
         self.checking = False
         self.bias_sums: dict[str, Tensor] = {}
         self.rank_mean: Callable[[Tensor], Tensor] | None = None
+        self.grouping = True
+        self._groups = CaptureGroups()
 
     def attach(self, module: nn.Module, layer: LayerState) -> None:
         """Registers the forward hook (which registers the backward hook) on ``module``.
@@ -165,6 +174,7 @@ class FactorCapture:
         self.counter.watch(p for layer in layers.values() for p in layer.block.parameters())
         self._largest_batch = 0
         self._broadcast.clear()
+        self._groups.clear()
         self.bias_sums = {}
 
     def _forward_hook(
@@ -180,7 +190,6 @@ class FactorCapture:
         output = layer.block.hooked_output(output)
         if x is None or output is None or not output.requires_grad:
             return
-        x = x.detach()
         batch = layer.block.batch_size(x)
         self._largest_batch = max(self._largest_batch, batch)
         # The G scale is that of the micro-batch's mean loss, whatever rows are kept: the
@@ -192,7 +201,8 @@ class FactorCapture:
         if keep is None or batch <= keep or x.shape[0] != batch:
             keep = None
         else:
-            x = x[:keep]
+            with torch.no_grad():  # a slice outside the graph
+                x = x[:keep]
         pending = _Forward(x, batch, float(terms) ** 2, keep)
         output.register_hook(functools.partial(self._grad_hook, layer, pending))
         if self.config.fisher == "mc":
@@ -211,13 +221,22 @@ class FactorCapture:
         return {key: _RankMeanSink(sink, mean) for key, sink in sinks.items()}
 
     def _grad_hook(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
+        # Outside autograd (a backward with create_graph=True records otherwise): the input
+        # and gradient are used as they are, without a detached view of each a step.
+        with torch.no_grad():
+            self._capture(layer, pending, grad)
+
+    def _capture(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
+        """The grad hook's work: the input statistics on the forward's first backward, then
+        the gradient statistics."""
+        if pending.inputs is not None and self._hold(layer, pending, grad):
+            return
         if pending.inputs is not None:  # the first backward through this forward: its A
             with phase("dkfac.capture_a"):
                 pending.context = layer.block.capture_input(pending.inputs, layer.due_sinks())
             pending.inputs = None
         if self.config.fisher == "mc" and not self._mc_active:
             return  # G comes from the sampled backward only (check_mc: that it came)
-        grad = grad.detach()
         if self.checking and self.config.fisher == "empirical":
             self._add_bias_sum(layer, grad)
         grad = grad if pending.keep is None else grad[: pending.keep]
@@ -229,6 +248,28 @@ class FactorCapture:
                     pending.context, grad, self._grad_sinks(layer), pending.scale
                 )
         self._mc_captured = True
+
+    def _hold(self, layer: LayerState, pending: _Forward, grad: Tensor) -> bool:
+        """Holds the forward's whole capture for its group (see :attr:`grouping`), with the
+        empirical Fisher, where the device is launch-bound and the block names a group."""
+        if not (self.grouping and self.config.fisher == "empirical" and pending.batch > 1):
+            return False
+        if not launches.launch_bound(grad.device):
+            return False
+        assert pending.inputs is not None
+        kept = grad if pending.keep is None else grad[: pending.keep]
+        if not self._groups.hold(layer, pending.inputs, kept, pending.scale):
+            return False
+        if self.checking:
+            self._add_bias_sum(layer, grad)
+        pending.inputs = None
+        self._mc_captured = True
+        return True
+
+    def flush_groups(self) -> None:
+        """Captures the forwards held for their groups (:attr:`grouping`)."""
+        with torch.no_grad(), phase("dkfac.capture_group"):
+            self._groups.flush()
 
     def _broadcasts(self, pending: _Forward) -> bool:
         """A one-sample input in a step whose micro-batches have more (see the class notes)."""
@@ -265,7 +306,8 @@ class FactorCapture:
         if held is None:
             return
         scale = held.scale / float(self.backward_passes()) ** 2
-        layer.block.capture_grad(held.context, held.total, self._grad_sinks(layer), scale)
+        with torch.no_grad():  # its context may hold an input that is not detached
+            layer.block.capture_grad(held.context, held.total, self._grad_sinks(layer), scale)
 
     def sample_fisher(self, outputs: Tensor, loss: str, params: list[Tensor], seed: int) -> None:
         """One backward of targets sampled from ``outputs``; only the G hooks see it.
@@ -297,6 +339,13 @@ class FactorCapture:
             ``(means or None, missing_g)``: ``missing_g`` says the layer has some statistic
             but not every due gradient statistic (checked by :meth:`check_mc`).
         """
+        self.flush_groups()
+        missing_g = self._finish_layer(layer)  # before the sums are taken
+        return layer.take_means(), missing_g
+
+    def _finish_layer(self, layer: LayerState) -> bool:
+        """Adds a broadcast layer's G; whether the layer lacks a due gradient statistic
+        (warned once, see :meth:`take_layer`)."""
         self._flush_broadcast(layer)
         grad_keys = [key for key in layer.block.grad_statistics if key in layer.due]
         missing_g = any(acc.has_data for acc in layer.accumulators.values()) and any(
@@ -311,7 +360,7 @@ class FactorCapture:
                 "(its output does not reach the loss); its factors are not updated until it does",
                 layer.name,
             )
-        return layer.take_means(), missing_g
+        return missing_g
 
     def check_mc(self, missing_g: bool) -> None:
         """Ends a capture step: with ``fisher="mc"``, G must have come from a sampled backward.
@@ -358,13 +407,11 @@ class FactorCapture:
         Raises:
             RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
         """
-        new: dict[str, dict[str, Tensor]] = {}
+        self.flush_groups()
         missing_g = False
-        for name, layer in layers.items():
-            means, missing = self.take_layer(layer)
-            missing_g = missing_g or missing
-            if means is not None:
-                new[name] = means
+        for layer in layers.values():
+            missing_g = self._finish_layer(layer) or missing_g
+        new = take_means_all(layers)
         self.scale_grad_statistics(layers, new, g_scale)
         self.check_mc(missing_g)
         return new

@@ -48,6 +48,7 @@ from dkfac.solvers.statistics import DenseStatistic
 __all__ = [
     "DeviceGuard",
     "GradientBuffer",
+    "HeldStatistics",
     "LateWarnings",
     "guard_messages",
     "hold_statistics",
@@ -72,6 +73,7 @@ class DeviceGuard:
         """The write-back through one buffer (:mod:`~dkfac.engine.grad_writes`)."""
         self._messages = guard_messages(names)
         self._buffer = GradientBuffer()
+        self._held = HeldStatistics()
 
     def gradients(self, layers: Mapping[str, LayerState]) -> dict[str, Tensor | None]:
         """Each layer's gradient matrix, gathered into the guard's buffer
@@ -90,11 +92,12 @@ class DeviceGuard:
         failed statistics at their running values and ``grads`` have their failed
         gradients zeroed, in place. Returns flags that pass every layer and the gradient
         flags (``keep``). Where a statistic cannot be held (a first capture, a low-rank
-        side) the flags are read as on a CPU, and ``keep`` is ``None``."""
+        side) the flags are read as on a CPU, and ``keep`` is ``None``. The held statistics
+        are views of the guard's buffers (:class:`HeldStatistics`), valid within the step."""
         self.late.poll()
         names = list(layers)
         masks = finite_masks(layers, strategy, new, grads)
-        if not hold_statistics(layers, strategy, new, masks):
+        if not hold_statistics(layers, strategy, new, masks, self._held):
             return read_flags(masks, names), None
         self.late.record(step, masks, self._messages)
         grads.update(self._buffer.zero_nonfinite(grads, masks, names))
@@ -229,9 +232,11 @@ def hold_statistics(
     strategy: Strategy,
     new: dict[str, dict[str, Tensor]],
     masks: Tensor,
+    held: HeldStatistics | None = None,
 ) -> bool:
     """Replaces, in ``new``, each statistic this rank keeps by its running value where its
-    layer's flag (``masks[2i]``) fails, so that the running average keeps that value.
+    layer's flag (``masks[2i]``) fails, so that the running average keeps that value;
+    through ``held``'s buffers where given (the values are then its views).
 
     Returns ``False`` (and changes nothing) when some kept statistic cannot be held so: it
     has no running value yet, or it is not dense; the caller then reads the flags.
@@ -242,7 +247,8 @@ def hold_statistics(
         layer = layers[name]
         if key not in layer.running or not isinstance(layer.kinds[key], DenseStatistic):
             return False
-    chosen = select_where(
+    select = select_where if held is None else held.select
+    chosen = select(
         masks,
         [2 * index[name] for name, _ in entries],
         [new[name][key] for name, key in entries],
@@ -279,6 +285,96 @@ def select_where(
         for i, part in zip(members, chosen.split(sizes), strict=True):
             results[i] = part.view(tensors[i].shape)
     return results  # type: ignore[return-value]
+
+
+@dataclass
+class _HeldGroup:
+    """The statistics of one dtype and device in :class:`HeldStatistics`' buffers."""
+
+    members: list[int]
+    new: list[Tensor]  # views of one buffer, shaped as the statistics
+    old: list[Tensor]  # views of another, shaped as the running values
+    chosen: list[Tensor]  # views of the result
+    flat: tuple[Tensor, Tensor, Tensor]  # the three buffers (new, old, result)
+    flag_index: Tensor  # each entry's flag
+
+
+class HeldStatistics:
+    """:func:`select_where` on buffers kept from step to step: the statistics and their
+    running values are copied in with one multi-tensor copy each and selected with one
+    ``where``, and the results are views of a kept buffer, made once for a set of shapes
+    (no per-statistic views, concatenations or splits a step). The results are
+    overwritten at the next :meth:`select`: a step reads them only within itself (the
+    running averages copy them, :func:`~dkfac.engine.layer_state.update_running_all`).
+    Statistics whose running value has another shape, dtype or device take
+    :func:`select_where`.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._groups: list[_HeldGroup] = []
+
+    def select(
+        self,
+        flags: Tensor,
+        positions: Sequence[int],
+        tensors: Sequence[Tensor],
+        others: Sequence[Tensor] | None,
+    ) -> list[Tensor]:
+        """:func:`select_where` of the same arguments, the same values."""
+        if others is None or any(
+            (t.shape, t.dtype, t.device) != (o.shape, o.dtype, o.device)
+            for t, o in zip(tensors, others, strict=True)
+        ):
+            return select_where(flags, positions, tensors, others)
+        key = (tuple(positions), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+        if key != self._key:
+            self._build(key, positions, tensors)
+        results: list[Tensor | None] = [None] * len(tensors)
+        for group in self._groups:
+            new, old, chosen = group.flat
+            torch._foreach_copy_(group.new, [tensors[i] for i in group.members])
+            torch._foreach_copy_(group.old, [others[i] for i in group.members])
+            torch.where(flags.index_select(0, group.flag_index), new, old, out=chosen)
+            for i, view in zip(group.members, group.chosen, strict=True):
+                results[i] = view
+        return results  # type: ignore[return-value]
+
+    def _build(
+        self,
+        key: tuple[object, ...],
+        positions: Sequence[int],
+        tensors: Sequence[Tensor],
+    ) -> None:
+        """The buffers and their views for a new set of shapes."""
+        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(i)
+        self._groups = []
+        for (dtype, device), members in by_kind.items():
+            sizes = tuple(tensors[i].numel() for i in members)
+            new, old, chosen = (
+                torch.empty(sum(sizes), dtype=dtype, device=device) for _ in range(3)
+            )
+            shapes = [tensors[i].shape for i in members]
+            flags = device_constant(tuple(positions[i] for i in members), device)
+            index = flags.repeat_interleave(device_constant(sizes, device), output_size=sum(sizes))
+            self._groups.append(
+                _HeldGroup(
+                    members,
+                    _views(new, sizes, shapes),
+                    _views(old, sizes, shapes),
+                    _views(chosen, sizes, shapes),
+                    (new, old, chosen),
+                    index,
+                )
+            )
+        self._key = key
+
+
+def _views(flat: Tensor, sizes: Sequence[int], shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """``flat`` cut into parts of ``sizes``, each viewed as its shape."""
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
 @dataclass

@@ -24,9 +24,14 @@ from torch import Tensor
 
 from dkfac.blocks.base import Block, Rows
 from dkfac.solvers.base import Solver, SolverState
-from dkfac.solvers.statistics import Accumulator, DenseStatistic, StatisticKind
+from dkfac.solvers.statistics import (
+    Accumulator,
+    DenseStatistic,
+    FactorAccumulator,
+    StatisticKind,
+)
 
-__all__ = ["LayerState", "PendingSink", "update_running_all"]
+__all__ = ["LayerState", "PendingSink", "take_means_all", "update_running_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +285,9 @@ def update_running_all(
     """Every kept statistic's running value after this step's (``update_running`` of each
     layer), the dense ones that already have a value in one multi-tensor
     ``F ← F + (1 − decay)(F_new − F)`` (one launch on a GPU for any number of layers; the
-    same arithmetic as each kind's own update)."""
+    same arithmetic as each kind's own update). With ``decay`` 0 those take the new value
+    by one multi-tensor copy into the running one: a new value may be a view that the step
+    reuses (:class:`~dkfac.engine.device_checks.HeldStatistics`), never kept itself."""
     olds: list[Tensor] = []
     news: list[Tensor] = []
     for name, stats in kept.items():
@@ -289,10 +296,45 @@ def update_running_all(
             old = layer.running.get(key)
             kind = layer.kinds[key]
             fusable = type(kind).update_running is DenseStatistic.update_running
-            if fusable and old is not None and decay != 0.0 and old.dtype == value.dtype:
+            if fusable and old is not None and (old.dtype, old.shape) == (value.dtype, value.shape):
                 olds.append(old)
                 news.append(value)
             else:
                 layer.running[key] = kind.update_running(old, value, decay)
-    if olds:
+    if olds and decay == 0.0:
+        torch._foreach_copy_(olds, news)
+    elif olds:
         torch._foreach_lerp_(olds, news, 1.0 - decay)
+
+
+def take_means_all(layers: Mapping[str, LayerState]) -> dict[str, dict[str, Tensor]]:
+    """Every layer's :meth:`LayerState.take_means` (layers without statistics left out),
+    the dense sums divided by their normalisers in one multi-tensor call (one launch on a
+    GPU for any number of layers; the same division as each accumulator's ``mean``)."""
+    means: dict[str, dict[str, Tensor]] = {}
+    sums: list[Tensor] = []
+    counts: list[float] = []
+    places: list[tuple[str, str]] = []
+    for name, layer in layers.items():
+        taken: dict[str, Tensor] = {}
+        for key, acc in layer.accumulators.items():
+            dense = type(acc).mean is FactorAccumulator.mean
+            if dense and acc.total is not None and acc.normaliser != 0:
+                sums.append(acc.total)
+                counts.append(acc.normaliser)
+                places.append((name, key))
+            elif (value := acc.mean()) is not None:
+                taken[key] = value
+        layer.reset_accumulators()
+        if taken:
+            means[name] = taken
+    divided = torch._foreach_div(sums, counts) if sums else []
+    for (name, key), value in zip(places, divided, strict=True):
+        means.setdefault(name, {})[key] = value
+    # In the layers' order, each layer's statistics in its accumulators' order.
+    order = {name: list(layers[name].accumulators) for name in means}
+    return {
+        name: {key: means[name][key] for key in order[name] if key in means[name]}
+        for name in layers
+        if name in means
+    }

@@ -70,11 +70,18 @@ class FactorAccumulator:
             self.total.add_(contribution)
         self.normaliser += rows.normaliser
 
-    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
-        """Adds a precomputed sum of outer products (any shape) and its normaliser."""
+    def add_sum(
+        self, total: Tensor, normaliser: float, scale: float = 1.0, *, owned: bool = False
+    ) -> None:
+        """Adds a precomputed sum of outer products (any shape) and its normaliser.
+
+        ``owned``: the caller hands ``total`` over (a tensor no one else writes): a first
+        contribution is then kept as it is, not copied."""
         contribution = total if self.dtype is None else total.to(self.dtype)
         if self.total is None:  # a tensor of its own; the caller's is left as it is
-            if scale != 1.0:
+            if owned and scale == 1.0:
+                self.total = contribution
+            elif scale != 1.0:
                 self.total = contribution * scale
             else:
                 self.total = contribution.clone() if contribution is total else contribution
@@ -186,8 +193,12 @@ class BlockDiagonalAccumulator(FactorAccumulator):
             self.total[start:stop, start:stop].add_(product, alpha=scale)
         self.normaliser += rows.normaliser
 
-    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
-        """Adds the diagonal blocks of a precomputed sum of outer products."""
+    def add_sum(
+        self, total: Tensor, normaliser: float, scale: float = 1.0, *, owned: bool = False
+    ) -> None:
+        """Adds the diagonal blocks of a precomputed sum of outer products (copied out of
+        ``total`` whether ``owned`` or not)."""
+        del owned
         masked = torch.zeros_like(total)
         for start, stop in block_bounds(total.shape[0], self.block):
             masked[start:stop, start:stop] = total[start:stop, start:stop]
