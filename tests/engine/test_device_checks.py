@@ -150,6 +150,7 @@ def _steady_reads(options: dict[str, Any], steps: int) -> list[dict[tuple[str, s
 
 REFRESHES = {
     "eigen": {"method": "eigen"},
+    "cholesky": {"method": "cholesky"},
     "eigen_adam-eigh": {"method": "eigen_adam", "basis_refresh": "eigh"},
     "eigen_adam-power": {"method": "eigen_adam", "basis_refresh": "power"},
 }
@@ -161,7 +162,8 @@ def test_steps_read_nothing_on_the_host_after_the_first(case: str) -> None:
     its first refresh no state to keep, so they are checked on the host), no step reads a
     device value or makes a tensor from host data (on a GPU, a copy the host waits for;
     :func:`dkfac.engine.launches.device_constant` copies its constants once, through
-    pinned memory): plain steps, factor steps and refresh steps, with a BatchNorm layer
+    pinned memory): plain steps, factor steps and refresh steps (eigen, cholesky and
+    eigen_adam with both basis refreshes), with a BatchNorm layer
     (its unit-wise state) and singular factors (the G of the layer before the LayerNorm,
     the head's: their canonical null bases and Adam's floor,
     :mod:`dkfac.solvers.null_space`), two refreshes after the first."""

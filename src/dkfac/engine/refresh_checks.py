@@ -20,6 +20,14 @@ flags of a layer's first capture. A decomposition that raises (LAPACK's non-conv
 a CPU) still retries, as an error needs no read; on a CUDA device ``torch.linalg.eigh``
 itself checks its convergence on the host, which only a ``"power"`` refresh (a product
 and a QR) avoids.
+
+Read-free this way (tested with an instrumented run, ``tests/engine/test_device_checks.py``):
+the refreshes of ``"eigen"``, ``"cholesky"``, ``"eigen_adam"`` and ``"ekfac"`` (``"eigh"``
+and ``"power"`` bases, structured and block-diagonal ones, null spaces included) and of
+BatchNorm's unit-wise state. Still read on the host: a layer's first refresh (the first
+decomposition of a wide factor tries :func:`~dkfac.solvers.eigen_moments.range_eigh`,
+whose acceptance is a read), the low-rank (SMW) solvers' states, and the adaptive refresh
+policy's intervals (that policy keeps the flags on the host altogether).
 """
 
 from __future__ import annotations

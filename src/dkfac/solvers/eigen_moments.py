@@ -170,8 +170,9 @@ A refresh that leaves the basis bit-identical (a failed decomposition keeps the 
 one) carries nothing (selected on the device: the bases are never read on the host). The
 refresh itself reads nothing on the host once a layer has a state, where the engine asks
 so (:attr:`~dkfac.solvers.base.Solver.host_checks` off: it checks the new state on the
-device), the null spaces included (:mod:`~dkfac.solvers.null_space`). Measured on digits: with a refresh every
-1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps ``"reset"`` does.
+device), the null spaces included (:mod:`~dkfac.solvers.null_space`). Measured on
+digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps
+``"reset"`` does.
 """
 
 from __future__ import annotations
