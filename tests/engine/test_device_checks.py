@@ -153,6 +153,19 @@ REFRESHES = {
     "cholesky": {"method": "cholesky"},
     "eigen_adam-eigh": {"method": "eigen_adam", "basis_refresh": "eigh"},
     "eigen_adam-power": {"method": "eigen_adam", "basis_refresh": "power"},
+    "ekfac": {"method": "ekfac"},
+    "eigen_adam-shapes": {  # block-diagonal, one-sided and structured bases
+        "method": "eigen_adam",
+        "basis_block_size": 8,
+        "basis_max_dim": 100,
+        "flattened_inputs": {"4": (4, 36)},
+    },
+    "eigen_adam-rank": {
+        "method": "eigen_adam",
+        "basis_refresh": "power",
+        "power_rank": 4,
+        "moment_carry": "rotate",
+    },
 }
 
 
