@@ -35,6 +35,6 @@ class HostFlag:
 
     def read(self) -> bool:
         """The flag (waits for the copy only if it has not arrived yet)."""
-        if self._event is not None:
+        if self._event is not None and not self._event.query():
             self._event.synchronize()
         return bool(self._host.tolist())

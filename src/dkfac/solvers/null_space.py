@@ -18,7 +18,8 @@ by QR with a positive diagonal of ``R``. Rounding in ``Q_r`` then moves the null
 rounding only. The rank is never needed on the host: :func:`masked_null_basis` computes
 the basis in fixed shapes (a full-width QR, the columns selected by a mask), so a refresh
 on a GPU does not wait for it; :func:`canonical_null_basis` reads the ranks first and
-skips that QR where no factor is singular (the same values).
+skips that QR where no factor is singular (the same values). ``Ω`` is kept on the device
+once per width and dtype (memory: one ``n × n`` matrix per distinct factor width).
 
 :func:`null_indicators` and :func:`rounding_floor` are the other half. Where the gradient
 has no component (the null space of a factor built from the same rows) the rotated
@@ -130,11 +131,15 @@ _PROBES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
 def _probe(size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``Ω``, the fixed Gaussian ``size × size`` matrix of :func:`masked_null_basis`: drawn
-    on the CPU (the same on every device), copied to ``device`` once per size and dtype."""
+    on the CPU (the same on every device), copied to ``device`` once per size and dtype
+    (to a CUDA device through pinned memory, without waiting: a refresh never waits)."""
     key = (size, dtype, device)
     if key not in _PROBES:
         generator = torch.Generator().manual_seed(size)
-        _PROBES[key] = torch.randn(size, size, generator=generator, dtype=dtype).to(device)
+        probe = torch.randn(size, size, generator=generator, dtype=dtype)
+        if device.type == "cuda":
+            probe = probe.pin_memory().to(device, non_blocking=True)
+        _PROBES[key] = probe.to(device)
     return _PROBES[key]
 
 
