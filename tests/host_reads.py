@@ -45,10 +45,21 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_WAITS = {
+    torch.ops.aten.equal.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+}
+"""Operations whose answer (a Python bool, or a shape that depends on the values) the host
+waits for on a CUDA device, though no conversion of a tensor is seen."""
+
+
 class HostData(TorchDispatchMode):
     """Counts tensors made from host data (``torch.tensor(list)``: ``aten.lift_fresh``) by
     the source line inside ``dkfac`` that made them: on a CUDA device each is a copy from
-    pageable memory that the host waits for. ``exempt`` as for :class:`HostReads`."""
+    pageable memory that the host waits for; and the operations the host waits for
+    (``torch.equal``, ``nonzero``, ``masked_select``), keyed ``"<op> at <line>"``.
+    ``exempt`` as for :class:`HostReads`."""
 
     def __init__(self, exempt: tuple[str, ...] = ()) -> None:
         super().__init__()
@@ -56,8 +67,10 @@ class HostData(TorchDispatchMode):
         self.exempt = exempt
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.lift_fresh.default:
+        if func is torch.ops.aten.lift_fresh.default or func in _WAITS:
             frames = [f for f in traceback.extract_stack() if "/dkfac/" in f.filename]
             if frames and not frames[-1].filename.endswith(self.exempt):
-                self.made[f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}"] += 1
+                where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}"
+                op = "" if func is torch.ops.aten.lift_fresh.default else f"{func} at "
+                self.made[op + where] += 1
         return func(*args, **(kwargs or {}))

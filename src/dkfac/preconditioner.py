@@ -77,6 +77,7 @@ from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
 from dkfac.engine.phases import phase
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
+from dkfac.engine.refresh_checks import StateHold
 from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
 from dkfac.engine.registration import (
     create_layers,
@@ -481,13 +482,15 @@ class KFACPreconditioner:
         """Owners recompute solver states (all layers, or ``names``) and share them.
 
         Phase 2 of a step, and checkpoint loading; a collective with several ranks (see
-        :func:`dkfac.engine.step_math.update_inverses`).
+        :func:`dkfac.engine.step_math.update_inverses`). With :attr:`flags_on_device` the
+        new states are checked on the device (:mod:`~dkfac.engine.refresh_checks`).
 
         Raises:
             ValueError: For a damping that is not a finite number > 0.
         """
         damping = check_schedule_value("damping", damping)
-        update_inverses(self.layers, self.strategy, damping, names)
+        hold = StateHold(self._guard.late, self._steps) if self.flags_on_device else None
+        update_inverses(self.layers, self.strategy, damping, names, hold)
 
     def restore_step(self, step: int) -> None:
         """Sets the step counter (checkpoints) and schedules that step's captures."""

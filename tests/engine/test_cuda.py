@@ -290,8 +290,9 @@ def _steady_model(device: torch.device) -> nn.Module:
 def test_a_steady_cuda_step_makes_no_host_synchronisation(method: str) -> None:
     """Plain and factor steps under ``torch.cuda.set_sync_debug_mode("error")``: the guard's
     flags stay on the device and the fused inner SGD skips on its ``found_inf``. The first
-    step (no running factors to hold yet) and the refreshes (the solvers check each new
-    state) are left out, as ``tests/engine/test_device_checks.py`` counts on the CPU."""
+    step (no running factors to hold yet) and the refreshes (an ``"eigh"`` refresh: see
+    the next test) are left out, as ``tests/engine/test_device_checks.py`` counts on the
+    CPU."""
     model = _steady_model(CUDA)
     opt = KFACOptimizer.for_model(
         model, method=method, factor_update_interval=2, inverse_update_interval=4
@@ -301,6 +302,36 @@ def test_a_steady_cuda_step_makes_no_host_synchronisation(method: str) -> None:
     for step, (x, y) in enumerate(batches):
         # The whole iteration: the capture hooks run in the forward and the backward.
         torch.cuda.set_sync_debug_mode(0 if step in (0, 4) else "error")
+        try:
+            opt.zero_grad()
+            F.cross_entropy(model(x.float()), y).backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert opt.skipped_steps == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@needs_cuda
+def test_a_power_refresh_on_cuda_makes_no_host_synchronisation() -> None:
+    """Every step after the first under ``torch.cuda.set_sync_debug_mode("error")``, refresh
+    steps included: ``eigen_adam`` with ``basis_refresh="power"`` (a product and a QR a
+    side), its null spaces in fixed shapes and its new states checked on the device
+    (:mod:`dkfac.engine.refresh_checks`), as ``tests/engine/test_device_checks.py`` counts
+    on the CPU. An ``"eigh"`` refresh is left out: ``torch.linalg.eigh`` itself checks its
+    convergence on the host."""
+    model = _steady_model(CUDA)
+    opt = KFACOptimizer.for_model(
+        model,
+        method="eigen_adam",
+        basis_refresh="power",
+        factor_update_interval=2,
+        inverse_update_interval=4,
+    )
+    assert opt.preconditioner.flags_on_device
+    batches = [_batch(step, CUDA) for step in range(10)]
+    for step, (x, y) in enumerate(batches):
+        torch.cuda.set_sync_debug_mode(0 if step == 0 else "error")
         try:
             opt.zero_grad()
             F.cross_entropy(model(x.float()), y).backward()

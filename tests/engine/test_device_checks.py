@@ -127,6 +127,11 @@ def test_the_guard_on_the_device_equals_the_branching_guard(
     assert any("non-finite factors in 0" in w for w in masked["warnings"])
 
 
+EXEMPT = ("device_checks.py", "host_copy.py")
+"""The modules whose reads are of host copies made for the purpose (late warnings, the
+null-space floor's late flag)."""
+
+
 def _steady_reads(options: dict[str, Any], steps: int) -> list[dict[tuple[str, str], int]]:
     model = _model()
     pre = KFACPreconditioner(model, damping=0.05, **options)
@@ -137,23 +142,48 @@ def _steady_reads(options: dict[str, Any], steps: int) -> list[dict[tuple[str, s
         opt.zero_grad()
         x, y = _batch(step + 100)
         F.cross_entropy(model(x), y).backward()
-        with HostReads(exempt=("device_checks.py",)) as reads, HostData(("launches.py",)) as data:
+        with HostReads(exempt=EXEMPT) as reads, HostData(("launches.py",)) as data:
             opt.step()
         counts.append({**reads.reads, **{("host data", k): n for k, n in data.made.items()}})
     return counts
 
 
-@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
-def test_plain_and_factor_steps_read_nothing_on_the_host(method: str) -> None:
-    """After the first step (each layer's first capture has no running value to hold, so
-    the flags are read once), a step that captures factors and one that does not read no
-    device value and makes no tensor from host data (on a GPU, a copy the host waits for;
-    :func:`dkfac.engine.launches.device_constant` copies its constants once, through pinned
-    memory); a refresh step still reads (the solvers check each new state)."""
-    options = {"method": method, "factor_update_interval": 2, "inverse_update_interval": 4}
-    counts = _steady_reads(options, 8)
+REFRESHES = {
+    "eigen": {"method": "eigen"},
+    "cholesky": {"method": "cholesky"},
+    "eigen_adam-eigh": {"method": "eigen_adam", "basis_refresh": "eigh"},
+    "eigen_adam-power": {"method": "eigen_adam", "basis_refresh": "power"},
+    "ekfac": {"method": "ekfac"},
+    "eigen_adam-shapes": {  # block-diagonal, one-sided and structured bases
+        "method": "eigen_adam",
+        "basis_block_size": 8,
+        "basis_max_dim": 100,
+        "flattened_inputs": {"4": (4, 36)},
+    },
+    "eigen_adam-rank": {
+        "method": "eigen_adam",
+        "basis_refresh": "power",
+        "power_rank": 4,
+        "moment_carry": "rotate",
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFRESHES))
+def test_steps_read_nothing_on_the_host_after_the_first(case: str) -> None:
+    """After the first step (each layer's first capture has no running value to hold and
+    its first refresh no state to keep, so they are checked on the host), no step reads a
+    device value or makes a tensor from host data (on a GPU, a copy the host waits for;
+    :func:`dkfac.engine.launches.device_constant` copies its constants once, through
+    pinned memory): plain steps, factor steps and refresh steps (eigen, cholesky and
+    eigen_adam with both basis refreshes), with a BatchNorm layer
+    (its unit-wise state) and singular factors (the G of the layer before the LayerNorm,
+    the head's: their canonical null bases and Adam's floor,
+    :mod:`dkfac.solvers.null_space`), two refreshes after the first."""
+    options = {**REFRESHES[case], "factor_update_interval": 2, "inverse_update_interval": 4}
+    counts = _steady_reads(options, 10)
     assert counts[0], "the first step reads the flags (nothing to hold yet)"
-    for step in (1, 2, 3, 5, 6, 7):  # factor steps 2, 6; plain 1, 3, 5, 7
+    for step in range(1, 10):  # refreshes 4 and 8, factor steps 2 and 6, plain the others
         assert counts[step] == {}, (step, counts[step])
 
 

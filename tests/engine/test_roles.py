@@ -117,16 +117,15 @@ def test_role_patterns_reach_the_preconditioner_and_explicit_maps_win() -> None:
 
 class _Unsupported(nn.Module):
     """Hidden layers K-FAC leaves to the inner optimizer: a depthwise convolution beside a
-    pointwise one, and (``conv1d``) only 1-D convolutions, which have no block."""
+    pointwise one, and (``conv3d``) only 3-D convolutions, which have no block."""
 
-    def __init__(self, conv1d: bool) -> None:
+    def __init__(self, conv3d: bool) -> None:
         super().__init__()
-        self.conv1d = conv1d
-        if conv1d:
-            self.first, self.hidden = nn.Conv1d(3, 4, 3, padding=1), nn.Conv1d(4, 4, 3, padding=1)
+        if conv3d:
+            self.first, self.hidden = nn.Conv3d(3, 4, 3, padding=1), nn.Conv3d(4, 4, 3, padding=1)
         else:
             self.first, self.hidden = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, groups=4)
-        self.pointwise = None if conv1d else nn.Conv2d(4, 4, 1)
+        self.pointwise = None if conv3d else nn.Conv2d(4, 4, 1)
         self.head = nn.Linear(4, 2)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -135,18 +134,18 @@ class _Unsupported(nn.Module):
         return self.head(y.flatten(2).mean(-1))
 
 
-@pytest.mark.parametrize("conv1d", [False, True])
-def test_a_role_is_picked_among_the_preconditioned_layers(conv1d: bool) -> None:
+@pytest.mark.parametrize("conv3d", [False, True])
+def test_a_role_is_picked_among_the_preconditioned_layers(conv3d: bool) -> None:
     """``for_model``'s ``role:hidden`` on hidden layers that have no block or are declined:
     the preconditioned hidden layers are orthogonalised (none when there is none) and the
     model trains; an explicit pattern that matches nothing is still an error."""
-    model = _Unsupported(conv1d)
+    model = _Unsupported(conv3d)
     opt = KFACOptimizer.for_model(model)
     orthogonal = {
         n for n, s in opt.preconditioner.layers.items() if s.solver.options.orthogonal_rms
     }
-    assert orthogonal == (set() if conv1d else {"pointwise"})
-    x = torch.randn(8, 3, 6) if conv1d else torch.randn(8, 3, 6, 6)
+    assert orthogonal == (set() if conv3d else {"pointwise"})
+    x = torch.randn(8, 3, 4, 4, 4) if conv3d else torch.randn(8, 3, 6, 6)
     for _ in range(2):
         opt.zero_grad()
         F.cross_entropy(model(x), torch.arange(8) % 2).backward()
@@ -154,7 +153,7 @@ def test_a_role_is_picked_among_the_preconditioned_layers(conv1d: bool) -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
     with pytest.raises(ValueError, match=r"pattern '\^hidden\$' matches none"):
         KFACPreconditioner(
-            _Unsupported(conv1d), method="eigen_adam", orthogonal_layers=["^hidden$"]
+            _Unsupported(conv3d), method="eigen_adam", orthogonal_layers=["^hidden$"]
         )
 
 

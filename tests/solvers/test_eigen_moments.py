@@ -414,12 +414,18 @@ def test_reset_starts_the_moments_again() -> None:
     assert not carried["m"].any() and not carried["v"].any()
 
 
-def test_an_unchanged_basis_carries_nothing() -> None:
-    solver = EigenAdamSolver(DT, MomentOptions(carry="reset"))
+@pytest.mark.parametrize("carry", ["reset", "keep_v", "rotate"])
+def test_an_unchanged_basis_carries_nothing(carry: str) -> None:
+    """The very same bases: the moments themselves; equal values in new tensors (a failed
+    refresh kept by selection on the device): the same values, selected without a read."""
+    solver = EigenAdamSolver(DT, MomentOptions(carry=carry))  # type: ignore[arg-type]
     old = solver.compute(A, G, 0.1)
     moments = _moments(solver, old)
+    assert solver.carry_moments(old, dict(old), moments) is moments
     same = {k: v.clone() for k, v in old.items()}
-    assert solver.carry_moments(old, same, moments) is moments
+    kept = solver.carry_moments(old, same, moments)
+    assert kept.keys() == moments.keys()
+    assert all(torch.equal(kept[k], moments[k]) for k in moments)
 
 
 def test_costs_and_elements() -> None:

@@ -14,11 +14,15 @@ from dkfac.solvers.base import BatchJob
 from dkfac.solvers.eigen_moments import descending_eigh
 from dkfac.solvers.null_space import (
     ROUNDING_FLOOR,
+    any_null,
     canonical_null_basis,
     flat_rounding_floor,
+    masked_null_basis,
     null_indicators,
+    null_masks,
     null_weights,
     numerical_rank,
+    numerical_ranks,
     rounding_floor,
 )
 
@@ -145,3 +149,68 @@ def test_singular_layers_in_the_flat_pass_equal_each_layer_alone() -> None:
             assert torch.equal(update, want), (step, k)
             assert moments is not None and all(torch.equal(moments[n], own[k][n]) for n in own[k])
             flat[k] = moments
+
+
+def test_the_masked_null_basis_equals_the_checked_one_bit_for_bit() -> None:
+    """:func:`masked_null_basis` (no host read) against :func:`canonical_null_basis` with
+    its read, for a singular factor, one of full rank and a zero one, alone and as one
+    stack: the same tensors, bit for bit (full rank and zero: the inputs' values)."""
+    singular = _rows(5, 12, seed=6)
+    regular = _rows(30, 12, seed=7)
+    pairs = [
+        descending_eigh(singular.T @ singular, DT),
+        descending_eigh(regular.T @ regular, DT),
+        descending_eigh(torch.zeros(12, 12, dtype=DT), DT),
+    ]
+    stacked_values = torch.stack([v for v, _ in pairs])
+    stacked_basis = torch.stack([q for _, q in pairs])
+    ranks = numerical_ranks(stacked_values, DT)
+    assert ranks.tolist() == [5, 12, 0]
+    values, basis = masked_null_basis(stacked_values, stacked_basis, ranks)
+    unread = canonical_null_basis(stacked_values, stacked_basis, DT, check=False)
+    assert torch.equal(unread[0], values) and torch.equal(unread[1], basis)
+    for i, (d, q) in enumerate(pairs):
+        want_values, want_basis = canonical_null_basis(d, q, DT)
+        alone = masked_null_basis(d, q, numerical_ranks(d, DT))
+        assert torch.equal(alone[0], want_values) and torch.equal(alone[1], want_basis), i
+        torch.testing.assert_close(values[i], want_values, rtol=0, atol=1e-14)
+        torch.testing.assert_close(basis[i], want_basis, rtol=0, atol=1e-12)
+    assert torch.equal(basis[1], pairs[1][1]) and torch.equal(values[1], pairs[1][0])
+    assert torch.equal(basis[2], pairs[2][1]) and torch.equal(values[2], pairs[2][0])
+
+
+def test_null_masks_are_fixed_shapes_and_indicators_read_them() -> None:
+    dg = torch.tensor([3.0, 1.0], dtype=DT)
+    da = torch.tensor([2.0, 1.0, 0.5], dtype=DT)
+    masks = null_masks(dg, da)
+    assert masks["null_g"].shape == (2,) and masks["null_a"].shape == (3,)
+    assert not any_null(masks) and null_indicators(dg, da) == {}
+    masks = null_masks(dg, torch.tensor([2.0, 0.0, 0.0], dtype=DT))
+    assert bool(any_null(masks)) and masks["null_a"].tolist() == [0.0, 1.0, 1.0]
+
+
+def _state(rows: int, seed: int) -> dict[str, Tensor]:
+    """A completed-to-be state of a 6-wide ``A`` built from ``rows`` rows (singular below
+    6) and a regular ``G``."""
+    solver = EigenAdamSolver(DT, MomentOptions())
+    a = (lambda r: r.T @ r)(_rows(rows, 6, seed=seed))
+    g = (lambda r: r.T @ r)(_rows(20, 4, seed=seed + 1))
+    return solver.compute(a, g, 0.1)
+
+
+def test_a_refresh_takes_the_null_indicators_from_the_layer_s_earlier_states() -> None:
+    """``completed(late=True)``: the first state decides by a read; a layer whose factor
+    turns singular gets its indicators from the refresh after the one that showed it (its
+    flag read from a host copy), and keeps them (zero where nothing is singular); a
+    completion without ``late`` (a checkpoint) decides from its own state again."""
+    solver = EigenAdamSolver(DT, MomentOptions())
+    regular, singular = _state(30, seed=8), _state(3, seed=9)
+    assert "null_g" not in solver.completed(regular, late=True)
+    assert "null_g" not in solver.completed(singular, late=True)  # seen, not yet applied
+    floored = solver.completed(singular, late=True)
+    assert torch.equal(floored["null_a"], (floored["da"] == 0).to(DT))
+    assert floored["null_a"].sum() == 3
+    kept = solver.completed(regular, late=True)  # sticky: zeros move no value
+    assert not kept["null_a"].any() and not kept["null_g"].any()
+    assert "null_g" not in solver.completed(regular)  # decided anew from this state
+    assert "null_g" in EigenAdamSolver(DT, MomentOptions()).completed(singular, late=True)

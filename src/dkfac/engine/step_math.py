@@ -16,7 +16,7 @@ preconditioned layer, whichever rank preconditioned it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,12 @@ from dkfac.engine import launches
 from dkfac.engine.finite import finite_each
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError, SolverState
-from dkfac.solvers.base import BatchJob
+from dkfac.solvers.base import BatchJob, unchecked
+
+StateCheck = Callable[
+    [Mapping[str, LayerState], Mapping[str, SolverState | None], Sequence[str]], None
+]
+"""Checks the new states of the named layers against their previous ones (``hold``)."""
 
 __all__ = [
     "FACTORS_SKIPPED",
@@ -137,6 +142,7 @@ def update_inverses(
     strategy: Strategy,
     damping: float,
     names: Sequence[str] | None = None,
+    hold: StateCheck | None = None,
 ) -> None:
     """Owners recompute their layers' solver states; the strategy shares them.
 
@@ -147,14 +153,19 @@ def update_inverses(
     An owner's solver gets its previous state of the layer (a basis refreshed by power
     iteration follows it). Owners send each state's :meth:`~dkfac.solvers.base.Solver.shared`
     part; every rank then adds what it derives (:meth:`~dkfac.solvers.base.Solver.completed`).
-    Afterwards every rank that preconditions a layer with moments carries them into the new
-    state (:meth:`~dkfac.solvers.base.Solver.carry_moments`).
+    A layer whose shared state is the very one it had (not recomputed anywhere) keeps its
+    completed state as it is. Afterwards every rank that preconditions a layer with moments
+    carries them into the new state (:meth:`~dkfac.solvers.base.Solver.carry_moments`).
 
     Args:
         layers: The registered layers; their ``solver_state`` is replaced.
         strategy: Says which layers this rank owns and sends the states to the workers.
         damping: The damping of this inverse update.
         names: The layers to recompute (default: all); every layer's state is shared.
+        hold: The check of new states on the device
+            (:class:`~dkfac.engine.refresh_checks.StateHold`): the layers that have a state
+            are then refreshed without host checks and handed to it with their previous
+            states; ``None``: each solver checks its states on the host.
     """
     previous = {name: layer.solver_state for name, layer in layers.items()}
     groups: dict[Hashable, list[tuple[str, dict[str, Any]]]] = {}
@@ -165,28 +176,16 @@ def update_inverses(
         inputs = layer.solver_inputs()
         key = layer.solver.refresh_key(inputs, previous[name])
         groups.setdefault(("alone", name) if key is None else key, []).append((name, inputs))
+    quiet: list[str] = []  # computed without host checks, for ``hold``
     for members in groups.values():
-        if len(members) > 1:
-            solver = layers[members[0][0]].solver
-            try:
-                computed = solver.compute_batch(
-                    [inputs for _, inputs in members],
-                    damping,
-                    [previous[name] for name, _ in members],
-                )
-            except SolverError:
-                pass  # each layer again on its own, with its own warning
-            else:
-                for (name, _), state in zip(members, computed, strict=True):
-                    layers[name].solver_state = state
-                continue
-        for name, inputs in members:
-            try:
-                layers[name].solver_state = layers[name].solver.compute_statistics(
-                    inputs, damping, previous[name]
-                )
-            except SolverError as err:
-                logger.warning("%s: %s; keeping the last good inverse", name, err)
+        solvers = [layers[name].solver for name, _ in members]
+        off = hold is not None and all(previous[name] is not None for name, _ in members)
+        with unchecked(solvers, off):
+            _compute_group(layers, members, damping, previous)
+        if off:
+            quiet += [name for name, _ in members]
+    if hold is not None and quiet:
+        hold(layers, previous, quiet)
     states = {
         name: None if layer.solver_state is None else layer.solver.shared(layer.solver_state)
         for name, layer in layers.items()
@@ -194,9 +193,55 @@ def update_inverses(
     devices = {name: layer.block.parameters()[0].device for name, layer in layers.items()}
     strategy.share_solver_states(states, devices)
     for name, layer in layers.items():
-        received = states[name]
-        layer.solver_state = None if received is None else layer.solver.completed(received)
-        carry_moments(layer, previous[name])
+        received, before = states[name], previous[name]
+        if received is None:
+            layer.solver_state = None
+        elif not _same_state(received, before, layer):
+            layer.solver_state = layer.solver.completed(received, late=True)
+        else:
+            layer.solver_state = before  # unchanged: its derived entries as they were
+        carry_moments(layer, before)
+
+
+def _compute_group(
+    layers: Mapping[str, LayerState],
+    members: Sequence[tuple[str, dict[str, Any]]],
+    damping: float,
+    previous: Mapping[str, SolverState | None],
+) -> None:
+    """The new states of one group of :meth:`~dkfac.solvers.base.Solver.refresh_key`: one
+    :meth:`~dkfac.solvers.base.Solver.compute_batch`, or layer by layer after its failure;
+    a layer whose solver fails keeps its state (with a warning)."""
+    if len(members) > 1:
+        solver = layers[members[0][0]].solver
+        try:
+            computed = solver.compute_batch(
+                [inputs for _, inputs in members],
+                damping,
+                [previous[name] for name, _ in members],
+            )
+        except SolverError:
+            pass  # each layer again on its own, with its own warning
+        else:
+            for (name, _), state in zip(members, computed, strict=True):
+                layers[name].solver_state = state
+            return
+    for name, inputs in members:
+        try:
+            layers[name].solver_state = layers[name].solver.compute_statistics(
+                inputs, damping, previous[name]
+            )
+        except SolverError as err:
+            logger.warning("%s: %s; keeping the last good inverse", name, err)
+
+
+def _same_state(received: SolverState, before: SolverState | None, layer: LayerState) -> bool:
+    """Whether ``received`` is the shared part of ``before`` itself (the very tensors: no
+    tensor work), i.e. the layer's state did not change."""
+    if before is None:
+        return False
+    shared = layer.solver.shared(before)
+    return received.keys() == shared.keys() and all(received[k] is shared[k] for k in shared)
 
 
 def carry_moments(layer: LayerState, previous: SolverState | None) -> None:

@@ -16,9 +16,10 @@ from the rows of the first capture.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -90,6 +91,11 @@ class Solver(ABC):
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         self.compute_dtype = compute_dtype
+        self.host_checks = True
+        """Whether a new state is checked on the host (:meth:`with_retry`: non-finite
+        results retried in float64, then refused). ``False`` (set by the engine around a
+        refresh whose flags stay on the device, :mod:`dkfac.engine.refresh_checks`): no
+        host read, the state returned as computed, for the engine to select on the device."""
 
     @property
     def label(self) -> str:
@@ -235,9 +241,13 @@ class Solver(ABC):
         """The part of ``state`` an owner sends to the other ranks (default: all of it)."""
         return state
 
-    def completed(self, state: SolverState) -> SolverState:
+    def completed(self, state: SolverState, *, late: bool = False) -> SolverState:
         """``state`` with what every rank derives from its :meth:`shared` part itself
-        (default: nothing), so that derived entries never travel."""
+        (default: nothing), so that derived entries never travel. ``late``: a refresh of the
+        step, where whatever is decided on the host from the values is taken from an
+        earlier refresh's host copy instead of a read (a solver's own rule; the default
+        derives nothing)."""
+        del late
         return state
 
     def carry_moments(
@@ -254,7 +264,9 @@ class Solver(ABC):
     def with_retry(self, fn: Callable[[torch.dtype], SolverState]) -> SolverState:
         """Runs ``fn(dtype)`` in the compute dtype, then once more in float64 on failure.
 
-        A failure is a raised linear-algebra error or a non-finite result.
+        A failure is a raised linear-algebra error or a non-finite result; without
+        :attr:`host_checks` only a raised error (a non-finite result is returned as it is,
+        for the caller to check on the device).
 
         Raises:
             SolverError: If float64 fails too.
@@ -271,6 +283,8 @@ class Solver(ABC):
             except (RuntimeError, torch.linalg.LinAlgError) as err:
                 last = err
             else:
+                if not self.host_checks:
+                    return state
                 # One host synchronisation for the state, not one a tensor.
                 checks = [torch.isfinite(t).all() for t in state.values()]
                 if not checks or bool(torch.stack(checks).all()):
@@ -281,6 +295,20 @@ class Solver(ABC):
                     "%s decomposition failed in %s (%s); retrying", self.name, dtype, last
                 )
         raise SolverError(f"{self.name} decomposition failed in float64: {last}")
+
+
+@contextlib.contextmanager
+def unchecked(solvers: Sequence[Solver], on: bool = True) -> Iterator[None]:
+    """Turns the solvers' :attr:`Solver.host_checks` off inside (nothing where ``on`` is
+    false), and back to what they were after."""
+    before = [solver.host_checks for solver in solvers]
+    for solver in solvers:
+        solver.host_checks = solver.host_checks and not on
+    try:
+        yield
+    finally:
+        for solver, value in zip(solvers, before, strict=True):
+            solver.host_checks = value
 
 
 def select_moments(

@@ -15,20 +15,29 @@ from torch import Tensor
 from dkfac.solvers.base import Solver, SolverState
 
 
-def pi_correction(a: Tensor, g: Tensor) -> float:
-    """``π = sqrt((tr A / dim A) / (tr G / dim G))``; 1 when either trace is not positive."""
-    mean_a = float(torch.trace(a)) / a.shape[0]
-    mean_g = float(torch.trace(g)) / g.shape[0]
-    if mean_a <= 0 or mean_g <= 0 or not math.isfinite(mean_a / mean_g):
-        return 1.0
-    return math.sqrt(mean_a / mean_g)
+def pi_correction(a: Tensor, g: Tensor) -> Tensor:
+    """``π = sqrt((tr A / dim A) / (tr G / dim G))``; 1 when either trace is not positive
+    (a 0-d float64 tensor on ``a``'s device: the arithmetic of Python floats, no host read)."""
+    mean_a = torch.trace(a).to(torch.float64) / a.shape[0]
+    mean_g = torch.trace(g).to(torch.float64) / g.shape[0]
+    ratio = mean_a / mean_g
+    fits = (mean_a > 0) & (mean_g > 0) & torch.isfinite(ratio)
+    return torch.where(fits, ratio.clamp(min=0.0).sqrt(), 1.0)
 
 
-def damped_inverse(matrix: Tensor, shift: float, dtype: torch.dtype) -> Tensor:
-    """``(M + shift·I)^{-1}`` through a Cholesky factorisation in ``dtype``."""
+def damped_inverse(
+    matrix: Tensor, shift: float | Tensor, dtype: torch.dtype, checked: bool = True
+) -> Tensor:
+    """``(M + shift·I)^{-1}`` through a Cholesky factorisation in ``dtype``.
+
+    A matrix that is not positive definite raises ``LinAlgError`` (a host read of the
+    factorisation's status), or without ``checked`` gives NaN (for a check on the device).
+    """
     sym = matrix.to(dtype)
     sym = (sym + sym.T) / 2 + shift * torch.eye(sym.shape[0], dtype=dtype, device=sym.device)
     factor, info = torch.linalg.cholesky_ex(sym)
+    if not checked:
+        return torch.cholesky_inverse(factor).masked_fill_(info != 0, float("nan"))
     if int(info) != 0:
         raise torch.linalg.LinAlgError(f"matrix not positive definite (info={int(info)})")
     return torch.cholesky_inverse(factor)
@@ -54,8 +63,8 @@ class CholeskySolver(Solver):
 
         def run(dtype: torch.dtype) -> SolverState:
             return {
-                "a_inv": damped_inverse(a, pi * root, dtype).to(storage),
-                "g_inv": damped_inverse(g, root / pi, dtype).to(storage),
+                "a_inv": damped_inverse(a, pi * root, dtype, self.host_checks).to(storage),
+                "g_inv": damped_inverse(g, root / pi, dtype, self.host_checks).to(storage),
             }
 
         return self.with_retry(run)

@@ -37,12 +37,15 @@ SHIFT = 1e-6
 """The relative diagonal shift of :func:`symmetric_eigh`'s retry (module notes)."""
 
 
-def symmetric_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def symmetric_eigh(
+    matrix: Tensor, dtype: torch.dtype, checked: bool = True
+) -> tuple[Tensor, Tensor]:
     """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix in ``dtype``
     (or of each of a stack of them: one batched call, one check).
 
     Retries once on ``F + δI`` when LAPACK does not converge or returns non-finite
-    eigenvectors (module notes).
+    eigenvectors (module notes); without ``checked`` the eigenvectors are not read on the
+    host (only a raised error retries; the caller checks the result on the device).
 
     Raises:
         torch.linalg.LinAlgError: If the shifted matrix fails too.
@@ -51,11 +54,11 @@ def symmetric_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     sym = (sym + sym.mT) / 2
     try:
         values, vectors = torch.linalg.eigh(sym)
-        if not bool(torch.isfinite(vectors).all()):  # LAPACK's other way of failing
+        if checked and not bool(torch.isfinite(vectors).all()):  # LAPACK's other way of failing
             raise torch.linalg.LinAlgError("non-finite eigenvectors")
     except torch.linalg.LinAlgError:
         if sym.dim() > 2:  # a stack: each matrix is tried again on its own
-            pairs = [symmetric_eigh(one, dtype) for one in sym.unbind(0)]
+            pairs = [symmetric_eigh(one, dtype, checked) for one in sym.unbind(0)]
             return torch.stack([v for v, _ in pairs]), torch.stack([q for _, q in pairs])
         shift = SHIFT * float(torch.diagonal(sym).abs().mean()) or SHIFT
         eye = torch.eye(len(sym), dtype=dtype, device=sym.device)
@@ -79,8 +82,8 @@ class EigenSolver(Solver):
         storage = a.dtype
 
         def run(dtype: torch.dtype) -> SolverState:
-            da, qa = symmetric_eigh(a, dtype)
-            dg, qg = symmetric_eigh(g, dtype)
+            da, qa = symmetric_eigh(a, dtype, self.host_checks)
+            dg, qg = symmetric_eigh(g, dtype, self.host_checks)
             return {
                 "qa": qa.to(storage),
                 "da": da.to(storage),

@@ -167,8 +167,12 @@ moments and scaling run as one flat elementwise pass (:meth:`EigenMomentsSolver.
 bases are in :mod:`dkfac.solvers.rotations`.
 
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
-one) carries nothing. Measured on digits: with a refresh every
-1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps ``"reset"`` does.
+one) carries nothing (selected on the device: the bases are never read on the host). The
+refresh itself reads nothing on the host once a layer has a state, where the engine asks
+so (:attr:`~dkfac.solvers.base.Solver.host_checks` off: it checks the new state on the
+device), the null spaces included (:mod:`~dkfac.solvers.null_space`). Measured on
+digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps
+``"reset"`` does.
 """
 
 from __future__ import annotations
@@ -184,12 +188,14 @@ from dkfac.solvers.base import BatchJob, Solver, SolverState, select_moments, un
 from dkfac.solvers.compiled import Compiled, check_backend
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.flat_moments import FlatMoments, LayerIndex
+from dkfac.solvers.host_copy import HostFlag
 from dkfac.solvers.kron_basis import check_input_map, structured_basis
 from dkfac.solvers.null_space import (
     ROUNDING_FLOOR,
+    any_null,
     canonical_null_basis,
     flat_rounding_floor,
-    null_indicators,
+    null_masks,
     null_weights,
     rounding_floor,
 )
@@ -412,9 +418,12 @@ def check_moment_combinations(
         )
 
 
-def descending_eigh(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, largest first."""
-    values, vectors = symmetric_eigh(matrix, dtype)
+def descending_eigh(
+    matrix: Tensor, dtype: torch.dtype, checked: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, largest first
+    (``checked``: as :func:`~dkfac.solvers.eigen.symmetric_eigh` takes it)."""
+    values, vectors = symmetric_eigh(matrix, dtype, checked)
     return values.flip(0), vectors.flip(1)
 
 
@@ -534,6 +543,8 @@ class EigenMomentsSolver(Solver):
         self._state_stack = StateStack()
         self._last_lowered: _Rotations | None = None
         self._flat = FlatMoments()
+        self._floored: bool | None = None  # whether states get null indicators (completed)
+        self._pending: HostFlag | None = None
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -606,7 +617,7 @@ class EigenMomentsSolver(Solver):
         def run(dtype: torch.dtype) -> SolverState:
             parts: SolverState = {}
             if self.input_map is not None:
-                basis = structured_basis(a, self.input_map, dtype)
+                basis = structured_basis(a, self.input_map, dtype, self.host_checks)
                 da, qa = basis.estimates, basis.dense
                 parts = {"qa_channels": basis.channels, "qa_positions": basis.positions}
             else:
@@ -662,11 +673,9 @@ class EigenMomentsSolver(Solver):
         storage = a.dtype
 
         def run(dtype: torch.dtype) -> SolverState:
-            da, new_qa = power_refresh(a, qa, dtype)
-            dg, new_qg = power_refresh(g, qg, dtype)
-            for values, columns in ((da, new_qa), (dg, new_qg)):
-                for i in range(len(stats)):  # each layer's null space (module notes)
-                    values[i], columns[i] = canonical_null_basis(values[i], columns[i], storage)
+            check = self.host_checks  # each layer's null space (module notes), as one stack
+            da, new_qa = canonical_null_basis(*power_refresh(a, qa, dtype), storage, check=check)
+            dg, new_qg = canonical_null_basis(*power_refresh(g, qg, dtype), storage, check=check)
             pairs = {"qa": new_qa, "da": da, "qg": new_qg, "dg": dg}
             return {key: value.to(storage) for key, value in pairs.items()}
 
@@ -676,14 +685,27 @@ class EigenMomentsSolver(Solver):
         """The state without its null indicators (each rank derives them: :meth:`completed`)."""
         return {k: v for k, v in state.items() if not k.startswith("null_")}
 
-    def completed(self, state: SolverState) -> SolverState:
+    def completed(self, state: SolverState, *, late: bool = False) -> SolverState:
         """The state with the null indicators Adam's rounding floor reads, derived from the
         exact zeros :func:`~dkfac.solvers.null_space.canonical_null_basis` leaves in its
-        values (none without a floor, or when neither side is singular)."""
+        values (none without a floor). Whether the layer has them is decided on the host:
+        without ``late`` from this state (one read: are both sides regular?); with ``late``
+        (a refresh) from the layer's earlier states, so that a refresh reads nothing: once
+        a state of the layer was singular, every later one has them (zero where nothing is
+        singular, which moves no value), and a layer whose factors become singular gets
+        them from the refresh after the one that showed it (its flag copied to the host
+        meanwhile: :class:`~dkfac.solvers.host_copy.HostFlag`)."""
         if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
             return state
-        input_values = None if "qa_order" in state else state["da"]
-        return {**state, **null_indicators(state["dg"], input_values)}
+        masks = null_masks(state["dg"], None if "qa_order" in state else state["da"])
+        if not late or self._floored is None:
+            self._floored, self._pending = bool(any_null(masks)), None
+        elif not self._floored and self._pending is not None:
+            self._floored = self._pending.read()
+        if self._floored:
+            return {**state, **masks}
+        self._pending = HostFlag(any_null(masks))
+        return state
 
     def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
         """The basis ``previous[key]`` that a power step may follow: ``None`` where its
@@ -734,8 +756,9 @@ class EigenMomentsSolver(Solver):
         elif previous is None and factor.shape[0] >= RANGE_MIN_DIM:
             # The first decomposition of a wide factor: often from fewer rows than n / 4.
             found = range_eigh(factor, dtype, factor.shape[0] // 4)
-        values, basis = found if found is not None else descending_eigh(factor, dtype)
-        return canonical_null_basis(values, basis, factor.dtype)
+        checked = self.host_checks
+        values, basis = found if found is not None else descending_eigh(factor, dtype, checked)
+        return canonical_null_basis(values, basis, factor.dtype, check=checked)
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """The update from fresh moments (:meth:`apply_with_moments` with none)."""
@@ -978,9 +1001,18 @@ class EigenMomentsSolver(Solver):
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
     ) -> SolverState:
-        """The moments in the basis ``new`` after a refresh from ``old`` (module notes)."""
-        if old is None or all(torch.equal(old[k], new[k]) for k in ("qa", "qg")):
+        """The moments in the basis ``new`` after a refresh from ``old`` (module notes): kept
+        where the bases are equal, selected on the device (no host read of the bases)."""
+        if old is None or all(old[k] is new[k] for k in ("qa", "qg")):
             return moments
+        carried = self._carried(old, new, moments)
+        if any(old[k].shape != new[k].shape for k in ("qa", "qg")):
+            return carried
+        changed = (old["qa"] != new["qa"]).any().logical_or_((old["qg"] != new["qg"]).any())
+        return select_moments(changed, carried, moments)  # type: ignore[return-value]
+
+    def _carried(self, old: SolverState, new: SolverState, moments: SolverState) -> SolverState:
+        """The moments carried from the basis ``old`` to ``new`` (the ``carry`` option)."""
         if self.options.carry == "reset":
             return self.zero_moments(moments["v"])
         carried = dict(moments)

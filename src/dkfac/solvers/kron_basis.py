@@ -90,7 +90,7 @@ def partial_traces(features: Tensor, channels: int, positions: int) -> tuple[Ten
 
 
 def structured_basis(
-    factor: Tensor, input_map: tuple[int, int], dtype: torch.dtype
+    factor: Tensor, input_map: tuple[int, int], dtype: torch.dtype, checked: bool = True
 ) -> KroneckerBasis:
     """The structured basis of ``factor`` (module notes), largest estimate first.
 
@@ -98,6 +98,8 @@ def structured_basis(
         factor: The symmetric PSD factor, ``C·P`` or ``C·P + 1`` (with a bias) wide.
         input_map: ``(C, P)``.
         dtype: Precision of the decompositions and of the result.
+        checked: As :func:`~dkfac.solvers.eigen.symmetric_eigh` takes it (``False``: no
+            host read; the bias column is placed by a mask, never by its index).
 
     Raises:
         ValueError: If the factor's width is neither ``C·P`` nor ``C·P + 1``.
@@ -115,8 +117,8 @@ def structured_basis(
     full = factor.to(dtype)
     features = full[:width, :width]
     a_c, a_p = partial_traces(features, channels, positions)
-    _, q_c = symmetric_eigh(a_c, dtype)  # symmetric_eigh symmetrises its input
-    _, q_p = symmetric_eigh(a_p, dtype)
+    _, q_c = symmetric_eigh(a_c, dtype, checked)  # symmetric_eigh symmetrises its input
+    _, q_p = symmetric_eigh(a_p, dtype, checked)
     # d[i, j] = Σ Q_C[a,i] Q_P[b,j] A[(a,b),(c,e)] Q_C[c,i] Q_P[e,j], one index at a time
     # (diag(Qᵀ A Q) = diag(Qᵀ Aᵀ Q): no symmetrisation of A needed).
     blocks = features.reshape(channels, positions, channels, positions)
@@ -132,10 +134,10 @@ def structured_basis(
     columns = q_c[:, feature_order // positions][:, None, :] * q_p[:, feature_order % positions]
     basis = full.new_zeros(width + extra, width + extra)
     basis[:width] = columns.reshape(width, -1)
-    if extra:
-        bias = int(torch.nonzero(order == width)[0, 0])
-        basis[:width, bias] = 0.0
-        basis[width, bias] = 1.0
+    if extra:  # the bias column, found by a mask (its index is never read on the host)
+        bias = order == width
+        basis[:width].masked_fill_(bias, 0.0)
+        basis[width] = bias.to(basis.dtype)
     return KroneckerBasis(estimates[order].clamp(min=0.0), basis, q_c, q_p, order)
 
 

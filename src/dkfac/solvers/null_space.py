@@ -12,9 +12,14 @@ Adam's per-coordinate steps in them differ by the size of a whole step.
 
 :func:`canonical_null_basis` replaces those columns by a basis that is a continuous
 function of the range alone: with ``Q_r`` the columns of the ``r`` eigenvalues above
-``n · ε · d_max`` (``ε`` of the factor's dtype), ``Y = (I − Q_r Q_rᵀ) Ω`` for a fixed
-Gaussian ``n × (n − r)`` matrix ``Ω`` (seeded by ``n``), orthonormalised by QR with a positive
-diagonal of ``R``. Rounding in ``Q_r`` then moves the null basis by rounding only.
+``n · ε · d_max`` (``ε`` of the factor's dtype), ``Y = (I − Q_r Q_rᵀ) Ω`` for the last
+``n − r`` columns ``Ω`` of a fixed Gaussian ``n × n`` matrix (seeded by ``n``), orthonormalised
+by QR with a positive diagonal of ``R``. Rounding in ``Q_r`` then moves the null basis by
+rounding only. The rank is never needed on the host: :func:`masked_null_basis` computes
+the basis in fixed shapes (a full-width QR, the columns selected by a mask), so a refresh
+on a GPU does not wait for it; :func:`canonical_null_basis` reads the ranks first and
+skips that QR where no factor is singular (the same values). ``Ω`` is kept on the device
+once per width and dtype (memory: one ``n × n`` matrix per distinct factor width).
 
 :func:`null_indicators` and :func:`rounding_floor` are the other half. Where the gradient
 has no component (the null space of a factor built from the same rows) the rotated
@@ -35,11 +40,15 @@ from torch import Tensor
 
 __all__ = [
     "ROUNDING_FLOOR",
+    "any_null",
     "canonical_null_basis",
     "flat_rounding_floor",
+    "masked_null_basis",
     "null_indicators",
+    "null_masks",
     "null_weights",
     "numerical_rank",
+    "numerical_ranks",
     "rounding_floor",
 ]
 
@@ -47,48 +56,98 @@ ROUNDING_FLOOR = 8192 * torch.finfo(torch.float32).eps
 """The floor added to Adam's ``ε`` in null directions, relative to ``‖√v‖_F`` (module notes)."""
 
 
+def numerical_ranks(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`numerical_rank` of each vector of ``values`` (its last dimension; any leading
+    ones), as an int64 tensor on their device: no host read."""
+    size = values.shape[-1]
+    if size == 0:
+        return torch.zeros(values.shape[:-1], dtype=torch.int64, device=values.device)
+    tolerance = size * torch.finfo(dtype).eps * values[..., :1].clamp(min=0.0)
+    return (values > tolerance).sum(dim=-1)
+
+
 def numerical_rank(values: Tensor, dtype: torch.dtype) -> int:
     """How many of the descending, non-negative ``values`` exceed ``n · ε(dtype) · max``."""
-    if values.numel() == 0:
-        return 0
-    tolerance = values.numel() * torch.finfo(dtype).eps * values[0].clamp(min=0.0)
-    return int((values > tolerance).sum())
+    return int(numerical_ranks(values, dtype))
 
 
 def canonical_null_basis(
-    values: Tensor, basis: Tensor, factor_dtype: torch.dtype
+    values: Tensor, basis: Tensor, factor_dtype: torch.dtype, *, check: bool = True
 ) -> tuple[Tensor, Tensor]:
     """``(values, basis)`` with the null space in the canonical basis (module notes).
 
     Args:
-        values: Eigenvalues or estimates, descending (``(n,)``).
-        basis: The matching orthonormal columns (``(n, n)``).
+        values: Eigenvalues or estimates, descending (``(n,)``; or ``(L, n)``: a stack).
+        basis: The matching orthonormal columns (``(n, n)``; or ``(L, n, n)``).
         factor_dtype: The dtype the factor was stored in (its rounding sets the rank).
+        check: Read the ranks on the host (one read for a stack) and return the inputs
+            themselves when every factor has full numerical rank or is zero; ``False``:
+            no host read, :func:`masked_null_basis` whatever the ranks (the same values).
 
     Returns:
-        The inputs themselves when the factor has full numerical rank or is zero; else new
-        tensors: the values of the null space set to exactly 0, its columns replaced.
+        The inputs themselves when (``check``) no factor is singular; else new tensors:
+        the values of each null space set to exactly 0, its columns replaced.
     """
     size = basis.shape[-1]
-    rank = numerical_rank(values, factor_dtype)
-    if rank in (0, size):
+    if size == 0:
         return values, basis
-    kept = basis[:, :rank]
-    generator = torch.Generator().manual_seed(size)  # on the CPU: the same on every device
-    probe = torch.randn(size, size - rank, generator=generator, dtype=basis.dtype)
-    probe = probe.to(basis.device)
+    ranks = numerical_ranks(values, factor_dtype)
+    if check and all(rank in (0, size) for rank in ranks.reshape(-1).tolist()):
+        return values, basis
+    return masked_null_basis(values, basis, ranks)
+
+
+def masked_null_basis(values: Tensor, basis: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`canonical_null_basis` in fixed shapes, for any ranks held on the device.
+
+    Column ``j >= r`` of the canonical basis is the ``j``-th column of the orthonormal
+    factor of ``[Q_r, P Ω_r, …, P Ω_{n−1}]`` (``P = I − Q_r Q_rᵀ``, ``Ω`` a fixed Gaussian
+    ``n × n`` matrix seeded by ``n``, the diagonal of ``R`` made positive), which is the
+    orthonormalisation of ``P Ω_r, …`` in order: one full-width QR, selected by the mask
+    ``j >= r`` with ``torch.where``, so that ``r`` is never read. A factor of full rank
+    (``r = n``) or zero (``r = 0``) keeps its values and basis bit for bit.
+
+    Args:
+        values: ``(…, n)`` values, descending.
+        basis: ``(…, n, n)`` their orthonormal columns.
+        ranks: ``(…)`` int64 numerical ranks (:func:`numerical_ranks`).
+    """
+    size = basis.shape[-1]
+    rank = ranks.unsqueeze(-1)
+    columns = torch.arange(size, device=basis.device)
+    keep = (columns < rank) | (rank == 0)  # (…, n)
+    keep_columns = keep.unsqueeze(-2)
+    kept = basis * keep_columns.to(basis.dtype)
+    probe = _probe(size, basis.dtype, basis.device)
     for _ in range(2):  # twice: orthogonal to the range to the working precision
-        probe = probe - kept @ (kept.T @ probe)
-    null, r = torch.linalg.qr(probe)
-    null = null * torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(null.dtype)
-    values = torch.cat([values[:rank], values.new_zeros(size - rank)])
-    return values, torch.cat([kept, null], dim=1)
+        probe = probe - kept @ (kept.mT @ probe)
+    q, r = torch.linalg.qr(torch.where(keep_columns, basis, probe))
+    signs = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(q.dtype)
+    null = q * signs.unsqueeze(-2)
+    return torch.where(keep, values, 0.0), torch.where(keep_columns, basis, null)
 
 
-def null_indicators(dg: Tensor, da: Tensor | None) -> dict[str, Tensor]:
+_PROBES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _probe(size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``Ω``, the fixed Gaussian ``size × size`` matrix of :func:`masked_null_basis`: drawn
+    on the CPU (the same on every device), copied to ``device`` once per size and dtype
+    (to a CUDA device through pinned memory, without waiting: a refresh never waits)."""
+    key = (size, dtype, device)
+    if key not in _PROBES:
+        generator = torch.Generator().manual_seed(size)
+        probe = torch.randn(size, size, generator=generator, dtype=dtype)
+        if device.type == "cuda":
+            probe = probe.pin_memory().to(device, non_blocking=True)
+        _PROBES[key] = probe.to(device)
+    return _PROBES[key]
+
+
+def null_masks(dg: Tensor, da: Tensor | None) -> dict[str, Tensor]:
     """``{"null_g", "null_a"}``: 1.0 where a side's value is exactly 0 (its null space after
-    :func:`canonical_null_basis`), 0.0 elsewhere; empty when neither side has a null
-    direction (the layer's update is then Adam's own).
+    :func:`canonical_null_basis`), 0.0 elsewhere, whether or not any side has a null
+    direction (no host read).
 
     Args:
         dg: The output side's values (``(n_g,)``; empty: the identity basis).
@@ -102,9 +161,19 @@ def null_indicators(dg: Tensor, da: Tensor | None) -> dict[str, Tensor]:
             sides.append(torch.zeros(1, dtype=dg.dtype, device=dg.device))
         else:
             sides.append((values == 0).to(values.dtype))
-    if not any(bool(side.any()) for side in sides):
-        return {}
     return {"null_g": sides[0], "null_a": sides[1]}
+
+
+def any_null(masks: dict[str, Tensor]) -> Tensor:
+    """A 0-d bool tensor: whether :func:`null_masks` marks any direction (no host read)."""
+    return (masks["null_g"].sum() + masks["null_a"].sum()) > 0
+
+
+def null_indicators(dg: Tensor, da: Tensor | None) -> dict[str, Tensor]:
+    """:func:`null_masks`, or empty when neither side has a null direction (the layer's
+    update is then Adam's own): one host read."""
+    masks = null_masks(dg, da)
+    return masks if bool(any_null(masks)) else {}
 
 
 def null_weights(state: dict[str, Tensor]) -> Tensor | None:

@@ -64,9 +64,10 @@ class UnitwiseSolver(Solver):
     def compute_statistics(
         self, stats: Mapping[str, Any], damping: float, previous: SolverState | None = None
     ) -> SolverState:
-        """Keeps a symmetrised copy of the running per-channel Fisher."""
+        """Keeps a symmetrised copy of the running per-channel Fisher (a non-finite one is
+        refused where :attr:`~dkfac.solvers.base.Solver.host_checks` holds)."""
         fisher = stats["F"]
-        if not bool(torch.isfinite(fisher).all()):
+        if self.host_checks and not bool(torch.isfinite(fisher).all()):
             raise SolverError("unitwise: non-finite BatchNorm Fisher")
         return {"fisher": ((fisher + fisher.transpose(1, 2)) / 2).clone()}
 

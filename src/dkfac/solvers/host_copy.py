@@ -1,0 +1,40 @@
+"""A device flag read on the host later, from a copy made without waiting.
+
+Reading a CUDA tensor on the host waits for every kernel queued before it. A decision that
+can wait for the next refresh (the null-space floor of :mod:`dkfac.solvers.null_space`)
+starts a copy of its flag into pinned host memory behind an event instead, and reads that
+copy when it is needed: by then the event has long passed, so the read does not wait for
+the work queued since. On a CPU the copy is a clone. The values read are the same either
+way; this module is the only place a solver reads such a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["HostFlag"]
+
+
+class HostFlag:
+    """A copy of a 0-d bool tensor on its way to the host (module notes).
+
+    Args:
+        flag: The flag, on any device.
+    """
+
+    def __init__(self, flag: Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if flag.is_cuda:
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flag.detach().to(torch.bool).clone()
+
+    def read(self) -> bool:
+        """The flag (waits for the copy only if it has not arrived yet)."""
+        if self._event is not None and not self._event.query():
+            self._event.synchronize()
+        return bool(self._host.tolist())
