@@ -62,7 +62,7 @@ from dkfac.costmodel.budget import Choice
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
-from dkfac.distributed.sharding import find_layout
+from dkfac.distributed.sharding import find_layout, refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
@@ -186,6 +186,7 @@ class KFACPreconditioner:
             config.refresh_max_interval,
         )
         self.last_refreshed = 0
+        refuse_fsdp1(model)  # before its flat views are taken for computed weights
         registration = register(unwrap(model), config)
         self.coverage = registration.coverage
         blocks = registration.blocks

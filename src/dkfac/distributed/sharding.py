@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from dkfac.distributed.comm import CommLedger
 from dkfac.distributed.layout import ShardedLayout
 
-__all__ = ["find_layout"]
+__all__ = ["find_layout", "refuse_fsdp1"]
 
 _STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "auto")
 """Strategies offered with the sharded layout (``auto`` never picks ``spngd`` here)."""
@@ -47,6 +47,23 @@ def _placement_problem(name: str, param: Any) -> str | None:
     )
 
 
+def refuse_fsdp1(model: nn.Module) -> None:
+    """Refuses a model wrapped (anywhere) in FSDP1's ``FullyShardedDataParallel``.
+
+    Raises:
+        ValueError: Naming the wrapped module and what to use instead.
+    """
+    for name, module in [("", model), *model.named_modules()]:
+        if _is_fsdp1(module):
+            where = f" (at {name!r})" if name else ""
+            raise ValueError(
+                f"FSDP1's FullyShardedDataParallel{where} flattens parameters into flat "
+                "buffers that K-FAC cannot see as layers; shard the model with FSDP2 "
+                "(torch.distributed.fsdp.fully_shard on each block, then on the root), or "
+                "use DistributedDataParallel"
+            )
+
+
 def find_layout(
     model: nn.Module,
     layer_params: Mapping[str, Sequence[Tensor]],
@@ -67,20 +84,12 @@ def find_layout(
         shard_exchange: The configured ``shard_exchange``.
 
     Raises:
-        ValueError: For FSDP1, a mix of DTensor and plain parameters, a placement other
+        ValueError: For a mix of DTensor and plain parameters (FSDP1 is refused before the
+            layers are registered: :func:`refuse_fsdp1`), a placement other
             than ``Shard(0)``/``Replicate()``, DTensors on different meshes, a strategy
             that cannot apply to sharded parameters, or ``shard_exchange="local"`` for a
             model that is not sharded.
     """
-    for name, module in [("", model), *model.named_modules()]:
-        if _is_fsdp1(module):
-            where = f" (at {name!r})" if name else ""
-            raise ValueError(
-                f"FSDP1's FullyShardedDataParallel{where} flattens parameters into flat "
-                "buffers that K-FAC cannot see as layers; shard the model with FSDP2 "
-                "(torch.distributed.fsdp.fully_shard on each block, then on the root), or "
-                "use DistributedDataParallel"
-            )
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     sharded = [(n, p) for n, p in named if isinstance(p, DTensor)]
     if not sharded:
