@@ -173,6 +173,7 @@ one) carries nothing. Measured on digits: with a refresh every
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
@@ -931,11 +932,21 @@ class EigenMomentsSolver(Solver):
             "t": moments["t"] + 1.0,
         }
 
-    def correction(self, beta: float, t: Tensor, like: Tensor) -> Tensor:
-        """``1 − βᵗ`` in ``like``'s dtype, shaped to broadcast over ``like`` (``t`` is
-        ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction)."""
+    def correction(
+        self, beta: float, t: Tensor, like: Tensor, ahead: float = 0.0
+    ) -> Tensor | float:
+        """``1 − β^(t + ahead)`` in ``like``'s dtype, shaped to broadcast over ``like`` (``t``
+        is ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction).
+
+        One count on a CPU gives a Python number: reading it there waits for nothing, and
+        the scalar arithmetic of the scaling is then host arithmetic, not a dozen dispatched
+        operations on one-entry tensors a layer a step (a GPU, a stack, the flat moments'
+        counts per entry and a compiled step keep it on the device)."""
         if not self.options.bias_correction:
-            return torch.ones((), dtype=like.dtype, device=like.device)
+            return 1.0
+        if t.numel() == 1 and t.device.type == "cpu" and not torch.compiler.is_compiling():
+            return 1.0 - beta ** (float(t) + ahead)
+        t = t + ahead if ahead else t
         t = t if t.shape == like.shape else t[..., None]  # else one count per entry
         return (1.0 - torch.pow(beta, t)).to(like.dtype)
 
@@ -986,6 +997,12 @@ class EigenMomentsSolver(Solver):
         return carried
 
 
+def _root(value: Tensor | float) -> Tensor | float:
+    """The square root of a correction (:meth:`EigenMomentsSolver.correction`), a tensor's
+    or a number's."""
+    return math.sqrt(value) if isinstance(value, float) else value.sqrt()
+
+
 class EigenAdamSolver(EigenMomentsSolver):
     """Adam's moments in the Kronecker eigenbasis: moments ``m, v, t`` (module notes)."""
 
@@ -1008,13 +1025,12 @@ class EigenAdamSolver(EigenMomentsSolver):
         (√v + ε√c₂)`` with ``c = 1 − βᵗ``: the same value in four elementwise passes instead
         of five, two of them in place."""
         del damping
-        beta1, t = self.options.beta1, moments["t"]
+        beta1, nesterov = self.options.beta1, self.options.nesterov
         m = moments["m"]
-        if self.options.nesterov:
+        if nesterov:
             m = (m * beta1).add_(rotated, alpha=1.0 - beta1)
-            t = t + 1.0
-        c1 = self.correction(beta1, t, m)
-        root_c2 = self.correction(self.options.beta2, moments["t"], m).sqrt()
+        c1 = self.correction(beta1, moments["t"], m, ahead=1.0 if nesterov else 0.0)
+        root_c2 = _root(self.correction(self.options.beta2, moments["t"], m))
         denominator = self._floored_root(moments["v"], root_c2 * self.options.eps, null)
         return torch.div(m, denominator).mul_(root_c2 / c1)
 
@@ -1048,10 +1064,12 @@ class EigenAdamSolver(EigenMomentsSolver):
         del damping
         beta1, t = self.options.beta1, moments["t"]
         like = moments["m"]
-        root_c2 = self.correction(self.options.beta2, t, like).sqrt()
-        c1 = self.correction(beta1, t + 1.0 if self.options.nesterov else t, like)
-        k = root_c2.pow(1.0 - split) / c1
-        if self.options.nesterov:
+        root_c2 = _root(self.correction(self.options.beta2, t, like))
+        c1 = self.correction(beta1, t, like, ahead=1.0 if self.options.nesterov else 0.0)
+        k = root_c2 ** (1.0 - split) / c1
+        if self.options.nesterov and isinstance(k, float):
+            m = (like * (k * beta1)).add_(rotated, alpha=k * (1.0 - beta1))
+        elif self.options.nesterov:
             m = (like * (k * beta1)).addcmul_(rotated, k, value=1.0 - beta1)
         else:
             m = like * k
