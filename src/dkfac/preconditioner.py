@@ -248,6 +248,11 @@ class KFACPreconditioner:
             self.leftover = LeftoverAdam(named, config)
         self.schedule_captures(0)
         self._kl_scale: Tensor | None = None
+        self.gradients_finite: Tensor | bool = True
+        """Whether every registered layer's gradient was finite at the last :meth:`step`,
+        before it was preconditioned (agreed by the ranks; a 0-d bool tensor where the
+        flags stay on the device): :class:`~dkfac.KFACOptimizer` skips on it, so that a
+        gradient this step zeroed still skips the inner step."""
         self._guard = DeviceGuard(list(self.layers))
         self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
         """Keep the finiteness guard's flags on the device (masks instead of branches, its
@@ -390,6 +395,9 @@ class KFACPreconditioner:
             else:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
+            self.gradients_finite = (
+                keep.all() if keep is not None else all(flags[1] for flags in finite.values())
+            )
         if step % inverse_interval == 0:
             with phase("dkfac.inverse"):
                 self.update_inverses(damping)

@@ -216,6 +216,7 @@ from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, bloc
 
 __all__ = [
     "BASIS_REFRESHES",
+    "HOST_COUNT_DEVICES",
     "MOMENT_CARRIES",
     "BasisRefresh",
     "EKFACSolver",
@@ -236,6 +237,10 @@ __all__ = [
 
 _Rotations = tuple[torch.dtype | None, SolverState, SolverState, SolverState]
 """``(out, the bases, state in, state out)``: :meth:`EigenMomentsSolver.rotation_states`'s last."""
+
+HOST_COUNT_DEVICES = frozenset({"cpu"})
+"""Device types where a layer's moment count is read as a number for its bias corrections
+(:meth:`EigenMomentsSolver.correction`): a read there waits for nothing."""
 
 BasisRefresh = Literal["eigh", "power"]
 MomentCarry = Literal["reset", "keep_v", "rotate"]
@@ -944,7 +949,8 @@ class EigenMomentsSolver(Solver):
         counts per entry and a compiled step keep it on the device)."""
         if not self.options.bias_correction:
             return 1.0
-        if t.numel() == 1 and t.device.type == "cpu" and not torch.compiler.is_compiling():
+        host = t.device.type in HOST_COUNT_DEVICES and not torch.compiler.is_compiling()
+        if host and t.numel() == 1:
             return 1.0 - beta ** (float(t) + ahead)
         t = t + ahead if ahead else t
         t = t if t.shape == like.shape else t[..., None]  # else one count per entry
