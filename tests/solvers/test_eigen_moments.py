@@ -810,7 +810,9 @@ def test_host_corrections_give_the_device_path_s_update(nesterov: bool, split: f
     t = torch.tensor([[3.0], [7.0]], dtype=torch.float64)
     stack = {"m": m, "v": v.double(), "t": t}
     assert isinstance(solver.correction(0.8, t[0], m[0]), float)
-    assert isinstance(solver.correction(0.8, t, m), Tensor)
+    assert isinstance(solver.correction(0.8, t, m), Tensor)  # counts that differ
+    same = torch.tensor([[4.0], [4.0]], dtype=torch.float64)
+    assert solver.correction(0.8, same, m) == pytest.approx(1 - 0.8**4, rel=1e-15)
     for i in range(2):
         one = {"m": m[i], "v": v[i].double(), "t": t[i]}
         count = t[i].item()

@@ -943,17 +943,23 @@ class EigenMomentsSolver(Solver):
         """``1 − β^(t + ahead)`` in ``like``'s dtype, shaped to broadcast over ``like`` (``t``
         is ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction).
 
-        One count on a CPU gives a Python number: reading it there waits for nothing, and
-        the scalar arithmetic of the scaling is then host arithmetic, not a dozen dispatched
-        operations on one-entry tensors a layer a step (a GPU, a stack, the flat moments'
-        counts per entry and a compiled step keep it on the device)."""
+        Counts on a CPU (:data:`HOST_COUNT_DEVICES`) that are all the same (one layer's, or a
+        stack's that started together) give a Python number: reading them there waits for
+        nothing, and the scalar arithmetic of the scaling is then host arithmetic, not a
+        dozen dispatched operations on one-entry tensors a group a step (a GPU, counts that
+        differ, the flat moments' counts per entry and a compiled step keep it on the
+        device)."""
         if not self.options.bias_correction:
             return 1.0
-        host = t.device.type in HOST_COUNT_DEVICES and not torch.compiler.is_compiling()
-        if host and t.numel() == 1:
-            return 1.0 - beta ** (float(t) + ahead)
+        per_layer = t.shape != like.shape  # else one count per entry (flat moments)
+        if per_layer and t.device.type in HOST_COUNT_DEVICES and not torch.compiler.is_compiling():
+            if t.numel() == 1:
+                return 1.0 - beta ** (float(t) + ahead)
+            counts = t.tolist() if t.dim() == 2 else []  # (L, 1): a count a layer of a stack
+            if counts and all(count == counts[0] for count in counts):
+                return 1.0 - beta ** (counts[0][0] + ahead)
         t = t + ahead if ahead else t
-        t = t if t.shape == like.shape else t[..., None]  # else one count per entry
+        t = t[..., None] if per_layer else t
         return (1.0 - torch.pow(beta, t)).to(like.dtype)
 
     def scaled(
