@@ -157,7 +157,8 @@ def iterate_gram(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
     k`` Gram matrix (module notes; arguments checked by the caller)."""
     a, b, c = NS_COEFFICIENTS
     tall = matrix.shape[-2] > matrix.shape[-1]
-    x = (matrix.mT if tall else matrix).to(dtype)
+    x = matrix.mT if tall else matrix
+    x = x if x.dtype == dtype else x.to(dtype)
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NORM_EPS)
     gram = x @ x.mT  # M₀
     k = gram.shape[-1]
@@ -171,7 +172,8 @@ def iterate_gram(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
             gram = q @ gram @ q
     assert poly is not None
     x = poly @ x
-    return (x.mT if tall else x).to(matrix.dtype)
+    x = x.mT if tall else x
+    return x if x.dtype == matrix.dtype else x.to(matrix.dtype)
 
 
 def polar_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
