@@ -163,6 +163,7 @@ class KFACPreconditioner:
             config = dataclasses.replace(config, **options)
         config = apply_model_rules(unwrap(model), config)
         self.budget: OverheadBudget | None = None
+        self._budget_spent = False  # the choice applied (after the first step)
         if overhead is not None:
             check_range("overhead", overhead, low=0.0)
             defaults = KFACConfig()
@@ -351,6 +352,8 @@ class KFACPreconditioner:
         except (TypeError, ValueError) as err:
             raise type(err)(f"step(): {err}") from None
         self._marks.check(self._params())
+        if self.budget is not None and self.budget.choice is None:
+            self._budget_bases()  # before the first refresh: one-sided sides from the start
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -365,7 +368,7 @@ class KFACPreconditioner:
         self._marks.record(self._params())
         self.capture.end_step(self.layers)
         self._steps += 1
-        if self.budget is not None and self.budget.choice is None:
+        if self.budget is not None and not self._budget_spent:
             self._spend_budget()
         self._set_block_steps()
         self.schedule_captures(self._steps)
@@ -430,11 +433,24 @@ class KFACPreconditioner:
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
 
+    def _budget_bases(self) -> None:
+        """Makes the overhead budget's choice as soon as the shapes were seen (the first
+        training forward) and gives the layers it makes one-sided their limit, so that the
+        first refresh already builds their bases so (the intervals and factor batch are
+        applied after the first step, :meth:`_spend_budget`)."""
+        assert self.budget is not None
+        if self.budget.decide(self.layers, self.config.flattened_inputs) is not None:
+            self.budget.apply_bases(self.layers)
+
     def _spend_budget(self) -> None:
         """Applies the overhead budget's choice once it can be made (after the first step)."""
         assert self.budget is not None
         maps = self.config.flattened_inputs
-        if self.budget.decide(self.layers, maps) is None or not (chosen := self.budget.options()):
+        if self.budget.decide(self.layers, maps) is None:
+            return
+        self._budget_spent = True
+        self.budget.apply_bases(self.layers)
+        if not (chosen := self.budget.options()):
             return
         self.config = dataclasses.replace(self.config, **chosen)
         self.capture.config = self.config
