@@ -169,9 +169,12 @@ class KFACOptimizer(Optimizer):
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
                 the training step, and where even its per-step part does not fit, the
-                orthogonalised updates take 3 Newton–Schulz steps instead of 5
-                (``describe()``'s last row says what and why); an interval, factor batch
-                or ``orthogonal_steps`` passed in ``options`` is kept. ``None``: the
+                orthogonalised updates take 3 Newton–Schulz steps instead of 5; a side
+                wider than 3/4 of the rows a step sees keeps the identity basis, its
+                rotations costing more than half its layer's training step
+                (``describe()``'s last row says what and why); an interval, factor batch,
+                ``orthogonal_steps`` or ``basis_max_dim`` passed in ``options`` is kept.
+                ``None``: the
                 fixed intervals of :data:`DEFAULT_OPTIONS` (factors every step, the basis
                 every 5) and the whole batch.
             **options: Any :class:`~dkfac.KFACConfig` field, over the defaults; with another

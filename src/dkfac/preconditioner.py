@@ -124,7 +124,9 @@ class KFACPreconditioner:
             basis intervals the options do not set are chosen within it from the layer
             sizes and the rows the first step saw, and where the per-step work alone does
             not fit, the Newton–Schulz steps of orthogonalised updates (unless set) are
-            cut to 3 (:mod:`dkfac.costmodel.budget`);
+            cut to 3; a side of an eigenbasis-moment layer wider than 3/4 of the rows it
+            sees keeps the identity basis from the first refresh on (unless
+            ``basis_max_dim`` is set; :mod:`dkfac.costmodel.budget`);
             ``describe()`` ends with a row that says what was chosen and why. ``None``:
             the options as given.
         **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).

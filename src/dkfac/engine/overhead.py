@@ -5,7 +5,10 @@ rows it sees: samples × positions, and the batch), and after the first step cho
 factor batch and the factor and basis intervals within the budget
 (:func:`dkfac.costmodel.budget.choose`, a pure function of the layer sizes and those rows:
 every rank makes the same choice). The first step itself captures the whole batch and
-refreshes every basis, as any first step does. Options the user set are kept.
+refreshes every basis, as any first step does; the choice is made before it where the shapes
+are known, so that the sides it makes one-sided (too wide for the rows a step sees,
+:data:`~dkfac.costmodel.budget.ONE_SIDED_SHARE`) already keep the identity basis at that
+first refresh. Options the user set are kept.
 """
 
 from __future__ import annotations
