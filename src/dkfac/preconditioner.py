@@ -664,9 +664,19 @@ class KFACPreconditioner:
         if saved is None or self.budget is None:
             return None
         try:
-            return Choice(**saved)
+            choice = Choice(**saved)
         except TypeError as err:
             raise ValueError(f"'budget' is not an overhead budget's choice: {err}") from None
+        limits = choice.basis_max_dims
+        if not isinstance(limits, dict) or not all(
+            name in self.layers and type(limit) is int and limit >= 1
+            for name, limit in limits.items()
+        ):
+            raise ValueError(
+                "'budget' basis_max_dims must map this model's layer names to integers >= 1, "
+                f"got {limits!r}"
+            )
+        return choice
 
     def _check_leftover(self, state: dict[str, Any]) -> None:
         """Raises ValueError unless the saved leftover moments fit (absent ones are fine)."""

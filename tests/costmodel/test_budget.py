@@ -294,6 +294,11 @@ def test_a_saved_choice_that_is_not_one_is_refused() -> None:
     state["budget"] = {"factor_update_interval": 2}
     with pytest.raises(ValueError, match="'budget' is not an overhead budget's choice"):
         opt.preconditioner.check_state_dict(state)
+    good = opt.preconditioner.state_dict()["budget"]
+    for limits in ({"nope": 96}, {"0": 0}, {"0": 9.5}, [("0", 96)]):
+        state["budget"] = {**good, "basis_max_dims": limits}
+        with pytest.raises(ValueError, match="basis_max_dims must map this model's layer"):
+            opt.preconditioner.check_state_dict(state)
 
 
 def test_one_sided_sides_are_neither_rotated_nor_refreshed_in_the_count() -> None:
