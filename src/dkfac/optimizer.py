@@ -169,9 +169,12 @@ class KFACOptimizer(Optimizer):
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
                 the training step, and where even its per-step part does not fit, the
-                orthogonalised updates take 3 Newton–Schulz steps instead of 5
-                (``describe()``'s last row says what and why); an interval, factor batch
-                or ``orthogonal_steps`` passed in ``options`` is kept. ``None``: the
+                orthogonalised updates take 3 Newton–Schulz steps instead of 5; a side
+                wider than 3/4 of the rows a step sees keeps the identity basis, its
+                rotations costing more than half its layer's training step
+                (``describe()``'s last row says what and why); an interval, factor batch,
+                ``orthogonal_steps`` or ``basis_max_dim`` passed in ``options`` is kept.
+                ``None``: the
                 fixed intervals of :data:`DEFAULT_OPTIONS` (factors every step, the basis
                 every 5) and the whole batch.
             **options: Any :class:`~dkfac.KFACConfig` field, over the defaults; with another
@@ -244,13 +247,22 @@ class KFACOptimizer(Optimizer):
         if optimizer_state.initialises_state(self.param_groups):
             self._inner_step()  # nothing can move: K-FAC's state is left as it is
             return loss
-        raw_finite = self._finite_flag() if self.skip_nonfinite else None
+        # The raw gradients the preconditioner may change into finite ones (a layer's
+        # non-finite gradient is zeroed) are its layers': it checks them itself
+        # (``gradients_finite``), and every other gradient is finite after its step when it
+        # was before. One check of every gradient, after it (a sharded layout's rows are
+        # checked before as well: its owners exchange them).
+        sharded_layout = self.preconditioner.layout is not None
+        raw_finite = self._finite_flag() if self.skip_nonfinite and sharded_layout else None
         self.preconditioner.step(lr=float(self.param_groups[0]["lr"]))
         finite = self._finite_flag() if self.skip_nonfinite else None
-        if raw_finite is None or finite is None:
+        if finite is None:
             self._inner_step()
             return loss
-        ok = self._agreed(raw_finite[0] & finite[0], raw_finite[1] or finite[1])
+        both = finite[0] & self.preconditioner.gradients_finite
+        if raw_finite is not None:
+            both = both & raw_finite[0]
+        ok = self._agreed(both, finite[1] or (raw_finite is not None and raw_finite[1]))
         if self.preconditioner.flags_on_device and _skips_on_device(self.inner):
             self._step_unless(ok)
             return loss

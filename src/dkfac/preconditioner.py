@@ -125,7 +125,9 @@ class KFACPreconditioner:
             basis intervals the options do not set are chosen within it from the layer
             sizes and the rows the first step saw, and where the per-step work alone does
             not fit, the Newton–Schulz steps of orthogonalised updates (unless set) are
-            cut to 3 (:mod:`dkfac.costmodel.budget`);
+            cut to 3; a side of an eigenbasis-moment layer wider than 3/4 of the rows it
+            sees keeps the identity basis from the first refresh on (unless
+            ``basis_max_dim`` is set; :mod:`dkfac.costmodel.budget`);
             ``describe()`` ends with a row that says what was chosen and why. ``None``:
             the options as given.
         **options: Fields of :class:`KFACConfig` (``method``, ``damping``, ``strategy``...).
@@ -164,6 +166,7 @@ class KFACPreconditioner:
             config = dataclasses.replace(config, **options)
         config = apply_model_rules(unwrap(model), config)
         self.budget: OverheadBudget | None = None
+        self._budget_spent = False  # the choice applied (after the first step)
         if overhead is not None:
             check_range("overhead", overhead, low=0.0)
             defaults = KFACConfig()
@@ -251,6 +254,11 @@ class KFACPreconditioner:
             self.leftover = LeftoverAdam(named, config)
         self.schedule_captures(0)
         self._kl_scale: Tensor | None = None
+        self.gradients_finite: Tensor | bool = True
+        """Whether every registered layer's gradient was finite at the last :meth:`step`,
+        before it was preconditioned (agreed by the ranks; a 0-d bool tensor where the
+        flags stay on the device): :class:`~dkfac.KFACOptimizer` skips on it, so that a
+        gradient this step zeroed still skips the inner step."""
         self._guard = DeviceGuard(list(self.layers))
         self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
         """Keep the finiteness guard's flags on the device (masks instead of branches, its
@@ -349,6 +357,8 @@ class KFACPreconditioner:
         except (TypeError, ValueError) as err:
             raise type(err)(f"step(): {err}") from None
         self._marks.check(self._params())
+        if self.budget is not None and self.budget.choice is None:
+            self._budget_bases()  # before the first refresh: one-sided sides from the start
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -363,7 +373,7 @@ class KFACPreconditioner:
         self._marks.record(self._params())
         self.capture.end_step(self.layers)
         self._steps += 1
-        if self.budget is not None and self.budget.choice is None:
+        if self.budget is not None and not self._budget_spent:
             self._spend_budget()
         self._set_block_steps()
         self.schedule_captures(self._steps)
@@ -393,6 +403,9 @@ class KFACPreconditioner:
             else:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
             self._update_factors(new_factors, finite, step)
+            self.gradients_finite = (
+                keep.all() if keep is not None else all(flags[1] for flags in finite.values())
+            )
         if step % inverse_interval == 0:
             with phase("dkfac.inverse"):
                 self.update_inverses(damping)
@@ -424,11 +437,24 @@ class KFACPreconditioner:
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
 
+    def _budget_bases(self) -> None:
+        """Makes the overhead budget's choice as soon as the shapes were seen (the first
+        training forward) and gives the layers it makes one-sided their limit, so that the
+        first refresh already builds their bases so (the intervals and factor batch are
+        applied after the first step, :meth:`_spend_budget`)."""
+        assert self.budget is not None
+        if self.budget.decide(self.layers, self.config.flattened_inputs) is not None:
+            self.budget.apply_bases(self.layers)
+
     def _spend_budget(self) -> None:
         """Applies the overhead budget's choice once it can be made (after the first step)."""
         assert self.budget is not None
         maps = self.config.flattened_inputs
-        if self.budget.decide(self.layers, maps) is None or not (chosen := self.budget.options()):
+        if self.budget.decide(self.layers, maps) is None:
+            return
+        self._budget_spent = True
+        self.budget.apply_bases(self.layers)
+        if not (chosen := self.budget.options()):
             return
         self.config = dataclasses.replace(self.config, **chosen)
         self.capture.config = self.config
@@ -642,9 +668,19 @@ class KFACPreconditioner:
         if saved is None or self.budget is None:
             return None
         try:
-            return Choice(**saved)
+            choice = Choice(**saved)
         except TypeError as err:
             raise ValueError(f"'budget' is not an overhead budget's choice: {err}") from None
+        limits = choice.basis_max_dims
+        if not isinstance(limits, dict) or not all(
+            name in self.layers and type(limit) is int and limit >= 1
+            for name, limit in limits.items()
+        ):
+            raise ValueError(
+                "'budget' basis_max_dims must map this model's layer names to integers >= 1, "
+                f"got {limits!r}"
+            )
+        return choice
 
     def _check_leftover(self, state: dict[str, Any]) -> None:
         """Raises ValueError unless the saved leftover moments fit (absent ones are fine)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from dkfac.costmodel.budget import (
     OVER_BUDGET_POLAR_STEPS,
     Costs,
     LayerShape,
+    basis_limit,
     choose,
     choose_for,
     layer_costs,
@@ -152,6 +154,13 @@ def _mlp() -> nn.Sequential:
     )
 
 
+def _wide() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(20, 200), nn.Tanh(), nn.Linear(200, 64), nn.Tanh(), nn.Linear(64, 5)
+    )
+
+
 def _step(model: nn.Module, opt: KFACOptimizer, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     x, y = torch.randn(128, 20, generator=gen), torch.randint(0, 5, (128,), generator=gen)
@@ -249,10 +258,13 @@ def test_a_bad_overhead_is_refused() -> None:
         KFACPreconditioner(_mlp(), overhead=-0.5)
 
 
-def test_the_choice_is_saved_and_a_resumed_run_continues_as_the_uninterrupted_one() -> None:
+@pytest.mark.parametrize("build", [_mlp, _wide], ids=["mlp", "one-sided"])
+def test_the_choice_is_saved_and_a_resumed_run_continues_as_the_uninterrupted_one(
+    build: Callable[[], nn.Module],
+) -> None:
     """A run resumed before its first step there takes the saved choice (the budget would
-    otherwise choose only after a step at the fixed intervals)."""
-    model, twin = _mlp(), _mlp()
+    otherwise choose only after a step at the fixed intervals), one-sided sides included."""
+    model, twin = build(), build()
     opt = KFACOptimizer.for_model(model, overhead=0.3)
     _step(model, opt, 0)
     state = opt.state_dict()
@@ -261,6 +273,9 @@ def test_the_choice_is_saved_and_a_resumed_run_continues_as_the_uninterrupted_on
     resumed.load_state_dict(state)
     chosen = opt.preconditioner.budget.choice  # type: ignore[union-attr]
     assert resumed.preconditioner.budget.choice == chosen  # type: ignore[union-attr]
+    for name, layer in opt.preconditioner.layers.items():
+        options = resumed.preconditioner.layers[name].solver.options  # type: ignore[attr-defined]
+        assert options == layer.solver.options  # type: ignore[attr-defined]
     assert resumed.preconditioner.config.inverse_update_interval == (
         opt.preconditioner.config.inverse_update_interval
     )
@@ -279,3 +294,64 @@ def test_a_saved_choice_that_is_not_one_is_refused() -> None:
     state["budget"] = {"factor_update_interval": 2}
     with pytest.raises(ValueError, match="'budget' is not an overhead budget's choice"):
         opt.preconditioner.check_state_dict(state)
+    good = opt.preconditioner.state_dict()["budget"]
+    for limits in ({"nope": 96}, {"0": 0}, {"0": 9.5}, [("0", 96)]):
+        state["budget"] = {**good, "basis_max_dims": limits}
+        with pytest.raises(ValueError, match="basis_max_dims must map this model's layer"):
+            opt.preconditioner.check_state_dict(state)
+
+
+def test_one_sided_sides_are_neither_rotated_nor_refreshed_in_the_count() -> None:
+    d = DISPATCH_FLOPS
+    assert basis_limit(256) == 192  # 3/4 of the rows: 2s/(3 rows) > ONE_SIDED_SHARE
+    wide = LayerShape(a=9, g=300, rows=100, basis_max=75)  # its output side is one-sided
+    both = LayerShape(a=90, g=80, rows=100, basis_max=75)  # Adam on the raw gradient
+    mapped = LayerShape(a=96, g=80, rows=100, a_parts=(8, 12), basis_max=75)  # kept: structured
+    costs = layer_costs([wide, both, mapped])
+    assert costs.fixed == 4 * 9 * 300 * 9 + 0 + 4 * 96 * 80 * (8 + 12) + 42 * d
+    assert costs.refresh == 10 * 9**3 + 0 + 10 * (8**3 + 12**3) + 48 * d
+    plain = layer_costs([LayerShape(a=9, g=300, rows=100)])
+    assert plain.fixed == 4 * 9 * 300 * 309 + 14 * d  # no limit: both sides
+
+
+def test_a_side_too_wide_for_its_rows_is_one_sided_from_the_first_refresh() -> None:
+    """Batch 128: sides wider than 96 keep the identity (the 200-wide output of the first
+    layer, the 201-wide input of the second), from the first step on; the first step's
+    update is then the one of the same sides made one-sided by hand (``basis_max_dim``)."""
+    model, twin = _wide(), _wide()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    hand = KFACOptimizer.for_model(twin, overhead=None, basis_max_dim=96)
+    _step(model, opt, 0)
+    _step(twin, hand, 0)
+    pre = opt.preconditioner
+    assert pre.budget is not None and pre.budget.choice is not None
+    assert pre.budget.choice.basis_max_dims == {"0": 96, "2": 96}
+    layers = pre.layers
+    assert layers["0"].solver.options.max_dim == 96  # type: ignore[attr-defined]
+    assert layers["4"].solver.options.max_dim is None  # type: ignore[attr-defined]
+    assert layers["0"].solver_state["qg"].numel() == 0  # type: ignore[index]
+    assert layers["0"].solver_state["qa"].shape == (21, 21)  # type: ignore[index]
+    assert layers["2"].solver_state["qa"].numel() == 0  # type: ignore[index]
+    assert "one-sided bases" in pre.describe()[-1]["reason"]
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    shapes = [
+        LayerShape(21, 200, 128, basis_max=96),
+        LayerShape(201, 64, 128, polar_steps=5, basis_max=96),
+        LayerShape(65, 5, 128),
+    ]
+    want = choose_for(shapes, 128, 0.3)  # counted without the one-sided sides' work
+    assert pre.config.inverse_update_interval == want.inverse_update_interval
+    assert pre.config.factor_update_interval == want.factor_update_interval
+
+
+def test_an_explicit_basis_max_dim_wins_over_the_rule() -> None:
+    model = _wide()
+    opt = KFACOptimizer.for_model(model, overhead=0.3, basis_max_dim=1000)
+    _step(model, opt, 0)
+    pre = opt.preconditioner
+    assert pre.budget is not None and pre.budget.choice is not None
+    assert pre.budget.choice.basis_max_dims == {}
+    assert pre.layers["0"].solver.options.max_dim == 1000  # type: ignore[attr-defined]
+    assert pre.layers["0"].solver_state["qg"].shape == (200, 200)  # type: ignore[index]
+    assert "kept as given: basis_max_dim" in pre.describe()[-1]["reason"]

@@ -276,3 +276,32 @@ def test_a_float16_parameter_keeps_float32_moments() -> None:
     left.step()
     assert param.grad.dtype == torch.float16 and left.moments["p"]["v"].dtype == torch.float32
     torch.testing.assert_close(param.grad, torch.tensor([1.0, -1.0, 1.0, -1.0]).half())
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_gradient_missing_on_some_steps_keeps_each_parameter_s_own_adam(nesterov: bool) -> None:
+    """The LayerNorm's weight and bias share a stack (one shape); the bias has no gradient
+    on steps 1 and 2, so the group is the weight alone there and the two again after, with
+    counts that differ. Each direction is still Adam on its own gradients, written out."""
+    options: dict[str, Any] = {"method": "eigen_adam", "moment_nesterov": nesterov}
+    model = Net()
+    pre = KFACPreconditioner(model, kl_clip=None, **options)
+    raw: dict[str, list[Tensor]] = {name: [] for name in LEFT}
+    for step in range(6):
+        _backward(model, step)
+        if step in (1, 2):
+            model.layers[1].bias.grad = None
+        for name, p in _named(model).items():
+            if p.grad is not None:
+                raw[name].append(p.grad.clone())
+        pre.step()
+        for name, p in _named(model).items():
+            if p.grad is None:
+                continue
+            want = _adam(raw[name], 0.9, 0.95, 1e-8, nesterov)
+            torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-14, msg=f"{step} {name}")
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.01 * p.grad
+    assert len(raw["layers.1.bias"]) == 4 and len(raw["layers.1.weight"]) == 6

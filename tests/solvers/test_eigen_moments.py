@@ -797,3 +797,47 @@ def test_half_precision_gradients_keep_float32_moments(cls, dtype: torch.dtype) 
         assert all(torch.equal(half[k], full[k]) for k in full)
     if cls is EigenAdamSolver:  # Adam's entries stay of order one
         assert float(update.float().abs().max()) < 5.0
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("split", [0.0, 0.5])
+def test_host_corrections_give_the_device_path_s_update(nesterov: bool, split: float) -> None:
+    """One count on a CPU takes its bias corrections as Python numbers; a stack of two
+    layers takes them as tensors: each layer's update is the same (float64, to rounding),
+    and both are Adam's ``m̂ ⊘ (√v̂ + ε)`` written out."""
+    options = MomentOptions(
+        beta1=0.8, beta2=0.9, eps=1e-3, nesterov=nesterov, orthogonal_rms=0.2 if split else None,
+        orthogonal_split=split,
+    )  # fmt: skip
+    solver = EigenAdamSolver(torch.float64, options)
+    gen = torch.Generator().manual_seed(5)
+    m, v = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64), torch.rand(2, 4, 3)
+    rotated = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64)
+    t = torch.tensor([[3.0], [7.0]], dtype=torch.float64)
+    stack = {"m": m, "v": v.double(), "t": t}
+    assert isinstance(solver.correction(0.8, t[0], m[0]), float)
+    assert isinstance(solver.correction(0.8, t, m), Tensor)  # counts that differ
+    same = torch.tensor([[4.0], [4.0]], dtype=torch.float64)
+    assert solver.correction(0.8, same, m) == pytest.approx(1 - 0.8**4, rel=1e-15)
+    for i in range(2):
+        one = {"m": m[i], "v": v[i].double(), "t": t[i]}
+        count = t[i].item()
+        m_hat = (
+            (0.8 * m[i] + 0.2 * rotated[i]) / (1 - 0.8 ** (count + 1))
+            if nesterov
+            else (m[i] / (1 - 0.8**count))
+        )
+        want = m_hat / ((v[i].double() / (1 - 0.9**count)).sqrt() + 1e-3)
+        if not split:
+            got = solver.scaled(one, rotated[i], 0.0)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+            torch.testing.assert_close(
+                solver.scaled(stack, rotated, 0.0)[i], got, rtol=1e-12, atol=0
+            )
+        else:
+            ratio, weight = solver.split_parts(one, rotated[i], 0.0, split)
+            ratios, weights = solver.split_parts(stack, rotated, 0.0, split)
+            # each up to a positive scale of its own: compare the products and the shapes
+            torch.testing.assert_close(ratio * weight, ratios[i] * weights[i], rtol=1e-12, atol=0)
+            scale = (ratio * weight / want).mean()
+            torch.testing.assert_close(ratio * weight, want * scale, rtol=1e-10, atol=0)

@@ -214,3 +214,65 @@ def test_a_weighted_stack_is_rescaled_matrix_by_matrix_and_zero_stays_zero() -> 
         torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
     assert torch.equal(got[1], torch.zeros(5, 7, dtype=torch.float64))
     assert got[2].square().mean().sqrt().item() == pytest.approx(0.3, rel=1e-12)
+
+
+GRAM_SHAPES = [(64, 100), (100, 64), (3, 64, 160)]  # k²n >= 64³ and n > 1.5k: the Gram path
+
+
+@pytest.mark.parametrize("shape", GRAM_SHAPES, ids=str)
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_the_gram_iteration_is_the_quintic_of_the_singular_values(
+    shape: tuple[int, ...], steps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``polar_factor`` on a wide enough matrix runs on its Gram matrix (spied on), and maps
+    each singular value by ``φᵗ`` as the SVD says, to float64 rounding, each matrix of a
+    stack on its own."""
+    gen = torch.Generator().manual_seed(11)
+    u = torch.randn(shape, generator=gen, dtype=torch.float64)
+    taken: list[tuple[int, ...]] = []
+    real = polar.iterate_gram
+
+    def spy(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
+        taken.append(tuple(matrix.shape))
+        return real(matrix, steps, dtype)
+
+    monkeypatch.setattr(polar, "iterate_gram", spy)
+    got = polar.polar_factor(u, steps, torch.float64)
+    assert taken, "the Gram iteration was not taken"
+    mats = u if u.dim() == 3 else u[None]
+    want = torch.stack([quintic_polar(m, steps) for m in mats]).reshape(shape)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(got, newton_schulz(u, steps, torch.float64), rtol=1e-9, atol=1e-11)
+
+
+def test_the_gram_iteration_in_float32_is_as_close_to_float64_as_the_quintic() -> None:
+    u = _matrix(64, 300, seed=12, spread=1e-3).float()
+    exact = newton_schulz(u.double(), 3, torch.float64)
+    gram = (polar.polar_factor(u, 3, torch.float32).double() - exact).abs().max()
+    plain = (newton_schulz(u, 3, torch.float32).double() - exact).abs().max()
+    assert gram < max(4 * plain, 1e-6), (gram, plain)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((64, 90), torch.float32), ((16, 65), torch.float32), ((64, 100), torch.bfloat16)],
+    ids=["square-ish", "small", "bf16"],
+)
+def test_the_plain_iteration_is_kept_where_the_gram_one_does_not_pay(
+    shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """``n <= 1.5k``, below ``GRAM_MIN_WORK``, or bf16 (the Gram matrix squares the
+    singular values): :func:`newton_schulz` itself, bit for bit."""
+    u = torch.randn(shape, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(polar.polar_factor(u, 3, dtype), newton_schulz(u, 3, dtype))
+
+
+def test_a_zero_update_stays_zero_on_the_gram_path() -> None:
+    assert torch.equal(orthogonal_update(torch.zeros(64, 100), 0.2, 3), torch.zeros(64, 100))
+
+
+def test_the_gram_path_refuses_what_newton_schulz_refuses() -> None:
+    with pytest.raises(ValueError, match="steps >= 1"):
+        polar.polar_factor(torch.randn(64, 100), 0, torch.float32)
+    with pytest.raises(ValueError, match="2-D matrix or a 3-D stack"):
+        polar.polar_factor(torch.randn(64), 3, torch.float32)

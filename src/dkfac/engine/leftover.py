@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from dkfac.config import SolverConfig
 from dkfac.distributed.shard_rows import gather_rows, own_rows
-from dkfac.engine.finite import finite_each
 from dkfac.solvers import EigenAdamSolver, SolverState
+from dkfac.solvers.stacking import same_tensors
 
 __all__ = ["LeftoverAdam"]
 
@@ -73,12 +73,20 @@ class LeftoverAdam:
         options = dataclasses.replace(config.adam_options(), rounding_floor=0.0)
         self.solver = EigenAdamSolver(torch.float32, options)
         self.moments: dict[str, SolverState] = {}
+        # Per group (its names): the stacked moments of the last step and the per-name
+        # slices handed out, read again while ``moments`` holds those very slices.
+        self._stacks: dict[tuple[str, ...], tuple[SolverState, list[SolverState]]] = {}
+        self._identities: dict[tuple[torch.dtype, torch.device], SolverState] = {}
 
-    @staticmethod
-    def _identity(like: Tensor) -> SolverState:
-        """The solver state of the identity basis on both sides (an empty ``q``/``d`` pair)."""
-        empty = like.new_empty(0)
-        return {"qa": empty, "da": empty, "qg": empty, "dg": empty}
+    def _identity(self, like: Tensor) -> SolverState:
+        """The solver state of the identity basis on both sides (an empty ``q``/``d`` pair),
+        made once for each dtype and device."""
+        key = (like.dtype, like.device)
+        state = self._identities.get(key)
+        if state is None:
+            empty = like.new_empty(0)
+            state = self._identities[key] = {"qa": empty, "da": empty, "qg": empty, "dg": empty}
+        return state
 
     @torch.no_grad()
     def step(self) -> None:
@@ -101,21 +109,27 @@ class LeftoverAdam:
         """The gradients of one shape, dtype and device as one stack of matrices
         (:meth:`step`): a few calls for the group, none a parameter but the copy back."""
         grads = [grad for _, grad in members]
+        names = tuple(name for name, _ in members)
         stacked = torch.stack(grads)
         matrices = stacked.view(len(grads), *_matrix_shape(grads[0])).to(_wide(stacked.dtype))
-        old = self.solver.stack_moments(
-            [self.moments.get(name) for name, _ in members], [matrices[0]] * len(members)
-        )
+        given = [self.moments.get(name) for name in names]
+        last = self._stacks.get(names)
+        if last is not None and same_tensors(given, last[1]):
+            old = last[0]  # this group's moments as the last step left them: no stacking
+        else:
+            old = self.solver.stack_moments(given, [matrices[0]] * len(members))
         update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
-        finite = finite_each(grads, matrices.device)
+        # finite_each's test, one sum a parameter in one call (float32 at least: widened)
+        finite = torch.isfinite(matrices.sum(dim=(1, 2)))
         kept = {
             key: torch.where(finite.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
             for key in new
         }
         update = torch.where(finite.view(-1, 1, 1), update, matrices)
         parts = {key: value.unbind(0) for key, value in kept.items()}  # one call a key
-        for i, (name, _) in enumerate(members):
-            self.moments[name] = {key: part[i] for key, part in parts.items()}
+        slices = [{key: part[i] for key, part in parts.items()} for i in range(len(names))]
+        self.moments.update(zip(names, slices, strict=True))
+        self._stacks[names] = (kept, slices)
         torch._foreach_copy_(grads, list(update.view(stacked.shape).unbind(0)))
 
     def nbytes(self) -> int:

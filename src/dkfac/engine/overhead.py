@@ -5,7 +5,10 @@ rows it sees: samples × positions, and the batch), and after the first step cho
 factor batch and the factor and basis intervals within the budget
 (:func:`dkfac.costmodel.budget.choose`, a pure function of the layer sizes and those rows:
 every rank makes the same choice). The first step itself captures the whole batch and
-refreshes every basis, as any first step does. Options the user set are kept.
+refreshes every basis, as any first step does; the choice is made before it where the shapes
+are known, so that the sides it makes one-sided (too wide for the rows a step sees,
+:data:`~dkfac.costmodel.budget.ONE_SIDED_SHARE`) already keep the identity basis at that
+first refresh. Options the user set are kept.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from dkfac.costmodel.budget import Choice, LayerShape, choose_for
+from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
@@ -31,9 +34,12 @@ BUDGETED_OPTIONS = (
     "factor_update_interval",
     "inverse_update_interval",
     "orthogonal_steps",
+    "basis_max_dim",
 )
 """The options the budget chooses unless the user set them (``orthogonal_steps`` only where
-layers take an orthogonalised update and the budget does not hold)."""
+layers take an orthogonalised update and the budget does not hold; ``basis_max_dim`` per
+layer, for the sides of eigenbasis-moment layers whose rotations cost more than
+:data:`~dkfac.costmodel.budget.ONE_SIDED_SHARE` of their training step)."""
 
 
 class OverheadBudget:
@@ -81,8 +87,8 @@ class OverheadBudget:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        shapes = [
-            LayerShape(
+        shapes = {
+            name: LayerShape(
                 layer.block.a_dim,
                 layer.block.g_dim,
                 self.rows.get(name, self.batch),
@@ -90,8 +96,24 @@ class OverheadBudget:
                 _polar_steps(layer),
             )
             for name, layer in layers.items()
-        ]
-        self.choice = choose_for(shapes, self.batch, self.budget, self.explicit)
+        }
+        one_sided: dict[str, int] = {}
+        if "basis_max_dim" not in self.explicit:  # sides too wide for their rows
+            for name, shape in shapes.items():
+                wider = dataclasses.replace(shape, basis_max=basis_limit(shape.rows))
+                solver = layers[name].solver
+                if isinstance(solver, EigenMomentsSolver) and wider.rotated() != shape.rotated():
+                    shapes[name], one_sided[name] = wider, basis_limit(shape.rows)
+        choice = choose_for(list(shapes.values()), self.batch, self.budget, self.explicit)
+        if one_sided:
+            note = (
+                "; one-sided bases (the identity) on the sides wider than 3/4 of the rows "
+                f"of {', '.join(one_sided)}"
+            )
+            choice = dataclasses.replace(
+                choice, basis_max_dims=one_sided, reason=choice.reason + note
+            )
+        self.choice = choice
         logger.info("overhead budget: %s", self.choice.reason)
         return self.choice
 
@@ -118,6 +140,16 @@ class OverheadBudget:
             solver = layer.solver
             if _polar_steps(layer) and isinstance(solver, EigenMomentsSolver):
                 solver.options = dataclasses.replace(solver.options, orthogonal_steps=steps)
+
+    def apply_bases(self, layers: Mapping[str, LayerState]) -> None:
+        """Gives the layers with a side too wide for their rows (the choice's
+        ``basis_max_dims``) that limit as their solvers' ``max_dim``: the sides wider keep
+        the identity from their next refresh on."""
+        limits = {} if self.choice is None else self.choice.basis_max_dims
+        for name, limit in limits.items():
+            solver = layers[name].solver if name in layers else None
+            if isinstance(solver, EigenMomentsSolver) and solver.options.max_dim != limit:
+                solver.options = dataclasses.replace(solver.options, max_dim=limit)
 
     def remove(self) -> None:
         """Removes the watching hooks (with the preconditioner's)."""

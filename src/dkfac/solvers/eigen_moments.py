@@ -177,6 +177,7 @@ digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
@@ -222,6 +223,7 @@ from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, bloc
 
 __all__ = [
     "BASIS_REFRESHES",
+    "HOST_COUNT_DEVICES",
     "MOMENT_CARRIES",
     "BasisRefresh",
     "EKFACSolver",
@@ -242,6 +244,10 @@ __all__ = [
 
 _Rotations = tuple[torch.dtype | None, SolverState, SolverState, SolverState]
 """``(out, the bases, state in, state out)``: :meth:`EigenMomentsSolver.rotation_states`'s last."""
+
+HOST_COUNT_DEVICES = frozenset({"cpu"})
+"""Device types where a layer's moment count is read as a number for its bias corrections
+(:meth:`EigenMomentsSolver.correction`): a read there waits for nothing."""
 
 BasisRefresh = Literal["eigh", "power"]
 MomentCarry = Literal["reset", "keep_v", "rotate"]
@@ -956,12 +962,29 @@ class EigenMomentsSolver(Solver):
             "t": moments["t"] + 1.0,
         }
 
-    def correction(self, beta: float, t: Tensor, like: Tensor) -> Tensor:
-        """``1 − βᵗ`` in ``like``'s dtype, shaped to broadcast over ``like`` (``t`` is
-        ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction)."""
+    def correction(
+        self, beta: float, t: Tensor, like: Tensor, ahead: float = 0.0
+    ) -> Tensor | float:
+        """``1 − β^(t + ahead)`` in ``like``'s dtype, shaped to broadcast over ``like`` (``t``
+        is ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction).
+
+        Counts on a CPU (:data:`HOST_COUNT_DEVICES`) that are all the same (one layer's, or a
+        stack's that started together) give a Python number: reading them there waits for
+        nothing, and the scalar arithmetic of the scaling is then host arithmetic, not a
+        dozen dispatched operations on one-entry tensors a group a step (a GPU, counts that
+        differ, the flat moments' counts per entry and a compiled step keep it on the
+        device)."""
         if not self.options.bias_correction:
-            return torch.ones((), dtype=like.dtype, device=like.device)
-        t = t if t.shape == like.shape else t[..., None]  # else one count per entry
+            return 1.0
+        per_layer = t.shape != like.shape  # else one count per entry (flat moments)
+        if per_layer and t.device.type in HOST_COUNT_DEVICES and not torch.compiler.is_compiling():
+            if t.numel() == 1:
+                return 1.0 - beta ** (float(t) + ahead)
+            counts = t.tolist() if t.dim() == 2 else []  # (L, 1): a count a layer of a stack
+            if counts and all(count == counts[0] for count in counts):
+                return 1.0 - beta ** (counts[0][0] + ahead)
+        t = t + ahead if ahead else t
+        t = t[..., None] if per_layer else t
         return (1.0 - torch.pow(beta, t)).to(like.dtype)
 
     def scaled(
@@ -1027,6 +1050,12 @@ class EigenMomentsSolver(Solver):
         return carried
 
 
+def _root(value: Tensor | float) -> Tensor | float:
+    """The square root of a correction (:meth:`EigenMomentsSolver.correction`), a tensor's
+    or a number's."""
+    return math.sqrt(value) if isinstance(value, float) else value.sqrt()
+
+
 class EigenAdamSolver(EigenMomentsSolver):
     """Adam's moments in the Kronecker eigenbasis: moments ``m, v, t`` (module notes)."""
 
@@ -1055,13 +1084,12 @@ class EigenAdamSolver(EigenMomentsSolver):
         (√v + ε√c₂)`` with ``c = 1 − βᵗ``: the same value in four elementwise passes instead
         of five, two of them in place."""
         del damping
-        beta1, t = self.options.beta1, moments["t"]
+        beta1, nesterov = self.options.beta1, self.options.nesterov
         m = moments["m"]
-        if self.options.nesterov:
+        if nesterov:
             m = (m * beta1).add_(rotated, alpha=1.0 - beta1)
-            t = t + 1.0
-        c1 = self.correction(beta1, t, m)
-        root_c2 = self.correction(self.options.beta2, moments["t"], m).sqrt()
+        c1 = self.correction(beta1, moments["t"], m, ahead=1.0 if nesterov else 0.0)
+        root_c2 = _root(self.correction(self.options.beta2, moments["t"], m))
         denominator = self._floored_root(moments["v"], root_c2 * self.options.eps, null, layers)
         return torch.div(m, denominator).mul_(root_c2 / c1)
 
@@ -1106,10 +1134,12 @@ class EigenAdamSolver(EigenMomentsSolver):
         del damping
         beta1, t = self.options.beta1, moments["t"]
         like = moments["m"]
-        root_c2 = self.correction(self.options.beta2, t, like).sqrt()
-        c1 = self.correction(beta1, t + 1.0 if self.options.nesterov else t, like)
-        k = root_c2.pow(1.0 - split) / c1
-        if self.options.nesterov:
+        root_c2 = _root(self.correction(self.options.beta2, t, like))
+        c1 = self.correction(beta1, t, like, ahead=1.0 if self.options.nesterov else 0.0)
+        k = root_c2 ** (1.0 - split) / c1
+        if self.options.nesterov and isinstance(k, float):
+            m = (like * (k * beta1)).add_(rotated, alpha=k * (1.0 - beta1))
+        elif self.options.nesterov:
             m = (like * (k * beta1)).addcmul_(rotated, k, value=1.0 - beta1)
         else:
             m = like * k

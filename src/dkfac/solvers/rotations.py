@@ -33,6 +33,12 @@ __all__ = [
 ]
 
 
+def _as(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor.to(dtype)``, without the dispatched call where it is already of ``dtype``
+    (a few a rotation, each a call of the dispatcher that does nothing)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def rotate(matrix: Tensor, left: Tensor, right: Tensor) -> Tensor:
     """``left @ matrix @ right``, an empty ``left`` or ``right`` standing for the identity."""
     if left.numel():
@@ -83,14 +89,14 @@ def change_basis(
     """
     structured = "qa_order" in state
     low = (dtype if dense_side(state) else None) or matrix.dtype
-    qg = state["qg"].to(low)
-    half = matrix.to(low)
+    qg = _as(state["qg"], low)
+    half = _as(matrix, low)
     if qg.numel():
         side = qg if out else _transposed(state, "qg", low)
         half = times_blocks(side, half, side_block(state, "qg"), left=True)
     if structured:
-        half = half.to(matrix.dtype)
-    return times_input_basis(half, state, transpose=out).to(matrix.dtype)
+        half = _as(half, matrix.dtype)
+    return _as(times_input_basis(half, state, transpose=out), matrix.dtype)
 
 
 def lowered_bases(state: SolverState, dtype: torch.dtype) -> SolverState:
@@ -113,10 +119,10 @@ def times_input_basis(matrix: Tensor, state: SolverState, transpose: bool = Fals
     product as with the dense ``qa``, for ``(C + P)/(C·P)`` of its cost), else dense (an
     empty ``qa`` is the identity)."""
     if "qa_order" in state:
-        channels = state["qa_channels"].to(matrix.dtype)
-        positions = state["qa_positions"].to(matrix.dtype)
+        channels = _as(state["qa_channels"], matrix.dtype)
+        positions = _as(state["qa_positions"], matrix.dtype)
         return times_basis(matrix, channels, positions, state["qa_order"], transpose)
-    qa = state["qa"].to(matrix.dtype)
+    qa = _as(state["qa"], matrix.dtype)
     if not qa.numel():
         return matrix
     side = _transposed(state, "qa", matrix.dtype) if transpose else qa
@@ -148,7 +154,7 @@ def _transposed(state: SolverState, key: str, dtype: torch.dtype) -> Tensor:
     kept = state.get(f"{key}_mT")
     if kept is not None and kept.dtype == dtype:
         return kept
-    return state[key].to(dtype).mT
+    return _as(state[key], dtype).mT
 
 
 def transition(new: Tensor, old: Tensor) -> Tensor:
