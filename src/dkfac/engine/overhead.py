@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
@@ -54,26 +55,38 @@ class OverheadBudget:
         self.budget = budget
         self.explicit = {k: v for k, v in explicit.items() if k in BUDGETED_OPTIONS}
         self.rows: dict[str, int] = {}
+        self.step_rows: dict[str, int] = {}
         self.batch: int | None = None
         self.choice: Choice | None = None
         self._handles: list[RemovableHandle] = []
 
     def watch(self, layers: Mapping[str, LayerState]) -> None:
-        """Records, on the first training forward, each layer's rows and the batch."""
+        """Records each layer's rows and the batch of the first training forward whose
+        output gradient arrives, and the rows of all of them before the first step (the
+        micro-batches of an accumulated step together); a forward never backpropagated, a
+        metric's or a probe's, counts for nothing."""
         for name, layer in layers.items():
 
             def seen(module: nn.Module, inputs: Any, output: Any, name: str = name) -> None:
-                if not module.training or name in self.rows:
-                    return
                 out = output[0] if isinstance(output, (tuple, list)) else output
                 g = layers[name].block.g_dim
-                if isinstance(out, Tensor) and g > 0:
-                    self.rows[name] = max(1, out.numel() // g)
+                if not module.training or not isinstance(out, Tensor) or g <= 0:
+                    return
+                if self.choice is not None or not out.requires_grad:
+                    return
                 first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
-                if self.batch is None and first is not None and first.dim() > 0:
-                    self.batch = int(first.shape[0])
+                batch = int(first.shape[0]) if first is not None and first.dim() > 0 else None
+                rows = max(1, out.numel() // g)
+                out.register_hook(lambda grad: self._seen(name, rows, batch))
 
             self._handles.append(layer.block.module.register_forward_hook(seen))
+
+    def _seen(self, name: str, rows: int, batch: int | None) -> None:
+        """A backpropagated forward of layer ``name`` (:meth:`watch`)."""
+        self.rows.setdefault(name, rows)
+        self.step_rows[name] = self.step_rows.get(name, 0) + rows
+        if self.batch is None and batch is not None:
+            self.batch = batch
 
     def decide(
         self, layers: Mapping[str, LayerState], maps: Mapping[str, tuple[int, int]] | None = None
@@ -98,12 +111,15 @@ class OverheadBudget:
             for name, layer in layers.items()
         }
         one_sided: dict[str, int] = {}
-        if "basis_max_dim" not in self.explicit:  # sides too wide for their rows
+        if "basis_max_dim" not in self.explicit:  # sides too wide for the step's rows
             for name, shape in shapes.items():
-                wider = dataclasses.replace(shape, basis_max=basis_limit(shape.rows))
+                limit = basis_limit(self.step_rows.get(name, shape.rows))
+                wider = dataclasses.replace(shape, basis_max=limit)
                 solver = layers[name].solver
+                if isinstance(layers[name].block, EmbeddingBlock):
+                    continue  # a diagonal input side; a position table's rows are per batch
                 if isinstance(solver, EigenMomentsSolver) and wider.rotated() != shape.rotated():
-                    shapes[name], one_sided[name] = wider, basis_limit(shape.rows)
+                    shapes[name], one_sided[name] = wider, limit
         choice = choose_for(list(shapes.values()), self.batch, self.budget, self.explicit)
         if one_sided:
             note = (
