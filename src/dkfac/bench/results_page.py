@@ -127,9 +127,9 @@ FSDP_STEP = "fsdp_step_cpu.json"
 DEFAULT_TASKS = {
     "digits CNN": ("tta", "tta_digits_default_v10.json"),
     "autoencoder": ("autoencoder", "autoencoder_digits_default_v10.json"),
-    "language model": ("lm", "lm_gpt_default_v10.json"),
+    "language model": ("lm", "lm_gpt_default_v11.json"),
 }
-SUITE = "suite_default_v9.json"
+SUITE = "suite_default_v10.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 SOAK_RUNS = {
     "eigen": "soak-digits-2ranks.json",
