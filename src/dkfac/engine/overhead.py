@@ -72,7 +72,7 @@ class OverheadBudget:
                 g = layers[name].block.g_dim
                 if not module.training or not isinstance(out, Tensor) or g <= 0:
                     return
-                if self.choice is not None or not out.requires_grad:
+                if not out.requires_grad:  # (the hooks are removed once the choice is made)
                     return
                 first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
                 batch = int(first.shape[0]) if first is not None and first.dim() > 0 else None
