@@ -88,3 +88,27 @@ def test_sparse_embedding_is_skipped_with_warning(caplog: pytest.LogCaptureFixtu
         pre = KFACPreconditioner(model)
     assert list(pre.layers) == ["1"]
     assert "sparse embedding" in caplog.text
+
+
+class _OffsetPositions(nn.Embedding):
+    """Learned positions as BART writes them: called with the token ids, it looks up
+    ``arange(T) + 2``, so its input is not the rows it reads."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        return super().forward(positions + 2)
+
+
+class _Subclass(nn.Embedding):
+    """A subclass that keeps ``nn.Embedding.forward``: its input is still the ids."""
+
+
+def test_a_subclass_with_its_own_forward_is_declined_and_one_without_is_not() -> None:
+    model = nn.ModuleDict(
+        {"tokens": _Subclass(7, 3), "positions": _OffsetPositions(6, 3), "head": nn.Linear(3, 2)}
+    )
+    pre = KFACPreconditioner(model, method="eigen_adam")
+    assert set(pre.layers) == {"tokens", "head"}
+    rows = {r["name"]: r for r in pre.describe()}
+    assert "_OffsetPositions overrides nn.Embedding.forward" in rows["positions.weight"]["reason"]
+    assert rows["positions.weight"]["method"] == "adam"

@@ -55,6 +55,34 @@ def test_maps_are_found_through_channel_keeping_operations() -> None:
     assert flattened_conv_inputs(_Functional()) == {"head": (5, 16)}
 
 
+class _NormsAndActivations(nn.Module):
+    """Channel-keeping layers beyond BatchNorm and ReLU before the flatten: InstanceNorm,
+    GroupNorm, SyncBatchNorm, ReLU6, Hardswish, upsampling and padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True))
+        self.b = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.SyncBatchNorm(6), nn.ReLU6())
+        self.c = nn.Sequential(nn.Conv2d(3, 2, 3), nn.GroupNorm(1, 2), nn.Hardswish())
+        self.grow = nn.Upsample(scale_factor=2)
+        self.fa, self.fb = nn.Linear(4 * 36, 2), nn.Linear(6 * 144, 2)
+        self.fc = nn.Linear(2 * 36, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.flatten(self.a(x), 1)
+        b = torch.flatten(self.grow(self.b(x)), 1)
+        c = F.pad(nn.functional.mish(self.c(x)), (1, 1, 1, 1)).flatten(1)
+        return self.fa(a) + self.fb(b) + self.fc(c)
+
+
+def test_maps_are_found_through_other_norms_activations_and_resizing() -> None:
+    assert flattened_conv_inputs(_NormsAndActivations()) == {
+        "fa": (4, 36),
+        "fb": (6, 144),
+        "fc": (2, 36),
+    }
+
+
 class _Untraceable(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -97,13 +97,17 @@ def _accumulation_gap(tmp_path: Path, **how: Any) -> float:
 def test_accumulation_equals_the_unaccumulated_batch(tmp_path: Path) -> None:
     """Two micro-batches of 8 against one of 16, no count given to dkfac (the Trainer
     divides each micro-batch's token sum by the step's token count; dkfac counts the two
-    backward passes): the damped eigen method equal to float32 rounding, and the default
-    (Adam in the eigenbasis) as close as the Trainer's own AdamW. The position embedding's
+    backward passes): the damped eigen method equal to float32 rounding, and the default's
+    Adam in the eigenbasis as close as the Trainer's own AdamW. The position embedding's
     factor is singular: its null space gets a canonical basis and Adam a rounding floor
-    (without them the default ended 1e-2 apart)."""
+    (without them the default ended 1e-2 apart). The default's orthogonalised update of the
+    hidden Conv1D matrices is left out here: it turns rounding differences into update
+    differences (3e-3 apart after 3 steps; the same batch with its rows in reverse order
+    moves them as far), so it cannot tell the step's counting from rounding."""
     adamw = _accumulation_gap(tmp_path, adamw=True)
     assert _accumulation_gap(tmp_path, options={"method": "eigen"}) < 1e-6
-    assert _accumulation_gap(tmp_path) < 4 * max(adamw, 1e-6)
+    unorthogonal = {"orthogonal_layers": ()}
+    assert _accumulation_gap(tmp_path, options=unorthogonal) < 4 * max(adamw, 1e-6)
 
 
 def test_gradient_checkpointing_changes_nothing(tmp_path: Path) -> None:

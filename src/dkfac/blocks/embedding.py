@@ -13,6 +13,11 @@ counting in the normaliser, as positions whose per-sample gradient for ``W`` is 
 The rows of ``A`` are one-hot, so a dense solver holds a ``V × V`` factor: fine for the
 vocabularies of small models; very large vocabularies should be listed in ``skip_layers``.
 
+A subclass that overrides ``forward`` is declined (:meth:`EmbeddingBlock.declines`): its
+input need not be the rows it reads (BART's learned positions take the token ids and add an
+offset; OPT's take the attention mask), and a factor of the wrong rows would be silently
+wrong. Its table gets the inner optimizer's update.
+
 An *unbatched* lookup (1-D ids, e.g. GPT-2's ``wpe(arange(T))`` added to every sample of
 the batch by broadcasting) counts as one sample: autograd sums its output gradient over the
 batch before the hook sees it, so ``G``'s rows are the gradient of the batch's mean loss
@@ -41,9 +46,19 @@ class EmbeddingBlock(Block):
 
     @classmethod
     def declines(cls, module: nn.Module, **options: Any) -> str | None:
-        """Sparse embedding gradients are not supported."""
+        """Sparse embedding gradients are not supported, nor a subclass with its own
+        ``forward``: the hooks see that forward's input, which need not be the ids it looks
+        up (BART's and OPT's learned positions are read from the token ids or the
+        attention mask, plus an offset), so ``A`` would count the wrong rows."""
         del options
-        return "sparse embedding gradients are not supported" if module.sparse else None
+        if module.sparse:
+            return "sparse embedding gradients are not supported"
+        if type(module).forward is not nn.Embedding.forward:
+            return (
+                f"{type(module).__name__} overrides nn.Embedding.forward: the rows it looks "
+                "up are not its input"
+            )
+        return None
 
     def cost_description(self) -> BlockCost:
         """A lookup, not a matrix product: no forward flops."""

@@ -4,18 +4,20 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
 ``skip_layers=["^tokens$", "^head$"]``) and shapes by hand (``flattened_inputs=
 ["classifier.0=64x16"]``). The rules here read them off the model instead:
 
-* :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.MultiheadAttention`` and
-  ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``, the first
-  matrix layer when the model has no embedding (it reads the raw data); ``"head"``, the last
-  matrix layer (it writes the outputs); ``"hidden"``, every other one. A pattern
-  ``"role:NAME"`` in ``skip_layers`` or ``orthogonal_layers`` stands for the layers of that
-  role (:func:`resolve_role_patterns`); module names never hold a colon, so no regular
-  expression is taken for a role by mistake.
+* :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.MultiheadAttention``,
+  ``transformers``' ``Conv1D`` (GPT-2's projections, a linear layer with its weight stored
+  transposed) and ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``,
+  the first matrix layer when the model has no embedding (it reads the raw data);
+  ``"head"``, the last matrix layer (it writes the outputs); ``"hidden"``, every other one.
+  A pattern ``"role:NAME"`` in ``skip_layers`` or ``orthogonal_layers`` stands for the
+  layers of that role (:func:`resolve_role_patterns`); module names never hold a colon, so
+  no regular expression is taken for a role by mistake.
 * :func:`flattened_conv_inputs`: a linear layer whose input is ``flatten(x, 1)`` of a
-  convolution's ``C``-channel map (through pooling, activations, normalisation, dropout and
-  residual additions, which keep the channels) reads ``C × P`` features, channel-major, with
-  ``P = in_features / C`` positions: found by tracing the model's graph (``torch.fx``), with
-  no input. A model fx cannot trace (data-dependent control flow) gets none.
+  convolution's ``C``-channel map (through pooling, upsampling, padding, activations,
+  normalisation over channels, dropout and residual additions, which keep the channels)
+  reads ``C × P`` features, channel-major, with ``P = in_features / C`` positions: found
+  by tracing the model's graph (``torch.fx``), with no input. A model fx cannot trace
+  (data-dependent control flow) gets none.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.nn.modules.batchnorm import _NormBase
 
+from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
 from dkfac.config import KFACConfig
 from dkfac.config.checks import GRAPH_MAPS
 
@@ -57,16 +61,25 @@ ROLE_PREFIX = "role:"
 
 _MATRIX = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_CHANNEL_COUNTS = {nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm}
+_CHANNEL_COUNTS = (_NormBase, nn.GroupNorm)
+"""Normalisations over channels (BatchNorm, SyncBatchNorm, InstanceNorm, GroupNorm and their
+subclasses): each knows its channel count."""
 _KEEPS_CHANNELS_MODULES = (
-    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity,
-    nn.Dropout, nn.Dropout2d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
-    nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-    nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool2d,
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh,
+    nn.Hardswish, nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.Softplus,
+    nn.PReLU, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+    nn.AlphaDropout, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d,
+    nn.AvgPool3d, nn.LPPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Upsample,
+    nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
+    nn.LocalResponseNorm,
 )  # fmt: skip
 _KEEPS_CHANNELS_FUNCTIONS = {
-    F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid, F.max_pool2d, F.avg_pool2d,
-    F.adaptive_avg_pool2d, F.dropout, operator.add, torch.add, operator.mul,
+    F.relu, F.relu6, torch.relu, F.gelu, F.silu, F.mish, F.hardswish, F.hardsigmoid,
+    F.leaky_relu, F.elu, F.selu, F.softplus, torch.tanh, torch.sigmoid, F.max_pool1d,
+    F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d,
+    F.interpolate, F.pad, F.dropout, F.dropout2d, operator.add, torch.add, operator.mul,
+    torch.mul,
 }  # fmt: skip
 _KEEPS_CHANNELS_METHODS = {"relu", "relu_", "tanh", "sigmoid", "contiguous", "add", "mul"}
 
@@ -96,16 +109,25 @@ def apply_model_rules(model: nn.Module, config: KFACConfig) -> KFACConfig:
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def _is_matrix(module: nn.Module) -> bool:
+    """Whether ``module`` is a weight-matrix layer: one of :data:`_MATRIX`, or a class
+    derived from ``transformers``' ``Conv1D`` (known by its qualified name, so
+    ``transformers`` is not imported)."""
+    if isinstance(module, _MATRIX):
+        return True
+    return any(f"{k.__module__}.{k.__qualname__}" == HF_CONV1D for k in type(module).__mro__)
+
+
 def layer_roles(model: nn.Module) -> dict[str, str]:
     """Qualified module name -> its role (see the module docstring), in module order."""
     modules = list(model.named_modules())
     has_embedding = any(isinstance(m, nn.Embedding) for _, m in modules)
-    matrices = [name for name, m in modules if isinstance(m, _MATRIX)]
+    matrices = [name for name, m in modules if _is_matrix(m)]
     roles: dict[str, str] = {}
     for name, module in modules:
         if isinstance(module, nn.Embedding):
             roles[name] = "embedding"
-        elif isinstance(module, _MATRIX):
+        elif _is_matrix(module):
             first = name == matrices[0] and not has_embedding
             roles[name] = "head" if name == matrices[-1] else "input" if first else "hidden"
     return roles
@@ -133,6 +155,9 @@ def basis_block_from_widths(model: nn.Module) -> int | None:
         elif isinstance(module, _CONV):
             out = module.out_channels
             inp = module.in_channels * math.prod(module.kernel_size) + (module.bias is not None)
+        elif _is_matrix(module) and not isinstance(module, nn.MultiheadAttention):
+            inp, out = module.weight.shape  # transformers' Conv1D: stored in x out
+            inp += module.bias is not None
         else:
             continue
         sides += [out, inp]
@@ -255,7 +280,7 @@ def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
         module = modules.get(str(current.target)) if current.op == "call_module" else None
         if isinstance(module, _CONV):
             return int(module.out_channels)
-        if _unsharded(type(module)) in _CHANNEL_COUNTS:
+        if issubclass(_unsharded(type(module)), _CHANNEL_COUNTS):
             return int(getattr(module, "num_features", getattr(module, "num_channels", 0)))
         keeps = (
             isinstance(module, _KEEPS_CHANNELS_MODULES)

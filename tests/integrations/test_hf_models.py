@@ -1,0 +1,100 @@
+"""``KFACOptimizer.for_model`` on the model classes of HuggingFace ``transformers``, as a user
+would call it: each tiny model built from a config (nothing downloaded), trained with its own
+``labels`` loss, and what the default decided checked against the model's structure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dkfac import KFACOptimizer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, LENGTH = 48, 8
+
+
+def _ids(batch: int = 4) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, LENGTH), generator=torch.Generator().manual_seed(1))
+
+
+def _train(model: nn.Module, steps: int = 2, **batch: Any) -> KFACOptimizer:
+    opt = KFACOptimizer.for_model(model)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return opt
+
+
+def _orthogonal(opt: KFACOptimizer) -> set[str]:
+    return {r["name"] for r in opt.preconditioner.describe() if "orthogonal" in (r["method"] or "")}
+
+
+def test_gpt2_orthogonalises_its_conv1d_matrices_as_muon_splits_them() -> None:
+    """GPT-2's projections are ``transformers``' ``Conv1D``, not ``nn.Linear``: they are its
+    hidden matrices, so ``role:hidden`` orthogonalises them; the position embedding and the
+    head (tied to the token embedding) keep the unorthogonalised update."""
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = _ids()
+    opt = _train(model, input_ids=ids, labels=ids)
+    conv1d = {
+        name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"
+    }  # c_attn, c_proj, c_fc, c_proj of each block
+    assert len(conv1d) == 8
+    assert _orthogonal(opt) == conv1d
+    assert set(opt.preconditioner.layers) == conv1d | {"transformer.wpe", "lm_head"}
+
+
+def _declined(opt: KFACOptimizer) -> dict[str, str]:
+    return {
+        r["name"]: r["reason"]
+        for r in opt.preconditioner.describe()
+        if r["block"] == "inner optimizer" and "overrides nn.Embedding.forward" in r["reason"]
+    }
+
+
+def test_bart_learned_positions_are_left_to_adam_not_read_from_the_token_ids() -> None:
+    """BART's position embedding is called with the token ids and looks up ``arange(T) + 2``:
+    a factor built from its input would count token ids as positions (and fail where the
+    vocabulary is larger than the table). It is declined, named with its reason, and the
+    model trains."""
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=LENGTH, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.BartForConditionalGeneration(config)
+    assert model.model.encoder.embed_positions.num_embeddings < VOCAB
+    ids = _ids()
+    opt = _train(model, input_ids=ids, labels=ids.flip(1).contiguous())
+    assert set(_declined(opt)) == {
+        "model.encoder.embed_positions.weight",
+        "model.decoder.embed_positions.weight",
+    }
+    rows = {r["name"]: r for r in opt.preconditioner.describe()}
+    assert rows["model.encoder.embed_positions.weight"]["method"] == "adam"
+
+
+def test_opt_learned_positions_are_not_read_from_the_attention_mask() -> None:
+    """OPT's position embedding is called with the attention mask (0s and 1s): a factor of
+    its input would silently count two rows of the table. It is declined."""
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+        num_attention_heads=2, max_position_embeddings=LENGTH, word_embed_proj_dim=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.OPTForCausalLM(config)
+    ids = _ids()
+    opt = _train(model, input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    assert set(_declined(opt)) == {"model.decoder.embed_positions.weight"}
+    assert "model.decoder.embed_positions" not in opt.preconditioner.layers
