@@ -223,7 +223,11 @@ def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
     flattened (see the module docstring); empty when the model cannot be traced, and for a
     model wrapped in FSDP1's ``FullyShardedDataParallel`` (its flat parameters hide the
     layers). A model sharded with FSDP2's ``fully_shard`` is traced as its unsharded twin
-    (:class:`_UnshardedTracer`), so it gets the same maps."""
+    (:class:`_UnshardedTracer`), and one compiled with ``torch.compile`` (the whole model or
+    its parts) as the module it compiles, so both get the eager model's maps."""
+    original = _compiled_original(model)
+    if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
+        return {f"_orig_mod.{k}": v for k, v in flattened_conv_inputs(original).items()}
     wrapped = [
         n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
     ]
@@ -293,6 +297,14 @@ def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
     return None
 
 
+def _compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped in ``module`` (an ``OptimizedModule``, whose
+    forward fx cannot trace), or ``None`` when ``module`` is not such a wrapper."""
+    original = getattr(module, "_orig_mod", None)
+    compiled = type(module).__name__ == "OptimizedModule"
+    return original if compiled and isinstance(original, nn.Module) else None
+
+
 def _unsharded(cls: type) -> type:
     """The class ``fully_shard`` derived ``cls`` from (``FSDPLinear`` -> ``nn.Linear``), or
     ``cls`` itself when it is not such a class."""
@@ -312,10 +324,11 @@ def _fsdp_module() -> type | None:
 
 
 class _UnshardedTracer(fx.Tracer):
-    """``torch.fx``'s tracer that sees a ``fully_shard`` model as the model it was made
-    from: a sharded ``torch.nn`` layer is a leaf as its class would be, and a sharded module
-    is traced through its own ``forward``, without the sharding's hooks (which gather
-    parameters, and which FSDP refuses to run from a submodule before the root)."""
+    """``torch.fx``'s tracer that sees a compiled part as the module it compiles, and a
+    ``fully_shard`` model as the model it was made from: a sharded ``torch.nn`` layer is a
+    leaf as its class would be, and a sharded module is traced through its own ``forward``,
+    without the sharding's hooks (which gather parameters, and which FSDP refuses to run
+    from a submodule before the root)."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         cls = _unsharded(type(m))
@@ -328,4 +341,7 @@ class _UnshardedTracer(fx.Tracer):
     ) -> Any:
         if _unsharded(type(m)) is not type(m):
             forward = functools.partial(type(m).forward, m)
+        original = _compiled_original(m)
+        if original is not None:  # a compiled part: traced through the module it compiles
+            forward = original.forward
         return super().call_module(m, forward, args, kwargs)
