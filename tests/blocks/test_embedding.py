@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dkfac import KFACPreconditioner
+from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.blocks.embedding import token_counts
 from tests.oracles import dense_eigen_solve
 
@@ -112,3 +112,24 @@ def test_a_subclass_with_its_own_forward_is_declined_and_one_without_is_not() ->
     rows = {r["name"]: r for r in pre.describe()}
     assert "_OffsetPositions overrides nn.Embedding.forward" in rows["positions.weight"]["reason"]
     assert rows["positions.weight"]["method"] == "adam"
+
+
+@pytest.mark.parametrize("padding_idx", [0, 5, -1])
+def test_the_padding_vector_stays_under_the_default(padding_idx: int) -> None:
+    """``for_model``'s moments in the eigenbasis: the basis of ``A``'s null space mixes the
+    padding row with absent tokens' rows, whose moments would move it; the padding vector
+    stays as it is (AdamW leaves it too), every seen token's row moves."""
+    model = _Model(vocab=12, dim=4, padding_idx=padding_idx)
+    pad = model.emb.padding_idx
+    before = model.emb.weight.detach().clone()
+    opt = KFACOptimizer.for_model(model, lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(8):
+        ids = torch.randint(0, 6 + step % 4, (4, 5), generator=gen)  # tokens come and go
+        ids[:, -2:] = pad
+        opt.zero_grad()
+        _loss(model, ids).backward()
+        opt.step()
+    moved = (model.emb.weight.detach() - before).abs().amax(dim=1)
+    assert moved[pad] == 0
+    assert (moved[[i for i in range(6) if i != pad]] > 0).all()

@@ -8,8 +8,13 @@ convention the weight matrix is ``Wᵀ`` (``D × V``), ``ā_r = e_{x_r}`` and
 * ``G = mean_r g_r g_rᵀ`` exactly as for Linear.
 
 ``padding_idx`` is honoured: padding tokens contribute a zero row to ``A`` (their row of
-``W`` never receives a gradient, so its preconditioned gradient stays zero) while still
-counting in the normaliser, as positions whose per-sample gradient for ``W`` is zero.
+``W`` never receives a gradient) while still counting in the normaliser, as positions whose
+per-sample gradient for ``W`` is zero. The damped K-FAC solve keeps that row's
+preconditioned gradient zero, but a method with moments in the eigenbasis does not: the
+basis of ``A``'s null space mixes the padding row with the rows of tokens absent from the
+batch, whose moments then move it. The block writes the padding row back as zero wherever
+its own gradient is zero (always, unless the table is tied to a head), so the padding
+vector stays as ``nn.Embedding`` promises, as under AdamW.
 The rows of ``A`` are one-hot, so a dense solver holds a ``V × V`` factor: fine for the
 vocabularies of small models; very large vocabularies should be listed in ``skip_layers``.
 
@@ -127,10 +132,18 @@ class EmbeddingBlock(Block):
         return None if grad is None else grad.T
 
     def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """A ``D × V`` matrix back as the ``V × D`` gradient."""
+        """A ``D × V`` matrix back as the ``V × D`` gradient, the ``padding_idx`` row zero
+        where its own gradient is (see the module notes)."""
         grad = self.module.weight.grad
         assert grad is not None
-        return [(grad, matrix.T)]
+        value = matrix.T
+        pad = self.module.padding_idx
+        if pad is None:
+            return [(grad, value)]
+        row = value[pad : pad + 1] * grad[pad].ne(0).any()  # no host read
+        writes = [(grad[:pad], value[:pad]), (grad[pad : pad + 1], row)]
+        writes.append((grad[pad + 1 :], value[pad + 1 :]))
+        return [(dest, part) for dest, part in writes if dest.numel()]
 
     def parameters(self) -> list[Tensor]:
         """The embedding table."""
