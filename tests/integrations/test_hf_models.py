@@ -98,3 +98,26 @@ def test_opt_learned_positions_are_not_read_from_the_attention_mask() -> None:
     opt = _train(model, input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
     assert set(_declined(opt)) == {"model.decoder.embed_positions.weight"}
     assert "model.decoder.embed_positions" not in opt.preconditioner.layers
+
+
+def test_a_vision_transformers_patch_layer_is_its_input_layer() -> None:
+    """CLIP's vision tower has a position ``nn.Embedding`` after its patch convolution: the
+    convolution still reads the pixels, so it is the input layer (Adam's update, as Muon
+    leaves it), not a hidden matrix; the projection is the head."""
+    config = transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=8, patch_size=4, projection_dim=8,
+    )  # fmt: skip
+    model = transformers.CLIPVisionModelWithProjection(config)
+    opt = KFACOptimizer.for_model(model)
+    pixels = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        opt.zero_grad()
+        model(pixel_values=pixels).image_embeds.pow(2).mean().backward()
+        opt.step()
+    patch, projection = "vision_model.embeddings.patch_embedding", "visual_projection"
+    layers = set(opt.preconditioner.layers)
+    assert {patch, projection} <= layers
+    hidden = layers - {patch, projection, "vision_model.embeddings.position_embedding"}
+    assert _orthogonal(opt) == hidden
+    assert len(hidden) == 6  # q, k, v, out, fc1, fc2

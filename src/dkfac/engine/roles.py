@@ -7,7 +7,9 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
 * :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.MultiheadAttention``,
   ``transformers``' ``Conv1D`` (GPT-2's projections, a linear layer with its weight stored
   transposed) and ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``,
-  the first matrix layer when the model has no embedding (it reads the raw data);
+  the first matrix layer when no embedding comes before it in module order (it reads the
+  raw data: a vision or audio transformer's patch layer, whose position embedding comes
+  after it; a language model's first layer reads its token embedding);
   ``"head"``, the last matrix layer (it writes the outputs); ``"hidden"``, every other one.
   A pattern ``"role:NAME"`` in ``skip_layers`` or ``orthogonal_layers`` stands for the
   layers of that role (:func:`resolve_role_patterns`); module names never hold a colon, so
@@ -121,14 +123,13 @@ def _is_matrix(module: nn.Module) -> bool:
 def layer_roles(model: nn.Module) -> dict[str, str]:
     """Qualified module name -> its role (see the module docstring), in module order."""
     modules = list(model.named_modules())
-    has_embedding = any(isinstance(m, nn.Embedding) for _, m in modules)
     matrices = [name for name, m in modules if _is_matrix(m)]
     roles: dict[str, str] = {}
     for name, module in modules:
         if isinstance(module, nn.Embedding):
             roles[name] = "embedding"
         elif _is_matrix(module):
-            first = name == matrices[0] and not has_embedding
+            first = name == matrices[0] and "embedding" not in roles.values()
             roles[name] = "head" if name == matrices[-1] else "input" if first else "hidden"
     return roles
 
