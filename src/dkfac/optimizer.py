@@ -12,6 +12,7 @@ momentum, its factor batch and intervals chosen within :data:`DEFAULT_OVERHEAD`.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -26,6 +27,8 @@ from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import finite_each
 from dkfac.engine.overhead import BUDGETED_OPTIONS
+from dkfac.engine.registration import unwrap
+from dkfac.engine.roles import vocabulary_layers
 from dkfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger(__name__)
@@ -152,11 +155,17 @@ class KFACOptimizer(Optimizer):
         Adam's direction on their raw gradient (``leftover_update``), so the same SGD steps
         them as AdamW at ``lr`` would.
 
+        A language model's token table and output layer with a tokenizer's vocabulary
+        (wider than :data:`~dkfac.engine.roles.VOCABULARY_FLOOR` and than every hidden
+        layer: :func:`~dkfac.engine.roles.vocabulary_layers`) are left to Adam's direction,
+        as Muon leaves them: their dense ``V × V`` factors would cost more than all the
+        hidden layers' (``describe()`` names them by their ``skip_layers`` pattern); a
+        ``skip_layers`` given in ``options`` replaces this rule.
+
         The same advice holds for a transformer: use this, adding
-        ``loss_average="positions"`` when the loss is a mean over every token, and a large
-        vocabulary's head in ``skip_layers``. The tuned configurations measured against
-        AdamW, Muon and SOAP are in ``benchmarks/recipes/`` (docs/transformers.md shows the
-        language model's as options of this method).
+        ``loss_average="positions"`` when the loss is a mean over every token. The tuned
+        configurations measured against AdamW, Muon and SOAP are in ``benchmarks/recipes/``
+        (docs/transformers.md shows the language model's as options of this method).
 
         Example:
             >>> opt = KFACOptimizer.for_model(model)  # doctest: +SKIP
@@ -197,6 +206,11 @@ class KFACOptimizer(Optimizer):
         if overhead is not None:  # the budget chooses these unless the caller did
             unread = (*unread, *BUDGETED_OPTIONS)
         defaults = {k: v for k, v in DEFAULT_OPTIONS.items() if k not in unread}
+        if "skip_layers" not in options:
+            wide = vocabulary_layers(unwrap(model))
+            if wide:
+                logger.info("for_model: the vocabulary layers %s keep Adam's direction", wide)
+                defaults["skip_layers"] = tuple(f"^{re.escape(name)}$" for name in wide)
         preconditioner = KFACPreconditioner(model, overhead=overhead, **{**defaults, **options})
         # Every parameter, frozen ones too, as AdamW(model.parameters()) takes them: one
         # unfrozen later is stepped (a parameter without a gradient is left as it is).

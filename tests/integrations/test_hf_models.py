@@ -121,3 +121,30 @@ def test_a_vision_transformers_patch_layer_is_its_input_layer() -> None:
     hidden = layers - {patch, projection, "vision_model.embeddings.position_embedding"}
     assert _orthogonal(opt) == hidden
     assert len(hidden) == 6  # q, k, v, out, fc1, fc2
+
+
+def test_a_tokenizers_vocabulary_is_left_to_adam_and_a_small_one_is_not() -> None:
+    """An untied Llama with a 5,000-token vocabulary (wider than 4096 and than its hidden
+    layers): the token table and the head keep Adam's direction (their dense ``V × V``
+    factors would be 100 MB and an eigendecomposition of that side every refresh); the
+    hidden matrices are preconditioned. With a small vocabulary, or ``skip_layers`` given,
+    the rule leaves nothing out."""
+
+    def llama(vocab: int) -> nn.Module:
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=LENGTH,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config)
+
+    vocabulary = {"model.embed_tokens", "lm_head"}
+    model = llama(5000)
+    opt = _train(model, steps=1, input_ids=_ids(), labels=_ids())
+    assert not vocabulary & set(opt.preconditioner.layers)
+    rows = {r["name"]: r for r in opt.preconditioner.describe()}
+    assert all(rows[f"{name}.weight"]["method"] == "adam" for name in vocabulary)
+    assert len(opt.preconditioner.layers) == 7  # q, k, v, o, gate, up, down
+    assert vocabulary <= set(KFACOptimizer.for_model(llama(VOCAB)).preconditioner.layers)
+    given = KFACOptimizer.for_model(llama(5000), skip_layers=["down_proj"])
+    assert vocabulary <= set(given.preconditioner.layers)

@@ -45,12 +45,14 @@ from dkfac.config.checks import GRAPH_MAPS
 __all__ = [
     "ROLES",
     "ROLE_PREFIX",
+    "VOCABULARY_FLOOR",
     "apply_model_rules",
     "basis_block_from_widths",
     "flattened_conv_inputs",
     "layer_roles",
     "resolve_role_patterns",
     "role_blocks",
+    "vocabulary_layers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -151,23 +153,66 @@ def basis_block_from_widths(model: nn.Module) -> int | None:
     widths, sides = [], []
     for name, role in roles.items():
         module = modules[name]
-        if isinstance(module, nn.Linear):
-            out, inp = module.out_features, module.in_features + (module.bias is not None)
-        elif isinstance(module, _CONV):
-            out = module.out_channels
-            inp = module.in_channels * math.prod(module.kernel_size) + (module.bias is not None)
-        elif _is_matrix(module) and not isinstance(module, nn.MultiheadAttention):
-            inp, out = module.weight.shape  # transformers' Conv1D: stored in x out
-            inp += module.bias is not None
-        else:
+        if not _is_matrix(module) or isinstance(module, nn.MultiheadAttention):
             continue
-        sides += [out, inp]
+        out, inp = _sides(module)
+        sides += [out, inp + (getattr(module, "bias", None) is not None)]
         if role == "hidden":
             widths.append(out)
     wide = [w for w in widths if w >= MIN_BLOCK]
     if not wide or max(sides) <= 2 * min(wide):
         return None
     return min(wide)
+
+
+VOCABULARY_FLOOR = 4096
+"""A table side :func:`vocabulary_layers` may leave out only above this (a dense factor of
+4096² float32 entries is 64 MiB, and its eigendecomposition seconds on a CPU core)."""
+
+
+def vocabulary_layers(model: nn.Module, floor: int = VOCABULARY_FLOOR) -> list[str]:
+    """The embeddings and heads whose vocabulary side (an embedding's rows, a head's
+    outputs) is wider than ``floor`` and than every side of the hidden layers, in module
+    order: a language model's token table and output layer with a real tokenizer's
+    vocabulary (32,000 rows and more), whose dense ``V × V`` factor would cost more than all
+    the hidden layers' together (Muon leaves both to Adam). Empty when the model has no
+    hidden layer to compare with."""
+    roles = layer_roles(model)
+    modules = dict(model.named_modules())
+    widest = max(
+        (
+            side
+            for name, role in roles.items()
+            if role == "hidden"
+            for side in _sides(modules[name])
+        ),
+        default=None,
+    )
+    if widest is None:
+        return []
+    vocabulary = {}
+    for name, role in roles.items():
+        module = modules[name]
+        if role == "embedding" and isinstance(module, nn.Embedding):
+            vocabulary[name] = int(module.num_embeddings)
+        elif role == "head" and not isinstance(module, nn.MultiheadAttention):
+            vocabulary[name] = _sides(module)[0]
+    return [name for name, side in vocabulary.items() if side > max(floor, widest)]
+
+
+def _sides(module: nn.Module) -> tuple[int, int]:
+    """``(outputs, inputs)`` of a matrix layer's weight (a convolution's inputs per output
+    position; ``(0, 0)`` for an attention module, whose projections are hidden matrices
+    of their own width)."""
+    if isinstance(module, nn.Linear):
+        return int(module.out_features), int(module.in_features)
+    if isinstance(module, _CONV):
+        return int(module.out_channels), int(module.in_channels * math.prod(module.kernel_size))
+    if isinstance(module, nn.MultiheadAttention):
+        return int(module.embed_dim), int(module.embed_dim)
+    weight = module.weight  # transformers' Conv1D: stored inputs x outputs
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[1]), int(weight.shape[0])
 
 
 def resolve_role_patterns(
