@@ -86,7 +86,7 @@ from dkfac.engine.registration import (
     rows_rule,
     unwrap,
 )
-from dkfac.engine.roles import apply_model_rules, layer_roles
+from dkfac.engine.roles import apply_model_rules, block_roles, layer_roles
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
@@ -226,9 +226,11 @@ class KFACPreconditioner:
         gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
         if gathered > 1 and self.comm.active:
             self.capture.rank_mean = functools.partial(rank_mean, self.comm)
+        roles = layer_roles(unwrap(model))
         self.layers: dict[str, LayerState] = create_layers(
-            blocks, config, rows_rule(config, gathered), layer_roles(unwrap(model))
+            blocks, config, rows_rule(config, gathered), roles
         )
+        self._roles = block_roles(roles, self.layers)
         self.late = LateLayers(self.layers)
         self._set_block_steps()
         if self.layout is not None:  # shard_exchange="local": each rank its rows' G block
@@ -576,9 +578,11 @@ class KFACPreconditioner:
     def describe(self) -> list[dict[str, Any]]:
         """One row per layer, then one per parameter left to the inner optimizer.
 
-        A layer's row: name, block, dimensions, method, factor kinds, owner, workers and
-        ``parameters`` (the names of the parameters it preconditions, every name of a tied
-        one, ``[a:b]`` for rows of one). ``method``: e.g. ``"eigen"``,
+        A layer's row: name, block, dimensions, method, factor kinds, ``role`` (its
+        layer's role in Muon's split, :func:`~dkfac.engine.roles.layer_roles`: ``"input"``,
+        ``"hidden"``, ``"head"``, ``"embedding"``; ``None`` for a normalisation), owner,
+        workers and ``parameters`` (the names of the parameters it preconditions, every
+        name of a tied one, ``[a:b]`` for rows of one). ``method``: e.g. ``"eigen"``,
         ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until the first capture decides
         (:mod:`dkfac.solvers.lowrank.deferred`); likewise ``a_factor``/``g_factor``. A
         parameter's row (:mod:`~dkfac.engine.coverage`) has the same keys: ``name``,
@@ -588,7 +592,8 @@ class KFACPreconditioner:
         ``numel`` its gradient's entries.
         """
         rows = {
-            name: {**x.summary(), **self.strategy.describe(name)} for name, x in self.layers.items()
+            name: {**x.summary(), "role": self._roles.get(name), **self.strategy.describe(name)}
+            for name, x in self.layers.items()
         }
         table = self.coverage.table(rows)
         if self.leftover is not None:

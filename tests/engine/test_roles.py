@@ -232,3 +232,33 @@ def test_block_sizes_from_widths_are_the_recipes() -> None:
     # narrow models keep whole bases
     assert basis_block_from_widths(GPT(256, 16, 2, 32, 4)) is None
     assert basis_block_from_widths(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))) is None
+
+
+class _Attending(nn.Module):
+    """An attention module (four blocks under one layer) between a first layer and a head,
+    and a LayerNorm (no role)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.first(x)
+        return self.head(self.norm(self.attention(h, h, h)[0]))
+
+
+def test_describe_shows_each_layers_role() -> None:
+    pre = KFACOptimizer.for_model(_Attending()).preconditioner
+    roles = {r["name"]: r["role"] for r in pre.describe()}
+    projections = [f"attention.{p}_proj" for p in ("q", "k", "v", "out")]
+    assert roles == {
+        "first": "input",
+        **dict.fromkeys(projections, "hidden"),
+        "head": "head",
+        "norm.weight": None,
+        "norm.bias": None,
+        "overhead budget": None,
+    }

@@ -52,6 +52,9 @@ def test_gpt2_orthogonalises_its_conv1d_matrices_as_muon_splits_them() -> None:
     assert len(conv1d) == 8
     assert _orthogonal(opt) == conv1d
     assert set(opt.preconditioner.layers) == conv1d | {"transformer.wpe", "lm_head"}
+    roles = {r["name"]: r["role"] for r in opt.preconditioner.describe()}
+    assert {roles[name] for name in conv1d} == {"hidden"}
+    assert (roles["transformer.wpe"], roles["lm_head"]) == ("embedding", "head")
 
 
 def _declined(opt: KFACOptimizer) -> dict[str, str]:
@@ -116,6 +119,8 @@ def test_a_vision_transformers_patch_layer_is_its_input_layer() -> None:
         model(pixel_values=pixels).image_embeds.pow(2).mean().backward()
         opt.step()
     patch, projection = "vision_model.embeddings.patch_embedding", "visual_projection"
+    roles = {r["name"]: r["role"] for r in opt.preconditioner.describe()}
+    assert (roles[patch], roles[projection]) == ("input", "head")
     layers = set(opt.preconditioner.layers)
     assert {patch, projection} <= layers
     hidden = layers - {patch, projection, "vision_model.embeddings.position_embedding"}

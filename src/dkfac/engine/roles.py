@@ -48,6 +48,7 @@ __all__ = [
     "VOCABULARY_FLOOR",
     "apply_model_rules",
     "basis_block_from_widths",
+    "block_roles",
     "flattened_conv_inputs",
     "layer_roles",
     "resolve_role_patterns",
@@ -247,6 +248,18 @@ def role_blocks(pattern: str, roles: Mapping[str, str], blocks: Iterable[str]) -
     """
     names = _role_patterns(_role("orthogonal_layers", pattern), roles)
     return [b for b in blocks if any(re.search(n, b) for n in names)]
+
+
+def block_roles(roles: Mapping[str, str], blocks: Iterable[str]) -> dict[str, str]:
+    """Each of ``blocks``' role (``describe()``'s ``role``): its layer's in ``roles``
+    (:func:`layer_roles`), or that of the layer it is under (an attention's projections);
+    a block of no such layer (a BatchNorm's) is left out."""
+    found: dict[str, str] = {}
+    for block in blocks:
+        owners = [n for n in roles if re.search(f"^{re.escape(n)}(?:$|[.:])", block)]
+        if owners:
+            found[block] = roles[max(owners, key=len)]
+    return found
 
 
 def _role(option: str, pattern: str) -> str:
