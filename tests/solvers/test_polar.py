@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers import polar
+from dkfac.solvers import polar, precision
 from dkfac.solvers.polar import newton_schulz, orthogonal_update, weighted_orthogonal_update
 from tests.oracles import quintic_polar
 
@@ -76,9 +76,11 @@ def test_orthogonal_update_has_the_asked_rms(shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-emulated"])
 def test_orthogonal_update_keeps_float64_and_runs_float32_in_bf16_where_native(
-    native: bool, native_bf16: Callable[[bool], None]
+    native: bool, native_bf16: Callable[[bool], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """(For any work: the CPU's minimum is tested in ``test_precision``.)"""
     native_bf16(native)
+    monkeypatch.setattr(precision, "CPU_BF16_MIN_WORK", 1)
     u = _matrix(5, 7, seed=5)
     torch.testing.assert_close(orthogonal_update(u, 1.0), quintic_polar(u, 5) * 7**0.5)
     low = orthogonal_update(u.float(), 1.0)

@@ -60,6 +60,8 @@ than the handful of extra dispatched operations (:data:`GRAM_MIN_WORK`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -70,6 +72,7 @@ __all__ = [
     "NORM_EPS",
     "NS_COEFFICIENTS",
     "NS_STEPS",
+    "gram_pays",
     "newton_schulz",
     "orthogonal_update",
     "polar_dtype",
@@ -138,14 +141,14 @@ def polar_factor(
     the Gram matrix where that takes fewer flops (module notes: ``n > 1.5 k``, float32 or
     float64, at least :data:`GRAM_MIN_WORK`): the same polynomial of the normalised matrix,
     the same values to the rounding."""
-    if matrix.dim() not in (2, 3) or steps < 1 or not _gram_pays(matrix, dtype):
+    if matrix.dim() not in (2, 3) or steps < 1 or not gram_pays(matrix, dtype):
         return newton_schulz(matrix, steps, dtype)  # its errors for bad arguments
     if matrix.dim() == 3 and matrix.device.type == "cpu":  # one by one, as newton_schulz
         return torch.stack([iterate_gram(each, steps, dtype) for each in matrix])
     return iterate_gram(matrix, steps, dtype)
 
 
-def _gram_pays(matrix: Tensor, dtype: torch.dtype) -> bool:
+def gram_pays(matrix: Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`polar_factor` takes the Gram matrix's iteration (module notes)."""
     k, n = sorted(matrix.shape[-2:])
     wide_enough = 2 * n > 3 * k and k * k * n >= GRAM_MIN_WORK
@@ -176,12 +179,17 @@ def iterate_gram(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == matrix.dtype else x.to(matrix.dtype)
 
 
-def polar_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def polar_dtype(
+    dtype: torch.dtype, device: torch.device, shape: Sequence[int] | None = None
+) -> torch.dtype:
     """The precision :func:`orthogonal_update` iterates in for an update of ``dtype`` on
-    ``device``: float64 for float64, else bfloat16 (Muon's) where the device multiplies
-    bf16 natively and float32 where it does not (emulated bf16 is many times slower there:
-    :mod:`dkfac.solvers.precision`)."""
-    return low_precision(device, dtype)
+    ``device`` (of ``shape``, a matrix's or a stack's): float64 for float64, else bfloat16
+    (Muon's) where the device multiplies bf16 natively and float32 where it does not
+    (emulated bf16 is many times slower there), and on a CPU float32 for a matrix whose
+    smaller side ``k`` is under 128 (work ``k³``: the Gram matrix's products, and below
+    that bf16 does not pay, :func:`~dkfac.solvers.precision.low_precision`)."""
+    work = None if shape is None else min(shape[-2:]) ** 3
+    return low_precision(device, dtype, work)
 
 
 def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tensor:
@@ -190,11 +198,12 @@ def orthogonal_update(update: Tensor, rms: float, steps: int = NS_STEPS) -> Tens
     ``update`` stays zero.
 
     The iteration runs in bfloat16 (Muon's precision: the singular values land in a band
-    anyway) where the device multiplies bf16 natively, in float32 where it does not
-    (:func:`polar_dtype`), and in float64 for a float64 ``update``: a float64 model asks
+    anyway) where the device multiplies bf16 natively (on a CPU: a matrix at least 128
+    on its smaller side), in float32 elsewhere (:func:`polar_dtype`), and in float64
+    for a float64 ``update``: a float64 model asks
     for precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
     """
-    return polar_factor(update, steps, polar_dtype(update.dtype, update.device)) * (
+    return polar_factor(update, steps, polar_dtype(update.dtype, update.device, update.shape)) * (
         rms * max(update.shape[-2:]) ** 0.5
     )
 
@@ -216,7 +225,7 @@ def weighted_polar(ratio: Tensor, weight: Tensor, rms: float, steps: int = NS_ST
     caller that has ``U ⊘ W`` for fewer passes than ``U`` (eigen_adam's split). Each
     matrix's own positive scale of ``ratio`` or of ``weight`` drops out (the iteration
     normalises its input, to its ``1e-7``; the result is rescaled)."""
-    polar = polar_factor(ratio, steps, polar_dtype(ratio.dtype, ratio.device))
+    polar = polar_factor(ratio, steps, polar_dtype(ratio.dtype, ratio.device, ratio.shape))
     weighted = polar * weight
     norm = weighted.square().mean((-2, -1), keepdim=True).sqrt()
     return weighted * (rms / norm.clamp(min=torch.finfo(norm.dtype).tiny))
