@@ -166,18 +166,20 @@ def test_bf16_iteration_rounds_each_step_s_sums_once() -> None:
 
 
 @pytest.mark.parametrize("shape", [(5, 12, 7), (4, 7, 12)])
-def test_the_batched_iteration_a_gpu_runs_is_each_matrix_on_its_own(
+def test_the_batched_iteration_is_each_matrix_on_its_own(
     shape: tuple[int, int, int],
 ) -> None:
-    """On a GPU a stack is one batched iteration (``polar.iterate`` of the stack); on a CPU
-    :func:`newton_schulz` runs it matrix by matrix. The two agree: float64 to 1e-12, and
-    float32 to its rounding (CI has no GPU, so the batched path is checked here on the CPU)."""
+    """A stack is one batched iteration (``polar.iterate`` of the stack, on the Gram matrix
+    too); it agrees with each matrix's own iteration: float64 to 1e-12, and float32 to its
+    rounding."""
     stack = torch.stack([_matrix(*shape[1:], seed=10 + i) for i in range(shape[0])])
     stack[2] = 0.0
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        batched = polar.iterate(stack, 5, dtype)
-        assert batched.dtype == stack.dtype and batched.shape == stack.shape
-        torch.testing.assert_close(batched, newton_schulz(stack, 5, dtype), rtol=tol, atol=tol)
+        for form in (polar.iterate, polar.iterate_gram):
+            batched = form(stack, 5, dtype)
+            assert batched.dtype == stack.dtype and batched.shape == stack.shape
+            each = torch.stack([form(matrix, 5, dtype) for matrix in stack])
+            torch.testing.assert_close(batched, each, rtol=tol, atol=tol)
     assert torch.equal(polar.iterate(stack, 5, torch.float64)[2], torch.zeros(shape[1:]).double())
 
 
