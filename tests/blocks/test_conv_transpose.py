@@ -282,3 +282,49 @@ def test_accumulated_micro_batches_equal_the_whole_batch() -> None:
             torch.testing.assert_close(got, want)
     for p, q in zip(model.parameters(), clone.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def conv_decoder_autoencoder() -> nn.Module:
+    """Digits 8×8 through a 16-wide code and back: Linear → unflatten → ConvTranspose2d."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 16),
+        nn.GELU(),
+        nn.Linear(16, 32 * 2 * 2),
+        nn.GELU(),
+        nn.Unflatten(1, (32, 2, 2)),
+        nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1),  # 4×4
+        nn.GELU(),
+        nn.ConvTranspose2d(16, 1, 4, stride=2, padding=1),  # 8×8
+        nn.Sigmoid(),
+    )
+
+
+def test_the_default_registers_a_conv_decoder_and_trains_it_on_digits() -> None:
+    from dkfac import KFACOptimizer
+    from dkfac.app.data import load_digits
+
+    torch.manual_seed(0)
+    x = load_digits(normalize=False).x_train[:512]
+    model = conv_decoder_autoencoder()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    pre = opt.preconditioner
+    assert set(pre.layers) == {"1", "3", "5", "8", "10"}
+    rows = {row["name"]: row for row in pre.describe()}
+    assert (rows["8"]["a_dim"], rows["8"]["g_dim"]) == (32, 16 * 16)
+    assert (rows["10"]["a_dim"], rows["10"]["g_dim"]) == (16, 16)
+    assert rows["8.bias"]["block"] == rows["10.bias"]["block"] == "inner optimizer"
+    assert pre.layers["8"].solver.options.orthogonal_rms is not None  # a hidden layer
+    assert pre.layers["10"].solver.options.orthogonal_rms is None  # the head
+    losses = []
+    for step in range(60):
+        batch = x[(step * 64) % 512 :][:64]
+        opt.zero_grad()
+        loss = F.mse_loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
