@@ -1,7 +1,8 @@
 """Transposed convolutions (2-D and 1-D, biased) on 2 gloo ranks equal one process on the
-global batch: with DDP, with DDP and micro-batches, with gradients averaged by hand, and
-under ``spngd`` (which reduces the gradients itself) — each with the eigen and the
-default's ``eigen_adam`` method."""
+global batch: with DDP, with DDP and micro-batches, with gradients averaged by hand, under
+``spngd`` (which reduces the gradients itself), with the default's ``eigen_adam`` method,
+and sharded by FSDP2 (their weights cut on dim 0, the input channels) with the gradients
+gathered or exchanged with their owners (``mem-opt``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from tests.distributed_utils import run_distributed
 from tests.serial_vs_distributed import assert_ranks_match, once_per_key, train_sharded
@@ -21,6 +23,8 @@ CASES: dict[str, dict[str, Any]] = {
     "bare": {},
     "spngd": {"strategy": "spngd"},
     "ddp-adam": {"ddp": True, "method": "eigen_adam"},
+    "fsdp": {"fsdp": True},
+    "fsdp-mem-opt": {"fsdp": True, "strategy": "mem-opt"},
 }
 OPTIONS: dict[str, Any] = {"method": "eigen", "damping": 1e-3, "inverse_update_interval": 2}
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -48,10 +52,25 @@ def decoder_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 3, (ROWS,), generator=gen)
 
 
+def _shard(model: nn.Module) -> None:
+    """``fully_shard`` on every layer with parameters, then on the root."""
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+
+
 def _train(rank: int | None, world: int, case: dict[str, Any]) -> Any:
     options = {**OPTIONS, **case}
+    shard = _shard if options.pop("fsdp", False) and rank is not None else None
     return train_sharded(
-        rank, world, model_fn=make_decoder, batch_fn=decoder_batch, steps=STEPS, **options
+        rank,
+        world,
+        model_fn=make_decoder,
+        batch_fn=decoder_batch,
+        steps=STEPS,
+        shard=shard,
+        **options,
     )
 
 
@@ -65,7 +84,7 @@ _spawned = once_per_key(lambda world: run_distributed(_rank_main, world, timeout
 @pytest.mark.parametrize("key", list(CASES))
 def test_transposed_convolutions_equal_serial(key: str) -> None:
     results = _spawned(2)
-    serial = _train(None, 2, {k: v for k, v in CASES[key].items() if k != "ddp"})
+    serial = _train(None, 2, {k: v for k, v in CASES[key].items() if k not in ("ddp", "fsdp")})
     assert set(serial.pre.layers) == {"0", "3", "6"}
     start = list(make_decoder().parameters())
     assert all(not torch.equal(p, q) for p, q in zip(serial.params(), start, strict=True))
