@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +41,13 @@ from torch import Tensor, nn
 from dkfac.blocks import conv_factor
 from dkfac.blocks.base import (
     GROUP_MAX_ELEMENTS,
-    Block,
     HeldForward,
     Rows,
     StatisticSink,
     append_ones,
 )
 from dkfac.blocks.conv_factor import conv_input_factor_sum, output_size, window_sums
-from dkfac.blocks.conv_positions import (
-    PositionSampling,
-    channel_gram,
-    check_convolution,
-    gather_patches,
-)
+from dkfac.blocks.conv_positions import ConvolutionBlock, channel_gram, gather_patches
 
 
 @dataclass(frozen=True)
@@ -135,7 +129,7 @@ def unfold_patches(module: ConvGeometry, inputs: Tensor) -> Tensor:
     )
 
 
-class Conv2dBlock(PositionSampling, Block):
+class Conv2dBlock(ConvolutionBlock):
     """Kronecker factors of a 2-D convolution with ``groups == 1``.
 
     Args:
@@ -147,8 +141,8 @@ class Conv2dBlock(PositionSampling, Block):
     """
 
     module: nn.Conv2d
-    module_type: type[nn.Module] = nn.Conv2d
-    """The convolution class the block takes."""
+    module_type: ClassVar[type[nn.Module]] = nn.Conv2d
+    geometry: ConvGeometry
     cost_kind = "conv2d"
     rows_are_outputs = True
 
@@ -164,19 +158,10 @@ class Conv2dBlock(PositionSampling, Block):
         """``H_out · W_out``."""
         return int(output.shape[-1] * output.shape[-2])
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        *,
-        reduction: str | None = None,
-        positions: int = 1,
-        seed: int = 0,
-    ) -> None:
-        Block.__init__(self, name, module)
-        check_convolution(name, module, self.module_type, type(self).__name__)
-        self.geometry = ConvGeometry.of(module)  # type: ignore[arg-type]
-        PositionSampling.__init__(self, reduction, positions, seed)
+    @classmethod
+    def geometry_of(cls, module: nn.Module) -> ConvGeometry:
+        """The window as a 2-D one (:meth:`ConvGeometry.of`)."""
+        return ConvGeometry.of(module)  # type: ignore[arg-type]
 
     def image(self, tensor: Tensor) -> Tensor:
         """A forward input or output gradient as a batch of images ``(B, C, H, W)`` (an

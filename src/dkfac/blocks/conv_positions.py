@@ -1,5 +1,5 @@
-"""What the convolution blocks share about positions: the reductions' options, the
-seeded spatial subsampling, gathered patches and per-image channel products.
+"""What the convolution blocks share: their options and seeded spatial subsampling
+(:class:`ConvolutionBlock`), gathered patches and per-image channel products.
 
 A convolution block's rows run over images × positions (output positions of a
 convolution, input positions of a transposed one). Its ``reduction`` keeps them all
@@ -10,13 +10,18 @@ so the forward and backward hooks of one step, and every rank, pick the same pos
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from typing import Any, ClassVar
+
 import torch
 from torch import Tensor, nn
 
+from dkfac.blocks.base import Block
+
 __all__ = [
     "CONV_REDUCTIONS",
+    "ConvolutionBlock",
     "LineImages",
-    "PositionSampling",
     "channel_gram",
     "check_convolution",
     "gather_patches",
@@ -60,27 +65,51 @@ class LineImages:
         return int(output.shape[-1])
 
 
-class PositionSampling:
-    """The ``reduction``, ``positions`` and ``seed`` options of a convolution block and its
-    seeded draw of positions (:meth:`subsample_indices`).
+class ConvolutionBlock(Block):
+    """What a convolution block (groups=1) holds besides its factors: its window
+    (:attr:`geometry`) and its ``reduction`` options with their seeded draw of positions
+    (:meth:`subsample_indices`).
 
     Args:
+        name: The module's qualified name.
+        module: The convolution (an instance of :attr:`module_type`, ``groups == 1``).
         reduction: ``None`` (expand), ``"sum"`` or ``"subsample"``.
         positions: Positions sampled per image for ``"subsample"`` (>= 1).
         seed: Seed of the position sampling; the positions of step ``k`` use ``seed + k``.
 
     Raises:
-        ValueError: For an unknown reduction or a positions count below 1.
-        TypeError: If ``seed`` is not an int.
+        TypeError: For another module type, or a ``seed`` that is not an int.
+        ValueError: For a grouped module, an unknown reduction or a positions count below 1.
     """
 
-    def __init__(self, reduction: str | None, positions: int, seed: int) -> None:
+    module_type: ClassVar[type[nn.Module]]
+    """The convolution class the block takes."""
+    geometry: Any
+    """The window (:meth:`geometry_of` the module)."""
+
+    @classmethod
+    @abstractmethod
+    def geometry_of(cls, module: nn.Module) -> Any:
+        """The window of ``module`` as the block reads it."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        *,
+        reduction: str | None = None,
+        positions: int = 1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(name, module)
+        check_convolution(name, module, self.module_type, type(self).__name__)
         if reduction not in CONV_REDUCTIONS:
             raise ValueError(f"reduction must be one of {CONV_REDUCTIONS}, got {reduction!r}")
         if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
             raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.geometry = self.geometry_of(module)
         self.reduction = reduction
         self.positions = positions
         self.seed = seed

@@ -28,7 +28,7 @@ conventions (``reduction``):
 * ``"sum"`` — Reduce Sum: one row per image, ``ā_n = (1/T) Σ_u a_{n,u}`` and
   ``ḡ_n = Σ_u g_{n,u}``; ``A = (1/B) Σ ā āᵀ``, ``G = (1/B) Σ ḡ ḡᵀ``.
 * ``"subsample"`` — ``s`` input positions per image, seeded as the convolutions'
-  (:class:`~dkfac.blocks.conv_positions.PositionSampling`), the same for A and G:
+  (:class:`~dkfac.blocks.conv_positions.ConvolutionBlock`), the same for A and G:
   ``A = (1/(B·s)) Σ a aᵀ``, ``G = (T/(B·s)) Σ g gᵀ``.
 
 With one input position (a ``1×1`` input, as the first layer of a generator sees) the
@@ -58,13 +58,12 @@ from typing import Any, ClassVar
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block, Rows, StatisticSink
+from dkfac.blocks.base import Rows, StatisticSink
 from dkfac.blocks.conv_factor import conv_input_factor_sum, window_sums
 from dkfac.blocks.conv_positions import (
+    ConvolutionBlock,
     LineImages,
-    PositionSampling,
     channel_gram,
-    check_convolution,
     gather_patches,
 )
 
@@ -152,7 +151,7 @@ class TransposedGeometry:
         return found[0], found[1]
 
 
-class ConvTranspose2dBlock(PositionSampling, Block):
+class ConvTranspose2dBlock(ConvolutionBlock):
     """Kronecker factors of a transposed 2-D convolution with ``groups == 1`` (module notes).
 
     Args:
@@ -165,7 +164,7 @@ class ConvTranspose2dBlock(PositionSampling, Block):
 
     module: nn.ConvTranspose2d
     module_type: ClassVar[type[nn.Module]] = nn.ConvTranspose2d
-    """The transposed convolution class the block takes."""
+    geometry: TransposedGeometry
     cost_kind = "conv_transpose2d"
     rows_are_outputs = False  # dim 0 of the stored weight is the input channels (the A side)
     left_out_reason = (
@@ -183,19 +182,10 @@ class ConvTranspose2dBlock(PositionSampling, Block):
             return None
         return f"grouped transposed convolution (groups={groups}) is not supported"
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        *,
-        reduction: str | None = None,
-        positions: int = 1,
-        seed: int = 0,
-    ) -> None:
-        Block.__init__(self, name, module)
-        check_convolution(name, module, self.module_type, type(self).__name__)
-        self.geometry = TransposedGeometry.of(module)  # type: ignore[arg-type]
-        PositionSampling.__init__(self, reduction, positions, seed)
+    @classmethod
+    def geometry_of(cls, module: nn.Module) -> TransposedGeometry:
+        """The window as a 2-D one (:meth:`TransposedGeometry.of`)."""
+        return TransposedGeometry.of(module)  # type: ignore[arg-type]
 
     def image(self, tensor: Tensor) -> Tensor:
         """A forward input or output gradient as images ``(B, C, H, W)`` (an unbatched
