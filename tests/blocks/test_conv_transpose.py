@@ -328,3 +328,25 @@ def test_the_default_registers_a_conv_decoder_and_trains_it_on_digits() -> None:
         losses.append(float(loss.detach()))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
+
+
+@pytest.mark.parametrize("reduction", ["sum", "subsample"])
+@pytest.mark.parametrize("method", ["eigen", "smw"])
+def test_the_engine_takes_the_reduced_rows(reduction: str, method: str) -> None:
+    """Under SKFAC's reductions the captured factors are the block's rows (the backward's
+    positions the forward's), and the low-rank solver keeps them."""
+    torch.manual_seed(5)
+    conv = nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1).to(DT)
+    x = torch.randn(4, 3, 3, 3, dtype=DT)
+    options = {"conv_reduction": reduction, "subsample_positions": 2, "method": method}
+    pre = _capture(conv, x, **options)
+    out = conv(x)
+    delta = torch.autograd.grad((out.pow(2) + out).sum() / 4, out)[0] * 4
+    block = pre.layers[""].block
+    block.set_step(0)  # the step the capture ran at
+    ra, rg = block.a_rows(x), block.g_rows(delta)
+    # A low-rank side is kept as U (d × rank) with the factor U Uᵀ.
+    a, g = (f if f.shape[0] == f.shape[1] else f @ f.T for f in pre.factors()[""])
+    torch.testing.assert_close(a, ra.rows.T @ ra.rows / ra.normaliser)
+    torch.testing.assert_close(g, rg.rows.T @ rg.rows / rg.normaliser)
+    assert torch.isfinite(conv.weight.grad).all()
