@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 import torch
 
-from dkfac.blocks.conv2d import CONV_REDUCTIONS
+from dkfac.blocks.conv_positions import CONV_REDUCTIONS
 from dkfac.config.checks import (
     check_bool,
     check_choice,

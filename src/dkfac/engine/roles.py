@@ -4,10 +4,11 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
 ``skip_layers=["^tokens$", "^head$"]``) and shapes by hand (``flattened_inputs=
 ["classifier.0=64x16"]``). The rules here read them off the model instead:
 
-* :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.MultiheadAttention`` and
-  ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``, the first
-  matrix layer when the model has no embedding (it reads the raw data); ``"head"``, the last
-  matrix layer (it writes the outputs); ``"hidden"``, every other one. A pattern
+* :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``,
+  ``nn.ConvTranspose1d/2d/3d``, ``nn.MultiheadAttention`` and ``nn.Embedding`` gets a role,
+  Muon's split: ``"embedding"``; ``"input"``, the first matrix layer when the model has no
+  embedding (it reads the raw data); ``"head"``, the last matrix layer (it writes the
+  outputs); ``"hidden"``, every other one. A pattern
   ``"role:NAME"`` in ``skip_layers`` or ``orthogonal_layers`` stands for the layers of that
   role (:func:`resolve_role_patterns`); module names never hold a colon, so no regular
   expression is taken for a role by mistake.
@@ -55,8 +56,9 @@ ROLES = ("input", "hidden", "head", "embedding")
 ROLE_PREFIX = "role:"
 """A pattern ``"role:NAME"`` picks the layers of role ``NAME``."""
 
-_MATRIX = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_TRANSPOSED)
+_MATRIX = (nn.Linear, *_CONV, nn.MultiheadAttention)
 _CHANNEL_COUNTS = {nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm}
 _KEEPS_CHANNELS_MODULES = (
     nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity,
@@ -130,6 +132,8 @@ def basis_block_from_widths(model: nn.Module) -> int | None:
         module = modules[name]
         if isinstance(module, nn.Linear):
             out, inp = module.out_features, module.in_features + (module.bias is not None)
+        elif isinstance(module, _TRANSPOSED):  # its sides: C_out·k (outputs), C_in (inputs)
+            out, inp = module.out_channels * math.prod(module.kernel_size), module.in_channels
         elif isinstance(module, _CONV):
             out = module.out_channels
             inp = module.in_channels * math.prod(module.kernel_size) + (module.bias is not None)
