@@ -564,11 +564,14 @@ class KFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on this rank, by kind: ``factors``, ``inverses``, ``moments`` (state a
-        solver keeps between steps) and ``accumulators``."""
+        solver keeps between steps) and ``accumulators`` (with, between a backward and the
+        step, the inputs and output gradients of captures held for their groups where the
+        device is launch-bound: :mod:`~dkfac.engine.capture_groups`)."""
         usage = {"factors": 0, "inverses": 0, "moments": 0, "accumulators": 0}
         for layer in self.layers.values():
             for kind, nbytes in layer.memory().items():
                 usage[kind] += nbytes
+        usage["accumulators"] += self.capture.held_bytes()
         if self.eager is not None:  # statistics already handed to the overlapped reduction
             usage["accumulators"] += self.eager.pending_bytes()
         if self.leftover is not None:

@@ -164,3 +164,29 @@ def test_a_backward_that_builds_a_graph_leaves_the_statistics_out_of_it() -> Non
             assert not value.requires_grad
     for param in model.parameters():
         param.grad = None  # the graph of the gradients holds the parameters
+
+
+def test_memory_usage_counts_the_held_captures_until_the_step() -> None:
+    """Between the backward and the step, ``accumulators`` counts the inputs and output
+    gradients held for their groups (each tensor once: the held tensors' own sizes); after
+    the step nothing is held."""
+    model = _model()
+    with (
+        mock.patch.object(launches, "launch_bound", lambda device: True),
+        mock.patch.object(conv_factor, "auto_path", lambda *a, **k: "unfold"),
+    ):
+        pre = KFACPreconditioner(model, damping=0.05, lr=0.1)
+        pre.capture.grouping = True
+        ((x, y),) = _batches(0, 1)
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            held = [h for members in pre.capture._groups._groups.values() for h in members]
+            assert held
+            tensors = {id(t): t for h in held for t in (h.inputs, h.grad)}
+            want = sum(t.numel() * t.element_size() for t in tensors.values())
+            got = pre.memory_usage()["accumulators"]
+            with mock.patch.object(pre.capture, "held_bytes", lambda: 0):
+                assert got - pre.memory_usage()["accumulators"] == want > 0
+            pre.step()
+            assert pre.capture.held_bytes() == 0

@@ -262,3 +262,22 @@ def test_describe_shows_each_layers_role() -> None:
         "norm.bias": None,
         "overhead budget": None,
     }
+
+
+def test_transposed_convolutions_have_roles_widths_and_flattened_maps() -> None:
+    """A decoder's transposed convolutions are matrix layers (hidden, head); their sides for
+    the block width are the block's, ``C_out·kh·kw`` (outputs) and ``C_in``; a linear layer
+    reading one flattened is found like one reading a convolution."""
+    decoder = nn.Sequential(
+        nn.Linear(16, 64 * 2 * 2),
+        nn.Unflatten(1, (64, 2, 2)),
+        nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1),  # sides 512 and 64
+        nn.ReLU(),
+        nn.ConvTranspose2d(32, 8, 4, stride=2, padding=1),  # sides 128 and 32
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 10),
+    )
+    assert layer_roles(decoder) == {"0": "input", "2": "hidden", "4": "hidden", "6": "head"}
+    # The narrowest hidden output side of at least 128 (C_out·k of "4"), under 512 > 2·128.
+    assert basis_block_from_widths(decoder) == 128
+    assert flattened_conv_inputs(decoder) == {"6": (8, 64)}

@@ -16,7 +16,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, eigen_moments, make_solver
+from dkfac.solvers import (
+    EigenAdamSolver,
+    EKFACSolver,
+    MomentOptions,
+    eigen_moments,
+    make_solver,
+    precision,
+)
 from dkfac.solvers.eigen_moments import descending_eigh, power_refresh, range_eigh
 from dkfac.solvers.null_space import canonical_null_basis
 from tests.oracles import quintic_polar
@@ -193,9 +200,16 @@ def test_a_split_needs_an_orthogonalised_update() -> None:
         MomentOptions(orthogonal_split=0.5)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-emulated"])
+@pytest.mark.parametrize(
+    ("native", "least"),
+    [(True, 1), (True, None), (False, 1)],
+    ids=["bf16-native", "bf16-native-small", "bf16-emulated"],
+)
 def test_a_float32_polar_factor_is_taken_in_the_basis_and_rotated_out_in_its_precision(
-    native: bool, native_bf16: Callable[[bool], None]
+    native: bool,
+    least: int | None,
+    native_bf16: Callable[[bool], None],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``O(Q_G S Q_Aᵀ) = Q_G O(S) Q_Aᵀ``: the float32 solver orthogonalises ``S`` in the basis
     and rotates the polar factor out in the iteration's own precision: bfloat16 where the
@@ -203,9 +217,13 @@ def test_a_float32_polar_factor_is_taken_in_the_basis_and_rotated_out_in_its_pre
     spelled out); the result is the polar factor of the float32 update rotated out first to
     that rounding: against the float64 polar factor, within 2% of that order's own error
     (1.6% here in bf16: the bfloat16 steps; the bfloat16 rotation of a matrix whose singular
-    values are all about one adds about one rounding, 0.8% here)."""
+    values are all about one adds about one rounding, 0.8% here). A CPU takes bf16 only
+    from ``CPU_BF16_MIN_WORK`` multiply-adds: this 3 × 5 layer's are fewer, so it stays in
+    float32 (``least`` None); set to 1, bf16."""
     native_bf16(native)
-    low = torch.bfloat16 if native else torch.float32
+    if least is not None:
+        monkeypatch.setattr(precision, "CPU_BF16_MIN_WORK", least)
+    low = torch.bfloat16 if native and least is not None else torch.float32
     options = MomentOptions(beta1=0.8, eps=1e-3, orthogonal_rms=0.7)
     orthogonal = EigenAdamSolver(torch.float32, options)
     plain = EigenAdamSolver(torch.float32, MomentOptions(beta1=0.8, eps=1e-3))
@@ -224,7 +242,7 @@ def test_a_float32_polar_factor_is_taken_in_the_basis_and_rotated_out_in_its_pre
         before = eigen_moments.orthogonal_update(first_out, 0.7).double()
         error, error_before = ((x - exact).norm() / exact.norm() for x in (got.double(), before))
         assert error <= error_before + 0.02
-        if not native:  # float32 steps: the float64 iteration's result to float32 rounding
+        if low == torch.float32:  # the float64 iteration's result to float32 rounding
             assert error < 1e-4
         moments = new
 
@@ -501,9 +519,10 @@ def test_one_cast_of_the_bases_for_both_rotations_changes_no_bit(
     for the next steps while the state is the same: the updates and moments equal those of
     a cast in each rotation, bit for bit; with only the rotation out lowered, the rotation
     in keeps the exact bases. A float32 polar factor is
-    rotated out in bf16 without ``rotation_dtype`` where bf16 is native: with a bf16
-    rotation in, one cast too."""
+    rotated out in bf16 without ``rotation_dtype`` where bf16 is native (for any work
+    here): with a bf16 rotation in, one cast too."""
     native_bf16(True)
+    monkeypatch.setattr(precision, "CPU_BF16_MIN_WORK", 1)
     g = G
     if case == "structured":
         solver, a, grads = _structured_case()

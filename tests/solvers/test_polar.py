@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers import polar
+from dkfac.solvers import polar, precision
 from dkfac.solvers.polar import newton_schulz, orthogonal_update, weighted_orthogonal_update
 from tests.oracles import quintic_polar
 
@@ -76,9 +76,11 @@ def test_orthogonal_update_has_the_asked_rms(shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "bf16-emulated"])
 def test_orthogonal_update_keeps_float64_and_runs_float32_in_bf16_where_native(
-    native: bool, native_bf16: Callable[[bool], None]
+    native: bool, native_bf16: Callable[[bool], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """(For any work: the CPU's minimum is tested in ``test_precision``.)"""
     native_bf16(native)
+    monkeypatch.setattr(precision, "CPU_BF16_MIN_WORK", 1)
     u = _matrix(5, 7, seed=5)
     torch.testing.assert_close(orthogonal_update(u, 1.0), quintic_polar(u, 5) * 7**0.5)
     low = orthogonal_update(u.float(), 1.0)
@@ -164,18 +166,20 @@ def test_bf16_iteration_rounds_each_step_s_sums_once() -> None:
 
 
 @pytest.mark.parametrize("shape", [(5, 12, 7), (4, 7, 12)])
-def test_the_batched_iteration_a_gpu_runs_is_each_matrix_on_its_own(
+def test_the_batched_iteration_is_each_matrix_on_its_own(
     shape: tuple[int, int, int],
 ) -> None:
-    """On a GPU a stack is one batched iteration (``polar.iterate`` of the stack); on a CPU
-    :func:`newton_schulz` runs it matrix by matrix. The two agree: float64 to 1e-12, and
-    float32 to its rounding (CI has no GPU, so the batched path is checked here on the CPU)."""
+    """A stack is one batched iteration (``polar.iterate`` of the stack, on the Gram matrix
+    too); it agrees with each matrix's own iteration: float64 to 1e-12, and float32 to its
+    rounding."""
     stack = torch.stack([_matrix(*shape[1:], seed=10 + i) for i in range(shape[0])])
     stack[2] = 0.0
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        batched = polar.iterate(stack, 5, dtype)
-        assert batched.dtype == stack.dtype and batched.shape == stack.shape
-        torch.testing.assert_close(batched, newton_schulz(stack, 5, dtype), rtol=tol, atol=tol)
+        for form in (polar.iterate, polar.iterate_gram):
+            batched = form(stack, 5, dtype)
+            assert batched.dtype == stack.dtype and batched.shape == stack.shape
+            each = torch.stack([form(matrix, 5, dtype) for matrix in stack])
+            torch.testing.assert_close(batched, each, rtol=tol, atol=tol)
     assert torch.equal(polar.iterate(stack, 5, torch.float64)[2], torch.zeros(shape[1:]).double())
 
 

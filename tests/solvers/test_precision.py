@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dkfac.solvers import precision
-from dkfac.solvers.polar import newton_schulz, orthogonal_update, polar_dtype
+from dkfac.solvers.polar import newton_schulz, orthogonal_update, polar_dtype, polar_factor
 
 CPU = torch.device("cpu")
 
@@ -49,15 +49,42 @@ def test_resolve_refuses_other_strings() -> None:
 def test_the_polar_factor_iterates_in_bf16_only_where_native(
     native: bool, native_bf16: Callable[[bool], None]
 ) -> None:
-    """The same bits as the iteration written with that dtype; float64 stays float64."""
+    """The same bits as the iteration written with that dtype; float64 stays float64. A
+    128-wide matrix: on a CPU a smaller one iterates in float32 (the next test)."""
     native_bf16(native)
-    update = torch.randn(6, 9)
+    update = torch.randn(128, 130)
     low = torch.bfloat16 if native else torch.float32
-    want = newton_schulz(update, dtype=low) * (0.5 * 9**0.5)
+    want = newton_schulz(update, dtype=low) * (0.5 * 130**0.5)
     assert torch.equal(orthogonal_update(update, 0.5), want)
     double = update.double()
-    want64 = newton_schulz(double, dtype=torch.float64) * (0.5 * 9**0.5)
+    want64 = newton_schulz(double, dtype=torch.float64) * (0.5 * 130**0.5)
     assert torch.equal(orthogonal_update(double, 0.5), want64)
+
+
+def test_a_cpu_takes_bf16_only_from_the_minimum_work(
+    native_bf16: Callable[[bool], None],
+) -> None:
+    """On a CPU with native bf16: float32 below ``CPU_BF16_MIN_WORK`` multiply-adds, bf16
+    from it (and for no count); a CUDA device takes bf16 for any work; float64 stays."""
+    native_bf16(True)
+    least = precision.CPU_BF16_MIN_WORK
+    assert least == 128**3
+    assert precision.low_precision(CPU, torch.float32, least - 1) == torch.float32
+    assert precision.low_precision(CPU, torch.float32, least) == torch.bfloat16
+    assert precision.low_precision(CPU, torch.float32) == torch.bfloat16
+    assert precision.low_precision(CPU, torch.float64, 10**9) == torch.float64
+    cuda = torch.device("cuda:0")
+    precision._FAST["cuda:0"] = True
+    try:
+        assert precision.low_precision(cuda, torch.float32, 1) == torch.bfloat16
+    finally:
+        del precision._FAST["cuda:0"]
+    # the iteration by its smaller side cubed: 127 wide in float32, 128 in bf16
+    assert polar_dtype(torch.float32, CPU, (127, 1000)) == torch.float32
+    assert polar_dtype(torch.float32, CPU, (3, 1000, 128)) == torch.bfloat16
+    update = torch.randn(16, 65)
+    want = polar_factor(update, dtype=torch.float32) * (0.5 * 65**0.5)
+    assert torch.equal(orthogonal_update(update, 0.5), want)
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "dkfac.bench.conv_paths",
         "the conv input factor's exact paths: time, auto's regret",
     ),
+    "precision": (
+        "dkfac.bench.precision",
+        "polar factors and rotations in bf16 or float32 by shape: the CPU's rule",
+    ),
     "phases": (
         "dkfac.bench.phases",
         "language model step: forward, backward, optimizer step apart",

@@ -86,6 +86,41 @@ def interleaved(
     return times
 
 
+def check_repeats_and_out(parser: argparse.ArgumentParser, repeats: int, out: Path | None) -> None:
+    """``parser.error`` (one line, exit 2) for ``--repeats`` below 1 or an ``--out`` that
+    does not name a ``.json`` file."""
+    if repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {repeats}")
+    if out is not None and out.suffix != ".json":
+        parser.error(f"--out must name a .json file, got {str(out)!r}")
+
+
+def best_seconds(
+    call: Callable[[], object],
+    repeats: int,
+    loop_seconds: float,
+    least: int,
+    most: int | None = None,
+    warmup: int = 1,
+) -> float:
+    """The best of ``repeats`` timed loops' seconds per ``call``: each loop about
+    ``loop_seconds`` long (from one timed call after ``warmup`` untimed ones), of ``least``
+    to ``most`` calls."""
+    for _ in range(warmup):
+        call()
+    start = time.perf_counter()
+    call()
+    loops = max(least, int(loop_seconds / max(time.perf_counter() - start, 1e-6)))
+    loops = loops if most is None else min(most, loops)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(loops):
+            call()
+        best = min(best, (time.perf_counter() - start) / loops)
+    return best
+
+
 def median(values: list[float]) -> float:
     """The median of a non-empty list."""
     return float(statistics.median(values))

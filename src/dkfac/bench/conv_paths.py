@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,14 @@ from typing import Any
 import torch
 
 from dkfac.app.devices import device_error, pick_device
-from dkfac.bench.common import command_line, machine_info, synchronize, write_result
+from dkfac.bench.common import (
+    best_seconds,
+    check_repeats_and_out,
+    command_line,
+    machine_info,
+    synchronize,
+    write_result,
+)
 from dkfac.bench.dispatches import Dispatches
 from dkfac.blocks.conv_factor import auto_path, conv_input_factor_sum
 
@@ -73,17 +79,7 @@ def time_path(
         _factor(x, kernel, pad, path)
         synchronize(x.device)
 
-    call()
-    start = time.perf_counter()
-    call()
-    loops = max(2, min(50, int(0.2 / max(time.perf_counter() - start, 1e-5))))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(loops):
-            call()
-        best = min(best, (time.perf_counter() - start) / loops)
-    return best
+    return best_seconds(call, repeats, 0.2, 2, 50)
 
 
 def count_ops(x: torch.Tensor, kernel: tuple[int, int], pad: tuple[int, ...], path: str) -> int:
@@ -150,10 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Times every shape's paths, prints the summary, writes ``--out``'s JSON if given."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.out is not None and args.out.suffix != ".json":
-        parser.error(f"--out must name a .json file, got {str(args.out)!r}")
+    check_repeats_and_out(parser, args.repeats, args.out)
     if message := device_error(args.device):
         parser.error(message)
     device = pick_device(args.device)

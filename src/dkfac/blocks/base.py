@@ -192,6 +192,9 @@ class Block(ABC):
     cost_kind: ClassVar[str | None] = None
     """The cost model's name of the layer kind (:class:`BlockCost`); ``None``: the cost
     model cannot describe the block (``strategy="auto"`` then falls back to its rule)."""
+    left_out_reason: ClassVar[str | None] = None
+    """Why the module's own parameters that :meth:`parameters` leaves out go to the inner
+    optimizer (``describe()``'s reason); ``None``: the block holds all of them."""
 
     @classmethod
     def declines(cls, module: nn.Module, **options: Any) -> str | None:

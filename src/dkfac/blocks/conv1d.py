@@ -12,14 +12,15 @@ output positions ``T = L_out`` are the 2-D block's on the viewed tensors.
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 
 from dkfac.blocks.conv2d import Conv2dBlock
+from dkfac.blocks.conv_positions import LineImages
 
 __all__ = ["Conv1dBlock"]
 
 
-class Conv1dBlock(Conv2dBlock):
+class Conv1dBlock(LineImages, Conv2dBlock):
     """Kronecker factors of a 1-D convolution with ``groups == 1`` (module notes).
 
     Args: as :class:`~dkfac.blocks.conv2d.Conv2dBlock`'s, ``module`` an ``nn.Conv1d``.
@@ -28,16 +29,3 @@ class Conv1dBlock(Conv2dBlock):
     module: nn.Conv1d  # type: ignore[assignment]
     module_type = nn.Conv1d
     cost_kind = "conv1d"
-
-    def image(self, tensor: Tensor) -> Tensor:
-        """A forward input or output gradient ``(B, C, L)`` (or unbatched ``(C, L)``) as
-        images ``(B, C, 1, L)``."""
-        return (tensor.unsqueeze(0) if tensor.dim() == 2 else tensor).unsqueeze(-2)
-
-    def batch_size(self, inputs: Tensor) -> int:
-        """Sequences in a forward input (1 for an unbatched ``(C, L)`` input)."""
-        return int(inputs.shape[0]) if inputs.dim() == 3 else 1
-
-    def output_positions(self, output: Tensor) -> int:
-        """``L_out``."""
-        return int(output.shape[-1])

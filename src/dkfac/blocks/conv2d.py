@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +41,13 @@ from torch import Tensor, nn
 from dkfac.blocks import conv_factor
 from dkfac.blocks.base import (
     GROUP_MAX_ELEMENTS,
-    Block,
     HeldForward,
     Rows,
     StatisticSink,
     append_ones,
 )
 from dkfac.blocks.conv_factor import conv_input_factor_sum, output_size, window_sums
+from dkfac.blocks.conv_positions import ConvolutionBlock, channel_gram, gather_patches
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,7 @@ def unfold_patches(module: ConvGeometry, inputs: Tensor) -> Tensor:
     )
 
 
-CONV_REDUCTIONS = (None, "sum", "subsample")
-
-
-class Conv2dBlock(Block):
+class Conv2dBlock(ConvolutionBlock):
     """Kronecker factors of a 2-D convolution with ``groups == 1``.
 
     Args:
@@ -144,8 +141,8 @@ class Conv2dBlock(Block):
     """
 
     module: nn.Conv2d
-    module_type: type[nn.Module] = nn.Conv2d
-    """The convolution class the block takes."""
+    module_type: ClassVar[type[nn.Module]] = nn.Conv2d
+    geometry: ConvGeometry
     cost_kind = "conv2d"
     rows_are_outputs = True
 
@@ -161,58 +158,10 @@ class Conv2dBlock(Block):
         """``H_out · W_out``."""
         return int(output.shape[-1] * output.shape[-2])
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        *,
-        reduction: str | None = None,
-        positions: int = 1,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(name, module)
-        kind = self.module_type.__name__
-        if not isinstance(module, self.module_type):
-            raise TypeError(f"{name}: module must be an nn.{kind}, got {type(module).__name__}")
-        if module.groups != 1:
-            raise ValueError(
-                f"{name}: {type(self).__name__} supports groups=1 only, got {module.groups}"
-            )
-        self.geometry = ConvGeometry.of(module)  # type: ignore[arg-type]
-        if reduction not in CONV_REDUCTIONS:
-            raise ValueError(f"reduction must be one of {CONV_REDUCTIONS}, got {reduction!r}")
-        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
-            raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.reduction = reduction
-        self.positions = positions
-        self.seed = seed
-        self.step = 0
-        self._drawn: tuple[tuple[int, int, int], Tensor] | None = None
-
-    def set_step(self, step: int) -> None:
-        """Sets the step whose seed (``seed + step``) picks the subsampled positions."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        self.step = step
-
-    def subsample_indices(self, batch: int, total: int) -> Tensor:
-        """The ``(batch, min(positions, total))`` output positions sampled at this step.
-
-        A function of ``(seed, step, batch, total)`` only, drawn on the CPU, so the forward
-        and backward hooks and every rank agree.
-        """
-        key = (self.seed + self.step, batch, total)
-        if self._drawn is not None and self._drawn[0] == key:
-            return self._drawn[1]  # the backward hook reuses the forward hook's draw
-        count = min(self.positions, total)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed((self.seed + self.step) % 2**63)
-        keys = torch.rand(batch, total, generator=generator)
-        indices = keys.topk(count, dim=1, largest=False, sorted=True).indices
-        self._drawn = (key, indices)
-        return indices
+    @classmethod
+    def geometry_of(cls, module: nn.Module) -> ConvGeometry:
+        """The window as a 2-D one (:meth:`ConvGeometry.of`)."""
+        return ConvGeometry.of(module)  # type: ignore[arg-type]
 
     def image(self, tensor: Tensor) -> Tensor:
         """A forward input or output gradient as a batch of images ``(B, C, H, W)`` (an
@@ -295,23 +244,12 @@ class Conv2dBlock(Block):
 
     def _sampled_patches(self, padded: Tensor) -> Tensor:
         """``(B·s, D)`` patches (no bias) at the sampled positions, gathered, not unfolded."""
-        (kh, kw), (sh, sw), (dh, dw) = (
-            self.geometry.kernel_size,
-            self.geometry.stride,
-            self.geometry.dilation,
-        )
+        module = self.geometry
+        (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
         out_h = output_size(padded.shape[2], kh, sh, dh)
         out_w = output_size(padded.shape[3], kw, sw, dw)
-        batch = padded.shape[0]
-        index = self.subsample_indices(batch, out_h * out_w).to(padded.device)  # (B, s)
-        offsets_h = torch.arange(kh, device=padded.device) * dh
-        offsets_w = torch.arange(kw, device=padded.device) * dw
-        rows = (index // out_w * sh).unsqueeze(-1) + offsets_h  # (B, s, kh)
-        cols = (index % out_w * sw).unsqueeze(-1) + offsets_w  # (B, s, kw)
-        images = torch.arange(batch, device=padded.device).view(batch, 1, 1, 1)
-        picked = padded.permute(0, 2, 3, 1)[images, rows.unsqueeze(-1), cols.unsqueeze(-2)]
-        # (B, s, kh, kw, C) -> rows in F.unfold order (channel, kernel row, kernel column).
-        return picked.permute(0, 1, 4, 2, 3).reshape(-1, padded.shape[1] * kh * kw)
+        index = self.subsample_indices(padded.shape[0], out_h * out_w)
+        return gather_patches(padded, module.kernel_size, module.stride, module.dilation, index)
 
     def capture_grad(
         self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
@@ -327,11 +265,7 @@ class Conv2dBlock(Block):
             super().capture_grad(context, grad_output, sinks, scale)
             return
         grad_output = self.image(grad_output)
-        if sink.compute_dtype is not None:
-            grad_output = grad_output.to(sink.compute_dtype)
-        per_image = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1)
-        products = torch.bmm(per_image, per_image.transpose(1, 2))
-        total = products.sum(dim=0, dtype=sink.dtype)  # summed in the storage precision
+        total = channel_gram(grad_output, sink.compute_dtype, sink.dtype)
         sink.add_sum(total, float(grad_output.shape[0]), scale)
 
     def group_key(

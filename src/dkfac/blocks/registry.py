@@ -22,6 +22,7 @@ from dkfac.blocks.base import Block
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.conv1d import Conv1dBlock
 from dkfac.blocks.conv2d import Conv2dBlock
+from dkfac.blocks.conv_transpose import ConvTranspose1dBlock, ConvTranspose2dBlock
 from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
 from dkfac.blocks.hf_conv1d import HFConv1DBlock
@@ -35,6 +36,8 @@ _REGISTRY: dict[type[nn.Module], BlockFactory] = {
     nn.Linear: LinearBlock,
     nn.Conv1d: Conv1dBlock,
     nn.Conv2d: Conv2dBlock,
+    nn.ConvTranspose1d: ConvTranspose1dBlock,
+    nn.ConvTranspose2d: ConvTranspose2dBlock,
     nn.Embedding: EmbeddingBlock,
     _BatchNorm: BatchNormBlock,
     nn.MultiheadAttention: attention_blocks,

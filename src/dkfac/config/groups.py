@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 import torch
 
-from dkfac.blocks.conv2d import CONV_REDUCTIONS
+from dkfac.blocks.conv_positions import CONV_REDUCTIONS
 from dkfac.config.checks import (
     check_bool,
     check_choice,
@@ -155,9 +155,10 @@ class SolverConfig:
             the rest). ``None`` (default): every factor is rotated.
         rotation_dtype: ``"ekfac"``/``"eigen_adam"``: precision of the rotation of the update
             out of the eigenbasis (half of their per-step cost): ``None`` (default) the
-            gradient's, or on an ``orthogonal_layers`` layer the Newton–Schulz iteration's
-            (its polar factor is rotated out: bfloat16 where the device multiplies bf16
-            natively, float32 elsewhere, float64 for float64); ``torch.bfloat16`` runs it
+            gradient's, or on an ``orthogonal_layers`` layer a low one (its polar factor is
+            rotated out: bfloat16 where the device multiplies bf16 natively, on a CPU only
+            for products of ``128³`` multiply-adds and more; float32 elsewhere, float64 for
+            float64: :func:`dkfac.solvers.precision.low_precision`); ``torch.bfloat16`` runs it
             2-3x faster on CPUs with bf16 matrix instructions and on GPUs, for an error of
             about 1% of the update, and many times slower where bf16 is emulated (an AVX2
             CPU); ``"auto"``: bfloat16 where the layer's device multiplies it natively, the

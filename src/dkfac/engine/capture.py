@@ -266,6 +266,10 @@ class FactorCapture:
         self._mc_captured = True
         return True
 
+    def held_bytes(self) -> int:
+        """Bytes of the captures held for their groups until the step (:attr:`grouping`)."""
+        return self._groups.held_bytes()
+
     def flush_groups(self) -> None:
         """Captures the forwards held for their groups (:attr:`grouping`)."""
         with torch.no_grad(), phase("dkfac.capture_group"):

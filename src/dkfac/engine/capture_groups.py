@@ -94,6 +94,17 @@ class CaptureGroups:
             ]
             type(handed[0].block).capture_group(handed)
 
+    def held_bytes(self) -> int:
+        """Bytes of the inputs and output gradients held until :meth:`flush` (a tensor
+        held by two forwards, such as a shared input, counted once)."""
+        tensors = {
+            id(t): t
+            for members in self._groups.values()
+            for h in members
+            for t in (h.inputs, h.grad)
+        }
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def clear(self) -> None:
         """Forgets every held forward."""
         self._groups.clear()

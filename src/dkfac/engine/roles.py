@@ -4,16 +4,17 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
 ``skip_layers=["^tokens$", "^head$"]``) and shapes by hand (``flattened_inputs=
 ["classifier.0=64x16"]``). The rules here read them off the model instead:
 
-* :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.MultiheadAttention``,
-  ``transformers``' ``Conv1D`` (GPT-2's projections, a linear layer with its weight stored
-  transposed) and ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``,
-  the first matrix layer when no embedding comes before it in module order (it reads the
-  raw data: a vision or audio transformer's patch layer, whose position embedding comes
-  after it; a language model's first layer reads its token embedding);
-  ``"head"``, the last matrix layer (it writes the outputs); ``"hidden"``, every other one.
-  A pattern ``"role:NAME"`` in ``skip_layers`` or ``orthogonal_layers`` stands for the
-  layers of that role (:func:`resolve_role_patterns`); module names never hold a colon, so
-  no regular expression is taken for a role by mistake.
+* :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``,
+  ``nn.ConvTranspose1d/2d/3d``, ``nn.MultiheadAttention``, ``transformers``' ``Conv1D``
+  (GPT-2's projections, a linear layer with its weight stored transposed) and
+  ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``, the first
+  matrix layer when no embedding comes before it in module order (it reads the raw data: a
+  vision or audio transformer's patch layer, whose position embedding comes after it; a
+  language model's first layer reads its token embedding); ``"head"``, the last matrix
+  layer (it writes the outputs); ``"hidden"``, every other one. A pattern ``"role:NAME"``
+  in ``skip_layers`` or ``orthogonal_layers`` stands for the layers of that role
+  (:func:`resolve_role_patterns`); module names never hold a colon, so no regular
+  expression is taken for a role by mistake.
 * :func:`flattened_conv_inputs`: a linear layer whose input is ``flatten(x, 1)`` of a
   convolution's ``C``-channel map (through pooling, upsampling, padding, activations,
   normalisation over channels, dropout and residual additions, which keep the channels)
@@ -64,8 +65,9 @@ ROLES = ("input", "hidden", "head", "embedding")
 ROLE_PREFIX = "role:"
 """A pattern ``"role:NAME"`` picks the layers of role ``NAME``."""
 
-_MATRIX = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_TRANSPOSED)
+_MATRIX = (nn.Linear, *_CONV, nn.MultiheadAttention)
 _CHANNEL_COUNTS = (_NormBase, nn.GroupNorm)
 """Normalisations over channels (BatchNorm, SyncBatchNorm, InstanceNorm, GroupNorm and their
 subclasses): each knows its channel count."""
@@ -157,7 +159,10 @@ def basis_block_from_widths(model: nn.Module) -> int | None:
         if not _is_matrix(module) or isinstance(module, nn.MultiheadAttention):
             continue
         out, inp = _sides(module)
-        sides += [out, inp + (getattr(module, "bias", None) is not None)]
+        # a bias is a column of the input side, except a transposed convolution's (its
+        # bias goes to the inner optimizer)
+        bias = getattr(module, "bias", None) is not None and not isinstance(module, _TRANSPOSED)
+        sides += [out, inp + bias]
         if role == "hidden":
             widths.append(out)
     wide = [w for w in widths if w >= MIN_BLOCK]
@@ -196,7 +201,7 @@ def vocabulary_layers(model: nn.Module, floor: int = VOCABULARY_FLOOR) -> list[s
         module = modules[name]
         if role == "embedding" and isinstance(module, nn.Embedding):
             vocabulary[name] = int(module.num_embeddings)
-        elif role == "head" and not isinstance(module, nn.MultiheadAttention):
+        elif role == "head" and not isinstance(module, (*_CONV, nn.MultiheadAttention)):
             vocabulary[name] = _sides(module)[0]
     return [name for name, side in vocabulary.items() if side > max(floor, widest)]
 
@@ -207,6 +212,8 @@ def _sides(module: nn.Module) -> tuple[int, int]:
     of their own width)."""
     if isinstance(module, nn.Linear):
         return int(module.out_features), int(module.in_features)
+    if isinstance(module, _TRANSPOSED):  # its block's sides: C_out·k (outputs), C_in
+        return int(module.out_channels * math.prod(module.kernel_size)), int(module.in_channels)
     if isinstance(module, _CONV):
         return int(module.out_channels), int(module.in_channels * math.prod(module.kernel_size))
     if isinstance(module, nn.MultiheadAttention):

@@ -139,12 +139,16 @@ level at 100.
 The polar factor is taken in the basis and then rotated out: ``O(Q_G S Q_Aᵀ) = Q_G O(S)
 Q_Aᵀ`` for orthogonal bases (block-diagonal, one-sided and structured ones included; the
 Newton–Schulz iteration commutes with them exactly, as the SVD does), and the rotation out
-of a matrix whose singular values are all about one runs in the iteration's own precision
-(bfloat16 where the device multiplies bf16 natively, float32 where it does not, float64
-for float64: :func:`~dkfac.solvers.polar.polar_dtype`; ``rotation_dtype`` when set) at no
-loss: the update has that precision either way. The order used to be the other one, with
-the rotation out in the gradient's precision (float32 products cost about 2.2x bf16 ones
-on the AVX512-BF16 benchmark CPU).
+of a matrix whose singular values are all about one runs in a low precision at no loss
+(its entries are that close to the iteration's anyway): bfloat16 where the device
+multiplies bf16 natively, float32 where it does not, float64 for float64
+(:func:`~dkfac.solvers.precision.low_precision`; ``rotation_dtype`` when set). On a CPU
+bf16 is taken only for a layer whose rotation products reach
+:data:`~dkfac.solvers.precision.CPU_BF16_MIN_WORK` multiply-adds (``g · a · max(g, a)``),
+as the iteration only for a smaller side of 128 (:func:`~dkfac.solvers.polar.polar_dtype`):
+on small products bf16 is slower there. The order used to be the other one, with the
+rotation out in the gradient's precision (float32 products cost about 2.2x bf16 ones on
+the AVX512-BF16 benchmark CPU).
 
 **Moment precision**: the moments and the arithmetic on them are float32 at least: a
 float16 or bfloat16 gradient is cast to float32 before its rotation (which then runs in
@@ -203,10 +207,9 @@ from dkfac.solvers.null_space import (
 from dkfac.solvers.polar import (
     NS_STEPS,
     orthogonal_update,
-    polar_dtype,
     weighted_polar,
 )
-from dkfac.solvers.precision import LowPrecision, moment_dtype
+from dkfac.solvers.precision import LowPrecision, low_precision, moment_dtype
 from dkfac.solvers.rotations import (
     bases,
     change_basis,
@@ -837,7 +840,8 @@ class EigenMomentsSolver(Solver):
         the moments'; the polar factor goes out in its own precision)."""
         into, out = self.options.gradient_rotation_dtype, self.options.rotation_dtype
         if self.options.orthogonal_rms is not None and out is None:
-            out = polar_dtype(moment_dtype(grad.dtype), grad.device)
+            g, a = grad.shape[-2:]
+            out = low_precision(grad.device, moment_dtype(grad.dtype), g * a * max(g, a))
         return into, out
 
     def rotation_states(

@@ -15,7 +15,10 @@ that depends on the machine, and ``"auto"`` makes it there:
   precision); any other value as given;
 - :func:`low_precision`: the precision of an iteration that runs in bf16 where bf16 is
   fast and in float32 elsewhere (float64 for float64), e.g. the polar factor's
-  Newton–Schulz steps (:func:`dkfac.solvers.polar.polar_dtype`).
+  Newton–Schulz steps (:func:`dkfac.solvers.polar.polar_dtype`). Given the work of its
+  products, a CPU takes bf16 only from :data:`CPU_BF16_MIN_WORK` multiply-adds: its bf16
+  product costs about 10 µs more to start than a float32 one (oneDNN's setup and the
+  casts), which a small product never wins back.
 
 Other accelerators (MPS, XPU) and non-x86 CPUs count as not fast: float32 is never the
 slow choice, bf16 can be. The engine resolves ``"auto"`` when the preconditioner is built,
@@ -32,6 +35,7 @@ import torch
 
 __all__ = [
     "AUTO",
+    "CPU_BF16_MIN_WORK",
     "LowPrecision",
     "bfloat16_is_fast",
     "low_precision",
@@ -93,11 +97,27 @@ def resolve(value: LowPrecision, device: torch.device, dtype: torch.dtype) -> to
     return low if low == torch.bfloat16 else None
 
 
-def low_precision(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64, else bf16 where :func:`bfloat16_is_fast`, else float32."""
+CPU_BF16_MIN_WORK = 2**21
+"""The fewest multiply-adds (a 128 × 128 × 128 product) of the products a CPU runs in bf16
+(:func:`low_precision`). Measured on one AVX512-BF16 core (``dkfac bench precision``):
+three Newton–Schulz steps of a 16 × 65 matrix (work ``16³``) take 0.05 ms in float32 and 0.2
+ms in bf16, of a 64 × 577 one (``64³``, float32 on the Gram matrix) 0.22 and 0.34 ms, of a
+128 × 129 one (``128³``) 0.55 and 0.34 ms; a rotation out of a 64 × 65 layer's eigenbasis
+(``64 · 65 · 65``) 0.03 and 0.06 ms, of a 64 × 257 layer's (``64 · 257²``) 0.21 and 0.11 ms."""
+
+
+def low_precision(
+    device: torch.device, dtype: torch.dtype, work: float | None = None
+) -> torch.dtype:
+    """float64 for float64, else bf16 where :func:`bfloat16_is_fast`, else float32; on a
+    CPU, bf16 only for products of at least :data:`CPU_BF16_MIN_WORK` multiply-adds
+    (``work``: the caller's count for its products; ``None``: any)."""
     if dtype == torch.float64:
         return torch.float64
-    return torch.bfloat16 if bfloat16_is_fast(device) else torch.float32
+    if not bfloat16_is_fast(device):
+        return torch.float32
+    small = work is not None and work < CPU_BF16_MIN_WORK
+    return torch.float32 if small and device.type == "cpu" else torch.bfloat16
 
 
 @functools.lru_cache(maxsize=16)
