@@ -162,8 +162,9 @@ class KFACOptimizer(Optimizer):
         hidden layers' (``describe()`` names them by their ``skip_layers`` pattern); a
         ``skip_layers`` given in ``options`` replaces this rule.
 
-        The same advice holds for a transformer: use this, adding
-        ``loss_average="positions"`` when the loss is a mean over every token. The tuned
+        The same advice holds for a transformer: use this as it is (``loss_average``
+        scales the factors, which changes none of its steps: its bases and Adam's moments do
+        not depend on that scale). The tuned
         configurations measured against AdamW, Muon and SOAP are in ``benchmarks/recipes/``
         (docs/transformers.md shows the language model's as options of this method).
 

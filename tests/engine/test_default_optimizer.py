@@ -82,3 +82,43 @@ def test_another_method_keeps_only_the_defaults_it_reads(method: str) -> None:
 def test_bad_arguments_are_refused(kwargs: dict[str, object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         KFACOptimizer.for_model(make_model(), **kwargs)  # type: ignore[arg-type]
+
+
+def _token_model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(16, 8),
+        torch.nn.Linear(8, 12),
+        torch.nn.GELU(),
+        torch.nn.Linear(12, 8),
+        torch.nn.GELU(),
+        torch.nn.Linear(8, 16),
+    ).double()
+
+
+def _token_run(**options: object) -> list[torch.Tensor]:
+    """12 steps (refreshes at 5 and 10) of a per-token language-model loss, a mean over
+    every token of 6 sequences of 5."""
+    model = _token_model()
+    opt = KFACOptimizer.for_model(model, 0.01, **options)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(12):
+        ids = torch.randint(0, 16, (6, 6), generator=generator)
+        opt.zero_grad()
+        logits = model(ids[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 16), ids[:, 1:].reshape(-1)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_default_does_not_depend_on_the_factors_scale() -> None:
+    """``loss_average`` scales G by the positions squared; the default's bases (eigenvectors)
+    and Adam's moments (of the rotated gradient) do not depend on that scale, so its steps
+    are the same either way (to float64 rounding), and the docs do not ask for it. Under
+    ``eigen``, whose damping is absolute, the same option moves the weights."""
+    samples, positions = _token_run(), _token_run(loss_average="positions")
+    for a, b in zip(samples, positions, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    eigen = _token_run(method="eigen")
+    eigen_positions = _token_run(method="eigen", loss_average="positions")
+    assert max((a - b).abs().max() for a, b in zip(eigen, eigen_positions, strict=True)) > 1e-3
