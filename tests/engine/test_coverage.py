@@ -52,7 +52,7 @@ def test_every_trainable_parameter_is_listed_once_with_its_reason(
     assert rows["fc"]["method"] == "eigen" and rows["fc"]["a_dim"] == 7  # old keys kept
     reasons = {n: r["reason"] for n, r in rows.items() if r["block"] == "inner optimizer"}
     assert reasons == {
-        "pos": "Mixed has no K-FAC block",
+        "pos": "a raw parameter of Mixed, used by its own forward, not through a layer",
         "norm.weight": "LayerNorm has no K-FAC block",
         "norm.bias": "LayerNorm has no K-FAC block",
         "grouped.weight": "declined by its block: grouped convolution (groups=2) is not supported",
@@ -67,7 +67,10 @@ def test_every_trainable_parameter_is_listed_once_with_its_reason(
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert f"{100 * (24 + 4 * 1 * 1 * 1) / total:.1f}%" in message
     assert "K-FAC leaves 2 weight parameter(s)" in message
-    assert "pos (Mixed has no K-FAC block)" in message and "grouped.weight" in message
+    assert (
+        "pos (a raw parameter of Mixed, used by its own forward" in message
+        and "grouped.weight" in message
+    )
     assert "norm.weight" not in message  # one dimension: nothing to precondition anyway
 
 

@@ -117,7 +117,7 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
             name, module, seed=config.seed, unitwise=config.unitwise_bn, **conv
         )
         if found is None:
-            coverage.leave(module, f"{type(module).__name__} has no K-FAC block", chosen=False)
+            coverage.leave(module, _no_block_reason(module), chosen=False)
             continue
         if isinstance(found, str):
             chosen = found in USER_CHOICES
@@ -316,3 +316,14 @@ def other_parameters(model: nn.Module, layers: dict[str, LayerState]) -> list[Te
     too: they have no gradient until they are unfrozen)."""
     block_params = {id(p) for layer in layers.values() for p in layer.block.parameters()}
     return [p for p in model.parameters() if id(p) not in block_params]
+
+
+def _no_block_reason(module: nn.Module) -> str:
+    """Why ``module``'s own parameters get no block: a layer type without one (a module
+    with no children: ``"LayerNorm has no K-FAC block"``), or raw parameters a module with
+    layers of its own uses in its forward (a position table or class token), which no layer
+    holds."""
+    name = type(module).__name__
+    if next(module.children(), None) is None:
+        return f"{name} has no K-FAC block"
+    return f"a raw parameter of {name}, used by its own forward, not through a layer"
