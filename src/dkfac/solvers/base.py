@@ -358,12 +358,11 @@ class Solver(ABC):
             logger.warning("%s batched decomposition failed (%s); layer by layer", self.name, err)
             return [self._alone(alone, i) for i in range(count)]
         failed: set[int] = set()
-        if self.host_checks:
-            sizes = [sum(value.numel() for value in state.values()) for state in states]
-            flat = torch.cat([value.reshape(-1) for s in states for value in s.values()])
-            finite = torch.isfinite(flat).split(sizes)
-            flags = torch.stack([part.all() for part in finite]).tolist()
-            failed = {i for i, flag in enumerate(flags) if not flag}
+        if self.host_checks:  # one read of a flag a tensor (no copy of the states)
+            owners = [i for i, state in enumerate(states) for _ in state]
+            checks = [torch.isfinite(value).all() for state in states for value in state.values()]
+            flags = torch.stack(checks).tolist() if checks else []
+            failed = {i for i, flag in zip(owners, flags, strict=True) if not flag}
         return [self._alone(alone, i) if i in failed else s for i, s in enumerate(states)]
 
     @staticmethod
