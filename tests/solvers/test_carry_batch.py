@@ -1,7 +1,9 @@
 """Carrying the moments of the layers of one shape in one batched pass equals carrying
 them one by one: :meth:`EigenMomentsSolver.carry_batch` against its own ``carry_moments``
 layer by layer, for every carry and basis layout, with a layer whose basis came back
-unchanged (a refresh that kept its last state) among them."""
+unchanged (a refresh that kept its last state) among them; and completing the received
+states of like layers in one pass (:meth:`EigenMomentsSolver.completed_batch`) against
+completing each alone."""
 
 from __future__ import annotations
 
@@ -76,3 +78,41 @@ def test_a_carry_is_batched_only_between_like_bases() -> None:
     with_map: Any = structured.compute_statistics(_stats(0)[0], 0.1)
     assert structured.carry_key(with_map, dict(with_map, qg=new["qg"]), moments) is None
     assert solver.carry_key(old, new, moments) is not None
+
+
+def _low_rank(n: int, rows: int, seed: int) -> torch.Tensor:
+    data = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed), dtype=DT)
+    return data.T @ data / rows
+
+
+def test_completing_a_batch_equals_completing_each_layer() -> None:
+    """Four layers of one shape, each with a solver of its own, over four refreshes: one
+    always regular, one singular from the start, one singular from the second refresh (its
+    flag read a refresh late), one whose output side only is singular. The batch's states
+    (null indicators included) and each solver's decision equal completing layer by layer,
+    to the bit."""
+    singular = {0: set(), 1: {0, 1, 2, 3}, 2: {1, 2, 3}, 3: {0, 2}}
+
+    def states(solver: Any, refresh: int) -> list[dict[str, torch.Tensor]]:
+        made = []
+        for i in range(LAYERS):
+            low = refresh in singular[i]
+            a = _low_rank(9, 4 if low and i != 3 else 40, 10 * refresh + i)
+            g = _low_rank(6, 3 if low else 30, 10 * refresh + i + 5)
+            made.append(solver.compute_statistics({"A": a, "G": g}, 0.1))
+        return made
+
+    maker = EigenAdamSolver(DT)
+    alone = [EigenAdamSolver(DT) for _ in range(LAYERS)]
+    batched = [EigenAdamSolver(DT) for _ in range(LAYERS)]
+    assert len({maker.complete_key(s) for s in states(maker, 0)}) == 1
+    for refresh in range(4):
+        received = states(maker, refresh)
+        late = refresh > 0
+        want = [s.completed(state, late=late) for s, state in zip(alone, received, strict=True)]
+        got = batched[0].completed_batch(batched, received, late=late)
+        for one, other in zip(want, got, strict=True):
+            assert one.keys() == other.keys(), refresh
+            assert all(torch.equal(one[k], other[k]) for k in one)
+        assert [s._floored for s in alone] == [s._floored for s in batched]
+    assert [s._floored for s in batched] == [False, True, True, True]

@@ -1,4 +1,9 @@
-"""Carrying each layer's moments into its new solver state after a refresh.
+"""After a refresh: each layer's new solver state completed, its moments carried into it.
+
+Every rank adds to a received state what it derives itself
+(:meth:`~dkfac.solvers.base.Solver.completed`), the layers of one
+:meth:`~dkfac.solvers.base.Solver.complete_key` together
+(:meth:`~dkfac.solvers.base.Solver.completed_batch`: one pass on their stacked values).
 
 Every rank that preconditions a layer with moments (a :attr:`~dkfac.solvers.base.Solver.stateful`
 solver) carries them into the layer's new state itself
@@ -16,7 +21,7 @@ from collections.abc import Hashable, Mapping
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverState
 
-__all__ = ["carry_all", "carry_moments"]
+__all__ = ["carry_all", "carry_moments", "complete_all"]
 
 
 def carry_moments(layer: LayerState, previous: SolverState | None) -> None:
@@ -50,3 +55,23 @@ def carry_all(layers: Mapping[str, LayerState], previous: Mapping[str, SolverSta
         batch = layers[names[0]].solver.carry_batch(olds, news, held)  # type: ignore[arg-type]
         for name, value in zip(names, batch, strict=True):
             layers[name].moments = value
+
+
+def complete_all(layers: Mapping[str, LayerState], received: Mapping[str, SolverState]) -> None:
+    """Sets each named layer's state to its ``received`` state completed
+    (:meth:`~dkfac.solvers.base.Solver.completed` of a refresh, ``late``), the layers of one
+    :meth:`~dkfac.solvers.base.Solver.complete_key` in one
+    :meth:`~dkfac.solvers.base.Solver.completed_batch` on the first one's solver."""
+    groups: dict[Hashable, list[str]] = {}
+    for name, state in received.items():
+        key = layers[name].solver.complete_key(state)
+        if key is None:
+            layers[name].solver_state = layers[name].solver.completed(state, late=True)
+        else:
+            groups.setdefault(key, []).append(name)
+    for names in groups.values():
+        solvers = [layers[name].solver for name in names]
+        states = [received[name] for name in names]
+        done = solvers[0].completed_batch(solvers, states, late=True)
+        for name, state in zip(names, done, strict=True):
+            layers[name].solver_state = state

@@ -256,6 +256,24 @@ class Solver(ABC):
         del late
         return state
 
+    def complete_key(self, state: SolverState) -> Hashable | None:
+        """Layers whose solvers give equal keys (not ``None``) for their received states are
+        completed together by one :meth:`completed_batch`, on the first one's solver; so a
+        key must hold whatever that call reads of the solver. ``None`` (the default): this
+        layer alone."""
+        del state
+        return None
+
+    def completed_batch(
+        self, solvers: Sequence[Solver], states: Sequence[SolverState], *, late: bool = False
+    ) -> list[SolverState]:
+        """:meth:`completed` of several layers of equal :meth:`complete_key`, each on its own
+        solver (``solvers[i]``), in order (the default completes them one by one)."""
+        return [
+            solver.completed(state, late=late)
+            for solver, state in zip(solvers, states, strict=True)
+        ]
+
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
     ) -> SolverState | None:

@@ -184,10 +184,11 @@ digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, cast, get_args
 
 import torch
 from torch import Tensor
@@ -557,7 +558,7 @@ class EigenMomentsSolver(Solver):
         self._last_lowered: _Rotations | None = None
         self._flat = FlatMoments()
         self._floored: bool | None = None  # whether states get null indicators (completed)
-        self._pending: HostFlag | None = None
+        self._pending: Callable[[], bool] | None = None  # the flag on its way (completed)
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -714,11 +715,53 @@ class EigenMomentsSolver(Solver):
         if not late or self._floored is None:
             self._floored, self._pending = bool(any_null(masks)), None
         elif not self._floored and self._pending is not None:
-            self._floored = self._pending.read()
+            self._floored = self._pending()
         if self._floored:
             return {**state, **masks}
-        self._pending = HostFlag(any_null(masks))
+        self._pending = HostFlag(any_null(masks)).read
         return state
+
+    def complete_key(self, state: SolverState) -> Hashable | None:
+        """For a state that gets null indicators: the class, the options and the values'
+        shapes, dtype and device; else ``None``."""
+        if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
+            return None
+        da = None if "qa_order" in state else tuple(state["da"].shape)
+        dg = state["dg"]
+        return (type(self), self.options, tuple(dg.shape), da, dg.dtype, dg.device)
+
+    def completed_batch(
+        self, solvers: Sequence[Solver], states: Sequence[SolverState], *, late: bool = False
+    ) -> list[SolverState]:
+        """:meth:`completed` of several layers of equal :meth:`complete_key` (each on its own
+        solver, whose rule it follows) on their stacked values: one pass for the masks, one
+        read for the layers that decide now and one host copy for those that decide at a
+        later refresh."""
+        if len(states) == 1:
+            return [solvers[0].completed(states[0], late=late)]
+        structured = "qa_order" in states[0]
+        dg = torch.stack([state["dg"] for state in states])
+        da = None if structured else torch.stack([state["da"] for state in states])
+        masks = null_masks(dg, da)
+        flags = any_null(masks)
+        mine = [cast(EigenMomentsSolver, solver) for solver in solvers]
+        now = [not late or solver._floored is None for solver in mine]
+        values = flags.tolist() if any(now) else []
+        parts = {key: value.unbind(0) for key, value in masks.items()}
+        copy: HostFlag | None = None
+        results = []
+        for i, (solver, state) in enumerate(zip(mine, states, strict=True)):
+            if now[i]:
+                solver._floored, solver._pending = bool(values[i]), None
+            elif not solver._floored and solver._pending is not None:
+                solver._floored = solver._pending()
+            if solver._floored:
+                results.append({**state, **{key: part[i] for key, part in parts.items()}})
+                continue
+            copy = copy or HostFlag(flags)
+            solver._pending = functools.partial(copy.read, i)
+            results.append(state)
+        return results
 
     def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
         """The basis ``previous[key]`` that a power step may follow: ``None`` where its
