@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
-from dkfac.engine.device_checks import GradientBuffer, zero_nonfinite
+from dkfac.engine.device_checks import GradientBuffer, select_where, zero_nonfinite
 from dkfac.engine.grad_writes import GradientWrites
 from dkfac.engine.step_math import write_back
 from dkfac.solvers import eigen_moments
+from dkfac.solvers.stacking import ALIGNMENT
 from tests.host_reads import HostData, HostReads
 
 STEPS = 8
@@ -350,3 +351,19 @@ def test_buffered_writes_equal_write_back() -> None:
     for name, layer in mixed.layers.items():  # the others written, unscaled (not ready)
         if name != "tokens":
             assert torch.equal(layer.block.weight_grad(), finals[name]), name
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_select_where_equals_where_tensor_by_tensor(aligned: bool) -> None:
+    """Each result is ``where(flag, tensor, other)``; aligned, each also starts on an
+    ``ALIGNMENT``-byte boundary (odd sizes, two dtypes)."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(*shape, generator=g) for shape in ((3, 5), (7,), (2, 2, 3))]
+    tensors.append(torch.randn(5, 5, generator=g, dtype=torch.float64))
+    others = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in tensors]
+    flags = torch.tensor([True, False])
+    positions = [0, 1, 1, 0]
+    chosen = select_where(flags, positions, tensors, others, aligned=aligned)
+    for got, tensor, other, at in zip(chosen, tensors, others, positions, strict=True):
+        assert torch.equal(got, torch.where(flags[at], tensor, other))
+        assert not aligned or got.data_ptr() % ALIGNMENT == 0

@@ -34,18 +34,19 @@ def _train_step(model: nn.Module, pre: KFACPreconditioner, x, y) -> None:
 # ---------------------------------------------------------------- intervals and schedules
 def test_hooks_do_no_work_on_non_factor_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"a": 0, "g": 0, "eig": 0}
-    real_a, real_g, real_eig = LinearBlock.a_rows, LinearBlock.g_rows, EigenSolver.compute
+    real_a, real_g, real_eig = LinearBlock.a_rows, LinearBlock.g_rows, EigenSolver._states
 
-    def count(key, real):
+    def count(key, real, layers=lambda args: 1):
         def wrapper(*args, **kwargs):
-            calls[key] += 1
+            calls[key] += layers(args)
             return real(*args, **kwargs)
 
         return wrapper
 
     monkeypatch.setattr(LinearBlock, "a_rows", count("a", real_a))
     monkeypatch.setattr(LinearBlock, "g_rows", count("g", real_g))
-    monkeypatch.setattr(EigenSolver, "compute", count("eig", real_eig))
+    # the layers decomposed, alone or in a batch
+    monkeypatch.setattr(EigenSolver, "_states", count("eig", real_eig, lambda a: len(a[1])))
     model = _mlp()
     pre = KFACPreconditioner(model, factor_update_interval=3, inverse_update_interval=4)
     x, y = _batch()

@@ -43,6 +43,7 @@ from dkfac.engine.step_math import (
     finite_masks,
     read_flags,
 )
+from dkfac.solvers.stacking import ALIGNMENT
 from dkfac.solvers.statistics import DenseStatistic
 
 __all__ = [
@@ -264,27 +265,50 @@ def select_where(
     positions: Sequence[int],
     tensors: Sequence[Tensor],
     others: Sequence[Tensor] | None,
+    aligned: bool = False,
 ) -> list[Tensor]:
     """``where(flags[positions[i]], tensors[i], others[i] or 0)`` for every ``i``, in a few
     launches for any number of tensors: the tensors of one dtype are concatenated, selected
-    against the flags repeated to their sizes, and split back (views of one new buffer)."""
+    against the flags repeated to their sizes, and split back (views of one new buffer).
+
+    ``aligned``: each result starts on a :data:`ALIGNMENT`-byte boundary of that buffer
+    (its segment padded), as a tensor of its own does: some CPU kernels round by the
+    alignment of their operands, so a solver state selected here then multiplies as the
+    one a host-checked refresh hands out (:func:`~dkfac.solvers.stacking.stacked_calls`).
+    """
     results: list[Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(i)
-    for (_, device), members in groups.items():
+    for (dtype, device), members in groups.items():
         sizes = tuple(tensors[i].numel() for i in members)
-        flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        unit = max(1, ALIGNMENT // tensors[members[0]].element_size()) if aligned else 1
+        spans = tuple(-(-size // unit) * unit for size in sizes)
+        pad = torch.zeros(unit, dtype=dtype, device=device) if spans != sizes else None
+        flat = _joined(tensors, members, spans, pad)
         where = device_constant(tuple(positions[i] for i in members), device)
         wanted = flags.index_select(0, where)
-        keep = wanted.repeat_interleave(device_constant(sizes, device), output_size=sum(sizes))
+        keep = wanted.repeat_interleave(device_constant(spans, device), output_size=sum(spans))
         if others is None:
             chosen = torch.where(keep, flat, 0.0)
         else:
-            chosen = torch.where(keep, flat, torch.cat([others[i].reshape(-1) for i in members]))
-        for i, part in zip(members, chosen.split(sizes), strict=True):
-            results[i] = part.view(tensors[i].shape)
+            chosen = torch.where(keep, flat, _joined(others, members, spans, pad))
+        for i, size, part in zip(members, sizes, chosen.split(spans), strict=True):
+            results[i] = (part[:size] if size < part.numel() else part).view(tensors[i].shape)
     return results  # type: ignore[return-value]
+
+
+def _joined(
+    values: Sequence[Tensor], members: Sequence[int], spans: Sequence[int], pad: Tensor | None
+) -> Tensor:
+    """The ``members`` of ``values`` flattened end to end, each padded with zeros of ``pad``
+    to its span."""
+    pieces = []
+    for i, span in zip(members, spans, strict=True):
+        pieces.append(values[i].reshape(-1))
+        if span > values[i].numel() and pad is not None:
+            pieces.append(pad[: span - values[i].numel()])
+    return torch.cat(pieces)
 
 
 @dataclass

@@ -114,7 +114,7 @@ def hold_states(
     failed = torch.zeros(len(matched), dtype=torch.int64, device=device)
     failed.index_add_(0, launches.device_constant(tuple(owners), device), bad)
     ok = failed == 0
-    chosen = iter(select_where(ok, owners, tensors, olds))
+    chosen = iter(select_where(ok, owners, tensors, olds, aligned=True))
     for name, keys in matched:
         layers[name].solver_state = {k: next(chosen) for k in keys}
     messages = [STATE_KEPT.replace("%s", name.replace("%", "%%")) for name, _ in matched]

@@ -26,6 +26,7 @@ from dkfac.blocks.base import Block
 from dkfac.distributed.shard_exchange import Delivery
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine import launches
+from dkfac.engine.carry import carry_all, carry_moments, complete_all
 from dkfac.engine.finite import finite_each
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers import SolverError, SolverState
@@ -152,10 +153,12 @@ def update_inverses(
 
     An owner's solver gets its previous state of the layer (a basis refreshed by power
     iteration follows it). Owners send each state's :meth:`~dkfac.solvers.base.Solver.shared`
-    part; every rank then adds what it derives (:meth:`~dkfac.solvers.base.Solver.completed`).
+    part; every rank then adds what it derives (:meth:`~dkfac.solvers.base.Solver.completed`,
+    the layers of one :meth:`~dkfac.solvers.base.Solver.complete_key` together).
     A layer whose shared state is the very one it had (not recomputed anywhere) keeps its
     completed state as it is. Afterwards every rank that preconditions a layer with moments
-    carries them into the new state (:meth:`~dkfac.solvers.base.Solver.carry_moments`).
+    carries them into the new state (:func:`~dkfac.engine.carry.carry_all`: the layers of
+    one :meth:`~dkfac.solvers.base.Solver.carry_key` together).
 
     Args:
         layers: The registered layers; their ``solver_state`` is replaced.
@@ -192,15 +195,17 @@ def update_inverses(
     }
     devices = {name: layer.block.parameters()[0].device for name, layer in layers.items()}
     strategy.share_solver_states(states, devices)
+    received: dict[str, SolverState] = {}  # new states, to complete
     for name, layer in layers.items():
-        received, before = states[name], previous[name]
-        if received is None:
+        state, before = states[name], previous[name]
+        if state is None:
             layer.solver_state = None
-        elif not _same_state(received, before, layer):
-            layer.solver_state = layer.solver.completed(received, late=True)
+        elif not _same_state(state, before, layer):
+            received[name] = state
         else:
             layer.solver_state = before  # unchanged: its derived entries as they were
-        carry_moments(layer, before)
+    complete_all(layers, received)
+    carry_all(layers, previous)
 
 
 def _compute_group(
@@ -224,7 +229,10 @@ def _compute_group(
             pass  # each layer again on its own, with its own warning
         else:
             for (name, _), state in zip(members, computed, strict=True):
-                layers[name].solver_state = state
+                if isinstance(state, SolverError):
+                    logger.warning("%s: %s; keeping the last good inverse", name, state)
+                else:
+                    layers[name].solver_state = state
             return
     for name, inputs in members:
         try:
@@ -242,16 +250,6 @@ def _same_state(received: SolverState, before: SolverState | None, layer: LayerS
         return False
     shared = layer.solver.shared(before)
     return received.keys() == shared.keys() and all(received[k] is shared[k] for k in shared)
-
-
-def carry_moments(layer: LayerState, previous: SolverState | None) -> None:
-    """The layer's moments in its new solver state (dropped where it has none)."""
-    if layer.moments is None:
-        return
-    if layer.solver_state is None:
-        layer.moments = None
-        return
-    layer.moments = layer.solver.carry_moments(previous, layer.solver_state, layer.moments)
 
 
 def precondition(

@@ -152,14 +152,20 @@ class Solver(ABC):
         stats: Sequence[Mapping[str, Any]],
         damping: float,
         previous: Sequence[SolverState | None],
-    ) -> list[SolverState]:
+    ) -> list[SolverState | SolverError]:
         """:meth:`compute_statistics` of several layers of equal :meth:`refresh_key`, in
-        order (the default computes them one by one; a solver may decompose them as one
-        batch: one call, and one check of the results, for the group)."""
-        return [
-            self.compute_statistics(one, damping, before)
-            for one, before in zip(stats, previous, strict=True)
-        ]
+        order, each layer's new state or the :class:`SolverError` of its failure (the
+        default computes them one by one; a solver may decompose them as one batch: one
+        call, and one check of the results, for the group, :meth:`batch_once`). Raising
+        :class:`SolverError` fails the whole group (the engine then refreshes each layer
+        alone)."""
+        results: list[SolverState | SolverError] = []
+        for one, before in zip(stats, previous, strict=True):
+            try:
+                results.append(self.compute_statistics(one, damping, before))
+            except SolverError as err:
+                results.append(err)
+        return results
 
     @abstractmethod
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
@@ -250,6 +256,24 @@ class Solver(ABC):
         del late
         return state
 
+    def complete_key(self, state: SolverState) -> Hashable | None:
+        """Layers whose solvers give equal keys (not ``None``) for their received states are
+        completed together by one :meth:`completed_batch`, on the first one's solver; so a
+        key must hold whatever that call reads of the solver. ``None`` (the default): this
+        layer alone."""
+        del state
+        return None
+
+    def completed_batch(
+        self, solvers: Sequence[Solver], states: Sequence[SolverState], *, late: bool = False
+    ) -> list[SolverState]:
+        """:meth:`completed` of several layers of equal :meth:`complete_key`, each on its own
+        solver (``solvers[i]``), in order (the default completes them one by one)."""
+        return [
+            solver.completed(state, late=late)
+            for solver, state in zip(solvers, states, strict=True)
+        ]
+
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
     ) -> SolverState | None:
@@ -260,6 +284,28 @@ class Solver(ABC):
         """
         del old, new
         return moments
+
+    def carry_key(
+        self, old: SolverState | None, new: SolverState, moments: SolverState
+    ) -> Hashable | None:
+        """Layers whose solvers give equal keys (not ``None``) carry their moments together
+        by one :meth:`carry_batch`, on the first one's solver; so a key must hold whatever
+        that call reads of the solver. ``None`` (the default): this layer alone."""
+        del old, new, moments
+        return None
+
+    def carry_batch(
+        self,
+        olds: Sequence[SolverState],
+        news: Sequence[SolverState],
+        moments: Sequence[SolverState],
+    ) -> list[SolverState | None]:
+        """:meth:`carry_moments` of several layers of equal :meth:`carry_key`, in order (the
+        default carries them one by one; a solver may carry them as one batched pass)."""
+        return [
+            self.carry_moments(old, new, moment)
+            for old, new, moment in zip(olds, news, moments, strict=True)
+        ]
 
     def with_retry(self, fn: Callable[[torch.dtype], SolverState]) -> SolverState:
         """Runs ``fn(dtype)`` in the compute dtype, then once more in float64 on failure.
@@ -295,6 +341,55 @@ class Solver(ABC):
                     "%s decomposition failed in %s (%s); retrying", self.name, dtype, last
                 )
         raise SolverError(f"{self.name} decomposition failed in float64: {last}")
+
+    def batch_once(
+        self,
+        fn: Callable[[torch.dtype], list[SolverState]],
+        alone: Callable[[int], SolverState],
+        count: int,
+    ) -> list[SolverState | SolverError]:
+        """The states ``fn(dtype)`` of a batch of layers (:meth:`compute_batch`), tried once,
+        in the compute dtype; a layer whose state fails is refreshed alone by ``alone(i)``
+        (:meth:`compute_statistics`, with its own retries), the others keeping theirs from
+        the batch: one layer's failure changes no other's result (a float64 retry of the
+        whole batch would), and a batch on the device, which selects each layer's state
+        where it is finite (no host read), ends with the same states.
+
+        A failure: a raised error (it cannot be told to a layer: every layer alone), or
+        with :attr:`host_checks` a non-finite tensor in a layer's state (one host read for
+        the batch).
+
+        Args:
+            fn: The states of the ``count`` layers in a dtype.
+            alone: Layer ``i``'s state computed alone (raises :class:`SolverError`).
+            count: The layers.
+
+        Returns:
+            Each layer's state, or the :class:`SolverError` of its failure alone.
+        """
+        try:
+            states = [
+                {key: value.contiguous() for key, value in state.items()}
+                for state in fn(self.compute_dtype)
+            ]
+        except (RuntimeError, torch.linalg.LinAlgError) as err:
+            logger.warning("%s batched decomposition failed (%s); layer by layer", self.name, err)
+            return [self._alone(alone, i) for i in range(count)]
+        failed: set[int] = set()
+        if self.host_checks:  # one read of a flag a tensor (no copy of the states)
+            owners = [i for i, state in enumerate(states) for _ in state]
+            checks = [torch.isfinite(value).all() for state in states for value in state.values()]
+            flags = torch.stack(checks).tolist() if checks else []
+            failed = {i for i, flag in zip(owners, flags, strict=True) if not flag}
+        return [self._alone(alone, i) if i in failed else s for i, s in enumerate(states)]
+
+    @staticmethod
+    def _alone(alone: Callable[[int], SolverState], index: int) -> SolverState | SolverError:
+        """``alone(index)``, or its :class:`SolverError`."""
+        try:
+            return alone(index)
+        except SolverError as err:
+            return err
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ With ``A = Q_A Λ_A Q_A^T`` and ``G = Q_G Λ_G Q_G^T`` (eigenvalues clamped at 0
 exactly. Damping enters only at apply time, so a damping schedule takes effect at once.
 Layers of one shape are preconditioned in one batched pass (:meth:`EigenSolver.apply_batch`,
 their states stacked once between refreshes: :mod:`dkfac.solvers.stacking`), a few calls
-for the group instead of ten a layer (a GPU step is launches).
+for the group instead of ten a layer (a GPU step is launches). A refresh decomposes the
+factor sides of one width together, of any layer and either side (:meth:`EigenSolver.compute_batch`:
+one batched ``eigh`` a width).
 
 A factor with many exactly zero rows (the inputs or outputs of dead ReLU units) has as many
 equal zero eigenvalues, and LAPACK's divide-and-conquer ``eigh`` then fails to converge in
@@ -25,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import Solver, SolverState, unstack
-from dkfac.solvers.stacking import StateStack, matmul, stack_key
+from dkfac.solvers.base import Solver, SolverError, SolverState
+from dkfac.solvers.stacking import StateStack, matmul, stack_key, stacked_calls
 
 _Prepared = tuple[
     tuple[Tensor, ...], tuple[torch.dtype, float], tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -45,7 +47,9 @@ def symmetric_eigh(
 
     Retries once on ``F + δI`` when LAPACK does not converge or returns non-finite
     eigenvectors (module notes); without ``checked`` the eigenvectors are not read on the
-    host (only a raised error retries; the caller checks the result on the device).
+    host (only a raised error retries; the caller checks the result on the device). A stack
+    that fails is decomposed matrix by matrix, and a matrix that fails there too gets NaN
+    values and vectors (which its layer's check refuses) rather than failing the others.
 
     Raises:
         torch.linalg.LinAlgError: If the shifted matrix fails too.
@@ -58,13 +62,24 @@ def symmetric_eigh(
             raise torch.linalg.LinAlgError("non-finite eigenvectors")
     except torch.linalg.LinAlgError:
         if sym.dim() > 2:  # a stack: each matrix is tried again on its own
-            pairs = [symmetric_eigh(one, dtype, checked) for one in sym.unbind(0)]
+            pairs = [_eigh_or_nan(one, dtype, checked) for one in sym.unbind(0)]
             return torch.stack([v for v, _ in pairs]), torch.stack([q for _, q in pairs])
         shift = SHIFT * float(torch.diagonal(sym).abs().mean()) or SHIFT
         eye = torch.eye(len(sym), dtype=dtype, device=sym.device)
         values, vectors = torch.linalg.eigh(sym + shift * eye)
         values = values - shift
     return values.clamp(min=0.0), vectors
+
+
+def _eigh_or_nan(matrix: Tensor, dtype: torch.dtype, checked: bool) -> tuple[Tensor, Tensor]:
+    """:func:`symmetric_eigh` of one matrix of a stack, or NaN values and vectors where it
+    fails (its layer's check then refuses its state; the stack's other matrices keep
+    theirs)."""
+    try:
+        return symmetric_eigh(matrix, dtype, checked)
+    except torch.linalg.LinAlgError:
+        nan = torch.full_like(matrix, float("nan"))
+        return nan[..., 0], nan
 
 
 class EigenSolver(Solver):
@@ -79,46 +94,57 @@ class EigenSolver(Solver):
 
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Eigendecomposes both factors (``damping`` is applied later, in :meth:`apply`)."""
-        storage = a.dtype
+        return self.with_retry(lambda dtype: self._states([a], [g], dtype)[0])
 
-        def run(dtype: torch.dtype) -> SolverState:
-            da, qa = symmetric_eigh(a, dtype, self.host_checks)
-            dg, qg = symmetric_eigh(g, dtype, self.host_checks)
-            return {
-                "qa": qa.to(storage),
-                "da": da.to(storage),
-                "qg": qg.to(storage),
-                "dg": dg.to(storage),
-            }
-
-        return self.with_retry(run)
+    def _states(
+        self, a: Sequence[Tensor], g: Sequence[Tensor], dtype: torch.dtype
+    ) -> list[SolverState]:
+        """The states of the factor pairs ``(a[i], g[i])`` in ``dtype``, the sides of one
+        size (of any layer, either side) as one batched ``eigh``
+        (:func:`~dkfac.solvers.stacking.stacked_calls`), each stored in its factor's dtype."""
+        checked = self.host_checks
+        sides = [*a, *g]
+        found = stacked_calls(
+            [((tuple(side.shape), side.dtype), (side,)) for side in sides],
+            lambda key, matrix: symmetric_eigh(matrix, dtype, checked),
+        )
+        states = []
+        for i, one in enumerate(a):
+            (da, qa), (dg, qg) = found[i], found[len(a) + i]
+            pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg}
+            states.append({key: value.to(one.dtype) for key, value in pairs.items()})
+        return states
 
     def refresh_key(
         self, stats: Mapping[str, Any], previous: SolverState | None
     ) -> Hashable | None:
-        """The class, the compute dtype and both factors' shapes, dtypes and device: equal
-        keys share :meth:`compute_batch`."""
+        """The class, the compute dtype and both factors' dtypes and device: equal keys
+        share :meth:`compute_batch` (whose sides of one size are decomposed together)."""
         del previous
         a, g = stats["A"], stats["G"]
         if not (isinstance(a, Tensor) and isinstance(g, Tensor)):
             return None
-        shapes = (tuple(a.shape), tuple(g.shape), a.dtype, g.dtype, a.device)
-        return (type(self), self.compute_dtype, shapes)
+        return (type(self), self.compute_dtype, a.dtype, g.dtype, a.device)
 
     def compute_batch(
         self,
         stats: Sequence[Mapping[str, Any]],
         damping: float,
         previous: Sequence[SolverState | None],
-    ) -> list[SolverState]:
-        """:meth:`compute` of every layer as one batched ``eigh`` a side (one call and one
-        check for the group; a failure retries the stack in float64, and a matrix that
-        fails there too alone, as :func:`symmetric_eigh` does)."""
+    ) -> list[SolverState | SolverError]:
+        """:meth:`compute` of every layer, the sides of one size (any layer, either side)
+        as one batched ``eigh`` (a matrix that fails alone retried alone, as
+        :func:`symmetric_eigh` does); a layer whose state fails is refreshed alone, the
+        others keeping theirs (:meth:`~dkfac.solvers.base.Solver.batch_once`)."""
         if len(stats) == 1:
             return super().compute_batch(stats, damping, previous)
-        a = torch.stack([one["A"] for one in stats])
-        g = torch.stack([one["G"] for one in stats])
-        return unstack(self.compute(a, g, damping), len(stats))
+        a = [one["A"] for one in stats]
+        g = [one["G"] for one in stats]
+        return self.batch_once(
+            lambda dtype: self._states(a, g, dtype),
+            lambda i: self.compute_statistics(stats[i], damping, previous[i]),
+            len(stats),
+        )
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """``Q_G [(Q_Gᵀ ∇W Q_A) ⊘ (λ_G λ_Aᵀ + λ)] Q_Aᵀ``; every tensor may carry a leading

@@ -170,6 +170,13 @@ moments and scaling run as one flat elementwise pass (:meth:`EigenMomentsSolver.
 :mod:`dkfac.solvers.flat_moments`), the same values bit for bit. The products with the
 bases are in :mod:`dkfac.solvers.rotations`.
 
+**Batched refresh** (:meth:`EigenMomentsSolver.compute_batch`): the dense decompositions
+of the layers of one set of options, whole sides and diagonal blocks, of any layer and either
+side, run as one stack a width and kind (one product and QR for the power steps, one ``eigh``,
+and one null-space completion), and the moments of the layers of one shape are carried as one
+stack (:meth:`EigenMomentsSolver.carry_batch`). A layer whose decomposition fails is refreshed
+alone, the others keeping their results (:meth:`~dkfac.solvers.base.Solver.batch_once`).
+
 A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
 one) carries nothing (selected on the device: the bases are never read on the host). The
 refresh itself reads nothing on the host once a layer has a state, where the engine asks
@@ -181,15 +188,16 @@ digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, cast, get_args
 
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import BatchJob, Solver, SolverState, select_moments, unstack
+from dkfac.solvers.base import BatchJob, Solver, SolverError, SolverState, select_moments
 from dkfac.solvers.compiled import Compiled, check_backend
 from dkfac.solvers.eigen import symmetric_eigh
 from dkfac.solvers.flat_moments import FlatMoments, LayerIndex
@@ -221,7 +229,7 @@ from dkfac.solvers.rotations import (
     transition,
     with_transposes,
 )
-from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
+from dkfac.solvers.stacking import StateStack, same_tensors, stack_key, stacked_calls
 from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
 
 __all__ = [
@@ -433,7 +441,7 @@ def descending_eigh(
     """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, largest first
     (``checked``: as :func:`~dkfac.solvers.eigen.symmetric_eigh` takes it)."""
     values, vectors = symmetric_eigh(matrix, dtype, checked)
-    return values.flip(0), vectors.flip(1)
+    return values.flip(-1), vectors.flip(-1)
 
 
 RANGE_MIN_DIM = 512
@@ -553,7 +561,7 @@ class EigenMomentsSolver(Solver):
         self._last_lowered: _Rotations | None = None
         self._flat = FlatMoments()
         self._floored: bool | None = None  # whether states get null indicators (completed)
-        self._pending: HostFlag | None = None
+        self._pending: Callable[[], bool] | None = None  # the flag on its way (completed)
         if options is not None and not isinstance(options, MomentOptions):
             raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
         self.options = options or MomentOptions()
@@ -620,75 +628,75 @@ class EigenMomentsSolver(Solver):
         self, stats: Mapping[str, Any], damping: float, previous: SolverState | None = None
     ) -> SolverState:
         """The new basis: ``eigh``, or one power step from ``previous`` (see the module notes)."""
-        a, g = stats["A"], stats["G"]
-        storage = a.dtype
+        return self.with_retry(lambda dtype: self._states([stats], [previous], dtype)[0])
 
-        def run(dtype: torch.dtype) -> SolverState:
+    def _states(
+        self,
+        stats: Sequence[Mapping[str, Any]],
+        previous: Sequence[SolverState | None],
+        dtype: torch.dtype,
+    ) -> list[SolverState]:
+        """The new states of several layers in ``dtype`` (stored in their factors' dtype),
+        the dense decompositions of one size and kind, of any layer and either side, as one
+        stack (:meth:`_sides`); a structured input side is built layer by layer."""
+        requests: list[tuple[Tensor, Tensor | None]] = []
+        for one, before in zip(stats, previous, strict=True):
+            if self.input_map is None:
+                requests.append((one["A"], self._previous_basis(before, "qa")))
+            requests.append((one["G"], self._previous_basis(before, "qg")))
+        sides = iter(self._sides(requests, dtype))
+        states = []
+        for one in stats:
+            a, g = one["A"], one["G"]
             parts: SolverState = {}
             if self.input_map is not None:
                 basis = structured_basis(a, self.input_map, dtype, self.host_checks)
                 da, qa = basis.estimates, basis.dense
                 parts = {"qa_channels": basis.channels, "qa_positions": basis.positions}
             else:
-                da, qa = self._side(a, self._previous_basis(previous, "qa"), dtype)
-            dg, qg = self._side(g, self._previous_basis(previous, "qg"), dtype)
+                da, qa = next(sides)
+            dg, qg = next(sides)
             pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
             for key, factor in (("qa", a), ("qg", g)):
                 width = self._block_width(factor.shape[0], key == "qa")
                 if width is not None:
                     pairs[f"{key}_block"] = factor.new_empty(0, width)
-            state = {key: value.to(storage) for key, value in pairs.items()}
+            state = {key: value.to(a.dtype) for key, value in pairs.items()}
             if self.input_map is not None:
                 state["qa_order"] = basis.order  # int64 indices, whatever the storage
-            return state
-
-        return self.with_retry(run)
+            states.append(state)
+        return states
 
     def refresh_key(
         self, stats: Mapping[str, Any], previous: SolverState | None
     ) -> Hashable | None:
-        """For a power step of both sides from dense bases of the factors' own shapes (the
-        steady state of ``basis_refresh="power"`` without ``power_rank``, blocks, a wide
-        side or the structured input side): the class, the options, the compute dtype and
-        the factors' shapes, dtypes and device; else ``None`` (the layer alone)."""
+        """The class, the options, the compute dtype and the factors' dtypes and device:
+        equal keys share :meth:`compute_batch`; ``None`` (the layer alone) for the
+        structured input side."""
+        del previous
         a, g = stats["A"], stats["G"]
-        power = self.options.basis_refresh == "power" and self.options.power_rank is None
-        if not power or self.input_map is not None or not isinstance(a, Tensor):
+        if self.input_map is not None or not (isinstance(a, Tensor) and isinstance(g, Tensor)):
             return None
-        for key, factor in (("qa", a), ("qg", g)):
-            size = factor.shape[0]
-            basis = self._previous_basis(previous, key)
-            if self._one_sided(size, key == "qa") or self._block_width(size, key == "qa"):
-                return None
-            if basis is None or basis.shape != factor.shape:
-                return None
-        shapes = (tuple(a.shape), tuple(g.shape), a.dtype, g.dtype, a.device)
-        return (type(self), self.options, self.compute_dtype, shapes)
+        return (type(self), self.options, self.compute_dtype, a.dtype, g.dtype, a.device)
 
     def compute_batch(
         self,
         stats: Sequence[Mapping[str, Any]],
         damping: float,
         previous: Sequence[SolverState | None],
-    ) -> list[SolverState]:
-        """One power step of every layer of one :meth:`refresh_key` as one batched product
-        and QR a side (one call and one check for the group)."""
+    ) -> list[SolverState | SolverError]:
+        """:meth:`compute_statistics` of every layer of one :meth:`refresh_key`, the dense
+        decompositions of one size and kind (power steps, ``eigh``; whole sides and blocks
+        of any layer, either side) as one batched call and one null-space completion; a
+        layer whose state fails is refreshed alone, the others keeping theirs
+        (:meth:`~dkfac.solvers.base.Solver.batch_once`)."""
         if len(stats) == 1:
             return super().compute_batch(stats, damping, previous)
-        a = torch.stack([one["A"] for one in stats])
-        g = torch.stack([one["G"] for one in stats])
-        qa = torch.stack([before["qa"] for before in previous])  # type: ignore[index]
-        qg = torch.stack([before["qg"] for before in previous])  # type: ignore[index]
-        storage = a.dtype
-
-        def run(dtype: torch.dtype) -> SolverState:
-            check = self.host_checks  # each layer's null space (module notes), as one stack
-            da, new_qa = canonical_null_basis(*power_refresh(a, qa, dtype), storage, check=check)
-            dg, new_qg = canonical_null_basis(*power_refresh(g, qg, dtype), storage, check=check)
-            pairs = {"qa": new_qa, "da": da, "qg": new_qg, "dg": dg}
-            return {key: value.to(storage) for key, value in pairs.items()}
-
-        return unstack(self.with_retry(run), len(stats))
+        return self.batch_once(
+            lambda dtype: self._states(stats, previous, dtype),
+            lambda i: self.compute_statistics(stats[i], damping, previous[i]),
+            len(stats),
+        )
 
     def shared(self, state: SolverState) -> SolverState:
         """The state without its null indicators (each rank derives them: :meth:`completed`)."""
@@ -710,11 +718,53 @@ class EigenMomentsSolver(Solver):
         if not late or self._floored is None:
             self._floored, self._pending = bool(any_null(masks)), None
         elif not self._floored and self._pending is not None:
-            self._floored = self._pending.read()
+            self._floored = self._pending()
         if self._floored:
             return {**state, **masks}
-        self._pending = HostFlag(any_null(masks))
+        self._pending = HostFlag(any_null(masks)).read
         return state
+
+    def complete_key(self, state: SolverState) -> Hashable | None:
+        """For a state that gets null indicators: the class, the options and the values'
+        shapes, dtype and device; else ``None``."""
+        if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
+            return None
+        da = None if "qa_order" in state else tuple(state["da"].shape)
+        dg = state["dg"]
+        return (type(self), self.options, tuple(dg.shape), da, dg.dtype, dg.device)
+
+    def completed_batch(
+        self, solvers: Sequence[Solver], states: Sequence[SolverState], *, late: bool = False
+    ) -> list[SolverState]:
+        """:meth:`completed` of several layers of equal :meth:`complete_key` (each on its own
+        solver, whose rule it follows) on their stacked values: one pass for the masks, one
+        read for the layers that decide now and one host copy for those that decide at a
+        later refresh."""
+        if len(states) == 1:
+            return [solvers[0].completed(states[0], late=late)]
+        structured = "qa_order" in states[0]
+        dg = torch.stack([state["dg"] for state in states])
+        da = None if structured else torch.stack([state["da"] for state in states])
+        masks = null_masks(dg, da)
+        flags = any_null(masks)
+        mine = [cast(EigenMomentsSolver, solver) for solver in solvers]
+        now = [not late or solver._floored is None for solver in mine]
+        values = flags.tolist() if any(now) else []
+        parts = {key: value.unbind(0) for key, value in masks.items()}
+        copy: HostFlag | None = None
+        results = []
+        for i, (solver, state) in enumerate(zip(mine, states, strict=True)):
+            if now[i]:
+                solver._floored, solver._pending = bool(values[i]), None
+            elif not solver._floored and solver._pending is not None:
+                solver._floored = solver._pending()
+            if solver._floored:
+                results.append({**state, **{key: part[i] for key, part in parts.items()}})
+                continue
+            copy = copy or HostFlag(flags)
+            solver._pending = functools.partial(copy.read, i)
+            results.append(state)
+        return results
 
     def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
         """The basis ``previous[key]`` that a power step may follow: ``None`` where its
@@ -729,28 +779,81 @@ class EigenMomentsSolver(Solver):
             return None
         return basis
 
-    def _side(
-        self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
-    ) -> tuple[Tensor, Tensor]:
-        """``(d, Q)`` of one factor (never the structured input side, which has its own
-        basis): the identity (empty pair) when wider than ``max_dim``; a block-diagonal
-        basis of :meth:`_dense_side` per block when wider than ``block_size``; else
-        :meth:`_dense_side` of the whole factor."""
-        if self._one_sided(factor.shape[0], input_side=False):
-            return factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
-        width = self._block_width(factor.shape[0], input_side=False)
-        if width is not None:
-            if previous is not None and previous.shape != factor.shape:
-                previous = None
-            values, bases = [], []
-            for start, stop in block_bounds(factor.shape[0], width):
-                part = slice(start, stop)
-                old = None if previous is None else previous[part, part]
-                d, q = self._dense_side(factor[part, part], old, dtype)
-                values.append(d)
-                bases.append(q)
-            return torch.cat(values), torch.block_diag(*bases)
-        return self._dense_side(factor, previous, dtype)
+    def _sides(
+        self, requests: Sequence[tuple[Tensor, Tensor | None]], dtype: torch.dtype
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``(d, Q)`` of each ``(factor, previous basis)`` (never the structured input side,
+        which has its own basis): the identity (empty pair) when wider than ``max_dim``; a
+        block-diagonal basis of :meth:`_dense_side` per block when wider than
+        ``block_size``; else :meth:`_dense_side` of the whole factor. The dense parts (whole
+        sides and blocks) of one size and kind (:meth:`_dense_kind`) are decomposed as one
+        stack (:func:`~dkfac.solvers.stacking.stacked_calls`)."""
+        jobs: list[tuple[Tensor, Tensor | None]] = []
+        spans: list[tuple[int, int, bool] | None] = []  # jobs of each request; blocks?
+        for factor, previous in requests:
+            size = factor.shape[0]
+            if self._one_sided(size, input_side=False):
+                spans.append(None)
+                continue
+            width = self._block_width(size, input_side=False)
+            start = len(jobs)
+            if width is None:
+                jobs.append((factor, previous))
+            else:
+                if previous is not None and previous.shape != factor.shape:
+                    previous = None
+                for i, j in block_bounds(size, width):
+                    old = None if previous is None else previous[i:j, i:j]
+                    jobs.append((factor[i:j, i:j], old))
+            spans.append((start, len(jobs), width is not None))
+        checked = self.host_checks
+
+        def run(key: tuple[str, int, torch.dtype] | None, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+            if key is None:  # alone: as _dense_side takes it
+                return self._dense_side(inputs[0], inputs[1] if len(inputs) > 1 else None, dtype)
+            if key[0] == "power":
+                found = power_refresh(inputs[0], inputs[1], dtype)
+            else:
+                found = descending_eigh(inputs[0], dtype, checked)
+            return canonical_null_basis(*found, key[2], check=checked)
+
+        kinds = [self._dense_kind(f, p) for f, p in jobs]
+        found = stacked_calls(
+            [
+                (kind, (f,) if p is None or (kind is not None and kind[0] == "eigh") else (f, p))
+                for kind, (f, p) in zip(kinds, jobs, strict=True)
+            ],
+            run,
+        )
+        sides = []
+        for (factor, _), span in zip(requests, spans, strict=True):
+            if span is None:
+                empty = factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
+                sides.append(empty)
+            elif not span[2]:
+                sides.append((found[span[0]][0], found[span[0]][1]))
+            else:
+                parts = found[span[0] : span[1]]
+                sides.append(
+                    (torch.cat([d for d, _ in parts]), torch.block_diag(*(q for _, q in parts)))
+                )
+        return sides
+
+    def _dense_kind(
+        self, factor: Tensor, previous: Tensor | None
+    ) -> tuple[str, int, torch.dtype] | None:
+        """What :meth:`_dense_side` runs on ``factor`` where a stack can run it too:
+        ``("power", n, dtype)`` (a full power step), ``("eigh", n, dtype)``; ``None`` for a
+        power step of ``power_rank`` columns and the first decomposition of a wide factor
+        (:func:`range_eigh`), which run alone."""
+        size = factor.shape[0]
+        if self.options.basis_refresh == "power" and previous is not None:
+            if previous.shape == factor.shape:
+                rank = self.options.power_rank
+                return ("power", size, factor.dtype) if rank is None or rank >= size else None
+        elif previous is None and size >= RANGE_MIN_DIM:
+            return None
+        return ("eigh", size, factor.dtype)
 
     def _dense_side(
         self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
@@ -1038,6 +1141,59 @@ class EigenMomentsSolver(Solver):
         changed = (old["qa"] != new["qa"]).any().logical_or_((old["qg"] != new["qg"]).any())
         return select_moments(changed, carried, moments)  # type: ignore[return-value]
 
+    def carry_key(
+        self, old: SolverState | None, new: SolverState, moments: SolverState
+    ) -> Hashable | None:
+        """For bases that changed (not the very tensors), dense, blocked or one-sided alike
+        and of the same shapes before and after: the class, the options, the bases'
+        shapes, dtypes and blocks and the moments' shapes and dtypes; else ``None``."""
+        if old is None or all(old[k] is new[k] for k in ("qa", "qg")):
+            return None
+        if "qa_order" in old or "qa_order" in new:
+            return None
+        bases: list[Any] = []
+        for key in ("qa", "qg"):
+            if old[key].shape != new[key].shape or old[key].dtype != new[key].dtype:
+                return None
+            bases.append((tuple(old[key].shape), old[key].dtype, side_block(old, key)))
+            bases.append(side_block(new, key))
+        held = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in moments.items())
+        return (type(self), self.options, tuple(bases), held)
+
+    def carry_batch(
+        self,
+        olds: Sequence[SolverState],
+        news: Sequence[SolverState],
+        moments: Sequence[SolverState],
+    ) -> list[SolverState | None]:
+        """:meth:`carry_moments` of several layers of equal :meth:`carry_key` as one pass over
+        their stacked bases and moments (the moments read from :meth:`apply_batch`'s last
+        stack where they are its slices); each layer's moments are slices of the result,
+        which the next :meth:`apply_batch` reads as its last stack."""
+        if len(olds) == 1:
+            return super().carry_batch(olds, news, moments)
+        old, new = (
+            {
+                **{k: torch.stack([s[k] for s in states]) for k in ("qa", "qg")},
+                **{k: v for k, v in states[0].items() if k.endswith("_block")},
+            }
+            for states in (olds, news)
+        )
+        stacked = self._restacked(moments) or {
+            k: torch.stack([m[k] for m in moments]) for k in moments[0]
+        }
+        changed = (old["qa"] != new["qa"]).flatten(1).any(1)
+        changed.logical_or_((old["qg"] != new["qg"]).flatten(1).any(1))
+        carried = self._carried(old, new, stacked)
+        chosen = {
+            k: torch.where(changed.view(-1, *[1] * (v.dim() - 1)), v, stacked[k])
+            for k, v in carried.items()
+        }
+        parts = {k: v.unbind(0) for k, v in chosen.items()}
+        slices = [{k: part[i] for k, part in parts.items()} for i in range(len(olds))]
+        self._last_batch = (chosen, slices)
+        return list(slices)
+
     def _carried(self, old: SolverState, new: SolverState, moments: SolverState) -> SolverState:
         """The moments carried from the basis ``old`` to ``new`` (the ``carry`` option)."""
         if self.options.carry == "reset":
@@ -1050,7 +1206,7 @@ class EigenMomentsSolver(Solver):
             dtype = moments["v"].dtype
             p_g = transition(new["qg"].to(dtype), old["qg"].to(dtype))
             p_a = transition(new["qa"].to(dtype), old["qa"].to(dtype))
-            carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).T)
+            carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).mT)
         return carried
 
 

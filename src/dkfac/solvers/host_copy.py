@@ -17,7 +17,7 @@ __all__ = ["HostFlag"]
 
 
 class HostFlag:
-    """A copy of a 0-d bool tensor on its way to the host (module notes).
+    """A copy of a bool tensor (0-d, or a flag a layer) on its way to the host (module notes).
 
     Args:
         flag: The flag, on any device.
@@ -26,15 +26,17 @@ class HostFlag:
     def __init__(self, flag: Tensor) -> None:
         self._event: torch.cuda.Event | None = None
         if flag.is_cuda:
-            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._host = torch.empty(flag.shape, dtype=torch.bool, pin_memory=True)
             self._host.copy_(flag, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
             self._host = flag.detach().to(torch.bool).clone()
 
-    def read(self) -> bool:
-        """The flag (waits for the copy only if it has not arrived yet)."""
+    def read(self, index: int | None = None) -> bool:
+        """The flag, or entry ``index`` of a vector of them (waits for the copy only if it
+        has not arrived yet)."""
         if self._event is not None and not self._event.query():
             self._event.synchronize()
-        return bool(self._host.tolist())
+        values = self._host.tolist()
+        return bool(values if index is None else values[index])

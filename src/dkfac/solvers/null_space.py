@@ -153,20 +153,22 @@ def null_masks(dg: Tensor, da: Tensor | None) -> dict[str, Tensor]:
         dg: The output side's values (``(n_g,)``; empty: the identity basis).
         da: The input side's values (``None`` or empty: no null directions looked for).
 
-    A side without values gets one 0.0, which broadcasts over its width.
+    A side without values gets one 0.0, which broadcasts over its width. ``dg`` and ``da``
+    may carry a leading layer dimension (a stack of layers of one shape).
     """
     sides = []
     for values in (dg, da):
         if values is None or values.numel() == 0:
-            sides.append(torch.zeros(1, dtype=dg.dtype, device=dg.device))
+            sides.append(torch.zeros((*dg.shape[:-1], 1), dtype=dg.dtype, device=dg.device))
         else:
             sides.append((values == 0).to(values.dtype))
     return {"null_g": sides[0], "null_a": sides[1]}
 
 
 def any_null(masks: dict[str, Tensor]) -> Tensor:
-    """A 0-d bool tensor: whether :func:`null_masks` marks any direction (no host read)."""
-    return (masks["null_g"].sum() + masks["null_a"].sum()) > 0
+    """A 0-d bool tensor: whether :func:`null_masks` marks any direction (no host read);
+    of a stack's masks, one a layer."""
+    return (masks["null_g"].sum(-1) + masks["null_a"].sum(-1)) > 0
 
 
 def null_indicators(dg: Tensor, da: Tensor | None) -> dict[str, Tensor]:

@@ -158,7 +158,8 @@ def _transposed(state: SolverState, key: str, dtype: torch.dtype) -> Tensor:
 
 
 def transition(new: Tensor, old: Tensor) -> Tensor:
-    """``Q'ᵀ Q`` from basis ``old`` to ``new``; empty (the identity) when both are identities.
+    """``Q'ᵀ Q`` from basis ``old`` to ``new`` (of each layer of a stack); empty (the identity)
+    when both are identities.
 
     A side that switches between the identity and a basis (a checkpoint of another
     ``max_dim``) gets that basis itself (or its transpose), the other being the identity.
@@ -168,5 +169,5 @@ def transition(new: Tensor, old: Tensor) -> Tensor:
     if not new.numel():
         return old
     if not old.numel():
-        return new.T
-    return new.T @ old
+        return new.mT
+    return new.mT @ old

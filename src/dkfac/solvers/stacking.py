@@ -7,11 +7,14 @@ layers hand the very same tensors: :class:`StateStack` keeps the last stack and 
 that by identity (no tensor work). A new stack becomes the states' storage: each state's
 tensors are replaced by its slices of it (the same values), so the old tensors can be freed
 and the group's states are held once.
+
+A refresh stacks the other way round: :func:`stacked_calls` runs the decompositions of
+one size (of any layers, either side) as one call on their stack.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +22,12 @@ from torch import Tensor
 
 from dkfac.solvers.base import SolverState
 
-__all__ = ["StateStack", "matmul", "same_tensors", "stack_key"]
+__all__ = ["ALIGNMENT", "StateStack", "matmul", "same_tensors", "stack_key", "stacked_calls"]
+
+ALIGNMENT = 64
+"""Bytes: each slice :func:`stacked_calls` hands out starts on such a boundary, as a tensor
+of its own does (PyTorch's CPU allocator aligns to 64 bytes): some CPU kernels round by the
+alignment of their operands, so a state that is a slice then multiplies as a lone one."""
 
 
 def stack_key(state: SolverState, grad: Tensor) -> tuple[Any, ...]:
@@ -67,3 +75,49 @@ class StateStack:
             state.update({key: part[i] for key, part in parts.items()})
         self._last = (stacked, [dict(s) for s in states])  # a snapshot of each
         return stacked
+
+
+def stacked_calls(
+    jobs: Sequence[tuple[Hashable | None, Sequence[Tensor]]],
+    run: Callable[..., Sequence[Tensor]],
+) -> list[tuple[Tensor, ...]]:
+    """Each job's outputs ``run(key, *inputs)``, the jobs of one key (not ``None``) as one
+    call on their stacked inputs, whose outputs carry the leading job dimension and are
+    unbound (one copy an output into rows that start on :data:`ALIGNMENT` boundaries:
+    each slice is then contiguous and aligned, as a lone result is); a job whose key is
+    ``None`` or shared by no other job is run on its own inputs. Jobs of one key must have
+    inputs of equal shapes, and ``run`` take a stack wherever it takes a key.
+
+    Args:
+        jobs: ``(key, inputs)`` per job, in order.
+        run: Runs one job, or the stacked jobs of one key.
+    """
+    results: list[tuple[Tensor, ...] | None] = [None] * len(jobs)
+    groups: dict[Hashable, list[int]] = {}
+    for i, (key, inputs) in enumerate(jobs):
+        if key is None:
+            results[i] = tuple(run(None, *inputs))
+        else:
+            groups.setdefault(key, []).append(i)
+    for key, members in groups.items():
+        if len(members) == 1:
+            results[members[0]] = tuple(run(key, *jobs[members[0]][1]))
+            continue
+        count = len(jobs[members[0]][1])
+        stacks = [torch.stack([jobs[i][1][k] for i in members]) for k in range(count)]
+        parts = [_aligned_rows(output) for output in run(key, *stacks)]
+        for j, i in enumerate(members):
+            results[i] = tuple(part[j] for part in parts)
+    return results  # type: ignore[return-value]
+
+
+def _aligned_rows(output: Tensor) -> tuple[Tensor, ...]:
+    """The slices of ``output`` along its first dimension, each contiguous and starting on
+    an :data:`ALIGNMENT`-byte boundary (one copy into a buffer whose rows are padded)."""
+    count, size = output.shape[0], output[0].numel()
+    unit = max(1, ALIGNMENT // output.element_size())
+    span = -(-size // unit) * unit
+    if span == size or size == 0:
+        return output.contiguous().unbind(0)
+    rows = output.new_empty(count, span)[:, :size].view(output.shape)
+    return rows.copy_(output).unbind(0)

@@ -9,7 +9,7 @@ blocks are formed at the first apply after a refresh or a change of damping (a d
 schedule takes effect at once) and kept, so a step's solve is one product and one sum of
 pairs. The solve is per channel, so the BatchNorm layers of one dtype and device are solved
 as one (:meth:`UnitwiseSolver.apply_batch`: their channels concatenated), whatever their
-widths.
+widths, and refreshed as one (:meth:`UnitwiseSolver.compute_batch`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,38 @@ class UnitwiseSolver(Solver):
         if self.host_checks and not bool(torch.isfinite(fisher).all()):
             raise SolverError("unitwise: non-finite BatchNorm Fisher")
         return {"fisher": ((fisher + fisher.transpose(1, 2)) / 2).clone()}
+
+    def refresh_key(
+        self, stats: Mapping[str, Any], previous: SolverState | None
+    ) -> tuple[Any, ...] | None:
+        """The class and the Fisher's dtype and device: any number of channels share
+        :meth:`compute_batch`."""
+        del previous
+        fisher = stats["F"]
+        return (type(self), fisher.dtype, fisher.device) if isinstance(fisher, Tensor) else None
+
+    def compute_batch(
+        self,
+        stats: Sequence[Mapping[str, Any]],
+        damping: float,
+        previous: Sequence[SolverState | None],
+    ) -> list[SolverState | SolverError]:
+        """:meth:`compute_statistics` of several layers as one pass over their concatenated
+        channels (the same values; each state holds its rows of one buffer). A non-finite
+        Fisher (one host read for the batch, where :attr:`host_checks` holds) is refused
+        in its own layer only."""
+        if len(stats) == 1:
+            return super().compute_batch(stats, damping, previous)
+        fishers = [one["F"] for one in stats]
+        if self.host_checks:
+            finite = torch.isfinite(torch.cat([f.reshape(-1) for f in fishers]))
+            flags = torch.stack([part.all() for part in finite.split([f.numel() for f in fishers])])
+            if not all(flags.tolist()):
+                return super().compute_batch(stats, damping, previous)
+        joined = torch.cat(fishers)
+        symmetric = (joined + joined.transpose(1, 2)) / 2
+        parts = symmetric.split([f.shape[0] for f in fishers])
+        return [{"fisher": part} for part in parts]
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(compute_dtype)
