@@ -119,5 +119,6 @@ def _aligned_rows(output: Tensor) -> tuple[Tensor, ...]:
     span = -(-size // unit) * unit
     if span == size or size == 0:
         return output.contiguous().unbind(0)
-    rows = output.new_empty(count, span)[:, :size].view(output.shape)
+    # Zero pads: torch.save writes a slice's whole storage, so its bytes are reproducible.
+    rows = output.new_zeros(count, span)[:, :size].view(output.shape)
     return rows.copy_(output).unbind(0)
