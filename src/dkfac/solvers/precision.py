@@ -99,11 +99,12 @@ def resolve(value: LowPrecision, device: torch.device, dtype: torch.dtype) -> to
 
 CPU_BF16_MIN_WORK = 2**21
 """The fewest multiply-adds (a 128 × 128 × 128 product) of the products a CPU runs in bf16
-(:func:`low_precision`). Measured on one AVX512-BF16 core (``dkfac bench precision``):
-three Newton–Schulz steps of a 16 × 65 matrix (work ``16³``) take 0.05 ms in float32 and 0.2
-ms in bf16, of a 64 × 577 one (``64³``, float32 on the Gram matrix) 0.22 and 0.34 ms, of a
-128 × 129 one (``128³``) 0.55 and 0.34 ms; a rotation out of a 64 × 65 layer's eigenbasis
-(``64 · 65 · 65``) 0.03 and 0.06 ms, of a 64 × 257 layer's (``64 · 257²``) 0.21 and 0.11 ms."""
+(:func:`low_precision`). Measured on one AVX512-BF16 core (``dkfac bench precision``,
+``benchmarks/results/polar_precision_cpu.json``): three Newton–Schulz steps of a 16 × 65
+matrix (work ``16³``) take 0.03 ms in float32 and 0.11 ms in bf16, of a 64 × 577 one
+(``64³``, float32 on the Gram matrix) 0.18 and 0.24 ms, of a 128 × 129 one (``128³``) 0.39
+and 0.24 ms; a rotation out of a 64 × 65 layer's eigenbasis (``64 · 65²``) 0.016 and
+0.032 ms, of a 64 × 257 layer's (``64 · 257²``) 0.11 and 0.06 ms."""
 
 
 def low_precision(
