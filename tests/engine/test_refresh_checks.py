@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dkfac import KFACOptimizer, KFACPreconditioner
-from dkfac.solvers import eigen, eigen_moments
+from dkfac.solvers import basis_refresh, eigen
 from tests.engine.test_device_checks import _batch, _model
 
 STEPS = 10
@@ -110,7 +110,7 @@ def test_a_failed_decomposition_keeps_the_last_state(
         return values, vectors
 
     monkeypatch.setattr(eigen, "symmetric_eigh", failing)
-    monkeypatch.setattr(eigen_moments, "symmetric_eigh", failing)
+    monkeypatch.setattr(basis_refresh, "symmetric_eigh", failing)
     options = {"method": "eigen", "kl_clip": None}
     runs = []
     for on_device in (False, True):

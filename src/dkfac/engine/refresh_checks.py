@@ -25,7 +25,7 @@ Read-free this way (tested with an instrumented run, ``tests/engine/test_device_
 the refreshes of ``"eigen"``, ``"cholesky"``, ``"eigen_adam"`` and ``"ekfac"`` (``"eigh"``
 and ``"power"`` bases, structured and block-diagonal ones, null spaces included) and of
 BatchNorm's unit-wise state. Still read on the host: a layer's first refresh (the first
-decomposition of a wide factor tries :func:`~dkfac.solvers.eigen_moments.range_eigh`,
+decomposition of a wide factor tries :func:`~dkfac.solvers.basis_refresh.range_eigh`,
 whose acceptance is a read), the low-rank (SMW) solvers' states, and the adaptive refresh
 policy's intervals (that policy keeps the flags on the host altogether).
 """
