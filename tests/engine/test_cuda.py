@@ -285,6 +285,26 @@ def _steady_model(device: torch.device) -> nn.Module:
     ).to(device)
 
 
+def _train_without_sync(
+    opt: KFACOptimizer, model: nn.Module, steps: int, free: tuple[int, ...]
+) -> None:
+    """``steps`` whole iterations (the capture hooks run in the forward and the backward)
+    under ``torch.cuda.set_sync_debug_mode("error")``, but the steps in ``free``; the guard
+    on the device, no step skipped, the weights finite."""
+    assert opt.preconditioner.flags_on_device
+    batches = [_batch(step, CUDA) for step in range(steps)]  # made before the checks
+    for step, (x, y) in enumerate(batches):
+        torch.cuda.set_sync_debug_mode(0 if step in free else "error")
+        try:
+            opt.zero_grad()
+            F.cross_entropy(model(x.float()), y).backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert opt.skipped_steps == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @needs_cuda
 @pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
 def test_a_steady_cuda_step_makes_no_host_synchronisation(method: str) -> None:
@@ -297,19 +317,7 @@ def test_a_steady_cuda_step_makes_no_host_synchronisation(method: str) -> None:
     opt = KFACOptimizer.for_model(
         model, method=method, factor_update_interval=2, inverse_update_interval=4
     )
-    assert opt.preconditioner.flags_on_device
-    batches = [_batch(step, CUDA) for step in range(8)]
-    for step, (x, y) in enumerate(batches):
-        # The whole iteration: the capture hooks run in the forward and the backward.
-        torch.cuda.set_sync_debug_mode(0 if step in (0, 4) else "error")
-        try:
-            opt.zero_grad()
-            F.cross_entropy(model(x.float()), y).backward()
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    assert opt.skipped_steps == 0
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    _train_without_sync(opt, model, steps=8, free=(0, 4))
 
 
 @needs_cuda
@@ -328,18 +336,7 @@ def test_a_power_refresh_on_cuda_makes_no_host_synchronisation() -> None:
         factor_update_interval=2,
         inverse_update_interval=4,
     )
-    assert opt.preconditioner.flags_on_device
-    batches = [_batch(step, CUDA) for step in range(10)]
-    for step, (x, y) in enumerate(batches):
-        torch.cuda.set_sync_debug_mode(0 if step == 0 else "error")
-        try:
-            opt.zero_grad()
-            F.cross_entropy(model(x.float()), y).backward()
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    assert opt.skipped_steps == 0
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    _train_without_sync(opt, model, steps=10, free=(0,))
 
 
 @needs_cuda
