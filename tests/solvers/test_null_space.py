@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers import EigenAdamSolver, MomentOptions
+from dkfac.solvers import EigenAdamSolver, MomentOptions, eigen_moments
 from dkfac.solvers.base import BatchJob
 from dkfac.solvers.eigen_moments import descending_eigh
 from dkfac.solvers.null_space import (
@@ -198,11 +199,15 @@ def _state(rows: int, seed: int) -> dict[str, Tensor]:
     return solver.compute(a, g, 0.1)
 
 
-def test_a_refresh_takes_the_null_indicators_from_the_layer_s_earlier_states() -> None:
-    """``completed(late=True)``: the first state decides by a read; a layer whose factor
-    turns singular gets its indicators from the refresh after the one that showed it (its
-    flag read from a host copy), and keeps them (zero where nothing is singular); a
-    completion without ``late`` (a checkpoint) decides from its own state again."""
+def test_a_refresh_takes_the_null_indicators_from_the_layer_s_earlier_states(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``completed(late=True)`` on a device whose reads wait (a GPU, emulated): the first
+    state decides by a read; a layer whose factor turns singular gets its indicators from
+    the refresh after the one that showed it (its flag read from a host copy), and keeps
+    them (zero where nothing is singular); a completion without ``late`` (a checkpoint)
+    decides from its own state again."""
+    monkeypatch.setattr(eigen_moments, "HOST_COUNT_DEVICES", frozenset())
     solver = EigenAdamSolver(DT, MomentOptions())
     regular, singular = _state(30, seed=8), _state(3, seed=9)
     assert "null_g" not in solver.completed(regular, late=True)
@@ -214,3 +219,24 @@ def test_a_refresh_takes_the_null_indicators_from_the_layer_s_earlier_states() -
     assert not kept["null_a"].any() and not kept["null_g"].any()
     assert "null_g" not in solver.completed(regular)  # decided anew from this state
     assert "null_g" in EigenAdamSolver(DT, MomentOptions()).completed(singular, late=True)
+
+
+def test_on_a_cpu_a_refresh_decides_the_null_indicators_from_its_own_state() -> None:
+    """On a CPU (a read waits for nothing) ``completed(late=True)`` reads this state's
+    flag: a singular state gets its indicators at once, and a layer whose factors became
+    regular drops them (its update is the same: they are zero), so that the rounding
+    floor is not taken every step for nothing."""
+    solver = EigenAdamSolver(DT, MomentOptions())
+    regular, singular = _state(30, seed=8), _state(3, seed=9)
+    assert "null_g" not in solver.completed(regular, late=True)
+    floored = solver.completed(singular, late=True)
+    assert torch.equal(floored["null_a"], (floored["da"] == 0).to(DT))
+    assert "null_g" not in solver.completed(regular, late=True)
+    grad = torch.randn(4, 6, dtype=DT, generator=torch.Generator().manual_seed(3))
+    kept = {**regular, "null_g": torch.zeros(4, dtype=DT), "null_a": torch.zeros(6, dtype=DT)}
+    moments = None
+    for _ in range(3):  # zero indicators and none: the same updates, bit for bit
+        with_zeros, after = solver.apply_with_moments(kept, moments, grad, 0.1)
+        without, _ = solver.apply_with_moments(regular, moments, grad, 0.1)
+        assert torch.equal(with_zeros, without)
+        moments = after

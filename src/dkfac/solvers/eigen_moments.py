@@ -268,8 +268,9 @@ _Rotations = tuple[torch.dtype | None, SolverState, SolverState, SolverState]
 """``(out, the bases, state in, state out)``: :meth:`EigenMomentsSolver.rotation_states`'s last."""
 
 HOST_COUNT_DEVICES = frozenset({"cpu"})
-"""Device types where a layer's moment count is read as a number for its bias corrections
-(:meth:`EigenMomentsSolver.correction`): a read there waits for nothing."""
+"""Device types where a read waits for nothing: a layer's moment count is read there as a
+number for its bias corrections (:meth:`EigenMomentsSolver.correction`), and a refresh's
+null indicators are decided from its own state (:meth:`EigenMomentsSolver.completed`)."""
 
 
 class EigenMomentsSolver(Solver):
@@ -446,16 +447,19 @@ class EigenMomentsSolver(Solver):
         """The state with the null indicators Adam's rounding floor reads, derived from the
         exact zeros :func:`~dkfac.solvers.null_space.canonical_null_basis` leaves in its
         values (none without a floor). Whether the layer has them is decided on the host:
-        without ``late`` from this state (one read: are both sides regular?); with ``late``
-        (a refresh) from the layer's earlier states, so that a refresh reads nothing: once
-        a state of the layer was singular, every later one has them (zero where nothing is
-        singular, which moves no value), and a layer whose factors become singular gets
-        them from the refresh after the one that showed it (its flag copied to the host
-        meanwhile: :class:`~dkfac.solvers.host_copy.HostFlag`)."""
+        without ``late``, or on a device whose reads wait for nothing
+        (:data:`HOST_COUNT_DEVICES`), from this state (one read: are both sides regular?);
+        with ``late`` (a refresh) on another device from the layer's earlier states, so
+        that a refresh reads nothing: once a state of the layer was singular, every later
+        one has them (zero where nothing is singular, which moves no value), and a layer
+        whose factors become singular gets them from the refresh after the one that showed
+        it (its flag copied to the host meanwhile:
+        :class:`~dkfac.solvers.host_copy.HostFlag`). On a CPU a layer whose factors became
+        regular so loses its indicators, and each step the floor's five passes a layer."""
         if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
             return state
         masks = null_masks(state["dg"], None if "qa_order" in state else state["da"])
-        if not late or self._floored is None:
+        if not late or self._floored is None or _reads_now(state["dg"]):
             self._floored, self._pending = bool(any_null(masks)), None
         elif not self._floored and self._pending is not None:
             self._floored = self._pending()
@@ -488,7 +492,7 @@ class EigenMomentsSolver(Solver):
         masks = null_masks(dg, da)
         flags = any_null(masks)
         mine = [cast(EigenMomentsSolver, solver) for solver in solvers]
-        now = [not late or solver._floored is None for solver in mine]
+        now = [not late or solver._floored is None or _reads_now(dg) for solver in mine]
         values = flags.tolist() if any(now) else []
         parts = {key: value.unbind(0) for key, value in masks.items()}
         copy: HostFlag | None = None
@@ -950,6 +954,12 @@ class EigenMomentsSolver(Solver):
         return carried
 
 
+def _reads_now(tensor: Tensor) -> bool:
+    """Whether a host read of a flag on ``tensor``'s device waits for nothing
+    (:data:`HOST_COUNT_DEVICES`): a refresh then decides from its own state."""
+    return tensor.device.type in HOST_COUNT_DEVICES
+
+
 def _root(value: Tensor | float) -> Tensor | float:
     """The square root of a correction (:meth:`EigenMomentsSolver.correction`), a tensor's
     or a number's."""
@@ -967,7 +977,7 @@ class EigenAdamSolver(EigenMomentsSolver):
         """``m ← β₁ m + (1−β₁) R``, ``v ← β₂ v + (1−β₂) R∘R``, ``t ← t + 1``."""
         beta1 = self.options.beta1
         new = super().update_moments(moments, rotated)
-        new["m"] = (moments["m"].to(rotated.dtype) * beta1).add_(rotated, alpha=1.0 - beta1)
+        new["m"] = torch.lerp(moments["m"].to(rotated.dtype), rotated, 1.0 - beta1)
         return new
 
     def scaled(
@@ -987,7 +997,7 @@ class EigenAdamSolver(EigenMomentsSolver):
         beta1, nesterov = self.options.beta1, self.options.nesterov
         m = moments["m"]
         if nesterov:
-            m = (m * beta1).add_(rotated, alpha=1.0 - beta1)
+            m = torch.lerp(m, rotated, 1.0 - beta1)
         c1 = self.correction(beta1, moments["t"], m, ahead=1.0 if nesterov else 0.0)
         root_c2 = _root(self.correction(self.options.beta2, moments["t"], m))
         denominator = self._floored_root(moments["v"], root_c2 * self.options.eps, null, layers)
