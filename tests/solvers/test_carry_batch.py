@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dkfac.solvers import eigen_moments
-from dkfac.solvers.eigen_moments import EigenAdamSolver, EKFACSolver, MomentOptions
+from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, eigen_moments
 
 DT = torch.float64
 LAYERS = 4

@@ -17,17 +17,17 @@ import torch
 from dkfac.solvers.base import Solver, SolverError, SolverState
 from dkfac.solvers.cholesky import CholeskySolver
 from dkfac.solvers.eigen import EigenSolver
+from dkfac.solvers.eigen_adam import EigenAdamSolver
 from dkfac.solvers.eigen_moments import (
     BASIS_REFRESHES,
     MOMENT_CARRIES,
     BasisRefresh,
-    EigenAdamSolver,
     EigenMomentsSolver,
-    EKFACSolver,
     MomentCarry,
     MomentOptions,
     check_moment_combinations,
 )
+from dkfac.solvers.ekfac import EKFACSolver
 from dkfac.solvers.lowrank.deferred import (
     DEFERRED_METHODS,
     DeferredSolver,
