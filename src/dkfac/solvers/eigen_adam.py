@@ -38,7 +38,7 @@ class EigenAdamSolver(EigenMomentsSolver):
         """``m ← β₁ m + (1−β₁) R``, ``v ← β₂ v + (1−β₂) R∘R``, ``t ← t + 1``."""
         beta1 = self.options.beta1
         new = super().update_moments(moments, rotated)
-        new["m"] = torch.lerp(moments["m"].to(rotated.dtype), rotated, 1.0 - beta1)
+        new["m"] = (moments["m"].to(rotated.dtype) * beta1).add_(rotated, alpha=1.0 - beta1)
         return new
 
     def scaled(
@@ -58,7 +58,7 @@ class EigenAdamSolver(EigenMomentsSolver):
         beta1, nesterov = self.options.beta1, self.options.nesterov
         m = moments["m"]
         if nesterov:
-            m = torch.lerp(m, rotated, 1.0 - beta1)
+            m = (m * beta1).add_(rotated, alpha=1.0 - beta1)
         c1 = self.correction(beta1, moments["t"], m, ahead=1.0 if nesterov else 0.0)
         root_c2 = _root(self.correction(self.options.beta2, moments["t"], m))
         denominator = self._floored_root(moments["v"], root_c2 * self.options.eps, null, layers)
