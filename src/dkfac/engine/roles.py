@@ -17,7 +17,8 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
   expression is taken for a role by mistake.
 * :func:`flattened_conv_inputs`: a linear layer whose input is ``flatten(x, 1)`` of a
   convolution's ``C``-channel map (through pooling, upsampling, padding, activations,
-  normalisation over channels, dropout and residual additions, which keep the channels)
+  normalisation over channels, dropout and residual additions, which keep the channels;
+  the spellings of that flatten: :mod:`~dkfac.engine.flatten_nodes`)
   reads ``C × P`` features, channel-major, with ``P = in_features / C`` positions: found
   by tracing the model's graph (``torch.fx``), with no input. A model fx cannot trace
   (data-dependent control flow) gets none.
@@ -42,6 +43,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
 from dkfac.config import KFACConfig
 from dkfac.config.checks import GRAPH_MAPS
+from dkfac.engine.flatten_nodes import flattened_source
 
 __all__ = [
     "ROLES",
@@ -312,32 +314,13 @@ def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
             continue
         linear = modules[node.target]
         assert isinstance(linear, nn.Linear)
-        source = _flattened_source(node.args[0], modules) if node.args else None
+        source = flattened_source(node.args[0], modules) if node.args else None
         channels = None if source is None else _channels(source, modules)
         if channels and linear.in_features % channels == 0:
             positions = linear.in_features // channels
             if positions > 1:
                 found[str(node.target)] = (channels, positions)
     return found
-
-
-def _flattened_source(node: object, modules: dict[str, nn.Module]) -> fx.Node | None:
-    """The node whose output ``node`` flattens from dimension 1 on, if it is such a flatten."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "call_module" and isinstance(modules.get(str(node.target)), nn.Flatten):
-        flatten = modules[str(node.target)]
-        assert isinstance(flatten, nn.Flatten)
-        ok = flatten.start_dim == 1 and flatten.end_dim == -1
-        return node.args[0] if ok and isinstance(node.args[0], fx.Node) else None
-    is_flatten = (node.op == "call_function" and node.target is torch.flatten) or (
-        node.op == "call_method" and node.target == "flatten"
-    )
-    if not is_flatten or len(node.args) < 2 or node.args[1] != 1:
-        return None
-    if len(node.args) > 2 or node.kwargs.get("end_dim", -1) != -1:
-        return None
-    return node.args[0] if isinstance(node.args[0], fx.Node) else None
 
 
 def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
