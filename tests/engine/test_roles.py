@@ -281,3 +281,37 @@ def test_transposed_convolutions_have_roles_widths_and_flattened_maps() -> None:
     # The narrowest hidden output side of at least 128 (C_out·k of "4"), under 512 > 2·128.
     assert basis_block_from_widths(decoder) == 128
     assert flattened_conv_inputs(decoder) == {"6": (8, 64)}
+
+
+class _HeadFirst(nn.Module):
+    """The head is defined before the layers it reads (module order: head, inp, mid)."""
+
+    def __init__(self, branch: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.inp = nn.Linear(5, 16)
+        self.mid = nn.Linear(16, 16)
+        self.branch = branch
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.branch and x.sum() > 0:  # data-dependent: fx cannot trace it
+            x = -x
+        return self.head(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+
+def test_roles_follow_the_order_the_forward_calls_the_layers() -> None:
+    """The layer that reads the data is the input layer and the one that writes the
+    outputs the head, whatever order ``__init__`` defined them in (the head was called the
+    input layer, and the hidden ``mid`` the head); an untraceable model keeps module order."""
+    model = _HeadFirst()
+    assert layer_roles(model) == {"head": "head", "inp": "input", "mid": "hidden"}
+    assert layer_roles(_HeadFirst(branch=True)) == {"head": "input", "inp": "hidden", "mid": "head"}
+    rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
+    assert [rows[n]["role"] for n in ("head", "inp", "mid")] == ["head", "input", "hidden"]
+    assert "orthogonal" in rows["mid"]["method"] and "orthogonal" not in rows["head"]["method"]
+    compiled = torch.compile(model)
+    assert layer_roles(compiled) == {
+        "_orig_mod.head": "head",
+        "_orig_mod.inp": "input",
+        "_orig_mod.mid": "hidden",
+    }
