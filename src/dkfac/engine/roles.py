@@ -326,18 +326,24 @@ def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
     """The channel count of ``node``'s output, read back through channel-keeping nodes to a
-    convolution or a normalisation over channels."""
-    seen = 0
+    convolution or a normalisation over channels. A padding on the way keeps the channels
+    only if it pads no more trailing dimensions than the convolution has spatial ones
+    (``F.pad(x, (1, 1, 1, 1))`` of a 1-D map pads its channels too): the walk then goes
+    on past the normalisations to the convolution to know."""
+    seen = padded = 0
     current: object = node
     while isinstance(current, fx.Node) and seen < 64:
         seen += 1
         module = modules.get(str(current.target)) if current.op == "call_module" else None
         if isinstance(module, _CONV):
-            return int(module.out_channels)
-        if issubclass(unsharded(type(module)), _CHANNEL_COUNTS):
+            return int(module.out_channels) if padded <= len(module.kernel_size) else None
+        norm = issubclass(unsharded(type(module)), _CHANNEL_COUNTS)
+        if norm and not padded:
             return int(getattr(module, "num_features", getattr(module, "num_channels", 0)))
+        padded = max(padded, _padded_dims(current, module))
         keeps = (
-            isinstance(module, _KEEPS_CHANNELS_MODULES)
+            norm
+            or isinstance(module, _KEEPS_CHANNELS_MODULES)
             or (current.op == "call_function" and current.target in _KEEPS_CHANNELS_FUNCTIONS)
             or (current.op == "call_method" and current.target in _KEEPS_CHANNELS_METHODS)
         )
@@ -345,3 +351,17 @@ def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
             return None
         current = current.args[0]
     return None
+
+
+_PADS = (nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d)
+
+
+def _padded_dims(node: fx.Node, module: nn.Module | None) -> int:
+    """How many trailing dimensions ``node`` pads (0: not a padding; a padding whose width
+    the graph does not hold counts as every dimension)."""
+    if isinstance(module, _PADS):
+        return len(module.padding) // 2
+    if node.op != "call_function" or node.target is not F.pad:
+        return 0
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    return len(pad) // 2 if isinstance(pad, (tuple, list)) else 64
