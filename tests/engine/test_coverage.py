@@ -130,10 +130,12 @@ def test_a_reparametrised_weight_is_left_to_the_inner_optimizer_with_its_reason(
     reasons = {r["name"]: r.get("reason") for r in opt.preconditioner.describe()}
     assert set(opt.preconditioner.layers) == {"0"}
     assert reasons["2.parametrizations.weight.original0"] == (
-        "declined by its block: parametrized weight (weight_norm, spectral_norm...) is not "
-        "supported"
+        "declined by its block: its weight is computed by _WeightNorm from other parameters "
+        "(a parametrization): K-FAC's update of a computed tensor is not an update of them"
     )
-    assert "spectral_norm" in reasons["4.parametrizations.weight.original"]
+    assert (
+        "its weight is computed by _SpectralNorm" in reasons["4.parametrizations.weight.original"]
+    )
     assert "computed, not a parameter" in reasons["5.weight_v"]
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(16, 4)
@@ -142,3 +144,65 @@ def test_a_reparametrised_weight_is_left_to_the_inner_optimizer_with_its_reason(
         nn.functional.cross_entropy(model(x), torch.arange(16) % 2).backward()
         opt.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+class _Symmetric(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.triu() + x.triu(1).T
+
+
+class _LowRank(nn.Module):
+    """A LoRA adapter written as a parametrization: ``W + B A`` with its own parameters."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.lora_a = nn.Parameter(torch.randn(2, cols))
+        self.lora_b = nn.Parameter(torch.zeros(rows, 2))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.lora_b @ self.lora_a
+
+
+class _Negated(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -x
+
+
+def test_each_computed_tensor_and_what_computes_it_is_named() -> None:
+    """A symmetric weight, a low-rank adapter whose parameters live in the parametrization,
+    a bias-only parametrization: the reason names the tensor (the bias, not the weight)
+    and the parametrizations, for every parameter the layer holds; no K-FAC update is built
+    for a computed tensor, and each of those parameters trains."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 6))
+    parametrize.register_parametrization(model[2], "weight", _Symmetric())
+    parametrize.register_parametrization(model[2], "weight", _LowRank(6, 6))
+    parametrize.register_parametrization(model[3], "bias", _Negated())
+    opt = KFACOptimizer.for_model(model)
+    rows = {r["name"]: r for r in opt.preconditioner.describe()}
+    assert set(opt.preconditioner.layers) == {"0"}
+    low_rank = (
+        "declined by its block: its weight is computed by _Symmetric then _LowRank from "
+        "other parameters (a parametrization): K-FAC's update of a computed tensor is not an "
+        "update of them"
+    )
+    for name in (
+        "2.bias",
+        "2.parametrizations.weight.original",
+        "2.parametrizations.weight.1.lora_a",
+        "2.parametrizations.weight.1.lora_b",
+    ):
+        assert rows[name]["reason"] == low_rank and rows[name]["method"] == "adam"
+    for name in ("3.weight", "3.parametrizations.bias.original"):
+        assert rows[name]["reason"].startswith(
+            "declined by its block: its bias is computed by _Negated "
+        )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(16, 4)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())

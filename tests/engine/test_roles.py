@@ -281,3 +281,71 @@ def test_transposed_convolutions_have_roles_widths_and_flattened_maps() -> None:
     # The narrowest hidden output side of at least 128 (C_out·k of "4"), under 512 > 2·128.
     assert basis_block_from_widths(decoder) == 128
     assert flattened_conv_inputs(decoder) == {"6": (8, 64)}
+
+
+class _HeadFirst(nn.Module):
+    """The head is defined before the layers it reads (module order: head, inp, mid)."""
+
+    def __init__(self, branch: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.inp = nn.Linear(5, 16)
+        self.mid = nn.Linear(16, 16)
+        self.branch = branch
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.branch and x.sum() > 0:  # data-dependent: fx cannot trace it
+            x = -x
+        return self.head(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+
+def test_roles_follow_the_order_the_forward_calls_the_layers() -> None:
+    """The layer that reads the data is the input layer and the one that writes the
+    outputs the head, whatever order ``__init__`` defined them in (the head was called the
+    input layer, and the hidden ``mid`` the head); an untraceable model keeps module order."""
+    model = _HeadFirst()
+    assert layer_roles(model) == {"head": "head", "inp": "input", "mid": "hidden"}
+    assert layer_roles(_HeadFirst(branch=True)) == {"head": "input", "inp": "hidden", "mid": "head"}
+    rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
+    assert [rows[n]["role"] for n in ("head", "inp", "mid")] == ["head", "input", "hidden"]
+    assert "orthogonal" in rows["mid"]["method"] and "orthogonal" not in rows["head"]["method"]
+    compiled = torch.compile(model)
+    assert layer_roles(compiled) == {
+        "_orig_mod.head": "head",
+        "_orig_mod.inp": "input",
+        "_orig_mod.mid": "hidden",
+    }
+
+
+class _Padded(nn.Module):
+    """Paddings between a convolution and the flatten: those of the spatial dimensions keep
+    the channels, those that reach the channels (more dimensions than the map has spatial
+    ones) change them: 4 channels padded to 6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv1d(2, 4, 3, padding=1), nn.Conv2d(2, 4, 3, padding=1)
+        self.n2 = nn.BatchNorm2d(4)
+        self.pad2d = nn.ZeroPad2d(1)
+        self.spatial1 = nn.Linear(4 * 10, 2)  # F.pad(x, (1, 1)) of the 1-D map: 4 × 10
+        self.channels1 = nn.Linear(6 * 10, 2)  # F.pad(x, (1, 1, 1, 1)) of it: 6 × 10
+        self.spatial2 = nn.Linear(4 * 36, 2)  # ZeroPad2d of the normalised 2-D map: 4 × 36
+        self.channels2 = nn.Linear(6 * 16, 2)  # F.pad(x, (0, 0, 0, 0, 1, 1)): 6 × 16
+        self.module1 = nn.Linear(6 * 10, 2)  # ZeroPad2d(1) of the 1-D map: 6 × 10
+
+    def forward(self, x: Tensor) -> Tensor:
+        one, two = self.c1(x.flatten(2)[..., :8]), self.n2(self.c2(x))
+        return (
+            self.spatial1(F.pad(one, (1, 1)).flatten(1))
+            + self.channels1(F.pad(one, (1, 1, 1, 1)).flatten(1))
+            + self.spatial2(self.pad2d(torch.relu(two)).flatten(1))
+            + self.channels2(F.pad(two, (0, 0, 0, 0, 1, 1)).flatten(1))
+            + self.module1(self.pad2d(one).flatten(1))
+        )
+
+
+def test_a_padding_that_reaches_the_channels_gives_no_map() -> None:
+    """A map of the wrong channel count (4 × 15 for a 6 × 10 input) was found before."""
+    model = _Padded()
+    assert model(torch.randn(3, 2, 4, 4)).shape == (3, 2)
+    assert flattened_conv_inputs(model) == {"spatial1": (4, 10), "spatial2": (4, 36)}

@@ -244,3 +244,25 @@ def test_the_registry_does_not_keep_models_alive() -> None:
     del pre, model
     gc.collect()
     assert ref() is None
+
+
+def test_a_lazy_module_before_its_first_forward_is_refused_with_what_to_do() -> None:
+    """A lazy layer has no shape until its first forward; the factors are sized by it. The
+    error says so (it was torch's own, from counting the elements of the uninitialised
+    weight); after one forward the same model trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.LazyLinear(3))
+    message = "parameters 0.weight, 0.bias, 2.weight, 2.bias are not initialised yet"
+    with pytest.raises(ValueError, match=message):
+        KFACOptimizer.for_model(model)
+    with pytest.raises(ValueError, match="run the model once on a batch"):
+        KFACPreconditioner(model)
+    x, y = _batch()
+    model(x)
+    opt = KFACOptimizer.for_model(model)
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert set(opt.preconditioner.layers) == {"0", "2"}
+    assert not torch.equal(before, model[0].weight)

@@ -147,11 +147,26 @@ def block_or_reason(
 
 
 def computed_weight(module: nn.Module) -> str | None:
-    """Why ``module``'s weight is not its own parameter (a reparametrisation such as
-    ``weight_norm`` or ``spectral_norm``, old or new API: the weight is computed from other
-    parameters at each forward, so its gradient is not theirs), or ``None``."""
+    """Why ``module``'s weight (or bias) is not its own parameter, or ``None``.
+
+    A reparametrisation (``weight_norm``, ``spectral_norm``, ``orthogonal``, a symmetric
+    or low-rank parametrization; old or new API) computes the tensor from other parameters
+    at each forward: a K-FAC update built for the tensor is not an update of those
+    parameters, so the layer is left to the inner optimizer. The reason names the
+    computed tensors and what computes them.
+    """
     if parametrize.is_parametrized(module):
-        return "parametrized weight (weight_norm, spectral_norm...) is not supported"
+        found = module.parametrizations
+        assert isinstance(found, nn.ModuleDict)
+        computed = [
+            f"its {tensor} is computed by {' then '.join(type(step).__name__ for step in steps)}"
+            for tensor, steps in found.items()
+            if isinstance(steps, nn.ModuleList)
+        ]
+        return (
+            f"{' and '.join(computed)} from other parameters (a parametrization): K-FAC's "
+            "update of a computed tensor is not an update of them"
+        )
     weight = getattr(module, "weight", None)
     if isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter):
         return "its weight is computed, not a parameter (old-style weight_norm?): not supported"

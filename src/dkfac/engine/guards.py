@@ -21,10 +21,17 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["GradientMarks", "HookOwnership", "claim_modules", "release_modules"]
+__all__ = ["GradientMarks", "HookOwnership", "claim_modules", "name_list", "release_modules"]
 
 # module -> the preconditioner whose hooks are on it (both held weakly)
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[object]] = weakref.WeakKeyDictionary()
+
+
+def name_list(names: Sequence[str], limit: int = 8) -> str:
+    """The first ``limit`` of ``names`` joined by commas, and how many more (an error's
+    list of modules or parameters)."""
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
 def _held_by_others(owner: object, modules: Mapping[str, nn.Module]) -> list[str]:
@@ -53,11 +60,11 @@ def claim_modules(owner: object, modules: Mapping[str, nn.Module]) -> None:
         gc.collect()  # an unreachable preconditioner in a reference cycle is freed here
         held = _held_by_others(owner, modules)
     if held:
-        shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
         raise ValueError(
-            f"modules {shown} are already preconditioned by another live KFACPreconditioner: "
-            "two would capture twice and precondition each gradient twice; call "
-            "remove_hooks() on the other one first, or build this one on another model"
+            f"modules {name_list(held)} are already preconditioned by another live "
+            "KFACPreconditioner: two would capture twice and precondition each gradient "
+            "twice; call remove_hooks() on the other one first, or build this one on another "
+            "model"
         )
     ref = weakref.ref(owner)
     for module in modules.values():

@@ -26,6 +26,7 @@ from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, resolve
 from dkfac.engine import launches
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
+from dkfac.engine.guards import name_list
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.roles import ROLE_PREFIX, role_blocks
 from dkfac.solvers import EigenMomentsSolver, RowsRule, make_solver, precision
@@ -97,8 +98,10 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
         config: The preconditioner's configuration (``skip_layers``, block options...).
 
     Raises:
-        ValueError: If no layer of the model can be preconditioned.
+        ValueError: If no layer of the model can be preconditioned, or a parameter is not
+            yet initialised (a lazy module before its first forward).
     """
+    _check_initialised(model)
     coverage = Coverage(model)
     blocks: dict[str, Block] = {}
     conv = {"reduction": config.conv_reduction, "positions": config.subsample_positions}
@@ -138,6 +141,22 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
     logger.info("K-FAC registered %d layers: %s", len(blocks), list(blocks))
     coverage.finish(blocks)
     return Registration(blocks, coverage)
+
+
+def _check_initialised(model: nn.Module) -> None:
+    """Refuses a model with lazy parameters (``nn.LazyLinear``, ``nn.LazyConv2d``...): their
+    shapes, which the blocks' factors are sized by, exist only after a first forward.
+
+    Raises:
+        ValueError: Naming them, and what to do.
+    """
+    lazy = [name for name, param in model.named_parameters() if nn.parameter.is_lazy(param)]
+    if lazy:
+        raise ValueError(
+            f"the model's parameters {name_list(lazy)} are not initialised yet (a lazy "
+            "module takes its shapes at its first forward): run the model once on a batch "
+            "before building the preconditioner"
+        )
 
 
 def _admitted(block: Block, config: KFACConfig, coverage: Coverage) -> dict[str, Block]:

@@ -8,16 +8,18 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
   ``nn.ConvTranspose1d/2d/3d``, ``nn.MultiheadAttention``, ``transformers``' ``Conv1D``
   (GPT-2's projections, a linear layer with its weight stored transposed) and
   ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``, the first
-  matrix layer when no embedding comes before it in module order (it reads the raw data: a
-  vision or audio transformer's patch layer, whose position embedding comes after it; a
-  language model's first layer reads its token embedding); ``"head"``, the last matrix
-  layer (it writes the outputs); ``"hidden"``, every other one. A pattern ``"role:NAME"``
+  matrix layer the forward calls, when no embedding comes before it in module order (it
+  reads the raw data: a vision or audio transformer's patch layer, whose position
+  embedding comes after it; a language model's first layer reads its token embedding);
+  ``"head"``, the last matrix layer the forward calls (it writes the outputs; module order
+  where fx cannot trace the model); ``"hidden"``, every other one. A pattern ``"role:NAME"``
   in ``skip_layers`` or ``orthogonal_layers`` stands for the layers of that role
   (:func:`resolve_role_patterns`); module names never hold a colon, so no regular
   expression is taken for a role by mistake.
 * :func:`flattened_conv_inputs`: a linear layer whose input is ``flatten(x, 1)`` of a
   convolution's ``C``-channel map (through pooling, upsampling, padding, activations,
-  normalisation over channels, dropout and residual additions, which keep the channels)
+  normalisation over channels, dropout and residual additions, which keep the channels;
+  the spellings of that flatten: :mod:`~dkfac.engine.flatten_nodes`)
   reads ``C × P`` features, channel-major, with ``P = in_features / C`` positions: found
   by tracing the model's graph (``torch.fx``), with no input. A model fx cannot trace
   (data-dependent control flow) gets none.
@@ -26,7 +28,6 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import operator
@@ -42,6 +43,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
 from dkfac.config import KFACConfig
 from dkfac.config.checks import GRAPH_MAPS
+from dkfac.engine.flatten_nodes import flattened_source
+from dkfac.engine.tracing import call_order, compiled_original, traced_graph, unsharded
 
 __all__ = [
     "ROLES",
@@ -126,16 +129,23 @@ def _is_matrix(module: nn.Module) -> bool:
 
 
 def layer_roles(model: nn.Module) -> dict[str, str]:
-    """Qualified module name -> its role (see the module docstring), in module order."""
+    """Qualified module name -> its role (see the module docstring), in module order.
+
+    The first and the last matrix layer are those the forward calls first and last
+    (:func:`~dkfac.engine.tracing.call_order`): a head defined in ``__init__`` before the
+    layers it reads is still the head. Module order stands in where the model cannot be
+    traced or a matrix layer is not called as a module in its graph.
+    """
     modules = list(model.named_modules())
     matrices = [name for name, m in modules if _is_matrix(m)]
+    ordered = (call_order(model, matrices) if len(matrices) > 1 else None) or matrices
     roles: dict[str, str] = {}
     for name, module in modules:
         if isinstance(module, nn.Embedding):
             roles[name] = "embedding"
         elif _is_matrix(module):
-            first = name == matrices[0] and "embedding" not in roles.values()
-            roles[name] = "head" if name == matrices[-1] else "input" if first else "hidden"
+            first = name == ordered[0] and "embedding" not in roles.values()
+            roles[name] = "head" if name == ordered[-1] else "input" if first else "hidden"
     return roles
 
 
@@ -288,22 +298,15 @@ def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Linear layer name -> ``(channels, positions)`` of the convolution map it reads
     flattened (see the module docstring); empty when the model cannot be traced, and for a
     model wrapped in FSDP1's ``FullyShardedDataParallel`` (its flat parameters hide the
-    layers). A model sharded with FSDP2's ``fully_shard`` is traced as its unsharded twin
-    (:class:`_UnshardedTracer`), and one compiled with ``torch.compile`` (the whole model or
-    its parts) as the module it compiles, so both get the eager model's maps."""
-    original = _compiled_original(model)
+    layers). A model sharded with FSDP2's ``fully_shard`` is traced as its unsharded twin,
+    and one compiled with ``torch.compile`` (the whole model or its parts) as the module it
+    compiles (:func:`~dkfac.engine.tracing.traced_graph`), so both get the eager model's
+    maps."""
+    original = compiled_original(model)
     if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
         return {f"_orig_mod.{k}": v for k, v in flattened_conv_inputs(original).items()}
-    wrapped = [
-        n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
-    ]
-    if wrapped:
-        logger.info("flattened inputs: not traced (%s is FSDP1-wrapped)", wrapped[0] or "the model")
-        return {}
-    try:
-        graph = _UnshardedTracer().trace(model)
-    except Exception as error:
-        logger.info("flattened inputs: %s is not traceable (%s)", type(model).__name__, error)
+    graph = traced_graph(model, "flattened inputs")
+    if graph is None:
         return {}
     modules = dict(model.named_modules())
     found: dict[str, tuple[int, int]] = {}
@@ -312,7 +315,7 @@ def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
             continue
         linear = modules[node.target]
         assert isinstance(linear, nn.Linear)
-        source = _flattened_source(node.args[0], modules) if node.args else None
+        source = flattened_source(node.args[0], modules) if node.args else None
         channels = None if source is None else _channels(source, modules)
         if channels and linear.in_features % channels == 0:
             positions = linear.in_features // channels
@@ -321,39 +324,26 @@ def flattened_conv_inputs(model: nn.Module) -> dict[str, tuple[int, int]]:
     return found
 
 
-def _flattened_source(node: object, modules: dict[str, nn.Module]) -> fx.Node | None:
-    """The node whose output ``node`` flattens from dimension 1 on, if it is such a flatten."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "call_module" and isinstance(modules.get(str(node.target)), nn.Flatten):
-        flatten = modules[str(node.target)]
-        assert isinstance(flatten, nn.Flatten)
-        ok = flatten.start_dim == 1 and flatten.end_dim == -1
-        return node.args[0] if ok and isinstance(node.args[0], fx.Node) else None
-    is_flatten = (node.op == "call_function" and node.target is torch.flatten) or (
-        node.op == "call_method" and node.target == "flatten"
-    )
-    if not is_flatten or len(node.args) < 2 or node.args[1] != 1:
-        return None
-    if len(node.args) > 2 or node.kwargs.get("end_dim", -1) != -1:
-        return None
-    return node.args[0] if isinstance(node.args[0], fx.Node) else None
-
-
 def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
     """The channel count of ``node``'s output, read back through channel-keeping nodes to a
-    convolution or a normalisation over channels."""
-    seen = 0
+    convolution or a normalisation over channels. A padding on the way keeps the channels
+    only if it pads no more trailing dimensions than the convolution has spatial ones
+    (``F.pad(x, (1, 1, 1, 1))`` of a 1-D map pads its channels too): the walk then goes
+    on past the normalisations to the convolution to know."""
+    seen = padded = 0
     current: object = node
     while isinstance(current, fx.Node) and seen < 64:
         seen += 1
         module = modules.get(str(current.target)) if current.op == "call_module" else None
         if isinstance(module, _CONV):
-            return int(module.out_channels)
-        if issubclass(_unsharded(type(module)), _CHANNEL_COUNTS):
+            return int(module.out_channels) if padded <= len(module.kernel_size) else None
+        norm = issubclass(unsharded(type(module)), _CHANNEL_COUNTS)
+        if norm and not padded:
             return int(getattr(module, "num_features", getattr(module, "num_channels", 0)))
+        padded = max(padded, _padded_dims(current, module))
         keeps = (
-            isinstance(module, _KEEPS_CHANNELS_MODULES)
+            norm
+            or isinstance(module, _KEEPS_CHANNELS_MODULES)
             or (current.op == "call_function" and current.target in _KEEPS_CHANNELS_FUNCTIONS)
             or (current.op == "call_method" and current.target in _KEEPS_CHANNELS_METHODS)
         )
@@ -363,51 +353,15 @@ def _channels(node: fx.Node, modules: dict[str, nn.Module]) -> int | None:
     return None
 
 
-def _compiled_original(module: nn.Module) -> nn.Module | None:
-    """The module ``torch.compile`` wrapped in ``module`` (an ``OptimizedModule``, whose
-    forward fx cannot trace), or ``None`` when ``module`` is not such a wrapper."""
-    original = getattr(module, "_orig_mod", None)
-    compiled = type(module).__name__ == "OptimizedModule"
-    return original if compiled and isinstance(original, nn.Module) else None
+_PADS = (nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d)
 
 
-def _unsharded(cls: type) -> type:
-    """The class ``fully_shard`` derived ``cls`` from (``FSDPLinear`` -> ``nn.Linear``), or
-    ``cls`` itself when it is not such a class."""
-    sharded = _fsdp_module()
-    if sharded is not None and issubclass(cls, sharded) and len(cls.__bases__) == 2:
-        return cls.__bases__[1]
-    return cls
-
-
-def _fsdp_module() -> type | None:
-    """FSDP2's ``FSDPModule`` (``None`` where ``torch.distributed`` is not built)."""
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule
-
-
-class _UnshardedTracer(fx.Tracer):
-    """``torch.fx``'s tracer that sees a compiled part as the module it compiles, and a
-    ``fully_shard`` model as the model it was made from: a sharded ``torch.nn`` layer is a
-    leaf as its class would be, and a sharded module is traced through its own ``forward``,
-    without the sharding's hooks (which gather parameters, and which FSDP refuses to run
-    from a submodule before the root)."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        cls = _unsharded(type(m))
-        return cls.__module__.startswith(("torch.nn", "torch.ao.nn")) and not issubclass(
-            cls, nn.Sequential
-        )
-
-    def call_module(
-        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if _unsharded(type(m)) is not type(m):
-            forward = functools.partial(type(m).forward, m)
-        original = _compiled_original(m)
-        if original is not None:  # a compiled part: traced through the module it compiles
-            forward = original.forward
-        return super().call_module(m, forward, args, kwargs)
+def _padded_dims(node: fx.Node, module: nn.Module | None) -> int:
+    """How many trailing dimensions ``node`` pads (0: not a padding; a padding whose width
+    the graph does not hold counts as every dimension)."""
+    if isinstance(module, _PADS):
+        return len(module.padding) // 2
+    if node.op != "call_function" or node.target is not F.pad:
+        return 0
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    return len(pad) // 2 if isinstance(pad, (tuple, list)) else 64

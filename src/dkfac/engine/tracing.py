@@ -1,0 +1,110 @@
+"""Tracing a model's forward with ``torch.fx`` for the rules that need no layer names.
+
+:func:`traced_graph` gives the graph the rules of :mod:`dkfac.engine.roles` read (a model
+fx cannot trace, data-dependent control flow, gets none, and a model wrapped in FSDP1's
+``FullyShardedDataParallel`` is not traced: its flat parameters hide the layers). A model
+sharded with FSDP2's ``fully_shard`` is traced as its unsharded twin, and a part compiled
+with ``torch.compile`` as the module it compiles (:class:`_UnshardedTracer`).
+:func:`call_order` reads from it the order the forward calls its layers in.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["call_order", "compiled_original", "traced_graph", "unsharded"]
+
+logger = logging.getLogger(__name__)
+
+
+def traced_graph(model: nn.Module, purpose: str) -> fx.Graph | None:
+    """The graph of ``model``'s forward, or ``None`` (logged at INFO with ``purpose``) when
+    it is FSDP1-wrapped or cannot be traced. A model compiled whole is the caller's to
+    unwrap (:func:`compiled_original`): its forward cannot be traced."""
+    wrapped = [
+        n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
+    ]
+    if wrapped:
+        logger.info("%s: not traced (%s is FSDP1-wrapped)", purpose, wrapped[0] or "the model")
+        return None
+    try:
+        return _UnshardedTracer().trace(model)
+    except Exception as error:
+        logger.info("%s: %s is not traceable (%s)", purpose, type(model).__name__, error)
+        return None
+
+
+def call_order(model: nn.Module, names: Sequence[str]) -> list[str] | None:
+    """``names`` (qualified module names) in the order ``model``'s forward first calls
+    them, read from its traced graph; ``None`` when it cannot be traced or one of them is
+    not called there as a module (a layer fx traces into, or one the forward never calls)."""
+    original = compiled_original(model)
+    if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
+        inner = [n.removeprefix("_orig_mod.") for n in names]
+        order = (
+            call_order(original, inner) if all(n.startswith("_orig_mod.") for n in names) else None
+        )
+        return None if order is None else [f"_orig_mod.{n}" for n in order]
+    graph = traced_graph(model, "roles by call order")
+    if graph is None:
+        return None
+    wanted = set(names)
+    called = [str(n.target) for n in graph.nodes if n.op == "call_module" and n.target in wanted]
+    order = list(dict.fromkeys(called))
+    return order if len(order) == len(wanted) else None
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped in ``module`` (an ``OptimizedModule``, whose
+    forward fx cannot trace), or ``None`` when ``module`` is not such a wrapper."""
+    original = getattr(module, "_orig_mod", None)
+    compiled = type(module).__name__ == "OptimizedModule"
+    return original if compiled and isinstance(original, nn.Module) else None
+
+
+def unsharded(cls: type) -> type:
+    """The class ``fully_shard`` derived ``cls`` from (``FSDPLinear`` -> ``nn.Linear``), or
+    ``cls`` itself when it is not such a class."""
+    sharded = _fsdp_module()
+    if sharded is not None and issubclass(cls, sharded) and len(cls.__bases__) == 2:
+        return cls.__bases__[1]
+    return cls
+
+
+def _fsdp_module() -> type | None:
+    """FSDP2's ``FSDPModule`` (``None`` where ``torch.distributed`` is not built)."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+class _UnshardedTracer(fx.Tracer):
+    """``torch.fx``'s tracer that sees a compiled part as the module it compiles, and a
+    ``fully_shard`` model as the model it was made from: a sharded ``torch.nn`` layer is a
+    leaf as its class would be, and a sharded module is traced through its own ``forward``,
+    without the sharding's hooks (which gather parameters, and which FSDP refuses to run
+    from a submodule before the root)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        cls = unsharded(type(m))
+        return cls.__module__.startswith(("torch.nn", "torch.ao.nn")) and not issubclass(
+            cls, nn.Sequential
+        )
+
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if unsharded(type(m)) is not type(m):
+            forward = functools.partial(type(m).forward, m)
+        original = compiled_original(m)
+        if original is not None:  # a compiled part: traced through the module it compiles
+            forward = original.forward
+        return super().call_module(m, forward, args, kwargs)
