@@ -304,6 +304,7 @@ def test_a_saved_choice_that_is_not_one_is_refused() -> None:
 def test_one_sided_sides_are_neither_rotated_nor_refreshed_in_the_count() -> None:
     d = DISPATCH_FLOPS
     assert basis_limit(256) == 192  # 3/4 of the rows: 2s/(3 rows) > ONE_SIDED_SHARE
+    assert basis_limit(1) == 1  # a layer that saw one row keeps a 1-wide basis
     wide = LayerShape(a=9, g=300, rows=100, basis_max=75)  # its output side is one-sided
     both = LayerShape(a=90, g=80, rows=100, basis_max=75)  # Adam on the raw gradient
     mapped = LayerShape(a=96, g=80, rows=100, a_parts=(8, 12), basis_max=75)  # kept: structured

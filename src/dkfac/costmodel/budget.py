@@ -85,8 +85,8 @@ steps to the target instead of 22 and 20, at 2.7x AdamW's step instead of 3.2x; 
 
 def basis_limit(rows: int) -> int:
     """The widest side a layer that sees ``rows`` rows a step keeps a basis for
-    (:data:`ONE_SIDED_SHARE`)."""
-    return int(1.5 * ONE_SIDED_SHARE * rows)
+    (:data:`ONE_SIDED_SHARE`); at least 1 (an expert of a mixture may see one row)."""
+    return max(1, int(1.5 * ONE_SIDED_SHARE * rows))
 
 
 FACTOR_INTERVALS = (1, 2, 4, 8)

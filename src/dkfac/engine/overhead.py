@@ -3,12 +3,12 @@
 :class:`OverheadBudget` watches the first training forward of every registered layer (the
 rows it sees: samples × positions, and the batch), and after the first step chooses the
 factor batch and the factor and basis intervals within the budget
-(:func:`dkfac.costmodel.budget.choose`, a pure function of the layer sizes and those rows:
-every rank makes the same choice). The first step itself captures the whole batch and
-refreshes every basis, as any first step does; the choice is made before it where the shapes
-are known, so that the sides it makes one-sided (too wide for the rows a step sees,
-:data:`~dkfac.costmodel.budget.ONE_SIDED_SHARE`) already keep the identity basis at that
-first refresh. Options the user set are kept.
+(:func:`dkfac.costmodel.budget.choose`, a pure function of the trainable layers' sizes and
+those rows: every rank makes the same choice; a frozen layer costs nothing). The first step
+itself captures the whole batch and refreshes every basis, as any first step does; the
+choice is made before it where the shapes are known, so that the sides it makes one-sided
+(too wide for the rows a step sees, :data:`~dkfac.costmodel.budget.ONE_SIDED_SHARE`) already
+keep the identity basis at that first refresh. Options the user set are kept.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ class OverheadBudget:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        # A frozen layer (a LoRA adapter's base) costs the preconditioner nothing now.
+        trainable = {n: x for n, x in layers.items() if x.block.parameters()[0].requires_grad}
         shapes = {
             name: LayerShape(
                 layer.block.a_dim,
@@ -108,7 +110,7 @@ class OverheadBudget:
                 tuple((maps or {}).get(name, ())),
                 _polar_steps(layer),
             )
-            for name, layer in layers.items()
+            for name, layer in (trainable or layers).items()
         }
         one_sided: dict[str, int] = {}
         if "basis_max_dim" not in self.explicit:  # sides too wide for the step's rows

@@ -1,0 +1,83 @@
+"""The overhead budget in a running preconditioner (:mod:`dkfac.engine.overhead`): what it
+counts and the shapes it must survive."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac import KFACOptimizer
+from dkfac.costmodel.budget import LayerShape, basis_limit, choose_for
+
+
+class _TopOne(nn.Module):
+    """A router picks one of 4 expert MLPs per token; each expert runs on its tokens only
+    (called on an empty batch when it has none, as some implementations do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(4)
+        )
+        self.head = nn.Linear(16, 3)
+        with torch.no_grad():  # expert 2 takes a single token of the first batch, 3 none
+            self.router.weight.zero_()
+            self.router.bias.copy_(torch.tensor([0.0, 0.0, -50.0, -50.0]))
+            self.router.weight[2, 0] = 100.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = torch.relu(self.inp(x))
+        gate = self.router(x).softmax(-1)
+        weight, chosen = gate.max(-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (chosen == e).nonzero().squeeze(1)
+            out = out.index_add(0, rows, expert(flat[rows]) * weight[rows, None])
+        return self.head(flat + out)
+
+
+def test_an_expert_that_sees_one_token_or_none_does_not_stop_training() -> None:
+    torch.manual_seed(0)
+    model = _TopOne()
+    x = torch.randn(24, 8)
+    x[:, 0] = -1.0
+    x[5, 0] = 1.0  # the one token routed to expert 2
+    y = torch.arange(24) % 3
+    routed = model.router(x).argmax(-1)
+    assert (routed == 2).sum() == 1 and (routed == 3).sum() == 0
+    opt = KFACOptimizer.for_model(model)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()  # failed: max_dim must be an integer >= 1 or None, got 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_frozen_layers_count_for_nothing_in_the_budget() -> None:
+    """A LoRA-like model: two wide frozen layers and a small trainable head. The budget's
+    choice is the one made from the trainable layer alone (the oracle: the cost model's
+    own choice for that shape), not from the frozen layers' sizes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+    for layer in (model[0], model[2]):
+        layer.requires_grad_(False)
+    x, y = torch.randn(96, 64), torch.randint(0, 10, (96,))
+    opt = KFACOptimizer.for_model(model, lr=1e-3)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    budget = opt.preconditioner.budget
+    assert budget is not None and budget.choice is not None
+    wide_one_sided = LayerShape(513, 10, 96, basis_max=basis_limit(96))  # as the engine makes it
+    alone = choose_for([wide_one_sided], 96, budget.budget)
+    chosen = budget.choice
+    assert (chosen.factor_batch_size, chosen.factor_update_interval) == (
+        alone.factor_batch_size,
+        alone.factor_update_interval,
+    )
+    assert chosen.inverse_update_interval == alone.inverse_update_interval
