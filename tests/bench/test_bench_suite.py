@@ -199,6 +199,9 @@ def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:
         ["--tasks", "rnn"],
         ["--threads", "0"],
         ["--dkfac-options", "overhead"],
+        ["--tasks", "mlp", "--dkfac-options", "bogus=1"],  # for_model refuses these
+        ["--tasks", "mlp", "--dkfac-options", "orthogonal_rms=none"],
+        ["--tasks", "mlp", "--dkfac-options", "orthogonal_layers=^nothing$"],
     ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture) -> None:

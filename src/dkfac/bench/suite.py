@@ -307,11 +307,26 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--threads must be >= 1, got {args.threads}")
 
 
+def _check_dkfac_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One-line error for ``--dkfac-options`` that ``for_model`` refuses on a task's model
+    (an unknown option, a value of the wrong type, a pattern that matches no layer), found
+    on the tasks' small models before any run."""
+    if not args.dkfac_options or "dkfac" not in args.optimizers:
+        return
+    for family in dict.fromkeys(args.tasks):
+        model = load_task(family, tiny=True).build()
+        try:
+            make_optimizer("dkfac", model, 1e-3, args.dkfac_options)
+        except (TypeError, ValueError) as error:
+            p.error(f"--dkfac-options on the {family} task: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench suite``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    _check_dkfac_options(parser, args)
     if args.plot_dir:  # made before the runs, so that a bad folder fails now, not after them
         try:
             Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
