@@ -81,3 +81,26 @@ def test_frozen_layers_count_for_nothing_in_the_budget() -> None:
         alone.factor_update_interval,
     )
     assert chosen.inverse_update_interval == alone.inverse_update_interval
+
+
+def test_the_budget_counts_a_transposed_convolution_by_its_input_positions() -> None:
+    """The rows the budget prices a layer's step and factors by: a convolution's output
+    positions, a transposed convolution's *input* positions (each input vector meets the
+    unfolded weight once; its output has stride² times as many positions, and the output's
+    rows of ``g = C_out·k²`` entries are stride²/k² of them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1),  # 12x12 -> 6x6
+        nn.ReLU(),
+        nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1),  # 6x6 -> 12x12
+        nn.Flatten(),
+        nn.Linear(4 * 12 * 12, 5),
+    )
+    x, y = torch.randn(10, 3, 12, 12), torch.randint(0, 5, (10,))
+    opt = KFACOptimizer.for_model(model, lr=1e-3)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    budget = opt.preconditioner.budget
+    assert budget is not None
+    assert budget.rows == {"0": 10 * 6 * 6, "2": 10 * 6 * 6, "4": 10}

@@ -288,6 +288,14 @@ class Block(ABC):
         del output
         return 1
 
+    def forward_rows(self, inputs: Tensor | None, output: Tensor) -> int:
+        """The rows of a forward (samples × positions) whose products make the layer's
+        training step, ``2 · rows · a · g`` multiply-adds each way, and over which its
+        factors are summed: the output's rows of ``g`` entries by default (the overhead
+        budget's count, :mod:`dkfac.engine.overhead`)."""
+        del inputs
+        return max(1, output.numel() // max(1, self.g_dim))
+
     def install(self) -> Removable | None:
         """Prepares the model so that the capture hooks on :attr:`module` fire; ``None``: nothing.
 

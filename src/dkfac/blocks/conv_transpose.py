@@ -200,6 +200,14 @@ class ConvTranspose2dBlock(ConvolutionBlock):
         """``H_out · W_out`` (the positions a loss over the output averages over)."""
         return int(output.shape[-1] * output.shape[-2])
 
+    def forward_rows(self, inputs: Tensor | None, output: Tensor) -> int:
+        """Images × *input* positions: each input vector meets the ``C_out · kh · kw``
+        unfolded weight once, and the factors are summed over the input positions (module
+        notes); the output's rows of ``g`` entries would be ``stride² / (kh · kw)`` of them."""
+        if inputs is None:
+            return super().forward_rows(inputs, output)
+        return max(1, inputs.numel() // self.a_dim)
+
     @property
     def output_padding(self) -> tuple[int, int]:
         """The module's output padding as ``(height, width)``."""

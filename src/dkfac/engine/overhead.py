@@ -76,7 +76,7 @@ class OverheadBudget:
                     return
                 first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
                 batch = int(first.shape[0]) if first is not None and first.dim() > 0 else None
-                rows = max(1, out.numel() // g)
+                rows = layers[name].block.forward_rows(first, out)
                 out.register_hook(lambda grad: self._seen(name, rows, batch))
 
             self._handles.append(layer.block.module.register_forward_hook(seen))
