@@ -91,6 +91,15 @@ def test_extract_conv_bn_and_grouped_conv() -> None:
     assert plain.param_numel == spec.param_numel
 
 
+def test_a_transposed_convolution_is_priced_by_its_input_positions() -> None:
+    """Each of its 6·6 input vectors meets the unfolded ``C_out·k²`` weight once: the
+    forward is ``2 · 36 · 8 · 64`` flops, not the 144 output positions' (stride² more)."""
+    model = nn.Sequential(nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1), nn.Flatten())
+    spec = extract_layers(model, (8, 6, 6))
+    assert [(x.a_dim, x.g_dim, x.positions) for x in spec.layers] == [(8, 64, 36)]
+    assert spec.forward_flops_per_sample == 2 * 36 * 8 * 64
+
+
 def test_extract_rejects_bad_input() -> None:
     with pytest.raises(TypeError, match="model"):
         extract_layers("resnet")  # type: ignore[arg-type]

@@ -271,19 +271,21 @@ def _layer(name: str, cost: BlockCost, positions: int) -> KFACLayer:
 def _count_positions(
     model: nn.Module, blocks: Mapping[str, Block], input_shape: Sequence[int]
 ) -> dict[str, int]:
-    """Output positions per sample of every block that prices forward flops, from one
-    forward pass."""
+    """Positions per sample of every block that prices forward flops (its rows,
+    :meth:`~dkfac.blocks.base.Block.forward_rows`, in a forward of one sample: a
+    transposed convolution's input positions), from one forward pass."""
     found: dict[str, int] = {}
     handles = []
 
-    def hook(name: str, output: object) -> None:
+    def hook(name: str, inputs: tuple[object, ...], output: object) -> None:
         if isinstance(output, Tensor):
-            found[name] = blocks[name].output_positions(output)
+            first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+            found[name] = blocks[name].forward_rows(first, output)
 
     for name, block in blocks.items():
         if block.cost_description().forward_flops:
             handles.append(
-                block.module.register_forward_hook(lambda m, i, o, name=name: hook(name, o))
+                block.module.register_forward_hook(lambda m, i, o, name=name: hook(name, i, o))
             )
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
