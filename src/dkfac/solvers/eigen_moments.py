@@ -451,18 +451,20 @@ class EigenMomentsSolver(Solver):
         one has them (zero where nothing is singular, which moves no value), and a layer
         whose factors become singular gets them from the refresh after the one that showed
         it (its flag copied to the host meanwhile:
-        :class:`~dkfac.solvers.host_copy.HostFlag`). On a CPU a layer whose factors became
-        regular so loses its indicators, and each step the floor's five passes a layer."""
+        :class:`~dkfac.solvers.host_copy.HostFlag`). So on a CPU a layer whose factors
+        became regular loses its indicators, and its steps skip the floor's five passes."""
         if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
             return state
         masks = null_masks(state["dg"], None if "qa_order" in state else state["da"])
-        if not late or self._floored is None or _reads_now(state["dg"]):
+        reads_now = _reads_now(state["dg"])
+        if not late or self._floored is None or reads_now:
             self._floored, self._pending = bool(any_null(masks)), None
         elif not self._floored and self._pending is not None:
             self._floored = self._pending()
         if self._floored:
             return {**state, **masks}
-        self._pending = HostFlag(any_null(masks)).read
+        if not reads_now:  # the flag for the next refresh, which reads it without waiting
+            self._pending = HostFlag(any_null(masks)).read
         return state
 
     def complete_key(self, state: SolverState) -> Hashable | None:
@@ -489,7 +491,8 @@ class EigenMomentsSolver(Solver):
         masks = null_masks(dg, da)
         flags = any_null(masks)
         mine = [cast(EigenMomentsSolver, solver) for solver in solvers]
-        now = [not late or solver._floored is None or _reads_now(dg) for solver in mine]
+        reads_now = _reads_now(dg)
+        now = [not late or solver._floored is None or reads_now for solver in mine]
         values = flags.tolist() if any(now) else []
         parts = {key: value.unbind(0) for key, value in masks.items()}
         copy: HostFlag | None = None
@@ -502,8 +505,9 @@ class EigenMomentsSolver(Solver):
             if solver._floored:
                 results.append({**state, **{key: part[i] for key, part in parts.items()}})
                 continue
-            copy = copy or HostFlag(flags)
-            solver._pending = functools.partial(copy.read, i)
+            if not reads_now:
+                copy = copy or HostFlag(flags)
+                solver._pending = functools.partial(copy.read, i)
             results.append(state)
         return results
 
@@ -825,7 +829,7 @@ class EigenMomentsSolver(Solver):
         if not self.options.bias_correction:
             return 1.0
         per_layer = t.shape != like.shape  # else one count per entry (flat moments)
-        if per_layer and t.device.type in HOST_COUNT_DEVICES and not torch.compiler.is_compiling():
+        if per_layer and _reads_now(t) and not torch.compiler.is_compiling():
             if t.numel() == 1:
                 return 1.0 - beta ** (float(t) + ahead)
             counts = t.tolist() if t.dim() == 2 else []  # (L, 1): a count a layer of a stack
@@ -952,6 +956,7 @@ class EigenMomentsSolver(Solver):
 
 
 def _reads_now(tensor: Tensor) -> bool:
-    """Whether a host read of a flag on ``tensor``'s device waits for nothing
-    (:data:`HOST_COUNT_DEVICES`): a refresh then decides from its own state."""
+    """Whether a host read on ``tensor``'s device waits for nothing
+    (:data:`HOST_COUNT_DEVICES`): moment counts are then read as numbers, and a refresh
+    decides its null indicators from its own state."""
     return tensor.device.type in HOST_COUNT_DEVICES
