@@ -34,7 +34,7 @@ from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.blocks.unitwise_stats import batch_moments, grouped_unit_fisher
 from dkfac.engine.finite import finite_each
 from dkfac.engine.step_math import sum_of_products
-from dkfac.solvers.eigen_moments import power_refresh, range_eigh
+from dkfac.solvers.basis_refresh import power_refresh, range_eigh
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -24,7 +24,7 @@ from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.engine.device_checks import GradientBuffer, select_where, zero_nonfinite
 from dkfac.engine.grad_writes import GradientWrites
 from dkfac.engine.step_math import write_back
-from dkfac.solvers import eigen_moments
+from dkfac.solvers import host_copy
 from dkfac.solvers.stacking import ALIGNMENT
 from tests.host_reads import HostData, HostReads
 
@@ -149,7 +149,7 @@ def _steady_reads(options: dict[str, Any], steps: int) -> list[dict[tuple[str, s
             HostData(("launches.py",)) as data,
             pytest.MonkeyPatch.context() as patch,
         ):
-            patch.setattr(eigen_moments, "HOST_COUNT_DEVICES", frozenset())  # as on a GPU
+            patch.setattr(host_copy, "HOST_COUNT_DEVICES", frozenset())  # as on a GPU
             opt.step()
         counts.append({**reads.reads, **{("host data", k): n for k, n in data.made.items()}})
     return counts

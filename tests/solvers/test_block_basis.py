@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions
-from dkfac.solvers.eigen_moments import change_basis, descending_eigh, side_block, times_blocks
+from dkfac.solvers.basis_refresh import descending_eigh
+from dkfac.solvers.rotations import change_basis, side_block, times_blocks
 from dkfac.solvers.statistics import (
     BlockDiagonalAccumulator,
     BlockDiagonalStatistic,

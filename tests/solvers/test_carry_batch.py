@@ -2,7 +2,7 @@
 them one by one: :meth:`EigenMomentsSolver.carry_batch` against its own ``carry_moments``
 layer by layer, for every carry and basis layout, with a layer whose basis came back
 unchanged (a refresh that kept its last state) among them; and completing the received
-states of like layers in one pass (:meth:`EigenMomentsSolver.completed_batch`) against
+states of like layers in one pass (:meth:`EigenBasisSolver.completed_batch`) against
 completing each alone."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, eigen_moments
+from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, host_copy
 
 DT = torch.float64
 LAYERS = 4
@@ -96,7 +96,7 @@ def test_completing_a_batch_equals_completing_each_layer(
     the bit; on a CPU each refresh decides from its own state, on a device whose reads
     wait (a GPU, emulated) from the flag read a refresh late, and then for good."""
     if not reads_now:
-        monkeypatch.setattr(eigen_moments, "HOST_COUNT_DEVICES", frozenset())
+        monkeypatch.setattr(host_copy, "HOST_COUNT_DEVICES", frozenset())
     singular = {0: set(), 1: {0, 1, 2, 3}, 2: {1, 2, 3}, 3: {0, 2}}
 
     def states(solver: Any, refresh: int) -> list[dict[str, torch.Tensor]]:

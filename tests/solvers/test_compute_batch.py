@@ -14,8 +14,8 @@ from torch import nn
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.solvers import EigenAdamSolver, MomentOptions, SolverError
 from dkfac.solvers.base import Solver, unchecked
+from dkfac.solvers.basis_refresh import power_refresh
 from dkfac.solvers.eigen import EigenSolver
-from dkfac.solvers.eigen_moments import power_refresh
 from dkfac.solvers.stacking import ALIGNMENT
 from dkfac.solvers.unitwise import UnitwiseSolver
 

@@ -20,12 +20,15 @@ from dkfac.solvers import (
     EigenAdamSolver,
     EKFACSolver,
     MomentOptions,
+    eigen_basis,
     eigen_moments,
     make_solver,
     precision,
 )
-from dkfac.solvers.eigen_moments import descending_eigh, power_refresh, range_eigh
+from dkfac.solvers.basis_refresh import descending_eigh, power_refresh, range_eigh
 from dkfac.solvers.null_space import canonical_null_basis
+from dkfac.solvers.polar import orthogonal_update
+from dkfac.solvers.rotations import change_basis
 from tests.oracles import quintic_polar
 
 DT = torch.float64
@@ -232,14 +235,14 @@ def test_a_float32_polar_factor_is_taken_in_the_basis_and_rotated_out_in_its_pre
     for grad in _grads(3):
         grad = grad.float()
         got, new = orthogonal.apply_with_moments(state, moments, grad, 0.1)
-        rotated = eigen_moments.change_basis(grad, state, None)
+        rotated = change_basis(grad, state, None)
         scaled = orthogonal.scaled(new, rotated, 0.1)
-        polar = eigen_moments.orthogonal_update(scaled, 0.7)
-        want = eigen_moments.change_basis(polar, state, low, out=True)
+        polar = orthogonal_update(scaled, 0.7)
+        want = change_basis(polar, state, low, out=True)
         assert got.dtype == torch.float32 and torch.equal(got, want)
         first_out = plain.apply_with_moments(state, moments, grad, 0.1)[0]
         exact = quintic_polar(first_out.double()) * (0.7 * max(grad.shape) ** 0.5)
-        before = eigen_moments.orthogonal_update(first_out, 0.7).double()
+        before = orthogonal_update(first_out, 0.7).double()
         error, error_before = ((x - exact).norm() / exact.norm() for x in (got.double(), before))
         assert error <= error_before + 0.02
         if low == torch.float32:  # the float64 iteration's result to float32 rounding
@@ -774,7 +777,7 @@ def test_the_first_decomposition_of_a_wide_low_rank_factor_takes_the_range(
 ) -> None:
     """Wide enough and of low rank: the range basis; full rank: eigh; later: the power step;
     each with its null space in the canonical basis."""
-    monkeypatch.setattr(eigen_moments, "RANGE_MIN_DIM", 32)
+    monkeypatch.setattr(eigen_basis, "RANGE_MIN_DIM", 32)
     solver = EigenAdamSolver(DT, MomentOptions(basis_refresh="power"))
     low = _low_rank(40, 6, seed=4)
     first = solver.compute_statistics({"A": low, "G": G}, 0.1)

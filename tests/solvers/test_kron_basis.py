@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions, make_solver
-from dkfac.solvers.eigen_moments import descending_eigh, power_refresh
+from dkfac.solvers.basis_refresh import descending_eigh, power_refresh
 from dkfac.solvers.kron_basis import (
     check_input_map,
     partial_traces,

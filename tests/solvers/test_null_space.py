@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from dkfac.solvers import EigenAdamSolver, MomentOptions, eigen_moments
+from dkfac.solvers import EigenAdamSolver, MomentOptions, host_copy
 from dkfac.solvers.base import BatchJob
-from dkfac.solvers.eigen_moments import descending_eigh
+from dkfac.solvers.basis_refresh import descending_eigh
 from dkfac.solvers.null_space import (
     ROUNDING_FLOOR,
     any_null,
@@ -207,7 +207,7 @@ def test_a_refresh_takes_the_null_indicators_from_the_layer_s_earlier_states(
     the refresh after the one that showed it (its flag read from a host copy), and keeps
     them (zero where nothing is singular); a completion without ``late`` (a checkpoint)
     decides from its own state again."""
-    monkeypatch.setattr(eigen_moments, "HOST_COUNT_DEVICES", frozenset())
+    monkeypatch.setattr(host_copy, "HOST_COUNT_DEVICES", frozenset())
     solver = EigenAdamSolver(DT, MomentOptions())
     regular, singular = _state(30, seed=8), _state(3, seed=9)
     assert "null_g" not in solver.completed(regular, late=True)

@@ -14,7 +14,7 @@ solver refresh), as bench step's kinds. Each K-FAC kind also lists the source li
 ``--launch-bound`` counts what a CUDA device runs: the engine's multi-tensor forms
 (:mod:`dkfac.engine.launches`), the finiteness guard on the device
 (:mod:`dkfac.engine.device_checks`), the moment counts and null indicators kept on the
-device (:data:`~dkfac.solvers.eigen_moments.HOST_COUNT_DEVICES` empty) and the convolution
+device (:data:`~dkfac.solvers.host_copy.HOST_COUNT_DEVICES` empty) and the convolution
 input factor's path as ``auto`` picks it there (the unfolded product); ``--conv-path``
 forces one path instead.
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dkfac.blocks.conv_factor as conv_factor
-import dkfac.solvers.eigen_moments as eigen_moments
+import dkfac.solvers.host_copy as host_copy
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.step import add_case_arguments, model_and_batch
 from dkfac.engine import launches
@@ -117,7 +117,7 @@ def _device_forms(launch_bound: bool, conv_path: str) -> Iterator[None]:
         if launch_bound:
             stack.enter_context(mock.patch.object(launches, "launch_bound", lambda device: True))
             stack.enter_context(mock.patch.object(conv_factor, "auto_path", as_on_cuda))
-            stack.enter_context(mock.patch.object(eigen_moments, "HOST_COUNT_DEVICES", frozenset()))
+            stack.enter_context(mock.patch.object(host_copy, "HOST_COUNT_DEVICES", frozenset()))
         if conv_path != "auto":
             stack.enter_context(mock.patch.object(conv_factor, "auto_path", forced))
         yield

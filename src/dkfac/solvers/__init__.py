@@ -18,15 +18,7 @@ from dkfac.solvers.base import Solver, SolverError, SolverState
 from dkfac.solvers.cholesky import CholeskySolver
 from dkfac.solvers.eigen import EigenSolver
 from dkfac.solvers.eigen_adam import EigenAdamSolver
-from dkfac.solvers.eigen_moments import (
-    BASIS_REFRESHES,
-    MOMENT_CARRIES,
-    BasisRefresh,
-    EigenMomentsSolver,
-    MomentCarry,
-    MomentOptions,
-    check_moment_combinations,
-)
+from dkfac.solvers.eigen_moments import EigenMomentsSolver
 from dkfac.solvers.ekfac import EKFACSolver
 from dkfac.solvers.lowrank.deferred import (
     DEFERRED_METHODS,
@@ -35,6 +27,14 @@ from dkfac.solvers.lowrank.deferred import (
     decided_solver,
 )
 from dkfac.solvers.lowrank.smw import SMWSolver
+from dkfac.solvers.moment_options import (
+    BASIS_REFRESHES,
+    MOMENT_CARRIES,
+    BasisRefresh,
+    MomentCarry,
+    MomentOptions,
+    check_moment_combinations,
+)
 from dkfac.solvers.polar import NS_STEPS
 from dkfac.solvers.statistics import BlockDiagonalStatistic, DenseStatistic, StatisticKind
 from dkfac.solvers.unitwise import UnitwiseSolver

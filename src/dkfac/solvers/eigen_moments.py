@@ -32,18 +32,9 @@ George et al. take ``v`` from the per-sample gradients; the engine captures ``A`
 not per-sample gradients, so ``v`` here is the second moment of the mini-batch gradient
 (smaller than the per-sample one, by up to the batch size when the gradient is noise).
 
-**Basis refresh** (at the inverse interval, on the layer's owner): ``"eigh"`` eigendecomposes
-both factors; ``"power"`` follows the previous basis with one step of subspace iteration,
-``Q ← qr(F Q_prev)`` (column signs fixed so that ``diag R > 0``, so a converged basis is a
-fixed point), eigenvalue estimates ``diag(Q_prevᵀ F Q_prev)`` (SOAP's update). The first
-refresh, or one without a fitting previous state, is a full ``eigh``, except that a factor
-at least ``RANGE_MIN_DIM`` wide first tries :func:`range_eigh` (exact when its rank is at
-most a quarter of its width, as a factor from a subsample of a wide layer's batch is).
-``power_rank = k`` makes the power step follow only the leading ``k`` eigenvectors of a
-wider factor and complete them with an orthonormal basis of the rest (unrelated to the
-previous one, so it needs the ``"reset"`` or ``"rotate"`` carry: a kept ``v`` would
-scale other directions): about a third of the refresh of a 1000-wide factor at
-``k = 256``, for the same steps on the digits autoencoder.
+**The basis** (:mod:`dkfac.solvers.eigen_basis`, this solver's base class): its refresh
+(``"eigh"``, or one power step from the previous basis), the one-sided, block-diagonal and
+Kronecker-structured sides, the batched refresh and the null indicators.
 
 **Carrying the moments across a refresh** (``Q → Q'``; on every rank that preconditions the
 layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
@@ -55,36 +46,11 @@ layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A
 * ``"rotate"``: ``m`` as above, ``v ← (P_G∘P_G) v (P_A∘P_A)ᵀ`` (the diagonal second moment
   carried to the new basis, its off-diagonal part dropped).
 
-**Structured input side** (``input_map``): the input basis is the Kronecker-structured one
-of :mod:`dkfac.solvers.kron_basis`, and the state also holds its parts (``qa_channels``,
-``qa_positions``, ``qa_order``), through which every rotation by ``Q_A`` runs
-(:func:`times_input_basis`; a state without them rotates by the dense ``qa``).
-
-**One-sided** (``max_dim``): a factor wider than ``max_dim`` keeps the identity as its basis
-(stored as an empty ``q``/``d`` pair, and never decomposed): the layer's moments live in the
-eigenbasis of its other factor only, ``R = Q_Gᵀ ∇W`` for a wide input side (SOAP's
-``max_precond_dim``). A layer with both factors wider is Adam (or its EKFAC analogue) on the
-raw gradient. Nothing reads such a factor but its width, so it is captured as its diagonal
-only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic` of blocks of 1: ``d``
-products a row instead of ``d²``), still kept, combined and saved as a ``d × d`` statistic.
-
-**Block-diagonal basis** (``block_size``): a factor wider than ``block_size`` (and not
-one-sided) gets the basis of its block-diagonal part: its dimension is cut into
-consecutive blocks of ``block_size`` (the last one shorter) and each block's basis is
-that of the factor's diagonal block (a power step from the previous basis's block, or an
-``eigh``), the others zero. The basis is stored whole (``n × n``, for strategies and
-checkpoints) with an empty ``(0, block_size)`` tensor beside it (``qa_block``/``qg_block``:
-the width is in the shape, so a rotation reads it without waiting for a device), and
-every product with it runs block by block (:func:`times_blocks`); the factor itself is
-captured as its diagonal blocks only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`).
-For a side of ``n = k·b`` that is ``1/k`` of the flops of the capture and the rotations and
-``1/k²`` of the refresh's decompositions (Distributed Shampoo's blocking of a wide
-dimension, here of one Kronecker side); ``power_rank`` applies to each block. A power step
-follows the previous basis only where it has the same blocks (``_previous_basis``: the
-diagonal blocks of a dense basis, from a checkpoint without the option, are not
-orthogonal); elsewhere each block gets an ``eigh``. It drops the correlations between
-blocks, so it suits a side whose units have no order, such as a transformer MLP's hidden
-units.
+A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
+one) carries nothing (selected on the device: the bases are never read on the host).
+Measured on digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every
+5–10 steps ``"reset"`` does. The moments of the layers of one shape are carried as one stack
+(:meth:`EigenMomentsSolver.carry_batch`).
 
 **Rotation precision** (``rotation_dtype``): the rotation of the update out of the basis,
 ``V = Q_G S Q_Aᵀ``, may run in a lower precision than the gradient, e.g. ``torch.bfloat16``
@@ -170,62 +136,24 @@ On a launch-bound device the groups of one set of options (all shapes) go furthe
 moments and scaling run as one flat elementwise pass (:meth:`EigenMomentsSolver.apply_groups`,
 :mod:`dkfac.solvers.flat_moments`), the same values bit for bit. The products with the
 bases are in :mod:`dkfac.solvers.rotations`.
-
-**Batched refresh** (:meth:`EigenMomentsSolver.compute_batch`): the dense decompositions
-of the layers of one set of options, whole sides and diagonal blocks, of any layer and either
-side, run as one stack a width and kind (one product and QR for the power steps, one ``eigh``,
-and one null-space completion), and the moments of the layers of one shape are carried as one
-stack (:meth:`EigenMomentsSolver.carry_batch`). A layer whose decomposition fails is refreshed
-alone, the others keeping their results (:meth:`~dkfac.solvers.base.Solver.batch_once`).
-
-A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
-one) carries nothing (selected on the device: the bases are never read on the host). The
-refresh itself reads nothing on the host once a layer has a state, where the engine asks
-so (:attr:`~dkfac.solvers.base.Solver.host_checks` off: it checks the new state on the
-device), the null spaces included (:mod:`~dkfac.solvers.null_space`). Measured on
-digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every 5–10 steps
-``"reset"`` does.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, ClassVar, cast
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import BatchJob, Solver, SolverError, SolverState, select_moments
-from dkfac.solvers.basis_refresh import (
-    RANGE_MIN_DIM,
-    descending_eigh,
-    power_refresh,
-    range_eigh,
-)
+from dkfac.solvers.base import BatchJob, SolverState, select_moments
 from dkfac.solvers.compiled import Compiled
+from dkfac.solvers.eigen_basis import EigenBasisSolver
 from dkfac.solvers.flat_moments import FlatMoments, LayerIndex
-from dkfac.solvers.host_copy import HostFlag
-from dkfac.solvers.kron_basis import check_input_map, structured_basis
-from dkfac.solvers.moment_options import (
-    BASIS_REFRESHES,
-    MOMENT_CARRIES,
-    BasisRefresh,
-    MomentCarry,
-    MomentOptions,
-    check_moment_combinations,
-)
-from dkfac.solvers.null_space import (
-    any_null,
-    canonical_null_basis,
-    null_masks,
-    null_weights,
-)
-from dkfac.solvers.polar import (
-    NS_STEPS,
-    orthogonal_update,
-    weighted_polar,
-)
+from dkfac.solvers.host_copy import host_reads_now
+from dkfac.solvers.moment_options import MomentOptions
+from dkfac.solvers.null_space import null_weights
+from dkfac.solvers.polar import NS_STEPS, orthogonal_update, weighted_polar
 from dkfac.solvers.precision import low_precision, moment_dtype
 from dkfac.solvers.rotations import (
     bases,
@@ -233,54 +161,29 @@ from dkfac.solvers.rotations import (
     lowered_bases,
     rotate,
     side_block,
-    times_blocks,
-    times_input_basis,
     transition,
     with_transposes,
 )
-from dkfac.solvers.stacking import StateStack, same_tensors, stack_key, stacked_calls
-from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
+from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
 
-__all__ = [
-    "BASIS_REFRESHES",
-    "HOST_COUNT_DEVICES",
-    "MOMENT_CARRIES",
-    "BasisRefresh",
-    "EigenMomentsSolver",
-    "MomentCarry",
-    "MomentOptions",
-    "change_basis",
-    "check_moment_combinations",
-    "lowered_bases",
-    "power_refresh",
-    "range_eigh",
-    "rotate",
-    "side_block",
-    "times_blocks",
-    "times_input_basis",
-]
+__all__ = ["EigenMomentsSolver"]
 
 _Rotations = tuple[torch.dtype | None, SolverState, SolverState, SolverState]
 """``(out, the bases, state in, state out)``: :meth:`EigenMomentsSolver.rotation_states`'s last."""
 
-HOST_COUNT_DEVICES = frozenset({"cpu"})
-"""Device types where a read waits for nothing: a layer's moment count is read there as a
-number for its bias corrections (:meth:`EigenMomentsSolver.correction`), and a refresh's
-null indicators are decided from its own state (:meth:`EigenMomentsSolver.completed`)."""
 
-
-class EigenMomentsSolver(Solver):
+class EigenMomentsSolver(EigenBasisSolver):
     """Shared part of :class:`~dkfac.solvers.eigen_adam.EigenAdamSolver` and
-    :class:`~dkfac.solvers.ekfac.EKFACSolver`: the basis, its
-    refresh and the carrying of the moments. State ``qa, da, qg, dg`` (descending order).
+    :class:`~dkfac.solvers.ekfac.EKFACSolver`: the moments in the basis of
+    :class:`~dkfac.solvers.eigen_basis.EigenBasisSolver`, the update, and the carrying of
+    the moments across a refresh. State ``qa, da, qg, dg`` (descending order).
 
     Args:
         compute_dtype: Precision of the decompositions.
         options: The moment hyperparameters (defaults: :class:`MomentOptions`).
-        input_map: ``(channels, positions)`` of the flattened map the layer reads: its input
-            factor then gets the Kronecker-structured basis of
-            :mod:`dkfac.solvers.kron_basis`, recomputed at every refresh (no power step, and
-            never one-sided); ``None`` (default): a dense basis.
+        input_map: ``(channels, positions)`` of the flattened map the layer reads (its
+            Kronecker-structured input basis, :mod:`dkfac.solvers.eigen_basis`); ``None``
+            (default): a dense basis.
     """
 
     stateful = True
@@ -293,18 +196,12 @@ class EigenMomentsSolver(Solver):
         options: MomentOptions | None = None,
         input_map: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(compute_dtype)
+        super().__init__(compute_dtype, options, input_map)
         self._last_batch: tuple[SolverState, list[SolverState]] | None = None
         self._state_stack = StateStack()
         self._last_lowered: _Rotations | None = None
         self._flat = FlatMoments()
-        self._floored: bool | None = None  # whether states get null indicators (completed)
-        self._pending: Callable[[], bool] | None = None  # the flag on its way (completed)
-        if options is not None and not isinstance(options, MomentOptions):
-            raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
-        self.options = options or MomentOptions()
         self._moment_step = Compiled(self._eager_moment_step, self.options.compile_backend)
-        self.input_map = None if input_map is None else check_input_map(input_map)
 
     @property
     def label(self) -> str:
@@ -324,298 +221,6 @@ class EigenMomentsSolver(Solver):
     def moment_elements(cls, a_dim: int, g_dim: int) -> int:
         """Each moment matrix (``g_dim × a_dim``) and the count ``t``."""
         return len(cls.keys) * a_dim * g_dim + 1
-
-    def statistics(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, StatisticKind]:
-        """Dense, except a side with a block-diagonal basis: only its diagonal blocks are
-        computed (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`); and a
-        one-sided side (wider than ``max_dim``), whose factor nothing reads but its width:
-        only its diagonal (blocks of 1, ``d`` products a row instead of ``d²``)."""
-        kinds = super().statistics(shapes)
-        for key in ("A", "G"):
-            if key not in shapes:
-                continue
-            size, input_side = shapes[key][0], key == "A"
-            if self._one_sided(size, input_side):
-                kinds[key] = BlockDiagonalStatistic(1)
-            elif (width := self._block_width(size, input_side)) is not None:
-                kinds[key] = BlockDiagonalStatistic(width)
-        return kinds
-
-    def _one_sided(self, size: int, input_side: bool) -> bool:
-        """Whether a side of dimension ``size`` keeps the identity basis (wider than
-        ``max_dim``; never the structured input side, whose basis has its own build)."""
-        max_dim = self.options.max_dim
-        if max_dim is None or size <= max_dim:
-            return False
-        return not (input_side and self.input_map is not None)
-
-    def _block_width(self, size: int, input_side: bool) -> int | None:
-        """The block width of a side of dimension ``size``: ``block_size`` where it is wider
-        and neither one-sided (wider than ``max_dim``) nor the structured input side
-        (``input_map``); ``None`` where its basis is dense."""
-        block = self.options.block_size
-        if block is None or size <= block or self._one_sided(size, input_side):
-            return None
-        return None if input_side and self.input_map is not None else block
-
-    def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
-        """Eigendecomposes both factors (descending order; ``damping`` is used at apply)."""
-        return self.compute_statistics({"A": a, "G": g}, damping)
-
-    def compute_statistics(
-        self, stats: Mapping[str, Any], damping: float, previous: SolverState | None = None
-    ) -> SolverState:
-        """The new basis: ``eigh``, or one power step from ``previous`` (see the module notes)."""
-        return self.with_retry(lambda dtype: self._states([stats], [previous], dtype)[0])
-
-    def _states(
-        self,
-        stats: Sequence[Mapping[str, Any]],
-        previous: Sequence[SolverState | None],
-        dtype: torch.dtype,
-    ) -> list[SolverState]:
-        """The new states of several layers in ``dtype`` (stored in their factors' dtype),
-        the dense decompositions of one size and kind, of any layer and either side, as one
-        stack (:meth:`_sides`); a structured input side is built layer by layer."""
-        requests: list[tuple[Tensor, Tensor | None]] = []
-        for one, before in zip(stats, previous, strict=True):
-            if self.input_map is None:
-                requests.append((one["A"], self._previous_basis(before, "qa")))
-            requests.append((one["G"], self._previous_basis(before, "qg")))
-        sides = iter(self._sides(requests, dtype))
-        states = []
-        for one in stats:
-            a, g = one["A"], one["G"]
-            parts: SolverState = {}
-            if self.input_map is not None:
-                basis = structured_basis(a, self.input_map, dtype, self.host_checks)
-                da, qa = basis.estimates, basis.dense
-                parts = {"qa_channels": basis.channels, "qa_positions": basis.positions}
-            else:
-                da, qa = next(sides)
-            dg, qg = next(sides)
-            pairs = {"qa": qa, "da": da, "qg": qg, "dg": dg, **parts}
-            for key, factor in (("qa", a), ("qg", g)):
-                width = self._block_width(factor.shape[0], key == "qa")
-                if width is not None:
-                    pairs[f"{key}_block"] = factor.new_empty(0, width)
-            state = {key: value.to(a.dtype) for key, value in pairs.items()}
-            if self.input_map is not None:
-                state["qa_order"] = basis.order  # int64 indices, whatever the storage
-            states.append(state)
-        return states
-
-    def refresh_key(
-        self, stats: Mapping[str, Any], previous: SolverState | None
-    ) -> Hashable | None:
-        """The class, the options, the compute dtype and the factors' dtypes and device:
-        equal keys share :meth:`compute_batch`; ``None`` (the layer alone) for the
-        structured input side."""
-        del previous
-        a, g = stats["A"], stats["G"]
-        if self.input_map is not None or not (isinstance(a, Tensor) and isinstance(g, Tensor)):
-            return None
-        return (type(self), self.options, self.compute_dtype, a.dtype, g.dtype, a.device)
-
-    def compute_batch(
-        self,
-        stats: Sequence[Mapping[str, Any]],
-        damping: float,
-        previous: Sequence[SolverState | None],
-    ) -> list[SolverState | SolverError]:
-        """:meth:`compute_statistics` of every layer of one :meth:`refresh_key`, the dense
-        decompositions of one size and kind (power steps, ``eigh``; whole sides and blocks
-        of any layer, either side) as one batched call and one null-space completion; a
-        layer whose state fails is refreshed alone, the others keeping theirs
-        (:meth:`~dkfac.solvers.base.Solver.batch_once`)."""
-        if len(stats) == 1:
-            return super().compute_batch(stats, damping, previous)
-        return self.batch_once(
-            lambda dtype: self._states(stats, previous, dtype),
-            lambda i: self.compute_statistics(stats[i], damping, previous[i]),
-            len(stats),
-        )
-
-    def shared(self, state: SolverState) -> SolverState:
-        """The state without its null indicators (each rank derives them: :meth:`completed`)."""
-        return {k: v for k, v in state.items() if not k.startswith("null_")}
-
-    def completed(self, state: SolverState, *, late: bool = False) -> SolverState:
-        """The state with the null indicators Adam's rounding floor reads, derived from the
-        exact zeros :func:`~dkfac.solvers.null_space.canonical_null_basis` leaves in its
-        values (none without a floor). Whether the layer has them is decided on the host:
-        without ``late``, or on a device whose reads wait for nothing
-        (:data:`HOST_COUNT_DEVICES`), from this state (one read: are both sides regular?);
-        with ``late`` (a refresh) on another device from the layer's earlier states, so
-        that a refresh reads nothing: once a state of the layer was singular, every later
-        one has them (zero where nothing is singular, which moves no value), and a layer
-        whose factors become singular gets them from the refresh after the one that showed
-        it (its flag copied to the host meanwhile:
-        :class:`~dkfac.solvers.host_copy.HostFlag`). So on a CPU a layer whose factors
-        became regular loses its indicators, and its steps skip the floor's five passes."""
-        if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
-            return state
-        masks = null_masks(state["dg"], None if "qa_order" in state else state["da"])
-        reads_now = _reads_now(state["dg"])
-        if not late or self._floored is None or reads_now:
-            self._floored, self._pending = bool(any_null(masks)), None
-        elif not self._floored and self._pending is not None:
-            self._floored = self._pending()
-        if self._floored:
-            return {**state, **masks}
-        if not reads_now:  # the flag for the next refresh, which reads it without waiting
-            self._pending = HostFlag(any_null(masks)).read
-        return state
-
-    def complete_key(self, state: SolverState) -> Hashable | None:
-        """For a state that gets null indicators: the class, the options and the values'
-        shapes, dtype and device; else ``None``."""
-        if not (self.adam_scaled and self.options.rounding_floor) or "null_g" in state:
-            return None
-        da = None if "qa_order" in state else tuple(state["da"].shape)
-        dg = state["dg"]
-        return (type(self), self.options, tuple(dg.shape), da, dg.dtype, dg.device)
-
-    def completed_batch(
-        self, solvers: Sequence[Solver], states: Sequence[SolverState], *, late: bool = False
-    ) -> list[SolverState]:
-        """:meth:`completed` of several layers of equal :meth:`complete_key` (each on its own
-        solver, whose rule it follows) on their stacked values: one pass for the masks, one
-        read for the layers that decide now and one host copy for those that decide at a
-        later refresh."""
-        if len(states) == 1:
-            return [solvers[0].completed(states[0], late=late)]
-        structured = "qa_order" in states[0]
-        dg = torch.stack([state["dg"] for state in states])
-        da = None if structured else torch.stack([state["da"] for state in states])
-        masks = null_masks(dg, da)
-        flags = any_null(masks)
-        mine = [cast(EigenMomentsSolver, solver) for solver in solvers]
-        reads_now = _reads_now(dg)
-        now = [not late or solver._floored is None or reads_now for solver in mine]
-        values = flags.tolist() if any(now) else []
-        parts = {key: value.unbind(0) for key, value in masks.items()}
-        copy: HostFlag | None = None
-        results = []
-        for i, (solver, state) in enumerate(zip(mine, states, strict=True)):
-            if now[i]:
-                solver._floored, solver._pending = bool(values[i]), None
-            elif not solver._floored and solver._pending is not None:
-                solver._floored = solver._pending()
-            if solver._floored:
-                results.append({**state, **{key: part[i] for key, part in parts.items()}})
-                continue
-            if not reads_now:
-                copy = copy or HostFlag(flags)
-                solver._pending = functools.partial(copy.read, i)
-            results.append(state)
-        return results
-
-    def _previous_basis(self, previous: SolverState | None, key: str) -> Tensor | None:
-        """The basis ``previous[key]`` that a power step may follow: ``None`` where its
-        blocks (:func:`side_block`) differ from the ones this solver builds for that side (a
-        dense basis under ``block_size``, or other blocks: a checkpoint of other options),
-        whose diagonal blocks would not be orthogonal; each block then gets a full ``eigh``.
-        """
-        if previous is None or key not in previous:
-            return None
-        basis = previous[key]
-        if side_block(previous, key) != self._block_width(basis.shape[0], key == "qa"):
-            return None
-        return basis
-
-    def _sides(
-        self, requests: Sequence[tuple[Tensor, Tensor | None]], dtype: torch.dtype
-    ) -> list[tuple[Tensor, Tensor]]:
-        """``(d, Q)`` of each ``(factor, previous basis)`` (never the structured input side,
-        which has its own basis): the identity (empty pair) when wider than ``max_dim``; a
-        block-diagonal basis of :meth:`_dense_side` per block when wider than
-        ``block_size``; else :meth:`_dense_side` of the whole factor. The dense parts (whole
-        sides and blocks) of one size and kind (:meth:`_dense_kind`) are decomposed as one
-        stack (:func:`~dkfac.solvers.stacking.stacked_calls`)."""
-        jobs: list[tuple[Tensor, Tensor | None]] = []
-        spans: list[tuple[int, int, bool] | None] = []  # jobs of each request; blocks?
-        for factor, previous in requests:
-            size = factor.shape[0]
-            if self._one_sided(size, input_side=False):
-                spans.append(None)
-                continue
-            width = self._block_width(size, input_side=False)
-            start = len(jobs)
-            if width is None:
-                jobs.append((factor, previous))
-            else:
-                if previous is not None and previous.shape != factor.shape:
-                    previous = None
-                for i, j in block_bounds(size, width):
-                    old = None if previous is None else previous[i:j, i:j]
-                    jobs.append((factor[i:j, i:j], old))
-            spans.append((start, len(jobs), width is not None))
-        checked = self.host_checks
-
-        def run(key: tuple[str, int, torch.dtype] | None, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-            if key is None:  # alone: as _dense_side takes it
-                return self._dense_side(inputs[0], inputs[1] if len(inputs) > 1 else None, dtype)
-            if key[0] == "power":
-                found = power_refresh(inputs[0], inputs[1], dtype)
-            else:
-                found = descending_eigh(inputs[0], dtype, checked)
-            return canonical_null_basis(*found, key[2], check=checked)
-
-        kinds = [self._dense_kind(f, p) for f, p in jobs]
-        found = stacked_calls(
-            [
-                (kind, (f,) if p is None or (kind is not None and kind[0] == "eigh") else (f, p))
-                for kind, (f, p) in zip(kinds, jobs, strict=True)
-            ],
-            run,
-        )
-        sides = []
-        for (factor, _), span in zip(requests, spans, strict=True):
-            if span is None:
-                empty = factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
-                sides.append(empty)
-            elif not span[2]:
-                sides.append((found[span[0]][0], found[span[0]][1]))
-            else:
-                parts = found[span[0] : span[1]]
-                sides.append(
-                    (torch.cat([d for d, _ in parts]), torch.block_diag(*(q for _, q in parts)))
-                )
-        return sides
-
-    def _dense_kind(
-        self, factor: Tensor, previous: Tensor | None
-    ) -> tuple[str, int, torch.dtype] | None:
-        """What :meth:`_dense_side` runs on ``factor`` where a stack can run it too:
-        ``("power", n, dtype)`` (a full power step), ``("eigh", n, dtype)``; ``None`` for a
-        power step of ``power_rank`` columns and the first decomposition of a wide factor
-        (:func:`range_eigh`), which run alone."""
-        size = factor.shape[0]
-        if self.options.basis_refresh == "power" and previous is not None:
-            if previous.shape == factor.shape:
-                rank = self.options.power_rank
-                return ("power", size, factor.dtype) if rank is None or rank >= size else None
-        elif previous is None and size >= RANGE_MIN_DIM:
-            return None
-        return ("eigh", size, factor.dtype)
-
-    def _dense_side(
-        self, factor: Tensor, previous: Tensor | None, dtype: torch.dtype
-    ) -> tuple[Tensor, Tensor]:
-        """``(d, Q)`` of a factor with a dense basis: one power step from a fitting
-        ``previous`` basis, or a full ``eigh`` (the first decomposition of a wide factor of
-        low rank: :func:`range_eigh`)."""
-        power = self.options.basis_refresh == "power"
-        found: tuple[Tensor, Tensor] | None = None
-        if power and previous is not None and previous.shape == factor.shape:
-            found = power_refresh(factor, previous, dtype, self.options.power_rank)
-        elif previous is None and factor.shape[0] >= RANGE_MIN_DIM:
-            # The first decomposition of a wide factor: often from fewer rows than n / 4.
-            found = range_eigh(factor, dtype, factor.shape[0] // 4)
-        checked = self.host_checks
-        values, basis = found if found is not None else descending_eigh(factor, dtype, checked)
-        return canonical_null_basis(values, basis, factor.dtype, check=checked)
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
         """The update from fresh moments (:meth:`apply_with_moments` with none)."""
@@ -820,16 +425,16 @@ class EigenMomentsSolver(Solver):
         """``1 − β^(t + ahead)`` in ``like``'s dtype, shaped to broadcast over ``like`` (``t``
         is ``(1,)``, or ``(L, 1)`` for a stack of layers; 1 without bias correction).
 
-        Counts on a CPU (:data:`HOST_COUNT_DEVICES`) that are all the same (one layer's, or a
-        stack's that started together) give a Python number: reading them there waits for
-        nothing, and the scalar arithmetic of the scaling is then host arithmetic, not a
-        dozen dispatched operations on one-entry tensors a group a step (a GPU, counts that
-        differ, the flat moments' counts per entry and a compiled step keep it on the
-        device)."""
+        Counts on a CPU (:data:`~dkfac.solvers.host_copy.HOST_COUNT_DEVICES`) that are all
+        the same (one layer's, or a stack's that started together) give a Python number:
+        reading them there waits for nothing, and the scalar arithmetic of the scaling is
+        then host arithmetic, not a dozen dispatched operations on one-entry tensors a group
+        a step (a GPU, counts that differ, the flat moments' counts per entry and a compiled
+        step keep it on the device)."""
         if not self.options.bias_correction:
             return 1.0
         per_layer = t.shape != like.shape  # else one count per entry (flat moments)
-        if per_layer and _reads_now(t) and not torch.compiler.is_compiling():
+        if per_layer and host_reads_now(t) and not torch.compiler.is_compiling():
             if t.numel() == 1:
                 return 1.0 - beta ** (float(t) + ahead)
             counts = t.tolist() if t.dim() == 2 else []  # (L, 1): a count a layer of a stack
@@ -953,10 +558,3 @@ class EigenMomentsSolver(Solver):
             p_a = transition(new["qa"].to(dtype), old["qa"].to(dtype))
             carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).mT)
         return carried
-
-
-def _reads_now(tensor: Tensor) -> bool:
-    """Whether a host read on ``tensor``'s device waits for nothing
-    (:data:`HOST_COUNT_DEVICES`): moment counts are then read as numbers, and a refresh
-    decides its null indicators from its own state."""
-    return tensor.device.type in HOST_COUNT_DEVICES

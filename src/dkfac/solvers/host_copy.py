@@ -1,4 +1,4 @@
-"""A device flag read on the host later, from a copy made without waiting.
+"""Host reads of solver state: where one waits for nothing, and a device flag read later.
 
 Reading a CUDA tensor on the host waits for every kernel queued before it. A decision that
 can wait for the next refresh (the null-space floor of :mod:`dkfac.solvers.null_space`)
@@ -6,6 +6,10 @@ starts a copy of its flag into pinned host memory behind an event instead, and r
 copy when it is needed: by then the event has long passed, so the read does not wait for
 the work queued since. On a CPU the copy is a clone. The values read are the same either
 way; this module is the only place a solver reads such a copy.
+
+On a device of :data:`HOST_COUNT_DEVICES` (a CPU) a read waits for nothing, so there the
+solvers read what they need at once (:func:`host_reads_now`): a layer's moment count for its
+bias corrections, and a refresh's null indicators from its own state.
 """
 
 from __future__ import annotations
@@ -13,7 +17,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["HostFlag"]
+__all__ = ["HOST_COUNT_DEVICES", "HostFlag", "host_reads_now"]
+
+HOST_COUNT_DEVICES = frozenset({"cpu"})
+"""Device types where a read waits for nothing: a layer's moment count is read there as a
+number for its bias corrections
+(:meth:`~dkfac.solvers.eigen_moments.EigenMomentsSolver.correction`), and a refresh's null
+indicators are decided from its own state
+(:meth:`~dkfac.solvers.eigen_basis.EigenBasisSolver.completed`)."""
+
+
+def host_reads_now(tensor: Tensor) -> bool:
+    """Whether a host read on ``tensor``'s device waits for nothing
+    (:data:`HOST_COUNT_DEVICES`)."""
+    return tensor.device.type in HOST_COUNT_DEVICES
 
 
 class HostFlag:
