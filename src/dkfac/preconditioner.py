@@ -58,14 +58,19 @@ from torch import Tensor, nn
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
 from dkfac.config.checks import check_range
-from dkfac.costmodel.budget import Choice
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
 from dkfac.distributed.sharding import find_layout, refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
-from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
+from dkfac.engine.checkpoint import (
+    check_state,
+    layers_state,
+    load_layers_state,
+    saved_choice,
+    saved_late_layers,
+)
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
@@ -649,46 +654,8 @@ class KFACPreconditioner:
         """
         check_state(state, self.layers, self.refresh, self._device())
         self._check_leftover(state)
-        self._saved_choice(state)
-        self._saved_late(state)
-
-    def _saved_late(self, state: dict[str, Any]) -> LateLayers:
-        """The layers still waiting for their first refresh in ``state`` (none when the
-        entry is absent: a checkpoint from before it was saved).
-
-        Raises:
-            ValueError: If the entry is not a list of this model's layer names.
-        """
-        late = LateLayers(())
-        saved = state.get("late_layers") or []
-        if not isinstance(saved, list | tuple) or not all(isinstance(n, str) for n in saved):
-            raise ValueError(f"'late_layers' must be a list of layer names, got {saved!r}")
-        late.load_state_dict(saved, self.layers)
-        return late
-
-    def _saved_choice(self, state: dict[str, Any]) -> Choice | None:
-        """The overhead budget's saved choice (``None``: none saved, or no budget here).
-
-        Raises:
-            ValueError: If the saved entry is not a choice.
-        """
-        saved = state.get("budget")
-        if saved is None or self.budget is None:
-            return None
-        try:
-            choice = Choice(**saved)
-        except TypeError as err:
-            raise ValueError(f"'budget' is not an overhead budget's choice: {err}") from None
-        limits = choice.basis_max_dims
-        if not isinstance(limits, dict) or not all(
-            name in self.layers and type(limit) is int and limit >= 1
-            for name, limit in limits.items()
-        ):
-            raise ValueError(
-                "'budget' basis_max_dims must map this model's layer names to integers >= 1, "
-                f"got {limits!r}"
-            )
-        return choice
+        saved_choice(state, self.layers, self.budget is not None)
+        saved_late_layers(state, self.layers)
 
     def _check_leftover(self, state: dict[str, Any]) -> None:
         """Raises ValueError unless the saved leftover moments fit (absent ones are fine)."""
@@ -712,8 +679,8 @@ class KFACPreconditioner:
         """
         step = check_state(state, self.layers, self.refresh, self._device())
         self._check_leftover(state)
-        choice = self._saved_choice(state)
-        late = self._saved_late(state)
+        choice = saved_choice(state, self.layers, self.budget is not None)
+        late = saved_late_layers(state, self.layers)
         if choice is not None:  # the run's chosen intervals, before its refresh state
             assert self.budget is not None
             self.budget.remove()
