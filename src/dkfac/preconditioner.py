@@ -563,7 +563,7 @@ class KFACPreconditioner:
     def comm_stats(self) -> dict[str, Any]:
         """Bytes communicated by kind and collective, cumulative and per step.
 
-        See :meth:`dkfac.distributed.comm.CommLedger.stats`; all zeros on one process.
+        See :meth:`dkfac.distributed.ledger.CommLedger.stats`; all zeros on one process.
         """
         return self.comm.ledger.stats()
 

@@ -10,15 +10,15 @@ from torch import nn
 
 from dkfac import KFACPreconditioner
 from dkfac.blocks.conv2d import Conv2dBlock, conv_padding, pad_input
-from dkfac.blocks.conv_factor import (
+from dkfac.blocks.conv_factor import conv_input_factor_sum
+from dkfac.blocks.conv_path_choice import (
     UNFOLD_MAX_BYTES,
     auto_path,
-    conv_input_factor_sum,
     segment_cost,
     shift_cost,
-    strip_plan,
     unfold_cost,
 )
+from dkfac.blocks.conv_shifts import strip_plan
 from dkfac.solvers.lowrank.factor import LowRankRowsAccumulator
 from dkfac.solvers.statistics import FactorAccumulator
 from tests.oracles import conv_patches_by_hand, with_ones

@@ -1,4 +1,5 @@
-"""Oracle tests for dkfac.distributed.comm: packing, ledger, no-op mode, gloo collectives."""
+"""Oracle tests for dkfac.distributed.comm and the packing (buckets) and ledger it uses:
+packing, ledger, no-op mode, gloo collectives."""
 
 from __future__ import annotations
 
@@ -9,14 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dkfac.distributed.assignment import grad_worker_groups
-from dkfac.distributed.comm import (
-    COLLECTIVES,
-    KINDS,
-    CommLedger,
-    Communicator,
-    pack_triangle,
-    unpack_triangle,
-)
+from dkfac.distributed.buckets import bucket_tensors, pack_triangle, unpack_triangle
+from dkfac.distributed.comm import Communicator
+from dkfac.distributed.ledger import COLLECTIVES, KINDS, CommLedger
 from tests.distributed_utils import DistributedTestError, run_distributed
 
 # -- triangle packing ----------------------------------------------------------------------
@@ -136,15 +132,14 @@ def test_validation_without_process_group() -> None:
 
 
 def test_bucketing_caps_size_and_splits_dtypes() -> None:
-    comm = Communicator(bucket_bytes=64)
     t1, t2 = torch.zeros(3, 4), torch.zeros(5)  # 48 and 20 bytes
     t3, t4 = torch.zeros(2), torch.zeros(3, dtype=torch.float64)  # 8 and 24 bytes
     big = torch.zeros(100)  # 400 bytes > cap: a bucket of its own
-    buckets = comm._buckets([t1, t2, t3, t4, big], [False] * 5, ["factors"] * 5)
+    buckets = bucket_tensors([t1, t2, t3, t4, big], [False] * 5, ["factors"] * 5, 64)
     assert [[t.numel() for t in b.tensors] for b in buckets] == [[12], [5, 2], [100], [3]]
     assert [b.nbytes for b in buckets] == [48, 28, 400, 24]
     squares = [torch.zeros(4, 4), torch.zeros(3, 3), torch.zeros(2, 2)]
-    packed = comm._buckets(squares, [True] * 3, ["factors"] * 3)
+    packed = bucket_tensors(squares, [True] * 3, ["factors"] * 3, 64)
     assert [b.nbytes for b in packed] == [64, 12]  # 40 + 24 fits exactly, then 3 floats
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACPreconditioner
-from dkfac.blocks import conv_factor
+from dkfac.blocks import conv_path_choice
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.conv2d import Conv2dBlock
 from dkfac.blocks.linear import LinearBlock
@@ -92,7 +92,7 @@ def _run(grouping: bool, parts: int = 1, **options: Any) -> tuple[dict[str, Any]
     calls = {"BatchNormBlock": 0, "Conv2dBlock": 0, "LinearBlock": 0}
     with (
         mock.patch.object(launches, "launch_bound", lambda device: True),
-        mock.patch.object(conv_factor, "auto_path", lambda *a, **k: "unfold"),
+        mock.patch.object(conv_path_choice, "auto_path", lambda *a, **k: "unfold"),
         mock.patch.object(BatchNormBlock, "capture_group", _counted(BatchNormBlock, calls)),
         mock.patch.object(Conv2dBlock, "capture_group", _counted(Conv2dBlock, calls)),
         mock.patch.object(LinearBlock, "capture_group", _counted(LinearBlock, calls)),
@@ -173,7 +173,7 @@ def test_memory_usage_counts_the_held_captures_until_the_step() -> None:
     model = _model()
     with (
         mock.patch.object(launches, "launch_bound", lambda device: True),
-        mock.patch.object(conv_factor, "auto_path", lambda *a, **k: "unfold"),
+        mock.patch.object(conv_path_choice, "auto_path", lambda *a, **k: "unfold"),
     ):
         pre = KFACPreconditioner(model, damping=0.05, lr=0.1)
         pre.capture.grouping = True

@@ -17,7 +17,7 @@ from torch import nn
 
 from dkfac import KFACPreconditioner
 from dkfac.bench import soak
-from dkfac.distributed.comm import COLLECTIVES, KINDS, CommLedger
+from dkfac.distributed.ledger import COLLECTIVES, KINDS, CommLedger
 
 
 def test_ledger_keeps_totals_and_a_window_of_records() -> None:

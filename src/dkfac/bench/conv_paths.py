@@ -4,7 +4,7 @@ fastest exact path.
 Times the three stride-1 paths of :func:`dkfac.blocks.conv_factor.conv_input_factor_sum`
 (``shift``, ``segment``, ``unfold``) on a list of convolution inputs, one thread, the best of
 ``--repeats`` timed loops, and reports per shape the path ``auto`` takes and its time over
-the fastest path's (the regret). The cost constants of ``conv_factor.py`` (``OP_WEIGHT``,
+the fastest path's (the regret). The cost constants of ``conv_path_choice.py`` (``OP_WEIGHT``,
 ``ASSEMBLY_WEIGHT``) were fit on the ``fit`` shapes; the ``check`` shapes were not used in
 the fit. ``--shape`` measures the given shapes instead (split ``given``).
 
@@ -38,7 +38,8 @@ from dkfac.bench.common import (
     write_result,
 )
 from dkfac.bench.dispatches import Dispatches
-from dkfac.blocks.conv_factor import auto_path, conv_input_factor_sum
+from dkfac.blocks.conv_factor import conv_input_factor_sum
+from dkfac.blocks.conv_path_choice import auto_path
 
 __all__ = ["CHECK", "FIT", "PATHS", "main", "measure"]
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dkfac.blocks.conv_factor as conv_factor
+import dkfac.blocks.conv_path_choice as conv_path_choice
 import dkfac.solvers.host_copy as host_copy
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.step import add_case_arguments, model_and_batch
@@ -105,7 +105,7 @@ def count_step(
 def _device_forms(launch_bound: bool, conv_path: str) -> Iterator[None]:
     """Within: the engine's launch-bound forms and the conv factor's path as asked (module
     functions replaced, and put back after)."""
-    on_cpu = conv_factor.auto_path
+    on_cpu = conv_path_choice.auto_path
 
     def as_on_cuda(*a: Any, **k: Any) -> str:
         return on_cpu(*a[:5], "cuda", *a[6:], **k)
@@ -116,10 +116,10 @@ def _device_forms(launch_bound: bool, conv_path: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if launch_bound:
             stack.enter_context(mock.patch.object(launches, "launch_bound", lambda device: True))
-            stack.enter_context(mock.patch.object(conv_factor, "auto_path", as_on_cuda))
+            stack.enter_context(mock.patch.object(conv_path_choice, "auto_path", as_on_cuda))
             stack.enter_context(mock.patch.object(host_copy, "HOST_COUNT_DEVICES", frozenset()))
         if conv_path != "auto":
-            stack.enter_context(mock.patch.object(conv_factor, "auto_path", forced))
+            stack.enter_context(mock.patch.object(conv_path_choice, "auto_path", forced))
         yield
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.blocks import conv_factor
+from dkfac.blocks import conv_path_choice
 from dkfac.blocks.base import (
     GROUP_MAX_ELEMENTS,
     HeldForward,
@@ -46,8 +46,9 @@ from dkfac.blocks.base import (
     StatisticSink,
     append_ones,
 )
-from dkfac.blocks.conv_factor import conv_input_factor_sum, output_size, window_sums
+from dkfac.blocks.conv_factor import conv_input_factor_sum, window_sums
 from dkfac.blocks.conv_positions import ConvolutionBlock, channel_gram, gather_patches
+from dkfac.blocks.conv_segments import output_size
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,7 @@ class Conv2dBlock(ConvolutionBlock):
         shape = (batch, channels, height + top + bottom, width + left + right)
         compute = a_sink.compute_dtype or inputs.dtype
         geometry = (module.kernel_size, module.stride, module.dilation, padding)
-        path = conv_factor.auto_path(shape, *geometry, inputs.device.type, compute.itemsize)
+        path = conv_path_choice.auto_path(shape, *geometry, inputs.device.type, compute.itemsize)
         if path != "unfold":
             return None
         return (
@@ -309,7 +310,7 @@ class Conv2dBlock(ConvolutionBlock):
         """A and G of the group's layers from their stacked inputs and output gradients:
         one unfold and one batched product for the A's, one batched product for the G's
         (:func:`grouped_input_sums`, :func:`grouped_grad_sums`), each layer's a view of
-        the result, in chunks of at most :data:`~dkfac.blocks.conv_factor.UNFOLD_MAX_BYTES`
+        the result, in chunks of at most :data:`~dkfac.blocks.conv_path_choice.UNFOLD_MAX_BYTES`
         of unfolded rows."""
         first = members[0]
         if len(members) < 2 or len({held.scale for held in members}) > 1:
@@ -322,7 +323,7 @@ class Conv2dBlock(ConvolutionBlock):
         compute = a_sink.compute_dtype or first.inputs.dtype
         batch, _, out_h, out_w = first.grad.shape
         entries = batch * out_h * out_w * first.block.a_dim
-        chunk = max(1, conv_factor.UNFOLD_MAX_BYTES // (entries * compute.itemsize))
+        chunk = max(1, conv_path_choice.UNFOLD_MAX_BYTES // (entries * compute.itemsize))
         count = float(batch * out_h * out_w)
         for start in range(0, len(members), chunk):
             part = members[start : start + chunk]

@@ -1,12 +1,15 @@
 """Configuration of the K-FAC preconditioner, grouped by concern.
 
-:class:`KFACConfig` is the four groups of :mod:`dkfac.config.groups` in one frozen,
-keyword-only dataclass: :class:`SolverConfig` (method, damping, KL-clip),
-:class:`EstimationConfig` (Fisher type, decay, dtypes, which layers, convolution reductions),
-:class:`DistributionConfig` (strategy and its communication) and :class:`RefreshConfig`
-(update intervals, adaptive refresh). Every field is a flat keyword argument and attribute
-(``KFACConfig(damping=0.01, strategy="kaisa")``); the groups can also be built apart and
-joined with :meth:`KFACConfig.from_groups`, and read back as groups (``config.solver_config``).
+:class:`KFACConfig` is the four groups in one frozen, keyword-only dataclass. Each group is
+a frozen, keyword-only dataclass in its own module that validates its own fields:
+:class:`SolverConfig` (method, damping, KL-clip; :mod:`dkfac.config.solver`),
+:class:`EstimationConfig` (Fisher type, decay, dtypes, which layers, convolution reductions;
+:mod:`dkfac.config.estimation`), :class:`DistributionConfig` (strategy and its
+communication; :mod:`dkfac.config.distribution`) and :class:`RefreshConfig` (update
+intervals, adaptive refresh; :mod:`dkfac.config.refresh`). Every field is a flat keyword
+argument and attribute (``KFACConfig(damping=0.01, strategy="kaisa")``); the groups can also
+be built apart and joined with :meth:`KFACConfig.from_groups`, and read back as groups
+(``config.solver_config``).
 
 Every hyperparameter that may change during training is a :data:`Schedule` (a constant or a
 callable of the step; :mod:`dkfac.config.schedules`), validated when resolved.
@@ -18,31 +21,29 @@ import dataclasses
 from typing import Any, TypeVar
 
 from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
-from dkfac.config.groups import (
-    FISHER_TYPES,
-    LEFTOVER_UPDATES,
-    METHODS,
+from dkfac.config.distribution import (
     OVERLAP_MODES,
     PLACEMENT_COSTS,
-    REFRESH_KINDS,
     SHARD_EXCHANGES,
     STRATEGY_CHOICES,
     DistributionConfig,
-    EstimationConfig,
-    FisherType,
-    LeftoverUpdate,
-    Method,
     OverlapMode,
     PlacementCost,
-    RefreshConfig,
-    RefreshKind,
     ShardExchange,
-    SolverConfig,
     StrategyChoice,
+)
+from dkfac.config.estimation import FISHER_TYPES, EstimationConfig, FisherType
+from dkfac.config.refresh import REFRESH_KINDS, RefreshConfig, RefreshKind
+from dkfac.config.schedules import SCHEDULE_DOMAINS, Schedule, check_schedule_value, resolve
+from dkfac.config.solver import (
+    LEFTOVER_UPDATES,
+    METHODS,
+    LeftoverUpdate,
+    Method,
+    SolverConfig,
     leftover_adam,
     unread_moment_fields,
 )
-from dkfac.config.schedules import SCHEDULE_DOMAINS, Schedule, check_schedule_value, resolve
 
 __all__ = [
     "FISHER_TYPES",

@@ -4,7 +4,7 @@ Pure functions of layer shapes, world size and device rates (no process group):
 
 - :func:`extract_layers`: an ``nn.Module`` -> :class:`ModelSpec` (K-FAC layer dimensions).
 - :func:`predict_ledger_bytes`: ``{rank: {kind: bytes}}`` exactly as the
-  :class:`~dkfac.distributed.comm.CommLedger` counts them, for one step.
+  :class:`~dkfac.distributed.ledger.CommLedger` counts them, for one step.
 - :func:`predict_memory`: ``{rank: {kind: bytes}}`` of K-FAC state.
 - :func:`predict`: time by phase, bytes and memory of one strategy; :func:`recommend` picks
   the fastest that fits a memory budget (used by ``dkfac plan`` and ``strategy="auto"``).

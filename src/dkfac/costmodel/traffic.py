@@ -1,6 +1,6 @@
 """Per-rank ledger bytes and memory of every distributed strategy, from layer shapes alone.
 
-Byte convention: exactly that of :mod:`dkfac.distributed.comm` — each collective records, on
+Byte convention: exactly that of :mod:`dkfac.distributed.ledger` — each collective records, on
 every *participating* rank, the logical message size (sum of ``numel × element_size`` of the
 tensors it covers; a packed symmetric ``n×n`` matrix counts ``n(n+1)/2`` elements). A
 collective on a group of one rank records nothing, and nothing is recorded at world size 1.
@@ -236,7 +236,7 @@ def predict_ledger_bytes(
     cost_kind: CostKind = "compute",
     pack_triangles: bool | None = None,
 ) -> dict[int, dict[str, int]]:
-    """Bytes each rank's :class:`~dkfac.distributed.comm.CommLedger` records in one step.
+    """Bytes each rank's :class:`~dkfac.distributed.ledger.CommLedger` records in one step.
 
     Args:
         spec: The model (see :func:`~dkfac.costmodel.extract_layers`).

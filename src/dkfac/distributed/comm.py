@@ -12,39 +12,13 @@ Every operation launches all its buckets asynchronously and returns a :class:`Co
 place. Tensors are flattened into buckets of at most ``bucket_bytes`` bytes (a tensor larger
 than that gets a bucket of its own); a bucket holds tensors of one dtype and device.
 
-Byte-counting convention (what :class:`CommLedger` records)
------------------------------------------------------------
-Each operation records, on every participating rank and at launch time, the size of the
-*logical message* it moves: the sum over the tensors it covers of ``numel × element_size``,
-where a tensor sent with ``pack_symmetric=True`` counts as its packed upper triangle
-(``n(n+1)/2`` elements for an ``n×n`` matrix). Bucketing adds no padding, so this equals the
-total size of the flat buffers this rank passes to the underlying ``torch.distributed`` calls.
-All ranks record the same number. It is a message size, not wire traffic (a ring all-reduce
-of ``M`` bytes sends about ``2(P-1)/P · M`` bytes per rank).
-
-====================================  ===================  ==================================
-operation                             recorded collective  bytes recorded on every rank
-====================================  ===================  ==================================
-``all_reduce(ts)``                    ``all_reduce``       Σ size(t) (what each rank adds in)
-``broadcast(ts, src)``                ``broadcast``        Σ size(t) (what ``src`` sends)
-``reduce(ts, dst)``                   ``reduce``           Σ size(t) (what each rank adds in)
-``reduce_to_owners(ts, owners)``      ``reduce_scatter``   Σ size(t) over *all* tensors
-``reduce_to_owners_mixed(...)``       ``reduce_scatter``   Σ size(t) per kind, as above
-``all_gather_from_owners(ts, own.)``  ``all_gather``       Σ size(t) over *all* tensors
-``all_gather_rows(t)``                ``all_gather``       P · size(t) (the gathered result)
-``all_to_all(send, ..., nbytes)``     ``all_to_all``       ``nbytes``: what *all* ranks send to
-                                                           others (the caller's plan knows it)
-====================================  ===================  ==================================
-
-Example: ``all_reduce`` of a 3×4 and a 5-element float32 tensor records
-``(12 + 5) · 4 = 68`` bytes; a packed 4×4 float32 factor records ``10 · 4 = 40`` bytes.
+What each operation records in the ledger, and why, is in :mod:`dkfac.distributed.ledger`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from copy import deepcopy
 from functools import partial
 from typing import Any, Literal
 
@@ -52,183 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = [
-    "COLLECTIVES",
-    "KINDS",
-    "CommHandle",
-    "CommLedger",
-    "Communicator",
-    "Kind",
-    "pack_triangle",
-    "unpack_triangle",
-]
+from dkfac.distributed.buckets import bucket_tensors, split_by_owner
+from dkfac.distributed.control import ControlMessages
+from dkfac.distributed.ledger import KINDS, Collective, CommLedger, Kind
+
+__all__ = ["CommHandle", "Communicator"]
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["gradients", "factors", "inverses", "preconditioned"]
-Collective = Literal[
-    "all_reduce", "broadcast", "reduce_scatter", "all_gather", "reduce", "all_to_all"
-]
 ReduceOpName = Literal["mean", "sum"]
-
-KINDS: tuple[str, ...] = ("gradients", "factors", "inverses", "preconditioned")
-COLLECTIVES: tuple[str, ...] = (
-    "all_reduce",
-    "broadcast",
-    "reduce_scatter",
-    "all_gather",
-    "reduce",
-    "all_to_all",
-)
-
-
-class CommLedger:
-    """Counts bytes communicated, by kind and by collective: per step and in total.
-
-    Memory does not grow with the number of steps: the totals are running sums, and only
-    the records of the last ``window`` closed steps are kept (a record per step forever
-    cost about 560 bytes a step). See the module docstring for exactly what one operation
-    records.
-
-    Args:
-        window: How many closed steps keep their per-step record (>= 1).
-
-    Raises:
-        ValueError: If ``window`` is not an integer >= 1.
-    """
-
-    WINDOW = 1024
-
-    def __init__(self, window: int = WINDOW) -> None:
-        """Create an empty ledger with an open step 0."""
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        self.window = window
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget everything recorded."""
-        self._total = dict.fromkeys(KINDS, 0)
-        self._by_collective = dict.fromkeys(COLLECTIVES, 0)
-        self._current = self._empty_step()
-        self._steps: list[dict[str, Any]] = []
-        self._closed = 0
-
-    @staticmethod
-    def _empty_step() -> dict[str, Any]:
-        return {
-            "by_kind": dict.fromkeys(KINDS, 0),
-            "by_collective": dict.fromkeys(COLLECTIVES, 0),
-            "bytes": 0,
-        }
-
-    def record(self, kind: Kind, collective: Collective, nbytes: int) -> None:
-        """Add ``nbytes`` to the open step and the cumulative totals.
-
-        Raises:
-            ValueError: On an unknown kind or collective or a negative count.
-        """
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        n = int(nbytes)
-        self._total[kind] += n
-        self._by_collective[collective] += n
-        self._current["by_kind"][kind] += n
-        self._current["by_collective"][collective] += n
-        self._current["bytes"] += n
-
-    def end_step(self) -> None:
-        """Close the open step (keep its record, dropping the oldest beyond the window)."""
-        self._steps.append(self._current)
-        if len(self._steps) > self.window:
-            del self._steps[0]
-        self._closed += 1
-        self._current = self._empty_step()
-
-    @property
-    def total_bytes(self) -> int:
-        """All bytes recorded so far, including the open step."""
-        return sum(self._total.values())
-
-    @property
-    def records_held(self) -> int:
-        """Per-step records kept now (at most :attr:`window`)."""
-        return len(self._steps)
-
-    def stats(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot.
-
-        Returns:
-            ``{"total": {kind: bytes}, "total_bytes": int, "by_collective": {coll: bytes},
-            "last_step": step, "current_step": step, "per_step": [step, ...],
-            "steps": n, "first_step_in_window": k}`` where a step is
-            ``{"by_kind": {kind: bytes}, "by_collective": {coll: bytes}, "bytes": int}``.
-            Totals include the open step and every step since the start (or
-            :meth:`reset`); ``last_step`` is the last closed step (all zeros before the first
-            :meth:`end_step`); ``steps`` counts closed steps; ``per_step`` holds the last
-            ``min(steps, window)`` closed steps, the first of them step
-            ``first_step_in_window`` (0-based), so with fewer than ``window`` steps
-            ``per_step[i]`` is step ``i``.
-        """
-
-        return {
-            "total": dict(self._total),
-            "total_bytes": self.total_bytes,
-            "by_collective": dict(self._by_collective),
-            "last_step": deepcopy(self._steps[-1] if self._steps else self._empty_step()),
-            "current_step": deepcopy(self._current),
-            "per_step": deepcopy(self._steps),
-            "steps": self._closed,
-            "first_step_in_window": self._closed - len(self._steps),
-        }
-
-
-def pack_triangle(sym: Tensor) -> Tensor:
-    """Upper triangle (diagonal included) of a square matrix, row-major, as a 1-D tensor.
-
-    Args:
-        sym: ``n×n`` matrix.
-
-    Returns:
-        A new 1-D tensor of ``n(n+1)/2`` entries.
-
-    Raises:
-        ValueError: If ``sym`` is not a square 2-D tensor.
-    """
-    if sym.dim() != 2 or sym.shape[0] != sym.shape[1]:
-        raise ValueError(f"sym must be a square matrix, got shape {tuple(sym.shape)}")
-    n = sym.shape[0]
-    rows, cols = torch.triu_indices(n, n, device=sym.device)
-    return sym[rows, cols]
-
-
-def unpack_triangle(flat: Tensor, n: int) -> Tensor:
-    """Symmetric ``n×n`` matrix from the output of :func:`pack_triangle`.
-
-    Args:
-        flat: 1-D tensor of ``n(n+1)/2`` entries.
-        n: Matrix side.
-
-    Returns:
-        A new symmetric matrix whose upper and lower triangles both equal ``flat``'s entries.
-
-    Raises:
-        ValueError: If ``flat`` has the wrong shape.
-    """
-    if flat.dim() != 1 or flat.numel() != n * (n + 1) // 2:
-        raise ValueError(
-            f"flat must be 1-D with n(n+1)/2 = {n * (n + 1) // 2} entries, "
-            f"got shape {tuple(flat.shape)}"
-        )
-    out = flat.new_zeros(n, n)
-    rows, cols = torch.triu_indices(n, n, device=flat.device)
-    out[rows, cols] = flat
-    out[cols, rows] = flat
-    return out
 
 
 class CommHandle:
@@ -263,41 +69,7 @@ class CommHandle:
         self._done = True
 
 
-class _Bucket:
-    """Tensors flattened into one contiguous buffer (packed triangles where ``packed``)."""
-
-    def __init__(self, tensors: list[Tensor], packed: list[bool], kinds: list[Kind]) -> None:
-        self.tensors = tensors
-        self.packed = packed
-        self.kinds = kinds
-        parts = [
-            pack_triangle(t) if p else t.reshape(-1) for t, p in zip(tensors, packed, strict=True)
-        ]
-        self.numels = [p.numel() for p in parts]
-        self.flat = torch.cat(parts)  # always a fresh buffer: callers' tensors stay intact
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
-
-    def bytes_by_kind(self) -> dict[Kind, int]:
-        """Bytes of the buffer that belong to each kind (they sum to :attr:`nbytes`)."""
-        out: dict[Kind, int] = {}
-        for kind, numel in zip(self.kinds, self.numels, strict=True):
-            out[kind] = out.get(kind, 0) + numel * self.flat.element_size()
-        return out
-
-    def unflatten(self, scale: float | None = None) -> None:
-        flat = self.flat if scale is None else self.flat.mul_(scale)
-        parts = zip(self.tensors, self.packed, flat.split(self.numels), strict=True)
-        for t, packed, part in parts:
-            if packed:
-                t.copy_(unpack_triangle(part, t.shape[0]))
-            else:
-                t.copy_(part.view(t.shape))
-
-
-class Communicator:
+class Communicator(ControlMessages):
     """Bucketed asynchronous collectives over a process group, with a byte ledger.
 
     Args:
@@ -559,43 +331,6 @@ class Communicator:
             )
         return out, CommHandle([work])
 
-    # ------------------------------------------------------------- control messages
-    # A few bytes per step that keep ranks in agreement (finite flags, KL-clip partial sums,
-    # shapes of solver states). They are blocking and NOT recorded in the ledger, which
-    # counts only the payload kinds in KINDS.
-
-    def all_true(self, flags: Tensor) -> Tensor:
-        """Element-wise logical AND of a boolean vector across the group (blocking).
-
-        Args:
-            flags: 1-D bool tensor, the same length on every rank.
-
-        Returns:
-            A bool tensor on ``flags``' device, ``True`` where every rank had ``True``.
-        """
-        if flags.dtype != torch.bool:
-            raise TypeError(f"flags must be a bool tensor, got {flags.dtype}")
-        if not self.active:
-            return flags.clone()
-        bad = (~flags).to(torch.int32)
-        dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=self.group)
-        return bad == 0
-
-    def sum_control(self, values: Tensor) -> Tensor:
-        """Sum of a small floating tensor over the group (blocking, not in the ledger)."""
-        out = values.clone()
-        if self.active:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
-
-    def exchange_objects(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, indexed by position in :attr:`ranks` (blocking)."""
-        if not self.active:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
-
     def _launch(
         self,
         collective: Collective,
@@ -628,7 +363,7 @@ class Communicator:
                 raise ValueError(
                     f"pack_symmetric needs square matrices; tensors[{i}] has shape {tuple(t.shape)}"
                 )
-        by_owner = self._split_by_owner(len(tensors), owners)
+        by_owner = split_by_owner(len(tensors), owners, self.ranks)
         if not self.active or not tensors:
             return CommHandle()
         if self.rank not in self.ranks:
@@ -636,8 +371,11 @@ class Communicator:
         plan = [
             (
                 o,
-                self._buckets(
-                    [tensors[i] for i in idx], [packs[i] for i in idx], [kinds[i] for i in idx]
+                bucket_tensors(
+                    [tensors[i] for i in idx],
+                    [packs[i] for i in idx],
+                    [kinds[i] for i in idx],
+                    self.bucket_bytes,
                 ),
             )
             for o, idx in by_owner.items()
@@ -677,45 +415,3 @@ class Communicator:
                             fins.append(partial(b.unflatten, None))
                     works.append(work)
         return CommHandle(works, fins)
-
-    def _split_by_owner(self, count: int, owners: Sequence[int] | None) -> dict[int, list[int]]:
-        """Tensor indices grouped by owner, owners ascending (identical on all ranks)."""
-        if owners is None:
-            return {-1: list(range(count))}
-        if len(owners) != count:
-            raise ValueError(f"owners must have one entry per tensor: {len(owners)} != {count}")
-        by_owner: dict[int, list[int]] = {}
-        for i, owner in enumerate(owners):
-            if owner not in self.ranks:
-                raise ValueError(
-                    f"owner/src rank {owner!r} of tensors[{i}] is not in the group {self.ranks}"
-                )
-            by_owner.setdefault(owner, []).append(i)
-        return {o: by_owner[o] for o in sorted(by_owner)}
-
-    def _buckets(
-        self, tensors: Sequence[Tensor], packed: Sequence[bool], kinds: Sequence[Kind]
-    ) -> list[_Bucket]:
-        """Group tensors (order kept within each dtype/device) into size-capped buckets.
-
-        ``packed`` and ``kinds`` (ledger kinds) hold one entry per tensor.
-        """
-        Entry = tuple[Tensor, bool, Kind]
-        open_: dict[tuple[torch.dtype, torch.device], tuple[list[Entry], int]] = {}
-        groups: list[list[Entry]] = []
-        for entry in zip(tensors, packed, kinds, strict=True):
-            t, pack, _ = entry
-            n = t.shape[0] if pack else 0
-            size = (n * (n + 1) // 2 if pack else t.numel()) * t.element_size()
-            key = (t.dtype, t.device)
-            members, used = open_.get(key, ([], 0))
-            if members and used + size > self.bucket_bytes:
-                groups.append(members)
-                members, used = [], 0
-            members.append(entry)
-            open_[key] = (members, used + size)
-        groups.extend(m for m, _ in open_.values() if m)
-        return [
-            _Bucket([t for t, _, _ in g], [p for _, p, _ in g], [k for _, _, k in g])
-            for g in groups
-        ]

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from dkfac.distributed.comm import CommLedger, Communicator
+from dkfac.distributed.comm import Communicator
+from dkfac.distributed.ledger import CommLedger
 from dkfac.distributed.shard_exchange import Delivery, OwnerDelivery, OwnerExchange
 from dkfac.distributed.shard_local import LocalDelivery, LocalRowsStrategy
 from dkfac.distributed.shard_params import (

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dkfac.distributed.comm import Communicator, Kind
+from dkfac.distributed.comm import Communicator
+from dkfac.distributed.ledger import Kind
 from dkfac.distributed.shard_plan import (
     LayerRows,
     ShardedParam,

@@ -17,8 +17,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dkfac.distributed.comm import CommLedger
 from dkfac.distributed.layout import ShardedLayout
+from dkfac.distributed.ledger import CommLedger
 
 __all__ = ["find_layout", "refuse_fsdp1"]
 

@@ -35,7 +35,8 @@ from typing import Literal, get_args
 
 from torch import Tensor
 
-from dkfac.distributed.comm import CommHandle, Communicator, Kind
+from dkfac.distributed.comm import CommHandle, Communicator
+from dkfac.distributed.ledger import Kind
 from dkfac.distributed.strategy_base import Strategy, StrategyRule, join_handles
 
 __all__ = [

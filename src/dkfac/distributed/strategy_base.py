@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dkfac.distributed.assignment import plan_placement, serving_worker
-from dkfac.distributed.comm import CommHandle, CommLedger, Communicator
+from dkfac.distributed.comm import CommHandle, Communicator
+from dkfac.distributed.ledger import CommLedger
 
 __all__ = ["FactorReduction", "Strategy", "StrategyRule", "join_handles"]
 

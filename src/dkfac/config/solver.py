@@ -1,11 +1,7 @@
-"""The configuration by concern: estimation, solver, distribution, refresh.
+"""The solver group: :class:`SolverConfig`, how the damped inverse is applied and the step it
+makes, with the rules on which method reads which of its moment options.
 
-Each group is a frozen, keyword-only dataclass that validates its own fields; a group can be
-built and passed on alone (``KFACConfig.from_groups``). :class:`~dkfac.config.KFACConfig`
-inherits all four, so every field is also a flat keyword argument and attribute.
-The names a field accepts come from the table of its axis: methods from
-:data:`dkfac.solvers.METHODS`, strategies from :data:`dkfac.distributed.strategies.STRATEGIES`,
-convolution reductions from :mod:`dkfac.blocks.conv2d`.
+The methods a field accepts come from :data:`dkfac.solvers.METHODS`.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from typing import Literal, get_args
 
 import torch
 
-from dkfac.blocks.conv_positions import CONV_REDUCTIONS
 from dkfac.config.checks import (
     check_bool,
     check_choice,
@@ -27,7 +22,6 @@ from dkfac.config.checks import (
     check_range,
 )
 from dkfac.config.schedules import Schedule, check_schedules
-from dkfac.distributed.strategies import STRATEGIES, StrategyName
 from dkfac.solvers import (
     BASIS_REFRESHES,
     METHODS,
@@ -45,29 +39,12 @@ from dkfac.solvers import (
 
 __all__ = [
     "COMPILE_MOMENTS",
-    "FISHER_TYPES",
     "LEFTOVER_UPDATES",
-    "LOSS_AVERAGES",
     "METHODS",
-    "OVERLAP_MODES",
-    "PLACEMENT_COSTS",
-    "REFRESH_KINDS",
-    "SHARD_EXCHANGES",
-    "STRATEGY_CHOICES",
     "CompileMoments",
-    "DistributionConfig",
-    "EstimationConfig",
-    "FisherType",
     "LeftoverUpdate",
-    "LossAverage",
     "Method",
-    "OverlapMode",
-    "PlacementCost",
-    "RefreshConfig",
-    "RefreshKind",
-    "ShardExchange",
     "SolverConfig",
-    "StrategyChoice",
     "leftover_adam",
     "unread_moment_fields",
 ]
@@ -90,20 +67,6 @@ UNREAD_WITHOUT_MOMENTS = (
 """The :class:`SolverConfig` fields that only a method with a basis of moments reads."""
 ORTHOGONAL_RMS = 1.5
 """Default RMS entry of an orthogonalised update per unit of learning rate (section 15)."""
-FisherType = Literal["empirical", "mc"]
-FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
-LossAverage = Literal["samples", "positions"]
-LOSS_AVERAGES: tuple[str, ...] = get_args(LossAverage)
-StrategyChoice = Literal[StrategyName, "auto"]
-STRATEGY_CHOICES: tuple[str, ...] = get_args(StrategyChoice)
-PlacementCost = Literal["compute", "memory"]
-PLACEMENT_COSTS: tuple[str, ...] = get_args(PlacementCost)
-OverlapMode = Literal["auto", "on", "off"]
-OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
-ShardExchange = Literal["exact", "local"]
-SHARD_EXCHANGES: tuple[str, ...] = get_args(ShardExchange)
-RefreshKind = Literal["fixed", "adaptive"]
-REFRESH_KINDS: tuple[str, ...] = get_args(RefreshKind)
 LeftoverUpdate = Literal["auto", "gradient", "adam"]
 LEFTOVER_UPDATES: tuple[str, ...] = get_args(LeftoverUpdate)
 CompileMoments = Literal["auto", "off", "inductor", "aot_eager"]
@@ -416,183 +379,3 @@ def unread_moment_fields(method: str) -> tuple[str, ...]:
     if method in METHODS and method not in MOMENT_METHODS:
         return UNREAD_WITHOUT_MOMENTS
     return ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class EstimationConfig:
-    """How the curvature statistics are estimated from the forward and backward passes.
-
-    Attributes:
-        fisher: ``"empirical"`` (the training backward feeds the factors) or ``"mc"`` (one
-            Monte-Carlo sampled backward through :meth:`KFACPreconditioner.sample_fisher`).
-        factor_decay: Running-average decay of the factors in [0, 1); 0 keeps only the
-            newest factors.
-        accumulation_steps: Micro-batches (forward/backward passes) expected per
-            ``step()``: read only where nothing else says which backward is a step's last
-            (``overlap_comm`` on a model without DDP) and to estimate a step's rows for
-            ``method="auto"``. The factors' scale follows the backward passes actually run
-            (counted), so gradient accumulation needs no count here.
-        loss_average: What the training loss is a mean over, which sets the scale of the
-            output-gradient factors G (they are kept on the scale of one term of the loss):
-            ``"samples"`` (default; a mean over the first dimension, e.g. classification) or
-            ``"positions"`` (a mean over every position of every sample, e.g. a language
-            model's mean over ``N·T`` tokens: each layer's G is then scaled by its own
-            ``(N·T)²`` and the Monte-Carlo loss divides by ``N·T``). With ``"samples"`` on
-            a token-mean loss, G is ``T²`` too small and the damping swamps it.
-        factor_dtype: Precision the factors are stored in (default: the parameters' dtype).
-        capture_dtype: Precision of the inputs of the factor products: activations and
-            output gradients are cast to it before their outer products are summed (the
-            sums are then stored in ``factor_dtype``). ``None`` (default): ``factor_dtype``.
-            ``torch.bfloat16`` about halves the cost of building the factors on GPUs and on
-            CPUs with bf16 matrix instructions (AVX512-BF16, AMX; measured 1.6x on
-            ResNet-20's factor step), for a relative error of the factors of a few 1e-3
-            (products accumulate in fp32; each product's sum is rounded once to bf16), and
-            costs many times float32 where bf16 is emulated (an AVX2 CPU); ``"auto"``:
-            bfloat16 where the layer's device multiplies it natively and the model is not
-            float64, ``factor_dtype`` elsewhere (:mod:`dkfac.solvers.precision`; decided
-            when the preconditioner is built, from the layer's parameters).
-            Applies to dense Kronecker factors; low-rank (SMW) rows and BatchNorm's
-            unit-wise statistics keep ``factor_dtype``.
-        skip_layers: Regular expressions; a module whose qualified name or class name
-            contains a match of one (``re.search``: anchor with ``^...$`` for a full match)
-            is not preconditioned.
-        conv_reduction: Spatial reduction of convolution factors: ``None`` (expand
-            convention), ``"sum"`` or ``"subsample"`` (SKFAC).
-        subsample_positions: Output positions sampled per image for ``"subsample"``.
-        factor_batch_size: Build the statistics from the first ``factor_batch_size``
-            samples of every micro-batch only (``None``: all of them). The factors stay on
-            the per-sample scale; their cost falls in proportion. BatchNorm's unit-wise
-            statistics then use the moments of those samples.
-        seed: Seed (an integer >= 0) for the Monte-Carlo targets and spatial subsampling
-            (rank ``r`` of a process group uses ``seed + r``).
-        unitwise_bn: Precondition affine BatchNorm layers with SP-NGD's unit-wise 2×2
-            Fisher per channel (on by default); off leaves them their plain gradient.
-    """
-
-    fisher: FisherType = "empirical"
-    factor_decay: Schedule = 0.95
-    accumulation_steps: int = 1
-    loss_average: LossAverage = "samples"
-    factor_dtype: torch.dtype | None = None
-    capture_dtype: torch.dtype | Literal["auto"] | None = None
-    skip_layers: tuple[str, ...] = field(default_factory=tuple)
-    conv_reduction: str | None = None
-    subsample_positions: int = 1
-    factor_batch_size: int | None = None
-    seed: int = 0
-    unitwise_bn: bool = True
-
-    def __post_init__(self) -> None:
-        self._check_estimation()
-
-    def _check_estimation(self) -> None:
-        check_choice("fisher", self.fisher, FISHER_TYPES)
-        check_schedules(self, ("factor_decay",))
-        check_int("accumulation_steps", self.accumulation_steps)
-        check_choice("loss_average", self.loss_average, LOSS_AVERAGES)
-        check_dtype("factor_dtype", self.factor_dtype)
-        check_dtype("capture_dtype", self.capture_dtype, auto=True)
-        object.__setattr__(self, "skip_layers", check_patterns("skip_layers", self.skip_layers))
-        check_choice("conv_reduction", self.conv_reduction, CONV_REDUCTIONS)
-        check_int("subsample_positions", self.subsample_positions)
-        check_int("factor_batch_size", self.factor_batch_size, optional=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
-        check_int("seed", self.seed, low=0)
-        check_bool("unitwise_bn", self.unitwise_bn)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DistributionConfig:
-    """How the work is spread over ranks (DESIGN.md section 4; ``docs/distributed.md``).
-
-    Attributes:
-        strategy: ``"replicated"`` (SC20 / KAISA COMM-OPT), ``"kaisa"`` (gradient-worker
-            fraction ``grad_worker_fraction``), ``"mem-opt"`` (one gradient worker per
-            layer), ``"dp"`` (DP-KFAC), ``"spngd"`` (SP-NGD; takes an unwrapped model and
-            averages every gradient itself) or ``"auto"``: the cost model's
-            :func:`dkfac.costmodel.select_strategy` picks the fastest strategy that computes
-            the exact global-batch update and fits in memory (spngd when the model is not
-            wrapped in DDP on several ranks; the rule of
-            :func:`dkfac.distributed.strategies.choose_strategy` for models it cannot
-            describe). The table is :data:`dkfac.distributed.strategies.STRATEGIES`.
-        grad_worker_fraction: KAISA fraction f in (0, 1] of ranks that precondition each
-            layer (``"kaisa"`` only); ``f × world_size`` must divide the world size.
-        bucket_bytes: Maximum size in bytes of one flattened communication bucket.
-        pack_triangles: Send symmetric factors as upper triangles; ``None`` means the
-            strategy's own default (on for ``"spngd"``, off otherwise).
-        placement_cost: How layers are balanced over inverse owners: ``"compute"``
-            (``a_dim³ + g_dim³``) or ``"memory"`` (``a_dim² + g_dim²``).
-        overlap_comm: Launch each layer's statistic (and, for ``"spngd"``, gradient)
-            reduction from the backward hooks, in fixed buckets, so it overlaps the rest of
-            the backward (:mod:`dkfac.engine.eager`). Only correct when every rank runs
-            every registered layer on every step. ``"auto"`` (default): on when that is
-            guaranteed, i.e. several ranks and a ``DistributedDataParallel`` model with
-            ``find_unused_parameters=False``; ``"on"``: always (a rank that misses a layer
-            raises ``RuntimeError`` in ``step()``); ``"off"``: reduce everything in
-            ``step()`` after the ranks agree which layers ran (data-dependent branches).
-        shard_exchange: For a model sharded with FSDP2 / HSDP (``fully_shard``):
-            ``"exact"`` (default) moves gradient rows so that every layer is preconditioned
-            whole (the serial update); ``"local"`` has each rank precondition its own rows
-            of each Linear / Conv2d layer with the full ``A`` and its own diagonal block of
-            ``G`` (no gradient traffic; the serial update with a block-diagonal ``G``),
-            other layers whole as under ``"exact"``. ``"local"`` needs a sharded model and
-            ``strategy="replicated"`` (or ``"auto"``, which then takes it).
-    """
-
-    strategy: StrategyChoice = "replicated"
-    grad_worker_fraction: float = 1.0
-    bucket_bytes: int = 25 * 2**20
-    pack_triangles: bool | None = None
-    placement_cost: PlacementCost = "compute"
-    overlap_comm: OverlapMode = "auto"
-    shard_exchange: ShardExchange = "exact"
-
-    def __post_init__(self) -> None:
-        self._check_distribution()
-
-    def _check_distribution(self) -> None:
-        check_choice("strategy", self.strategy, (*STRATEGIES, "auto"))
-        check_range(
-            "grad_worker_fraction",
-            self.grad_worker_fraction,
-            low=0.0,
-            high=1.0,
-            high_inclusive=True,
-        )
-        check_int("bucket_bytes", self.bucket_bytes)
-        check_bool("pack_triangles", self.pack_triangles, optional=True)
-        check_choice("placement_cost", self.placement_cost, PLACEMENT_COSTS)
-        check_choice("overlap_comm", self.overlap_comm, OVERLAP_MODES)
-        check_choice("shard_exchange", self.shard_exchange, SHARD_EXCHANGES)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RefreshConfig:
-    """When statistics and inverses are recomputed.
-
-    Attributes:
-        factor_update_interval: Steps between factor updates (>= 1, constant or schedule).
-        inverse_update_interval: Steps between inverse updates (>= 1, constant or schedule).
-        refresh: ``"fixed"`` (all statistics every ``factor_update_interval`` steps) or
-            ``"adaptive"`` (SP-NGD stale statistics: each statistic's own interval, doubled
-            when its relative Frobenius change is below ``refresh_threshold`` and halved
-            otherwise; ``factor_update_interval`` is then unused).
-        refresh_threshold: α of the adaptive policy, a finite number > 0 (SP-NGD's: 0.1).
-        refresh_max_interval: Cap of an adaptive interval, an integer >= 1.
-    """
-
-    factor_update_interval: Schedule = 1
-    inverse_update_interval: Schedule = 10
-    refresh: RefreshKind = "fixed"
-    refresh_threshold: float = 0.1
-    refresh_max_interval: int = 64
-
-    def __post_init__(self) -> None:
-        self._check_refresh()
-
-    def _check_refresh(self) -> None:
-        check_schedules(self, ("factor_update_interval", "inverse_update_interval"))
-        check_choice("refresh", self.refresh, REFRESH_KINDS)
-        check_range("refresh_threshold", self.refresh_threshold, low=0.0)
-        check_int("refresh_max_interval", self.refresh_max_interval)
