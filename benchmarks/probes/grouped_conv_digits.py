@@ -11,8 +11,10 @@ BatchNorm), batch 256, ``KFACOptimizer.for_model`` with only the lr swept. Two a
 The lr is swept over :data:`LRS` on seed 0; the best of each arm (fewest steps to the
 target, then the final accuracy) is run on the held-out seeds; steps to the target are
 deterministic. The unit-wise arm's lr sweep is repeated at other dampings (``--dampings``;
-BatchNorm's kept at the default 0.03). The step time is measured in alternated blocks of
-steps (``--threads 1``), the wall clock and this thread's CPU clock, median over blocks.
+BatchNorm's kept at the default 0.03), and both arms at their best lr are run on seeds 0-3
+with statistics and solves fresh every step (:data:`EVERY_STEP`). The step time is
+measured in alternated blocks of steps (``--threads 1``), the wall clock and this thread's
+CPU clock, median over blocks.
 The per-sample gradients' two paths (the batch folded into the groups of one weight
 gradient, and an unfold of the whole input) are timed on the models' depthwise layer
 shapes (``capture_paths``).
@@ -127,7 +129,21 @@ def grouped_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
 
 
+EVERY_STEP: dict[str, Any] = {
+    "overhead": None,
+    "factor_update_interval": 1,
+    "inverse_update_interval": 1,
+}
+"""Options of the ``every_step`` comparison: statistics and their solve fresh at every step
+(no overhead budget), so that neither arm's curvature is stale."""
+
+
 def optimizer(arm: str, model: nn.Module, lr: float) -> KFACOptimizer:
+    if arm.startswith("every_step:"):
+        base = arm.split(":", 1)[1]
+        skip = [f"^{n.replace('.', '[.]')}$" for n in grouped_names(model)]
+        chosen: dict[str, Any] = {"skip_layers": skip} if base == "adam_dw" else {}
+        return KFACOptimizer.for_model(model, lr=lr, **EVERY_STEP, **chosen)
     if arm.startswith("damping="):  # the unit-wise Fisher at another damping (BN's kept)
         damping = float(arm.split("=", 1)[1])
         return KFACOptimizer.for_model(model, lr=lr, damping=damping, bn_damping=0.03)
@@ -282,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         entry["median_steps"] = {
             arm: statistics.median(r["reached"] or math.inf for r in runs)
             for arm, runs in held.items()
+        }
+        entry["every_step_seeds0123"] = {
+            arm: [to_target(t, f"every_step:{arm}", best[arm], s, args.max_steps) for s in range(4)]
+            for arm in ARMS
         }
         if not args.no_timing:
             entry["step_time"] = step_times(t, best, args.blocks, args.block_steps)
