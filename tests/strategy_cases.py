@@ -57,6 +57,23 @@ def make_bn_model() -> nn.Module:
     ).double()
 
 
+def make_grouped_model() -> nn.Module:
+    """:func:`make_model` with a depthwise 3×3 convolution (unit-wise, 10 parameters per
+    channel) after the first one and a grouped 1×1 (groups=3, 2 per channel, no bias)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Conv2d(3, 3, 3, padding=1, groups=3),
+        nn.Tanh(),
+        nn.Conv2d(3, 6, 1, groups=3, bias=False),
+        nn.Flatten(),
+        nn.Linear(6 * 16, 6),
+        nn.LayerNorm(6),
+        nn.Tanh(),
+        nn.Linear(6, 3),
+    ).double()
+
+
 def global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(PER_RANK * world_size, 2, 4, 4, generator=gen, dtype=torch.float64)

@@ -20,7 +20,9 @@ gradient            20                       12                       32
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ from dkfac.costmodel import (
     KFACLayer,
     ModelSpec,
     candidate_strategies,
+    element_counts,
     extract_layers,
     placement_for,
     predict,
@@ -70,7 +73,7 @@ def test_extract_conv_bn_and_grouped_conv() -> None:
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, bias=True),  # a = 27 + 1, T = 8·8 on a 10×10 input
         nn.BatchNorm2d(8),
-        nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False),  # not a K-FAC layer
+        nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False),  # unit-wise: d = 4·9, g = 8
         nn.Conv2d(8, 4, 1, stride=2, bias=False),  # a = 8, T = 4·4
         nn.Flatten(),
         nn.Linear(64, 3, bias=False),
@@ -79,16 +82,36 @@ def test_extract_conv_bn_and_grouped_conv() -> None:
     assert [(x.name, x.a_dim, x.g_dim, x.positions, x.kind) for x in spec.layers] == [
         ("0", 28, 8, 64, "conv2d"),
         ("1", 2, 8, 1, "batchnorm"),  # unit-wise: a = 2 (γ_c, β_c), g = C
+        ("2", 36, 8, 64, "grouped_conv"),
         ("3", 8, 4, 16, "conv2d"),
         ("5", 64, 3, 1, "linear"),
     ]
+    assert [x.unitwise for x in spec.layers] == [False, True, True, False, False]
     assert [(b.name, b.channels) for b in spec.bn_layers] == [("1", 8)]
-    assert spec.other_param_numel == 8 * 4 * 3 * 3  # the grouped conv weight
-    assert spec.forward_flops_per_sample == 2 * (64 * 28 * 8 + 16 * 8 * 4 + 64 * 3)
+    assert spec.other_param_numel == 0
+    assert spec.forward_flops_per_sample == 2 * (64 * 28 * 8 + 64 * 36 * 8 + 16 * 8 * 4 + 64 * 3)
+    grouped = spec.layers[2]
+    assert grouped.placement_cost("compute") == 8 * 36**3
+    assert grouped.placement_cost("memory") == 8 * 36**2
+    counts = element_counts(grouped, "eigen", packed=True)
+    assert counts == {
+        "factors_sent": 8 * 36 * 36,
+        "factors_stored": 8 * 36 * 36,
+        "inverse": 8 * 36 * 36,
+        "moments": 0,
+        "grad": 8 * 36,
+    }
     plain = extract_layers(model, unitwise_bn=False)  # BN then counts as other parameters
-    assert [x.kind for x in plain.layers] == ["conv2d", "conv2d", "linear"]
-    assert plain.other_param_numel == 2 * 8 + 8 * 4 * 3 * 3
+    assert [x.kind for x in plain.layers] == ["conv2d", "grouped_conv", "conv2d", "linear"]
+    assert plain.other_param_numel == 2 * 8
     assert plain.param_numel == spec.param_numel
+
+
+def test_a_grouped_conv_with_too_wide_units_counts_as_other_parameters() -> None:
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, groups=2), nn.Flatten(), nn.Linear(64, 3))
+    spec = extract_layers(model, (64, 3, 3))  # d = 32·9 + 1 = 289 > MAX_UNIT_DIM
+    assert [x.kind for x in spec.layers] == ["linear"]
+    assert spec.other_param_numel == 64 * 32 * 9 + 64
 
 
 def test_a_transposed_convolution_is_priced_by_its_input_positions() -> None:
@@ -315,3 +338,32 @@ def test_calibrate_returns_positive_rates() -> None:
     rates = calibrate("cpu", seconds=0.05, size=32)
     assert rates.matmul_flops > 0 and rates.eigh_rate > 0 and rates.cholesky_rate > 0
     assert torch.get_num_threads() >= 1
+
+
+def test_a_depthwise_model_is_planned_with_its_unit_wise_layers_priced() -> None:
+    """A MobileNet-like stack: every strategy predicted (finite), the depthwise layers'
+    d × d factorisations in the inverse phase, their C·d² statistics in the factors sent."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.Conv2d(16, 16, 7, padding=3, groups=16),  # d = 49 + 1
+        nn.Conv2d(16, 32, 1, bias=False),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+    spec = extract_layers(model, (3, 16, 16))
+    grouped = next(x for x in spec.layers if x.kind == "grouped_conv")
+    assert (grouped.a_dim, grouped.g_dim, grouped.positions) == (50, 16, 256)
+    choice, preds = recommend(spec, 4, batch_per_rank=32)
+    for pred in preds:
+        assert all(math.isfinite(v) and v >= 0 for v in pred.phases.values()), pred.label
+    without = extract_layers(nn.Sequential(*list(model)[:2], *list(model)[3:]), (3, 16, 16))
+    rates = dataclasses.replace(DeviceRates(), cholesky_rate=1e9)
+    kw = {"batch_per_rank": 32, "rates": rates, "inverse_interval": 1, "factor_interval": 1}
+    extra = (
+        predict(spec, 1, "replicated", **kw).phases["inverse"]
+        - predict(without, 1, "replicated", **kw).phases["inverse"]
+    )
+    assert extra == pytest.approx(16 * 50**3 / 1e9)
+    assert choice.total_seconds == min(p.total_seconds for p in preds)

@@ -1,7 +1,8 @@
 """The cost model's byte and memory predictions against the real engine at 2 and 4 gloo ranks.
 
-Every rank trains two small float64 models (the strategy-test model, and a CNN with a
-``BatchNorm2d`` and a ``BatchNorm1d``, which the engine preconditions unit-wise) under every
+Every rank trains three small float64 models (the strategy-test model, a CNN with a
+``BatchNorm2d`` and a ``BatchNorm1d``, and one with a depthwise and a grouped convolution,
+all of which the engine preconditions unit-wise) under every
 strategy for three steps with ``inverse_update_interval=2``: steps 0 and 2 update factors and
 inverses, step 1 factors only. The parent asserts, per rank and per step, that the ledger's
 bytes by kind equal :func:`dkfac.costmodel.predict_ledger_bytes` for that step kind, and that
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from dkfac import KFACPreconditioner
 from dkfac.costmodel import DtypeBytes, extract_layers, predict_ledger_bytes, predict_memory
 from tests.distributed_utils import run_distributed
-from tests.strategy_cases import make_bn_model, make_model
+from tests.strategy_cases import make_bn_model, make_grouped_model, make_model
 
 STEPS = 3
 PER_RANK = 8
@@ -41,7 +42,7 @@ CONFIGS: list[tuple[str, float, dict[str, Any]]] = [
 ]
 
 
-MODELS = {"mlp": make_model, "bn": make_bn_model}
+MODELS = {"mlp": make_model, "bn": make_bn_model, "grouped": make_grouped_model}
 
 
 def _run(rank: int, model_name: str, strategy: str, fraction: float, options: dict) -> dict:

@@ -14,7 +14,8 @@ from dkfac import KFACOptimizer, KFACPreconditioner
 
 
 class Mixed(nn.Module):
-    """A Linear, a LayerNorm, a grouped conv, a frozen Linear and a raw 2-D parameter."""
+    """A Linear, a LayerNorm, a grouped conv (unit-wise), a frozen Linear and a raw 2-D
+    parameter."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,7 +48,10 @@ def test_every_trainable_parameter_is_listed_once_with_its_reason(
     listed = [name for row in rows.values() for name in row["parameters"]]
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert sorted(listed) == sorted(trainable)
-    assert [n for n, r in rows.items() if r["block"] != "inner optimizer"] == ["fc", "head"]
+    preconditioned = [n for n, r in rows.items() if r["block"] != "inner optimizer"]
+    assert preconditioned == ["fc", "grouped", "head"]
+    assert rows["grouped"]["parameters"] == ["grouped.weight", "grouped.bias"]
+    assert rows["grouped"]["method"] == "unitwise" and rows["grouped"]["a_dim"] == 2  # 1·1 + 1
     assert rows["fc"]["parameters"] == ["fc.weight", "fc.bias"]
     assert rows["fc"]["method"] == "eigen" and rows["fc"]["a_dim"] == 7  # old keys kept
     reasons = {n: r["reason"] for n, r in rows.items() if r["block"] == "inner optimizer"}
@@ -55,8 +59,6 @@ def test_every_trainable_parameter_is_listed_once_with_its_reason(
         "pos": "a raw parameter of Mixed, used by its own forward, not through a layer",
         "norm.weight": "LayerNorm has no K-FAC block",
         "norm.bias": "LayerNorm has no K-FAC block",
-        "grouped.weight": "declined by its block: grouped convolution (groups=2) is not supported",
-        "grouped.bias": "declined by its block: grouped convolution (groups=2) is not supported",
         "frozen.bias": "its layer's weight does not require a gradient",
     }
     assert rows["pos"]["numel"] == 24
@@ -65,12 +67,10 @@ def test_every_trainable_parameter_is_listed_once_with_its_reason(
     assert len(warnings) == 1
     message = warnings[0].getMessage()
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert f"{100 * (24 + 4 * 1 * 1 * 1) / total:.1f}%" in message
-    assert "K-FAC leaves 2 weight parameter(s)" in message
-    assert (
-        "pos (a raw parameter of Mixed, used by its own forward" in message
-        and "grouped.weight" in message
-    )
+    assert f"{100 * 24 / total:.1f}%" in message
+    assert "K-FAC leaves 1 weight parameter(s)" in message
+    assert "pos (a raw parameter of Mixed, used by its own forward" in message
+    assert "grouped.weight" not in message
     assert "norm.weight" not in message  # one dimension: nothing to precondition anyway
 
 

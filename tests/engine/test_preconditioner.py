@@ -120,12 +120,18 @@ def test_skip_layers_by_name_and_class() -> None:
     assert list(KFACPreconditioner(model, skip_layers=["Conv2d"]).layers) == ["2", "3"]
 
 
-def test_grouped_conv_is_skipped_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_grouped_conv_is_unit_wise_and_one_with_too_wide_units_is_skipped_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     model = nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
+    pre = KFACPreconditioner(model)
+    assert list(pre.layers) == ["0", "2"]
+    assert pre.layers["0"].solver.name == "unitwise"
+    wide = nn.Sequential(nn.Conv1d(64, 4, 9, groups=2), nn.Flatten(), nn.Linear(4, 2))
     with caplog.at_level(logging.WARNING):
-        pre = KFACPreconditioner(model)
+        pre = KFACPreconditioner(wide)  # d = 32·9 + 1 = 289
     assert list(pre.layers) == ["2"]
-    assert "grouped convolution" in caplog.text
+    assert "grouped convolution (groups=2) with 289 parameters per output channel" in caplog.text
 
 
 def test_frozen_layer_is_not_registered() -> None:

@@ -144,8 +144,8 @@ def test_role_patterns_reach_the_preconditioner_and_explicit_maps_win() -> None:
 
 
 class _Unsupported(nn.Module):
-    """Hidden layers K-FAC leaves to the inner optimizer: a depthwise convolution beside a
-    pointwise one, and (``conv3d``) only 3-D convolutions, which have no block."""
+    """Hidden layers without a basis to orthogonalise: a depthwise convolution (unit-wise)
+    beside a pointwise one, and (``conv3d``) only 3-D convolutions, which have no block."""
 
     def __init__(self, conv3d: bool) -> None:
         super().__init__()
@@ -164,13 +164,16 @@ class _Unsupported(nn.Module):
 
 @pytest.mark.parametrize("conv3d", [False, True])
 def test_a_role_is_picked_among_the_preconditioned_layers(conv3d: bool) -> None:
-    """``for_model``'s ``role:hidden`` on hidden layers that have no block or are declined:
-    the preconditioned hidden layers are orthogonalised (none when there is none) and the
-    model trains; an explicit pattern that matches nothing is still an error."""
+    """``for_model``'s ``role:hidden`` on hidden layers that have no block or a unit-wise
+    one: the Kronecker hidden layers are orthogonalised (none when there is none) and the
+    model trains; an explicit pattern that matches nothing, or a unit-wise layer, is still
+    an error."""
     model = _Unsupported(conv3d)
     opt = KFACOptimizer.for_model(model)
     orthogonal = {
-        n for n, s in opt.preconditioner.layers.items() if s.solver.options.orthogonal_rms
+        n
+        for n, s in opt.preconditioner.layers.items()
+        if getattr(getattr(s.solver, "options", None), "orthogonal_rms", None)
     }
     assert orthogonal == (set() if conv3d else {"pointwise"})
     x = torch.randn(8, 3, 4, 4, 4) if conv3d else torch.randn(8, 3, 6, 6)
@@ -179,7 +182,8 @@ def test_a_role_is_picked_among_the_preconditioned_layers(conv3d: bool) -> None:
         F.cross_entropy(model(x), torch.arange(8) % 2).backward()
         opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    with pytest.raises(ValueError, match=r"pattern '\^hidden\$' matches none"):
+    error = r"pattern '\^hidden\$' matches none" if conv3d else "'unitwise' has no eigenbasis"
+    with pytest.raises(ValueError, match=error):
         KFACPreconditioner(
             _Unsupported(conv3d), method="eigen_adam", orthogonal_layers=["^hidden$"]
         )

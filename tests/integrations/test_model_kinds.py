@@ -87,6 +87,28 @@ class _ConvNeXtBlock(nn.Module):
         return self.head((x + (self.gamma * y).permute(0, 3, 1, 2)).mean((2, 3)))
 
 
+class _MobileNetBlock(nn.Module):
+    """Depthwise-separable convolutions with BatchNorm: a depthwise 3×3 with a channel
+    multiplier of 2 (no bias), a pointwise 1×1, a strided depthwise 1-D view of the rows."""
+
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, channels, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(channels), nn.ReLU())  # fmt: skip
+        self.dw = nn.Conv2d(channels, 2 * channels, 3, padding=1, groups=channels, bias=False)
+        self.dw_norm = nn.BatchNorm2d(2 * channels)
+        self.pw = nn.Conv2d(2 * channels, channels, 1, bias=False)
+        self.pw_norm = nn.BatchNorm2d(channels)
+        self.rows = nn.Conv1d(channels, channels, 3, stride=2, groups=channels)
+        self.head = nn.Linear(channels, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        y = self.pw_norm(self.pw(torch.relu(self.dw_norm(self.dw(x)))))
+        z = torch.relu(x + y).mean(2)  # (N, C, W)
+        return self.head(self.rows(z).mean(2))
+
+
 class _SqueezeExcite(nn.Module):
     """A residual block whose output channels are gated by two linear layers."""
 
@@ -124,8 +146,8 @@ class _Graph(nn.Module):
 
 
 class _Unsupported(nn.Module):
-    """Layers without a block: grouped, dilated and circular 1-D convolutions, a 3-D
-    convolution, a bilinear layer."""
+    """Layers without a block: a 3-D convolution, a bilinear layer; beside them a grouped
+    dilated 1-D convolution (unit-wise) and a circular one."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -200,6 +222,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Batc
     "experts": (_Experts, _tokens, _class_loss),
     "lora": (_lora, _vectors, _class_loss),
     "convnext": (_ConvNeXtBlock, _images, _class_loss),
+    "mobilenet": (_MobileNetBlock, _images, _class_loss),
     "squeeze_excite": (_SqueezeExcite, _images, _class_loss),
     "graph": (_Graph, _nodes, _class_loss),
     "unsupported_layers": (_Unsupported, _sequences, _class_loss),
@@ -255,7 +278,7 @@ def _reasons(case: str) -> dict[str, str]:
 
 def test_layers_without_a_block_are_named_with_why() -> None:
     reasons = _reasons("unsupported_layers")
-    assert reasons["grouped.weight"].endswith("grouped convolution (groups=2) is not supported")
+    assert "grouped.weight" not in reasons  # unit-wise, its 1·3 weights and bias a unit
     assert reasons["volume.weight"] == "Conv3d has no K-FAC block"
     assert reasons["bilinear.weight"] == "Bilinear has no K-FAC block"
     assert "circular.weight" not in reasons  # a circular padding is a plain convolution's
@@ -263,13 +286,27 @@ def test_layers_without_a_block_are_named_with_why() -> None:
 
 def test_convnext_and_lora_decisions() -> None:
     reasons = _reasons("convnext")
-    assert reasons["dw.weight"].endswith("grouped convolution (groups=4) is not supported")
+    assert "dw.weight" not in reasons and "dw.bias" not in reasons  # unit-wise, d = 49 + 1
     assert reasons["gamma"].startswith("a raw parameter of _ConvNeXtBlock")
     _, opt = _fresh("lora")
     layers = set(opt.preconditioner.layers)
     assert {"0.lora_A", "0.lora_B", "2.lora_A", "2.lora_B", "4"} <= layers
     # the frozen bases are registered (preconditioned once unfrozen) and capture nothing
     assert {"0.base", "2.base"} <= layers
+
+
+@pytest.mark.parametrize(
+    ("case", "units"),
+    [("convnext", {"dw": (4, 50)}), ("mobilenet", {"dw": (8, 9), "rows": (4, 4)})],
+)
+def test_depthwise_layers_get_a_unit_wise_fisher(case: str, units: dict) -> None:
+    model, opt = _fresh(case)
+    _train(model, opt, case, range(2))
+    rows = {r["name"]: r for r in opt.preconditioner.describe()}
+    for name, (channels, dim) in units.items():
+        assert rows[name]["method"] == "unitwise"
+        assert (rows[name]["g_dim"], rows[name]["a_dim"]) == (channels, dim)
+        assert opt.preconditioner.layers[name].solver_state["fisher"].shape == (channels, dim, dim)
 
 
 def test_the_squeeze_excite_heads_map_is_found_from_its_view() -> None:

@@ -150,10 +150,13 @@ class Conv2dBlock(ConvolutionBlock):
     @classmethod
     def declines(cls, module: nn.Module, **options: Any) -> str | None:
         """Grouped convolutions: one Kronecker pair would describe their block-diagonal
-        weight wrongly."""
+        weight wrongly (the registry gives them
+        :class:`~dkfac.blocks.grouped_conv.GroupedConvBlock`)."""
         del options
         groups = getattr(module, "groups", 1)
-        return None if groups == 1 else f"grouped convolution (groups={groups}) is not supported"
+        if groups == 1:
+            return None
+        return f"grouped convolution (groups={groups}): GroupedConvBlock's, not a Kronecker pair"
 
     def output_positions(self, output: Tensor) -> int:
         """``H_out · W_out``."""

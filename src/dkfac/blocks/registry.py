@@ -24,6 +24,7 @@ from dkfac.blocks.conv1d import Conv1dBlock
 from dkfac.blocks.conv2d import Conv2dBlock
 from dkfac.blocks.conv_transpose import ConvTranspose1dBlock, ConvTranspose2dBlock
 from dkfac.blocks.embedding import EmbeddingBlock
+from dkfac.blocks.grouped_conv import GroupedConvBlock
 from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
 from dkfac.blocks.hf_conv1d import HFConv1DBlock
 from dkfac.blocks.linear import LinearBlock
@@ -90,6 +91,15 @@ def find_factory(module: nn.Module) -> BlockFactory | None:
     return None
 
 
+def grouped_variant(factory: BlockFactory | None, module: nn.Module) -> BlockFactory | None:
+    """:class:`~dkfac.blocks.grouped_conv.GroupedConvBlock` for a grouped ``nn.Conv1d`` or
+    ``nn.Conv2d`` whose factory is the built-in dense block (a factory the user registered
+    is kept); ``factory`` otherwise."""
+    if factory in (Conv1dBlock, Conv2dBlock) and getattr(module, "groups", 1) != 1:
+        return GroupedConvBlock
+    return factory
+
+
 def owned_children(module: nn.Module) -> list[nn.Module]:
     """Submodules that ``module`` calls functionally: their blocks come from ``module``'s
     factory (``nn.MultiheadAttention``'s ``out_proj``), never from their own; and the
@@ -122,8 +132,10 @@ def block_or_reason(
     A factory that gives several blocks (``nn.MultiheadAttention``) gives them as a list.
 
     A factory that is a :class:`Block` subclass is first asked
-    :meth:`~dkfac.blocks.base.Block.declines` (grouped convolutions, sparse embeddings,
-    BatchNorm without affine parameters or with ``unitwise=False``...).
+    :meth:`~dkfac.blocks.base.Block.declines` (grouped convolutions with too wide units,
+    grouped transposed convolutions, sparse embeddings, BatchNorm without affine
+    parameters or with ``unitwise=False``...). A grouped ``nn.Conv1d``/``nn.Conv2d`` gets
+    :class:`~dkfac.blocks.grouped_conv.GroupedConvBlock` (:func:`grouped_variant`).
 
     Args:
         name: The module's qualified name.
@@ -132,7 +144,7 @@ def block_or_reason(
             e.g. ``reduction``, ``positions`` and ``seed`` of
             :class:`~dkfac.blocks.conv2d.Conv2dBlock`, ``unitwise`` of BatchNorm.
     """
-    factory = find_factory(module)
+    factory = grouped_variant(find_factory(module), module)
     if factory is None:
         return None
     computed = computed_weight(module)

@@ -84,7 +84,8 @@ class SolverConfig:
             layer from the shapes); the table is :data:`dkfac.solvers.METHODS`.
         damping: Tikhonov damping λ > 0, constant or a schedule of the step. The default,
             0.03, is relative to factors on the per-sample Fisher scale; with 1e-3 the
-            default ``dkfac train --optimizer kfac`` runs on digits diverged.
+            default ``dkfac train --optimizer kfac`` runs on digits diverged. A grouped
+            convolution's unit-wise solve takes it too.
         bn_damping: Damping of the unit-wise BatchNorm solve (constant or schedule);
             ``None`` (default) uses ``damping`` itself.
         kl_clip: KL-clip constant κ > 0, or ``None`` to disable the clip.

@@ -103,7 +103,14 @@ class LayerShape:
     basis is refreshed as (``(channels, positions)`` for a flattened map's Kronecker
     basis; ``()``: the whole side ``a``), and the Newton–Schulz steps of its orthogonalised
     update (0: none), and the widest side it keeps a basis for (a wider one is one-sided:
-    neither rotated nor refreshed; ``None``: every side; the structured one always)."""
+    neither rotated nor refreshed; ``None``: every side; the structured one always).
+
+    A unit-wise layer (``units``: the samples its rows come from, > 0) is ``g`` units of
+    ``a`` parameters each (BatchNorm's channels, ``a = 2``; a grouped convolution's output
+    channels), with no basis: its capture forms each sample's ``a·g`` unit gradients
+    (``2·rows·a·g``, a weight gradient per sample) and their ``a × a`` products
+    (``2·units·g·a²``), its refresh a Cholesky factorisation per unit (``g·a³/3``, none
+    for BatchNorm's closed form), its every step one solve per unit (``2·g·a²``)."""
 
     a: int
     g: int
@@ -111,10 +118,13 @@ class LayerShape:
     a_parts: tuple[int, ...] = ()
     polar_steps: int = 0
     basis_max: int | None = None
+    units: int = 0
 
     def rotated(self) -> tuple[tuple[int, ...], int]:
         """The input side's parts that are rotated (``a_parts``, ``(a,)`` or none) and the
-        output side when it is (else 0)."""
+        output side when it is (else 0; a unit-wise layer has none)."""
+        if self.units:
+            return (), 0
         limit = self.basis_max
         a_parts = self.a_parts or ((self.a,) if limit is None or self.a <= limit else ())
         return a_parts, self.g if limit is None or self.g <= limit else 0
@@ -135,7 +145,8 @@ class Costs:
 def layer_costs(layers: Sequence[LayerShape]) -> Costs:
     """The costs of :class:`Costs` counted from the layers (see the module docstring).
 
-    Per layer: the training step is three products (forward, two in the backward) of
+    Per Kronecker layer (a unit-wise one as :class:`LayerShape` says): the training step
+    is three products (forward, two in the backward) of
     ``2 · rows · a · g`` flops; the fixed part rotates into and out of the basis (four
     products of ``2 · a · g · min(a, g)``-ish, counted as ``4 · a · g · (a + g)``; a
     flattened map's Kronecker input basis ``4 · a · g · (C + P)`` for its side) plus about
@@ -147,15 +158,21 @@ def layer_costs(layers: Sequence[LayerShape]) -> Costs:
     """
     d = DISPATCH_FLOPS
     step = sum(6.0 * x.rows * x.a * x.g + 3 * d for x in layers)
-    rotated = [x.rotated() for x in layers]
+    kron = [x for x in layers if not x.units]
+    units = [x for x in layers if x.units]
+    rotated = [x.rotated() for x in kron]
     fixed = sum(
         4.0 * x.a * x.g * (sum(a_parts) + g)
         + 14 * d
         + x.polar_steps * (6.0 * x.a * x.g * min(x.a, x.g) + 4 * d)
-        for x, (a_parts, g) in zip(layers, rotated, strict=True)
+        for x, (a_parts, g) in zip(kron, rotated, strict=True)
+    ) + sum(2.0 * x.g * x.a**2 + 2 * d for x in units)
+    capture = sum(2.0 * x.rows * (x.a**2 + x.g**2) + 4 * d for x in kron) + sum(
+        2.0 * x.rows * x.a * x.g + 2.0 * x.units * x.g * x.a**2 + 4 * d for x in units
     )
-    capture = sum(2.0 * x.rows * (x.a**2 + x.g**2) + 4 * d for x in layers)
-    refresh = sum(10.0 * (sum(p**3 for p in a_parts) + g**3) + 16 * d for a_parts, g in rotated)
+    refresh = sum(
+        10.0 * (sum(p**3 for p in a_parts) + g**3) + 16 * d for a_parts, g in rotated
+    ) + sum((x.g * x.a**3 / 3.0 if x.a > 2 else 0.0) + 4 * d for x in units)
     return Costs(step, fixed, capture, refresh)
 
 

@@ -4,14 +4,19 @@
 
 - ``nn.Linear(in, out)``: ``a_dim = in + 1`` with a bias (``in`` without), ``g_dim = out``.
 - ``nn.Conv2d(C_in, C_out, (kh, kw), groups=1)``: ``a_dim = C_in·kh·kw + 1`` with a bias,
-  ``g_dim = C_out``. Grouped convolutions are not K-FAC layers here (their parameters count
-  as other parameters).
+  ``g_dim = C_out``.
+- A grouped ``nn.Conv1d``/``nn.Conv2d`` (``groups = G > 1``, units of at most
+  :data:`~dkfac.blocks.grouped_conv.MAX_UNIT_DIM` parameters): a unit-wise layer of kind
+  ``"grouped_conv"`` with ``a_dim = d = (C_in/G)·kh·kw + 1`` with a bias and
+  ``g_dim = C_out``: statistic and solver state ``C_out·d²``, gradient ``C_out·d``,
+  placement cost ``C_out·d³`` (compute) or ``C_out·d²`` (memory); a wider one's parameters
+  count as other parameters.
 - ``nn.Embedding(V, D)``: ``a_dim = V``, ``g_dim = D``.
 - ``nn.BatchNorm*`` (with affine parameters): a :class:`BNLayer` of ``channels`` channels and,
-  as the engine preconditions it by default (``unitwise_bn=True``), also a layer of kind
-  ``"batchnorm"`` with ``a_dim = 2`` (the unit ``(γ_c, β_c)``) and ``g_dim = C``: statistic
-  ``F`` of ``C·2·2`` elements, unit-wise solver state of ``C·2·2``, gradient ``C·2``, placement
-  cost ``8C`` (compute) or ``4C`` (memory) — exactly what
+  as the engine preconditions it by default (``unitwise_bn=True``), also a unit-wise layer of
+  kind ``"batchnorm"`` with ``a_dim = 2`` (the unit ``(γ_c, β_c)``) and ``g_dim = C``:
+  statistic ``F`` of ``C·2·2`` elements, unit-wise solver state of ``C·2·2``, gradient
+  ``C·2``, placement cost ``8C`` (compute) or ``4C`` (memory) — exactly what
   :class:`~dkfac.blocks.batchnorm.BatchNormBlock` reports.
 
 Every Kronecker layer has ``a_dim · g_dim`` gradient elements (the bias is the extra column).
@@ -52,9 +57,10 @@ class KFACLayer:
         positions: Output positions per sample ``T`` (1 for Linear, ``H_out·W_out`` for conv).
         kind: The block's name of its layer kind (:attr:`dkfac.blocks.base.Block.cost_kind`:
             ``"linear"``, ``"conv2d"``, ``"embedding"``... informative only), or
-            ``"batchnorm"``, which implies ``unitwise``.
-        unitwise: Unit-wise 2×2 blocks per channel instead of a Kronecker pair (``a_dim`` 2,
-            ``g_dim`` channels; sizes as in the module notes).
+            ``"batchnorm"``, which implies ``unitwise`` (and ``a_dim`` 2).
+        unitwise: Unit-wise ``a_dim × a_dim`` blocks, one per unit (``g_dim`` units:
+            BatchNorm's channels, a grouped convolution's output channels), instead of a
+            Kronecker pair (sizes as in the module notes).
     """
 
     name: str
@@ -74,8 +80,8 @@ class KFACLayer:
             raise ValueError(f"kind must be a non-empty string, got {self.kind!r}")
         if self.kind == "batchnorm":
             object.__setattr__(self, "unitwise", True)
-        if self.unitwise and self.a_dim != 2:
-            raise ValueError(f"a unit-wise layer has a_dim 2, got {self.a_dim}")
+        if self.kind == "batchnorm" and self.a_dim != 2:
+            raise ValueError(f"a BatchNorm layer has a_dim 2, got {self.a_dim}")
 
     @property
     def grad_numel(self) -> int:
@@ -87,7 +93,8 @@ class KFACLayer:
         if self.unitwise:
             if cost_kind not in ("compute", "memory"):
                 raise ValueError(f"kind must be 'compute' or 'memory', got {cost_kind!r}")
-            return float((8 if cost_kind == "compute" else 4) * self.g_dim)
+            power = 3 if cost_kind == "compute" else 2
+            return float(self.g_dim * self.a_dim**power)
         return kronecker_cost(self.a_dim, self.g_dim, cost_kind)  # type: ignore[arg-type]
 
 
@@ -171,8 +178,8 @@ def extract_layers(
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module``.
-        ValueError: If the model has no Linear or (groups=1) Conv2d layer with a trainable
-            weight, or ``input_shape`` is not a sequence of positive integers.
+        ValueError: If the model has no layer to precondition with a trainable weight, or
+            ``input_shape`` is not a sequence of positive integers.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -190,7 +197,7 @@ def extract_layers(
     flops = 0.0
     for name, block in blocks.items():
         cost = block.cost_description()
-        if cost.unitwise:
+        if cost.kind == "batchnorm":
             bn_layers.append(BNLayer(name=name, channels=cost.g_dim))
             if not unitwise_bn:
                 continue
@@ -201,7 +208,7 @@ def extract_layers(
         kfac_params.update(id(p) for p in block.parameters())
     if not layers:
         raise ValueError(
-            "model has no nn.Linear or nn.Conv1d/Conv2d (groups=1) layer to precondition"
+            "model has no nn.Linear, nn.Conv1d/Conv2d or other layer K-FAC preconditions"
         )
     others = [p for p in inner.parameters() if p.requires_grad and id(p) not in kfac_params]
     return ModelSpec(
@@ -225,7 +232,7 @@ def spec_from_blocks(blocks: Mapping[str, Block], other_param_numel: int = 0) ->
 
     Raises:
         ValueError: If a block is neither a dense Kronecker pair (statistics ``A`` of
-            ``a × a`` and ``G`` of ``g × g``) nor a unit-wise BatchNorm block, e.g. a block
+            ``a × a`` and ``G`` of ``g × g``) nor a unit-wise block, e.g. a block
             type registered by the user, or ``blocks`` is empty.
     """
     if not blocks:

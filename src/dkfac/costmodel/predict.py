@@ -254,10 +254,12 @@ def predict(
     build, invert, precond = [], [], []
     for lay in spec.layers:
         a, g = lay.a_dim, lay.g_dim
-        if lay.unitwise:  # per sample: 2 per-channel gradients and their 2×2 outer product
-            build.append(2.0 * b * 4 * g)
-            invert.append(0.0)  # closed-form 2×2 solves, applied in the precondition phase
-            precond.append(16.0 * g)
+        if lay.unitwise:  # per sample: the a·g per-unit gradients and their a×a products
+            per_sample = 2.0 * lay.positions * a * g if a != 2 else 0.0  # (BN's: elementwise)
+            build.append(2.0 * b * a * a * g + b * per_sample)
+            # BN's closed-form 2×2 solves cost nothing to form; a Cholesky inverse per unit
+            invert.append(0.0 if a == 2 else g * a**3 / rates.cholesky_rate)
+            precond.append(4.0 * a * a * g)
         else:
             build.append(2.0 * b * lay.positions * (a**2 + g**2))
             invert.append((a**3 + g**3) / inv_rate)

@@ -15,12 +15,13 @@ What each strategy does (read from ``dkfac.distributed.strategies`` and checked 
 real ledger at 2 and 4 ranks by ``tests/costmodel/test_costmodel_ledger.py``):
 
 * Placement: ``plan_placement({name: placement cost}, P, f)`` with the blocks' placement costs
-  (Kronecker ``kronecker_cost(a, g)``, BatchNorm ``8C`` / ``4C``); ``f = 1`` for ``replicated``,
+  (Kronecker ``kronecker_cost(a, g)``, unit-wise ``C·d³`` / ``C·d²``: BatchNorm's ``8C`` /
+  ``4C``); ``f = 1`` for ``replicated``,
   ``1/P`` for ``mem-opt``, ``dp`` and ``spngd``.
 * ``replicated`` / ``kaisa``: every rank all-reduces every layer's statistics (kind
   ``factors``; unpacked unless ``pack_triangles``); each inverse owner broadcasts the layer's
   solver state inside the layer's grad-worker group (kind ``inverses``; eigen: ``Q_A, λ_A,
-  Q_G, λ_G``; cholesky: ``A⁻¹, G⁻¹``; BatchNorm: the ``C×2×2`` unit Fisher), stored in the
+  Q_G, λ_G``; cholesky: ``A⁻¹, G⁻¹``; unit-wise: the ``C×d×d`` unit Fisher), stored in the
   factor dtype; in every grad-receiver block of more than one rank the block's grad worker
   broadcasts the preconditioned gradient (``a·g`` elements; kind ``preconditioned``).
   Gradients are averaged by DDP, outside the ledger. Only ``replicated`` keeps every layer's
@@ -31,7 +32,7 @@ real ledger at 2 and 4 ranks by ``tests/costmodel/test_costmodel_ledger.py``):
   as ``mem-opt``.
 * ``spngd``: no DDP. Every preconditioned layer's gradient (BatchNorm γ, β included) and its
   packed statistics are reduced to the owner in the same buffers (``reduce_scatter``; kinds
-  ``gradients`` and ``factors`` counted apart; BatchNorm's ``C×2×2`` statistic is not
+  ``gradients`` and ``factors`` counted apart; a unit-wise ``C×d×d`` statistic is not
   square, so it is sent unpacked), the
   other parameters' gradients are all-reduced (kind ``gradients``), and every layer's final
   gradient is all-gathered from its owner (kind ``preconditioned``).
@@ -147,18 +148,19 @@ def element_counts(layer: KFACLayer, method: str, packed: bool) -> dict[str, int
         Kronecker: factors sent ``a²+g²`` (packed ``a(a+1)/2 + g(g+1)/2``); stored
         ``a²+g²``; solver state and moments as the solver's class counts them
         (:meth:`~dkfac.solvers.Solver.state_elements`: eigen ``a²+a+g²+g``, cholesky
-        ``a²+g²``); gradient ``a·g``. BatchNorm (``a = 2``, ``g = C``): statistic ``4C``
-        sent and stored (never packed), state ``4C``, no moments, gradient ``2C``.
+        ``a²+g²``); gradient ``a·g``. Unit-wise (``g`` units of ``a`` parameters: BatchNorm's
+        ``a = 2``, a grouped convolution's ``d``): statistic ``a²·g`` sent and stored (never
+        packed), state ``a²·g``, no moments, gradient ``a·g``.
     """
     a, g = layer.a_dim, layer.g_dim
     solver = priced_solver(method)
     if layer.unitwise:
         return {
-            "factors_sent": 4 * g,
-            "factors_stored": 4 * g,
-            "inverse": 4 * g,
+            "factors_sent": a * a * g,
+            "factors_stored": a * a * g,
+            "inverse": a * a * g,
             "moments": 0,
-            "grad": 2 * g,
+            "grad": a * g,
         }
     return {
         "factors_sent": _tri(a) + _tri(g) if packed else a * a + g * g,

@@ -109,6 +109,7 @@ class OverheadBudget:
                 self.rows.get(name, self.batch),
                 tuple((maps or {}).get(name, ())),
                 _polar_steps(layer),
+                units=self.batch if _priced_by_units(layer) else 0,
             )
             for name, layer in (trainable or layers).items()
         }
@@ -174,6 +175,14 @@ class OverheadBudget:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _priced_by_units(layer: LayerState) -> bool:
+    """Whether the budget prices the layer as unit-wise (:class:`LayerShape`'s ``units``):
+    a grouped convolution's; BatchNorm's ``2 × C`` pair keeps the Kronecker count the
+    budget's constants were fitted with (its work is a small share either way)."""
+    cost = layer.block.cost_description()
+    return cost.unitwise and cost.kind != "batchnorm"
 
 
 def _polar_steps(layer: LayerState) -> int:

@@ -133,8 +133,8 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
     blocks = coverage.resolve_ties(blocks)
     if not blocks:
         raise ValueError(
-            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv1d, "
-            "nn.Conv2d, nn.ConvTranspose1d and nn.ConvTranspose2d with groups=1, "
+            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv1d and "
+            "nn.Conv2d (grouped too), nn.ConvTranspose1d and nn.ConvTranspose2d with groups=1, "
             "nn.Embedding, nn.MultiheadAttention, transformers' "
             f"Conv1D, or types added with register_block); skip_layers={list(config.skip_layers)}"
         )
@@ -304,7 +304,8 @@ def orthogonal_layers(
 ) -> set[str]:
     """The layers ``config.orthogonal_layers`` picks: by name or class name (``re.search``),
     or by role (``"role:NAME"``, :func:`~dkfac.engine.roles.role_blocks` with ``roles``, the
-    model's :func:`~dkfac.engine.roles.layer_roles`).
+    model's :func:`~dkfac.engine.roles.layer_roles`; a block that names its own solver, a
+    grouped convolution's unit-wise one, is never picked by a role).
 
     Raises:
         ValueError: If a pattern that is not a role matches no layer (the message lists
@@ -314,7 +315,9 @@ def orthogonal_layers(
     picked: set[str] = set()
     for pattern in config.orthogonal_layers:
         if pattern.startswith(ROLE_PREFIX):
-            matched = set(role_blocks(pattern, roles or {}, blocks))
+            # a role is a rule: a block with its own solver (unit-wise) has no basis
+            kron = [n for n, b in blocks.items() if b.solver_name is None]
+            matched = set(role_blocks(pattern, roles or {}, kron))
             if not matched:
                 logger.info("orthogonal_layers %r: no preconditioned layer has it", pattern)
         else:

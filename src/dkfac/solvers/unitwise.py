@@ -1,15 +1,23 @@
-"""Unit-wise natural gradient for BatchNorm (SP-NGD): one closed-form 2×2 solve per channel.
+"""Unit-wise natural gradient (SP-NGD): one damped ``d × d`` solve per unit.
 
-The block (:class:`~dkfac.blocks.batchnorm.BatchNormBlock`) feeds the statistic ``"F"``,
-the per-channel Fisher of ``(γ_c, β_c)`` of shape ``(C, 2, 2)``; the gradient matrix is
-``(C, 2)`` = ``[∇γ_c, ∇β_c]``. The update is ``(F_c + λ_BN I₂)^{-1} [∇γ_c, ∇β_c]``, with
-the BatchNorm damping ``λ_BN`` passed to :meth:`UnitwiseSolver.apply`. No decomposition is
-needed, so the state is the Fisher itself; the closed-form inverses of its damped 2×2
+A unit-wise block feeds the statistic ``"F"`` of shape ``(C, d, d)``, the Fisher of each
+unit's ``d`` parameters, and its gradient matrix is ``(C, d)``, a unit per row:
+
+* BatchNorm (:class:`~dkfac.blocks.batchnorm.BatchNormBlock`): a channel's ``(γ_c, β_c)``,
+  ``d = 2``, solved in closed form;
+* a grouped convolution (:class:`~dkfac.blocks.grouped_conv.GroupedConvBlock`): an output
+  channel's weights and bias, solved through a batched Cholesky factorisation.
+
+The update is ``(F_c + λ I_d)^{-1} g_c``, with the damping the block names passed to
+:meth:`UnitwiseSolver.apply`. The state is the Fisher itself; the inverses of its damped
 blocks are formed at the first apply after a refresh or a change of damping (a damping
-schedule takes effect at once) and kept, so a step's solve is one product and one sum of
-pairs. The solve is per channel, so the BatchNorm layers of one dtype and device are solved
-as one (:meth:`UnitwiseSolver.apply_batch`: their channels concatenated), whatever their
-widths, and refreshed as one (:meth:`UnitwiseSolver.compute_batch`).
+schedule takes effect at once) and kept, so a step's solve is one batched product. A unit
+whose damped block fails to factorise (a Fisher far beyond the damping in the working
+precision) takes ``I / (λ + tr F_c)`` instead, chosen on the device without a host read:
+never a non-finite update. The solve is per unit, so the layers of one unit size, dtype
+and device are solved as one (:meth:`UnitwiseSolver.apply_batch`: their units
+concatenated), whatever their widths, and refreshed as one
+(:meth:`UnitwiseSolver.compute_batch`).
 """
 
 from __future__ import annotations
@@ -52,33 +60,62 @@ def solve_2x2(inverse: Tensor, grad: Tensor) -> Tensor:
     return (inverse * grad.unsqueeze(-2)).sum(dim=-1)
 
 
+def damped_inverse(fisher: Tensor, damping: float) -> Tensor:
+    """``(F_c + λ I)^{-1}`` of every unit, ``(C, d, d)``: :func:`damped_inverse_2x2` for
+    ``d = 2``; otherwise a batched Cholesky factorisation (``cholesky_ex``: no host read)
+    and its inverse, with ``I / (λ + tr F_c)`` for a unit whose factorisation failed or
+    whose inverse is not finite (a symmetric positive definite stand-in, never a NaN)."""
+    dim = fisher.shape[-1]
+    if dim == 2:
+        return damped_inverse_2x2(fisher, damping)
+    if fisher.dtype not in (torch.float32, torch.float64):  # no half-precision Cholesky
+        return damped_inverse(fisher.float(), damping).to(fisher.dtype)
+    eye = torch.eye(dim, dtype=fisher.dtype, device=fisher.device)
+    factor, info = torch.linalg.cholesky_ex(fisher + damping * eye)
+    inverse = torch.cholesky_inverse(factor)
+    good = (info == 0) & torch.isfinite(inverse).flatten(1).all(dim=1)
+    trace = fisher.diagonal(dim1=1, dim2=2).sum(dim=1).abs().nan_to_num(0.0, 0.0, 0.0)
+    fallback = eye / (damping + trace)[:, None, None]
+    return torch.where(good[:, None, None], inverse, fallback)
+
+
+def solve_units(inverse: Tensor, grad: Tensor) -> Tensor:
+    """``inverse_c grad_c`` for every unit (``(C, d, d)`` and ``(C, d)``): :func:`solve_2x2`
+    for ``d = 2``, one batched matrix-vector product otherwise."""
+    if inverse.shape[-1] == 2:
+        return solve_2x2(inverse, grad)
+    return torch.bmm(inverse, grad.unsqueeze(-1)).squeeze(-1)
+
+
 class UnitwiseSolver(Solver):
-    """Closed-form per-channel 2×2 damped solve: state ``fisher`` of shape ``(C, 2, 2)``."""
+    """Per-unit damped solve: state ``fisher`` of shape ``(C, d, d)`` (module notes)."""
 
     name = "unitwise"
 
     def compute(self, a: Tensor, g: Tensor, damping: float) -> SolverState:
         """Not a Kronecker solver: use :meth:`compute_statistics` with ``{"F": ...}``."""
-        raise TypeError("UnitwiseSolver takes the BatchNorm statistic 'F', not an (A, G) pair")
+        raise TypeError("UnitwiseSolver takes the unit-wise statistic 'F', not an (A, G) pair")
 
     def compute_statistics(
         self, stats: Mapping[str, Any], damping: float, previous: SolverState | None = None
     ) -> SolverState:
-        """Keeps a symmetrised copy of the running per-channel Fisher (a non-finite one is
+        """Keeps a symmetrised copy of the running per-unit Fisher (a non-finite one is
         refused where :attr:`~dkfac.solvers.base.Solver.host_checks` holds)."""
         fisher = stats["F"]
         if self.host_checks and not bool(torch.isfinite(fisher).all()):
-            raise SolverError("unitwise: non-finite BatchNorm Fisher")
+            raise SolverError("unitwise: non-finite unit-wise Fisher")
         return {"fisher": ((fisher + fisher.transpose(1, 2)) / 2).clone()}
 
     def refresh_key(
         self, stats: Mapping[str, Any], previous: SolverState | None
     ) -> tuple[Any, ...] | None:
-        """The class and the Fisher's dtype and device: any number of channels share
-        :meth:`compute_batch`."""
+        """The class, the unit size and the Fisher's dtype and device: any number of units
+        of one size share :meth:`compute_batch`."""
         del previous
         fisher = stats["F"]
-        return (type(self), fisher.dtype, fisher.device) if isinstance(fisher, Tensor) else None
+        if not isinstance(fisher, Tensor):
+            return None
+        return (type(self), fisher.shape[-1], fisher.dtype, fisher.device)
 
     def compute_batch(
         self,
@@ -108,11 +145,11 @@ class UnitwiseSolver(Solver):
         self._last: tuple[tuple[Tensor, ...], tuple[torch.dtype, float], Tensor] | None = None
 
     def apply(self, state: SolverState, grad: Tensor, damping: float) -> Tensor:
-        """``(F_c + λ I)^{-1} grad_c`` for every channel."""
-        return solve_2x2(self._inverse([state], grad.dtype, damping), grad)
+        """``(F_c + λ I)^{-1} grad_c`` for every unit."""
+        return solve_units(self._inverse([state], grad.dtype, damping), grad)
 
     def _inverse(self, states: Sequence[SolverState], dtype: torch.dtype, damping: float) -> Tensor:
-        """:func:`damped_inverse_2x2` of the states' Fishers (channels concatenated) in ``dtype``:
+        """:func:`damped_inverse` of the states' Fishers (units concatenated) in ``dtype``:
         the last ones again while the states hold the very same Fishers (replaced at a
         refresh, never changed in place) for the same damping and dtype."""
         fishers = tuple(state["fisher"] for state in states)
@@ -125,14 +162,14 @@ class UnitwiseSolver(Solver):
         ):
             return last[2]
         joined = fishers[0] if len(fishers) == 1 else torch.cat(fishers)
-        inverse = damped_inverse_2x2(joined.to(dtype), damping)
+        inverse = damped_inverse(joined.to(dtype), damping)
         self._last = (fishers, (dtype, damping), inverse)
         return inverse
 
     def batch_key(self, state: SolverState, grad: Tensor) -> tuple[Any, ...] | None:
-        """The class, the gradient's dtype and device and the Fisher's dtype: any number of
-        channels share a solve."""
-        return (type(self), grad.dtype, grad.device, state["fisher"].dtype)
+        """The class, the unit size, the gradient's dtype and device and the Fisher's dtype:
+        any number of units of one size share a solve."""
+        return (type(self), grad.shape[-1], grad.dtype, grad.device, state["fisher"].dtype)
 
     def apply_batch(
         self,
@@ -143,11 +180,11 @@ class UnitwiseSolver(Solver):
         *,
         advance: Tensor | None = None,
     ) -> list[tuple[Tensor, SolverState | None]]:
-        """:meth:`apply` of several layers as one solve over their concatenated channels;
+        """:meth:`apply` of several layers as one solve over their concatenated units;
         each update is its layer's rows of the result."""
         if len(grads) == 1:
             return super().apply_batch(states, moments, grads, damping, advance=advance)
         inverse = self._inverse(states, grads[0].dtype, damping)
-        solved = solve_2x2(inverse, torch.cat(list(grads)))
+        solved = solve_units(inverse, torch.cat(list(grads)))
         updates = solved.split([grad.shape[0] for grad in grads])
         return list(zip(updates, moments, strict=True))
