@@ -41,6 +41,17 @@ def test_layer_costs_are_the_counted_flops() -> None:
     assert costs.refresh == 10 * (125 + 27) + 10 * (27 + 27 + 8) + 32 * d
 
 
+def test_a_unit_wise_layer_is_priced_per_unit() -> None:
+    """A grouped convolution's 6 output channels of 10 parameters, from 4 samples' 12 rows:
+    per-sample unit gradients and their products, an eigh per unit, two products a step."""
+    d = DISPATCH_FLOPS
+    costs = layer_costs([LayerShape(a=10, g=6, rows=12, units=4)])
+    assert costs.step == 6 * 12 * 10 * 6 + 3 * d
+    assert costs.capture == 2 * 12 * 10 * 6 + 2 * 4 * 6 * 100 + 4 * d
+    assert costs.fixed == 4 * 6 * 100 + 12 * d
+    assert costs.refresh == 10 * 6 * 1000 + 4 * d
+
+
 COSTS = Costs(step=100.0, fixed=5.0, capture=40.0, refresh=200.0)
 
 

@@ -182,7 +182,7 @@ def test_a_role_is_picked_among_the_preconditioned_layers(conv3d: bool) -> None:
         F.cross_entropy(model(x), torch.arange(8) % 2).backward()
         opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    error = r"pattern '\^hidden\$' matches none" if conv3d else "'unitwise' has no eigenbasis"
+    error = r"pattern '\^hidden\$' matches none" if conv3d else "'unitwise_adam' has no eigenbasis"
     with pytest.raises(ValueError, match=error):
         KFACPreconditioner(
             _Unsupported(conv3d), method="eigen_adam", orthogonal_layers=["^hidden$"]

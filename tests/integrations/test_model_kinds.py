@@ -299,14 +299,22 @@ def test_convnext_and_lora_decisions() -> None:
     ("case", "units"),
     [("convnext", {"dw": (4, 50)}), ("mobilenet", {"dw": (8, 9), "rows": (4, 4)})],
 )
-def test_depthwise_layers_get_a_unit_wise_fisher(case: str, units: dict) -> None:
+def test_depthwise_layers_get_adam_in_their_units_eigenbases(case: str, units: dict) -> None:
+    """Under the default's eigen_adam a grouped convolution takes unitwise_adam: a basis and
+    Adam's moments per output channel."""
     model, opt = _fresh(case)
     _train(model, opt, case, range(2))
     rows = {r["name"]: r for r in opt.preconditioner.describe()}
     for name, (channels, dim) in units.items():
-        assert rows[name]["method"] == "unitwise"
+        assert rows[name]["method"] == "unitwise_adam"
         assert (rows[name]["g_dim"], rows[name]["a_dim"]) == (channels, dim)
-        assert opt.preconditioner.layers[name].solver_state["fisher"].shape == (channels, dim, dim)
+        layer = opt.preconditioner.layers[name]
+        assert layer.solver_state["q"].shape == (channels, dim, dim)
+        assert {k: tuple(v.shape) for k, v in layer.moments.items()} == {
+            "m": (channels, dim),
+            "v": (channels, dim),
+            "t": (1,),
+        }
 
 
 def test_the_squeeze_excite_heads_map_is_found_from_its_view() -> None:

@@ -181,6 +181,11 @@ class Block(ABC):
     """
 
     solver_name: ClassVar[str | None] = None
+    adam_solver_name: ClassVar[str | None] = None
+    """The solver this block takes instead of :attr:`solver_name` where the configured
+    method has Adam's scale (:attr:`~dkfac.solvers.base.Solver.adam_scaled`, as the
+    default's ``"eigen_adam"``): a unit-wise block of a weight layer then gets Adam's
+    moments in its units' eigenbases (``"unitwise_adam"``); ``None``: :attr:`solver_name`."""
     grad_statistics: ClassVar[tuple[str, ...]] = ("G",)
     damping_key: ClassVar[str] = "damping"
     """Which damping of the step applies: ``"damping"`` or ``"bn_damping"``."""

@@ -11,10 +11,13 @@ its Fisher is the exact (empirical) one of those ``d`` parameters,
 ``g_{n,o}`` the gradient of sample ``n``'s loss with respect to unit ``o``'s parameters
 (the output gradient multiplied by the batch, as every block's: the per-sample Fisher
 scale), statistic ``"F"`` of shape ``(C_out, d, d)``. No Kronecker approximation is made;
-what is dropped is only the curvature between output channels. The update is
-``(F_o + λ I)^{-1} ∇_o`` per unit (:class:`~dkfac.solvers.unitwise.UnitwiseSolver`), with
-the layers' ``damping`` (not ``bn_damping``: the units are a weight layer's rows, on the
-scale of the Kronecker layers' factors).
+what is dropped is only the curvature between output channels. Under a method with Adam's
+scale (the default's ``"eigen_adam"``) the update is Adam's in the eigenbasis of each unit's
+Fisher (:class:`~dkfac.solvers.unitwise_adam.UnitwiseAdamSolver`), as the Kronecker layers'
+is in theirs; under another method it is ``(F_o + λ I)^{-1} ∇_o`` per unit
+(:class:`~dkfac.solvers.unitwise.UnitwiseSolver`), with the layers' ``damping`` (not
+``bn_damping``: the units are a weight layer's rows, on the scale of the Kronecker layers'
+factors).
 
 The per-sample gradients come from the convolution's own weight gradient with the batch
 folded into the groups (:func:`per_sample_weight_grads`, ``N·G`` groups): no unfolded copy
@@ -103,6 +106,7 @@ class GroupedConvBlock(Block):
     """
 
     solver_name: ClassVar[str | None] = "unitwise"
+    adam_solver_name: ClassVar[str | None] = "unitwise_adam"
     grad_statistics: ClassVar[tuple[str, ...]] = ("F",)
     damping_key: ClassVar[str] = "damping"
     cost_kind: ClassVar[str | None] = "grouped_conv"

@@ -33,6 +33,7 @@ from dkfac.solvers import (
     MethodName,
     MomentCarry,
     MomentOptions,
+    adam_scaled,
     check_moment_combinations,
     method_names,
 )
@@ -311,8 +312,8 @@ class SolverConfig:
             )
         check_choice("leftover_update", self.leftover_update, LEFTOVER_UPDATES)
         check_choice("compile_moments", self.compile_moments, COMPILE_MOMENTS)
-        if self.leftover_update == "adam" and not _adam_scaled(self.method):
-            scaled = [m for m in method_names() if _adam_scaled(m)]
+        if self.leftover_update == "adam" and not adam_scaled(self.method):
+            scaled = [m for m in method_names() if adam_scaled(m)]
             raise ValueError(
                 "leftover_update 'adam' gives the parameters no block takes Adam's direction, "
                 f"at the scale of the updates of {' or '.join(map(repr, scaled))}, got method "
@@ -356,16 +357,10 @@ class SolverConfig:
             )
 
 
-def _adam_scaled(method: str) -> bool:
-    """Whether ``method``'s solver has Adam's scale (:attr:`Solver.adam_scaled`)."""
-    solver = SOLVERS.get(method)
-    return solver is not None and solver.adam_scaled
-
-
 def leftover_adam(config: SolverConfig) -> bool:
     """Whether the parameters no block takes get Adam's moments (``leftover_update``)."""
     if config.leftover_update == "auto":
-        return _adam_scaled(config.method)
+        return adam_scaled(config.method)
     return config.leftover_update == "adam"
 
 

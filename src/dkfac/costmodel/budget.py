@@ -107,10 +107,13 @@ class LayerShape:
 
     A unit-wise layer (``units``: the samples its rows come from, > 0) is ``g`` units of
     ``a`` parameters each (BatchNorm's channels, ``a = 2``; a grouped convolution's output
-    channels), with no basis: its capture forms each sample's ``a·g`` unit gradients
-    (``2·rows·a·g``, a weight gradient per sample) and their ``a × a`` products
-    (``2·units·g·a²``), its refresh a Cholesky factorisation per unit (``g·a³/3``, none
-    for BatchNorm's closed form), its every step one solve per unit (``2·g·a²``)."""
+    channels), with no Kronecker basis: its capture forms each sample's ``a·g`` unit
+    gradients (``2·rows·a·g``, a weight gradient per sample) and their ``a × a`` products
+    (``2·units·g·a²``); it is priced as the default preconditions it
+    (:class:`~dkfac.solvers.unitwise_adam.UnitwiseAdamSolver`): its refresh an ``eigh`` per
+    unit (``10·g·a³``, as a Kronecker side's), its every step the rotations into and out of
+    each unit's basis (``4·g·a²``) and the moments (the natural-gradient solve of another
+    method costs less: one product and a Cholesky factorisation per unit)."""
 
     a: int
     g: int
@@ -166,13 +169,13 @@ def layer_costs(layers: Sequence[LayerShape]) -> Costs:
         + 14 * d
         + x.polar_steps * (6.0 * x.a * x.g * min(x.a, x.g) + 4 * d)
         for x, (a_parts, g) in zip(kron, rotated, strict=True)
-    ) + sum(2.0 * x.g * x.a**2 + 2 * d for x in units)
+    ) + sum(4.0 * x.g * x.a**2 + 12 * d for x in units)
     capture = sum(2.0 * x.rows * (x.a**2 + x.g**2) + 4 * d for x in kron) + sum(
         2.0 * x.rows * x.a * x.g + 2.0 * x.units * x.g * x.a**2 + 4 * d for x in units
     )
     refresh = sum(
         10.0 * (sum(p**3 for p in a_parts) + g**3) + 16 * d for a_parts, g in rotated
-    ) + sum((x.g * x.a**3 / 3.0 if x.a > 2 else 0.0) + 4 * d for x in units)
+    ) + sum(10.0 * x.g * x.a**3 + 4 * d for x in units)
     return Costs(step, fixed, capture, refresh)
 
 

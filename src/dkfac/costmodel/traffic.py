@@ -53,7 +53,7 @@ from dkfac.costmodel.layers import KFACLayer, ModelSpec
 from dkfac.distributed.assignment import grad_worker_count, plan_placement
 from dkfac.distributed.strategies import STRATEGIES as STRATEGY_TABLE
 from dkfac.distributed.strategy_base import StrategyRule
-from dkfac.solvers import SOLVERS, Solver, method_names
+from dkfac.solvers import SOLVERS, Solver, UnitwiseAdamSolver, method_names
 
 __all__ = [
     "KINDS",
@@ -150,16 +150,19 @@ def element_counts(layer: KFACLayer, method: str, packed: bool) -> dict[str, int
         (:meth:`~dkfac.solvers.Solver.state_elements`: eigen ``a²+a+g²+g``, cholesky
         ``a²+g²``); gradient ``a·g``. Unit-wise (``g`` units of ``a`` parameters: BatchNorm's
         ``a = 2``, a grouped convolution's ``d``): statistic ``a²·g`` sent and stored (never
-        packed), state ``a²·g``, no moments, gradient ``a·g``.
+        packed), state ``a²·g``, gradient ``a·g``; no moments, but for a grouped
+        convolution under a method with Adam's scale
+        (:class:`~dkfac.solvers.unitwise_adam.UnitwiseAdamSolver`: ``2·a·g + 1``).
     """
     a, g = layer.a_dim, layer.g_dim
     solver = priced_solver(method)
     if layer.unitwise:
+        adam = layer.kind != "batchnorm" and solver.adam_scaled
         return {
             "factors_sent": a * a * g,
             "factors_stored": a * a * g,
             "inverse": a * a * g,
-            "moments": 0,
+            "moments": UnitwiseAdamSolver.moment_elements(a, g) if adam else 0,
             "grad": a * g,
         }
     return {

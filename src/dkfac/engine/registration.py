@@ -29,7 +29,7 @@ from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.guards import name_list
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.roles import ROLE_PREFIX, role_blocks
-from dkfac.solvers import EigenMomentsSolver, RowsRule, make_solver, precision
+from dkfac.solvers import EigenMomentsSolver, RowsRule, adam_scaled, make_solver, precision
 
 __all__ = [
     "create_layers",
@@ -207,7 +207,8 @@ def create_layers(
 ) -> dict[str, LayerState]:
     """The state of every block's layer: its solver, statistic kinds and accumulators.
 
-    A block names its own solver (``solver_name``) or takes ``config.method``; a plain
+    A block names its own solver (``solver_name``, or ``adam_solver_name`` under a method
+    with Adam's scale) or takes ``config.method``; a plain
     Kronecker pair (statistics ``"A"`` and ``"G"``) under ``"smw"``/``"auto"`` gets a
     deferred solver, decided by ``rule`` at the first capture; another block under
     ``"auto"`` gets the SMW solver with dense sides. A layer of ``flattened_inputs`` gets
@@ -235,6 +236,8 @@ def create_layers(
                 decided[(option, str(param.device), lowered[option])] = None
         kronecker = block.solver_name is None and set(block.statistic_shapes()) == {"A", "G"}
         method = block.solver_name or config.method
+        if block.adam_solver_name is not None and adam_scaled(config.method):
+            method = block.adam_solver_name
         if method == "auto" and not kronecker:
             method = "smw"
         compute = config.eigen_dtype or (torch.float64 if dtype == torch.float64 else torch.float32)

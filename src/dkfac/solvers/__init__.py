@@ -38,6 +38,7 @@ from dkfac.solvers.moment_options import (
 from dkfac.solvers.polar import NS_STEPS
 from dkfac.solvers.statistics import BlockDiagonalStatistic, DenseStatistic, StatisticKind
 from dkfac.solvers.unitwise import UnitwiseSolver
+from dkfac.solvers.unitwise_adam import UnitwiseAdamSolver
 
 MethodName = Literal["eigen", "cholesky", "smw", "auto", "ekfac", "eigen_adam"]
 """What ``KFACConfig.method`` accepts."""
@@ -48,10 +49,12 @@ SOLVERS: dict[str, type[Solver]] = {
     "cholesky": CholeskySolver,
     "smw": SMWSolver,
     "unitwise": UnitwiseSolver,
+    "unitwise_adam": UnitwiseAdamSolver,
     "ekfac": EKFACSolver,
     "eigen_adam": EigenAdamSolver,
 }
-"""Solver name -> class: the one table of solvers (``"unitwise"`` is BatchNorm's own)."""
+"""Solver name -> class: the one table of solvers (``"unitwise"`` and ``"unitwise_adam"``
+are the unit-wise blocks' own: :attr:`~dkfac.blocks.base.Block.solver_name`)."""
 
 _REGISTERED: list[str] = []
 
@@ -78,6 +81,13 @@ def register_solver(cls: type[Solver], name: str | None = None) -> None:
     SOLVERS[name] = cls
     if name not in METHODS and name not in _REGISTERED:
         _REGISTERED.append(name)
+
+
+def adam_scaled(method: str) -> bool:
+    """Whether ``method``'s solver has Adam's scale (:attr:`Solver.adam_scaled`; ``False``
+    for a name that is not a solver's, such as ``"auto"``)."""
+    solver = SOLVERS.get(method)
+    return solver is not None and solver.adam_scaled
 
 
 def method_names() -> tuple[str, ...]:
@@ -119,7 +129,7 @@ def make_solver(
         cls = SOLVERS[method]
         if issubclass(cls, EigenMomentsSolver):
             return cls(compute_dtype, moments, input_map)
-        solver = cls(compute_dtype)
+        solver = cls(compute_dtype, moments) if cls is UnitwiseAdamSolver else cls(compute_dtype)
     if input_map is not None:
         raise ValueError(
             f"a structured input basis (input map {input_map!r}) needs an eigenbasis-moment "
@@ -151,7 +161,9 @@ __all__ = [
     "SolverError",
     "SolverState",
     "StatisticKind",
+    "UnitwiseAdamSolver",
     "UnitwiseSolver",
+    "adam_scaled",
     "check_moment_combinations",
     "decided_solver",
     "make_solver",
