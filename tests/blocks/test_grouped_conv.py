@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 from torch.func import functional_call, grad, vmap
 
 from dkfac import KFACOptimizer, KFACPreconditioner
@@ -234,12 +235,30 @@ CONFIGS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     # in tests/engine/test_moments_dist.py): 80 rows make every factor and unit-wise Fisher
     # full-rank (the Linear's A is 65 wide), and ε is large against the gradient's rounding.
     "mem-opt-eigen_adam": ("mem-opt", True, {"method": "eigen_adam", "moment_eps": 1e-6}),
+    # sharded by FSDP2 (every layer with parameters, then the root): the units' weights cut
+    # on dim 0, the output channels
+    "fsdp": ("replicated", False, {"fsdp": True}),
+    "fsdp-eigen_adam": (
+        "replicated",
+        False,
+        {"fsdp": True, "method": "eigen_adam", "moment_eps": 1e-6},
+    ),
 }
 ADAM_PER_RANK = 40
 
 
+def _shard(model: nn.Module) -> None:
+    """``fully_shard`` on every layer with parameters, then on the root."""
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+
+
 def _train(rank: int | None, world: int, config: str) -> list[Tensor]:
     strategy, ddp, options = CONFIGS[config]
+    options = dict(options)
+    fsdp = options.pop("fsdp", False)
     per_rank = ADAM_PER_RANK if options else PER_RANK
     run = train_sharded(
         rank,
@@ -248,12 +267,13 @@ def _train(rank: int | None, world: int, config: str) -> list[Tensor]:
         batch_fn=functools.partial(_batch, world=world, per_rank=per_rank),
         steps=STEPS,
         ddp=ddp and rank is not None,
+        shard=_shard if fsdp and rank is not None else None,
         strategy=strategy,
         **OPTIONS,
         **options,
     )
     assert {"0", "2"} <= set(run.pre.layers)
-    expected = "unitwise_adam" if options else "unitwise"
+    expected = "unitwise_adam" if options.get("method") == "eigen_adam" else "unitwise"
     assert {run.pre.layers[n].solver.name for n in ("0", "2")} == {expected}
     return run.params()
 
@@ -278,5 +298,9 @@ def test_grouped_convs_on_two_ranks_equal_serial(
         label=config,
         # eigen_adam's Linear: test_moments_dist.py's tolerance (Adam divides by the
         # rounding of small moments)
-        **({"rtol": 1e-9, "atol": 1e-11} if CONFIGS[config][2] else {"rtol": 1e-10, "atol": 1e-12}),
+        **(
+            {"rtol": 1e-9, "atol": 1e-11}
+            if "method" in CONFIGS[config][2]
+            else {"rtol": 1e-10, "atol": 1e-12}
+        ),
     )
