@@ -3,7 +3,9 @@
 Oracles: per-sample gradients from torch.func (vmap of grad of each sample's own loss)
 arranged per output channel, a dense solve of ``(F_o + λ I)`` per unit, the registry's
 decline reasons, and, on 2 gloo ranks, the serial run on the same global batch (through
-tests/serial_vs_distributed.py) with DDP and with ``spngd``'s own reduction.
+tests/serial_vs_distributed.py) with DDP, with ``spngd``'s own reduction and sharded by
+FSDP2, under ``eigen`` and under ``eigen_adam`` (whose ``unitwise_adam`` update is
+tests/solvers/test_unitwise_adam.py's).
 """
 
 from __future__ import annotations
