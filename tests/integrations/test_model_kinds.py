@@ -308,6 +308,7 @@ def test_depthwise_layers_get_adam_in_their_units_eigenbases(case: str, units: d
     for name, (channels, dim) in units.items():
         assert rows[name]["method"] == "unitwise_adam"
         assert (rows[name]["g_dim"], rows[name]["a_dim"]) == (channels, dim)
+        assert rows[name]["a_factor"] == rows[name]["g_factor"] == "unit-wise"
         layer = opt.preconditioner.layers[name]
         assert layer.solver_state["q"].shape == (channels, dim, dim)
         assert {k: tuple(v.shape) for k, v in layer.moments.items()} == {

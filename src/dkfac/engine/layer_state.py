@@ -190,12 +190,14 @@ class LayerState:
         return inputs
 
     def factor_kinds(self) -> dict[str, str]:
-        """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"``, ``"blockdiag"`` or
-        ``"pending"``."""
+        """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"``, ``"blockdiag"``,
+        ``"pending"``, or ``"unit-wise"`` for a block without a Kronecker pair (its statistic
+        ``"F"``: BatchNorm's and a grouped convolution's)."""
+        other = "unit-wise" if "F" in self.kinds else "dense"
         return {
             f"{key.lower()}_factor": "pending"
             if self.solver.deferred
-            else (self.kinds[key].label if key in self.kinds else "dense")
+            else (self.kinds[key].label if key in self.kinds else other)
             for key in ("A", "G")
         }
 
