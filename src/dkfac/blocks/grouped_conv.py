@@ -47,11 +47,13 @@ __all__ = ["MAX_UNIT_DIM", "GroupedConvBlock", "per_sample_weight_grads"]
 MAX_UNIT_DIM = 256
 """The most parameters per output channel (``(C_in/G)·k``, plus the bias) a grouped
 convolution is preconditioned with. The statistic is ``d`` times the weight
-(``C_out·d²`` entries), a refresh ``C_out·d³/3`` flops of Cholesky factorisations and each
-step ``2·C_out·d²`` for the solve, against ``6·N·T·C_out·d`` for the layer's own training
-step: at ``d = 256`` the statistic of a 512-channel layer is 32M entries (128 MiB in
-float32), about the A factor of a dense ``3×3`` convolution with 640 input channels, and
-its solve is a quarter of the layer's step below 16 output positions per sample at batch 32.
+(``C_out·d²`` entries), a refresh a ``d × d`` factorisation per unit (an ``eigh`` under
+``eigen_adam``, a Cholesky one under another method: ``C_out·d³`` flops to within a
+constant) and each step a few ``C_out·d²`` products, against ``6·N·T·C_out·d`` for the
+layer's own training step: at ``d = 256`` the statistic of a 512-channel layer is 32M
+entries (128 MiB in float32), about the A factor of a dense ``3×3`` convolution with 640
+input channels, and its solve is a quarter of the layer's step below 16 output positions
+per sample at batch 32.
 Depthwise (``d = k + 1``: 10 for 3×3, 50 for ConvNeXt's 7×7) and ResNeXt's groups of up to
 16 channels of 3×3 (``d = 145``) fit; 32 channels of 3×3 (``d = 289``) do not."""
 
@@ -155,7 +157,7 @@ class GroupedConvBlock(Block):
         return BlockCost(self.cost_kind, self.a_dim, self.g_dim, unitwise=True)
 
     def placement_cost(self, kind: CostKind = "compute") -> float:
-        """``C_out·d³`` (a Cholesky factorisation per unit) or ``C_out·d²`` (memory)."""
+        """``C_out·d³`` (a factorisation per unit) or ``C_out·d²`` (memory)."""
         power = 3 if kind == "compute" else 2
         return float(self.g_dim * self.a_dim**power)
 
