@@ -50,9 +50,11 @@ MOMENTS: dict[str, Any] = {**BASE, "method": "eigen_adam", "kl_clip": None, "mom
 
 
 def _model() -> nn.Module:
+    """A convolution and a depthwise one (unit-wise: ``unitwise``, or ``unitwise_adam``
+    under ``eigen_adam``), then three Linear layers (indices 3, 5 and 7)."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
+        nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1, groups=4)),
         nn.Tanh(),
         nn.Flatten(),
         nn.Linear(4 * 16, 40),

@@ -36,7 +36,8 @@ INPUT_NAN_STEP = 5  # a NaN in the input: every statistic and gradient
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1),
+        # a convolution and a depthwise one (unit-wise: unitwise_adam under eigen_adam)
+        nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1, groups=4)),
         nn.BatchNorm2d(4),
         nn.Tanh(),
         nn.Flatten(),
@@ -184,7 +185,8 @@ def test_steps_read_nothing_on_the_host_after_the_first(case: str) -> None:
     :func:`dkfac.engine.launches.device_constant` copies its constants once, through
     pinned memory): plain steps, factor steps and refresh steps (eigen, cholesky and
     eigen_adam with both basis refreshes), with a BatchNorm layer
-    (its unit-wise state) and singular factors (the G of the layer before the LayerNorm,
+    (its unit-wise state), a depthwise convolution (its unit-wise state, or its units' bases
+    and moments under eigen_adam) and singular factors (the G of the layer before the LayerNorm,
     the head's: their canonical null bases and Adam's floor,
     :mod:`dkfac.solvers.null_space`), two refreshes after the first."""
     options = {**REFRESHES[case], "factor_update_interval": 2, "inverse_update_interval": 4}
