@@ -20,10 +20,15 @@ the moments follow ``carry`` across it: ``"reset"`` restarts them, ``"keep_v"`` 
 into the new basis (``P_c m_c`` with ``P_c = Q'_cᵀ Q_c``) and keeps ``v``, ``"rotate"`` also
 carries ``v`` by ``P_c∘P_c``.
 
-Measured on digits (``benchmarks/probes/grouped_conv_digits.py``): the damped natural
-gradient of the unit-wise Fisher under the default took more steps than leaving the grouped
-convolutions to Adam, and Adam on the raw coordinates of the unit (the identity for ``Q``)
-more still on the ConvNeXt-like model; Adam in the unit's eigenbasis took the fewest.
+A Fisher from fewer samples than ``d`` has a null space, whose basis ``eigh`` leaves to the
+rounding; Adam is not invariant to it, so that part of ``Q_c`` is the canonical one of
+:mod:`dkfac.solvers.null_space`.
+
+Measured on digits with ``benchmarks/probes/grouped_conv_digits.py`` (the results page):
+Adam in the unit's eigenbasis took fewer steps than leaving the grouped convolutions to
+Adam; the damped natural gradient of the unit-wise Fisher took more (the probe's JSON at the
+tag ``tried-grouped-conv-unitwise``), and Adam on the unit's raw coordinates (the identity
+for ``Q``) more still on the ConvNeXt-like model.
 """
 
 from __future__ import annotations
