@@ -84,7 +84,9 @@ def test_refreshes_on_the_device_equal_refreshes_on_the_host(case: str, caplog: 
     device = _run(CASES[case], on_device=True, caplog=caplog)
     _assert_equal(host, device)
     assert host["warnings"] == device["warnings"] == []
-    assert "0" in host["states"] and "fisher" in host["states"]["1"]  # a BatchNorm's state
+    assert "0.0" in host["states"] and "fisher" in host["states"]["1"]  # a BatchNorm's state
+    unit = "q" if case.startswith("eigen_adam") else "fisher"  # the depthwise convolution's
+    assert unit in host["states"]["0.1"]
     if case.startswith("eigen_adam"):  # singular factors (softmax's G, the G before the LayerNorm)
         floored = {name for name, state in device["states"].items() if "null_g" in state}
         # (layer 4's G in blocks of 8: no block is singular)
