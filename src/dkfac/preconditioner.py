@@ -378,6 +378,8 @@ class KFACPreconditioner:
                 self.leftover.step()
         self.comm.ledger.end_step()
         self._marks.record(self._params())
+        if self.budget is not None:
+            self.budget.note_batch(self.capture.captured_batch)
         self.capture.end_step(self.layers)
         self._steps += 1
         if self.budget is not None and not self._budget_spent:

@@ -3,6 +3,9 @@ counts and the shapes it must survive."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -104,3 +107,29 @@ def test_the_budget_counts_a_transposed_convolution_by_its_input_positions() -> 
     budget = opt.preconditioner.budget
     assert budget is not None
     assert budget.rows == {"0": 10 * 6 * 6, "2": 10 * 6 * 6, "4": 10}
+
+
+def test_a_small_first_batch_is_named_once_when_a_larger_one_comes(caplog: Any) -> None:
+    """The budget chooses from the first step's batch and keeps the choice: a later step
+    that captures twice that batch or more gets one warning naming both; equal batches
+    none."""
+
+    def run(first: int) -> list[str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
+        )
+        opt = KFACOptimizer.for_model(model, factor_update_interval=1)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dkfac.engine.overhead"):
+            for step in range(4):
+                batch = first if step == 0 else 64
+                opt.zero_grad()
+                F.cross_entropy(model(torch.randn(batch, 8)), torch.arange(batch) % 3).backward()
+                opt.step()
+        return [r.getMessage() for r in caplog.records if "overhead budget" in r.getMessage()]
+
+    warned = run(8)
+    assert len(warned) == 1
+    assert "first batch of 8 samples, but a step now captures 64" in warned[0]
+    assert run(64) == []

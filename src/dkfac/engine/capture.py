@@ -164,6 +164,11 @@ class FactorCapture:
         self._handles.clear()
         self.counter.remove()
 
+    @property
+    def captured_batch(self) -> int:
+        """The largest batch of the forwards captured this step (0: none was)."""
+        return self._largest_batch
+
     def backward_passes(self) -> int:
         """The micro-batches of this step: backward passes through the registered layers."""
         return self.counter.passes

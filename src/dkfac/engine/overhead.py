@@ -26,7 +26,7 @@ from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
-__all__ = ["BUDGETED_OPTIONS", "OverheadBudget"]
+__all__ = ["BUDGETED_OPTIONS", "LARGER_BATCH_FACTOR", "OverheadBudget"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,11 @@ BUDGETED_OPTIONS = (
 layers take an orthogonalised update and the budget does not hold; ``basis_max_dim`` per
 layer, for the sides of eigenbasis-moment layers whose rotations cost more than
 :data:`~dkfac.costmodel.budget.ONE_SIDED_SHARE` of their training step)."""
+
+
+LARGER_BATCH_FACTOR = 2
+"""A captured batch this many times the first one's makes :meth:`OverheadBudget.note_batch`
+warn."""
 
 
 class OverheadBudget:
@@ -59,6 +64,7 @@ class OverheadBudget:
         self.batch: int | None = None
         self.choice: Choice | None = None
         self._handles: list[RemovableHandle] = []
+        self._warned = False
 
     def watch(self, layers: Mapping[str, LayerState]) -> None:
         """Records each layer's rows and the batch of the first training forward whose
@@ -135,6 +141,25 @@ class OverheadBudget:
         self.choice = choice
         logger.info("overhead budget: %s", self.choice.reason)
         return self.choice
+
+    def note_batch(self, batch: int) -> None:
+        """Warns once when a later step captures a batch at least
+        :data:`LARGER_BATCH_FACTOR` times the one the choice was made from (a first step on
+        a small batch): the choice, kept for the run, then counts the training step as
+        cheaper than it is, and its one-sided sides as wider against their rows."""
+        if self.choice is None or self.batch is None or self._warned:
+            return
+        if batch >= LARGER_BATCH_FACTOR * self.batch:
+            self._warned = True
+            logger.warning(
+                "overhead budget: chosen from a first batch of %d samples, but a step now "
+                "captures %d; the choice is kept for the run (%s). Start with a full batch, "
+                "or set what it chooses yourself (factor_batch_size, factor_update_interval, "
+                "inverse_update_interval, basis_max_dim)",
+                self.batch,
+                batch,
+                self.choice.reason,
+            )
 
     def options(self) -> dict[str, Any]:
         """The chosen values of the options the user did not set."""
