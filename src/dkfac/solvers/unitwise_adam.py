@@ -41,6 +41,7 @@ from torch import Tensor
 
 from dkfac.solvers.base import Solver, SolverError, SolverState
 from dkfac.solvers.basis_refresh import descending_eigh
+from dkfac.solvers.eigen_adam import EigenAdamSolver
 from dkfac.solvers.moment_options import MomentOptions
 from dkfac.solvers.null_space import canonical_null_basis
 from dkfac.solvers.precision import moment_dtype
@@ -67,9 +68,13 @@ class UnitwiseAdamSolver(Solver):
         self, compute_dtype: torch.dtype = torch.float32, options: MomentOptions | None = None
     ) -> None:
         super().__init__(compute_dtype)
-        if options is not None and not isinstance(options, MomentOptions):
-            raise TypeError(f"options must be MomentOptions, got {type(options).__name__}")
-        self.options = options or MomentOptions()
+        # Adam's moment update and scaling, eigen_adam's own (it checks the options' type)
+        self._adam = EigenAdamSolver(compute_dtype, options)
+
+    @property
+    def options(self) -> MomentOptions:
+        """The moment hyperparameters (those of the eigen-Adam formulas it applies)."""
+        return self._adam.options
 
     @classmethod
     def state_elements(cls, a_dim: int, g_dim: int) -> int:
@@ -114,34 +119,23 @@ class UnitwiseAdamSolver(Solver):
         self, state: SolverState, moments: SolverState | None, grad: Tensor, damping: float
     ) -> tuple[Tensor, SolverState]:
         """``(V, moments after this gradient)`` (module notes); ``None`` moments start from
-        zero. The moments are kept in float32 at least, the update returned in ``grad``'s
-        dtype."""
-        del damping
+        zero. The moments and their scaling are eigen-Adam's own
+        (:meth:`~dkfac.solvers.eigen_adam.EigenAdamSolver.update_moments` and ``scaled``, on
+        the ``(C, d)`` rotated gradient as on a layer's matrix, without a rounding floor),
+        kept in float32 at least; the update is returned in ``grad``'s dtype."""
         work = moment_dtype(grad.dtype)
         q = state["q"].to(work)
         rotated = (q.mT @ grad.to(work).unsqueeze(-1)).squeeze(-1)
         if moments is None:
             moments = self.zero_moments_like(grad)
-        o = self.options
-        m = moments["m"].to(work) * o.beta1 + rotated * (1.0 - o.beta1)
-        v = (moments["v"].to(work) * o.beta2).addcmul_(rotated, rotated, value=1.0 - o.beta2)
-        t = moments["t"] + 1.0
-        first = m * o.beta1 + rotated * (1.0 - o.beta1) if o.nesterov else m
-        if o.bias_correction:
-            ahead = 1.0 if o.nesterov else 0.0
-            first = first / (1.0 - torch.pow(o.beta1, t + ahead)).to(work)
-            second = v / (1.0 - torch.pow(o.beta2, t)).to(work)
-        else:
-            second = v
-        scaled = first / (second.sqrt() + o.eps)
+        new = self._adam.update_moments(moments, rotated)
+        scaled = self._adam.scaled(new, rotated, damping)
         update = (q @ scaled.unsqueeze(-1)).squeeze(-1)
-        return update.to(grad.dtype), {"m": m, "v": v, "t": t}
+        return update.to(grad.dtype), new
 
     def zero_moments_like(self, grad: Tensor) -> SolverState:
         """Zero ``m`` and ``v`` of ``grad``'s shape (float32 at least) and ``t = 0``."""
-        zeros = torch.zeros(grad.shape, dtype=moment_dtype(grad.dtype), device=grad.device)
-        count = torch.zeros(1, dtype=torch.float64, device=grad.device)
-        return {"m": zeros, "v": zeros.clone(), "t": count}
+        return self._adam.zero_moments_like(grad)
 
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
