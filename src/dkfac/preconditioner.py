@@ -109,9 +109,13 @@ class KFACPreconditioner:
     """Replaces the gradients of supported layers with K-FAC preconditioned gradients.
 
     Args:
-        model: The model. Its ``nn.Linear`` and ``nn.Conv2d`` layers (and any type
-            registered with :func:`dkfac.blocks.register_block`) are preconditioned; every
-            other parameter keeps its plain gradient (under ``"eigen_adam"``: Adam's
+        model: The model. Its layers of a type the block registry knows are
+            preconditioned (:mod:`dkfac.blocks.registry`: ``nn.Linear``, ``nn.Conv1d`` and
+            ``nn.Conv2d``, grouped ones unit-wise, ``nn.ConvTranspose1d/2d``,
+            ``nn.Embedding``, ``nn.MultiheadAttention``, transformers' ``Conv1D``, affine
+            BatchNorm unit-wise, and any type registered with
+            :func:`dkfac.blocks.register_block`; ``describe()`` says what each parameter
+            gets); every other parameter keeps its plain gradient (under ``"eigen_adam"``: Adam's
             direction on it, ``leftover_update``). For every strategy but ``"spngd"``
             wrap it in ``DistributedDataParallel`` when training on several ranks, so the
             gradients arrive averaged, or shard it with FSDP2 / HSDP (``fully_shard`` on

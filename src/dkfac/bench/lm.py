@@ -24,7 +24,7 @@ on every device) and gathered on the device before the clock starts, as on the C
 Default grids (three learning rates each): SGD 0.1 0.3 1.0; Adam, AdamW, SOAP and K-FAC
 0.001 0.003 0.01; Muon 0.02 0.05 0.1. Default K-FAC variants: ``kfac-adamw`` (K-FAC wrapping
 AdamW: eigen, ``loss_average=positions``, damping 3, factors every 10 steps and the
-eigenbasis every 100, as ``configs/gpt-text.toml``) and ``eigen-adam`` (Adam's moments in
+eigenbasis every 100) and ``eigen-adam`` (Adam's moments in
 K-FAC's eigenbasis, ``method=eigen_adam`` over SGD without momentum, ``loss_average=positions``,
 damping 3).
 

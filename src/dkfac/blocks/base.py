@@ -7,7 +7,7 @@ A and the gradient of its output into the rows of the *output-gradient factor* G
 * the dense solvers form the d×d factor from ``R``;
 * the low-rank (SMW) solver keeps ``R / sqrt(n)`` itself as ``U`` with ``A = U U^T``.
 
-Conventions (DESIGN.md section 2): the weight gradient is seen as a matrix
+Conventions: the weight gradient is seen as a matrix
 ``d_out × d_in`` with the bias folded in as an extra input column of ones; gradients reaching
 the blocks are already multiplied by the batch size, so the factors are on the per-sample
 Fisher scale.

@@ -5,7 +5,7 @@
 stride, dilation and padding are honoured, including ``padding='same'`` (possibly asymmetric)
 and non-zero ``padding_mode``. Three conventions (``reduction``):
 
-* ``None`` — expand (DESIGN.md): ``A = (1/(B·T)) Σ_{n,t} ā ā^T`` (``B·T`` rows) and
+* ``None`` — expand: ``A = (1/(B·T)) Σ_{n,t} ā ā^T`` (``B·T`` rows) and
   ``G = (1/B) Σ_n Σ_t g g^T`` (``B·T`` rows).
 * ``"sum"`` — Reduce Sum (SKFAC): one row per image, so the rank is ``B``.
   ``ḡ_n = Σ_t g_{n,t}`` and ``G = (1/B) Σ_n ḡ_n ḡ_n^T``; the patches are summed too, and the

@@ -29,7 +29,8 @@ channel slowest, then kernel row, then kernel column; bias last) up to rounding.
 For stride 1 a second exact path, :func:`flat_factor_sum`, needs no copies at all: one
 product per kernel shift over the whole flattened input, corrected by thin border strips.
 :func:`conv_input_factor_sum` picks the path with the smallest estimated cost at stride 1
-(:func:`shift_cost`, :func:`segment_cost`, :func:`unfold_cost`: small inputs are mostly
+(:mod:`~dkfac.blocks.conv_path_choice`'s ``shift_cost``, ``segment_cost`` and
+``unfold_cost``: small inputs are mostly
 per-operation overhead, where one unfolded product wins); a strided convolution, whose
 sub-grids share few products, is unfolded (one ``RᵀR`` product; measured faster on
 ResNet-20's strided layers), its bias column still summed without a column of ones.
@@ -83,8 +84,9 @@ def conv_input_factor_sum(
         path: ``"shift"`` (stride 1 only), ``"segment"``, ``"unfold"`` (the im2col rows,
             one product), or ``"auto"``: ``"unfold"`` for a strided convolution (its
             sub-grids share few products; measured on ResNet-20) and, on a CUDA device, for
-            rows of at most :data:`UNFOLD_MAX_BYTES`; else the one of the three with the
-            smallest estimated cost (:func:`auto_path`).
+            rows of at most :data:`~dkfac.blocks.conv_path_choice.UNFOLD_MAX_BYTES`; else
+            the one of the three with the smallest estimated cost
+            (:func:`~dkfac.blocks.conv_path_choice.auto_path`).
         compute_dtype: Precision of the products' inputs (default: the input's). The
             input is cast once, before the layout copy each path makes; every product is
             converted to ``out_dtype`` before the border corrections and block sums.

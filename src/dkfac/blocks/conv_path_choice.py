@@ -76,7 +76,8 @@ def shift_cost(
     dilation: tuple[int, int],
     zero_padding: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> float:
-    """Estimated cost of :func:`flat_factor_sum`, in multiply-adds (as above)."""
+    """Estimated cost of :func:`~dkfac.blocks.conv_shifts.flat_factor_sum`, in multiply-adds
+    (as above)."""
     batch, channels, height, width = shape
     (kh, kw), (dh, dw) = kernel_size, dilation
     left, right, top, bottom = zero_padding

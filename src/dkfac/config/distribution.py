@@ -35,7 +35,7 @@ SHARD_EXCHANGES: tuple[str, ...] = get_args(ShardExchange)
 
 @dataclass(frozen=True, kw_only=True)
 class DistributionConfig:
-    """How the work is spread over ranks (DESIGN.md section 4; ``docs/distributed.md``).
+    """How the work is spread over ranks (``docs/distributed.md``).
 
     Attributes:
         strategy: ``"replicated"`` (SC20 / KAISA COMM-OPT), ``"kaisa"`` (gradient-worker

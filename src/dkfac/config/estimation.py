@@ -1,7 +1,7 @@
 """The estimation group: :class:`EstimationConfig`, how the curvature statistics are
 estimated from the forward and backward passes.
 
-The convolution reductions it accepts come from :mod:`dkfac.blocks.conv2d`.
+The convolution reductions it accepts come from :mod:`dkfac.blocks.conv_positions`.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ UNREAD_WITHOUT_MOMENTS = (
 )
 """The :class:`SolverConfig` fields that only a method with a basis of moments reads."""
 ORTHOGONAL_RMS = 1.5
-"""Default RMS entry of an orthogonalised update per unit of learning rate (section 15)."""
+"""Default RMS entry of an orthogonalised update per unit of learning rate (the language-model
+recipe's)."""
 LeftoverUpdate = Literal["auto", "gradient", "adam"]
 LEFTOVER_UPDATES: tuple[str, ...] = get_args(LeftoverUpdate)
 CompileMoments = Literal["auto", "off", "inductor", "aot_eager"]
@@ -81,7 +82,10 @@ class SolverConfig:
     Attributes:
         method: ``"eigen"`` (exact Tikhonov damping of A⊗G through eigendecompositions,
             SC20), ``"cholesky"`` (factored damping with the π-correction), ``"smw"``
-            (Sherman–Morrison–Woodbury low-rank inverse, SKFAC) or ``"auto"`` (chosen per
+            (Sherman–Morrison–Woodbury low-rank inverse, SKFAC), ``"ekfac"`` (a diagonal
+            rescaling in the Kronecker eigenbasis, EKFAC), ``"eigen_adam"`` (Adam's moments
+            in that eigenbasis: the whole update, for an inner SGD without momentum and
+            without the KL-clip; ``KFACOptimizer.for_model``'s) or ``"auto"`` (chosen per
             layer from the shapes); the table is :data:`dkfac.solvers.METHODS`.
         damping: Tikhonov damping λ > 0, constant or a schedule of the step. The default,
             0.03, is relative to factors on the per-sample Fisher scale; with 1e-3 the

@@ -55,7 +55,7 @@ class ControlMessages:
         return out
 
     def exchange_objects(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, indexed by position in :attr:`ranks` (blocking)."""
+        """Every rank's picklable ``obj``, indexed by rank in ``group`` (blocking)."""
         if not self.active:
             return [obj]
         gathered: list[Any] = [None] * self.world_size

@@ -1,8 +1,9 @@
 """Distribution strategies: who builds, reduces, inverts and preconditions each layer.
 
-One class per row of the strategy table (DESIGN.md section 4). The preconditioner's math never
-asks for its rank; it asks its :class:`Strategy` which layers this rank captures, keeps,
-inverts and preconditions, and hands it the tensors to move at each phase of a step:
+One class per row of the strategy table below (docs/distributed.md explains them). The
+preconditioner's math never asks for its rank; it asks its :class:`Strategy` which layers
+this rank captures, keeps, inverts and preconditions, and hands it the tensors to move at
+each phase of a step:
 
 ==============  =====================  ==============  ==========================================
 strategy        statistics built on    statistic       after the inverse / precondition phase

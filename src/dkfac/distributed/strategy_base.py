@@ -4,8 +4,9 @@ A :class:`Strategy` answers, for every layer, which ranks capture its statistics
 running factors, compute its solver state (the inverse owner) and apply it (the grad
 workers), and moves the tensors of each phase through the
 :class:`~dkfac.distributed.comm.Communicator`. What a strategy builds, sends and keeps is its
-:class:`StrategyRule` (one row of the DESIGN.md table); the base class reads it, and the cost
-model reads the same rules, so a strategy is described once. Each concrete strategy in
+:class:`StrategyRule` (one row of the table in :mod:`dkfac.distributed.strategies`); the
+base class reads it, and the cost model reads the same rules, so a strategy is described
+once. Each concrete strategy in
 :mod:`dkfac.distributed.strategies` is a direct subclass with its rule and the overrides its
 traffic needs. Statistics are named tensors and solver states flat
 ``dict[str, Tensor]``, so blocks and solvers other than the Kronecker pair plug in unchanged.

@@ -9,7 +9,7 @@ state and the count of skipped steps) in the first parameter group under :data:`
 as one opaque ``bytes`` value (``torch.save`` of the part): ``dcp`` saves and loads it
 whole, whatever its shapes (a fresh preconditioner holds no factors yet). The
 preconditioner's state is gathered from the owners, so the value is the same on every rank
-and loads at any world size. :func:`kfac_part` reads it back (and reads the older layout
+and loads at any world size. :func:`unpack` reads it back (and reads the older layout
 ``{"inner", "preconditioner", "skipped_steps"}``).
 """
 

@@ -135,7 +135,7 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
         raise ValueError(
             "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv1d and "
             "nn.Conv2d (grouped too), nn.ConvTranspose1d and nn.ConvTranspose2d with groups=1, "
-            "nn.Embedding, nn.MultiheadAttention, transformers' "
+            "nn.Embedding, nn.MultiheadAttention, affine BatchNorm (unit-wise), transformers' "
             f"Conv1D, or types added with register_block); skip_layers={list(config.skip_layers)}"
         )
     logger.info("K-FAC registered %d layers: %s", len(blocks), list(blocks))

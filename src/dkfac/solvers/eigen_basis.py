@@ -24,7 +24,8 @@ scale other directions): about a third of the refresh of a 1000-wide factor at
 **Structured input side** (``input_map``): the input basis is the Kronecker-structured one
 of :mod:`dkfac.solvers.kron_basis`, and the state also holds its parts (``qa_channels``,
 ``qa_positions``, ``qa_order``), through which every rotation by ``Q_A`` runs
-(:func:`times_input_basis`; a state without them rotates by the dense ``qa``).
+(:func:`~dkfac.solvers.rotations.times_input_basis`; a state without them rotates by the
+dense ``qa``).
 
 **One-sided** (``max_dim``): a factor wider than ``max_dim`` keeps the identity as its basis
 (stored as an empty ``q``/``d`` pair, and never decomposed): the layer's moments live in the
@@ -41,10 +42,11 @@ that of the factor's diagonal block (a power step from the previous basis's bloc
 ``eigh``), the others zero. The basis is stored whole (``n × n``, for strategies and
 checkpoints) with an empty ``(0, block_size)`` tensor beside it (``qa_block``/``qg_block``:
 the width is in the shape, so a rotation reads it without waiting for a device), and
-every product with it runs block by block (:func:`times_blocks`); the factor itself is
-captured as its diagonal blocks only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`).
-For a side of ``n = k·b`` that is ``1/k`` of the flops of the capture and the rotations and
-``1/k²`` of the refresh's decompositions (Distributed Shampoo's blocking of a wide
+every product with it runs block by block (:func:`~dkfac.solvers.rotations.times_blocks`);
+the factor itself is captured as its diagonal blocks only
+(:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`). For a side of ``n = k·b`` that
+is ``1/k`` of the flops of the capture and the rotations and ``1/k²`` of the refresh's
+decompositions (Distributed Shampoo's blocking of a wide
 dimension, here of one Kronecker side); ``power_rank`` applies to each block. A power step
 follows the previous basis only where it has the same blocks (``_previous_basis``: the
 diagonal blocks of a dense basis, from a checkpoint without the option, are not
@@ -241,7 +243,8 @@ class EigenBasisSolver(Solver):
         exact zeros :func:`~dkfac.solvers.null_space.canonical_null_basis` leaves in its
         values (none without a floor). Whether the layer has them is decided on the host:
         without ``late``, or on a device whose reads wait for nothing
-        (:data:`HOST_COUNT_DEVICES`), from this state (one read: are both sides regular?);
+        (:data:`~dkfac.solvers.host_copy.HOST_COUNT_DEVICES`), from this state (one read:
+        are both sides regular?);
         with ``late`` (a refresh) on another device from the layer's earlier states, so
         that a refresh reads nothing: once a state of the layer was singular, every later
         one has them (zero where nothing is singular, which moves no value), and a layer

@@ -73,7 +73,7 @@ a float32 rotation of float64 gradients differ from exact ones by up to half of 
 movement; a distributed run matches a serial one only to the rounding, as the all-reduce
 sums in another order). Measured on the digits autoencoder and the language model: the same
 loss per step, 5-15% less time a step, on a CPU with
-bf16 instructions; where bf16 is emulated it costs many times float32 (section 24). The
+bf16 instructions; where bf16 is emulated it costs many times float32. The
 engine's options take ``"auto"`` as well (:mod:`dkfac.solvers.precision`): bf16 where the
 layer's device multiplies it natively, the default precision elsewhere; it reaches this
 solver resolved, as a dtype or ``None``.

@@ -22,8 +22,7 @@ The eigenbasis-moment solvers (:mod:`dkfac.solvers.eigen_moments`) use it for a 
 map shape: their second moment rescales each direction of the basis by what the gradient
 shows there, so the basis has to be close, not exact (the argument of EKFAC). Measured on the
 digits CNN, whose first linear layer reads a 64 × 16 map: the same steps to the target as
-the dense basis, at a refresh cost of milliseconds instead of a 1025-wide QR (BENCHMARKS.md
-section 13).
+the dense basis, at a refresh cost of milliseconds instead of a 1025-wide QR.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ class MomentOptions:
             Needs ``carry="reset"``.
         power_rank: A ``"power"`` refresh follows only the leading ``power_rank``
             eigenvectors of a wider factor; the rest of its basis becomes an orthonormal
-            completion (:func:`power_refresh`); ``None``: every column follows. Needs
+            completion (:func:`~dkfac.solvers.basis_refresh.power_refresh`); ``None``: every
+            column follows. Needs
             ``carry`` ``"reset"`` or ``"rotate"`` (a kept ``v`` would belong to other
             directions).
         block_size: A factor wider than this gets a block-diagonal basis: its dimension
