@@ -96,22 +96,44 @@ def _non_negative_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dkfac plan`` argument parser."""
-    p = argparse.ArgumentParser(prog="dkfac plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, choices=sorted(MODELS))
-    p.add_argument("--world-size", type=_positive(int, "--world-size"), required=True)
-    p.add_argument("--batch-per-rank", type=_positive(int, "--batch-per-rank"), default=32)
-    p.add_argument("--bandwidth-gbps", type=_positive(float, "--bandwidth-gbps"), default=100.0)
-    p.add_argument("--latency-us", type=_non_negative_float, default=5.0)
-    p.add_argument("--memory-budget-gb", type=_positive(float, "--memory-budget-gb"))
-    p.add_argument("--method", choices=METHODS, default="eigen")
-    p.add_argument("--factor-interval", type=_positive(int, "--factor-interval"), default=10)
-    p.add_argument("--inverse-interval", type=_positive(int, "--inverse-interval"), default=100)
+    p = argparse.ArgumentParser(
+        prog="dkfac plan", description=__doc__.split("\n\n")[0].replace("``", "")
+    )
+    p.add_argument(
+        "--model", required=True, choices=sorted(MODELS), help="the training program's model"
+    )
+    p.add_argument("--world-size", type=_positive(int, "--world-size"), required=True, help="ranks")
+    numbers: tuple[tuple[str, type, float | None, str], ...] = (
+        ("--batch-per-rank", int, 32, "samples per rank and step"),
+        ("--bandwidth-gbps", float, 100.0, "network bandwidth per rank, Gbit/s"),
+        (
+            "--memory-budget-gb",
+            float,
+            None,
+            "memory (GB) a rank may give K-FAC; the recommendation fits in it",
+        ),
+        ("--factor-interval", int, 10, "steps between factor updates"),
+        ("--inverse-interval", int, 100, "steps between inverse updates"),
+    )
+    for flag, kind, default, text in numbers:
+        shown = "none" if default is None else f"{default:g}"
+        p.add_argument(
+            flag, type=_positive(kind, flag), default=default, help=f"{text} (default: {shown})"
+        )
+    p.add_argument(
+        "--latency-us",
+        type=_non_negative_float,
+        default=5.0,
+        help="per-message latency, microseconds (default: 5)",
+    )
+    p.add_argument("--method", choices=METHODS, default="eigen", help="(default: eigen)")
     p.add_argument(
         "--grad-worker-fraction",
         type=_positive(float, "--grad-worker-fraction"),
         nargs="+",
         default=[0.5, 0.25],
-        help="KAISA fractions to compare (those not dividing the world size are skipped)",
+        help="KAISA fractions to compare (those not dividing the world size are skipped; "
+        "default: 0.5 0.25)",
     )
     p.add_argument(
         "--strategies",
@@ -119,12 +141,28 @@ def build_parser() -> argparse.ArgumentParser:
         choices=STRATEGIES,
         help="strategies to consider (default: all)",
     )
-    p.add_argument("--in-channels", type=_positive(int, "--in-channels"))
-    p.add_argument("--image-size", type=_positive(int, "--image-size"))
-    p.add_argument("--num-classes", type=_positive(int, "--num-classes"))
-    p.add_argument("--factor-bytes", type=int, choices=[2, 4, 8], default=4)
+    p.add_argument(
+        "--in-channels", type=_positive(int, "--in-channels"), help="(default: the model's)"
+    )
+    p.add_argument(
+        "--image-size", type=_positive(int, "--image-size"), help="(default: the model's)"
+    )
+    p.add_argument(
+        "--num-classes", type=_positive(int, "--num-classes"), help="(default: the model's)"
+    )
+    p.add_argument(
+        "--factor-bytes",
+        type=int,
+        choices=[2, 4, 8],
+        default=4,
+        help="bytes per factor entry (default: 4)",
+    )
     p.add_argument("--calibrate", action="store_true", help="measure compute rates locally")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device --calibrate measures (default: cuda if available, else cpu)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--parallel",

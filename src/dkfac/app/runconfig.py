@@ -191,7 +191,10 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
             from that training flag instead of getting its own flag.
     """
     group = parser.add_argument_group(
-        "K-FAC options", "used by --optimizer kfac / kfac-adam (fields of dkfac.KFACConfig)"
+        "K-FAC options",
+        "fields of dkfac.KFACConfig, used by --optimizer kfac / kfac-adam; the defaults shown "
+        "are KFACPreconditioner's: with --optimizer dkfac (KFACOptimizer.for_model) a flag "
+        "set to another value replaces for_model's choice",
     )
     hints = _kfac_hints()
     for field in dataclasses.fields(KFACConfig):
