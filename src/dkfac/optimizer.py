@@ -4,9 +4,10 @@ It shares the inner optimizer's ``param_groups`` (and ``state``), so LR schedule
 clipping utilities and checkpointing code written for plain optimizers work unchanged. Each
 ``step()`` feeds the inner optimizer's current learning rate to the KL-clip.
 
-:meth:`KFACOptimizer.for_model` builds the best general method measured (BENCHMARKS.md
-sections 10-12) from nothing but the model: :data:`DEFAULT_OPTIONS` under an SGD without
-momentum, its factor batch and intervals chosen within :data:`DEFAULT_OVERHEAD`.
+:meth:`KFACOptimizer.for_model` builds the best general method measured (BENCHMARKS.md,
+"The default on six model families") from nothing but the model: :data:`DEFAULT_OPTIONS`
+under an SGD without momentum, its factor batch and intervals chosen within
+:data:`DEFAULT_OVERHEAD`.
 """
 
 from __future__ import annotations
@@ -162,11 +163,12 @@ class KFACOptimizer(Optimizer):
         hidden layers' (``describe()`` names them by their ``skip_layers`` pattern); a
         ``skip_layers`` given in ``options`` replaces this rule.
 
-        The same advice holds for a transformer: use this as it is (``loss_average``
-        scales the factors, which changes none of its steps: its bases and Adam's moments do
-        not depend on that scale). The tuned
-        configurations measured against AdamW, Muon and SOAP are in ``benchmarks/recipes/``
-        (docs/transformers.md shows the language model's as options of this method).
+        Sweep only ``lr``, over about 1e-3 to 2e-2 (the grid ``dkfac bench suite`` gives
+        every optimizer). The same advice holds for a transformer: use this as it is
+        (``loss_average`` scales the factors, which changes none of its steps: its bases and
+        Adam's moments do not depend on that scale). The tuned configurations measured
+        against AdamW, Muon and SOAP are in ``benchmarks/recipes/`` (docs/transformers.md
+        shows the language model's as options of this method).
 
         Example:
             >>> opt = KFACOptimizer.for_model(model)  # doctest: +SKIP
