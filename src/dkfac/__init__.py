@@ -2,7 +2,11 @@
 
 Public API::
 
-    from dkfac import KFACPreconditioner, KFACOptimizer, KFACConfig
+    from dkfac import KFACOptimizer, KFACPreconditioner, KFACConfig
+    from dkfac import Block, register_block  # a layer type of your own
+
+Start with ``KFACOptimizer.for_model(model)``, the recommended default; every option is a
+field of ``KFACConfig`` (docs/options.md).
 """
 
 from dkfac.blocks import Block, register_block
