@@ -289,3 +289,14 @@ def test_one_recommendation() -> None:
     for item in stated.group(1).split(", "):
         name, _, value = item.partition("=")
         assert signature[name].default == float(value), item
+
+
+def test_make_targets_exist() -> None:
+    """Every ``make X`` the pages give (in code) is a target of the Makefile."""
+    targets = set(re.findall(r"^([a-z][\w-]*):", _text(ROOT / "Makefile"), flags=re.M))
+    missing = [
+        (page, target)
+        for page, target in _named(r"(?:`|^)make ([a-z][\w-]*)")
+        if target not in targets
+    ]
+    assert not missing, f"make targets the pages name that the Makefile lacks: {missing}"
