@@ -296,7 +296,7 @@ def test_make_targets_exist() -> None:
     targets = set(re.findall(r"^([a-z][\w-]*):", _text(ROOT / "Makefile"), flags=re.M))
     missing = [
         (page, target)
-        for page, target in _named(r"(?:`|^)make ([a-z][\w-]*)")
+        for page, target in _named(r"(?m)(?:`|^)make ([a-z][\w-]*)")
         if target not in targets
     ]
     assert not missing, f"make targets the pages name that the Makefile lacks: {missing}"
