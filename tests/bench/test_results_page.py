@@ -124,3 +124,14 @@ def test_the_default_is_compared_with_the_best_of_the_other_optimizers() -> None
     )
     assert table.rows[2] == ["cnn", "**dkfac default**", "0.01", "–", "8", "1.00", "0.50×"]
     assert table.rows[5][-1] == "+0.250 nats"
+
+
+def test_a_target_is_marked_met_only_where_it_is() -> None:
+    from dkfac.bench.results_tables import against
+
+    assert against(0.72, 1.0) == "**0.72**"
+    assert against(1.0, 1.0) == "**1.00**"
+    assert against(1.004, 1.0) == "1.004"  # two decimals would read as met
+    assert against(1.304, 1.3) == "1.304"
+    assert against(2.5, 1.0) == "2.50"
+    assert against(float("inf"), 1.0) == "–"

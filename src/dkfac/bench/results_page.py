@@ -306,7 +306,8 @@ measured side by side in alternated blocks, one thread. Muon's iteration runs in
 peer and narrower grids (last column: their steps). Against AdamW and Muon in the same run
 the default reaches the target in at most the best peer's time on {time_wins} of
 {families} families and in at most the fewest steps on {step_wins} (SOAP takes fewer on the
-transformer); its step is within 1.3× AdamW's on {within}. Muon at its best rate takes fewer
+transformer); its step is within 1.3× AdamW's on {within} (in bold: the step and time
+that meet their targets). Muon at its best rate takes fewer
 steps than the default on the autoencoder (split 0: {ae_muon_seeds} against the default's
 {ae_seeds}) at about 0.6 of its step, and is level with it in time on the CNN. On the MLP and the
 autoencoder, whose layers are 16 to 256 wide at batch 256, the rotations and the

@@ -20,6 +20,16 @@ def f(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def against(value: float | None, limit: float) -> str:
+    """``value`` checked against a target ``limit`` it must not exceed: in bold where it
+    meets it, and with three decimals where two would round a miss onto the limit (1.004
+    against 1 reads ``1.004``, not a met ``1.00``)."""
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        return "–"
+    digits = 3 if value > limit and round(value, 2) <= limit else 2
+    return f"**{f(value, digits)}**" if value <= limit else f(value, digits)
+
+
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
@@ -324,10 +334,16 @@ def plot_soak(runs: Mapping[str, str]) -> Callable[[Payloads, str], None]:
     return draw
 
 
+STEP_LIMIT = 1.3
+"""The default's step against AdamW's that the suite's table marks as met."""
+
+
 def suite_table(name: str, earlier: str) -> Callable[[Payloads], Table]:
     """``dkfac bench suite``: per family, the default's steps (both splits), its step and
     time against the best peer of the run, and SOAP's and shipped Muon's steps from
-    ``earlier`` (a run of the same seeds with every peer; steps do not depend on the run)."""
+    ``earlier`` (a run of the same seeds with every peer; steps do not depend on the run).
+    The step (at most :data:`STEP_LIMIT` × AdamW's) and the time (at most the best
+    peer's) are in bold where they meet their target (:func:`against`)."""
 
     def table(payloads: Payloads) -> Table:
         before = {
@@ -343,9 +359,9 @@ def suite_table(name: str, earlier: str) -> Callable[[Payloads], Table]:
                 [
                     task["task"],
                     f"{f(mine['median_steps'], 0)} / {f(mine['median_steps_split1'], 0)}",
-                    f(mine["step_vs_adamw"]),
+                    against(mine["step_vs_adamw"], STEP_LIMIT),
                     f"{best}: {f(peer['median_steps'], 0)}, {f(peer['step_vs_adamw'])}",
-                    f"**{f(mine['time_vs_best_peer'])}**",
+                    against(mine["time_vs_best_peer"], 1.0),
                     " / ".join(
                         f(old[n]["median_steps"], 0) if n in old else "–" for n in ("soap", "muon")
                     ),
