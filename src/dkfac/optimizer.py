@@ -83,6 +83,18 @@ def _skips_on_device(inner: Optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False))
 
 
+def method_defaults(method: str) -> dict[str, Any]:
+    """:data:`DEFAULT_OPTIONS` as another ``method`` keeps them: the ones it reads. The
+    moment options it does not read are errors when passed, and a method without a basis
+    of moments takes neither a structured input basis nor a polar factor
+    (``flattened_inputs``, ``orthogonal_layers``); ``method`` itself is left to the caller.
+    """
+    unread = unread_moment_fields(method)
+    if "moment_beta2" in unread:
+        unread = (*unread, "flattened_inputs", "orthogonal_layers")
+    return {k: v for k, v in DEFAULT_OPTIONS.items() if k not in unread}
+
+
 class KFACOptimizer(Optimizer):
     """Wraps ``inner`` so that every step is preconditioned by ``preconditioner``.
 
@@ -204,14 +216,9 @@ class KFACOptimizer(Optimizer):
         """
         check_range("lr", lr, low=0.0)
         check_range("weight_decay", weight_decay, low=0.0, low_inclusive=True)
-        # Another method keeps the defaults it reads (the moment ones it does not are
-        # errors when passed, so they are dropped unless the caller passed them).
-        unread = unread_moment_fields(options.get("method", DEFAULT_OPTIONS["method"]))
-        if "moment_beta2" in unread:  # no basis of moments: no structured basis, no polar
-            unread = (*unread, "flattened_inputs", "orthogonal_layers")
+        defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did
-            unread = (*unread, *BUDGETED_OPTIONS)
-        defaults = {k: v for k, v in DEFAULT_OPTIONS.items() if k not in unread}
+            defaults = {k: v for k, v in defaults.items() if k not in BUDGETED_OPTIONS}
         if "skip_layers" not in options:
             wide = vocabulary_layers(unwrap(model))
             if wide:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from dkfac.app.cli import parse_args
+from dkfac.app.cli_checks import DEFAULT_LRS
 from dkfac.app.muon import MuonAdamW
 from dkfac.app.report import markdown_table
 from dkfac.app.session import build_session
@@ -115,6 +117,39 @@ def test_dkfac_takes_the_kfac_flags_that_differ_from_the_defaults() -> None:
     assert config.method == "eigen_adam" and config.kl_clip is None
 
 
+def test_the_programs_default_is_for_model_and_each_optimizer_its_own_lr() -> None:
+    """`dkfac train` with no optimizer or lr runs the library's recommendation at its lr;
+    every optimizer without a rate takes its own default, in train and in compare."""
+    run = _session([])
+    twin = KFACOptimizer.for_model(copy.deepcopy(run.bare))
+    assert isinstance(run.optimizer, KFACOptimizer)
+    assert run.optimizer.inner.param_groups[0]["lr"] == DEFAULT_LR
+    for key in DEFAULT_OPTIONS:
+        mine = getattr(run.optimizer.preconditioner.config, key)
+        assert mine == getattr(twin.preconditioner.config, key)
+    for name, lr in DEFAULT_LRS.items():
+        assert parse_args(["train", "--optimizer", name]).lr == lr
+    args = parse_args(["compare"])
+    assert args.optimizers == "dkfac,adamw,muon"
+    assert [optimizer_lr(args, n) for n in ("dkfac", "adamw", "muon")] == [DEFAULT_LR, 1e-3, 0.02]
+    given = parse_args(["compare", "--lr", "0.02", "--lrs", "adamw=0.003"])
+    assert [optimizer_lr(given, n) for n in ("dkfac", "adamw", "muon")] == [0.02, 0.003, 0.02]
+
+
+@pytest.mark.parametrize("method", ["cholesky", "smw"])
+def test_dkfac_with_another_method_keeps_the_defaults_it_reads(method: str) -> None:
+    """`--method` under dkfac is for_model's `method=`: the graph's flattened maps and the
+    polar factor need a basis of moments, so they are not read (they made the flags an
+    error before), as for_model leaves them out."""
+    run = _session(["--method", method])
+    twin = KFACOptimizer.for_model(copy.deepcopy(run.bare), method=method)
+    config = run.optimizer.preconditioner.config
+    assert config.method == method and not config.flattened_inputs
+    assert config.orthogonal_layers == ()
+    same = {"lr": config.lr, "flattened_inputs": config.flattened_inputs}
+    assert config == dataclasses.replace(twin.preconditioner.config, **same)
+
+
 def test_muon_session_and_its_adamw_lr() -> None:
     run = _session(["--optimizer", "muon", "--lr", "0.02", "--muon-adamw-lr", "0.004"])
     assert isinstance(run.optimizer, MuonAdamW)
@@ -148,6 +183,7 @@ def test_make_train_runs_the_default_against_adamw_and_muon() -> None:
     from dkfac.app.runconfig import kfac_config_from_args
     from dkfac.config import KFACConfig
 
+    args.lr = optimizer_lr(args, "dkfac")
     config = kfac_config_from_args(args, defaults=DEFAULT_OPTIONS)
     shared = {"lr": args.lr, "seed": args.seed, "accumulation_steps": args.accumulation_steps}
     assert config == KFACConfig(**{**shared, **DEFAULT_OPTIONS})

@@ -165,6 +165,8 @@ def test_momentum_follows_the_poly_learning_rate(optimizer: str) -> None:
         "--momentum",
         "0.9",
         "--momentum-scale-with-lr",
+        "--lr",
+        "0.05",
     )
     key = "momentum" if optimizer == "kfac" else "betas"
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from dkfac import KFACOptimizer
 from dkfac.app.cli import build_parser, parse_args
+from dkfac.app.cli_checks import DEFAULT_LRS
 from dkfac.app.gpt import GPT
 from dkfac.app.models import DeepAutoencoder, build_model
 from dkfac.bench import tta
@@ -125,9 +126,9 @@ def test_kfac_adam_runs_over_adamw_with_the_recipe_beta1_and_decay(tmp_path: Pat
 def test_absent_keys_take_dkfac_trains_defaults(tmp_path: Path) -> None:
     recipe = load_recipe(_write(tmp_path, 'schedule = "constant"\n', "bare.toml"))
     train = build_parser()[1]["train"]
-    assert recipe.lr == train.get_default("lr") == 0.05
+    assert recipe.lr == DEFAULT_LRS["kfac"] == 0.05  # dkfac train --optimizer kfac's
     assert recipe.options == {
-        "inner": "sgd",  # dkfac train's default optimizer is kfac
+        "inner": "sgd",  # a recipe names no optimizer: K-FAC under SGD
         "inner_momentum": train.get_default("momentum"),
         "inner_weight_decay": train.get_default("weight_decay"),
     }

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from dkfac.app.cli_checks import OPTIMIZERS, check_args
+from dkfac.app.cli_checks import OPTIMIZERS, check_args, default_lr
 from dkfac.app.data import DATASETS
 from dkfac.app.gpt import add_gpt_arguments
 from dkfac.app.models import ModelError, check_model_name, model_names
@@ -126,18 +126,20 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="kfac",
+        default="dkfac",
         help="dkfac = KFACOptimizer.for_model, the recommended default (the K-FAC flags that "
         "differ from KFACPreconditioner's defaults change it); kfac = K-FAC + SGD, kfac-adam "
         "= K-FAC + Adam; muon = torch.optim.Muon on the hidden weights, AdamW on the rest "
-        "(default: kfac)",
+        "(default: dkfac)",
     )
     g.add_argument("--epochs", type=int, default=15, help="epochs (default: 15)")
     g.add_argument("--steps", type=opt(int), default=None, help="stop after this many steps")
     g.add_argument(
         "--batch-size", type=int, default=64, help="global samples per optimizer step (default: 64)"
     )
-    g.add_argument("--lr", type=float, default=0.05, help="base learning rate (default: 0.05)")
+    g.add_argument(
+        "--lr", type=float, default=None, help=f"base learning rate (default: {default_lr()})"
+    )
     g.add_argument(
         "--lrs",
         nargs="*",
@@ -264,7 +266,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     _add_training_arguments(compare)
     compare.add_argument(
-        "--optimizers", default="sgd,kfac", help=f"comma-separated, from {', '.join(OPTIMIZERS)}"
+        "--optimizers",
+        default="dkfac,adamw,muon",
+        help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: dkfac,adamw,muon)",
     )
     for name in EXTERNAL:  # listed for --help; main() hands them to their own programs
         sub.add_parser(name, help=COMMANDS[name], add_help=False)

@@ -15,15 +15,35 @@ from dkfac.app.domains import check_domains
 from dkfac.app.gpt import size_problem
 from dkfac.app.models import LANGUAGE_MODELS
 from dkfac.app.parallel import flag_problem
-from dkfac.app.runconfig import kfac_config_from_args
+from dkfac.app.runconfig import dkfac_defaults, kfac_config_from_args
 from dkfac.app.schedules import parse_piecewise
 from dkfac.config import check_schedule_value
-from dkfac.optimizer import DEFAULT_OPTIONS
+from dkfac.optimizer import DEFAULT_LR
 
-__all__ = ["OPTIMIZERS", "check_args"]
+__all__ = ["DEFAULT_LRS", "OPTIMIZERS", "check_args", "default_lr"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "kfac", "kfac-adam", "dkfac")
 """The optimizers ``--optimizer`` and ``--optimizers`` take."""
+
+DEFAULT_LRS = {
+    "dkfac": DEFAULT_LR,
+    "kfac": 0.05,
+    "kfac-adam": 0.001,
+    "sgd": 0.05,
+    "adam": 0.001,
+    "adamw": 0.001,
+    "muon": 0.02,
+}
+"""Each optimizer's learning rate where neither ``--lr`` nor ``--lrs`` gives one: dkfac's
+is ``for_model``'s (:data:`~dkfac.optimizer.DEFAULT_LR`), Adam's and AdamW's torch's
+default, Muon's the usual 0.02 of its hidden matrices, SGD's and K-FAC under SGD's the
+training program's 0.05."""
+
+
+def default_lr() -> str:
+    """``--lr``'s help for its default: each optimizer's rate of :data:`DEFAULT_LRS`."""
+    rates = ", ".join(f"{n} {lr:g}" for n, lr in DEFAULT_LRS.items())
+    return f"the optimizer's own: {rates}"
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -70,7 +90,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
 def _check_lrs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """``--lrs NAME=LR ...``: known optimizers, once each, finite rates > 0; applied to
-    ``args.lr`` for ``train`` (``compare`` applies them per optimizer)."""
+    ``args.lr`` for ``train``, or :data:`DEFAULT_LRS` where neither gives one (``compare``
+    applies them per optimizer: :func:`dkfac.app.trainer.optimizer_lr`)."""
     rates: dict[str, float] = {}
     for item in args.lrs:
         name, _, value = str(item).partition("=")
@@ -87,6 +108,8 @@ def _check_lrs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     args.lrs = [f"{name}={rate!r}" for name, rate in rates.items()]
     if args.command == "train" and args.optimizer in rates:
         args.lr = rates[args.optimizer]
+    elif args.command == "train" and args.lr is None:
+        args.lr = DEFAULT_LRS[args.optimizer]
 
 
 def _check_kfac(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -99,9 +122,12 @@ def _check_kfac(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     names = args.optimizers.split(",") if args.command == "compare" else [args.optimizer]
     kfac = [n for n in names if n.startswith("kfac") or n == "dkfac"]
     # Checked as `dkfac` reads them when it is the only K-FAC optimizer of the run.
-    defaults = DEFAULT_OPTIONS if kfac == ["dkfac"] else None
+    defaults = dkfac_defaults(args) if kfac == ["dkfac"] else None
+    checked = argparse.Namespace(**vars(args))
+    if checked.lr is None:  # compare: each optimizer's own rate, resolved per run
+        checked.lr = min(DEFAULT_LRS[name] for name in kfac or names)
     try:
-        kfac_config_from_args(args, defaults=defaults)
+        kfac_config_from_args(checked, defaults=defaults)
         for name, value in vars(args).items():
             if name.endswith("_schedule") and value is not None:
                 field = name.removesuffix("_schedule")

@@ -29,6 +29,7 @@ import torch
 
 from dkfac.app.schedules import parse_piecewise, piecewise_by_step
 from dkfac.config import KFACConfig
+from dkfac.optimizer import DEFAULT_OPTIONS, method_defaults
 from dkfac.solvers.precision import AUTO
 
 if sys.version_info >= (3, 11):
@@ -224,6 +225,16 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
                 help=f"piecewise-constant {field.name} by epoch, e.g. 1e-2@0,1e-3@5 "
                 f"(overrides --{field.name.replace('_', '-')})",
             )
+
+
+def dkfac_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The defaults ``--optimizer dkfac`` reads the K-FAC flags over: ``for_model``'s, as
+    the run's method keeps them (:func:`dkfac.optimizer.method_defaults`; ``--method``
+    left at ``KFACPreconditioner``'s default is ``for_model``'s)."""
+    field = next(f for f in dataclasses.fields(KFACConfig) if f.name == "method")
+    given = getattr(args, "method", None)
+    method = DEFAULT_OPTIONS["method"] if _left_at_default(given, field) else given
+    return method_defaults(str(method))
 
 
 def kfac_config_from_args(

@@ -33,10 +33,10 @@ from dkfac.app.models import ModelError, SmallCNN, build_model
 from dkfac.app.muon import MuonAdamW
 from dkfac.app.parallel import wrap_model
 from dkfac.app.recipe import RunningMixup, mixing_weight, rescale_weights, scale_momentum
-from dkfac.app.runconfig import kfac_config_from_args
+from dkfac.app.runconfig import dkfac_defaults, kfac_config_from_args
 from dkfac.app.schedules import make_lr_lambda
 from dkfac.config import KFACConfig
-from dkfac.optimizer import DEFAULT_OPTIONS, KFACOptimizer
+from dkfac.optimizer import KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -404,10 +404,12 @@ def _default_kfac(
     """``--optimizer dkfac``: :meth:`KFACOptimizer.for_model` at ``--lr``/``--weight-decay``.
 
     The K-FAC flags left at ``KFACPreconditioner``'s defaults take ``for_model``'s
-    (:data:`~dkfac.optimizer.DEFAULT_OPTIONS`); the others are passed on over them.
+    (:data:`~dkfac.optimizer.DEFAULT_OPTIONS`, those the method reads:
+    :func:`~dkfac.app.runconfig.dkfac_defaults`); the others are passed on over them.
     """
-    config = kfac_config_from_args(args, steps_per_epoch, defaults=DEFAULT_OPTIONS)
-    reference = KFACConfig(**DEFAULT_OPTIONS)
+    defaults = dkfac_defaults(args)
+    config = kfac_config_from_args(args, steps_per_epoch, defaults=defaults)
+    reference = KFACConfig(**defaults)
     # Only what differs from for_model's own choice is passed: an option passed is kept as
     # given, where for_model's overhead budget would otherwise choose it. The lr is the
     # inner SGD's, fed to the preconditioner by KFACOptimizer.

@@ -45,6 +45,7 @@ from dkfac.app import faults, report, session
 from dkfac.app import resume as resume_state
 from dkfac.app.beacon import Beacon
 from dkfac.app.checkpoint import LATEST, CheckpointError, choose_resume, save_rotating
+from dkfac.app.cli_checks import DEFAULT_LRS
 from dkfac.app.data import shard_indices
 from dkfac.app.devices import pick_device
 from dkfac.app.runconfig import write_resolved_config
@@ -303,9 +304,12 @@ def train(
 
 
 def optimizer_lr(args: argparse.Namespace, name: str) -> float:
-    """The learning rate of optimizer ``name``: its ``--lrs`` entry, else ``--lr``."""
+    """The learning rate of optimizer ``name``: its ``--lrs`` entry, else ``--lr``, else its
+    default (:data:`~dkfac.app.cli_checks.DEFAULT_LRS`)."""
     rates = dict(str(item).split("=", 1) for item in args.lrs)
-    return float(rates[name]) if name in rates else float(args.lr)
+    if name in rates:
+        return float(rates[name])
+    return float(DEFAULT_LRS[name] if args.lr is None else args.lr)
 
 
 def compare(args: argparse.Namespace, beacon: Beacon | None = None) -> dict[str, RunResult]:

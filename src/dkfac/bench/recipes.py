@@ -7,7 +7,8 @@ that is absent takes ``dkfac train``'s default) and turns it into one K-FAC
 :class:`~dkfac.bench.peers.OptimizerSpec` named after the file's stem (``digits-cnn.toml``
 -> ``digits-cnn``):
 
-* ``optimizer``: ``kfac`` -> ``inner=sgd``; ``kfac-adam`` -> ``inner=adamw``. ``dkfac train``'s
+* ``optimizer``: ``kfac`` (also where the key is absent: ``dkfac train``'s default,
+  ``dkfac``, is no recipe) -> ``inner=sgd``; ``kfac-adam`` -> ``inner=adamw``. ``dkfac train``'s
   ``kfac-adam`` is ``torch.optim.Adam(betas=(momentum, 0.999), weight_decay)``, whose decay
   is an L2 term in the gradient; the benchmark runs ``torch.optim.AdamW`` with the same betas
   and the recipe's ``weight_decay`` as AdamW's decoupled decay (the benchmark's AdamW peer is
@@ -141,7 +142,7 @@ def load_recipe(path: str | Path) -> Recipe:
     except ConfigError as error:
         raise ValueError(f"{where}: {error}") from None
     _check_keys(values, where)
-    args = _train_args(Path(path), where)
+    args = _train_args(Path(path), where, "optimizer" not in values)
     inner = _inner_optimizer(args, values, where)
     options: dict[str, Any] = {
         "inner": inner,
@@ -172,12 +173,14 @@ def _check_keys(values: dict[str, Any], where: str) -> None:
         )
 
 
-def _train_args(path: Path, where: str) -> argparse.Namespace:
-    """The file parsed by ``dkfac train --config`` (its one-line error, if any)."""
+def _train_args(path: Path, where: str, as_kfac: bool) -> argparse.Namespace:
+    """The file parsed by ``dkfac train --config`` (its one-line error, if any), with
+    ``--optimizer kfac`` where ``as_kfac`` (a file that names no optimizer)."""
     stream = io.StringIO()
+    kfac = ["--optimizer", "kfac"] if as_kfac else []
     try:
         with contextlib.redirect_stderr(stream):
-            return parse_args(["train", "--config", str(path)])
+            return parse_args(["train", *kfac, "--config", str(path)])
     except SystemExit:
         lines = stream.getvalue().strip().splitlines() or ["dkfac train refused it"]
         message = lines[-1].partition("error: ")[2] or lines[-1]
