@@ -15,9 +15,15 @@ import pytest
 import torch
 
 from dkfac.app.cli import main, parse_args
-from dkfac.app.runconfig import kfac_config_from_args, resolved_config, write_resolved_config
+from dkfac.app.runconfig import (
+    dkfac_defaults,
+    kfac_config_from_args,
+    resolved_config,
+    write_resolved_config,
+)
 from dkfac.app.schedules import PiecewiseSchedule
 from dkfac.config import KFACConfig
+from dkfac.optimizer import DEFAULT_OPTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -176,6 +182,8 @@ def test_config_file_values_with_flag_overrides(tmp_path: Path) -> None:
 def test_resolved_config_round_trip(tmp_path: Path) -> None:
     argv = [
         "train",
+        "--optimizer",
+        "kfac",
         "--model",
         "mlp",
         "--lr",
@@ -205,10 +213,39 @@ def test_resolved_config_round_trip(tmp_path: Path) -> None:
     again = parse_args(["train", "--config", str(tmp_path / "config.toml")])
     assert again.config is not None
     mine, theirs = vars(args), vars(again)
-    mine.pop("config")
-    theirs.pop("config")
+    for key in ("config", "given"):  # the file gives every flag
+        mine.pop(key)
+        theirs.pop(key)
     assert mine == theirs
     assert resolved_config(again) == values
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--method", "eigen"], ["--inverse-update-interval", "10", "--damping", "0.1"]]
+)
+def test_dkfac_keeps_what_is_given_and_its_resolved_config_runs_the_same(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    """Under the default optimizer a flag given at KFACPreconditioner's default is kept
+    (`--method eigen` ran eigen_adam), one not given is for_model's, and the resolved
+    config, which gives every flag, reads back as the same K-FAC configuration."""
+    args = parse_args(["train", *flags])
+    config = kfac_config_from_args(args, defaults=dkfac_defaults(args))
+    given = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert config.method == given.get("--method", DEFAULT_OPTIONS["method"])
+    interval = int(
+        given.get("--inverse-update-interval", DEFAULT_OPTIONS["inverse_update_interval"])
+    )
+    assert config.inverse_update_interval == interval
+    assert config.moment_nesterov is (config.method == "eigen_adam")
+    values = write_resolved_config(args, tmp_path)
+    again = parse_args(["train", "--config", str(tmp_path / "config.toml")])
+    assert kfac_config_from_args(again, defaults=dkfac_defaults(again)) == config
+    assert resolved_config(again) == values
+    assert set(again.given) - {"config"} == set(values)  # no K-FAC flag not given
+    assert {"method", "inverse_update_interval"} & set(values) == {
+        flag[2:].replace("-", "_") for flag in given if flag != "--damping"
+    }
 
 
 @pytest.mark.parametrize(

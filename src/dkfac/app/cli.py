@@ -300,11 +300,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         at = argv.index(first.command) + 1
         argv = [*argv[:at], *tokens, *argv[at:]]
     args = parser.parse_args(argv)
+    args.given = given_flags(sub, argv[argv.index(first.command) + 1 :])
     if any(a == "--lr" or a.startswith("--lr=") for a in typed):
         # --lr on the command line wins over the config file's --lrs entry for this run.
         args.lrs = [e for e in args.lrs if not str(e).startswith(f"{args.optimizer}=")]
     check_args(args, sub)
     return args
+
+
+def given_flags(sub: argparse.ArgumentParser, tokens: Sequence[str]) -> tuple[str, ...]:
+    """The destinations ``tokens`` (a command's flags, a config file's included) set, so
+    that a value given equal to a default is told from one left at it: argparse fills
+    only the destinations a namespace lacks, so every one starts at a marker here."""
+    unset = object()
+    dests = {a.dest for a in sub._actions if a.dest != argparse.SUPPRESS}
+    probe = argparse.Namespace(**dict.fromkeys(dests, unset))
+    sub.parse_known_args(list(tokens), probe)
+    return tuple(sorted(d for d, v in vars(probe).items() if v is not unset))
 
 
 def _external(command: str, argv: list[str]) -> int:

@@ -44,7 +44,10 @@ DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
-SKIPPED_KEYS = ("command", "config")
+SKIPPED_KEYS = ("command", "config", "given")
+
+TRAINING_FIELDS = ("lr", "seed", "accumulation_steps")
+"""Fields of :class:`KFACConfig` whose flags are the training program's own."""
 # Decisions about one launch, not properties of the run: its config.toml saves them off, so
 # running that file again never wipes the folder it came from.
 ONE_LAUNCH = {"overwrite": False}
@@ -232,9 +235,18 @@ def dkfac_defaults(args: argparse.Namespace) -> dict[str, Any]:
     the run's method keeps them (:func:`dkfac.optimizer.method_defaults`; ``--method``
     left at ``KFACPreconditioner``'s default is ``for_model``'s)."""
     field = next(f for f in dataclasses.fields(KFACConfig) if f.name == "method")
-    given = getattr(args, "method", None)
-    method = DEFAULT_OPTIONS["method"] if _left_at_default(given, field) else given
-    return method_defaults(str(method))
+    left = _left(args, field, getattr(args, "method", None))
+    return method_defaults(str(DEFAULT_OPTIONS["method"] if left else args.method))
+
+
+def _left(args: argparse.Namespace, field: dataclasses.Field[Any], value: Any) -> bool:
+    """Whether the flag of ``field`` was left to its default: not given on the command line
+    or in the config file (``args.given``, :func:`dkfac.app.cli.given_flags`), or, for a
+    namespace made otherwise, at :class:`KFACConfig`'s default."""
+    given = getattr(args, "given", None)
+    if given is not None:
+        return field.name not in given and f"{field.name}_schedule" not in given
+    return _left_at_default(value, field)
 
 
 def kfac_config_from_args(
@@ -245,7 +257,7 @@ def kfac_config_from_args(
     """The :class:`KFACConfig` of parsed arguments, with schedules bound to the epoch length.
 
     ``defaults`` (e.g. :data:`dkfac.optimizer.DEFAULT_OPTIONS`) replaces the value of every
-    field it names whose flag was left at :class:`KFACConfig`'s default.
+    field it names whose flag was not given (:func:`_left`).
 
     Raises:
         ValueError / TypeError: From :class:`KFACConfig` validation.
@@ -262,7 +274,7 @@ def kfac_config_from_args(
         if text is not None:
             integer = "interval" in field.name or hints[field.name] is int
             value = piecewise_by_step(text, steps_per_epoch, integer=integer)
-        elif defaults and field.name in defaults and _left_at_default(value, field):
+        elif defaults and field.name in defaults and _left(args, field, value):
             value = defaults[field.name]
         values[field.name] = value
     return KFACConfig(**values)
@@ -358,8 +370,16 @@ def _plain(value: Any) -> Any:
 
 
 def resolved_config(args: argparse.Namespace) -> dict[str, Any]:
-    """Every option of a run, in plain values, keyed by flag destination."""
+    """Every option of a run, in plain values, keyed by flag destination; under
+    ``--optimizer dkfac`` the K-FAC flags that were not given are left out: ``for_model``
+    and its overhead budget choose them (``describe()`` in the log says what), and a flag
+    given is kept over that choice, so the file runs the same."""
     values = {**vars(args), **{k: v for k, v in ONE_LAUNCH.items() if hasattr(args, k)}}
+    if getattr(args, "optimizer", None) == "dkfac":
+        for field in dataclasses.fields(KFACConfig):
+            if field.name not in TRAINING_FIELDS and _left(args, field, values.get(field.name)):
+                values.pop(field.name, None)
+                values.pop(f"{field.name}_schedule", None)
     return {k: _plain(v) for k, v in sorted(values.items()) if k not in SKIPPED_KEYS}
 
 

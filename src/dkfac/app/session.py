@@ -403,20 +403,22 @@ def _default_kfac(
 ) -> KFACOptimizer:
     """``--optimizer dkfac``: :meth:`KFACOptimizer.for_model` at ``--lr``/``--weight-decay``.
 
-    The K-FAC flags left at ``KFACPreconditioner``'s defaults take ``for_model``'s
+    The K-FAC flags not given take ``for_model``'s defaults
     (:data:`~dkfac.optimizer.DEFAULT_OPTIONS`, those the method reads:
-    :func:`~dkfac.app.runconfig.dkfac_defaults`); the others are passed on over them.
+    :func:`~dkfac.app.runconfig.dkfac_defaults`); the ones given are passed on over them.
     """
     defaults = dkfac_defaults(args)
     config = kfac_config_from_args(args, steps_per_epoch, defaults=defaults)
     reference = KFACConfig(**defaults)
-    # Only what differs from for_model's own choice is passed: an option passed is kept as
-    # given, where for_model's overhead budget would otherwise choose it. The lr is the
-    # inner SGD's, fed to the preconditioner by KFACOptimizer.
+    # What was given or differs from for_model's own choice is passed: an option passed is
+    # kept as it is, where for_model's overhead budget would otherwise choose it. The lr is
+    # the inner SGD's, fed to the preconditioner by KFACOptimizer.
+    given = set(getattr(args, "given", ()))
     options = {
         f.name: getattr(config, f.name)
         for f in dataclasses.fields(config)
-        if f.name != "lr" and getattr(config, f.name) != getattr(reference, f.name)
+        if f.name != "lr"
+        and (f.name in given or getattr(config, f.name) != getattr(reference, f.name))
     }
     try:
         return KFACOptimizer.for_model(
