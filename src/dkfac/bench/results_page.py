@@ -122,6 +122,10 @@ DISPATCHES = {
     "ResNet-20 batch 128, `eigen_adam`": "dispatches_resnet20_eigen_adam_launch_bound.json",
     "ResNet-20 batch 128, `eigen`": "dispatches_resnet20_eigen_launch_bound.json",
     "GPT 4 × 128, batch 32 × 128, `eigen_adam`": "dispatches_gpt_eigen_adam_launch_bound.json",
+    "ResNet-20 batch 128, `for_model`'s options": "dispatches_resnet20_default_launch_bound.json",
+    "GPT 4 × 128, batch 32 × 128, `for_model`'s options": (
+        "dispatches_gpt_default_launch_bound.json"
+    ),
 }
 FSDP_MEMORY = "fsdp_memory_cpu.json"
 FSDP_STEP = "fsdp_step_cpu.json"
@@ -285,7 +289,10 @@ tensor operations a step dispatches is a proxy for its cost there that any machi
 count (`dkfac bench dispatches --launch-bound`: the operations of one step on a CPU, with
 the code paths a CUDA device takes). SGD's and AdamW's steps include the forward and
 backward; K-FAC's plain step preconditions with the current bases, its factor step also
-captures and updates the factors, and its refresh step also recomputes the bases.
+captures and updates the factors, and its refresh step also recomputes the bases. The
+last two rows take `for_model`'s options (its overhead budget aside): the hidden layers'
+updates are orthogonalised by the Newton–Schulz iteration, which makes most of their
+difference from the `eigen_adam` rows.
 """,
         tables=(dispatch_table(DISPATCHES),),
     ),

@@ -61,7 +61,7 @@ than the handful of extra dispatched operations (:data:`GRAM_MIN_WORK`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -126,11 +126,20 @@ def iterate(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
     wide = torch.promote_types(dtype, torch.float32)
     norm = torch.linalg.matrix_norm(x.to(wide), keepdim=True)
     x = x / (norm.to(dtype) + NORM_EPS)
-    fused = torch.addmm if x.dim() == 2 else torch.baddbmm
+    product, fused = _products(x)
     for _ in range(steps):  # two fused products (addmm: the sum inside the product's
-        gram = x @ x.mT  # accumulator) instead of two products and five elementwise passes
+        gram = product(x, x.mT)  # accumulator) instead of two products and five passes
         x = fused(x, fused(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x.mT if tall else x).to(matrix.dtype)
+
+
+def _products(x: Tensor) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
+    """The product and the fused product-and-sum for a matrix or a stack of ``x``'s rank:
+    ``mm``/``addmm`` or ``bmm``/``baddbmm`` (``@`` on a stack dispatches an expand, a view
+    and an ``_unsafe_view`` around each ``bmm``: host work on a launch-bound device)."""
+    if x.dim() == 2:
+        return torch.mm, torch.addmm
+    return torch.bmm, torch.baddbmm
 
 
 def polar_factor(
@@ -160,18 +169,18 @@ def iterate_gram(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
     x = matrix.mT if tall else matrix
     x = x if x.dtype == dtype else x.to(dtype)
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NORM_EPS)
-    gram = x @ x.mT  # M₀
+    product, fused = _products(x)
+    gram = product(x, x.mT)  # M₀
     k = gram.shape[-1]
     scaled_eye = torch.eye(k, dtype=dtype, device=x.device).mul_(a)
-    fused = torch.addmm if x.dim() == 2 else torch.baddbmm
     poly: Tensor | None = None
     for step in range(steps):
         q = fused(torch.add(scaled_eye, gram, alpha=b), gram, gram, alpha=c)  # a + bM + cM²
-        poly = q if poly is None else q @ poly
+        poly = q if poly is None else product(q, poly)
         if step < steps - 1:
-            gram = q @ gram @ q
+            gram = product(product(q, gram), q)
     assert poly is not None
-    x = poly @ x
+    x = product(poly, x)
     x = x.mT if tall else x
     return x if x.dtype == matrix.dtype else x.to(matrix.dtype)
 
