@@ -24,6 +24,7 @@ from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.engine.device_checks import GradientBuffer, select_where, zero_nonfinite
 from dkfac.engine.grad_writes import GradientWrites
 from dkfac.engine.step_math import write_back
+from dkfac.optimizer import DEFAULT_OPTIONS
 from dkfac.solvers import host_copy
 from dkfac.solvers.stacking import ALIGNMENT
 from tests.host_reads import HostData, HostReads
@@ -174,6 +175,9 @@ REFRESHES = {
         "power_rank": 4,
         "moment_carry": "rotate",
     },
+    # for_model's options: the hidden layers' polar factors, and their split scaling
+    "default": DEFAULT_OPTIONS,
+    "default-split": {**DEFAULT_OPTIONS, "orthogonal_split": 0.5, "orthogonal_steps": 3},
 }
 
 
