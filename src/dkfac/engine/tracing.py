@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 def traced_graph(model: nn.Module, purpose: str) -> fx.Graph | None:
     """The graph of ``model``'s forward, or ``None`` (logged at INFO with ``purpose``) when
-    it is FSDP1-wrapped or cannot be traced. A model compiled whole is the caller's to
+    it is FSDP1-wrapped or cannot be traced. The warnings the traced forward raises are not
+    shown (it runs on proxies). A model compiled whole is the caller's to
     unwrap (:func:`compiled_original`): its forward cannot be traced."""
     wrapped = [
         n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
@@ -34,7 +36,12 @@ def traced_graph(model: nn.Module, purpose: str) -> fx.Graph | None:
         logger.info("%s: not traced (%s is FSDP1-wrapped)", purpose, wrapped[0] or "the model")
         return None
     try:
-        return _UnshardedTracer().trace(model)
+        # A symbolic run: what the forward warns of there is about proxies, not the user's
+        # data (``torch.utils.checkpoint`` with ``use_reentrant=True`` warns that none of
+        # its inputs requires a gradient), and the real forward warns again if it applies.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _UnshardedTracer().trace(model)
     except Exception as error:
         logger.info("%s: %s is not traceable (%s)", purpose, type(model).__name__, error)
         return None
