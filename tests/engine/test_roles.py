@@ -353,3 +353,63 @@ def test_a_padding_that_reaches_the_channels_gives_no_map() -> None:
     model = _Padded()
     assert model(torch.randn(3, 2, 4, 4)).shape == (3, 2)
     assert flattened_conv_inputs(model) == {"spatial1": (4, 10), "spatial2": (4, 36)}
+
+
+class _TwoOutputs(nn.Module):
+    """A main head and an auxiliary one on an earlier layer (both losses summed), a second
+    input layer on another argument, and the features returned beside the outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 2)  # defined first, called last
+        self.inp, self.side = nn.Linear(5, 8), nn.Linear(3, 8)
+        self.mid, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor, extra: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        early = torch.relu(self.inp(x)) + self.side(extra)
+        features = torch.relu(self.mid(early))
+        return self.head(features), features, self.aux(early)
+
+
+def test_every_output_layer_is_a_head_and_every_layer_reading_the_data_an_input() -> None:
+    """Read from the data flow: a layer no other matrix layer reads from is a head (the
+    auxiliary head was a hidden layer, orthogonalised), one that reads only the forward's
+    arguments an input layer (the second tower's was hidden); ``mid``, whose features are
+    also returned, is hidden, for the head reads it."""
+    model = _TwoOutputs()
+    assert layer_roles(model) == {
+        "aux": "head",
+        "inp": "input",
+        "side": "input",
+        "mid": "hidden",
+        "head": "head",
+    }
+    rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
+    assert [
+        n for n in ("aux", "inp", "side", "mid", "head") if "orthogonal" in rows[n]["method"]
+    ] == ["mid"]
+
+
+class _PositionsFirst(nn.Module):
+    """A vision transformer's patch layer defined after its position table (an
+    ``nn.Embedding`` looked up with ``arange``): it still reads the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(4, 8)
+        self.patches, self.mlp, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.patches(x) + self.positions(torch.arange(x.shape[1]))
+        return self.head(torch.relu(self.mlp(h)).mean(1))
+
+
+def test_a_patch_layer_after_a_position_table_is_the_input_layer() -> None:
+    assert layer_roles(_PositionsFirst()) == {
+        "positions": "embedding",
+        "patches": "input",
+        "mlp": "hidden",
+        "head": "head",
+    }
+    # a language model's first layer reads its token table: hidden, as before
+    assert layer_roles(GPT(256, 16, 1, 16, 4))["blocks.0.attention.query"] == "hidden"

@@ -10,6 +10,7 @@ with ``torch.compile`` as the module it compiles (:class:`_UnshardedTracer`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["call_order", "compiled_original", "traced_graph", "unsharded"]
+__all__ = ["Links", "call_order", "compiled_original", "layer_links", "traced_graph", "unsharded"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,67 @@ def call_order(model: nn.Module, names: Sequence[str]) -> list[str] | None:
     called = [str(n.target) for n in graph.nodes if n.op == "call_module" and n.target in wanted]
     order = list(dict.fromkeys(called))
     return order if len(order) == len(wanted) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """How one layer sits in the forward's data flow among the layers asked about.
+
+    Attributes:
+        before: The other layers some input of one of its calls depends on.
+        after: The other layers some call of which depends on one of its outputs.
+        reads_data: Whether some call of it depends on the forward's arguments.
+    """
+
+    before: frozenset[str]
+    after: frozenset[str]
+    reads_data: bool
+
+
+def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | None:
+    """The data-flow :class:`Links` of each of ``names`` (qualified module names), read from
+    ``model``'s traced graph (every call of a layer counted, a layer never its own neighbour);
+    ``None`` when it cannot be traced or one of them is not called there as a module."""
+    original = compiled_original(model)
+    if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
+        if not all(n.startswith("_orig_mod.") for n in names):
+            return None
+        inner = layer_links(original, [n.removeprefix("_orig_mod.") for n in names])
+        if inner is None:
+            return None
+
+        def outer(group: frozenset[str]) -> frozenset[str]:
+            return frozenset(f"_orig_mod.{n}" for n in group)
+
+        return {
+            f"_orig_mod.{n}": Links(outer(x.before), outer(x.after), x.reads_data)
+            for n, x in inner.items()
+        }
+    graph = traced_graph(model, "roles by data flow")
+    if graph is None:
+        return None
+    wanted = set(names)
+    upstream: dict[fx.Node, frozenset[str]] = {}  # the layers a node depends on
+    data: dict[fx.Node, bool] = {}  # whether it depends on the forward's arguments
+    before: dict[str, set[str]] = {n: set() for n in names}
+    after: dict[str, set[str]] = {n: set() for n in names}
+    reads = dict.fromkeys(names, False)
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        found = frozenset().union(*(upstream[n] for n in inputs))
+        data[node] = node.op == "placeholder" or any(data[n] for n in inputs)
+        layer = str(node.target) if node.op == "call_module" else None
+        if layer in wanted:
+            before[layer] |= found - {layer}
+            reads[layer] = reads[layer] or data[node]
+            for earlier in found - {layer}:
+                after[earlier].add(layer)
+            found = found | {layer}
+        upstream[node] = found
+    called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+    if not wanted <= called:
+        return None
+    return {n: Links(frozenset(before[n]), frozenset(after[n]), reads[n]) for n in names}
 
 
 def compiled_original(module: nn.Module) -> nn.Module | None:
