@@ -1,10 +1,12 @@
 """The default (``KFACOptimizer.for_model``) under what users' training code does around it,
 each against the same run without it (the oracle): activation checkpointing
 (``torch.utils.checkpoint``, reentrant or not, whose backward runs the forward again), a
-``channels_last`` model and inputs, and validation passes between steps."""
+``channels_last`` model and inputs, validation passes between steps, and a learning-rate
+scheduler that cycles the momentum (``OneCycleLR``)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -162,3 +164,74 @@ def test_validation_passes_between_steps_capture_nothing() -> None:
             twin(held_out[:3])
     _assert_same_factors(*opts)
     assert max_difference(plain, twin) == 0.0
+
+
+def _cycled(model: nn.Module, momentum: float | None, steps: int = 5, **options) -> KFACOptimizer:
+    """``steps`` steps of the default under ``OneCycleLR`` cycling its momentum between
+    ``momentum`` and itself (``None``: not cycling it)."""
+    opt = KFACOptimizer.for_model(model, lr=0.01, overhead=None, **options)
+    cycled = {"base_momentum": momentum, "max_momentum": momentum} if momentum else {}
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.01, total_steps=steps, cycle_momentum=momentum is not None, **cycled
+    )
+    for step in range(steps):
+        _run(model, opt, range(step, step + 1))
+        scheduler.step()
+    return opt
+
+
+def test_a_scheduler_cycling_the_momentum_cycles_the_first_moments_beta() -> None:
+    """``OneCycleLR`` (momentum cycled by default) set the inner SGD's momentum to 0.95 on
+    top of the first moment the update already has (a step up to 20 times as large); it now
+    sets the moments' β₁, as it sets AdamW's: cycling 0.8 between 0.8 and 0.8 is
+    ``moment_beta1=0.8``, to the bit."""
+    torch.manual_seed(0)
+    models = [_Residual().to(DT) for _ in range(3)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    by_scheduler = _cycled(models[0], 0.8)
+    by_option = _cycled(models[1], None, moment_beta1=0.8)
+    unchanged = _cycled(models[2], None)
+    assert max_difference(models[0], models[1]) == 0.0
+    assert max_difference(models[0], models[2]) > 1e-6  # β₁ 0.8 is not the default's 0.9
+    assert by_scheduler.param_groups[0]["momentum"] == 0.0
+    assert by_scheduler.param_groups[0]["betas"] == (
+        0.8,
+        by_option.preconditioner.config.moment_beta2,
+    )
+    assert unchanged.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_one_cycle_with_its_defaults_trains_and_resumes_bit_for_bit() -> None:
+    """Its β₁ moves every step (0.95 down to 0.85 and back): the checkpoint holds it (in the
+    groups' ``"betas"``) and the resumed run equals the one that did not stop."""
+
+    def start() -> tuple[nn.Module, KFACOptimizer, torch.optim.lr_scheduler.OneCycleLR]:
+        torch.manual_seed(0)
+        model = _Residual().to(DT)
+        opt = KFACOptimizer.for_model(model, lr=0.01)
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, 0.01, total_steps=10)
+
+    def steps(model, opt, scheduler, span: range) -> None:
+        for step in span:
+            beta1 = opt.param_groups[0]["betas"][0]
+            _run(model, opt, range(step, step + 1))
+            scheduler.step()
+            for solver in (opt.preconditioner.layers["blocks.0.up"].solver, leftover(opt)):
+                assert solver.options.beta1 == beta1
+
+    def leftover(opt: KFACOptimizer) -> object:
+        assert opt.preconditioner.leftover is not None  # the LayerNorms' Adam
+        return opt.preconditioner.leftover.solver
+
+    model, opt, scheduler = start()
+    steps(model, opt, scheduler, range(4))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), scheduler.state_dict()))
+    steps(model, opt, scheduler, range(4, 9))
+    twin, twin_opt, twin_scheduler = start()
+    twin.load_state_dict(saved[0])
+    twin_opt.load_state_dict(saved[1])
+    twin_scheduler.load_state_dict(saved[2])
+    steps(twin, twin_opt, twin_scheduler, range(4, 9))
+    assert max_difference(model, twin) == 0.0
+    assert opt.param_groups[0]["momentum"] == 0.0
