@@ -306,10 +306,11 @@ class _HeadFirst(nn.Module):
 def test_roles_follow_the_order_the_forward_calls_the_layers() -> None:
     """The layer that reads the data is the input layer and the one that writes the
     outputs the head, whatever order ``__init__`` defined them in (the head was called the
-    input layer, and the hidden ``mid`` the head); an untraceable model keeps module order."""
+    input layer, and the hidden ``mid`` the head); so too with data-dependent control flow,
+    which fx cannot trace (it kept module order): each path is traced."""
     model = _HeadFirst()
     assert layer_roles(model) == {"head": "head", "inp": "input", "mid": "hidden"}
-    assert layer_roles(_HeadFirst(branch=True)) == {"head": "input", "inp": "hidden", "mid": "head"}
+    assert layer_roles(_HeadFirst(branch=True)) == {"head": "head", "inp": "input", "mid": "hidden"}
     rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
     assert [rows[n]["role"] for n in ("head", "inp", "mid")] == ["head", "input", "hidden"]
     assert "orthogonal" in rows["mid"]["method"] and "orthogonal" not in rows["head"]["method"]
@@ -413,3 +414,34 @@ def test_a_patch_layer_after_a_position_table_is_the_input_layer() -> None:
     }
     # a language model's first layer reads its token table: hidden, as before
     assert layer_roles(GPT(256, 16, 1, 16, 4))["blocks.0.attention.query"] == "hidden"
+
+
+class _Branches(nn.Module):
+    """Data-dependent control flow: one of two hidden layers on each step, and a loop that
+    halves the features while their norm is large (never ends if the condition always
+    holds); the head is defined first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+        self.inp, self.left, self.right = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.inp(x))
+        h = self.left(h) if h.mean() > 0.5 else self.right(h)
+        while h.norm() > 10:
+            h = h / 2
+        return self.head(h)
+
+
+def test_an_untraceable_forward_gets_its_roles_from_the_paths_it_may_take() -> None:
+    """Every condition taken as true, then as false (the loop then ends): a layer's links
+    are those of both paths, so the head defined first is still the head; a layer on
+    neither path (called only through ``int()`` of a traced value) leaves module order."""
+    model = _Branches()
+    roles = {"head": "head", "inp": "input", "left": "hidden", "right": "hidden"}
+    assert layer_roles(model) == roles
+    assert flattened_conv_inputs(model) == {}  # maps only from a whole graph
+    rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
+    assert {n: rows[n]["role"] for n in roles} == roles
+    assert ["orthogonal" in rows[n]["method"] for n in roles] == [False, False, True, True]

@@ -25,11 +25,16 @@ __all__ = ["Links", "call_order", "compiled_original", "layer_links", "traced_gr
 logger = logging.getLogger(__name__)
 
 
-def traced_graph(model: nn.Module, purpose: str) -> fx.Graph | None:
+def traced_graph(model: nn.Module, purpose: str, branch: bool | None = None) -> fx.Graph | None:
     """The graph of ``model``'s forward, or ``None`` (logged at INFO with ``purpose``) when
     it is FSDP1-wrapped or cannot be traced. The warnings the traced forward raises are not
     shown (it runs on proxies). A model compiled whole is the caller's to
-    unwrap (:func:`compiled_original`): its forward cannot be traced."""
+    unwrap (:func:`compiled_original`): its forward cannot be traced.
+
+    ``branch``: every condition on a traced value (data-dependent control flow, which fx
+    cannot trace) is taken as this answer, the graph then one path the forward may take (True
+    for at most :data:`MAX_GUESSES` conditions, then False, so that a loop ends); ``None``:
+    such a condition fails the trace."""
     wrapped = [
         n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
     ]
@@ -42,7 +47,8 @@ def traced_graph(model: nn.Module, purpose: str) -> fx.Graph | None:
         # its inputs requires a gradient), and the real forward warns again if it applies.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _UnshardedTracer().trace(model)
+            tracer = _UnshardedTracer() if branch is None else _GuessingTracer(branch)
+            return tracer.trace(model)
     except Exception as error:
         logger.info("%s: %s is not traceable (%s)", purpose, type(model).__name__, error)
         return None
@@ -86,7 +92,10 @@ class Links:
 def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | None:
     """The data-flow :class:`Links` of each of ``names`` (qualified module names), read from
     ``model``'s traced graph (every call of a layer counted, a layer never its own neighbour);
-    ``None`` when it cannot be traced or one of them is not called there as a module."""
+    ``None`` when one of them is not called there as a module. A forward with data-dependent
+    control flow is traced on two paths (:func:`traced_graph`'s ``branch`` True and False),
+    its links the union of both; ``None`` when neither can be traced or some layer is on
+    neither."""
     original = compiled_original(model)
     if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
         if not all(n.startswith("_orig_mod.") for n in names):
@@ -103,8 +112,30 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
             for n, x in inner.items()
         }
     graph = traced_graph(model, "roles by data flow")
-    if graph is None:
+    if graph is not None:
+        links = _graph_links(graph, names)
+        return links if len(links) == len(set(names)) else None
+    # Data-dependent control flow: the path where the conditions hold (the first
+    # MAX_GUESSES of them) and the one where none does; a layer's links are its links on
+    # either (a layer on neither: no links known).
+    paths = [traced_graph(model, "roles on one path", branch) for branch in (True, False)]
+    found = [_graph_links(g, names) for g in paths if g is not None]
+    called = set().union(*(set(links) for links in found))
+    if not found or called != set(names):
         return None
+    return {
+        n: Links(
+            frozenset().union(*(links[n].before for links in found if n in links)),
+            frozenset().union(*(links[n].after for links in found if n in links)),
+            any(links[n].reads_data for links in found if n in links),
+        )
+        for n in names
+    }
+
+
+def _graph_links(graph: fx.Graph, names: Sequence[str]) -> dict[str, Links]:
+    """The links of those of ``names`` that ``graph`` calls as modules (see
+    :func:`layer_links`)."""
     wanted = set(names)
     upstream: dict[fx.Node, frozenset[str]] = {}  # the layers a node depends on
     data: dict[fx.Node, bool] = {}  # whether it depends on the forward's arguments
@@ -124,9 +155,9 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
             found = found | {layer}
         upstream[node] = found
     called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
-    if not wanted <= called:
-        return None
-    return {n: Links(frozenset(before[n]), frozenset(after[n]), reads[n]) for n in names}
+    return {
+        n: Links(frozenset(before[n]), frozenset(after[n]), reads[n]) for n in names if n in called
+    }
 
 
 def compiled_original(module: nn.Module) -> nn.Module | None:
@@ -177,3 +208,22 @@ class _UnshardedTracer(fx.Tracer):
         if original is not None:  # a compiled part: traced through the module it compiles
             forward = original.forward
         return super().call_module(m, forward, args, kwargs)
+
+
+MAX_GUESSES = 16
+"""The conditions on traced values a guessing trace answers as asked; every later one is
+answered False (a loop ``while x.norm() > tol`` answered True would never end)."""
+
+
+class _GuessingTracer(_UnshardedTracer):
+    """A tracer that answers every condition on a traced value with ``answer`` (see
+    :func:`traced_graph`): the first :data:`MAX_GUESSES`, then False."""
+
+    def __init__(self, answer: bool) -> None:
+        super().__init__()
+        self.answer = answer
+        self.guesses = 0
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        self.guesses += 1
+        return self.answer and self.guesses <= MAX_GUESSES
