@@ -445,3 +445,8 @@ def test_an_untraceable_forward_gets_its_roles_from_the_paths_it_may_take() -> N
     rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
     assert {n: rows[n]["role"] for n in roles} == roles
     assert ["orthogonal" in rows[n]["method"] for n in roles] == [False, False, True, True]
+
+
+def test_a_model_without_matrix_layers_has_only_embeddings() -> None:
+    assert layer_roles(nn.Embedding(7, 3)) == {"": "embedding"}
+    assert layer_roles(nn.Sequential(nn.Embedding(7, 3), nn.LayerNorm(3))) == {"0": "embedding"}

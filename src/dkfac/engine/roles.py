@@ -158,6 +158,8 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
         inputs = {n for n in matrices if links[n].reads_data and not links[n].before}
         if heads:  # none: the matrix layers read each other in a cycle (shared weights)
             return _roles(modules, heads, inputs - heads)
+    if not matrices:
+        return _roles(modules, set(), set())
     ordered = (call_order(model, matrices) if len(matrices) > 1 else None) or matrices
     first: set[str] = set()
     for name, module in modules:
