@@ -417,17 +417,26 @@ def test_a_patch_layer_after_a_position_table_is_the_input_layer() -> None:
 
 
 class _Branches(nn.Module):
-    """Data-dependent control flow: one of two hidden layers on each step, and a loop that
-    halves the features while their norm is large (never ends if the condition always
-    holds); the head is defined first."""
+    """Two hidden layers behind the head, which is defined first. ``random=False``:
+    data-dependent control flow (one of the two on each step, and a loop that halves the
+    features while their norm is large, which never ends if the condition always holds);
+    ``random=True``: stochastic depth, each a residual branch skipped on half of the
+    training steps by a random draw (which fx runs concretely: a trace takes one draw's
+    path)."""
 
-    def __init__(self) -> None:
+    def __init__(self, random: bool = False) -> None:
         super().__init__()
+        self.random = random
         self.head = nn.Linear(8, 3)
         self.inp, self.left, self.right = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.relu(self.inp(x))
+        if self.random:
+            for branch in (self.left, self.right):
+                if not self.training or torch.rand(()) < 0.5:
+                    h = h + torch.relu(branch(h))
+            return self.head(h)
         h = self.left(h) if h.mean() > 0.5 else self.right(h)
         while h.norm() > 10:
             h = h / 2
@@ -450,3 +459,19 @@ def test_an_untraceable_forward_gets_its_roles_from_the_paths_it_may_take() -> N
 def test_a_model_without_matrix_layers_has_only_embeddings() -> None:
     assert layer_roles(nn.Embedding(7, 3)) == {"": "embedding"}
     assert layer_roles(nn.Sequential(nn.Embedding(7, 3), nn.LayerNorm(3))) == {"0": "embedding"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stochastic_depth_has_the_same_roles_whatever_the_draws(seed: int) -> None:
+    """A branch the trace's draw skipped sent the roles back to module order (the head
+    taken for the input layer, ``right`` for the head) on some seeds; the eval-mode
+    forward, which calls every branch, completes them. Tracing draws from a fork of the
+    random stream: building the optimizer leaves the user's draws as they were."""
+    torch.manual_seed(seed)
+    model = _Branches(random=True)
+    expected = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
+    roles = {"head": "head", "inp": "input", "left": "hidden", "right": "hidden"}
+    assert layer_roles(model) == roles
+    KFACOptimizer.for_model(model)
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training and all(m.training for m in model.modules())

@@ -25,7 +25,9 @@ __all__ = ["Links", "call_order", "compiled_original", "layer_links", "traced_gr
 logger = logging.getLogger(__name__)
 
 
-def traced_graph(model: nn.Module, purpose: str, branch: bool | None = None) -> fx.Graph | None:
+def traced_graph(
+    model: nn.Module, purpose: str, branch: bool | None = None, evaluating: bool = False
+) -> fx.Graph | None:
     """The graph of ``model``'s forward, or ``None`` (logged at INFO with ``purpose``) when
     it is FSDP1-wrapped or cannot be traced. The warnings the traced forward raises are not
     shown (it runs on proxies). A model compiled whole is the caller's to
@@ -34,7 +36,11 @@ def traced_graph(model: nn.Module, purpose: str, branch: bool | None = None) -> 
     ``branch``: every condition on a traced value (data-dependent control flow, which fx
     cannot trace) is taken as this answer, the graph then one path the forward may take (True
     for at most :data:`MAX_GUESSES` conditions, then False, so that a loop ends); ``None``:
-    such a condition fails the trace."""
+    such a condition fails the trace. ``evaluating``: the forward of the model in eval
+    mode (each module's mode restored after).
+
+    A forward that draws random numbers draws them from a fork of the CPU generator: tracing
+    leaves the user's random stream as it was."""
     wrapped = [
         n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
     ]
@@ -45,10 +51,18 @@ def traced_graph(model: nn.Module, purpose: str, branch: bool | None = None) -> 
         # A symbolic run: what the forward warns of there is about proxies, not the user's
         # data (``torch.utils.checkpoint`` with ``use_reentrant=True`` warns that none of
         # its inputs requires a gradient), and the real forward warns again if it applies.
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             tracer = _UnshardedTracer() if branch is None else _GuessingTracer(branch)
-            return tracer.trace(model)
+            if not evaluating:
+                return tracer.trace(model)
+            modes = {m: m.training for m in model.modules()}
+            try:
+                model.eval()
+                return tracer.trace(model)
+            finally:
+                for module, training in modes.items():
+                    module.training = training
     except Exception as error:
         logger.info("%s: %s is not traceable (%s)", purpose, type(model).__name__, error)
         return None
@@ -112,14 +126,20 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
             for n, x in inner.items()
         }
     graph = traced_graph(model, "roles by data flow")
-    if graph is not None:
-        links = _graph_links(graph, names)
-        return links if len(links) == len(set(names)) else None
-    # Data-dependent control flow: the path where the conditions hold (the first
-    # MAX_GUESSES of them) and the one where none does; a layer's links are its links on
-    # either (a layer on neither: no links known).
-    paths = [traced_graph(model, "roles on one path", branch) for branch in (True, False)]
-    found = [_graph_links(g, names) for g in paths if g is not None]
+    found = [] if graph is None else [_graph_links(graph, names)]
+    if found and len(found[0]) == len(set(names)):
+        return found[0]
+    # Some layers are on no path of that trace (a branch a random draw skipped, stochastic
+    # depth) or it failed (data-dependent control flow): the paths where the conditions
+    # hold (the first MAX_GUESSES of them) and where none does, and the forward in eval
+    # mode; a layer's links are its links on any of them (a layer on none: not known).
+    paths = (
+        []
+        if graph is not None
+        else [traced_graph(model, "roles on one path", branch) for branch in (True, False)]
+    )
+    paths.append(traced_graph(model, "roles in eval mode", evaluating=True))
+    found += [_graph_links(g, names) for g in paths if g is not None]
     called = set().union(*(set(links) for links in found))
     if not found or called != set(names):
         return None
