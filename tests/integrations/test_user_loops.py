@@ -81,17 +81,21 @@ def _assert_same_factors(a: KFACOptimizer, b: KFACOptimizer, atol: float = 0.0) 
                 torch.testing.assert_close(x, y, rtol=0.0, atol=atol, msg=name)
 
 
+@pytest.mark.parametrize("overhead", [None, 0.3])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpointed_blocks_capture_once_as_the_plain_model_does(reentrant: bool) -> None:
+def test_checkpointed_blocks_capture_once_as_the_plain_model_does(
+    reentrant: bool, overhead: float | None
+) -> None:
     """The recomputation inside the backward is captured once, on the batch's scale: the
-    factors and the weights after 4 steps (factors every step) equal the plain model's."""
+    factors and the weights after 4 steps (factors every step, or as the overhead budget
+    chooses: the same choice) equal the plain model's."""
     torch.manual_seed(0)
     plain = _Residual().to(DT)
     twin = _Residual(reentrant).to(DT)
     twin.load_state_dict(plain.state_dict())
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
-        opts = [KFACOptimizer.for_model(m, lr=0.01, overhead=None) for m in (plain, twin)]
+        opts = [KFACOptimizer.for_model(m, lr=0.01, overhead=overhead) for m in (plain, twin)]
     assert not shown  # tracing the checkpointed forward (on proxies) warns nothing
     for model, opt in zip((plain, twin), opts, strict=True):
         _run(model, opt, range(4))
