@@ -475,3 +475,25 @@ def test_stochastic_depth_has_the_same_roles_whatever_the_draws(seed: int) -> No
     KFACOptimizer.for_model(model)
     assert torch.equal(torch.rand(3), expected)
     assert model.training and all(m.training for m in model.modules())
+
+
+class _TiedDecoder(nn.Module):
+    """A masked-token decoder tied to the token table, then a second head; a loop count
+    read from the data (``int()`` of a traced value: no path can be traced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.mid = nn.Embedding(11, 8), nn.Linear(8, 8)
+        self.decoder, self.pair = nn.Linear(8, 11, bias=False), nn.Linear(8, 2)
+        self.decoder.weight = self.tokens.weight
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.tokens(ids)
+        for _ in range(int(ids.sum() > 0) + 1):
+            h = torch.relu(self.mid(h))
+        return self.decoder(h), self.pair(h.mean(1))
+
+
+def test_a_layer_tied_to_an_embedding_is_a_head_in_module_order_too() -> None:
+    heads = {"decoder": "head", "pair": "head"}
+    assert layer_roles(_TiedDecoder()) == {"tokens": "embedding", "mid": "hidden", **heads}

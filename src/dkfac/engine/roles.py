@@ -147,7 +147,9 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
     is still the head. Where the data flow is not known (a model fx cannot trace, or a
     layer not called as a module in its graph), the first and the last matrix layer the
     forward calls (:func:`~dkfac.engine.tracing.call_order`), or in module order, are the
-    input layer (when no embedding comes before it in module order) and the head.
+    input layer (when no embedding comes before it in module order) and the head. Either
+    way, a matrix layer whose weight is an embedding's (a language model's tied output
+    layer: BERT's masked-token decoder beside its next-sentence head) is a head.
     """
     modules = list(model.named_modules())
     matrices = [name for name, m in modules if _is_matrix(m)]
@@ -157,7 +159,7 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
         heads = {n for n in matrices if not links[n].after.intersection(matrices)}
         inputs = {n for n in matrices if links[n].reads_data and not links[n].before}
         if heads:  # none: the matrix layers read each other in a cycle (shared weights)
-            return _roles(modules, heads, inputs - heads)
+            return _roles(modules, heads | _tied_heads(modules), inputs - heads)
     if not matrices:
         return _roles(modules, set(), set())
     ordered = (call_order(model, matrices) if len(matrices) > 1 else None) or matrices
@@ -168,7 +170,14 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
         if name == ordered[0]:
             first = {name}
             break
-    return _roles(modules, {ordered[-1]}, first - {ordered[-1]})
+    heads = {ordered[-1], *_tied_heads(modules)}
+    return _roles(modules, heads, first - heads)
+
+
+def _tied_heads(modules: list[tuple[str, nn.Module]]) -> set[str]:
+    """The matrix layers whose ``weight`` is an embedding's (tied output layers)."""
+    tables = {id(m.weight) for _, m in modules if isinstance(m, nn.Embedding)}
+    return {n for n, m in modules if _is_matrix(m) and id(getattr(m, "weight", None)) in tables}
 
 
 def _roles(
