@@ -4,7 +4,7 @@ kinds of model and training loops no recipe was written for, as an unseen user t
 Each kind learns the labels of a teacher of its own class (another seed, argmax of its
 outputs centred over the pool: a task the model can fit, every class present) on a pool of
 512 fixed inputs, batches drawn by a generator of the seed. Both optimizers run
-:data:`STEPS` steps at each of three learning rates (:data:`KFAC_LRS`, the same for AdamW,
+:data:`STEPS` steps at each of three learning rates (:data:`LRS`, the same for both,
 weight decay 0) on each seed; the figure is the mean training loss of the last 5 steps,
 median over the seeds, and the best lr of each. A rough check (is the default about as
 good as AdamW on this kind, does it train at all), not a time-to-target race.
@@ -16,7 +16,10 @@ attention whose keys and values are narrower than its queries, a model with a ma
 auxiliary head (losses summed), one with data-dependent control flow and stochastic depth;
 and loops: ``clip_grad_norm_`` before the step, ``zero_grad(set_to_none=False)``,
 ``CosineAnnealingLR``, ``OneCycleLR`` with its defaults, validation passes between steps,
-and a batch of one sample every tenth step.
+and a batch of one sample every tenth step. ``OneCycleLR`` cycles the momentum: Adam's
+``β₁`` where the groups hold ``"betas"`` (``for_model``'s do: its first moment's), else SGD's
+``momentum``; a third arm, ``kfac_sgd_momentum``, removes the ``"betas"`` so that it cycles
+the inner SGD's momentum on top of the first moment, as it did before the groups held them.
 
     PYTHONPATH=src python benchmarks/probes/model_kinds.py --threads 1 \\
         --out benchmarks/results/model_kinds.json
@@ -41,8 +44,7 @@ from dkfac import KFACOptimizer
 
 STEPS = 40
 SEEDS = (0, 1, 2)
-KFAC_LRS = (3e-3, 1e-2, 3e-2)
-ADAMW_LRS = KFAC_LRS
+LRS = (3e-3, 1e-2, 3e-2)
 POOL = 512
 
 
@@ -180,11 +182,15 @@ def run(kind: str, arm: str, lr: float, seed: int) -> float:
     if kind == "odd_convs":
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         x = x.contiguous(memory_format=torch.channels_last)
-    opt: torch.optim.Optimizer = (
-        KFACOptimizer.for_model(model, lr=lr)
-        if arm == "kfac"
-        else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    )
+    opt: torch.optim.Optimizer
+    if arm == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    else:
+        opt = KFACOptimizer.for_model(model, lr=lr)
+    if arm == "kfac_sgd_momentum":  # no "betas": a scheduler cycles SGD's momentum on top
+        del opt.defaults["betas"]
+        for group in opt.param_groups:
+            del group["betas"]
     scheduler: Any = None
     if kind == "cosine":
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, STEPS)
@@ -222,19 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for kind in args.kinds:
         arms: dict[str, Any] = {}
-        for arm, lrs in (("kfac", KFAC_LRS), ("adamw", ADAMW_LRS)):
+        for arm in ("kfac", "adamw", *(("kfac_sgd_momentum",) if kind == "one_cycle" else ())):
             medians = {
                 f"{lr:g}": statistics.median(run(kind, arm, lr, seed) for seed in SEEDS)
-                for lr in lrs
+                for lr in LRS
             }
             best = min(medians, key=lambda k: medians[k])
             arms[arm] = {"by_lr": medians, "best_lr": best, "best": medians[best]}
         results[kind] = arms
-        print(
-            f"{kind:>18}: K-FAC {arms['kfac']['best']:.4f} (lr {arms['kfac']['best_lr']})"
-            f"  AdamW {arms['adamw']['best']:.4f} (lr {arms['adamw']['best_lr']})",
-            flush=True,
-        )
+        shown = "  ".join(f"{a} {r['best']:.4f} (lr {r['best_lr']})" for a, r in arms.items())
+        print(f"{kind:>18}: {shown}", flush=True)
     if args.out is not None:
         record = {
             "command": "PYTHONPATH=src python benchmarks/probes/model_kinds.py "
