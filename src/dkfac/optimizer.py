@@ -27,6 +27,7 @@ from dkfac.config.checks import check_range
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import finite_each
+from dkfac.engine.moment_betas import set_moment_betas
 from dkfac.engine.overhead import BUDGETED_OPTIONS
 from dkfac.engine.registration import unwrap
 from dkfac.engine.roles import vocabulary_layers
@@ -127,6 +128,7 @@ class KFACOptimizer(Optimizer):
         self._skipped_late: torch.Tensor | None = None
         self._late = LateWarnings()
         self._shared = False
+        self._betas_drive_moments = False  # for_model: the groups' "betas" are the moments'
         super().__init__(inner.param_groups, inner.defaults)
         # Share, not copy: schedulers and users mutate these dicts.
         self.param_groups = inner.param_groups
@@ -167,6 +169,13 @@ class KFACOptimizer(Optimizer):
         not take (LayerNorm, raw ``nn.Parameter``s; ``pre.describe()`` lists them) get
         Adam's direction on their raw gradient (``leftover_update``), so the same SGD steps
         them as AdamW at ``lr`` would.
+
+        Its param groups hold ``"betas"``: the ``(moment_beta1, moment_beta2)`` of the
+        moments (with a method that keeps Adam's first moment), read at each step (from
+        the first group), so a scheduler that cycles an optimizer's momentum
+        (``OneCycleLR``, ``CyclicLR``, which cycle Adam's ``β₁``) cycles the first moment's,
+        as it does AdamW's (:mod:`~dkfac.engine.moment_betas`); the inner SGD's own
+        ``momentum`` stays 0.
 
         A language model's token table and output layer with a tokenizer's vocabulary
         (wider than :data:`~dkfac.engine.roles.VOCABULARY_FLOOR` and than every hidden
@@ -233,7 +242,16 @@ class KFACOptimizer(Optimizer):
         inner = torch.optim.SGD(
             params, lr=lr, momentum=0.0, weight_decay=weight_decay, fused=fused or None
         )
-        return cls(inner, preconditioner)
+        config = preconditioner.config
+        moments = "moment_beta1" not in unread_moment_fields(config.method)
+        if moments:  # schedulers that cycle the momentum cycle the first moment's β₁
+            betas = (config.moment_beta1, config.moment_beta2)
+            inner.defaults["betas"] = betas
+            for group in inner.param_groups:
+                group["betas"] = betas
+        optimizer = cls(inner, preconditioner)
+        optimizer._betas_drive_moments = moments
+        return optimizer
 
     def _finite_flag(self) -> tuple[torch.Tensor, bool] | None:
         """``(flag, sharded)``: a 0-d bool tensor, every parameter gradient on this rank is
@@ -281,6 +299,11 @@ class KFACOptimizer(Optimizer):
         # checked before as well: its owners exchange them).
         sharded_layout = self.preconditioner.layout is not None
         raw_finite = self._finite_flag() if self.skip_nonfinite and sharded_layout else None
+        if self._betas_drive_moments and "betas" in self.param_groups[0]:
+            solvers = [layer.solver for layer in self.preconditioner.layers.values()]
+            if self.preconditioner.leftover is not None:
+                solvers.append(self.preconditioner.leftover.solver)
+            set_moment_betas(solvers, *self.param_groups[0]["betas"])
         self.preconditioner.step(lr=float(self.param_groups[0]["lr"]))
         finite = self._finite_flag() if self.skip_nonfinite else None
         if finite is None:

@@ -306,10 +306,11 @@ class _HeadFirst(nn.Module):
 def test_roles_follow_the_order_the_forward_calls_the_layers() -> None:
     """The layer that reads the data is the input layer and the one that writes the
     outputs the head, whatever order ``__init__`` defined them in (the head was called the
-    input layer, and the hidden ``mid`` the head); an untraceable model keeps module order."""
+    input layer, and the hidden ``mid`` the head); so too with data-dependent control flow,
+    which fx cannot trace (it kept module order): each path is traced."""
     model = _HeadFirst()
     assert layer_roles(model) == {"head": "head", "inp": "input", "mid": "hidden"}
-    assert layer_roles(_HeadFirst(branch=True)) == {"head": "input", "inp": "hidden", "mid": "head"}
+    assert layer_roles(_HeadFirst(branch=True)) == {"head": "head", "inp": "input", "mid": "hidden"}
     rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
     assert [rows[n]["role"] for n in ("head", "inp", "mid")] == ["head", "input", "hidden"]
     assert "orthogonal" in rows["mid"]["method"] and "orthogonal" not in rows["head"]["method"]
@@ -353,3 +354,146 @@ def test_a_padding_that_reaches_the_channels_gives_no_map() -> None:
     model = _Padded()
     assert model(torch.randn(3, 2, 4, 4)).shape == (3, 2)
     assert flattened_conv_inputs(model) == {"spatial1": (4, 10), "spatial2": (4, 36)}
+
+
+class _TwoOutputs(nn.Module):
+    """A main head and an auxiliary one on an earlier layer (both losses summed), a second
+    input layer on another argument, and the features returned beside the outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 2)  # defined first, called last
+        self.inp, self.side = nn.Linear(5, 8), nn.Linear(3, 8)
+        self.mid, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor, extra: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        early = torch.relu(self.inp(x)) + self.side(extra)
+        features = torch.relu(self.mid(early))
+        return self.head(features), features, self.aux(early)
+
+
+def test_every_output_layer_is_a_head_and_every_layer_reading_the_data_an_input() -> None:
+    """Read from the data flow: a layer no other matrix layer reads from is a head (the
+    auxiliary head was a hidden layer, orthogonalised), one that reads only the forward's
+    arguments an input layer (the second tower's was hidden); ``mid``, whose features are
+    also returned, is hidden, for the head reads it."""
+    model = _TwoOutputs()
+    assert layer_roles(model) == {
+        "aux": "head",
+        "inp": "input",
+        "side": "input",
+        "mid": "hidden",
+        "head": "head",
+    }
+    rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
+    assert [
+        n for n in ("aux", "inp", "side", "mid", "head") if "orthogonal" in rows[n]["method"]
+    ] == ["mid"]
+
+
+class _PositionsFirst(nn.Module):
+    """A vision transformer's patch layer defined after its position table (an
+    ``nn.Embedding`` looked up with ``arange``): it still reads the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(4, 8)
+        self.patches, self.mlp, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.patches(x) + self.positions(torch.arange(x.shape[1]))
+        return self.head(torch.relu(self.mlp(h)).mean(1))
+
+
+def test_a_patch_layer_after_a_position_table_is_the_input_layer() -> None:
+    assert layer_roles(_PositionsFirst()) == {
+        "positions": "embedding",
+        "patches": "input",
+        "mlp": "hidden",
+        "head": "head",
+    }
+    # a language model's first layer reads its token table: hidden, as before
+    assert layer_roles(GPT(256, 16, 1, 16, 4))["blocks.0.attention.query"] == "hidden"
+
+
+class _Branches(nn.Module):
+    """Two hidden layers behind the head, which is defined first. ``random=False``:
+    data-dependent control flow (one of the two on each step, and a loop that halves the
+    features while their norm is large, which never ends if the condition always holds);
+    ``random=True``: stochastic depth, each a residual branch skipped on half of the
+    training steps by a random draw (which fx runs concretely: a trace takes one draw's
+    path)."""
+
+    def __init__(self, random: bool = False) -> None:
+        super().__init__()
+        self.random = random
+        self.head = nn.Linear(8, 3)
+        self.inp, self.left, self.right = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.inp(x))
+        if self.random:
+            for branch in (self.left, self.right):
+                if not self.training or torch.rand(()) < 0.5:
+                    h = h + torch.relu(branch(h))
+            return self.head(h)
+        h = self.left(h) if h.mean() > 0.5 else self.right(h)
+        while h.norm() > 10:
+            h = h / 2
+        return self.head(h)
+
+
+def test_an_untraceable_forward_gets_its_roles_from_the_paths_it_may_take() -> None:
+    """Every condition taken as true, then as false (the loop then ends): a layer's links
+    are those of both paths, so the head defined first is still the head; a layer on
+    neither path (called only through ``int()`` of a traced value) leaves module order."""
+    model = _Branches()
+    roles = {"head": "head", "inp": "input", "left": "hidden", "right": "hidden"}
+    assert layer_roles(model) == roles
+    assert flattened_conv_inputs(model) == {}  # maps only from a whole graph
+    rows = {r["name"]: r for r in KFACOptimizer.for_model(model).preconditioner.describe()}
+    assert {n: rows[n]["role"] for n in roles} == roles
+    assert ["orthogonal" in rows[n]["method"] for n in roles] == [False, False, True, True]
+
+
+def test_a_model_without_matrix_layers_has_only_embeddings() -> None:
+    assert layer_roles(nn.Embedding(7, 3)) == {"": "embedding"}
+    assert layer_roles(nn.Sequential(nn.Embedding(7, 3), nn.LayerNorm(3))) == {"0": "embedding"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stochastic_depth_has_the_same_roles_whatever_the_draws(seed: int) -> None:
+    """A branch the trace's draw skipped sent the roles back to module order (the head
+    taken for the input layer, ``right`` for the head) on some seeds; the eval-mode
+    forward, which calls every branch, completes them. Tracing draws from a fork of the
+    random stream: building the optimizer leaves the user's draws as they were."""
+    torch.manual_seed(seed)
+    model = _Branches(random=True)
+    expected = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
+    roles = {"head": "head", "inp": "input", "left": "hidden", "right": "hidden"}
+    assert layer_roles(model) == roles
+    KFACOptimizer.for_model(model)
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training and all(m.training for m in model.modules())
+
+
+class _TiedDecoder(nn.Module):
+    """A masked-token decoder tied to the token table, then a second head; a loop count
+    read from the data (``int()`` of a traced value: no path can be traced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.mid = nn.Embedding(11, 8), nn.Linear(8, 8)
+        self.decoder, self.pair = nn.Linear(8, 11, bias=False), nn.Linear(8, 2)
+        self.decoder.weight = self.tokens.weight
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.tokens(ids)
+        for _ in range(int(ids.sum() > 0) + 1):
+            h = torch.relu(self.mid(h))
+        return self.decoder(h), self.pair(h.mean(1))
+
+
+def test_a_layer_tied_to_an_embedding_is_a_head_in_module_order_too() -> None:
+    heads = {"decoder": "head", "pair": "head"}
+    assert layer_roles(_TiedDecoder()) == {"tokens": "embedding", "mid": "hidden", **heads}

@@ -153,3 +153,28 @@ def test_a_tokenizers_vocabulary_is_left_to_adam_and_a_small_one_is_not() -> Non
     assert vocabulary <= set(KFACOptimizer.for_model(llama(VOCAB)).preconditioner.layers)
     given = KFACOptimizer.for_model(llama(5000), skip_layers=["down_proj"])
     assert vocabulary <= set(given.preconditioner.layers)
+
+
+def test_berts_two_pretraining_heads_are_heads_and_its_vocabulary_is_left_to_adam() -> None:
+    """``BertForPreTraining`` (fx cannot trace it: roles by module order) has a masked-token
+    decoder tied to the token table and a next-sentence head after it: the decoder was a
+    hidden matrix (orthogonalised, its ``V × V`` factor built: 5,000² here, 30,522² for
+    BERT's tokenizer, and it hid the token table from the vocabulary rule). It is a head
+    now: with the token table it keeps Adam's direction; the next-sentence head is
+    preconditioned, not orthogonalised."""
+    config = transformers.BertConfig(
+        vocab_size=5000, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=LENGTH,
+    )  # fmt: skip
+    model = transformers.BertForPreTraining(config)
+    ids = _ids()
+    opt = _train(model, steps=1, input_ids=ids, labels=ids, next_sentence_label=ids[:, 0] % 2)
+    roles = {r["name"]: r["role"] for r in opt.preconditioner.describe()}
+    layers = set(opt.preconditioner.layers)
+    assert "cls.predictions.decoder" not in layers
+    assert "bert.embeddings.word_embeddings" not in layers
+    assert roles["cls.seq_relationship"] == "head"
+    assert roles["bert.pooler.dense"] == roles["cls.predictions.transform.dense"] == "hidden"
+    assert "cls.seq_relationship" not in _orthogonal(opt)
+    rows = {r["name"]: r for r in opt.preconditioner.describe()}
+    assert rows["bert.embeddings.word_embeddings.weight"]["method"] == "adam"

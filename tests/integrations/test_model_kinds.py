@@ -12,8 +12,6 @@ not stop).
 
 from __future__ import annotations
 
-import io
-import re
 from collections.abc import Callable
 
 import pytest
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac import KFACOptimizer
+from tests.integrations.twins import covers_trains_and_resumes, train_steps
 
 Batch = tuple[Tensor, Tensor]
 
@@ -234,11 +233,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Batc
 
 def _train(model: nn.Module, opt: KFACOptimizer, case: str, steps: range) -> None:
     _, batch, loss = CASES[case]
-    for step in steps:
-        x, y = batch(torch.Generator().manual_seed(step))
-        opt.zero_grad()
-        loss(model(x), y).backward()
-        opt.step()
+    train_steps(model, opt, batch, loss, steps)
 
 
 def _fresh(case: str) -> tuple[nn.Module, KFACOptimizer]:
@@ -249,25 +244,7 @@ def _fresh(case: str) -> tuple[nn.Module, KFACOptimizer]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_default_covers_trains_and_resumes_bit_for_bit(case: str) -> None:
-    model, opt = _fresh(case)
-    _train(model, opt, case, range(3))
-    saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
-    _train(model, opt, case, range(3, 7))
-    rows = opt.preconditioner.describe()
-    listed = {re.sub(r"\[\d+:\d+\]$", "", p) for row in rows for p in row["parameters"] or ()}
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    assert trainable <= listed
-    assert all(row["reason"] for row in rows if row["block"] == "inner optimizer")
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    twin, twin_opt = _fresh(case)
-    saved.seek(0)
-    state = torch.load(saved, weights_only=False)
-    twin.load_state_dict(state["model"])
-    twin_opt.load_state_dict(state["opt"])
-    _train(twin, twin_opt, case, range(3, 7))
-    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    covers_trains_and_resumes(*CASES[case])
 
 
 def _reasons(case: str) -> dict[str, str]:

@@ -7,12 +7,14 @@ A recipe used to name layers by regular expression (``orthogonal_layers=["^block
 * :func:`layer_roles`: every ``nn.Linear``, ``nn.Conv1d/2d/3d``,
   ``nn.ConvTranspose1d/2d/3d``, ``nn.MultiheadAttention``, ``transformers``' ``Conv1D``
   (GPT-2's projections, a linear layer with its weight stored transposed) and
-  ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``, the first
-  matrix layer the forward calls, when no embedding comes before it in module order (it
-  reads the raw data: a vision or audio transformer's patch layer, whose position
-  embedding comes after it; a language model's first layer reads its token embedding);
-  ``"head"``, the last matrix layer the forward calls (it writes the outputs; module order
-  where fx cannot trace the model); ``"hidden"``, every other one. A pattern ``"role:NAME"``
+  ``nn.Embedding`` gets a role, Muon's split: ``"embedding"``; ``"input"``, a matrix
+  layer that reads the forward's arguments and no other matrix layer or embedding (the raw
+  data: a vision or audio transformer's patch layer, each tower's first layer; a language
+  model's first layer reads its token embedding); ``"head"``, a matrix layer no other one
+  reads from (it writes an output: a main and an auxiliary head are both heads);
+  ``"hidden"``, every other one. Where fx cannot trace the model, the first matrix layer
+  in module order is the input layer (when no embedding comes before it) and the last the
+  head. A pattern ``"role:NAME"``
   in ``skip_layers`` or ``orthogonal_layers`` stands for the layers of that role
   (:func:`resolve_role_patterns`); module names never hold a colon, so no regular
   expression is taken for a role by mistake.
@@ -44,7 +46,13 @@ from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
 from dkfac.config import KFACConfig
 from dkfac.config.checks import GRAPH_MAPS
 from dkfac.engine.flatten_nodes import flattened_source
-from dkfac.engine.tracing import call_order, compiled_original, traced_graph, unsharded
+from dkfac.engine.tracing import (
+    call_order,
+    compiled_original,
+    layer_links,
+    traced_graph,
+    unsharded,
+)
 
 __all__ = [
     "ROLES",
@@ -131,21 +139,58 @@ def _is_matrix(module: nn.Module) -> bool:
 def layer_roles(model: nn.Module) -> dict[str, str]:
     """Qualified module name -> its role (see the module docstring), in module order.
 
-    The first and the last matrix layer are those the forward calls first and last
-    (:func:`~dkfac.engine.tracing.call_order`): a head defined in ``__init__`` before the
-    layers it reads is still the head. Module order stands in where the model cannot be
-    traced or a matrix layer is not called as a module in its graph.
+    Read from the forward's data flow (:func:`~dkfac.engine.tracing.layer_links`): a head
+    is a matrix layer no other matrix layer reads from, directly or not (a model with an
+    auxiliary output has two heads: the main one and the auxiliary one); an input layer is
+    one that reads the forward's arguments and no other matrix layer or embedding (a
+    two-tower model has two). A head defined in ``__init__`` before the layers it reads
+    is still the head. Where the data flow is not known (a model fx cannot trace, or a
+    layer not called as a module in its graph), the first and the last matrix layer the
+    forward calls (:func:`~dkfac.engine.tracing.call_order`), or in module order, are the
+    input layer (when no embedding comes before it in module order) and the head. Either
+    way, a matrix layer whose weight is an embedding's (a language model's tied output
+    layer: BERT's masked-token decoder beside its next-sentence head) is a head.
     """
     modules = list(model.named_modules())
     matrices = [name for name, m in modules if _is_matrix(m)]
+    embeddings = [name for name, m in modules if isinstance(m, nn.Embedding)]
+    links = layer_links(model, matrices + embeddings) if len(matrices) > 1 else None
+    if links is not None:
+        heads = {n for n in matrices if not links[n].after.intersection(matrices)}
+        inputs = {n for n in matrices if links[n].reads_data and not links[n].before}
+        if heads:  # none: the matrix layers read each other in a cycle (shared weights)
+            return _roles(modules, heads | _tied_heads(modules), inputs - heads)
+    if not matrices:
+        return _roles(modules, set(), set())
     ordered = (call_order(model, matrices) if len(matrices) > 1 else None) or matrices
+    first: set[str] = set()
+    for name, module in modules:
+        if isinstance(module, nn.Embedding):
+            break
+        if name == ordered[0]:
+            first = {name}
+            break
+    heads = {ordered[-1], *_tied_heads(modules)}
+    return _roles(modules, heads, first - heads)
+
+
+def _tied_heads(modules: list[tuple[str, nn.Module]]) -> set[str]:
+    """The matrix layers whose ``weight`` is an embedding's (tied output layers)."""
+    tables = {id(m.weight) for _, m in modules if isinstance(m, nn.Embedding)}
+    return {n for n, m in modules if _is_matrix(m) and id(getattr(m, "weight", None)) in tables}
+
+
+def _roles(
+    modules: list[tuple[str, nn.Module]], heads: set[str], inputs: set[str]
+) -> dict[str, str]:
+    """Every embedding and matrix layer of ``modules`` -> its role, given the heads and
+    the input layers (every other matrix layer is hidden)."""
     roles: dict[str, str] = {}
     for name, module in modules:
         if isinstance(module, nn.Embedding):
             roles[name] = "embedding"
         elif _is_matrix(module):
-            first = name == ordered[0] and "embedding" not in roles.values()
-            roles[name] = "head" if name == ordered[-1] else "input" if first else "hidden"
+            roles[name] = "head" if name in heads else "input" if name in inputs else "hidden"
     return roles
 
 

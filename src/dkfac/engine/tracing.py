@@ -10,23 +10,37 @@ with ``torch.compile`` as the module it compiles (:class:`_UnshardedTracer`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["call_order", "compiled_original", "traced_graph", "unsharded"]
+__all__ = ["Links", "call_order", "compiled_original", "layer_links", "traced_graph", "unsharded"]
 
 logger = logging.getLogger(__name__)
 
 
-def traced_graph(model: nn.Module, purpose: str) -> fx.Graph | None:
+def traced_graph(
+    model: nn.Module, purpose: str, branch: bool | None = None, evaluating: bool = False
+) -> fx.Graph | None:
     """The graph of ``model``'s forward, or ``None`` (logged at INFO with ``purpose``) when
-    it is FSDP1-wrapped or cannot be traced. A model compiled whole is the caller's to
-    unwrap (:func:`compiled_original`): its forward cannot be traced."""
+    it is FSDP1-wrapped or cannot be traced. The warnings the traced forward raises are not
+    shown (it runs on proxies). A model compiled whole is the caller's to
+    unwrap (:func:`compiled_original`): its forward cannot be traced.
+
+    ``branch``: every condition on a traced value (data-dependent control flow, which fx
+    cannot trace) is taken as this answer, the graph then one path the forward may take (True
+    for at most :data:`MAX_GUESSES` conditions, then False, so that a loop ends); ``None``:
+    such a condition fails the trace. ``evaluating``: the forward of the model in eval
+    mode (each module's mode restored after).
+
+    A forward that draws random numbers draws them from a fork of the CPU generator: tracing
+    leaves the user's random stream as it was."""
     wrapped = [
         n for n, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"
     ]
@@ -34,7 +48,21 @@ def traced_graph(model: nn.Module, purpose: str) -> fx.Graph | None:
         logger.info("%s: not traced (%s is FSDP1-wrapped)", purpose, wrapped[0] or "the model")
         return None
     try:
-        return _UnshardedTracer().trace(model)
+        # A symbolic run: what the forward warns of there is about proxies, not the user's
+        # data (``torch.utils.checkpoint`` with ``use_reentrant=True`` warns that none of
+        # its inputs requires a gradient), and the real forward warns again if it applies.
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            tracer = _UnshardedTracer() if branch is None else _GuessingTracer(branch)
+            if not evaluating:
+                return tracer.trace(model)
+            modes = {m: m.training for m in model.modules()}
+            try:
+                model.eval()
+                return tracer.trace(model)
+            finally:
+                for module, training in modes.items():
+                    module.training = training
     except Exception as error:
         logger.info("%s: %s is not traceable (%s)", purpose, type(model).__name__, error)
         return None
@@ -58,6 +86,98 @@ def call_order(model: nn.Module, names: Sequence[str]) -> list[str] | None:
     called = [str(n.target) for n in graph.nodes if n.op == "call_module" and n.target in wanted]
     order = list(dict.fromkeys(called))
     return order if len(order) == len(wanted) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """How one layer sits in the forward's data flow among the layers asked about.
+
+    Attributes:
+        before: The other layers some input of one of its calls depends on.
+        after: The other layers some call of which depends on one of its outputs.
+        reads_data: Whether some call of it depends on the forward's arguments.
+    """
+
+    before: frozenset[str]
+    after: frozenset[str]
+    reads_data: bool
+
+
+def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | None:
+    """The data-flow :class:`Links` of each of ``names`` (qualified module names), read from
+    ``model``'s traced graph (every call of a layer counted, a layer never its own neighbour);
+    ``None`` when one of them is not called there as a module. A forward with data-dependent
+    control flow is traced on two paths (:func:`traced_graph`'s ``branch`` True and False),
+    its links the union of both; ``None`` when neither can be traced or some layer is on
+    neither."""
+    original = compiled_original(model)
+    if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
+        if not all(n.startswith("_orig_mod.") for n in names):
+            return None
+        inner = layer_links(original, [n.removeprefix("_orig_mod.") for n in names])
+        if inner is None:
+            return None
+
+        def outer(group: frozenset[str]) -> frozenset[str]:
+            return frozenset(f"_orig_mod.{n}" for n in group)
+
+        return {
+            f"_orig_mod.{n}": Links(outer(x.before), outer(x.after), x.reads_data)
+            for n, x in inner.items()
+        }
+    graph = traced_graph(model, "roles by data flow")
+    found = [] if graph is None else [_graph_links(graph, names)]
+    if found and len(found[0]) == len(set(names)):
+        return found[0]
+    # Some layers are on no path of that trace (a branch a random draw skipped, stochastic
+    # depth) or it failed (data-dependent control flow): the paths where the conditions
+    # hold (the first MAX_GUESSES of them) and where none does, and the forward in eval
+    # mode; a layer's links are its links on any of them (a layer on none: not known).
+    paths = (
+        []
+        if graph is not None
+        else [traced_graph(model, "roles on one path", branch) for branch in (True, False)]
+    )
+    paths.append(traced_graph(model, "roles in eval mode", evaluating=True))
+    found += [_graph_links(g, names) for g in paths if g is not None]
+    called = set().union(*(set(links) for links in found))
+    if not found or called != set(names):
+        return None
+    return {
+        n: Links(
+            frozenset().union(*(links[n].before for links in found if n in links)),
+            frozenset().union(*(links[n].after for links in found if n in links)),
+            any(links[n].reads_data for links in found if n in links),
+        )
+        for n in names
+    }
+
+
+def _graph_links(graph: fx.Graph, names: Sequence[str]) -> dict[str, Links]:
+    """The links of those of ``names`` that ``graph`` calls as modules (see
+    :func:`layer_links`)."""
+    wanted = set(names)
+    upstream: dict[fx.Node, frozenset[str]] = {}  # the layers a node depends on
+    data: dict[fx.Node, bool] = {}  # whether it depends on the forward's arguments
+    before: dict[str, set[str]] = {n: set() for n in names}
+    after: dict[str, set[str]] = {n: set() for n in names}
+    reads = dict.fromkeys(names, False)
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        found = frozenset().union(*(upstream[n] for n in inputs))
+        data[node] = node.op == "placeholder" or any(data[n] for n in inputs)
+        layer = str(node.target) if node.op == "call_module" else None
+        if layer in wanted:
+            before[layer] |= found - {layer}
+            reads[layer] = reads[layer] or data[node]
+            for earlier in found - {layer}:
+                after[earlier].add(layer)
+            found = found | {layer}
+        upstream[node] = found
+    called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+    return {
+        n: Links(frozenset(before[n]), frozenset(after[n]), reads[n]) for n in names if n in called
+    }
 
 
 def compiled_original(module: nn.Module) -> nn.Module | None:
@@ -108,3 +228,22 @@ class _UnshardedTracer(fx.Tracer):
         if original is not None:  # a compiled part: traced through the module it compiles
             forward = original.forward
         return super().call_module(m, forward, args, kwargs)
+
+
+MAX_GUESSES = 16
+"""The conditions on traced values a guessing trace answers as asked; every later one is
+answered False (a loop ``while x.norm() > tol`` answered True would never end)."""
+
+
+class _GuessingTracer(_UnshardedTracer):
+    """A tracer that answers every condition on a traced value with ``answer`` (see
+    :func:`traced_graph`): the first :data:`MAX_GUESSES`, then False."""
+
+    def __init__(self, answer: bool) -> None:
+        super().__init__()
+        self.answer = answer
+        self.guesses = 0
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        self.guesses += 1
+        return self.answer and self.guesses <= MAX_GUESSES

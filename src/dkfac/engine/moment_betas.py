@@ -1,0 +1,44 @@
+"""Adam's ``(β₁, β₂)`` of the eigenbasis moments, changed during training.
+
+``torch.optim.lr_scheduler.OneCycleLR`` and ``CyclicLR`` cycle an optimizer's momentum
+with its learning rate: the first ``β`` of a group's ``"betas"`` where the optimizer has
+them (Adam's), else the group's ``"momentum"``. :meth:`KFACOptimizer.for_model
+<dkfac.KFACOptimizer.for_model>` gives its groups the ``"betas"`` of the moments it keeps,
+so such a scheduler cycles the first moment, as it does AdamW's, instead of adding SGD's
+momentum on top of it (which multiplied the step by up to 20 and diverged where the
+default's best learning rate lies); :func:`set_moment_betas` applies them to the solvers
+before each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from dkfac.solvers import MomentOptions
+
+__all__ = ["set_moment_betas"]
+
+
+def set_moment_betas(solvers: Iterable[object], beta1: float, beta2: float) -> int:
+    """Gives every solver of ``solvers`` that keeps moments (its ``options`` a
+    :class:`~dkfac.solvers.MomentOptions`) ``beta1`` and ``beta2``; returns how many
+    changed (none when they already had them: the usual step).
+
+    Raises:
+        TypeError, ValueError: For a ``beta`` that is not a number in ``[0, 1)``
+            (:class:`~dkfac.solvers.MomentOptions`' checks), before any solver changes.
+    """
+    wanted = MomentOptions(beta1=beta1, beta2=beta2)  # checks both
+    changed = 0
+    for solver in solvers:
+        options = getattr(solver, "options", None)
+        if not isinstance(options, MomentOptions):
+            continue
+        if (options.beta1, options.beta2) == (wanted.beta1, wanted.beta2):
+            continue
+        solver.options = dataclasses.replace(  # type: ignore[attr-defined]
+            options, beta1=wanted.beta1, beta2=wanted.beta2
+        )
+        changed += 1
+    return changed

@@ -1,0 +1,241 @@
+"""The default (``KFACOptimizer.for_model``) under what users' training code does around it,
+each against the same run without it (the oracle): activation checkpointing
+(``torch.utils.checkpoint``, reentrant or not, whose backward runs the forward again), a
+``channels_last`` model and inputs, validation passes between steps, and a learning-rate
+scheduler that cycles the momentum (``OneCycleLR``)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dkfac import KFACOptimizer
+from tests.integrations.twins import max_difference
+
+DT = torch.float64
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class _Residual(nn.Module):
+    """Three residual blocks, each run through ``checkpoint`` (``reentrant`` True or False)
+    or plainly (``None``)."""
+
+    def __init__(self, reentrant: bool | None = None, width: int = 8) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(5, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(3))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = (
+                block(h)
+                if self.reentrant is None
+                else checkpoint(block, h, use_reentrant=self.reentrant)
+            )
+        return self.head(h)
+
+
+def _vectors(step: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(16, 5, generator=gen, dtype=DT), torch.randint(0, 3, (16,), generator=gen)
+
+
+def _run(model: nn.Module, opt: KFACOptimizer, steps: range, batch=_vectors) -> None:
+    for step in steps:
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _factors(opt: KFACOptimizer) -> dict[str, tuple[Tensor | None, Tensor | None]]:
+    return {name: (layer.a, layer.g) for name, layer in opt.preconditioner.layers.items()}
+
+
+def _assert_same_factors(a: KFACOptimizer, b: KFACOptimizer, atol: float = 0.0) -> None:
+    first, second = _factors(a), _factors(b)
+    assert first.keys() == second.keys()
+    for name, pair in first.items():
+        for x, y in zip(pair, second[name], strict=True):
+            assert (x is None) == (y is None), name
+            if x is not None:
+                assert y is not None
+                torch.testing.assert_close(x, y, rtol=0.0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("overhead", [None, 0.3])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks_capture_once_as_the_plain_model_does(
+    reentrant: bool, overhead: float | None
+) -> None:
+    """The recomputation inside the backward is captured once, on the batch's scale: the
+    factors and the weights after 4 steps (factors every step, or as the overhead budget
+    chooses: the same choice) equal the plain model's."""
+    torch.manual_seed(0)
+    plain = _Residual().to(DT)
+    twin = _Residual(reentrant).to(DT)
+    twin.load_state_dict(plain.state_dict())
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        opts = [KFACOptimizer.for_model(m, lr=0.01, overhead=overhead) for m in (plain, twin)]
+    assert not shown  # tracing the checkpointed forward (on proxies) warns nothing
+    for model, opt in zip((plain, twin), opts, strict=True):
+        _run(model, opt, range(4))
+    _assert_same_factors(*opts)
+    assert max_difference(plain, twin) == 0.0
+    assert opts[0].preconditioner.describe() == opts[1].preconditioner.describe()
+
+
+class _OddConvs(nn.Module):
+    """Non-square kernels, ``padding="same"``, reflect and replicate padding, dilation,
+    stride 2, BatchNorm, and a head reading the flattened map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, (1, 3), padding="same")
+        self.wide = nn.Conv2d(4, 4, (3, 1), dilation=2, padding="same", padding_mode="reflect")
+        self.down = nn.Conv2d(4, 6, (3, 2), stride=2, padding=(1, 0))
+        self.norm = nn.BatchNorm2d(6)
+        self.last = nn.Conv2d(6, 6, 3, stride=2, dilation=(1, 2), padding=(1, 2),
+                              padding_mode="replicate")  # fmt: skip
+        self.head = nn.Linear(6 * 2 * 2, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.wide(F.relu(self.stem(x))))
+        x = F.relu(self.last(F.relu(self.norm(self.down(x)))))
+        return self.head(x.flatten(1))
+
+
+def test_a_channels_last_model_equals_the_contiguous_one() -> None:
+    def images(memory: torch.memory_format):
+        def batch(step: int) -> tuple[Tensor, Tensor]:
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(8, 3, 7, 7, generator=gen, dtype=DT)
+            return x.contiguous(memory_format=memory), torch.randint(0, 3, (8,), generator=gen)
+
+        return batch
+
+    torch.manual_seed(0)
+    plain = _OddConvs().to(DT)
+    twin = _OddConvs().to(DT).to(memory_format=torch.channels_last)
+    twin.load_state_dict(plain.state_dict())
+    assert twin.wide.weight.is_contiguous(memory_format=torch.channels_last)
+    opts = [KFACOptimizer.for_model(m, lr=0.01, overhead=None) for m in (plain, twin)]
+    for model, opt, memory in zip(
+        (plain, twin), opts, (torch.contiguous_format, torch.channels_last), strict=True
+    ):
+        _run(model, opt, range(3), images(memory))
+    _assert_same_factors(*opts, atol=1e-12)
+    assert max_difference(plain, twin) < 1e-10
+    assert opts[1].preconditioner.config.flattened_inputs == {"head": (6, 4)}
+
+
+def test_validation_passes_between_steps_capture_nothing() -> None:
+    """``model.eval()`` and ``torch.no_grad()`` forwards (and a train-mode forward under
+    ``no_grad``, and an eval-mode one with gradients) between steps change nothing."""
+    torch.manual_seed(0)
+    plain, twin = _Residual().to(DT), _Residual().to(DT)
+    twin.load_state_dict(plain.state_dict())
+    opts = [KFACOptimizer.for_model(m, lr=0.01, overhead=None) for m in (plain, twin)]
+    held_out = _vectors(99)[0]
+    for step in range(4):
+        _run(plain, opts[0], range(step, step + 1))
+        _run(twin, opts[1], range(step, step + 1))
+        twin.eval()
+        with torch.no_grad():
+            twin(held_out)
+        twin(held_out).sum()  # a metric forward with gradients, never backpropagated
+        twin.train()
+        with torch.no_grad():
+            twin(held_out[:3])
+    _assert_same_factors(*opts)
+    assert max_difference(plain, twin) == 0.0
+
+
+def _cycled(model: nn.Module, momentum: float | None, steps: int = 5, **options) -> KFACOptimizer:
+    """``steps`` steps of the default under ``OneCycleLR`` cycling its momentum between
+    ``momentum`` and itself (``None``: not cycling it)."""
+    opt = KFACOptimizer.for_model(model, lr=0.01, overhead=None, **options)
+    cycled = {"base_momentum": momentum, "max_momentum": momentum} if momentum else {}
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.01, total_steps=steps, cycle_momentum=momentum is not None, **cycled
+    )
+    for step in range(steps):
+        _run(model, opt, range(step, step + 1))
+        scheduler.step()
+    return opt
+
+
+def test_a_scheduler_cycling_the_momentum_cycles_the_first_moments_beta() -> None:
+    """``OneCycleLR`` (momentum cycled by default) set the inner SGD's momentum to 0.95 on
+    top of the first moment the update already has (a step up to 20 times as large); it now
+    sets the moments' β₁, as it sets AdamW's: cycling 0.8 between 0.8 and 0.8 is
+    ``moment_beta1=0.8``, to the bit."""
+    torch.manual_seed(0)
+    models = [_Residual().to(DT) for _ in range(3)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    by_scheduler = _cycled(models[0], 0.8)
+    by_option = _cycled(models[1], None, moment_beta1=0.8)
+    unchanged = _cycled(models[2], None)
+    assert max_difference(models[0], models[1]) == 0.0
+    assert max_difference(models[0], models[2]) > 1e-6  # β₁ 0.8 is not the default's 0.9
+    assert by_scheduler.param_groups[0]["momentum"] == 0.0
+    assert by_scheduler.param_groups[0]["betas"] == (
+        0.8,
+        by_option.preconditioner.config.moment_beta2,
+    )
+    assert unchanged.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+def test_one_cycle_with_its_defaults_trains_and_resumes_bit_for_bit() -> None:
+    """Its β₁ moves every step (0.95 down to 0.85 and back): the checkpoint holds it (in the
+    groups' ``"betas"``) and the resumed run equals the one that did not stop."""
+
+    def start() -> tuple[nn.Module, KFACOptimizer, torch.optim.lr_scheduler.OneCycleLR]:
+        torch.manual_seed(0)
+        model = _Residual().to(DT)
+        opt = KFACOptimizer.for_model(model, lr=0.01)
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, 0.01, total_steps=10)
+
+    def steps(model, opt, scheduler, span: range) -> None:
+        for step in span:
+            beta1 = opt.param_groups[0]["betas"][0]
+            _run(model, opt, range(step, step + 1))
+            scheduler.step()
+            for solver in (opt.preconditioner.layers["blocks.0.up"].solver, leftover(opt)):
+                assert solver.options.beta1 == beta1
+
+    def leftover(opt: KFACOptimizer) -> object:
+        assert opt.preconditioner.leftover is not None  # the LayerNorms' Adam
+        return opt.preconditioner.leftover.solver
+
+    model, opt, scheduler = start()
+    steps(model, opt, scheduler, range(4))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), scheduler.state_dict()))
+    steps(model, opt, scheduler, range(4, 9))
+    twin, twin_opt, twin_scheduler = start()
+    twin.load_state_dict(saved[0])
+    twin_opt.load_state_dict(saved[1])
+    twin_scheduler.load_state_dict(saved[2])
+    steps(twin, twin_opt, twin_scheduler, range(4, 9))
+    assert max_difference(model, twin) == 0.0
+    assert opt.param_groups[0]["momentum"] == 0.0
