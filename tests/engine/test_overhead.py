@@ -114,7 +114,7 @@ def test_a_small_first_batch_is_named_once_when_a_larger_one_comes(caplog: Any) 
     that captures twice that batch or more gets one warning naming both; equal batches
     none."""
 
-    def run(first: int) -> list[str]:
+    def run(first: int, logged: int = 0) -> list[str]:
         torch.manual_seed(0)
         model = nn.Sequential(
             nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
@@ -126,6 +126,8 @@ def test_a_small_first_batch_is_named_once_when_a_larger_one_comes(caplog: Any) 
                 batch = first if step == 0 else 64
                 opt.zero_grad()
                 F.cross_entropy(model(torch.randn(batch, 8)), torch.arange(batch) % 3).backward()
+                if logged:  # the whole set's loss, logged in training mode with gradients on
+                    model(torch.randn(logged, 8)).sum().item()
                 opt.step()
         return [r.getMessage() for r in caplog.records if "overhead budget" in r.getMessage()]
 
@@ -133,3 +135,4 @@ def test_a_small_first_batch_is_named_once_when_a_larger_one_comes(caplog: Any) 
     assert len(warned) == 1
     assert "first batch of 8 samples, but a step now captures 64" in warned[0]
     assert run(64) == []
+    assert run(64, logged=2048) == []  # a forward no backward goes through captures nothing

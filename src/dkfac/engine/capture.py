@@ -136,6 +136,7 @@ class FactorCapture:
         self._handles: list[Any] = []
         self.counter = BackwardCounter()
         self._largest_batch = 0  # of the forwards captured this step
+        self._backward_batch = 0  # of those a backward went through
         self._broadcast: dict[str, _Broadcast] = {}
         self.checking = False
         self.bias_sums: dict[str, Tensor] = {}
@@ -166,8 +167,10 @@ class FactorCapture:
 
     @property
     def captured_batch(self) -> int:
-        """The largest batch of the forwards captured this step (0: none was)."""
-        return self._largest_batch
+        """The largest batch of the forwards captured this step that a backward went
+        through (0: none did); a forward without one (a loss over the whole set, logged
+        with gradients on) captures nothing."""
+        return self._backward_batch
 
     def backward_passes(self) -> int:
         """The micro-batches of this step: backward passes through the registered layers."""
@@ -178,6 +181,7 @@ class FactorCapture:
         self.counter.reset()
         self.counter.watch(p for layer in layers.values() for p in layer.block.parameters())
         self._largest_batch = 0
+        self._backward_batch = 0
         self._broadcast.clear()
         self._groups.clear()
         self.bias_sums = {}
@@ -234,6 +238,7 @@ class FactorCapture:
     def _capture(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         """The grad hook's work: the input statistics on the forward's first backward, then
         the gradient statistics."""
+        self._backward_batch = max(self._backward_batch, pending.batch)
         if pending.inputs is not None and self._hold(layer, pending, grad):
             return
         if pending.inputs is not None:  # the first backward through this forward: its A
