@@ -127,8 +127,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default="dkfac",
-        help="dkfac = KFACOptimizer.for_model, the recommended default (the K-FAC flags that "
-        "differ from KFACPreconditioner's defaults change it); kfac = K-FAC + SGD, kfac-adam "
+        help="dkfac = KFACOptimizer.for_model, the recommended default (the K-FAC flags given, "
+        "on the command line or in --config, change it); kfac = K-FAC + SGD, kfac-adam "
         "= K-FAC + Adam; muon = torch.optim.Muon on the hidden weights, AdamW on the rest "
         "(default: dkfac)",
     )

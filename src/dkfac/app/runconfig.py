@@ -198,7 +198,7 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
         "K-FAC options",
         "fields of dkfac.KFACConfig, used by --optimizer kfac / kfac-adam; the defaults shown "
         "are KFACPreconditioner's: with --optimizer dkfac (KFACOptimizer.for_model) a flag "
-        "set to another value replaces for_model's choice",
+        "given replaces for_model's choice, and one not given is for_model's",
     )
     hints = _kfac_hints()
     for field in dataclasses.fields(KFACConfig):
@@ -233,7 +233,7 @@ def add_kfac_arguments(parser: argparse.ArgumentParser, reserved: set[str]) -> N
 def dkfac_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """The defaults ``--optimizer dkfac`` reads the K-FAC flags over: ``for_model``'s, as
     the run's method keeps them (:func:`dkfac.optimizer.method_defaults`; ``--method``
-    left at ``KFACPreconditioner``'s default is ``for_model``'s)."""
+    not given is ``for_model``'s)."""
     field = next(f for f in dataclasses.fields(KFACConfig) if f.name == "method")
     left = _left(args, field, getattr(args, "method", None))
     return method_defaults(str(DEFAULT_OPTIONS["method"] if left else args.method))
