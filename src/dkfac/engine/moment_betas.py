@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 from dkfac.solvers import MomentOptions
 
@@ -29,16 +30,20 @@ def set_moment_betas(solvers: Iterable[object], beta1: float, beta2: float) -> i
         TypeError, ValueError: For a ``beta`` that is not a number in ``[0, 1)``
             (:class:`~dkfac.solvers.MomentOptions`' checks), before any solver changes.
     """
+    moments: list[Any] = [
+        s for s in solvers if isinstance(getattr(s, "options", None), MomentOptions)
+    ]
+    if type(beta1) is float and type(beta2) is float:  # the usual step: floats the solvers
+        # already hold are not checked again (a MomentOptions built a step, for nothing)
+        moments = [s for s in moments if (s.options.beta1, s.options.beta2) != (beta1, beta2)]
+        if not moments:
+            return 0
     wanted = MomentOptions(beta1=beta1, beta2=beta2)  # checks both
     changed = 0
-    for solver in solvers:
-        options = getattr(solver, "options", None)
-        if not isinstance(options, MomentOptions):
-            continue
+    for solver in moments:
+        options = solver.options
         if (options.beta1, options.beta2) == (wanted.beta1, wanted.beta2):
             continue
-        solver.options = dataclasses.replace(  # type: ignore[attr-defined]
-            options, beta1=wanted.beta1, beta2=wanted.beta2
-        )
+        solver.options = dataclasses.replace(options, beta1=wanted.beta1, beta2=wanted.beta2)
         changed += 1
     return changed
