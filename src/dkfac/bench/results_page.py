@@ -165,16 +165,15 @@ def _gpu_values(p: Payloads) -> dict[str, str]:
 
 
 def _suite_values(p: Payloads) -> dict[str, Any]:
-    verdicts = [task["summary"]["verdict"] for task in p[SUITE]["tasks"]]
+    tasks = {task["task"]: task for task in p[SUITE]["tasks"]}
+    verdicts = [task["summary"]["verdict"] for task in tasks.values()]
 
     def seeds(family: str, name: str = "dkfac") -> str:
-        task = next(task for task in p[SUITE]["tasks"] if task["task"] == family)
-        reached = [run["reached"] for run in task["runs"]["0"][name]]
+        reached = [run["reached"] for run in tasks[family]["runs"]["0"][name]]
         return ", ".join("–" if r is None else str(r) for r in reached)
 
     def step(family: str, name: str) -> float:
-        task = next(task for task in p[SUITE]["tasks"] if task["task"] == family)
-        return float(task["summary"]["optimizers"][name]["step_vs_adamw"])
+        return float(tasks[family]["summary"]["optimizers"][name]["step_vs_adamw"])
 
     return {
         "gpt_seeds": seeds("gpt"),
