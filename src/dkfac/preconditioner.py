@@ -367,7 +367,8 @@ class KFACPreconditioner:
             lr = None if lr is None else check_schedule_value("lr", lr)
         except (TypeError, ValueError) as err:
             raise type(err)(f"step(): {err}") from None
-        self._marks.check(self._params())
+        params = self._params()  # the same tensors all step long
+        self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
             self._budget_bases()  # before the first refresh: one-sided sides from the start
         step = self._steps
@@ -381,10 +382,10 @@ class KFACPreconditioner:
             with phase("dkfac.leftover"):
                 self.leftover.step()
         self.comm.ledger.end_step()
-        self._marks.record(self._params())
+        self._marks.record(params)
         if self.budget is not None:
             self.budget.note_batch(self.capture.captured_batch)
-        self.capture.end_step(self.layers)
+        self.capture.end_step(params.values())
         self._steps += 1
         if self.budget is not None and not self._budget_spent:
             self._spend_budget()

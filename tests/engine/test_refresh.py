@@ -70,3 +70,20 @@ def test_adaptive_state_round_trip() -> None:
 def test_adaptive_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         AdaptiveRefresh(**kwargs)
+
+
+def test_due_keys_answers_as_due_does_for_each_statistic() -> None:
+    """A layer's statistics due at a step are those :meth:`due` names, for both policies,
+    also after a fixed interval is replaced within a step (the kept answer is the old
+    interval's)."""
+    fixed = FixedRefresh(2)
+    adaptive = AdaptiveRefresh(threshold=0.1, max_interval=8)
+    adaptive.record("layer/A", 0, None, torch.eye(2))  # A: next at 1; G: never refreshed yet
+    for policy in (fixed, adaptive):
+        for step in range(6):
+            expected = {key for key in ("A", "G") if policy.due(f"layer/{key}", step)}
+            assert policy.due_keys("layer", ("A", "G"), step) == expected
+    assert fixed.due_keys("layer", ("A", "G"), 3) == set()
+    fixed.interval = 3
+    assert fixed.due_keys("layer", ("A", "G"), 3) == {"A", "G"}
+    assert fixed.due_keys("other", (), 3) == set()

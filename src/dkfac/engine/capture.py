@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,10 +176,12 @@ class FactorCapture:
         """The micro-batches of this step: backward passes through the registered layers."""
         return self.counter.passes
 
-    def end_step(self, layers: dict[str, LayerState]) -> None:
-        """Forgets this step's counts and sums; counts the layers unfrozen since."""
+    def end_step(self, params: Iterable[Sequence[Tensor]]) -> None:
+        """Forgets this step's counts and sums; counts the layers unfrozen since
+        (``params``: each layer's parameters; looked at only while some were frozen)."""
         self.counter.reset()
-        self.counter.watch(p for layer in layers.values() for p in layer.block.parameters())
+        if self.counter.waiting:
+            self.counter.watch((p for ps in params for p in ps), every=True)
         self._largest_batch = 0
         self._backward_batch = 0
         self._broadcast.clear()

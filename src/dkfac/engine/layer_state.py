@@ -78,6 +78,7 @@ class LayerState:
     decided: dict[str, Any] | None = None
     moments: SolverState | None = None
     g_rows: slice | None = None
+    _names: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -152,6 +153,13 @@ class LayerState:
     def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every statistic, known without data (used to allocate receive buffers)."""
         return self.block.statistic_shapes()
+
+    def statistic_names(self) -> tuple[str, ...]:
+        """The names of :meth:`statistic_shapes` (a block's are fixed: kept after the first
+        call, as every step asks which are due)."""
+        if self._names is None:
+            self._names = tuple(self.block.statistic_shapes())
+        return self._names
 
     def gathered(self) -> frozenset[str]:
         """The statistics that ranks combine by concatenating rows (low-rank sides)."""

@@ -24,19 +24,34 @@ class BackwardCounter:
     """Counts the backward passes through the registered parameters since :meth:`reset`.
 
     Hooks go on the parameters that require a gradient; :meth:`watch` is called again at
-    every step so that a parameter unfrozen later is counted too.
+    every step so that a parameter unfrozen later is counted too (:attr:`waiting` says
+    whether one is left to watch for).
     """
 
     def __init__(self) -> None:
         self._passes: dict[int, int] = {}
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
+        self.waiting = False
+        """Whether :meth:`watch` met a parameter that required no gradient (a frozen one,
+        which a later :meth:`watch` must look at again)."""
 
-    def watch(self, params: Iterable[Tensor]) -> None:
-        """Hooks every parameter of ``params`` that requires a gradient and has no hook yet."""
+    def watch(self, params: Iterable[Tensor], *, every: bool = False) -> None:
+        """Hooks every parameter of ``params`` that requires a gradient and has no hook yet.
+
+        Args:
+            params: The parameters.
+            every: Whether ``params`` are all the registered parameters (then
+                :attr:`waiting` is set anew; else a frozen one only sets it).
+        """
+        if every:
+            self.waiting = False
         for param in params:
             key = id(param)
-            if key in self._hooked or not param.requires_grad:
+            if key in self._hooked:
+                continue
+            if not param.requires_grad:
+                self.waiting = True
                 continue
             self._hooked.add(key)
             self._handles.append(

@@ -61,6 +61,11 @@ class RefreshPolicy(ABC):
     def due(self, key: str, step: int) -> bool:
         """Whether statistic ``key`` is captured at ``step``."""
 
+    def due_keys(self, layer: str, keys: Sequence[str], step: int) -> frozenset[str]:
+        """Which of layer ``layer``'s statistics ``keys`` are captured at ``step``
+        (:meth:`due` of each ``"<layer>/<key>"``)."""
+        return frozenset(key for key in keys if self.due(f"{layer}/{key}", step))
+
     def record(self, key: str, step: int, old: Tensor | None, new: Tensor) -> None:  # noqa: B027
         """Tells the policy that ``key`` was refreshed at ``step`` from ``old`` to ``new``."""
 
@@ -88,12 +93,21 @@ class FixedRefresh(RefreshPolicy):
 
     def __init__(self, interval: Schedule) -> None:
         self.interval = interval
+        self._last: tuple[int, Schedule, bool] | None = None  # (step, interval, due)
 
     def due(self, key: str, step: int) -> bool:
         """``step % interval(step) == 0``."""
         value = resolve("factor_update_interval", self.interval, step)
         assert value is not None
         return step % int(value) == 0
+
+    def due_keys(self, layer: str, keys: Sequence[str], step: int) -> frozenset[str]:
+        """All of ``keys`` or none: one interval for every statistic, resolved once a
+        step (the last answer is kept for its step and interval)."""
+        last = self._last
+        if last is None or last[0] != step or last[1] is not self.interval:
+            last = self._last = (step, self.interval, self.due(layer, step))
+        return frozenset(keys) if last[2] else frozenset()
 
 
 @dataclass

@@ -35,9 +35,7 @@ def mark_due(refresh: RefreshPolicy, layers: Mapping[str, LayerState], step: int
     The answer is the same on every rank (the policy's state is agreed).
     """
     for name, layer in layers.items():
-        layer.due = frozenset(
-            key for key in layer.statistic_shapes() if refresh.due(f"{name}/{key}", step)
-        )
+        layer.due = refresh.due_keys(name, layer.statistic_names(), step)
     return any(layer.due for layer in layers.values())
 
 
