@@ -19,14 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.fsdp import fully_shard
 
 from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.blocks.grouped_conv import MAX_UNIT_DIM, GroupedConvBlock
 from dkfac.blocks.registry import block_or_reason
 from tests.distributed_utils import run_distributed
 from tests.oracles import SumSink, per_sample_unit_grads, unitwise_update
-from tests.serial_vs_distributed import assert_ranks_match, train_sharded
+from tests.serial_vs_distributed import assert_ranks_match, shard_children, train_sharded
 
 DT = torch.float64
 
@@ -192,14 +191,6 @@ CONFIGS: dict[str, tuple[str, bool, dict[str, Any]]] = {
 ADAM_PER_RANK = 40
 
 
-def _shard(model: nn.Module) -> None:
-    """``fully_shard`` on every layer with parameters, then on the root."""
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
-
-
 def _train(rank: int | None, world: int, config: str) -> list[Tensor]:
     strategy, ddp, options = CONFIGS[config]
     options = dict(options)
@@ -212,7 +203,7 @@ def _train(rank: int | None, world: int, config: str) -> list[Tensor]:
         batch_fn=functools.partial(_batch, world=world, per_rank=per_rank),
         steps=STEPS,
         ddp=ddp and rank is not None,
-        shard=_shard if fsdp and rank is not None else None,
+        shard=shard_children if fsdp and rank is not None else None,
         strategy=strategy,
         **OPTIONS,
         **options,
