@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.blocks import conv3d
 from dkfac.blocks.conv3d import Conv3dBlock, GroupedConv3dBlock
 from dkfac.blocks.registry import block_or_reason
+from dkfac.solvers.statistics import FactorAccumulator
 from tests.integrations.twins import covers_trains_and_resumes
 from tests.oracles import (
     SumSink,
@@ -135,6 +137,28 @@ def test_unbatched_input_is_a_batch_of_one() -> None:
     block = Conv3dBlock("", conv)
     assert block.batch_size(x) == 1 and block.batch_size(x.unsqueeze(0)) == 1
     assert block.output_positions(conv(x)) == 4 * 5 * 3
+
+
+@pytest.mark.parametrize("dtypes", [(None, None), (torch.float32, torch.float64)])
+def test_the_dense_capture_sums_groups_of_volumes_as_the_rows_would_add(
+    monkeypatch: pytest.MonkeyPatch, dtypes: tuple[torch.dtype | None, torch.dtype | None]
+) -> None:
+    """Into a dense accumulator the expand capture unfolds a group of volumes at a time
+    (one each here): the sum and count of the rows' own ``add``, in its precisions."""
+    product_dtype, dtype = dtypes
+    conv = _conv(CASES["dilation"])
+    x = torch.randn(3, 2, 5, 6, 5, dtype=DT)
+    block = Conv3dBlock("", conv)
+    monkeypatch.setattr(conv3d, "ROWS_MAX_BYTES", 1)
+    grouped = FactorAccumulator(dtype=dtype, product_dtype=product_dtype)
+    block.capture_input(x, {"A": grouped})
+    whole = FactorAccumulator(dtype=dtype, product_dtype=product_dtype)
+    whole.add(block.a_rows(x))
+    assert grouped.normaliser == whole.normaliser == 3 * 5 * 6 * 4
+    assert grouped.total is not None and whole.total is not None
+    assert grouped.total.dtype == whole.total.dtype == (dtype or DT)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if product_dtype else {}
+    torch.testing.assert_close(grouped.total, whole.total, **tolerance)
 
 
 class _Mean(nn.Module):

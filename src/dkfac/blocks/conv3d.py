@@ -20,7 +20,8 @@ A 1×1×1 output is a Linear layer's factors; a kernel of depth 1 on inputs of d
 ``'same'`` (possibly asymmetric: the extra element after, as torch pads) and the non-zero
 padding modes included; an unbatched ``(C, D, H, W)`` input is a batch of one. The patches
 are unfolded (``F.pad`` then :meth:`torch.Tensor.unfold` along the three axes): a copy of
-``kd·kh·kw`` times the input, no fast path.
+up to ``kd·kh·kw`` times the input, no fast path; the expand convention into a dense
+accumulator unfolds a group of volumes at a time (:data:`ROWS_MAX_BYTES`).
 
 A grouped or depthwise 3-D convolution gets :class:`GroupedConv3dBlock`: the unit-wise
 Fisher per output channel of :class:`~dkfac.blocks.grouped_conv.GroupedConvBlock`, its
@@ -30,20 +31,27 @@ per-sample gradients from ``conv3d_weight`` with the batch folded into the group
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.grad import conv3d_weight
 
-from dkfac.blocks.base import Rows, append_ones
+from dkfac.blocks.base import Rows, StatisticSink, append_ones
 from dkfac.blocks.conv_positions import ConvolutionBlock
 from dkfac.blocks.grouped_conv import GroupedConvBlock
 
 __all__ = ["Conv3dBlock", "GroupedConv3dBlock", "VolumeGeometry"]
 
 Triple = tuple[int, int, int]
+
+ROWS_MAX_BYTES = 64 * 2**20
+"""The most bytes of unfolded patch rows (an upper bound: the input's entries times the
+kernel's, as at stride 1) the expand capture into a dense accumulator holds at once; it
+sums the outer products over groups of volumes that fit (one volume at the least)."""
 
 
 def _triple(values: Any) -> Triple:
@@ -164,6 +172,30 @@ class Conv3dBlock(ConvolutionBlock):
         if self.has_bias:
             rows = append_ones(rows)
         return Rows(rows, float(rows.shape[0]))
+
+    def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
+        """Forward hook: adds A; under the expand convention into a dense accumulator,
+        ``Σ ā āᵀ`` summed over groups of volumes whose unfolded rows hold at most
+        :data:`ROWS_MAX_BYTES` (the patches of a video batch are ``kd·kh·kw`` times its
+        input), products in the sink's ``compute_dtype`` and the sum in its ``dtype`` as
+        its ``add`` would. Other reductions and sinks get :meth:`a_rows`."""
+        sink = sinks.get("A")
+        if sink is None or self.reduction is not None or not sink.takes_sums:
+            return super().capture_input(inputs, sinks)
+        volumes = self.image(inputs)
+        compute = sink.compute_dtype or volumes.dtype
+        per_volume = volumes[0].numel() * math.prod(self.geometry.kernel_size) * compute.itemsize
+        total: Tensor | None = None
+        count = 0
+        with torch.autocast(volumes.device.type, enabled=False):
+            for part in volumes.split(max(1, ROWS_MAX_BYTES // max(1, per_volume))):
+                rows = self.a_rows(part).rows.to(compute)
+                product = (rows.T @ rows).to(sink.dtype or rows.dtype)
+                total = product if total is None else total.add_(product)
+                count += rows.shape[0]
+        assert total is not None
+        sink.add_sum(total, float(count))
+        return None
 
 
 class GroupedConv3dBlock(GroupedConvBlock):
