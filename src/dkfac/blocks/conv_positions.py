@@ -88,6 +88,12 @@ class ConvolutionBlock(Block):
     """The convolution class the block takes."""
     geometry: Any
     """The window (:meth:`geometry_of` the module)."""
+    spatial_dims: ClassVar[int] = 2
+    """The spatial axes of the module's tensors ``(B, C, *spatial)`` (a 1-D block views
+    its tensors as height-1 images: :class:`LineImages`)."""
+    grouped_block: ClassVar[str | None] = None
+    """The block the registry gives the module type's grouped modules (:meth:`declines`
+    names it); ``None``: a block of its own says why it declines them."""
 
     @classmethod
     @abstractmethod
@@ -117,13 +123,6 @@ class ConvolutionBlock(Block):
         self.seed = seed
         self.step = 0
         self._drawn: tuple[tuple[int, int, int], Tensor] | None = None
-
-    spatial_dims: ClassVar[int] = 2
-    """The spatial axes of the module's tensors ``(B, C, *spatial)`` (a 1-D block views
-    its tensors as height-1 images: :class:`LineImages`)."""
-    grouped_block: ClassVar[str | None] = None
-    """The block the registry gives the module type's grouped modules (:meth:`declines`
-    names it); ``None``: a block of its own says why it declines them."""
 
     @classmethod
     def declines(cls, module: nn.Module, **options: Any) -> str | None:
