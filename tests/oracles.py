@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
 
 
 def conv_patches_by_hand(conv: nn.Conv2d, x: Tensor) -> Tensor:
@@ -79,3 +81,59 @@ def quintic_polar(matrix: Tensor, steps: int = 5) -> Tensor:
     for _ in range(steps):
         x = 3.4445 * x - 4.7750 * x**3 + 2.0315 * x**5
     return (p * x) @ rt
+
+
+def per_sample_unit_grads(conv: nn.Module, x: Tensor, delta: Tensor) -> Tensor:
+    """Oracle: ``(N, C_out, d)``, each sample's gradient of ``Σ δ_n · conv(x_n)`` by
+    torch.func, the weight's entries of output channel ``o`` then its bias."""
+    params = {k: v.detach() for k, v in conv.named_parameters()}
+
+    def loss(p: Mapping[str, Tensor], xn: Tensor, dn: Tensor) -> Tensor:
+        return (functional_call(conv, p, (xn.unsqueeze(0),)) * dn.unsqueeze(0)).sum()
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, delta)
+    units = grads["weight"].flatten(2)
+    if "bias" in grads:
+        units = torch.cat([units, grads["bias"].unsqueeze(-1)], dim=2)
+    return units
+
+
+def unitwise_update(model: nn.Module, x: Tensor, y: Tensor, damping: float) -> Tensor:
+    """``(F_o + λI)^{-1} ∇_o`` per output channel, ``F_o`` from torch.func per-sample
+    gradients of the cross-entropy (the batch's mean loss: ``F_o = mean_n g gᵀ``)."""
+    conv = model[0]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def sample_loss(p: Mapping[str, Tensor], xn: Tensor, t: Tensor) -> Tensor:
+        return F.cross_entropy(functional_call(model, p, (xn.unsqueeze(0),)), t.unsqueeze(0))
+
+    grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+    units = grads["0.weight"].flatten(2)
+    if conv.bias is not None:
+        units = torch.cat([units, grads["0.bias"].unsqueeze(-1)], dim=2)
+    fisher = torch.einsum("nci,ncj->cij", units, units) / x.shape[0]
+    mean = units.mean(dim=0)
+    eye = torch.eye(units.shape[2], dtype=units.dtype)
+    return torch.stack(
+        [torch.linalg.solve(f + damping * eye, g) for f, g in zip(fisher, mean, strict=True)]
+    )
+
+
+class SumSink:
+    """A dense accumulator as the engine's, for blocks that add sums (unit-wise ones):
+    ``Σ scale·sum`` and the normalisers."""
+
+    takes_sums = True
+    compute_dtype: torch.dtype | None = None
+    dtype: torch.dtype | None = None
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.count = 0.0
+
+    def add(self, rows: object, scale: float = 1.0) -> None:
+        raise AssertionError("a unit-wise block adds sums")
+
+    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
+        self.total = total * scale if self.total is None else self.total + total * scale
+        self.count += normaliser

@@ -48,8 +48,12 @@ __all__ = [
     "assert_ranks_match",
     "assert_tensors_close",
     "average_gradients",
+    "matches_serial",
     "micro_batch_rows",
     "once_per_key",
+    "params_of_cases",
+    "shard_children",
+    "train_case",
     "train_sharded",
 ]
 
@@ -308,6 +312,64 @@ def _train_step(
         run.optimizer.step()
     if hooks.after_step is not None:
         hooks.after_step(run)
+
+
+def shard_children(model: nn.Module) -> None:
+    """``fully_shard`` (FSDP2) on every child of ``model`` with parameters, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+
+
+def train_case(
+    rank: int | None,
+    world: int,
+    case: Mapping[str, Any],
+    *,
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[int], Batch],
+    steps: int,
+    options: Mapping[str, Any],
+) -> Run:
+    """:func:`train_sharded` with ``options`` updated by one case of a table; the case's
+    ``"fsdp": True`` shards the model with :func:`shard_children` on a rank (the serial
+    twin, ``rank=None``, is never sharded)."""
+    merged = {**options, **case}
+    fsdp = merged.pop("fsdp", False)
+    shard = shard_children if fsdp and rank is not None else None
+    return train_sharded(
+        rank, world, model_fn=model_fn, batch_fn=batch_fn, steps=steps, shard=shard, **merged
+    )
+
+
+def params_of_cases(
+    rank: int, world: int, train: Callable[..., Run], cases: Mapping[str, Mapping[str, Any]]
+) -> dict[str, list[Tensor]]:
+    """Each case's parameters after ``train(rank, world, case)`` (a spawned rank's work:
+    one spawn runs the whole table)."""
+    return {key: train(rank, world, case).params() for key, case in cases.items()}
+
+
+def matches_serial(
+    results: Sequence[Mapping[str, list[Tensor]]],
+    key: str,
+    train: Callable[..., Run],
+    cases: Mapping[str, Mapping[str, Any]],
+    model_fn: Callable[[], nn.Module],
+    **tolerance: float,
+) -> Run:
+    """Checks that the ranks' parameters of case ``key`` (:func:`params_of_cases` on each
+    rank) equal its serial twin's (the case without ``ddp`` and ``fsdp``), which moved every
+    parameter away from ``model_fn()``'s; returns the twin's run."""
+    serial_case = {k: v for k, v in cases[key].items() if k not in ("ddp", "fsdp")}
+    serial = train(None, len(results), serial_case)
+    start = list(model_fn().parameters())
+    assert all(not torch.equal(p, q) for p, q in zip(serial.params(), start, strict=True))
+    assert_ranks_match([r[key] for r in results], serial.params(), label=key, **tolerance)
+    return serial
 
 
 def once_per_key(compute: Callable[[K], V]) -> Callable[[K], V]:

@@ -149,9 +149,8 @@ def _builtin_blocks() -> set[str]:
     from torch import nn
 
     classes = {f for f in [*registry._REGISTRY.values(), *registry._BY_NAME.values()]}
-    classes.add(
-        registry.grouped_variant(registry._REGISTRY[nn.Conv2d], nn.Conv2d(2, 2, 1, groups=2))
-    )
+    for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        classes.add(registry.grouped_variant(registry._REGISTRY[conv], conv(2, 2, 1, groups=2)))
     made = registry.make_block("attn", nn.MultiheadAttention(4, 2))
     assert isinstance(made, list)
     classes.update(type(block) for block in made)

@@ -110,8 +110,8 @@ class KFACPreconditioner:
 
     Args:
         model: The model. Its layers of a type the block registry knows are
-            preconditioned (:mod:`dkfac.blocks.registry`: ``nn.Linear``, ``nn.Conv1d`` and
-            ``nn.Conv2d``, grouped ones unit-wise, ``nn.ConvTranspose1d/2d``,
+            preconditioned (:mod:`dkfac.blocks.registry`: ``nn.Linear``, ``nn.Conv1d/2d/3d``,
+            grouped ones unit-wise, ``nn.ConvTranspose1d/2d``,
             ``nn.Embedding``, ``nn.MultiheadAttention``, transformers' ``Conv1D``, affine
             BatchNorm unit-wise, and any type registered with
             :func:`dkfac.blocks.register_block`; ``describe()`` says what each parameter

@@ -13,22 +13,19 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.fsdp import fully_shard
-from torch.func import functional_call, grad, vmap
 
 from dkfac import KFACOptimizer, KFACPreconditioner
-from dkfac.blocks.base import Rows
 from dkfac.blocks.grouped_conv import MAX_UNIT_DIM, GroupedConvBlock
 from dkfac.blocks.registry import block_or_reason
 from tests.distributed_utils import run_distributed
-from tests.serial_vs_distributed import assert_ranks_match, train_sharded
+from tests.oracles import SumSink, per_sample_unit_grads, unitwise_update
+from tests.serial_vs_distributed import assert_ranks_match, shard_children, train_sharded
 
 DT = torch.float64
 
@@ -49,40 +46,6 @@ CONVS: dict[str, tuple[Any, tuple[int, ...]]] = {
 }  # fmt: skip
 
 
-class _Sink:
-    """A dense accumulator as the engine's: ``Σ scale·RᵀR`` and the normaliser."""
-
-    takes_sums = True
-    compute_dtype: torch.dtype | None = None
-    dtype: torch.dtype | None = None
-
-    def __init__(self) -> None:
-        self.total: Tensor | None = None
-        self.count = 0.0
-
-    def add(self, rows: Rows, scale: float = 1.0) -> None:
-        raise AssertionError("a unit-wise block adds sums")
-
-    def add_sum(self, total: Tensor, normaliser: float, scale: float = 1.0) -> None:
-        self.total = total * scale if self.total is None else self.total + total * scale
-        self.count += normaliser
-
-
-def _per_sample_unit_grads(conv: nn.Module, x: Tensor, delta: Tensor) -> Tensor:
-    """Oracle: ``(N, C_out, d)``, each sample's gradient of ``Σ δ_n · conv(x_n)`` by
-    torch.func, the weight's entries of output channel ``o`` then its bias."""
-    params = {k: v.detach() for k, v in conv.named_parameters()}
-
-    def loss(p: Mapping[str, Tensor], xn: Tensor, dn: Tensor) -> Tensor:
-        return (functional_call(conv, p, (xn.unsqueeze(0),)) * dn.unsqueeze(0)).sum()
-
-    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, delta)
-    units = grads["weight"].flatten(2)
-    if "bias" in grads:
-        units = torch.cat([units, grads["bias"].unsqueeze(-1)], dim=2)
-    return units
-
-
 @pytest.mark.parametrize("case", list(CONVS))
 def test_the_fisher_is_each_output_channel_s_per_sample_gradients(case: str) -> None:
     make, shape = CONVS[case]
@@ -91,10 +54,10 @@ def test_the_fisher_is_each_output_channel_s_per_sample_gradients(case: str) -> 
     block = GroupedConvBlock("conv", conv)
     x = torch.randn(5, *shape, dtype=DT)
     delta = torch.randn_like(conv(x))
-    sink = _Sink()
+    sink = SumSink()
     context = block.capture_input(x, {"F": sink})
     block.capture_grad(context, delta, {"F": sink}, scale=4.0)
-    units = _per_sample_unit_grads(conv, x, delta)  # (N, C, d)
+    units = per_sample_unit_grads(conv, x, delta)  # (N, C, d)
     out_channels, dim = units.shape[1], units.shape[2]
     assert dim == math.prod(conv.weight.shape[1:]) + int(conv.bias is not None) == block.a_dim
     assert block.statistic_shapes() == {"F": (out_channels, dim, dim)}
@@ -116,33 +79,12 @@ def _model(case: str) -> nn.Module:
     return nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(out.numel(), 3)).to(DT)
 
 
-def _oracle_update(model: nn.Module, x: Tensor, y: Tensor, damping: float) -> Tensor:
-    """``(F_o + λI)^{-1} ∇_o`` per output channel, ``F_o`` from torch.func per-sample
-    gradients of the cross-entropy (the batch's mean loss: ``F_o = mean_n g gᵀ``)."""
-    conv = model[0]
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def sample_loss(p: Mapping[str, Tensor], xn: Tensor, t: Tensor) -> Tensor:
-        return F.cross_entropy(functional_call(model, p, (xn.unsqueeze(0),)), t.unsqueeze(0))
-
-    grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
-    units = grads["0.weight"].flatten(2)
-    if conv.bias is not None:
-        units = torch.cat([units, grads["0.bias"].unsqueeze(-1)], dim=2)
-    fisher = torch.einsum("nci,ncj->cij", units, units) / x.shape[0]
-    mean = units.mean(dim=0)
-    eye = torch.eye(units.shape[2], dtype=DT)
-    return torch.stack(
-        [torch.linalg.solve(f + damping * eye, g) for f, g in zip(fisher, mean, strict=True)]
-    )
-
-
 @pytest.mark.parametrize("case", ["depthwise", "multiplier", "groups2", "conv1d_groups2"])
 def test_the_update_is_a_dense_solve_per_output_channel(case: str) -> None:
     model = _model(case)
     x = torch.randn(6, *CONVS[case][1], dtype=DT)
     y = torch.randint(0, 3, (6,))
-    expected = _oracle_update(model, x, y, damping=0.05)
+    expected = unitwise_update(model, x, y, damping=0.05)
     pre = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, damping=0.05, bn_damping=9.0)
     assert pre.layers["0"].solver.name == "unitwise"
     F.cross_entropy(model(x), y).backward()
@@ -249,14 +191,6 @@ CONFIGS: dict[str, tuple[str, bool, dict[str, Any]]] = {
 ADAM_PER_RANK = 40
 
 
-def _shard(model: nn.Module) -> None:
-    """``fully_shard`` on every layer with parameters, then on the root."""
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
-
-
 def _train(rank: int | None, world: int, config: str) -> list[Tensor]:
     strategy, ddp, options = CONFIGS[config]
     options = dict(options)
@@ -269,7 +203,7 @@ def _train(rank: int | None, world: int, config: str) -> list[Tensor]:
         batch_fn=functools.partial(_batch, world=world, per_rank=per_rank),
         steps=STEPS,
         ddp=ddp and rank is not None,
-        shard=_shard if fsdp and rank is not None else None,
+        shard=shard_children if fsdp and rank is not None else None,
         strategy=strategy,
         **OPTIONS,
         **options,

@@ -6,15 +6,15 @@ gathered or exchanged with their owners (``mem-opt``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from tests.distributed_utils import run_distributed
-from tests.serial_vs_distributed import assert_ranks_match, once_per_key, train_sharded
+from tests.serial_vs_distributed import matches_serial, once_per_key, params_of_cases, train_case
 
 ROWS, STEPS = 8, 4  # the global batch, cut into the ranks' shards
 CASES: dict[str, dict[str, Any]] = {
@@ -52,40 +52,17 @@ def decoder_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 3, (ROWS,), generator=gen)
 
 
-def _shard(model: nn.Module) -> None:
-    """``fully_shard`` on every layer with parameters, then on the root."""
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
+_train = functools.partial(
+    train_case, model_fn=make_decoder, batch_fn=decoder_batch, steps=STEPS, options=OPTIONS
+)
 
 
-def _train(rank: int | None, world: int, case: dict[str, Any]) -> Any:
-    options = {**OPTIONS, **case}
-    shard = _shard if options.pop("fsdp", False) and rank is not None else None
-    return train_sharded(
-        rank,
-        world,
-        model_fn=make_decoder,
-        batch_fn=decoder_batch,
-        steps=STEPS,
-        shard=shard,
-        **options,
-    )
-
-
-def _rank_main(rank: int, world: int) -> dict[str, Any]:
-    return {key: _train(rank, world, case).params() for key, case in CASES.items()}
-
-
-_spawned = once_per_key(lambda world: run_distributed(_rank_main, world, timeout=240))
+_spawned = once_per_key(
+    lambda world: run_distributed(params_of_cases, world, _train, CASES, timeout=240)
+)
 
 
 @pytest.mark.parametrize("key", list(CASES))
 def test_transposed_convolutions_equal_serial(key: str) -> None:
-    results = _spawned(2)
-    serial = _train(None, 2, {k: v for k, v in CASES[key].items() if k not in ("ddp", "fsdp")})
+    serial = matches_serial(_spawned(2), key, _train, CASES, make_decoder, **TOL)
     assert set(serial.pre.layers) == {"0", "3", "6"}
-    start = list(make_decoder().parameters())
-    assert all(not torch.equal(p, q) for p, q in zip(serial.params(), start, strict=True))
-    assert_ranks_match([r[key] for r in results], serial.params(), label=key, **TOL)

@@ -145,15 +145,17 @@ def test_role_patterns_reach_the_preconditioner_and_explicit_maps_win() -> None:
 
 class _Unsupported(nn.Module):
     """Hidden layers without a basis to orthogonalise: a depthwise convolution (unit-wise)
-    beside a pointwise one, and (``conv3d``) only 3-D convolutions, which have no block."""
+    beside a pointwise one, and (``volumes``) only transposed 3-D convolutions, which have no
+    block."""
 
-    def __init__(self, conv3d: bool) -> None:
+    def __init__(self, volumes: bool) -> None:
         super().__init__()
-        if conv3d:
-            self.first, self.hidden = nn.Conv3d(3, 4, 3, padding=1), nn.Conv3d(4, 4, 3, padding=1)
+        if volumes:
+            self.first = nn.ConvTranspose3d(3, 4, 3, padding=1)
+            self.hidden = nn.ConvTranspose3d(4, 4, 3, padding=1)
         else:
             self.first, self.hidden = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, groups=4)
-        self.pointwise = None if conv3d else nn.Conv2d(4, 4, 1)
+        self.pointwise = None if volumes else nn.Conv2d(4, 4, 1)
         self.head = nn.Linear(4, 2)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -162,30 +164,30 @@ class _Unsupported(nn.Module):
         return self.head(y.flatten(2).mean(-1))
 
 
-@pytest.mark.parametrize("conv3d", [False, True])
-def test_a_role_is_picked_among_the_preconditioned_layers(conv3d: bool) -> None:
+@pytest.mark.parametrize("volumes", [False, True])
+def test_a_role_is_picked_among_the_preconditioned_layers(volumes: bool) -> None:
     """``for_model``'s ``role:hidden`` on hidden layers that have no block or a unit-wise
     one: the Kronecker hidden layers are orthogonalised (none when there is none) and the
     model trains; an explicit pattern that matches nothing, or a unit-wise layer, is still
     an error."""
-    model = _Unsupported(conv3d)
+    model = _Unsupported(volumes)
     opt = KFACOptimizer.for_model(model)
     orthogonal = {
         n
         for n, s in opt.preconditioner.layers.items()
         if getattr(getattr(s.solver, "options", None), "orthogonal_rms", None)
     }
-    assert orthogonal == (set() if conv3d else {"pointwise"})
-    x = torch.randn(8, 3, 4, 4, 4) if conv3d else torch.randn(8, 3, 6, 6)
+    assert orthogonal == (set() if volumes else {"pointwise"})
+    x = torch.randn(8, 3, 4, 4, 4) if volumes else torch.randn(8, 3, 6, 6)
     for _ in range(2):
         opt.zero_grad()
         F.cross_entropy(model(x), torch.arange(8) % 2).backward()
         opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    error = r"pattern '\^hidden\$' matches none" if conv3d else "'unitwise_adam' has no eigenbasis"
+    error = r"pattern '\^hidden\$' matches none" if volumes else "'unitwise_adam' has no eigenbasis"
     with pytest.raises(ValueError, match=error):
         KFACPreconditioner(
-            _Unsupported(conv3d), method="eigen_adam", orthogonal_layers=["^hidden$"]
+            _Unsupported(volumes), method="eigen_adam", orthogonal_layers=["^hidden$"]
         )
 
 

@@ -145,14 +145,14 @@ class _Graph(nn.Module):
 
 
 class _Unsupported(nn.Module):
-    """Layers without a block: a 3-D convolution, a bilinear layer; beside them a grouped
-    dilated 1-D convolution (unit-wise) and a circular one."""
+    """Layers without a block: a transposed 3-D convolution, a bilinear layer; beside them a
+    grouped dilated 1-D convolution (unit-wise) and a circular one."""
 
     def __init__(self) -> None:
         super().__init__()
         self.grouped = nn.Conv1d(2, 4, 3, padding=2, dilation=2, groups=2)
         self.circular = nn.Conv1d(4, 4, 3, padding=1, padding_mode="circular")
-        self.volume = nn.Conv3d(1, 2, 3, padding=1)
+        self.volume = nn.ConvTranspose3d(1, 2, 3, padding=1)
         self.bilinear = nn.Bilinear(4, 4, 4)
         self.head = nn.Linear(4 * 4, 3)
 
@@ -256,7 +256,7 @@ def _reasons(case: str) -> dict[str, str]:
 def test_layers_without_a_block_are_named_with_why() -> None:
     reasons = _reasons("unsupported_layers")
     assert "grouped.weight" not in reasons  # unit-wise, its 1·3 weights and bias a unit
-    assert reasons["volume.weight"] == "Conv3d has no K-FAC block"
+    assert reasons["volume.weight"] == "ConvTranspose3d has no K-FAC block"
     assert reasons["bilinear.weight"] == "Bilinear has no K-FAC block"
     assert "circular.weight" not in reasons  # a circular padding is a plain convolution's
 

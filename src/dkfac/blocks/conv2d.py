@@ -47,7 +47,7 @@ from dkfac.blocks.base import (
     append_ones,
 )
 from dkfac.blocks.conv_factor import conv_input_factor_sum, window_sums
-from dkfac.blocks.conv_positions import ConvolutionBlock, channel_gram, gather_patches
+from dkfac.blocks.conv_positions import ConvolutionBlock, gather_patches
 from dkfac.blocks.conv_segments import output_size
 
 
@@ -146,35 +146,12 @@ class Conv2dBlock(ConvolutionBlock):
     geometry: ConvGeometry
     cost_kind = "conv2d"
     rows_are_outputs = True
-
-    @classmethod
-    def declines(cls, module: nn.Module, **options: Any) -> str | None:
-        """Grouped convolutions: one Kronecker pair would describe their block-diagonal
-        weight wrongly (the registry gives them
-        :class:`~dkfac.blocks.grouped_conv.GroupedConvBlock`)."""
-        del options
-        groups = getattr(module, "groups", 1)
-        if groups == 1:
-            return None
-        return f"grouped convolution (groups={groups}): GroupedConvBlock's, not a Kronecker pair"
-
-    def output_positions(self, output: Tensor) -> int:
-        """``H_out · W_out``."""
-        return int(output.shape[-1] * output.shape[-2])
+    grouped_block = "GroupedConvBlock"
 
     @classmethod
     def geometry_of(cls, module: nn.Module) -> ConvGeometry:
         """The window as a 2-D one (:meth:`ConvGeometry.of`)."""
         return ConvGeometry.of(module)  # type: ignore[arg-type]
-
-    def image(self, tensor: Tensor) -> Tensor:
-        """A forward input or output gradient as a batch of images ``(B, C, H, W)`` (an
-        unbatched ``(C, H, W)`` one as a batch of one)."""
-        return tensor.unsqueeze(0) if tensor.dim() == 3 else tensor
-
-    def batch_size(self, inputs: Tensor) -> int:
-        """Images in a forward input (1 for an unbatched ``(C, H, W)`` input)."""
-        return int(inputs.shape[0]) if inputs.dim() == 4 else 1
 
     @property
     def a_dim(self) -> int:
@@ -255,23 +232,6 @@ class Conv2dBlock(ConvolutionBlock):
         index = self.subsample_indices(padded.shape[0], out_h * out_w)
         return gather_patches(padded, module.kernel_size, module.stride, module.dilation, index)
 
-    def capture_grad(
-        self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
-    ) -> None:
-        """Backward hook: adds G; under the expand convention without the row transpose.
-
-        ``Σ_{n,t} g g^T`` of a dense accumulator is ``Σ_n g_n g_n^T`` over the per-image
-        ``(C, T)`` slices that the gradient already holds contiguously: one batched product,
-        where :meth:`g_rows` would first copy every gradient into position-major rows.
-        """
-        sink = sinks.get("G")
-        if sink is None or self.reduction is not None or not sink.takes_sums:
-            super().capture_grad(context, grad_output, sinks, scale)
-            return
-        grad_output = self.image(grad_output)
-        total = channel_gram(grad_output, sink.compute_dtype, sink.dtype)
-        sink.add_sum(total, float(grad_output.shape[0]), scale)
-
     def group_key(
         self, inputs: Tensor, grad_output: Tensor, sinks: Mapping[str, StatisticSink]
     ) -> Hashable | None:
@@ -339,23 +299,6 @@ class Conv2dBlock(ConvolutionBlock):
             for held, a_sum, g_sum in zip(part, a_sums.unbind(0), g_sums.unbind(0), strict=True):
                 held.sinks["A"].add_sum(a_sum, count)
                 held.sinks["G"].add_sum(g_sum, float(batch))
-
-    def g_rows(self, grad_output: Tensor) -> Rows:
-        """Output-gradient rows under the block's reduction (see the module docstring)."""
-        grad_output = self.image(grad_output)
-        batch, channels = grad_output.shape[0], grad_output.shape[1]
-        flat = grad_output.reshape(batch, channels, -1)  # (B, C, T)
-        total = flat.shape[2]
-        if self.reduction == "sum":
-            return Rows(flat.sum(dim=2), float(batch))
-        if self.reduction == "subsample":
-            index = self.subsample_indices(batch, total).to(flat.device)
-            count = index.shape[1]
-            picked = flat.gather(2, index.unsqueeze(1).expand(batch, channels, count))
-            rows = picked.transpose(1, 2).reshape(-1, channels)
-            return Rows(rows, batch * count / total)
-        rows = flat.transpose(1, 2).reshape(-1, channels)
-        return Rows(rows, float(batch))
 
 
 def grouped_input_sums(

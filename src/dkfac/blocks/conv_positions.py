@@ -10,13 +10,15 @@ so the forward and backward hooks of one step, and every rank, pick the same pos
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from dkfac.blocks.base import Block
+from dkfac.blocks.base import Block, Rows, StatisticSink
 
 __all__ = [
     "CONV_REDUCTIONS",
@@ -86,6 +88,12 @@ class ConvolutionBlock(Block):
     """The convolution class the block takes."""
     geometry: Any
     """The window (:meth:`geometry_of` the module)."""
+    spatial_dims: ClassVar[int] = 2
+    """The spatial axes of the module's tensors ``(B, C, *spatial)`` (a 1-D block views
+    its tensors as height-1 images: :class:`LineImages`)."""
+    grouped_block: ClassVar[str | None] = None
+    """The block the registry gives the module type's grouped modules (:meth:`declines`
+    names it); ``None``: a block of its own says why it declines them."""
 
     @classmethod
     @abstractmethod
@@ -115,6 +123,67 @@ class ConvolutionBlock(Block):
         self.seed = seed
         self.step = 0
         self._drawn: tuple[tuple[int, int, int], Tensor] | None = None
+
+    @classmethod
+    def declines(cls, module: nn.Module, **options: Any) -> str | None:
+        """Grouped convolutions: one Kronecker pair would describe their block-diagonal
+        weight wrongly (the registry gives them :attr:`grouped_block`)."""
+        del options
+        groups = getattr(module, "groups", 1)
+        if groups == 1:
+            return None
+        return f"grouped convolution (groups={groups}): {cls.grouped_block}'s, not a Kronecker pair"
+
+    def image(self, tensor: Tensor) -> Tensor:
+        """A forward input or output gradient as a batch ``(B, C, *spatial)`` (an unbatched
+        ``(C, *spatial)`` one as a batch of one)."""
+        return tensor.unsqueeze(0) if tensor.dim() == self.spatial_dims + 1 else tensor
+
+    def batch_size(self, inputs: Tensor) -> int:
+        """Samples in a forward input (1 for an unbatched ``(C, *spatial)`` input)."""
+        return int(inputs.shape[0]) if inputs.dim() == self.spatial_dims + 2 else 1
+
+    def output_positions(self, output: Tensor) -> int:
+        """The output's positions per sample: the product of its spatial sizes."""
+        return math.prod(int(size) for size in output.shape[-self.spatial_dims :])
+
+    def g_rows(self, grad_output: Tensor) -> Rows:
+        """Output-gradient rows at the output positions, under the block's reduction:
+        expand, ``B·T`` rows over ``B``; ``"sum"``, ``ḡ_n = Σ_t g_{n,t}`` over ``B``;
+        ``"subsample"``, the drawn positions over ``B·s/T`` (an unbiased estimate of the
+        expand factor). A transposed convolution, whose G lies at its input positions,
+        has its own."""
+        grad_output = self.image(grad_output)
+        batch, channels = grad_output.shape[0], grad_output.shape[1]
+        flat = grad_output.reshape(batch, channels, -1)  # (B, C, T)
+        total = flat.shape[2]
+        if self.reduction == "sum":
+            return Rows(flat.sum(dim=2), float(batch))
+        if self.reduction == "subsample":
+            index = self.subsample_indices(batch, total).to(flat.device)
+            count = index.shape[1]
+            picked = flat.gather(2, index.unsqueeze(1).expand(batch, channels, count))
+            rows = picked.transpose(1, 2).reshape(-1, channels)
+            return Rows(rows, batch * count / total)
+        rows = flat.transpose(1, 2).reshape(-1, channels)
+        return Rows(rows, float(batch))
+
+    def capture_grad(
+        self, context: Any, grad_output: Tensor, sinks: Mapping[str, StatisticSink], scale: float
+    ) -> None:
+        """Backward hook: adds G; under the expand convention without the row transpose.
+
+        ``Σ_{n,t} g g^T`` of a dense accumulator is ``Σ_n g_n g_n^T`` over the per-image
+        ``(C, T)`` slices that the gradient already holds contiguously: one batched product,
+        where :meth:`g_rows` would first copy every gradient into position-major rows.
+        """
+        sink = sinks.get("G")
+        if sink is None or self.reduction is not None or not sink.takes_sums:
+            super().capture_grad(context, grad_output, sinks, scale)
+            return
+        grad_output = self.image(grad_output)
+        total = channel_gram(grad_output, sink.compute_dtype, sink.dtype)
+        sink.add_sum(total, float(grad_output.shape[0]), scale)
 
     def set_step(self, step: int) -> None:
         """Sets the step whose seed (``seed + step``) picks the subsampled positions."""

@@ -187,19 +187,6 @@ class ConvTranspose2dBlock(ConvolutionBlock):
         """The window as a 2-D one (:meth:`TransposedGeometry.of`)."""
         return TransposedGeometry.of(module)  # type: ignore[arg-type]
 
-    def image(self, tensor: Tensor) -> Tensor:
-        """A forward input or output gradient as images ``(B, C, H, W)`` (an unbatched
-        ``(C, H, W)`` one as a batch of one)."""
-        return tensor.unsqueeze(0) if tensor.dim() == 3 else tensor
-
-    def batch_size(self, inputs: Tensor) -> int:
-        """Images in a forward input (1 for an unbatched ``(C, H, W)`` input)."""
-        return int(inputs.shape[0]) if inputs.dim() == 4 else 1
-
-    def output_positions(self, output: Tensor) -> int:
-        """``H_out · W_out`` (the positions a loss over the output averages over)."""
-        return int(output.shape[-1] * output.shape[-2])
-
     def forward_rows(self, inputs: Tensor | None, output: Tensor) -> int:
         """Images × *input* positions: each input vector meets the ``C_out · kh · kw``
         unfolded weight once, and the factors are summed over the input positions (module

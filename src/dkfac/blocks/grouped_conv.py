@@ -23,7 +23,8 @@ The per-sample gradients come from the convolution's own weight gradient with th
 folded into the groups (:func:`per_sample_weight_grads`, ``N·G`` groups): no unfolded copy
 of the input. Any kernel, stride, dilation and padding (``'same'`` included, and non-zero
 padding modes) of ``nn.Conv1d`` and ``nn.Conv2d`` are honoured; a ``Conv1d`` is a height-1
-image. The ``reduction`` options of the dense convolution blocks do not apply.
+image; a grouped ``nn.Conv3d`` is :class:`~dkfac.blocks.conv3d.GroupedConv3dBlock`, this
+block on volumes. The ``reduction`` options of the dense convolution blocks do not apply.
 
 Declined (left to the inner optimizer, with the reason): units of more than
 :data:`MAX_UNIT_DIM` parameters.
@@ -112,16 +113,24 @@ class GroupedConvBlock(Block):
     grad_statistics: ClassVar[tuple[str, ...]] = ("F",)
     damping_key: ClassVar[str] = "damping"
     cost_kind: ClassVar[str | None] = "grouped_conv"
+    module_types: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv1d, nn.Conv2d)
+    """The convolution classes the block takes (a subclass for other dimensions sets its
+    own, with :meth:`geometry_of`, :meth:`image` and :meth:`sample_weight_grads`)."""
     module: nn.Conv1d | nn.Conv2d
+
+    @classmethod
+    def type_names(cls) -> str:
+        """The classes of :attr:`module_types` as a message names them."""
+        return " or ".join(f"nn.{klass.__name__}" for klass in cls.module_types)
 
     @classmethod
     def declines(cls, module: nn.Module, **options: Any) -> str | None:
         """Units of more than :data:`MAX_UNIT_DIM` parameters; a module that is no
-        grouped ``Conv1d``/``Conv2d`` (not this block's)."""
+        grouped convolution of :attr:`module_types` (not this block's)."""
         del options
-        if not isinstance(module, (nn.Conv1d, nn.Conv2d)):
-            return f"{type(module).__name__} is not an nn.Conv1d or nn.Conv2d"
-        groups = int(module.groups)
+        if not isinstance(module, cls.module_types):
+            return f"{type(module).__name__} is not an {cls.type_names()}"
+        groups = int(getattr(module, "groups", 1))
         if groups == 1:
             return "groups=1 (a Kronecker block's)"
         dim = unit_dim(module)
@@ -133,14 +142,21 @@ class GroupedConvBlock(Block):
         return None
 
     def __init__(self, name: str, module: nn.Module) -> None:
-        if not isinstance(module, (nn.Conv1d, nn.Conv2d)):
-            raise TypeError(f"{name}: module must be an nn.Conv1d or nn.Conv2d")
+        if not isinstance(module, self.module_types):
+            raise TypeError(f"{name}: module must be an {self.type_names()}")
         reason = self.declines(module)
         if reason is not None:
             raise ValueError(f"{name}: {reason}")
         super().__init__(name, module)
-        self.geometry = ConvGeometry.of(module)
-        self.groups = int(module.groups)
+        self.geometry = self.geometry_of(module)
+        self.groups = int(getattr(module, "groups", 1))
+
+    @classmethod
+    def geometry_of(cls, module: nn.Module) -> Any:
+        """The window as a 2-D one (:class:`~dkfac.blocks.conv2d.ConvGeometry`; a
+        ``Conv1d``'s as a height-1 image)."""
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        return ConvGeometry.of(module)
 
     @property
     def a_dim(self) -> int:
@@ -187,8 +203,7 @@ class GroupedConvBlock(Block):
 
     def output_positions(self, output: Tensor) -> int:
         """Output positions per sample (``H_out·W_out``, or ``L_out``)."""
-        image = self.image(output)
-        return int(image.shape[-1] * image.shape[-2])
+        return math.prod(int(size) for size in self.image(output).shape[2:])
 
     def capture_input(self, inputs: Tensor, sinks: Mapping[str, StatisticSink]) -> Any:
         """The input, kept by reference for the backward hook (autograd keeps it for the
@@ -219,10 +234,15 @@ class GroupedConvBlock(Block):
         with torch.autocast(grad_output.device.type, enabled=False):
             x = self.image(inputs.detach()).to(dtype)
             delta = self.image(grad_output).to(dtype)
-            grads = per_sample_weight_grads(self.geometry, self.groups, x, delta)
+            grads = self.sample_weight_grads(x, delta)
             if self.has_bias:
-                grads = torch.cat([grads, delta.sum(dim=(2, 3)).unsqueeze(-1)], dim=2)
+                grads = torch.cat([grads, delta.flatten(2).sum(dim=2, keepdim=True)], dim=2)
         return grads
+
+    def sample_weight_grads(self, inputs: Tensor, grad_output: Tensor) -> Tensor:
+        """``(N, C_out, (C_in/G)·k)`` weight gradients of the samples of :meth:`image`
+        batches (:func:`per_sample_weight_grads`)."""
+        return per_sample_weight_grads(self.geometry, self.groups, inputs, grad_output)
 
 
 def unit_dim(module: nn.Module) -> int:

@@ -22,6 +22,7 @@ from dkfac.blocks.base import Block
 from dkfac.blocks.batchnorm import BatchNormBlock
 from dkfac.blocks.conv1d import Conv1dBlock
 from dkfac.blocks.conv2d import Conv2dBlock
+from dkfac.blocks.conv3d import Conv3dBlock, GroupedConv3dBlock
 from dkfac.blocks.conv_transpose import ConvTranspose1dBlock, ConvTranspose2dBlock
 from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.blocks.grouped_conv import GroupedConvBlock
@@ -37,6 +38,7 @@ _REGISTRY: dict[type[nn.Module], BlockFactory] = {
     nn.Linear: LinearBlock,
     nn.Conv1d: Conv1dBlock,
     nn.Conv2d: Conv2dBlock,
+    nn.Conv3d: Conv3dBlock,
     nn.ConvTranspose1d: ConvTranspose1dBlock,
     nn.ConvTranspose2d: ConvTranspose2dBlock,
     nn.Embedding: EmbeddingBlock,
@@ -91,12 +93,21 @@ def find_factory(module: nn.Module) -> BlockFactory | None:
     return None
 
 
+_GROUPED: dict[BlockFactory, BlockFactory] = {
+    Conv1dBlock: GroupedConvBlock,
+    Conv2dBlock: GroupedConvBlock,
+    Conv3dBlock: GroupedConv3dBlock,
+}
+"""The unit-wise block of each built-in dense convolution block's grouped modules."""
+
+
 def grouped_variant(factory: BlockFactory | None, module: nn.Module) -> BlockFactory | None:
-    """:class:`~dkfac.blocks.grouped_conv.GroupedConvBlock` for a grouped ``nn.Conv1d`` or
-    ``nn.Conv2d`` whose factory is the built-in dense block (a factory the user registered
-    is kept); ``factory`` otherwise."""
-    if factory in (Conv1dBlock, Conv2dBlock) and getattr(module, "groups", 1) != 1:
-        return GroupedConvBlock
+    """The unit-wise block for a grouped ``nn.Conv1d``, ``nn.Conv2d``
+    (:class:`~dkfac.blocks.grouped_conv.GroupedConvBlock`) or ``nn.Conv3d``
+    (:class:`~dkfac.blocks.conv3d.GroupedConv3dBlock`) whose factory is the built-in dense
+    block (a factory the user registered is kept); ``factory`` otherwise."""
+    if factory is not None and getattr(module, "groups", 1) != 1:
+        return _GROUPED.get(factory, factory)
     return factory
 
 
@@ -134,8 +145,8 @@ def block_or_reason(
     A factory that is a :class:`Block` subclass is first asked
     :meth:`~dkfac.blocks.base.Block.declines` (grouped convolutions with too wide units,
     grouped transposed convolutions, sparse embeddings, BatchNorm without affine
-    parameters or with ``unitwise=False``...). A grouped ``nn.Conv1d``/``nn.Conv2d`` gets
-    :class:`~dkfac.blocks.grouped_conv.GroupedConvBlock` (:func:`grouped_variant`).
+    parameters or with ``unitwise=False``...). A grouped ``nn.Conv1d``/``nn.Conv2d``/
+    ``nn.Conv3d`` gets its unit-wise block (:func:`grouped_variant`).
 
     Args:
         name: The module's qualified name.

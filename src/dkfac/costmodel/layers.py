@@ -4,8 +4,8 @@
 
 - ``nn.Linear(in, out)``: ``a_dim = in + 1`` with a bias (``in`` without), ``g_dim = out``.
 - ``nn.Conv2d(C_in, C_out, (kh, kw), groups=1)``: ``a_dim = C_in·kh·kw + 1`` with a bias,
-  ``g_dim = C_out``.
-- A grouped ``nn.Conv1d``/``nn.Conv2d`` (``groups = G > 1``, units of at most
+  ``g_dim = C_out`` (``nn.Conv1d`` and ``nn.Conv3d`` alike, over their kernel's entries).
+- A grouped ``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d`` (``groups = G > 1``, units of at most
   :data:`~dkfac.blocks.grouped_conv.MAX_UNIT_DIM` parameters): a unit-wise layer of kind
   ``"grouped_conv"`` with ``a_dim = d = (C_in/G)·kh·kw + 1`` with a bias and
   ``g_dim = C_out``: statistic and solver state ``C_out·d²``, gradient ``C_out·d``,
@@ -208,7 +208,7 @@ def extract_layers(
         kfac_params.update(id(p) for p in block.parameters())
     if not layers:
         raise ValueError(
-            "model has no nn.Linear, nn.Conv1d/Conv2d or other layer K-FAC preconditions"
+            "model has no nn.Linear, nn.Conv1d/2d/3d or other layer K-FAC preconditions"
         )
     others = [p for p in inner.parameters() if p.requires_grad and id(p) not in kfac_params]
     return ModelSpec(

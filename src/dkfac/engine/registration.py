@@ -133,8 +133,9 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
     blocks = coverage.resolve_ties(blocks)
     if not blocks:
         raise ValueError(
-            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv1d and "
-            "nn.Conv2d (grouped too), nn.ConvTranspose1d and nn.ConvTranspose2d with groups=1, "
+            "model has no layer K-FAC can precondition (supported: nn.Linear, nn.Conv1d, "
+            "nn.Conv2d and nn.Conv3d (grouped too), nn.ConvTranspose1d and nn.ConvTranspose2d "
+            "with groups=1, "
             "nn.Embedding, nn.MultiheadAttention, affine BatchNorm (unit-wise), transformers' "
             f"Conv1D, or types added with register_block); skip_layers={list(config.skip_layers)}"
         )
