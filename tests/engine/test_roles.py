@@ -55,6 +55,26 @@ def test_maps_are_found_through_channel_keeping_operations() -> None:
     assert flattened_conv_inputs(_Functional()) == {"head": (5, 16)}
 
 
+class _Volumes(nn.Module):
+    """A 3-D convolution pooled functionally (max, then average), then flattened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+        self.head = nn.Linear(3 * 8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.avg_pool3d(F.dropout3d(F.max_pool3d(self.conv(x), 2), 0.0), 2)
+        return self.head(y.flatten(1))
+
+
+def test_maps_are_found_through_functional_pools_of_volumes() -> None:
+    # (2, 8, 8, 8) volumes: 3 channels at 8·8·8 positions, pooled twice to 2·2·2 = 8
+    model = _Volumes()
+    assert model(torch.randn(1, 2, 8, 8, 8)).shape == (1, 4)
+    assert flattened_conv_inputs(model) == {"head": (3, 8)}
+
+
 class _NormsAndActivations(nn.Module):
     """Channel-keeping layers beyond BatchNorm and ReLU before the flatten: InstanceNorm,
     GroupNorm, SyncBatchNorm, ReLU6, Hardswish, upsampling and padding."""

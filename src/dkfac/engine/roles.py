@@ -95,9 +95,11 @@ _KEEPS_CHANNELS_MODULES = (
 _KEEPS_CHANNELS_FUNCTIONS = {
     F.relu, F.relu6, torch.relu, F.gelu, F.silu, F.mish, F.hardswish, F.hardsigmoid,
     F.leaky_relu, F.elu, F.selu, F.softplus, torch.tanh, torch.sigmoid, F.max_pool1d,
-    F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d,
-    F.interpolate, F.pad, F.dropout, F.dropout2d, operator.add, torch.add, operator.mul,
-    torch.mul,
+    F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d, F.interpolate,
+    F.pad, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, operator.add, torch.add,
+    operator.mul, torch.mul,
 }  # fmt: skip
 _KEEPS_CHANNELS_METHODS = {"relu", "relu_", "tanh", "sigmoid", "contiguous", "add", "mul"}
 
