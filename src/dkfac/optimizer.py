@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dkfac.config import unread_moment_fields
-from dkfac.config.checks import check_range
+from dkfac.config.checks import check_bool, check_range
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import finite_each
@@ -106,6 +106,10 @@ class KFACOptimizer(Optimizer):
             finite, before or after preconditioning, so NaN/Inf never reaches the weights
             (the preconditioner itself zeroes the non-finite gradients of its layers and
             skips their factor updates).
+
+    Raises:
+        TypeError: If ``inner`` is not an optimizer, ``preconditioner`` not a
+            :class:`KFACPreconditioner`, or ``skip_nonfinite`` not a bool.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class KFACOptimizer(Optimizer):
             raise TypeError(
                 f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__}"
             )
+        check_bool("skip_nonfinite", skip_nonfinite)
         self.inner = inner
         self.preconditioner = preconditioner
         self.skip_nonfinite = skip_nonfinite
@@ -197,8 +202,8 @@ class KFACOptimizer(Optimizer):
         Args:
             model: The model to train (all of its parameters go to the inner SGD: frozen
                 ones are stepped once they are unfrozen and have gradients).
-            lr: Step size > 0.
-            weight_decay: Decoupled weight decay >= 0.
+            lr: Step size > 0 (at most float32's largest number).
+            weight_decay: Decoupled weight decay >= 0 (at most the same).
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
@@ -218,13 +223,17 @@ class KFACOptimizer(Optimizer):
                 (:func:`~dkfac.config.unread_moment_fields`) are left out.
 
         Raises:
-            TypeError: If ``lr`` or ``weight_decay`` is not a number (or an option has the
-                wrong type: the config's errors).
-            ValueError: If ``lr`` is not finite and > 0 or ``weight_decay`` not finite and
-                >= 0 (or an option's value is bad).
+            TypeError: If ``model`` is not an ``nn.Module``, or ``lr`` or ``weight_decay``
+                is not a number (or an option has the wrong type: the config's errors).
+            ValueError: If ``lr`` is not > 0 or ``weight_decay`` not >= 0, or either is
+                beyond float32's largest number (about 3.4e38; or an option's value is bad).
         """
-        check_range("lr", lr, low=0.0)
-        check_range("weight_decay", weight_decay, low=0.0, low_inclusive=True)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
+        largest = float(torch.finfo(torch.float32).max)
+        check_range("lr", lr, low=0.0, high=largest, high_inclusive=True)
+        check_range("weight_decay", weight_decay, low=0.0, high=largest, low_inclusive=True)
         defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did
             defaults = {k: v for k, v in defaults.items() if k not in BUDGETED_OPTIONS}

@@ -147,7 +147,8 @@ class KFACPreconditioner:
             cannot take (FSDP1, tensor parallelism, DTensor and plain parameters mixed),
             or layers another live preconditioner holds (call its ``remove_hooks()``
             first).
-        TypeError: For an unknown option or a value of the wrong type.
+        TypeError: For a ``model`` that is not an ``nn.Module``, a ``config`` that is not a
+            :class:`KFACConfig`, an unknown option or a value of the wrong type.
     """
 
     def __init__(
@@ -169,6 +170,8 @@ class KFACPreconditioner:
                 "process_group must be a torch.distributed.ProcessGroup or None, got "
                 f"{type(process_group).__name__}"
             )
+        if config is not None and not isinstance(config, KFACConfig):
+            raise TypeError(f"config must be a KFACConfig or None, got {type(config).__name__}")
         if config is None:
             config = KFACConfig(**options)
         elif options:
