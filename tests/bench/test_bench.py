@@ -271,6 +271,22 @@ def test_bench_step_rejects_a_bad_skip_pattern() -> None:
         step.main(["--skip-layers", "Batch(Norm"])
 
 
+@pytest.mark.parametrize(
+    "flags", [["--repeats", "0"], ["--threads=-1"], ["--subsample-positions", "0"]]
+)
+def test_bench_step_refuses_a_count_below_one(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --repeats 0 ended in "no median for empty data", --threads -1 in torch's own error.
+    from dkfac.bench import step
+
+    with pytest.raises(SystemExit) as exit_info:
+        step.main(flags)
+    assert exit_info.value.code == 2
+    name = flags[0].partition("=")[0]
+    assert f"error: {name} must be >= 1, got" in capsys.readouterr().err
+
+
 def test_step_summary_prices_every_cost_against_the_adamw_step() -> None:
     from dkfac.bench.step import summarise
 
