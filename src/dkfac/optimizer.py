@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dkfac.config import unread_moment_fields
+from dkfac.config import check_schedule_value, unread_moment_fields
 from dkfac.config.checks import check_bool, check_range
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
@@ -82,6 +82,23 @@ _SKIP_MESSAGE: Final = ("step %d: non-finite gradient; optimizer step skipped",)
 def _skips_on_device(inner: Optimizer) -> bool:
     """Whether ``inner`` takes ``found_inf`` from its attributes (fused optimizers)."""
     return bool(getattr(inner, "_step_supports_amp_scaling", False))
+
+
+def _check_group_rates(groups: Any) -> None:
+    """The learning rates of a saved optimizer's groups, checked before anything loads
+    (torch loads a NaN or a string, and the next step refused it).
+
+    Raises:
+        ValueError: Naming the group, for a rate that is not a finite number >= 0.
+    """
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError("'param_groups' of the inner state dict must be a list of dicts")
+    for index, group in enumerate(groups):
+        if "lr" in group:
+            try:
+                check_schedule_value("lr", group["lr"])
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"param_groups[{index}]: {err}") from None
 
 
 def method_defaults(method: str) -> dict[str, Any]:
@@ -404,7 +421,8 @@ class KFACOptimizer(Optimizer):
         wrapper's ``param_groups`` and ``state`` stay the inner optimizer's.
 
         Raises:
-            ValueError: If the state dict is not one of this optimizer; nothing is changed.
+            ValueError: If the state dict is not one of this optimizer, or a group's
+                learning rate is not a finite number >= 0; nothing is changed.
         """
         inner, preconditioner, skipped = optimizer_state.unpack(state_dict)
         if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
@@ -413,6 +431,7 @@ class KFACOptimizer(Optimizer):
             )
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
+        _check_group_rates(inner["param_groups"])
         self.preconditioner.check_state_dict(preconditioner)
         before = {"state": self.inner.state, "param_groups": self.inner.param_groups}
         try:

@@ -125,3 +125,17 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(
     folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert folders == ["19990101-000000", "19990101-000000-2", "stamp", "stamp-2"]
     assert all((tmp_path / "runs" / f / "metrics.jsonl").exists() for f in folders[:2])
+
+
+def test_a_file_that_is_no_cifar_archive_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tarfile's message spans five lines ("- method gz: ReadError('empty file')" ...).
+    empty = tmp_path / "cifar-10-python.tar.gz"
+    empty.write_bytes(b"")
+    argv = ["train", "--data", "cifar10", "--data-dir", str(empty), "--threads", "1"]
+    code, err = run_cli([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("dkfac train: error: "), err
+    assert "truncated or not a gzip tar archive" in err and "- method tar: " in err
+    assert not (tmp_path / "run").exists()
