@@ -132,6 +132,25 @@ def test_skip_nonfinite_must_be_a_bool(flag: object) -> None:
         KFACOptimizer(inner, KFACPreconditioner(model), skip_nonfinite=flag)  # type: ignore[arg-type]
 
 
+def test_update_inverses_and_state_dict_check_their_arguments() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    pre = KFACPreconditioner(model)
+    F.cross_entropy(model(torch.randn(8, 4)), torch.arange(8) % 2).backward()
+    pre.step()
+    # A KeyError from deep inside; a string was read as its characters ("02": layers 0, 2).
+    with pytest.raises(ValueError, match=r"names \['9'\] are not registered layers; they are"):
+        pre.update_inverses(0.1, ["0", "9"])
+    with pytest.raises(TypeError, match="names must be a list of layer names or None"):
+        pre.update_inverses(0.1, "02")  # type: ignore[arg-type]
+    pre.update_inverses(0.1, ["2"])  # a list of registered names is fine
+    # "no" was read as true.
+    with pytest.raises(TypeError, match="include_inverses must be a bool, got 'no'"):
+        pre.state_dict(include_inverses="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gather must be a bool, got 0"):
+        pre.state_dict(gather=0)  # type: ignore[arg-type]
+    pre.remove_hooks()
+
+
 def test_a_skip_pattern_that_matches_nothing_is_named(caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with caplog.at_level(logging.WARNING, logger="dkfac.engine.registration"):
