@@ -287,6 +287,21 @@ def test_bench_step_refuses_a_count_below_one(
     assert f"error: {name} must be >= 1, got" in capsys.readouterr().err
 
 
+def test_bench_solvers_refuses_a_bad_device_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # torch.device's own RuntimeError, a traceback.
+    from dkfac.bench import solvers
+
+    with pytest.raises(SystemExit) as exit_info:
+        solvers.main(["--device", "gpu0"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        last == "dkfac bench solvers: error: --device must be auto, cpu, cuda or cuda:N, got 'gpu0'"
+    )
+
+
 def test_step_summary_prices_every_cost_against_the_adamw_step() -> None:
     from dkfac.bench.step import summarise
 

@@ -233,6 +233,9 @@ def test_tiny_autoencoder_run_with_peers_and_old_single_lr_flags(tmp_path: Path)
         (autoencoder.main, ["--seconds", "0"], "--eval-every and --seeds must be positive"),
         (autoencoder.main, ["--seconds", "nan"], "--eval-every and --seeds must be positive"),
         (tta.main, ["--max-seconds", "inf"], "--seeds and --max-seconds must be positive"),
+        # torch.set_num_threads(-1): "set_num_threads expects a positive integer", a traceback.
+        (tta.main, ["--threads=-1"], "--threads must be >= 1, got -1"),
+        (autoencoder.main, ["--threads=-1"], "--threads must be >= 1, got -1"),
         (autoencoder.main, ["--target-loss", "0"], "--target-loss must be > 0, got 0.0"),
         (autoencoder.main, ["--kfac-momentum", "1.5"], "--kfac-momentum must be in [0, 1)"),
     ],

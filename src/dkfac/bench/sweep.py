@@ -250,6 +250,8 @@ def check_peer_flags(
         parser.error(f"{listed} must be positive")
     if problem := next((found for found in problems if found is not None), None):
         parser.error(problem)
+    if (threads := getattr(args, "threads", None)) is not None and threads < 1:
+        parser.error(f"--threads must be >= 1, got {threads}")  # torch's error was a traceback
     for name in momenta:
         if not 0 <= (value := getattr(args, name)) < 1:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
