@@ -174,7 +174,7 @@ def train(
     pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
     try:
         run = session.build_session(args, device)
-        resume = _agree_resume(args.resume, folder, world, run.sharded)
+        resume = _agree_resume(args.resume, folder, run.world, run.sharded)
         if resume is not None:
             beacon.enter(f"{label}resume from {resume.name}", 0)
             pos.update(resume_state.restore(run, resume))
