@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from dkfac.config import unread_moment_fields
-from dkfac.config.checks import check_range
+from dkfac.config import check_schedule_value, unread_moment_fields
+from dkfac.config.checks import check_bool, check_range
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import finite_each
@@ -84,6 +84,23 @@ def _skips_on_device(inner: Optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False))
 
 
+def _check_group_rates(groups: Any) -> None:
+    """The learning rates of a saved optimizer's groups, checked before anything loads
+    (torch loads a NaN or a string, and the next step refused it).
+
+    Raises:
+        ValueError: Naming the group, for a rate that is not a finite number >= 0.
+    """
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError("'param_groups' of the inner state dict must be a list of dicts")
+    for index, group in enumerate(groups):
+        if "lr" in group:
+            try:
+                check_schedule_value("lr", group["lr"])
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"param_groups[{index}]: {err}") from None
+
+
 def method_defaults(method: str) -> dict[str, Any]:
     """:data:`DEFAULT_OPTIONS` as another ``method`` keeps them: the ones it reads. The
     moment options it does not read are errors when passed, and a method without a basis
@@ -106,6 +123,10 @@ class KFACOptimizer(Optimizer):
             finite, before or after preconditioning, so NaN/Inf never reaches the weights
             (the preconditioner itself zeroes the non-finite gradients of its layers and
             skips their factor updates).
+
+    Raises:
+        TypeError: If ``inner`` is not an optimizer, ``preconditioner`` not a
+            :class:`KFACPreconditioner`, or ``skip_nonfinite`` not a bool.
     """
 
     def __init__(
@@ -121,6 +142,7 @@ class KFACOptimizer(Optimizer):
             raise TypeError(
                 f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__}"
             )
+        check_bool("skip_nonfinite", skip_nonfinite)
         self.inner = inner
         self.preconditioner = preconditioner
         self.skip_nonfinite = skip_nonfinite
@@ -197,8 +219,8 @@ class KFACOptimizer(Optimizer):
         Args:
             model: The model to train (all of its parameters go to the inner SGD: frozen
                 ones are stepped once they are unfrozen and have gradients).
-            lr: Step size > 0.
-            weight_decay: Decoupled weight decay >= 0.
+            lr: Step size > 0 (at most float32's largest number).
+            weight_decay: Decoupled weight decay >= 0 (at most the same).
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
@@ -218,13 +240,17 @@ class KFACOptimizer(Optimizer):
                 (:func:`~dkfac.config.unread_moment_fields`) are left out.
 
         Raises:
-            TypeError: If ``lr`` or ``weight_decay`` is not a number (or an option has the
-                wrong type: the config's errors).
-            ValueError: If ``lr`` is not finite and > 0 or ``weight_decay`` not finite and
-                >= 0 (or an option's value is bad).
+            TypeError: If ``model`` is not an ``nn.Module``, or ``lr`` or ``weight_decay``
+                is not a number (or an option has the wrong type: the config's errors).
+            ValueError: If ``lr`` is not > 0 or ``weight_decay`` not >= 0, or either is
+                beyond float32's largest number (about 3.4e38; or an option's value is bad).
         """
-        check_range("lr", lr, low=0.0)
-        check_range("weight_decay", weight_decay, low=0.0, low_inclusive=True)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
+        largest = float(torch.finfo(torch.float32).max)
+        check_range("lr", lr, low=0.0, high=largest, high_inclusive=True)
+        check_range("weight_decay", weight_decay, low=0.0, high=largest, low_inclusive=True)
         defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did
             defaults = {k: v for k, v in defaults.items() if k not in BUDGETED_OPTIONS}
@@ -395,7 +421,8 @@ class KFACOptimizer(Optimizer):
         wrapper's ``param_groups`` and ``state`` stay the inner optimizer's.
 
         Raises:
-            ValueError: If the state dict is not one of this optimizer; nothing is changed.
+            ValueError: If the state dict is not one of this optimizer, or a group's
+                learning rate is not a finite number >= 0; nothing is changed.
         """
         inner, preconditioner, skipped = optimizer_state.unpack(state_dict)
         if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
@@ -404,6 +431,7 @@ class KFACOptimizer(Optimizer):
             )
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
+        _check_group_rates(inner["param_groups"])
         self.preconditioner.check_state_dict(preconditioner)
         before = {"state": self.inner.state, "param_groups": self.inner.param_groups}
         try:

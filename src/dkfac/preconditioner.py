@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
-from dkfac.config.checks import check_range
+from dkfac.config.checks import check_bool, check_range
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
@@ -147,7 +147,8 @@ class KFACPreconditioner:
             cannot take (FSDP1, tensor parallelism, DTensor and plain parameters mixed),
             or layers another live preconditioner holds (call its ``remove_hooks()``
             first).
-        TypeError: For an unknown option or a value of the wrong type.
+        TypeError: For a ``model`` that is not an ``nn.Module``, a ``config`` that is not a
+            :class:`KFACConfig`, an unknown option or a value of the wrong type.
     """
 
     def __init__(
@@ -169,6 +170,8 @@ class KFACPreconditioner:
                 "process_group must be a torch.distributed.ProcessGroup or None, got "
                 f"{type(process_group).__name__}"
             )
+        if config is not None and not isinstance(config, KFACConfig):
+            raise TypeError(f"config must be a KFACConfig or None, got {type(config).__name__}")
         if config is None:
             config = KFACConfig(**options)
         elif options:
@@ -527,9 +530,19 @@ class KFACPreconditioner:
         new states are checked on the device (:mod:`~dkfac.engine.refresh_checks`).
 
         Raises:
-            ValueError: For a damping that is not a finite number > 0.
+            ValueError: For a damping that is not a finite number > 0, or a name that is not
+                a registered layer's.
+            TypeError: For ``names`` that is not a list or tuple of names (a string would be
+                read as its characters).
         """
         damping = check_schedule_value("damping", damping)
+        if names is not None:
+            if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+                raise TypeError(f"names must be a list of layer names or None, got {names!r}")
+            if unknown := [n for n in names if n not in self.layers]:
+                raise ValueError(
+                    f"names {unknown} are not registered layers; they are {list(self.layers)}"
+                )
         hold = StateHold(self._guard.late, self._steps) if self.flags_on_device else None
         update_inverses(self.layers, self.strategy, damping, names, hold)
 
@@ -635,7 +648,12 @@ class KFACPreconditioner:
                 step exactly only when the state was saved right after an inverse update.
             gather: ``False`` saves only what this rank holds (no communication); layers
                 held elsewhere are saved as ``None`` and load as "no factors yet".
+
+        Raises:
+            TypeError: If ``include_inverses`` or ``gather`` is not a bool.
         """
+        check_bool("include_inverses", include_inverses)
+        check_bool("gather", gather)
         layers = layers_state(
             self.layers, self.strategy, self.comm, include_inverses=include_inverses, gather=gather
         )

@@ -105,7 +105,7 @@ def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int
     [
         (["train", "--bogus"], "unrecognized arguments: --bogus"),
         (["train", "--lr", "abc"], "invalid float value"),
-        (["train", "--lr", "-1"], "--lr must be > 0"),
+        (["train", "--lr", "-1"], "--lr must be in (0, 1e+38], got -1.0"),
         (["train", "--epochs", "0"], "--epochs must be >= 1"),
         (["train", "--momentum", "1.5"], "--momentum must be in [0, 1)"),
         (["train", "--optimizer", "lbfgs"], "invalid choice: 'lbfgs'"),

@@ -271,6 +271,37 @@ def test_bench_step_rejects_a_bad_skip_pattern() -> None:
         step.main(["--skip-layers", "Batch(Norm"])
 
 
+@pytest.mark.parametrize(
+    "flags", [["--repeats", "0"], ["--threads=-1"], ["--subsample-positions", "0"]]
+)
+def test_bench_step_refuses_a_count_below_one(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --repeats 0 ended in "no median for empty data", --threads -1 in torch's own error.
+    from dkfac.bench import step
+
+    with pytest.raises(SystemExit) as exit_info:
+        step.main(flags)
+    assert exit_info.value.code == 2
+    name = flags[0].partition("=")[0]
+    assert f"error: {name} must be >= 1, got" in capsys.readouterr().err
+
+
+def test_bench_solvers_refuses_a_bad_device_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # torch.device's own RuntimeError, a traceback.
+    from dkfac.bench import solvers
+
+    with pytest.raises(SystemExit) as exit_info:
+        solvers.main(["--device", "gpu0"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        last == "dkfac bench solvers: error: --device must be auto, cpu, cuda or cuda:N, got 'gpu0'"
+    )
+
+
 def test_step_summary_prices_every_cost_against_the_adamw_step() -> None:
     from dkfac.bench.step import summarise
 

@@ -59,3 +59,27 @@ def test_bad_arguments_exit_2(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as err:
         dispatches.main(bad)
     assert err.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (["--model", "nosuch"], "--model: unknown model 'nosuch'"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--device", "nosuch"], "--device must be auto, cpu, cuda or cuda:N, got 'nosuch'"),
+        (["--model", "gpt", "--width", "7", "--heads", "2"], "--width (7) must be a multiple"),
+    ],
+)
+def test_the_case_flags_are_checked_in_one_line(
+    bad: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # bench step and bench dispatches share these flags; each was a traceback from the
+    # model factory or torch (a batch of 0 ran and wrote its result).
+    from dkfac.bench import step
+
+    for main in (dispatches.main, step.main):
+        with pytest.raises(SystemExit) as err:
+            main(bad)
+        assert err.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in last and last.startswith("dkfac bench "), last

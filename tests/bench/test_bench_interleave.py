@@ -113,3 +113,26 @@ def test_float32_muon_is_polar_newton_schulz_in_float32(monkeypatch: pytest.Monk
     args = parser.parse_args([*TINY, "--muon-dtype", "float32"])
     check_peer_flags(parser, args, positive=(), default_kfac=lm.DEFAULT_KFAC)
     assert torch_muon._zeropower_via_newtonschulz is float32_newton_schulz
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "not a readable JSON result file ([Errno 2] No such file or directory"),
+        (b"", "not a readable JSON result file (Expecting value: line 1 column 1"),
+        (b"\xff\xfe", "not a readable JSON result file ('utf-8' codec can't decode"),
+        (b"[1, 2]", "a result file holds a JSON object, got list"),
+    ],
+)
+def test_paired_answers_a_file_that_is_no_result_in_one_line(
+    content: bytes | None, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each was a traceback (FileNotFoundError, JSONDecodeError, AttributeError on a list).
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as info:
+        paired.main(["--first", "k", "--second", "m", str(path)])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"dkfac bench paired: error: {path}: {message}"), last

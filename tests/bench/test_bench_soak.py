@@ -25,3 +25,23 @@ def test_bench_soak_dispatches_to_the_soak_parser(capsys: pytest.CaptureFixture[
         bench_main(["soak", "--help"])
     assert exit_info.value.code == 0
     assert "--checkpoint-every" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--strategy", "nosuch"], "argument --strategy/--kfac-strategy: invalid choice: 'nosuch'"),
+        (["--lr", "nan"], "--lr must be finite and in (0, 1e+38], got nan"),
+        (["--damping=-1"], "invalid K-FAC option: damping must be in (0.0, inf), got -1.0"),
+        (["--model", "nosuch"], "argument --model: unknown model 'nosuch'"),
+    ],
+)
+def test_soak_refuses_what_dkfac_train_refuses_before_any_rank_starts(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each rank refused it on its own, and the spawn ended in a ProcessExitedException.
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["soak", *flags])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"python -m dkfac.bench.soak: error: {message}"), last

@@ -316,6 +316,25 @@ def test_plan_cli_bad_input_exits_2(argv: list[str]) -> None:
     assert plan_main(argv) == 2
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # A fraction past the world size's float precision: UnboundLocalError ('preds').
+        (["--world-size", "99999999999999999"], "--world-size must be in (0, 1e+06]"),
+        # A fraction of more than every rank was taken and silently planned for nothing.
+        (["--world-size", "4", "--grad-worker-fraction", "3"], "must be in (0, 1], got 3"),
+        # torch.device's own RuntimeError, a traceback.
+        (["--world-size", "4", "--calibrate", "--device", "gpu0"], "--device must be auto"),
+    ],
+)
+def test_plan_cli_answers_hostile_input_in_one_line(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert plan_main(["--model", "cnn", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("dkfac plan: error:"), err
+
+
 def test_plan_cli_json_and_budget(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main(["--model", "cnn", "--world-size", "4", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)

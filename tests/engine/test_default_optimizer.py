@@ -70,18 +70,28 @@ def test_another_method_keeps_only_the_defaults_it_reads(method: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"lr": 0.0}, ValueError, "lr must be in \\(0.0, inf\\)"),
+        ({"lr": 0.0}, ValueError, "lr must be in \\(0.0, 3.40"),
         ({"lr": -1.0}, ValueError, "lr"),
         ({"lr": math.nan}, ValueError, "lr"),
         ({"lr": "0.1"}, TypeError, "lr must be a number, got str"),
-        ({"weight_decay": -0.1}, ValueError, "weight_decay must be in \\[0.0, inf\\)"),
+        ({"weight_decay": -0.1}, ValueError, "weight_decay must be in \\[0.0, 3.40"),
         ({"weight_decay": True}, TypeError, "weight_decay must be a number, got bool"),
         ({"method": "adam"}, ValueError, "method"),
+        # Past float32's range the inner SGD raised at the first step, from inside torch.
+        ({"lr": 1e300}, ValueError, "lr must be in \\(0.0, 3.4028234663852886e\\+38\\]"),
+        ({"weight_decay": 1e39}, ValueError, "weight_decay must be in \\[0.0, 3.40"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         KFACOptimizer.for_model(make_model(), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model", ["model", None, [torch.nn.Linear(2, 2)]])
+def test_a_model_that_is_no_module_is_refused(model: object) -> None:
+    # It was an AttributeError from deep inside (no attribute 'named_modules').
+    with pytest.raises(TypeError, match=f"model must be an nn.Module, got {type(model).__name__}"):
+        KFACOptimizer.for_model(model)  # type: ignore[arg-type]
 
 
 def _token_model() -> torch.nn.Module:

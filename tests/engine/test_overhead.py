@@ -136,3 +136,25 @@ def test_a_small_first_batch_is_named_once_when_a_larger_one_comes(caplog: Any) 
     assert "first batch of 8 samples, but a step now captures 64" in warned[0]
     assert run(64) == []
     assert run(64, logged=2048) == []  # a forward no backward goes through captures nothing
+
+
+def test_an_empty_first_batch_waits_for_the_first_that_is_not() -> None:
+    """A step on an empty batch (0 samples) tells the budget nothing: it raised "batch must
+    be >= 1, got 0" from the choice; now the step changes nothing and the choice is made
+    from the next batch that is not empty."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = KFACOptimizer.for_model(model)
+    budget = opt.preconditioner.budget
+    assert budget is not None
+    before = [p.detach().clone() for p in model.parameters()]
+    for batch in (0, 0, 24):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(batch, 8)), torch.arange(batch) % 3).backward()
+        opt.step()
+        if batch == 0:
+            assert budget.choice is None and budget.batch is None
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert budget.choice is not None and budget.batch == 24
+    assert budget.rows == {"0": 24, "2": 24}
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -114,6 +114,60 @@ def test_model_without_supported_layer_is_rejected() -> None:
         KFACPreconditioner("model")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("config", [{"damping": 0.1}, "eigen", 0.1])
+def test_a_config_that_is_no_kfac_config_is_refused(config: object) -> None:
+    # It was an AttributeError ('dict' object has no attribute 'skip_layers').
+    with pytest.raises(
+        TypeError, match=f"config must be a KFACConfig or None, got {type(config).__name__}"
+    ):
+        KFACPreconditioner(_mlp(), config=config)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", ["no", 0, None])
+def test_skip_nonfinite_must_be_a_bool(flag: object) -> None:
+    # "no" was taken as true: the one word that asks for no skipping turned it on.
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="skip_nonfinite must be a bool, got"):
+        KFACOptimizer(inner, KFACPreconditioner(model), skip_nonfinite=flag)  # type: ignore[arg-type]
+
+
+def test_update_inverses_and_state_dict_check_their_arguments() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    pre = KFACPreconditioner(model)
+    F.cross_entropy(model(torch.randn(8, 4)), torch.arange(8) % 2).backward()
+    pre.step()
+    # A KeyError from deep inside; a string was read as its characters ("02": layers 0, 2).
+    with pytest.raises(ValueError, match=r"names \['9'\] are not registered layers; they are"):
+        pre.update_inverses(0.1, ["0", "9"])
+    with pytest.raises(TypeError, match="names must be a list of layer names or None"):
+        pre.update_inverses(0.1, "02")  # type: ignore[arg-type]
+    pre.update_inverses(0.1, ["2"])  # a list of registered names is fine
+    # "no" was read as true.
+    with pytest.raises(TypeError, match="include_inverses must be a bool, got 'no'"):
+        pre.state_dict(include_inverses="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gather must be a bool, got 0"):
+        pre.state_dict(gather=0)  # type: ignore[arg-type]
+    pre.remove_hooks()
+
+
+def test_a_skip_pattern_that_matches_nothing_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.registration"):
+        pre = KFACPreconditioner(model, skip_layers=["^1$", "Linaer", "^9$"])
+    assert list(pre.layers) == ["0", "2"]
+    pre.remove_hooks()
+    warned = [r.getMessage() for r in caplog.records if "skip_layers" in r.getMessage()]
+    assert warned == [
+        "skip_layers patterns ['Linaer', '^9$'] match no module of the model (its names: "
+        "0, 1, 2): they skip nothing"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.registration"):
+        KFACPreconditioner(model, skip_layers=["ReLU", "^2$"])  # each matches a module
+    assert not [r for r in caplog.records if "skip_layers" in r.getMessage()]
+
+
 def test_skip_layers_by_name_and_class() -> None:
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2), nn.Linear(2, 2))
     assert list(KFACPreconditioner(model, skip_layers="^2$").layers) == ["0", "3"]

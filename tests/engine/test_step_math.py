@@ -92,3 +92,17 @@ def test_the_kl_clip_scale_is_the_definition(total: float, kl_clip: float, lr: f
         return
     want = min(1.0, math.sqrt(kl_clip / max(lr**2 * abs(total), 1e-30)))
     assert float(got) == pytest.approx(want, rel=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("total", "lr"), [(2.5, 1e30), (0.0, 1e30), (2.5, 1e300), (0.0, 1e300)])
+def test_the_kl_clip_scale_survives_a_huge_lr(total: float, lr: float, dtype: torch.dtype) -> None:
+    """``lr ** 2`` raised OverflowError past 1.3e154, and lr² / κ beyond the sum's range
+    times a zero sum was NaN: the scale is the definition to within the smallest step,
+    1 for a zero sum."""
+    final = torch.tensor([[total, 0.0]], dtype=dtype)
+    raw = torch.tensor([[1.0, 3.0]], dtype=dtype)
+    got = kl_clip_scale(_Serial(), {"w": final}, ["w"], {"w": raw}, 1e-3, lr)  # type: ignore[arg-type]
+    assert got is not None and bool(torch.isfinite(got))
+    want = 1.0 if total == 0 else math.sqrt(1e-3 / (lr * lr * abs(total)))
+    assert float(got) == pytest.approx(want, abs=1e-30)

@@ -109,6 +109,14 @@ def _other_inner(state: dict[str, Any]) -> None:  # the inner part does not fit:
     state["inner"]["param_groups"][0]["params"] = [0, 1, 2]
 
 
+def _nan_lr(state: dict[str, Any]) -> None:  # torch loads it; the next step refused it
+    state["inner"]["param_groups"][0]["lr"] = math.nan
+
+
+def _string_lr(state: dict[str, Any]) -> None:
+    state["inner"]["param_groups"][0]["lr"] = "0.1"
+
+
 TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "string step": (_set_step, "'step' must be an integer >= 0, got '4'"),
     "NaN factor": (_nan_factor, "2: saved A is not finite"),
@@ -117,6 +125,8 @@ TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "bad generator": (_bad_generator, "'mc_generator' is not a generator state"),
     "bad inverse": (_bad_inverse, "0: a saved inverse must be a dict of tensors"),
     "inner of another model": (_other_inner, "doesn't match the size"),
+    "NaN lr": (_nan_lr, r"param_groups\[0\]: lr must be in \[0.0, inf\), got nan"),
+    "string lr": (_string_lr, r"param_groups\[0\]: lr must be a number, got str"),
 }
 
 

@@ -217,7 +217,7 @@ def _read_tar(path: Path, lay: CifarLayout) -> dict[str, tuple[str, bytes]]:
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         raise DataError(
             f"{path}: truncated or not a gzip tar archive (expected the official "
-            f"{lay.archive}): {exc}"
+            f"{lay.archive}): {' '.join(str(exc).split())}"  # tarfile's text spans lines
         ) from None
     for member_name, name in wanted.items():
         if name not in found:

@@ -11,7 +11,7 @@ import contextlib
 import re
 
 from dkfac.app.devices import device_error
-from dkfac.app.domains import check_domains
+from dkfac.app.domains import DOMAINS, check_domains
 from dkfac.app.gpt import size_problem
 from dkfac.app.models import LANGUAGE_MODELS
 from dkfac.app.parallel import flag_problem
@@ -68,6 +68,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error("the autoencoder has no accuracy; drop --target-accuracy")
     if message := device_error(args.device):
         parser.error(message)
+    if args.resume == "auto" and args.out is None:
+        parser.error(
+            "--resume auto continues the run in --out: give --out RUN (without it every run "
+            "starts in a new runs/<timestamp> folder)"
+        )
     if args.resume is not None and args.overwrite:
         parser.error("--overwrite starts the run folder afresh; it cannot go with --resume")
     _check_recipe(args, parser)
@@ -89,7 +94,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
 
 def _check_lrs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """``--lrs NAME=LR ...``: known optimizers, once each, finite rates > 0; applied to
+    """``--lrs NAME=LR ...``: known optimizers, once each, rates in ``--lr``'s domain; applied to
     ``args.lr`` for ``train``, or :data:`DEFAULT_LRS` where neither gives one (``compare``
     applies them per optimizer: :func:`dkfac.app.trainer.optimizer_lr`)."""
     rates: dict[str, float] = {}
@@ -99,10 +104,10 @@ def _check_lrs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             rate = float(value)
         except ValueError:
             rate = float("nan")
-        if name not in OPTIMIZERS or name in rates or not 0 < rate < float("inf"):
+        if name not in OPTIMIZERS or name in rates or not DOMAINS["lr"].contains(rate):
             parser.error(
                 f"--lrs takes OPTIMIZER=LR with an optimizer from {', '.join(OPTIMIZERS)} "
-                f"(each once) and a finite LR > 0, got {item!r}"
+                f"(each once) and an LR {DOMAINS['lr'].describe()}, got {item!r}"
             )
         rates[name] = rate
     args.lrs = [f"{name}={rate!r}" for name, rate in rates.items()]

@@ -17,6 +17,10 @@ import math
 from typing import Any
 
 SEED_MAX = 2**32 - 1  # numpy / scikit-learn seeds (the digits split) stop here
+FLOAT32_MAX = 1e38
+"""The largest rate or decay a flag takes: torch's optimizers multiply float32 weights by
+it (``param.add_(grad, alpha=-lr)``), and a number beyond float32's range (about 3.4e38)
+fails there with a traceback instead of here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,8 @@ class Domain:
 
 
 def _show(bound: float) -> str:
-    return str(int(bound)) if math.isfinite(bound) and bound == int(bound) else str(bound)
+    whole = math.isfinite(bound) and bound == int(bound) and abs(bound) < 1e15
+    return str(int(bound)) if whole else f"{bound:g}"
 
 
 POSITIVE_INT = Domain(1)
@@ -89,10 +94,10 @@ DOMAINS: dict[str, Domain] = {
     "checkpoint_epochs": COUNT,
     "eval_every": COUNT,
     "seed": Domain(0, SEED_MAX),
-    "lr": Domain(0.0, low_open=True),
-    "muon_adamw_lr": Domain(0.0, low_open=True),
+    "lr": Domain(0.0, FLOAT32_MAX, low_open=True),
+    "muon_adamw_lr": Domain(0.0, FLOAT32_MAX, low_open=True),
     "momentum": Domain(0.0, 1.0, high_open=True),
-    "weight_decay": Domain(0.0),
+    "weight_decay": Domain(0.0, FLOAT32_MAX),
     "warmup_epochs": Domain(0.0),
     "milestones": Domain(0.0, meaning="epochs"),
     "gamma": Domain(0.0, 1.0, low_open=True, meaning="a decay factor"),

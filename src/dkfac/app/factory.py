@@ -4,7 +4,8 @@
 keywords of the dataset's shape that its signature names (every one when it takes
 ``**kwargs``): ``in_channels``, ``image_size``, ``num_classes`` and, with ``--data text``,
 ``seq_len`` (where ``num_classes`` is the vocabulary, 256, and ``image_size`` equals
-``seq_len``). It must return an ``nn.Module``. Every failure to get one is a
+``seq_len``); a factory whose signature needs more than those is refused before it is
+called. It must return an ``nn.Module``. Every failure to get one is a
 :class:`ModelError` with a one-line message; an exception raised inside the factory itself is
 left alone (its traceback is the user's to read).
 """
@@ -80,14 +81,47 @@ def _keywords_taken(factory: Callable[..., Any], offered: dict[str, int]) -> dic
     return {k: v for k, v in offered.items() if k in named}
 
 
+def _check_callable_with(
+    spec: str, factory: Callable[..., Any], keywords: dict[str, int], offered: dict[str, int]
+) -> None:
+    """Refuses a factory whose signature cannot take just ``keywords`` (a parameter without
+    a default that is none of them), before calling it.
+
+    Raises:
+        ModelError: Naming the parameters it needs and the keywords it is offered.
+    """
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read: the call itself will say
+        return
+    try:
+        signature.bind(**keywords)
+    except TypeError:
+        needed = [
+            p.name
+            for p in signature.parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            and p.name not in keywords
+        ]
+        raise ModelError(
+            f"model factory {spec} needs {', '.join(needed) or 'positional arguments'}, which "
+            f"the training program does not give: it calls the factory with those of "
+            f"{', '.join(offered)} that its signature names, as keywords"
+        ) from None
+
+
 def build_from_factory(spec: str, **offered: int) -> nn.Module:
     """Calls the factory of ``spec`` with the keywords of ``offered`` it names.
 
     Raises:
-        ModelError: If the factory cannot be loaded or returns no ``nn.Module``.
+        ModelError: If the factory cannot be loaded, needs an argument it is not offered,
+            or returns no ``nn.Module``.
     """
     factory = load_factory(spec)
-    model = factory(**_keywords_taken(factory, offered))
+    keywords = _keywords_taken(factory, offered)
+    _check_callable_with(spec, factory, keywords, offered)
+    model = factory(**keywords)
     if not isinstance(model, nn.Module):
         raise ModelError(
             f"model factory {spec} returned {type(model).__name__}, not a torch.nn.Module"

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dkfac.app.devices import device_error
 from dkfac.app.models import MODELS, build_model
 from dkfac.app.plan_sharded import (
     align_table,
@@ -59,6 +60,10 @@ DEFAULT_SHAPES: dict[str, tuple[int, int, int]] = {
 }
 """Model -> (in_channels, image_size, num_classes) when not given; others: (3, 32, 10)."""
 
+MAX_RANKS = 1_000_000
+"""The largest ``--world-size``: past about 1e15 ranks the placements' float arithmetic
+(a fraction of the world) is no longer exact, and no job has a million ranks."""
+
 _PHASE_SHORT = {
     "forward_backward": "fwd+bwd",
     "factor_build": "factors",
@@ -71,7 +76,7 @@ _PHASE_SHORT = {
 }
 
 
-def _positive(kind: type, name: str) -> Any:
+def _positive(kind: type, name: str, high: float = math.inf) -> Any:
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -79,6 +84,8 @@ def _positive(kind: type, name: str) -> Any:
             raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}") from None
         if not (isinstance(value, int) or math.isfinite(value)) or value <= 0:
             raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{name} must be in (0, {high:g}], got {text}")
         return value
 
     return parse
@@ -102,7 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", required=True, choices=sorted(MODELS), help="the training program's model"
     )
-    p.add_argument("--world-size", type=_positive(int, "--world-size"), required=True, help="ranks")
+    p.add_argument(
+        "--world-size",
+        type=_positive(int, "--world-size", MAX_RANKS),
+        required=True,
+        help=f"ranks (at most {MAX_RANKS:g})",
+    )
     numbers: tuple[tuple[str, type, float | None, str], ...] = (
         ("--batch-per-rank", int, 32, "samples per rank and step"),
         ("--bandwidth-gbps", float, 100.0, "network bandwidth per rank, Gbit/s"),
@@ -129,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=METHODS, default="eigen", help="(default: eigen)")
     p.add_argument(
         "--grad-worker-fraction",
-        type=_positive(float, "--grad-worker-fraction"),
+        type=_positive(float, "--grad-worker-fraction", 1.0),
         nargs="+",
         default=[0.5, 0.25],
         help="KAISA fractions to compare (those not dividing the world size are skipped; "
@@ -303,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("no candidate strategy left (kaisa fractions must divide P)")
         if problem := _sharded_problem(args):
             raise ValueError(problem)
+        if args.calibrate and (problem := device_error(args.device)):
+            raise ValueError(problem)
     except ValueError as err:
         print(f"dkfac plan: error: {err}", file=sys.stderr)
         return 2
@@ -319,17 +333,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.parallel != "ddp":
         return _plan_sharded(args, spec, pairs, options, budget)
-    try:
+    choice: StrategyPrediction | None
+    try:  # without a budget every candidate has a prediction: a failure is the input's
         choice, preds = recommend(
             spec, args.world_size, batch_per_rank=args.batch_per_rank, rates=rates,
             memory_budget_bytes=None, strategies=pairs, **options,
         )  # fmt: skip
+    except ValueError as err:
+        print(f"dkfac plan: error: {err}", file=sys.stderr)
+        return 2
+    error = None
+    try:
         if budget is not None:
             choice, _ = recommend(
                 spec, args.world_size, batch_per_rank=args.batch_per_rank, rates=rates,
                 memory_budget_bytes=budget, strategies=pairs, **options,
             )  # fmt: skip
-        error = None
     except ValueError as err:
         choice, error = None, str(err)
     if args.json:

@@ -285,14 +285,19 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Reads a TOML config file into ``{dest: value}`` (dashes in keys become underscores).
 
     Raises:
-        ConfigError: If the file is missing, not valid TOML, or nests tables.
+        ConfigError: If the path is empty, the file is missing or a folder, not valid TOML,
+            or nests tables.
     """
+    if not str(path).strip():
+        raise ConfigError("--config is empty: give the path of a TOML file")
     file = Path(path)
     try:
         with file.open("rb") as handle:
             raw = tomllib.load(handle)
     except FileNotFoundError:
         raise ConfigError(f"config file {file} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {file} is a folder, not a TOML file") from None
     except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError included
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from None
     values: dict[str, Any] = {}

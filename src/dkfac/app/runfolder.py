@@ -7,10 +7,13 @@ message (exit 2) instead of a traceback after the data and model were built.
 A folder that holds an earlier run (a checkpoint or ``metrics.jsonl``) is refused unless the
 run resumes (``--resume``) or the user asks to start afresh there (``--overwrite``, which
 deletes the old checkpoints so that no later ``--resume auto`` can pick one of them up).
+A folder the run created is removed again (:func:`remove_empty_folder`) when the run is
+refused before it wrote anything (data, model or checkpoint that do not fit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -65,3 +68,10 @@ def prepare_run_folder(folder: Path, *, resume: str | None, overwrite: bool) -> 
         for name in (sharded.LATEST, sharded.PREVIOUS, sharded.TEMP):
             shutil.rmtree(folder / name, ignore_errors=True)
     remove_temporaries(folder)
+
+
+def remove_empty_folder(folder: Path) -> None:
+    """Removes ``folder`` if it is empty (a run folder prepared for a run that was then
+    refused); a folder that holds anything, or cannot be removed, is left as it is."""
+    with contextlib.suppress(OSError):
+        folder.rmdir()

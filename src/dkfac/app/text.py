@@ -87,8 +87,8 @@ def read_text_bytes(root: PathLike, max_bytes: int, pattern: str = DEFAULT_GLOB)
     """The first ``max_bytes`` bytes of the concatenated files of ``root`` (see module doc).
 
     Raises:
-        DataError: For a missing path, a folder without matching files, an unreadable file
-            or ``max_bytes < 1``.
+        DataError: For a missing path, a folder without matching files, an unreadable file,
+            files that are all empty, or ``max_bytes < 1``.
     """
     if max_bytes < 1:
         raise DataError(f"--text-bytes must be >= 1, got {max_bytes}")
@@ -104,6 +104,8 @@ def read_text_bytes(root: PathLike, max_bytes: int, pattern: str = DEFAULT_GLOB)
         total += len(chunk)
         if total >= max_bytes:
             break
+    if total == 0:
+        raise DataError(f"--text-path {root}: the text is empty (0 bytes read)")
     return b"".join(chunks)
 
 

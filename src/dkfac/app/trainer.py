@@ -49,7 +49,7 @@ from dkfac.app.cli_checks import DEFAULT_LRS
 from dkfac.app.data import shard_indices
 from dkfac.app.devices import pick_device
 from dkfac.app.runconfig import write_resolved_config
-from dkfac.app.runfolder import RunFolderError, prepare_run_folder
+from dkfac.app.runfolder import RunFolderError, prepare_run_folder, remove_empty_folder
 from dkfac.app.session import UsageError
 from dkfac.app.sharded_checkpoint import LATEST as SHARDED_LATEST
 from dkfac.app.sharded_checkpoint import choose_sharded_resume, save_sharded
@@ -109,11 +109,21 @@ def _on_rank0(decide: Callable[[], Any], world: int) -> Any:
     return box[0]
 
 
+def _fresh_run_name(stamp: str) -> str:
+    """``stamp``, or ``stamp-2``, ``stamp-3``, ... : the first that does not exist, so that
+    runs started in the same second without ``--out`` each get a folder of their own."""
+    name, count = stamp, 1
+    while Path(name).exists():
+        count += 1
+        name = f"{stamp}-{count}"
+    return name
+
+
 def _run_folder(args: argparse.Namespace, world: int, write: bool) -> Path:
     """Rank 0's run folder (``--out`` or ``runs/<timestamp>``), created and checked when written."""
 
     def decide() -> str:
-        name = args.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
+        name = args.out or _fresh_run_name(f"runs/{datetime.now():%Y%m%d-%H%M%S}")
         if write:
             overwrite = bool(getattr(args, "overwrite", False))
             prepare_run_folder(Path(name), resume=args.resume, overwrite=overwrite)
@@ -158,16 +168,22 @@ def train(
     rank, world = session.world_info()
     beacon = beacon or Beacon(None, rank, world)
     beacon.enter(f"{label}setup", 0)
+    new_folder = args.out is None or not Path(args.out).exists()
     folder = _run_folder(args, world, write)
     args.out = str(folder)
-    run = session.build_session(args, device)
+    pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
+    try:
+        run = session.build_session(args, device)
+        resume = _agree_resume(args.resume, folder, run.world, run.sharded)
+        if resume is not None:
+            beacon.enter(f"{label}resume from {resume.name}", 0)
+            pos.update(resume_state.restore(run, resume))
+    except (UsageError, CheckpointError):
+        if new_folder and write and rank == 0:  # a run that never started leaves no folder
+            remove_empty_folder(folder)
+        raise
     rank, world = run.rank, run.world
     main = rank == 0 and write
-    resume = _agree_resume(args.resume, folder, world, run.sharded)
-    pos = {"epoch": 0, "step_in_epoch": 0, "step": 0, "train_seconds": 0.0, "wall_seconds": 0.0}
-    if resume is not None:
-        beacon.enter(f"{label}resume from {resume.name}", 0)
-        pos.update(resume_state.restore(run, resume))
     # Rotate the folder's latest checkpoint into the backup only once it is known good: after
     # a fallback to the backup (latest damaged or missing) the first save replaces it.
     latest = folder / (SHARDED_LATEST if run.sharded else LATEST)

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dkfac.blocks.conv_path_choice as conv_path_choice
 import dkfac.solvers.host_copy as host_copy
 from dkfac.bench.common import command_line, machine_info, write_result
-from dkfac.bench.step import add_case_arguments, model_and_batch
+from dkfac.bench.step import add_case_arguments, case_problem, model_and_batch
 from dkfac.engine import launches
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -147,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads < 1 or args.top < 0:
         parser.error("--threads must be >= 1 and --top >= 0")
+    if problem := case_problem(args):
+        parser.error(problem)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)

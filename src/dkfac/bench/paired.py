@@ -46,16 +46,35 @@ def summary(diffs: list[float]) -> dict[str, Any]:
     }
 
 
+def _result_file(path: str) -> dict[str, Any]:
+    """A benchmark's JSON result file.
+
+    Raises:
+        ValueError: For a file that cannot be read or is not a JSON object (one line).
+    """
+    try:
+        with open(path) as handle:
+            payload = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable JSON result file ({err})") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path}: a result file holds a JSON object, got {type(payload).__name__}")
+    return payload
+
+
 def pairs(
     paths: list[str], first: str, second: str, at_step: int | None, seconds: float | None = None
 ) -> list[dict[str, Any]]:
     """One row per seed both labels ran: the file, the seed, both losses and steps (only
-    files of a ``seconds`` budget when it is given)."""
+    files of a ``seconds`` budget when it is given).
+
+    Raises:
+        ValueError: For a file that is not a readable JSON result.
+    """
     rows: list[dict[str, Any]] = []
     seen: set[int] = set()
     for path in paths:
-        with open(path) as handle:
-            payload = json.load(handle)
+        payload = _result_file(path)
         runs = payload.get("runs", {})
         if first not in runs or second not in runs:
             continue
@@ -95,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the pairs and summaries to this JSON file")
     parser.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
-    rows = pairs(args.files, args.first, args.second, args.at_step, args.seconds)
+    try:
+        rows = pairs(args.files, args.first, args.second, args.at_step, args.seconds)
+    except ValueError as err:
+        parser.error(str(err))
     if not rows:
         parser.exit(2, f"no seed has both {args.first!r} and {args.second!r} in these files\n")
     print(f"| seed | {args.first} | {args.second} | difference | steps |")

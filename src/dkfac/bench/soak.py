@@ -22,6 +22,8 @@ issue 20.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import socket
@@ -68,6 +70,22 @@ def _train_argv(opts: argparse.Namespace, folder: str) -> list[str]:
         *("--inverse-update-interval", "10", "--device", "cpu", "--threads", "1"),
         *("--method", opts.method, "--out", folder),
     ]
+
+
+def _train_problem(opts: argparse.Namespace) -> str | None:
+    """What ``dkfac train`` refuses in the run the ranks would make of ``opts`` (a
+    ``--strategy``, ``--lr``, ``--damping``, ``--model`` or ``--data`` it does not take),
+    found before any rank starts (each rank's own refusal ended in a traceback)."""
+    from dkfac.app.cli import parse_args
+
+    stream = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stream):
+            parse_args(_train_argv(opts, "soak-run"))
+    except SystemExit:
+        lines = stream.getvalue().strip().splitlines() or ["dkfac train refused it"]
+        return lines[-1].partition("error: ")[2] or lines[-1]
+    return None
 
 
 def _worker(rank: int, opts: argparse.Namespace, port: int, folder: str, queue: Any) -> None:
@@ -212,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("checkpoint_every", "eval_every"):
         if getattr(opts, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(opts, name)}")
+    if problem := _train_problem(opts):
+        parser.error(problem)
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     start = time.perf_counter()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from dkfac.app.devices import device_error, pick_device
 from dkfac.bench.common import format_table, interleaved, machine_info, median, write_result
 from dkfac.solvers import CholeskySolver, EigenSolver, SMWSolver
 from dkfac.solvers.base import Solver
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 1")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1")
+    if problem := device_error(args.device):  # torch.device's own error was a traceback
+        parser.error(problem)
+    args.device = str(pick_device(args.device))
     payload = run(args)
     argv_used = sys.argv[1:] if argv is None else argv
     payload["command"] = shlex.join(["python", "-m", "dkfac.bench.solvers", *argv_used])

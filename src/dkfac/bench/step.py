@@ -41,8 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from dkfac.app.gpt import add_gpt_arguments, gpt_options
-from dkfac.app.models import build_model
+from dkfac.app.devices import device_error, pick_device
+from dkfac.app.factory import ModelError
+from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
+from dkfac.app.models import build_model, check_model_name
 from dkfac.bench.common import (
     command_line,
     interleaved,
@@ -372,6 +374,28 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def case_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags of :func:`add_case_arguments` (``None``: nothing), so
+    that a bad value is one line and exit 2 rather than a traceback from the model or
+    torch; a ``--device`` of ``auto`` is resolved to this machine's device."""
+    if args.model != "gpt":
+        try:
+            check_model_name(args.model)
+        except ModelError as err:
+            return f"--model: {err}"
+    for flag in ("batch_size", "image_size", "channels"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
+    if args.model == "gpt" and (
+        problem := size_problem(args.layers, args.width, args.heads, args.seq_len)
+    ):
+        return problem
+    if problem := device_error(args.device):
+        return problem
+    args.device = str(pick_device(args.device))
+    return None
+
+
 def _options(text: str) -> dict[str, Any]:
     """``--options``: preconditioner keywords, without the ones every kind sets itself."""
     try:
@@ -390,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dkfac bench step", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if problem := case_problem(args):
+        parser.error(problem)
+    for flag in ("repeats", "subsample_positions", "factor_batch_size", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     for pattern in args.skip_layers or ():
         try:
             re.compile(pattern)

@@ -168,8 +168,9 @@ def build_specs(
 
     Raises:
         ValueError: For a bad option or recipe, a ``--recipe`` without ``kfac`` among
-            ``--optimizers``, an unknown ``--only`` name, duplicate names, a learning rate
-            <= 0, grids of different sizes (unless ``--no-sweep``), or a negative seed.
+            ``--optimizers``, a ``--kfac`` without its ``NAME``, an unknown ``--only`` name,
+            duplicate names, a learning rate not finite and > 0, grids of different sizes
+            (unless ``--no-sweep``), or a negative seed.
     """
     for flag in ("first_seed", "sweep_seed", "split_seed"):
         if getattr(args, flag, 0) < 0:
@@ -189,6 +190,8 @@ def build_specs(
             continue
         for text in args.kfac or ([] if recipes else default_kfac):
             name, _, opts = text.partition(":")
+            if not name or "=" in name:  # 'damping=-1' ran as a K-FAC variant so named
+                raise ValueError(f"--kfac takes NAME:key=value,... (NAME first), got {text!r}")
             options = parse_options(opts)
             check_kfac_options(options)
             specs.append(OptimizerSpec(name, "kfac", lrs, options))
@@ -200,8 +203,8 @@ def build_specs(
     if unknown := sorted(set(args.only or []) - set(names)):
         raise ValueError(f"--only: no optimizer named {', '.join(unknown)} (have {names})")
     specs = [s for s in specs if not args.only or s.name in args.only]
-    if any(lr <= 0 for s in specs for lr in s.lrs):
-        raise ValueError("learning rates must be > 0")
+    if not all(0 < lr < math.inf for s in specs for lr in s.lrs):  # NaN fails too
+        raise ValueError("learning rates must be finite and > 0")
     if not args.no_sweep:
         check_grids(specs)
     return specs
@@ -241,12 +244,14 @@ def check_peer_flags(
     """
     if getattr(args, "muon_dtype", "bfloat16") == "float32":
         use_float32_muon()  # every Muon run of this process
-    if any(getattr(args, name) <= 0 for name in positive):
+    if not all(0 < getattr(args, name) < math.inf for name in positive):  # NaN fails too
         flags = [f"--{name.replace('_', '-')}" for name in positive]
         listed = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
         parser.error(f"{listed} must be positive")
     if problem := next((found for found in problems if found is not None), None):
         parser.error(problem)
+    if (threads := getattr(args, "threads", None)) is not None and threads < 1:
+        parser.error(f"--threads must be >= 1, got {threads}")  # torch's error was a traceback
     for name in momenta:
         if not 0 <= (value := getattr(args, name)) < 1:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")

@@ -88,10 +88,11 @@ class OverheadBudget:
             self._handles.append(layer.block.module.register_forward_hook(seen))
 
     def _seen(self, name: str, rows: int, batch: int | None) -> None:
-        """A backpropagated forward of layer ``name`` (:meth:`watch`)."""
+        """A backpropagated forward of layer ``name`` (:meth:`watch`); the batch is the
+        first one that is not empty (a layer may see none of it, an expert of a router)."""
         self.rows.setdefault(name, rows)
         self.step_rows[name] = self.step_rows.get(name, 0) + rows
-        if self.batch is None and batch is not None:
+        if self.batch is None and batch:
             self.batch = batch
 
     def decide(
@@ -101,7 +102,12 @@ class OverheadBudget:
         ``maps``: the layers with a flattened map's Kronecker input basis."""
         if self.choice is not None:
             return self.choice
-        if self.batch is None or not self.rows:
+        if self.batch is None or not any(self.rows.values()):
+            # Nothing seen yet, or only empty batches, which tell nothing of the shapes:
+            # the choice waits for a step that is not empty.
+            self.rows.clear()
+            self.step_rows.clear()
+            self.batch = None
             return None
         for handle in self._handles:
             handle.remove()

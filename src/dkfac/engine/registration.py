@@ -140,8 +140,25 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
             f"Conv1D, or types added with register_block); skip_layers={list(config.skip_layers)}"
         )
     logger.info("K-FAC registered %d layers: %s", len(blocks), list(blocks))
+    _warn_unmatched(model, config.skip_layers)
     coverage.finish(blocks)
     return Registration(blocks, coverage)
+
+
+def _warn_unmatched(model: nn.Module, patterns: Sequence[str]) -> None:
+    """Names, in one warning, the ``skip_layers`` patterns that match no module's name or
+    type name (a misspelled one skips nothing, and the layer it meant stays preconditioned)."""
+    modules = [(name, type(module).__name__) for name, module in model.named_modules()]
+    unmatched = [
+        p for p in patterns if not any(re.search(p, n) or re.search(p, t) for n, t in modules)
+    ]
+    if unmatched:
+        logger.warning(
+            "skip_layers patterns %s match no module of the model (its names: %s): they "
+            "skip nothing",
+            unmatched,
+            name_list([name for name, _ in modules if name]),
+        )
 
 
 def _check_initialised(model: nn.Module) -> None:

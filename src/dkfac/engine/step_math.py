@@ -416,8 +416,11 @@ def kl_clip_scale(
         raws.append(raw)
     partial = sum_of_products([finals[name] for name in names], raws, finals[ready[0]])
     # min(1, √(κ / max(lr²|s|, 1e-30))) as 1 / √max(lr²|s| / κ, 1, 1e-30 / κ): four calls.
+    # lr² / κ is capped at the sum's largest number (lr ** 2 raises past 1.3e154, and an
+    # infinite factor times a zero sum is NaN): a larger one clips the step to zero.
     floor = max(1.0, 1e-30 / kl_clip)
-    ratio = strategy.reduce_kl(partial).abs().mul_(lr**2 / kl_clip)
+    factor = min(lr * lr / kl_clip, torch.finfo(partial.dtype).max)
+    ratio = strategy.reduce_kl(partial).abs().mul_(factor)
     return ratio.clamp_(min=floor).rsqrt_()
 
 
