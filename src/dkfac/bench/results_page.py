@@ -313,8 +313,10 @@ difference from the `eigen_adam` rows.
 A count misses the host's Python around each operation.
 `benchmarks/probes/host_time.py` times it: the same two graphs at widths where every kernel
 takes microseconds (ResNet-20 2 to 8 channels wide, the GPT 8 wide), the CUDA code paths
-forced, `for_model` with its factors never refreshed against AdamW in alternated blocks.
-Its plain step costs {host_r20}× AdamW's host time on ResNet-20 and {host_gpt}× on the GPT.
+forced, `for_model` with its factors never refreshed against AdamW in alternated blocks
+(the median of rounds that build both afresh). Its plain step costs {host_r20}× AdamW's
+host time on ResNet-20 and {host_gpt}× on the GPT; from one process to the next these
+ratios move by several hundredths.
 """,
         values=_host_values,
     ),
