@@ -158,3 +158,38 @@ def test_an_empty_first_batch_waits_for_the_first_that_is_not() -> None:
     assert budget.choice is not None and budget.batch == 24
     assert budget.rows == {"0": 24, "2": 24}
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _wide_input_mlp() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(60, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def test_a_side_the_budget_makes_one_sided_is_captured_as_its_diagonal() -> None:
+    """60 inputs on batches of 16 rows: wider than 3/4 of them, so the budget keeps the
+    identity basis on that side. Its factor is then captured as the solver keeps a side
+    one-sided by hand (only the diagonal: 60 products a row, not 3600), from the first
+    step's capture on; the run equals one with that limit set by hand."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 60, generator=gen, dtype=torch.float64),
+                torch.randint(0, 3, (16,), generator=gen)) for _ in range(12)]  # fmt: skip
+    runs = []
+    for options in ({}, {"basis_max_dim": basis_limit(16)}):
+        model = _wide_input_mlp()
+        opt = KFACOptimizer.for_model(model, lr=0.01, **options)
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        runs.append((model, opt.preconditioner))
+    (chosen, budgeted), (by_hand, given) = runs
+    assert budgeted.budget is not None and budgeted.budget.choice is not None
+    assert budgeted.budget.choice.basis_max_dims == {"0": basis_limit(16)}
+    layer = budgeted.layers["0"]
+    assert layer.kinds["A"].label == "blockdiag" and layer.kinds["G"].label == "dense"
+    assert given.layers["0"].kinds["A"] == layer.kinds["A"]
+    running = layer.running["A"]
+    assert torch.equal(running, torch.diag(running.diagonal()))  # nothing off the diagonal
+    torch.testing.assert_close(running, given.layers["0"].running["A"], rtol=1e-12, atol=0)
+    for mine, theirs in zip(chosen.parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)

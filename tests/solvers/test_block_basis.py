@@ -291,3 +291,17 @@ def test_the_batched_blocks_equal_each_block_alone(size: int) -> None:
     for i, j in block_bounds(size, BLOCK):
         expected[i:j, i:j] = 3.0 * rows[:, i:j].T @ rows[:, i:j]
     torch.testing.assert_close(blocked.total, expected, rtol=1e-13, atol=1e-13)
+
+
+def test_a_precomputed_sum_into_blocks_of_one_keeps_its_diagonal() -> None:
+    """``add_sum`` into blocks of 1 (a one-sided side) holds what ``add`` of the same
+    rows holds: the diagonal, zeros elsewhere."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    summed, added = BlockDiagonalAccumulator(block=1), BlockDiagonalAccumulator(block=1)
+    summed.add_sum(rows.T @ rows, float(rows.shape[0]), scale=2.0)
+    added.add(_Rows(rows), scale=2.0)
+    assert summed.total is not None and added.total is not None
+    torch.testing.assert_close(summed.total, added.total, rtol=1e-14, atol=0)
+    assert torch.count_nonzero(summed.total - torch.diag(summed.total.diagonal())) == 0
+    assert summed.normaliser == added.normaliser == 7.0

@@ -108,6 +108,27 @@ class LayerState:
             for key, kind in self.kinds.items()
         }
 
+    def restate_kinds(self) -> None:
+        """Gives each statistic the kind its solver asks for now, after the solver's options
+        changed (the overhead budget's one-sided sides, whose factors only their diagonal
+        is computed for): a statistic whose kind changed gets the new kind's accumulator,
+        holding what this step already added to the old one; running values (of the same
+        shape for every dense kind) and moments are kept."""
+        if self.solver.deferred:
+            return
+        kinds = self.solver.statistics(self.block.statistic_shapes())
+        for key, kind in kinds.items():
+            old = self.kinds.get(key)
+            if type(old) is type(kind) and getattr(old, "block", None) == getattr(
+                kind, "block", None
+            ):
+                continue
+            sink = kind.accumulator(self.factor_dtype, self.capture_dtype)
+            held = self.accumulators.get(key)
+            if isinstance(held, FactorAccumulator) and held.total is not None:
+                sink.add_sum(held.total, held.normaliser)
+            self.kinds[key], self.accumulators[key] = kind, sink
+
     def resolve(self, rows: int | None) -> None:
         """Decides a deferred solver from the first micro-batch's rows (see the module notes)."""
         if not self.solver.deferred:

@@ -194,12 +194,14 @@ class OverheadBudget:
     def apply_bases(self, layers: Mapping[str, LayerState]) -> None:
         """Gives the layers with a side too wide for their rows (the choice's
         ``basis_max_dims``) that limit as their solvers' ``max_dim``: the sides wider keep
-        the identity from their next refresh on."""
+        the identity from their next refresh on, and their factors are captured as the
+        solver keeps such a side (its diagonal alone: ``d`` products a row, not ``d²``)."""
         limits = {} if self.choice is None else self.choice.basis_max_dims
         for name, limit in limits.items():
             solver = layers[name].solver if name in layers else None
             if isinstance(solver, EigenMomentsSolver) and solver.options.max_dim != limit:
                 solver.options = dataclasses.replace(solver.options, max_dim=limit)
+                layers[name].restate_kinds()  # the identity side: only its diagonal
 
     def remove(self) -> None:
         """Removes the watching hooks (with the preconditioner's)."""
