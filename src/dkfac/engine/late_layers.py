@@ -47,13 +47,13 @@ class LateLayers:
             elif name in self.frozen:
                 joining.append(layer)
         for layer in joining:
-            layer.due = frozenset(layer.statistic_shapes())
+            layer.due = frozenset(layer.statistic_names())
         return bool(joining)
 
     @staticmethod
     def _captured(layer: LayerState, grad: Tensor | None) -> bool:
         """Whether this step gave the layer a gradient and every one of its statistics."""
-        return grad is not None and layer.due == frozenset(layer.statistic_shapes())
+        return grad is not None and layer.due == frozenset(layer.statistic_names())
 
     def arrived(
         self, layers: Mapping[str, LayerState], grads: Mapping[str, Tensor | None]

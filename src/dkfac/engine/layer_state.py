@@ -118,10 +118,7 @@ class LayerState:
             return
         kinds = self.solver.statistics(self.block.statistic_shapes())
         for key, kind in kinds.items():
-            old = self.kinds.get(key)
-            if type(old) is type(kind) and getattr(old, "block", None) == getattr(
-                kind, "block", None
-            ):
+            if self.kinds.get(key) == kind:
                 continue
             sink = kind.accumulator(self.factor_dtype, self.capture_dtype)
             held = self.accumulators.get(key)

@@ -288,14 +288,16 @@ class StatisticKind(ABC):
         return value
 
 
+@dataclass(frozen=True)
 class DenseStatistic(StatisticKind):
     """A statistic kept whole: ``F = Σ scale·RᵀR / Σ n``, averaged over ranks and in time.
+    Kinds compare by value (two dense kinds are equal; a block-diagonal one differs).
 
     Running average ``F ← decay·F + (1−decay)·F_new`` (a first value, or ``decay = 0``,
     is taken as it is).
     """
 
-    label = "dense"
+    label: ClassVar[str] = "dense"
 
     def accumulator(
         self, dtype: torch.dtype | None, capture_dtype: torch.dtype | None
