@@ -19,7 +19,13 @@ sweep's split and on a second split, interleaved (seed-major, optimizers inner).
 is measured outside the clock every ``eval_every`` steps. Steps to the target are the
 headline; the cost of a step is measured separately and side by side: every optimizer at its
 lr trains a fresh model in blocks of ``--timing-steps`` steps, blocks of all optimizers
-alternated, ``--timing-blocks`` rounds after one untimed round; a step's seconds are the
+alternated, ``--timing-blocks`` rounds after one untimed round, each timed block starting
+from the same initial weights for every optimizer (put back outside the clock; the
+optimizer's own state is kept): the forward and backward pass then cost every optimizer the
+same, as a ReLU network's kernels run faster the more of its units an optimizer has left at
+zero (AdamW at lr 0.01 leaves 96-98% of the digits CNN's pooled units at zero from its fifth
+step on, against about half at initialisation, and its max pool then runs in half the
+time). A step's seconds are the
 median block over its steps (so refreshes every few steps are counted, amortised), on the
 wall clock and, beside it, on the thread's CPU clock (``step_vs_adamw_cpu``: what the step
 computed, less moved by other processes on shared cores). Seconds to the target = median
@@ -179,7 +185,8 @@ def step_seconds(
     steps: int,
     dkfac_options: dict[str, Any] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Seconds per step of every optimizer at its lr, measured in alternated blocks.
+    """Seconds per step of every optimizer at its lr, measured in alternated blocks, each
+    block from the models' common initial weights (module notes).
 
     Returns:
         Name -> the per-step seconds of each timed block (block seconds / ``steps``), on
@@ -187,11 +194,13 @@ def step_seconds(
         computed, less sensitive to other processes sharing the cores; with one torch
         thread the whole step runs on this thread on a CPU).
     """
-    cases = {}
+    cases, resets = {}, {}
     cpu: dict[str, list[float]] = {}
     for name, lr in lrs.items():
         torch.manual_seed(0)
         model = task.build()
+        initial = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        resets[name] = lambda model=model, initial=initial: model.load_state_dict(initial)
         optimizer = make_optimizer(name, model, lr, dkfac_options)
         batch = task.batches(torch.Generator().manual_seed(0))
         cpu[name] = []
@@ -208,7 +217,7 @@ def step_seconds(
             spent.append(time.thread_time() - start)
 
         cases[name] = block
-    times = interleaved(cases, blocks, torch.device("cpu"), warmup=1)
+    times = interleaved(cases, blocks, torch.device("cpu"), warmup=1, setup=resets)
     wall = {name: [t / steps for t in ts] for name, ts in times.items()}
     return wall, {name: [t / steps for t in ts[1:]] for name, ts in cpu.items()}
 
