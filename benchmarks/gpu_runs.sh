@@ -29,6 +29,10 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
   tests/bench/test_bench_lm.py::test_a_run_on_the_gpu_follows_the_same_run_on_the_cpu \
   tests/app/test_devices.py \
   || echo "FAILED or cut (rc $?): the CUDA tests"
+echo "== host time of for_model's plain step: the CPU probe's thin models, on the GPU"
+timeout 120 python3 benchmarks/probes/host_time.py --device cuda \
+  --out "$out/host_time_plain_step_cuda.json" \
+  || echo "FAILED or cut (rc $?): the host-time probe"
 echo "== the conv factor's three exact paths on the GPU (auto unfolds there: check it)"
 timeout 120 python3 -m dkfac bench conv-paths --device cuda --repeats 2 \
   --out "$out/conv_factor_paths_cuda.json" \
@@ -46,6 +50,13 @@ py --model resnet20 --batch-size 128 --repeats 5 --method eigen_adam \
 py --model gpt --layers 4 --width 128 --heads 4 --seq-len 128 --batch-size 32 --repeats 5 \
    --method eigen_adam --options basis_refresh=power,rotation_dtype=bfloat16 \
    --name step_gpt_cuda_eigen_adam
+# for_model's options (its overhead budget aside), as the dispatch counts take them
+default=moment_nesterov=true,basis_refresh=power,moment_carry=reset,kl_clip=none
+default=$default,flattened_inputs=graph,orthogonal_layers=role:hidden
+py --model resnet20 --batch-size 128 --repeats 5 --method eigen_adam --options "$default" \
+   --name step_resnet20_cuda_default
+py --model gpt --layers 4 --width 128 --heads 4 --seq-len 128 --batch-size 32 --repeats 5 \
+   --method eigen_adam --options "$default" --name step_gpt_cuda_default
 # One configuration (factors from 32 samples, products in bf16): with four (and the exact
 # factors) the run did not end within 73 s on an H200.
 py --model resnet50 --image-size 224 --batch-size 128 --repeats 3 --autocast bf16 \

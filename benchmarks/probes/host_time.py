@@ -16,6 +16,10 @@ and gives the ratio of their median blocks; the figure is the median ratio of th
 
     PYTHONPATH=src python benchmarks/probes/host_time.py --threads 1 \\
         --out benchmarks/results/host_time_plain_step.json
+
+With ``--device cuda`` the same models run on the GPU, where the engine takes those forms
+by itself (nothing is forced), and a block is timed on the wall clock, the device
+synchronised at its end: what the probe stands in for, measured (``benchmarks/gpu_runs.sh``).
 """
 
 from __future__ import annotations
@@ -68,14 +72,15 @@ class ThinResNet20(nn.Module):
         return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
 
 
-def _case(model: str) -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:
-    """A fresh model, its batch and its loss."""
+def _case(model: str, device: torch.device) -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:
+    """A fresh model, its batch and its loss, on ``device``."""
     torch.manual_seed(0)
     if model == "resnet20":
-        x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
-        return ThinResNet20(), x, lambda out: F.cross_entropy(out, y)
-    tokens, labels = torch.randint(0, 32, (1, 8)), torch.randint(0, 32, (1, 8))
-    gpt = GPT(vocab_size=32, context=16, layers=4, width=8, heads=4)
+        x, y = torch.randn(2, 3, 8, 8).to(device), torch.randint(0, 10, (2,)).to(device)
+        return ThinResNet20().to(device), x, lambda out: F.cross_entropy(out, y)
+    tokens = torch.randint(0, 32, (1, 8)).to(device)
+    labels = torch.randint(0, 32, (1, 8)).to(device)
+    gpt = GPT(vocab_size=32, context=16, layers=4, width=8, heads=4).to(device)
     return gpt, tokens, lambda out: F.cross_entropy(out.reshape(-1, 32), labels.reshape(-1))
 
 
@@ -102,12 +107,12 @@ def launch_bound_forms() -> Iterator[None]:
         yield
 
 
-def measure_round(model: str, blocks: int) -> dict[str, Any]:
+def measure_round(model: str, blocks: int, device: torch.device) -> dict[str, Any]:
     """One round: milliseconds per step of each arm (median block) and the ratio to
-    AdamW's."""
+    AdamW's: thread CPU time on a CPU, the wall clock on a GPU (module notes)."""
     steps: dict[str, Callable[[], None]] = {}
     for arm in ("adamw", "dkfac"):
-        net, x, loss = _case(model)
+        net, x, loss = _case(model, device)
         opt = _optimizer(arm, net)
 
         def step(net: nn.Module = net, x: Tensor = x, loss: Any = loss, opt: Any = opt) -> None:
@@ -119,19 +124,27 @@ def measure_round(model: str, blocks: int) -> dict[str, Any]:
             step()
         steps[arm] = step
     times: dict[str, list[float]] = {arm: [] for arm in steps}
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
     for _ in range(blocks):
         for arm, step in steps.items():
-            start = time.thread_time()
+            _synchronize(device)
+            start = clock()
             for _ in range(BLOCK):
                 step()
-            times[arm].append((time.thread_time() - start) / BLOCK * 1e3)
+            _synchronize(device)
+            times[arm].append((clock() - start) / BLOCK * 1e3)
     ms = {arm: statistics.median(values) for arm, values in times.items()}
     return {"ms_per_step": ms, "blocks_ms": times, "dkfac_vs_adamw": ms["dkfac"] / ms["adamw"]}
 
 
-def measure(model: str, blocks: int, rounds: int) -> dict[str, Any]:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model: str, blocks: int, rounds: int, device: torch.device) -> dict[str, Any]:
     """``rounds`` rounds; the median of their ratios (and of each arm's milliseconds)."""
-    done = [measure_round(model, blocks) for _ in range(rounds)]
+    done = [measure_round(model, blocks, device) for _ in range(rounds)]
     ms = {arm: statistics.median(r["ms_per_step"][arm] for r in done) for arm in ("adamw", "dkfac")}
     ratio = statistics.median(r["dkfac_vs_adamw"] for r in done)
     return {"ms_per_step": ms, "dkfac_vs_adamw": ratio, "rounds": done}
@@ -143,13 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", nargs="*", default=["resnet20", "gpt"])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     results: dict[str, Any] = {}
-    with launch_bound_forms():
+    forced = launch_bound_forms() if device.type == "cpu" else contextlib.nullcontext()
+    with forced:
         for model in args.models:
-            results[model] = measure(model, args.blocks, args.rounds)
+            results[model] = measure(model, args.blocks, args.rounds, device)
             ms = results[model]["ms_per_step"]
             rounds = ", ".join(f"{r['dkfac_vs_adamw']:.2f}" for r in results[model]["rounds"])
             print(
@@ -161,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "command": "PYTHONPATH=src python benchmarks/probes/host_time.py "
             f"--threads {args.threads} --blocks {args.blocks} --rounds {args.rounds} "
-            f"--out {args.out}",
-            "machine": machine_info(),
+            f"--device {args.device} --out {args.out}",
+            "machine": machine_info(device),
             "figure": (
-                f"thread CPU ms per step, median of {args.blocks} alternated blocks; the "
-                f"median ratio of {args.rounds} rounds"
+                f"{'thread CPU' if device.type == 'cpu' else 'wall-clock'} ms per step, median "
+                f"of {args.blocks} alternated blocks; the median ratio of {args.rounds} rounds"
             ),
             "results": results,
         }
