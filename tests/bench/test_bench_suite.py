@@ -13,7 +13,6 @@ import torch
 import torch.optim._muon as torch_muon
 
 from dkfac.bench import suite
-from dkfac.bench.common import interleaved
 from dkfac.bench.muon_float32 import MuonFloat32, float32_iteration
 from dkfac.bench.peers import MuonWithAdamW, resolve_options
 from dkfac.bench.suite_report import summarise_task
@@ -170,42 +169,31 @@ def test_train_to_target_stops_at_the_target() -> None:
     assert run["reached"] is None and run["steps"] == 3 and len(run["trace"]) == 4
 
 
-def test_every_timed_block_starts_from_the_common_initial_weights(
+def test_every_timed_step_starts_from_the_common_initial_weights(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     task = load_task("cnn", tiny=True)
     torch.manual_seed(0)
     initial = [p.detach().clone() for p in task.build().parameters()]
-    starts: list[tuple[str, bool]] = []
+    starts: list[str] = []
     real_step = suite._step
-    counts: dict[int, int] = {}
 
     def step(task_: object, model: torch.nn.Module, opt: object, draw: object) -> None:
-        count = counts.get(id(model), 0)
-        counts[id(model)] = count + 1
         same = all(torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True))
-        if count % 2 == 0:  # the first step of a block
-            starts.append((type(opt).__name__, same))
-        else:  # the second: the first one trained
-            assert not same
+        assert same, "a timed step began away from the initial weights"
         real_step(task_, model, opt, draw)
+        assert not all(  # the step itself did move them
+            torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True)
+        )
+        starts.append(type(opt).__name__)
 
     monkeypatch.setattr(suite, "_step", step)
     wall, cpu = suite.step_seconds(task, {"adamw": 0.01, "dkfac": 0.01}, blocks=3, steps=2)
-    assert len(wall["adamw"]) == len(wall["dkfac"]) == 3 and len(cpu["dkfac"]) == 3
-    # the untimed round trains from the initial weights; every timed block is put back
-    # there first, so the forward and backward cost every optimizer the same
-    assert [s for s in starts if s[0] == "AdamW"] == [("AdamW", True)] * 4
-    assert [s for s in starts if s[0] == "KFACOptimizer"] == [("KFACOptimizer", True)] * 4
-
-
-def test_interleaved_runs_each_setup_before_its_timed_runs_only() -> None:
-    events: list[str] = []
-    cases = {name: (lambda name=name: events.append(name)) for name in ("a", "b")}
-    setup = {"a": lambda: events.append("setup a")}
-    times = interleaved(cases, 2, torch.device("cpu"), warmup=1, setup=setup)
-    assert events == ["a", "b", "setup a", "a", "b", "setup a", "a", "b"]
-    assert {name: len(ts) for name, ts in times.items()} == {"a": 2, "b": 2}
+    assert {name: len(times) for name, times in wall.items()} == {"adamw": 3, "dkfac": 3}
+    assert {name: len(times) for name, times in cpu.items()} == {"adamw": 3, "dkfac": 3}
+    assert all(t > 0 for times in [*wall.values(), *cpu.values()] for t in times)
+    # one untimed round and three timed ones, two steps each, the optimizers alternated
+    assert starts == (["AdamW"] * 2 + ["KFACOptimizer"] * 2) * 4
 
 
 def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:

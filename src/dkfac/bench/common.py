@@ -60,7 +60,6 @@ def interleaved(
     repeats: int,
     device: torch.device,
     warmup: int = 1,
-    setup: Mapping[str, Callable[[], object]] | None = None,
 ) -> dict[str, list[float]]:
     """Times every case ``repeats`` times, interleaving cases within each round.
 
@@ -69,8 +68,6 @@ def interleaved(
         repeats: Rounds; each round runs every case once, in order.
         device: Synchronised around each measurement.
         warmup: Untimed rounds first.
-        setup: Name -> a callable run, untimed, before each timed run of that case (e.g.
-            putting a model back to its initial weights).
 
     Returns:
         Name -> the list of measured seconds.
@@ -81,8 +78,6 @@ def interleaved(
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
-            if setup is not None and name in setup:
-                setup[name]()
             synchronize(device)
             start = time.perf_counter()
             fn()

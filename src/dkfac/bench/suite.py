@@ -18,14 +18,14 @@ final metric) wins; every optimizer then runs at its lr on ``--seeds`` held-out 
 sweep's split and on a second split, interleaved (seed-major, optimizers inner). The metric
 is measured outside the clock every ``eval_every`` steps. Steps to the target are the
 headline; the cost of a step is measured separately and side by side: every optimizer at its
-lr trains a fresh model in blocks of ``--timing-steps`` steps, blocks of all optimizers
-alternated, ``--timing-blocks`` rounds after one untimed round, each timed block starting
-from the same initial weights for every optimizer (put back outside the clock; the
-optimizer's own state is kept): the forward and backward pass then cost every optimizer the
-same, as a ReLU network's kernels run faster the more of its units an optimizer has left at
-zero (AdamW at lr 0.01 leaves 96-98% of the digits CNN's pooled units at zero from its fifth
-step on, against about half at initialisation, and its max pool then runs in half the
-time). A step's seconds are the
+lr steps a fresh model in blocks of ``--timing-steps`` steps, blocks of all optimizers
+alternated, ``--timing-blocks`` rounds after one untimed round, every step taken from the
+same initial weights for every optimizer (put back outside the clocks; the optimizer's own
+state goes on): the forward and backward pass then cost every optimizer the same, as a ReLU
+network's kernels run faster the more of its units an optimizer has left at zero (AdamW at
+lr 0.01 leaves 96-98% of the digits CNN's pooled units at zero from its fifth step on,
+against about half at initialisation and under ``for_model``, and its max pool then runs
+in half the time). A step's seconds are the
 median block over its steps (so refreshes every few steps are counted, amortised), on the
 wall clock and, beside it, on the thread's CPU clock (``step_vs_adamw_cpu``: what the step
 computed, less moved by other processes on shared cores). Seconds to the target = median
@@ -50,7 +50,6 @@ from torch import nn
 from dkfac.bench.common import (
     command_line,
     format_table,
-    interleaved,
     machine_info,
     parse_options,
     write_result,
@@ -185,41 +184,48 @@ def step_seconds(
     steps: int,
     dkfac_options: dict[str, Any] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Seconds per step of every optimizer at its lr, measured in alternated blocks, each
-    block from the models' common initial weights (module notes).
+    """Seconds per step of every optimizer at its lr, measured in alternated blocks, every
+    step from the models' common initial weights (module notes).
 
     Returns:
-        Name -> the per-step seconds of each timed block (block seconds / ``steps``), on
-        the wall clock and on this thread's CPU clock (the second: what the step itself
-        computed, less sensitive to other processes sharing the cores; with one torch
-        thread the whole step runs on this thread on a CPU).
+        Name -> the per-step seconds of each timed block (the block's timed seconds /
+        ``steps``), on the wall clock and on this thread's CPU clock (the second: what the
+        step itself computed, less sensitive to other processes sharing the cores; with one
+        torch thread the whole step runs on this thread on a CPU).
     """
-    cases, resets = {}, {}
-    cpu: dict[str, list[float]] = {}
+    cases: dict[str, Callable[[], tuple[float, float]]] = {}
     for name, lr in lrs.items():
         torch.manual_seed(0)
         model = task.build()
         initial = {key: value.detach().clone() for key, value in model.state_dict().items()}
-        resets[name] = lambda model=model, initial=initial: model.load_state_dict(initial)
         optimizer = make_optimizer(name, model, lr, dkfac_options)
         batch = task.batches(torch.Generator().manual_seed(0))
-        cpu[name] = []
 
         def block(
             model: nn.Module = model,
             opt: Stepper = optimizer,
             draw: Any = batch,
-            spent: list[float] = cpu[name],
-        ) -> None:
-            start = time.thread_time()
+            initial: dict[str, torch.Tensor] = initial,
+        ) -> tuple[float, float]:
+            wall = cpu = 0.0
             for _ in range(steps):
+                model.load_state_dict(initial)  # outside the clocks
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 _step(task, model, opt, draw)
-            spent.append(time.thread_time() - start)
+                wall += time.perf_counter() - start
+                cpu += time.thread_time() - start_cpu
+            return wall / steps, cpu / steps
 
         cases[name] = block
-    times = interleaved(cases, blocks, torch.device("cpu"), warmup=1, setup=resets)
-    wall = {name: [t / steps for t in ts] for name, ts in times.items()}
-    return wall, {name: [t / steps for t in ts[1:]] for name, ts in cpu.items()}
+    wall_times: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_times: dict[str, list[float]] = {name: [] for name in cases}
+    for round_ in range(1 + blocks):  # one untimed round first
+        for name, block in cases.items():
+            wall, cpu = block()
+            if round_:
+                wall_times[name].append(wall)
+                cpu_times[name].append(cpu)
+    return wall_times, cpu_times
 
 
 def run_task(args: argparse.Namespace, family: str, names: Sequence[str]) -> dict[str, Any]:
