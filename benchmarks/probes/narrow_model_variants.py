@@ -1,0 +1,111 @@
+"""The default's other choices on the suite's narrow families (the MLP and the autoencoder).
+
+On ``dkfac bench suite``'s MLP (64-128-128-128-10) and autoencoder (64-256-64-16, mirrored),
+at batch 256, ``for_model``'s step costs about twice AdamW's and the autoencoder takes more
+steps than Muon. This probe measures, for each variant of ``for_model``'s options at the
+default's swept lr (0.01), the steps to the suite's target (seeds 0-2 on both splits, their
+median) and the step against AdamW's (``dkfac.bench.suite.step_seconds``: alternated
+blocks, every step from the same initial weights, one thread; the median block):
+
+* ``default``: ``for_model`` as it ships;
+* ``fresh``: ``overhead=None`` (factors every step from the whole batch, a basis every 5
+  steps, 5 Newton-Schulz steps, no one-sided side);
+* ``fresh within the budget``: the budget's per-step choices with factors every step from
+  the whole batch and a basis every 5 steps;
+* ``no one-sided side``: ``basis_max_dim`` above every width;
+* ``no polar factor``, ``polar factor everywhere``: ``orthogonal_layers`` empty, or every
+  layer;
+* ``input and head to Adam``: ``skip_layers`` of the first layer and the head.
+
+    PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py \\
+        --out benchmarks/results/narrow_model_variants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dkfac.bench.common import machine_info
+from dkfac.bench.suite import step_seconds, train_to_target
+from dkfac.bench.suite_tasks import load_task
+
+LR = 0.01
+ENDS = {"mlp": ["net.1", "net.10"], "autoencoder": ["encoder.1", "decoder.4"]}
+
+
+def variants(family: str) -> dict[str, dict[str, Any]]:
+    """Each variant's options over ``for_model``'s."""
+    return {
+        "default": {},
+        "fresh": {"overhead": None},
+        "fresh within the budget": {
+            "factor_batch_size": 256,
+            "factor_update_interval": 1,
+            "inverse_update_interval": 5,
+        },
+        "no one-sided side": {"basis_max_dim": 100_000},
+        "no polar factor": {"orthogonal_layers": []},
+        "polar factor everywhere": {"orthogonal_layers": ".*"},
+        "input and head to Adam": {"skip_layers": ENDS[family]},
+    }
+
+
+def measure(family: str, options: dict[str, Any], seeds: int, blocks: int) -> dict[str, Any]:
+    """Steps to the target on both splits and the step against AdamW's."""
+    steps = []
+    for split in (0, 1):
+        task = load_task(family, split)
+        for seed in range(seeds):
+            reached = train_to_target(task, "dkfac", LR, seed, 150, options)["reached"]
+            steps.append(reached)
+    _, cpu = step_seconds(
+        load_task(family, 0),
+        {"adamw": LR, "dkfac": LR},
+        blocks=blocks,
+        steps=10,
+        dkfac_options=options,
+    )
+    ratio = statistics.median(cpu["dkfac"]) / statistics.median(cpu["adamw"])
+    median = statistics.median(s if s is not None else float("inf") for s in steps)
+    return {"steps": steps, "median_steps": median, "step_vs_adamw_cpu": ratio}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for family in ENDS:
+        results[family] = {}
+        for name, options in variants(family).items():
+            found = measure(family, options, args.seeds, args.blocks)
+            results[family][name] = {"options": options, **found}
+            print(
+                f"{family} {name}: median steps {found['median_steps']} {found['steps']}, "
+                f"step {found['step_vs_adamw_cpu']:.2f}x AdamW's",
+                flush=True,
+            )
+    if args.out is not None:
+        record = {
+            "command": "PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py "
+            f"--seeds {args.seeds} --blocks {args.blocks} --out {args.out}",
+            "machine": machine_info(),
+            "lr": LR,
+            "results": results,
+        }
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
