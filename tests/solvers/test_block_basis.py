@@ -19,6 +19,7 @@ from dkfac.solvers.statistics import (
     BlockDiagonalAccumulator,
     BlockDiagonalStatistic,
     DenseStatistic,
+    DiagonalStatistic,
     FactorAccumulator,
     block_bounds,
     diagonal_blocks,
@@ -124,7 +125,7 @@ def test_the_solver_captures_only_its_blocked_sides_block_diagonally() -> None:
     assert kinds["A"] == BlockDiagonalStatistic(BLOCK) and kinds["A"].label == "blockdiag"
     assert type(kinds["G"]) is DenseStatistic  # 3 wide: not wider than a block
     one_sided = EigenAdamSolver(DT, MomentOptions(block_size=BLOCK, max_dim=10))
-    assert one_sided.statistics(shapes)["A"] == BlockDiagonalStatistic(1)  # identity basis
+    assert one_sided.statistics(shapes)["A"] == DiagonalStatistic()  # identity basis
     structured = EigenAdamSolver(DT, MomentOptions(block_size=BLOCK), input_map=(11, 1))
     assert type(structured.statistics(shapes)["A"]) is DenseStatistic
     # The structured input side builds its own basis whatever max_dim says.
@@ -138,18 +139,21 @@ def test_a_one_sided_side_is_captured_as_its_diagonal_and_updates_as_if_dense(
     solver_class: type[EigenAdamSolver] | type[EKFACSolver],
 ) -> None:
     """A side wider than ``max_dim`` keeps the identity basis, so only its width is read:
-    it is captured as its diagonal (blocks of 1), and the updates equal those of the same
-    solver given the dense factor (float64, the other side's basis from the same factor)."""
+    it is captured and kept as its ``(d,)`` diagonal, and the updates equal those of the
+    same solver given the dense factor (float64, the other side's basis from the same
+    factor)."""
     g_dim, a_dim = 4, 9
     solver = solver_class(DT, MomentOptions(max_dim=6, carry="reset"))
     kinds = solver.statistics({"A": (a_dim, a_dim), "G": (g_dim, g_dim)})
-    assert kinds["A"] == BlockDiagonalStatistic(1) and type(kinds["G"]) is DenseStatistic
+    assert kinds["A"] == DiagonalStatistic() and type(kinds["G"]) is DenseStatistic
+    assert kinds["A"].label == "diagonal" and kinds["A"].stored_shape((a_dim, a_dim)) == (a_dim,)
     gen = torch.Generator().manual_seed(5)
     rows_a = torch.randn(20, a_dim, generator=gen, dtype=DT)
     acc = kinds["A"].accumulator(DT, None)
     acc.add(_Rows(rows_a), scale=2.0)
     diagonal = acc.mean()
-    torch.testing.assert_close(diagonal, torch.diag(2.0 * (rows_a**2).sum(0) / 20.0))
+    assert diagonal is not None and diagonal.shape == (a_dim,)
+    torch.testing.assert_close(diagonal, (2.0 * rows_a.T @ rows_a / 20.0).diagonal())
     g = _spd(g_dim, 6)
     dense_state = solver.compute(rows_a.T @ rows_a / 20.0, g, 0.1)
     diagonal_state = solver.compute(diagonal, g, 0.1)

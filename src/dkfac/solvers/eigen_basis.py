@@ -31,9 +31,10 @@ dense ``qa``).
 (stored as an empty ``q``/``d`` pair, and never decomposed): the layer's moments live in the
 eigenbasis of its other factor only, ``R = Q_Gᵀ ∇W`` for a wide input side (SOAP's
 ``max_precond_dim``). A layer with both factors wider is Adam (or its EKFAC analogue) on the
-raw gradient. Nothing reads such a factor but its width, so it is captured as its diagonal
-only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic` of blocks of 1: ``d``
-products a row instead of ``d²``), still kept, combined and saved as a ``d × d`` statistic.
+raw gradient. Nothing reads such a factor but its width, so it is captured and kept as its
+diagonal only (:class:`~dkfac.solvers.statistics.DiagonalStatistic`: ``d`` products a row
+instead of ``d²``, and a ``(d,)`` vector accumulated, averaged, combined over ranks and
+saved instead of a ``d × d`` matrix); the refresh reads its length.
 
 **Block-diagonal basis** (``block_size``): a factor wider than ``block_size`` (and not
 one-sided) gets the basis of its block-diagonal part: its dimension is cut into
@@ -88,7 +89,12 @@ from dkfac.solvers.moment_options import MomentOptions
 from dkfac.solvers.null_space import any_null, canonical_null_basis, null_masks
 from dkfac.solvers.rotations import side_block
 from dkfac.solvers.stacking import stacked_calls
-from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
+from dkfac.solvers.statistics import (
+    BlockDiagonalStatistic,
+    DiagonalStatistic,
+    StatisticKind,
+    block_bounds,
+)
 
 __all__ = ["EigenBasisSolver"]
 
@@ -127,14 +133,15 @@ class EigenBasisSolver(Solver):
         """Dense, except a side with a block-diagonal basis: only its diagonal blocks are
         computed (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`); and a
         one-sided side (wider than ``max_dim``), whose factor nothing reads but its width:
-        only its diagonal (blocks of 1, ``d`` products a row instead of ``d²``)."""
+        only its diagonal, kept as a ``(d,)`` vector
+        (:class:`~dkfac.solvers.statistics.DiagonalStatistic`)."""
         kinds = super().statistics(shapes)
         for key in ("A", "G"):
             if key not in shapes:
                 continue
             size, input_side = shapes[key][0], key == "A"
             if self._one_sided(size, input_side):
-                kinds[key] = BlockDiagonalStatistic(1)
+                kinds[key] = DiagonalStatistic()
             elif (width := self._block_width(size, input_side)) is not None:
                 kinds[key] = BlockDiagonalStatistic(width)
         return kinds

@@ -4,7 +4,14 @@ An accumulator sums one step's contributions over micro-batches; a
 :class:`StatisticKind` says how the step's value is combined over ranks, averaged over
 steps, rescaled under a ``GradScaler``, checkpointed and handed to the solver.
 :class:`BlockDiagonalStatistic` is a dense statistic of which only the diagonal blocks are
-computed (for a solver that reads nothing else).
+computed (for a solver that reads nothing else); :class:`DiagonalStatistic` keeps only the
+diagonal, as a ``(d,)`` vector (for a solver that reads nothing of it but its width).
+
+A kind's *stored* value (:meth:`StatisticKind.stored_shape`) need not have the block's
+statistic shape: the engine, the strategies and checkpoints ask the kind for it. The kinds
+that average their values (:class:`DenseStatistic` and its subclasses) load each other's
+saved values (:meth:`StatisticKind.restore`): a ``d × d`` value where the side now keeps its
+diagonal gives its diagonal, a ``(d,)`` diagonal where it is now dense gives ``diag(v)``.
 """
 
 from __future__ import annotations
@@ -73,22 +80,39 @@ class FactorAccumulator:
     def add_sum(
         self, total: Tensor, normaliser: float, scale: float = 1.0, *, owned: bool = False
     ) -> None:
-        """Adds a precomputed sum of outer products (any shape) and its normaliser.
+        """Adds a precomputed sum of outer products (any shape; of it, what
+        :meth:`kept_of` keeps) and its normaliser.
 
         ``owned``: the caller hands ``total`` over (a tensor no one else writes): a first
-        contribution is then kept as it is, not copied."""
-        contribution = total if self.dtype is None else total.to(self.dtype)
+        contribution kept whole is then kept as it is, not copied."""
+        kept = self.kept_of(total)
+        contribution = kept if self.dtype is None else kept.to(self.dtype)
         if self.total is None:  # a tensor of its own; the caller's is left as it is
-            if owned and scale == 1.0:
+            if owned and scale == 1.0 and kept is total:
                 self.total = contribution
             elif scale != 1.0:
                 self.total = contribution * scale
             else:
-                self.total = contribution.clone() if contribution is total else contribution
+                self.total = contribution.clone() if contribution is kept else contribution
         elif scale != 1.0:
             self.total.add_(contribution, alpha=scale)
         else:
             self.total.add_(contribution)
+        self.normaliser += normaliser
+
+    def kept_of(self, total: Tensor) -> Tensor:
+        """What this accumulator keeps of a precomputed sum (:meth:`add_sum`): all of it
+        (may be ``total`` itself or a view of it)."""
+        return total
+
+    def add_stored(self, total: Tensor, normaliser: float) -> None:
+        """Adds a sum already in this accumulator's stored layout (what its ``total`` holds,
+        e.g. another kind's sum converted by :meth:`StatisticKind.restore`) and its
+        normaliser."""
+        if self.total is None:
+            self.total = total if self.dtype is None else total.to(self.dtype)
+        else:
+            self.total.add_(total)
         self.normaliser += normaliser
 
     @property
@@ -193,19 +217,39 @@ class BlockDiagonalAccumulator(FactorAccumulator):
             self.total[start:stop, start:stop].add_(product, alpha=scale)
         self.normaliser += rows.normaliser
 
-    def add_sum(
-        self, total: Tensor, normaliser: float, scale: float = 1.0, *, owned: bool = False
-    ) -> None:
-        """Adds the diagonal blocks of a precomputed sum of outer products (copied out of
-        ``total`` whether ``owned`` or not)."""
-        del owned
+    def kept_of(self, total: Tensor) -> Tensor:
+        """The diagonal blocks of a precomputed sum, zeros elsewhere (a copy)."""
         if self.block == 1:  # the diagonal, in one call
-            super().add_sum(torch.diag(total.diagonal()), normaliser, scale, owned=True)
-            return
+            return torch.diag(total.diagonal())
         masked = torch.zeros_like(total)
         for start, stop in block_bounds(total.shape[0], self.block):
             masked[start:stop, start:stop] = total[start:stop, start:stop]
-        super().add_sum(masked, normaliser, scale)
+        return masked
+
+
+@dataclass
+class DiagonalAccumulator(FactorAccumulator):
+    """A :class:`FactorAccumulator` that keeps only the diagonal of ``Σ scale · RᵀR``, as a
+    ``(d,)`` vector: each column's sum of squares (``d`` products a row instead of ``d²``,
+    and ``d`` floats held instead of ``d²``). A precomputed sum (:meth:`add_sum`) gives its
+    diagonal. As :class:`FactorAccumulator`, the squares are converted to the stored
+    precision before they are scaled.
+    """
+
+    def add(self, rows: Rows, scale: float = 1.0) -> None:
+        """Adds the diagonal of ``scale · rows.T @ rows`` and the rows' normaliser."""
+        dtype = self.compute_dtype
+        matrix = rows.rows if dtype is None else rows.rows.to(dtype)
+        squares = matrix.to(self.dtype or matrix.dtype).square().sum(0)
+        if self.total is None:
+            self.total = squares if scale == 1.0 else squares.mul_(scale)
+        else:
+            self.total.add_(squares, alpha=scale)
+        self.normaliser += rows.normaliser
+
+    def kept_of(self, total: Tensor) -> Tensor:
+        """The diagonal of a precomputed ``d × d`` sum (a view: :meth:`add_sum` copies it)."""
+        return total.diagonal()
 
 
 class Accumulator(Protocol):
@@ -250,13 +294,17 @@ class StatisticKind(ABC):
 
     The engine, the strategies, checkpoints and the refresh policy ask a layer's statistic
     kinds (given by its solver, :meth:`dkfac.solvers.base.Solver.statistics`) and never what
-    the solver is. Three kinds exist: :class:`DenseStatistic` (``Σ RᵀR / n``, the default),
-    its :class:`BlockDiagonalStatistic` (only the diagonal blocks computed) and
+    the solver is. Four kinds exist: :class:`DenseStatistic` (``Σ RᵀR / n``, the default),
+    its :class:`BlockDiagonalStatistic` (only the diagonal blocks computed), its
+    :class:`DiagonalStatistic` (only the diagonal, kept as a vector) and
     :class:`~dkfac.solvers.lowrank.factor.LowRankStatistic` (the rows ``U`` with
-    ``F = U Uᵀ``, for the SMW solver).
+    ``F = U Uᵀ``, for the SMW solver). What a kind stores need not have the statistic's
+    shape: :meth:`stored_shape` says which it has, :meth:`restore` converts a value saved
+    or kept by another kind, :meth:`part` cuts the statistic of some units out of it.
 
     Attributes:
-        label: ``describe()``'s word for it (``"dense"``, ``"blockdiag"``, ``"lowrank"``).
+        label: ``describe()``'s word for it (``"dense"``, ``"blockdiag"``, ``"diagonal"``,
+            ``"lowrank"``).
         gathered: Ranks combine it by concatenating their rows (an all-gather) instead of
             averaging it.
         comparable: Its successive values keep one shape, so a refresh policy can measure
@@ -282,6 +330,24 @@ class StatisticKind(ABC):
     @abstractmethod
     def check_saved(self, where: str, shape: tuple[int, ...], got: tuple[int, ...]) -> None:
         """Raises ValueError unless a saved value of shape ``got`` fits ``shape``."""
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of a stored value (running, accumulated, sent) of a statistic of
+        ``shape``: ``shape`` itself unless the kind keeps less (an upper bound where the
+        value grows: a low-rank ``U``)."""
+        return shape
+
+    def restore(self, value: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A saved value (checked by :meth:`check_saved`) or one kept by another kind of
+        the same statistic, in this kind's stored layout (may be ``value`` itself or a view
+        of it)."""
+        del shape
+        return value
+
+    def part(self, value: Tensor, rows: slice) -> Tensor:
+        """The statistic of the units ``rows`` alone (a diagonal block of the factor) from
+        a stored value."""
+        return value[rows, rows]
 
     def solver_input(self, value: Tensor) -> Any:
         """The running value as the solver's ``compute`` takes it."""
@@ -318,9 +384,17 @@ class DenseStatistic(StatisticKind):
         return value * factor
 
     def check_saved(self, where: str, shape: tuple[int, ...], got: tuple[int, ...]) -> None:
-        """The saved shape must equal the statistic's shape."""
-        if got != shape:
-            raise ValueError(f"{where} has shape {got}, expected {shape}")
+        """The saved shape must be the statistic's shape, or for a square statistic its
+        diagonal's ``(d,)`` (what :class:`DiagonalStatistic` stores)."""
+        if got != shape and got != _diagonal_shape(shape):
+            allowed = f"{shape}" + (f" or {(shape[0],)}" if _diagonal_shape(shape) else "")
+            raise ValueError(f"{where} has shape {got}, expected {allowed}")
+
+    def restore(self, value: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """``value``, or ``diag(value)`` for a saved diagonal (nothing off it was kept)."""
+        if tuple(value.shape) == _diagonal_shape(shape):
+            return torch.diag(value)
+        return value
 
 
 @dataclass(frozen=True)
@@ -345,3 +419,41 @@ class BlockDiagonalStatistic(DenseStatistic):
         """A :class:`BlockDiagonalAccumulator` storing in ``dtype``, products in
         ``capture_dtype``."""
         return BlockDiagonalAccumulator(dtype, capture_dtype, block=self.block)
+
+
+@dataclass(frozen=True)
+class DiagonalStatistic(DenseStatistic):
+    """A square statistic of which only the diagonal is computed and kept, as a ``(d,)``
+    vector (:class:`DiagonalAccumulator`), for a solver that reads nothing of the factor but
+    its width (a one-sided side of
+    :class:`~dkfac.solvers.eigen_basis.EigenBasisSolver`). It is averaged over ranks and in
+    time, rescaled and saved as a dense statistic is (the same values on the diagonal:
+    ``d`` floats held, sent and saved instead of ``d²``). A saved ``d × d`` value loads as
+    its diagonal; a saved diagonal loads where the side is dense as ``diag(v)``
+    (:meth:`DenseStatistic.restore`).
+    """
+
+    label: ClassVar[str] = "diagonal"
+
+    def accumulator(
+        self, dtype: torch.dtype | None, capture_dtype: torch.dtype | None
+    ) -> DiagonalAccumulator:
+        """A :class:`DiagonalAccumulator` storing in ``dtype``, products in ``capture_dtype``."""
+        return DiagonalAccumulator(dtype, capture_dtype)
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``(d,)``."""
+        return (shape[0],)
+
+    def restore(self, value: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """``value``'s diagonal where it is a ``d × d`` matrix, else ``value``."""
+        return value.diagonal() if tuple(value.shape) == shape else value
+
+    def part(self, value: Tensor, rows: slice) -> Tensor:
+        """The entries ``rows`` of the diagonal."""
+        return value[rows]
+
+
+def _diagonal_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``(d,)`` for a square ``d × d`` statistic shape, else ``None``."""
+    return (shape[0],) if len(shape) == 2 and shape[0] == shape[1] else None

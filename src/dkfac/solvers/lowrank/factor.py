@@ -289,6 +289,10 @@ class LowRankStatistic(StatisticKind):
                 f"1 <= r <= {self.max_rank}"
             )
 
+    def part(self, value: Tensor, rows: slice) -> Tensor:
+        """The rows ``rows`` of ``U`` (the factor's diagonal block of those units)."""
+        return value[rows]
+
     def solver_input(self, value: Tensor) -> LowRank:
         """``U`` as a :class:`LowRank` factor."""
         return LowRank(value)
