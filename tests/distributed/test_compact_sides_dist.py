@@ -1,6 +1,7 @@
 """Statistics not kept whole, on 2 gloo ranks, equal the serial engine in every layout that
-moves factors: the all-reduce of the default strategy (under DDP), DP-KFAC's owner-only
-factors, SP-NGD's reduce-scatter to the owners and FSDP2's sharded parameters.
+moves factors: the all-reduce of the default strategy (under DDP, and launched from the
+backward hooks with ``overlap_comm``), DP-KFAC's owner-only factors, SP-NGD's reduce-scatter
+to the owners and FSDP2's sharded parameters.
 
 The case is :data:`~tests.serial_vs_distributed.COMPACT_SIDES` on the strategy tests'
 model: its 49-wide input side is one-sided (kept as a ``(49,)`` diagonal) and its 19-wide
@@ -31,6 +32,8 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 _batch = functools.partial(global_batch, world_size=8)  # 64 rows
 LAYOUTS: dict[str, dict[str, Any]] = {
     "replicated-ddp": {"strategy": "replicated", "ddp": True},
+    # the reductions launched from the backward hooks, in buckets sized by stored shapes
+    "replicated-overlap": {"strategy": "replicated", "overlap_comm": "on"},
     "dp": {"strategy": "dp"},
     "spngd": {"strategy": "spngd"},
     "fsdp": {"strategy": "replicated", "fsdp": True},

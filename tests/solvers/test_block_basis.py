@@ -14,15 +14,15 @@ from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions
 from dkfac.solvers.basis_refresh import descending_eigh
+from dkfac.solvers.block_layout import as_dense, block_bounds, blocks_shape, diagonal_blocks
 from dkfac.solvers.rotations import change_basis, side_block, times_blocks
 from dkfac.solvers.statistics import (
     BlockDiagonalAccumulator,
     BlockDiagonalStatistic,
     DenseStatistic,
+    DiagonalAccumulator,
     DiagonalStatistic,
     FactorAccumulator,
-    block_bounds,
-    diagonal_blocks,
 )
 
 DT = torch.float64
@@ -86,8 +86,11 @@ def test_the_accumulator_holds_the_diagonal_blocks_of_the_dense_sum(
         acc.add(_Rows(second))
     assert blocked.normaliser == dense.normaliser == 12.0
     assert dense.total is not None and blocked.total is not None
-    torch.testing.assert_close(blocked.total, _masked(dense.total, block))
-    assert blocked.total[0, 4] == 0 and dense.total[0, 4] != 0
+    assert blocked.total.shape == blocks_shape(A_DIM, block)  # only the blocks are held
+    shape = (A_DIM, A_DIM)
+    torch.testing.assert_close(as_dense(blocked.total, shape), _masked(dense.total, block))
+    if block == BLOCK:  # the last block, 3 wide, padded to 4 with zeros
+        assert not blocked.total[-1, 3].any() and not blocked.total[-1, :, 3].any()
 
 
 @pytest.mark.parametrize("block", [BLOCK, 1])
@@ -106,7 +109,10 @@ def test_a_low_precision_product_is_stored_before_it_is_scaled(block: int) -> No
     # product rounds its result to float16 (2^-11 relative) before it is converted.
     rtol = 1e-3 if block == 1 else None
     torch.testing.assert_close(
-        blocked.total, _masked(dense.total, block), rtol=rtol, atol=None if rtol is None else 0.0
+        as_dense(blocked.total, (8, 8)),
+        _masked(dense.total, block),
+        rtol=rtol,
+        atol=None if rtol is None else 0.0,
     )
 
 
@@ -114,8 +120,8 @@ def test_a_precomputed_sum_loses_its_off_diagonal_blocks() -> None:
     total = _spd(A_DIM, 1)
     blocked = BlockDiagonalAccumulator(DT, None, block=BLOCK)
     blocked.add_sum(total, 5.0, scale=3.0)
-    assert blocked.total is not None
-    torch.testing.assert_close(blocked.total, 3.0 * _masked(total))
+    assert blocked.total is not None and blocked.total.shape == (3, BLOCK, BLOCK)
+    torch.testing.assert_close(as_dense(blocked.total, (A_DIM, A_DIM)), 3.0 * _masked(total))
     assert blocked.normaliser == 5.0
 
 
@@ -294,18 +300,23 @@ def test_the_batched_blocks_equal_each_block_alone(size: int) -> None:
     expected = torch.zeros(size, size, dtype=DT)
     for i, j in block_bounds(size, BLOCK):
         expected[i:j, i:j] = 3.0 * rows[:, i:j].T @ rows[:, i:j]
-    torch.testing.assert_close(blocked.total, expected, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        as_dense(blocked.total, (size, size)), expected, rtol=1e-13, atol=1e-13
+    )
 
 
-def test_a_precomputed_sum_into_blocks_of_one_keeps_its_diagonal() -> None:
-    """``add_sum`` into blocks of 1 (a one-sided side) holds what ``add`` of the same
-    rows holds: the diagonal, zeros elsewhere."""
+def test_a_precomputed_sum_into_a_diagonal_keeps_its_diagonal() -> None:
+    """``add_sum`` into a diagonal (a one-sided side) holds what ``add`` of the same rows
+    holds: the diagonal of the sum, copied out of it."""
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(7, 5, generator=gen, dtype=torch.float64)
-    summed, added = BlockDiagonalAccumulator(block=1), BlockDiagonalAccumulator(block=1)
-    summed.add_sum(rows.T @ rows, float(rows.shape[0]), scale=2.0)
+    summed, added = DiagonalAccumulator(), DiagonalAccumulator()
+    total = rows.T @ rows
+    summed.add_sum(total, float(rows.shape[0]), scale=2.0)
     added.add(_Rows(rows), scale=2.0)
     assert summed.total is not None and added.total is not None
     torch.testing.assert_close(summed.total, added.total, rtol=1e-14, atol=0)
-    assert torch.count_nonzero(summed.total - torch.diag(summed.total.diagonal())) == 0
+    torch.testing.assert_close(summed.total, 2.0 * total.diagonal(), rtol=1e-14, atol=0)
+    summed.total.add_(1.0)  # a copy: the caller's sum is left as it was
+    assert torch.equal(total, rows.T @ rows)
     assert summed.normaliser == added.normaliser == 7.0

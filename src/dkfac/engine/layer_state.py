@@ -224,10 +224,13 @@ class LayerState:
         """The running statistics as the solver takes them (low-rank sides as ``LowRank``;
         ``G`` cut to :attr:`g_rows`)."""
         inputs = {}
+        shapes = self.block.statistic_shapes()
         for key, value in self.running.items():
+            kind, shape = self.kinds[key], shapes[key]
             if key == "G" and self.g_rows is not None:
-                value = self.kinds[key].part(value, self.g_rows)
-            inputs[key] = self.kinds[key].solver_input(value)
+                inputs[key] = kind.part(value, shape, self.g_rows)
+            else:
+                inputs[key] = kind.solver_input(value, shape)
         return inputs
 
     def factor_kinds(self) -> dict[str, str]:
