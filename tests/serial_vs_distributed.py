@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from dkfac import KFACPreconditioner
 
 __all__ = [
+    "COMPACT_SIDES",
     "Batch",
     "Hooks",
     "Run",
@@ -58,6 +59,19 @@ __all__ = [
 ]
 
 Batch = tuple[Tensor, Tensor]
+
+COMPACT_SIDES: dict[str, Any] = {
+    "method": "eigen_adam",
+    "basis_refresh": "power",
+    "moment_carry": "rotate",
+    "moment_eps": 1e-6,
+    "basis_max_dim": 30,
+    "basis_block_size": 8,
+}
+"""Options of a case whose statistics are not kept whole: a side wider than 30 is
+one-sided (its factor kept as the ``(d,)`` diagonal), one wider than 8 block-diagonal (its
+diagonal blocks of 8). For the layouts that move factors (all-reduced, owner-only, reduced
+to the owners, sharded parameters): a run on several ranks must give the serial weights."""
 K = TypeVar("K")
 V = TypeVar("V")
 Factors = Mapping[str, tuple[Tensor, Tensor]]

@@ -572,7 +572,10 @@ class KFACPreconditioner:
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``name -> (A, G)`` running factors kept on this rank, on the per-sample scale.
 
-        A low-rank side (see ``describe()``) is given as its ``d × r`` ``U`` (factor ``U Uᵀ``).
+        Each side as its statistic kind stores it (see ``describe()``): a low-rank side as
+        its ``d × r`` ``U`` (factor ``U Uᵀ``), a ``diagonal`` side as its ``(d,)`` diagonal, a
+        ``blockdiag`` side as its ``(k, b, b)`` diagonal blocks
+        (:mod:`dkfac.solvers.block_layout`: the last one padded with zeros).
         """
         return {
             name: (layer.a, layer.g)

@@ -72,6 +72,15 @@ CASES: dict[str, dict[str, Any]] = {
         "inverse_update_interval": 3,
     },
     "cholesky": {"method": "cholesky", "inverse_update_interval": 2},
+    # factors kept as diagonal blocks of 8 and, above 100, as the diagonal: held on the
+    # device in those layouts
+    "eigen_adam-compact": {
+        "method": "eigen_adam",
+        "kl_clip": None,
+        "inverse_update_interval": 3,
+        "basis_block_size": 8,
+        "basis_max_dim": 100,
+    },
 }
 
 

@@ -14,14 +14,15 @@ from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions
 from dkfac.solvers.basis_refresh import descending_eigh
+from dkfac.solvers.block_layout import as_dense, block_bounds, blocks_shape, diagonal_blocks
 from dkfac.solvers.rotations import change_basis, side_block, times_blocks
 from dkfac.solvers.statistics import (
     BlockDiagonalAccumulator,
     BlockDiagonalStatistic,
     DenseStatistic,
+    DiagonalAccumulator,
+    DiagonalStatistic,
     FactorAccumulator,
-    block_bounds,
-    diagonal_blocks,
 )
 
 DT = torch.float64
@@ -85,8 +86,11 @@ def test_the_accumulator_holds_the_diagonal_blocks_of_the_dense_sum(
         acc.add(_Rows(second))
     assert blocked.normaliser == dense.normaliser == 12.0
     assert dense.total is not None and blocked.total is not None
-    torch.testing.assert_close(blocked.total, _masked(dense.total, block))
-    assert blocked.total[0, 4] == 0 and dense.total[0, 4] != 0
+    assert blocked.total.shape == blocks_shape(A_DIM, block)  # only the blocks are held
+    shape = (A_DIM, A_DIM)
+    torch.testing.assert_close(as_dense(blocked.total, shape), _masked(dense.total, block))
+    if block == BLOCK:  # the last block, 3 wide, padded to 4 with zeros
+        assert not blocked.total[-1, 3].any() and not blocked.total[-1, :, 3].any()
 
 
 @pytest.mark.parametrize("block", [BLOCK, 1])
@@ -105,7 +109,10 @@ def test_a_low_precision_product_is_stored_before_it_is_scaled(block: int) -> No
     # product rounds its result to float16 (2^-11 relative) before it is converted.
     rtol = 1e-3 if block == 1 else None
     torch.testing.assert_close(
-        blocked.total, _masked(dense.total, block), rtol=rtol, atol=None if rtol is None else 0.0
+        as_dense(blocked.total, (8, 8)),
+        _masked(dense.total, block),
+        rtol=rtol,
+        atol=None if rtol is None else 0.0,
     )
 
 
@@ -113,8 +120,8 @@ def test_a_precomputed_sum_loses_its_off_diagonal_blocks() -> None:
     total = _spd(A_DIM, 1)
     blocked = BlockDiagonalAccumulator(DT, None, block=BLOCK)
     blocked.add_sum(total, 5.0, scale=3.0)
-    assert blocked.total is not None
-    torch.testing.assert_close(blocked.total, 3.0 * _masked(total))
+    assert blocked.total is not None and blocked.total.shape == (3, BLOCK, BLOCK)
+    torch.testing.assert_close(as_dense(blocked.total, (A_DIM, A_DIM)), 3.0 * _masked(total))
     assert blocked.normaliser == 5.0
 
 
@@ -124,7 +131,7 @@ def test_the_solver_captures_only_its_blocked_sides_block_diagonally() -> None:
     assert kinds["A"] == BlockDiagonalStatistic(BLOCK) and kinds["A"].label == "blockdiag"
     assert type(kinds["G"]) is DenseStatistic  # 3 wide: not wider than a block
     one_sided = EigenAdamSolver(DT, MomentOptions(block_size=BLOCK, max_dim=10))
-    assert one_sided.statistics(shapes)["A"] == BlockDiagonalStatistic(1)  # identity basis
+    assert one_sided.statistics(shapes)["A"] == DiagonalStatistic()  # identity basis
     structured = EigenAdamSolver(DT, MomentOptions(block_size=BLOCK), input_map=(11, 1))
     assert type(structured.statistics(shapes)["A"]) is DenseStatistic
     # The structured input side builds its own basis whatever max_dim says.
@@ -138,18 +145,21 @@ def test_a_one_sided_side_is_captured_as_its_diagonal_and_updates_as_if_dense(
     solver_class: type[EigenAdamSolver] | type[EKFACSolver],
 ) -> None:
     """A side wider than ``max_dim`` keeps the identity basis, so only its width is read:
-    it is captured as its diagonal (blocks of 1), and the updates equal those of the same
-    solver given the dense factor (float64, the other side's basis from the same factor)."""
+    it is captured and kept as its ``(d,)`` diagonal, and the updates equal those of the
+    same solver given the dense factor (float64, the other side's basis from the same
+    factor)."""
     g_dim, a_dim = 4, 9
     solver = solver_class(DT, MomentOptions(max_dim=6, carry="reset"))
     kinds = solver.statistics({"A": (a_dim, a_dim), "G": (g_dim, g_dim)})
-    assert kinds["A"] == BlockDiagonalStatistic(1) and type(kinds["G"]) is DenseStatistic
+    assert kinds["A"] == DiagonalStatistic() and type(kinds["G"]) is DenseStatistic
+    assert kinds["A"].label == "diagonal" and kinds["A"].stored_shape((a_dim, a_dim)) == (a_dim,)
     gen = torch.Generator().manual_seed(5)
     rows_a = torch.randn(20, a_dim, generator=gen, dtype=DT)
     acc = kinds["A"].accumulator(DT, None)
     acc.add(_Rows(rows_a), scale=2.0)
     diagonal = acc.mean()
-    torch.testing.assert_close(diagonal, torch.diag(2.0 * (rows_a**2).sum(0) / 20.0))
+    assert diagonal is not None and diagonal.shape == (a_dim,)
+    torch.testing.assert_close(diagonal, (2.0 * rows_a.T @ rows_a / 20.0).diagonal())
     g = _spd(g_dim, 6)
     dense_state = solver.compute(rows_a.T @ rows_a / 20.0, g, 0.1)
     diagonal_state = solver.compute(diagonal, g, 0.1)
@@ -290,18 +300,23 @@ def test_the_batched_blocks_equal_each_block_alone(size: int) -> None:
     expected = torch.zeros(size, size, dtype=DT)
     for i, j in block_bounds(size, BLOCK):
         expected[i:j, i:j] = 3.0 * rows[:, i:j].T @ rows[:, i:j]
-    torch.testing.assert_close(blocked.total, expected, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        as_dense(blocked.total, (size, size)), expected, rtol=1e-13, atol=1e-13
+    )
 
 
-def test_a_precomputed_sum_into_blocks_of_one_keeps_its_diagonal() -> None:
-    """``add_sum`` into blocks of 1 (a one-sided side) holds what ``add`` of the same
-    rows holds: the diagonal, zeros elsewhere."""
+def test_a_precomputed_sum_into_a_diagonal_keeps_its_diagonal() -> None:
+    """``add_sum`` into a diagonal (a one-sided side) holds what ``add`` of the same rows
+    holds: the diagonal of the sum, copied out of it."""
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(7, 5, generator=gen, dtype=torch.float64)
-    summed, added = BlockDiagonalAccumulator(block=1), BlockDiagonalAccumulator(block=1)
-    summed.add_sum(rows.T @ rows, float(rows.shape[0]), scale=2.0)
+    summed, added = DiagonalAccumulator(), DiagonalAccumulator()
+    total = rows.T @ rows
+    summed.add_sum(total, float(rows.shape[0]), scale=2.0)
     added.add(_Rows(rows), scale=2.0)
     assert summed.total is not None and added.total is not None
     torch.testing.assert_close(summed.total, added.total, rtol=1e-14, atol=0)
-    assert torch.count_nonzero(summed.total - torch.diag(summed.total.diagonal())) == 0
+    torch.testing.assert_close(summed.total, 2.0 * total.diagonal(), rtol=1e-14, atol=0)
+    summed.total.add_(1.0)  # a copy: the caller's sum is left as it was
+    assert torch.equal(total, rows.T @ rows)
     assert summed.normaliser == added.normaliser == 7.0

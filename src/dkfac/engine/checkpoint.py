@@ -16,7 +16,10 @@ Each entry holds the layer's statistics by name, ``"plan"`` where a deferred sol
 (``method="smw"``/``"auto"``) has decided (its :meth:`~dkfac.solvers.base.Solver.decision`,
 taken from the owner), and with ``include_inverses`` the solver state and the name of the
 solver that made it (``"inverse_solver"``). A saved value is checked against its statistic
-kind (a low-rank side is saved as its ``U`` of shape ``(d, r)``). A solver state made by
+kind (a low-rank side is saved as its ``U`` of shape ``(d, r)``, a one-sided side as its
+``(d,)`` diagonal) and loaded in the layout of the layer's kind now
+(:meth:`~dkfac.solvers.statistics.StatisticKind.restore`: a saved ``d × d`` factor where the
+side keeps its diagonal, or a saved diagonal where it is dense). A solver state made by
 another solver than the layer now has (a method switch) is dropped and recomputed from the
 saved factors.
 
@@ -284,9 +287,14 @@ def load_layers_state(
             solver = decided_solver(plan["solver"], layer.solver.compute_dtype, plan["lowrank"])
             layer.restore_decision(plan, solver)
         device = _device(layer)
-        values = {key: entry.get(key) for key in layer.statistic_shapes()}
+        shapes = layer.statistic_shapes()
+        values = {key: entry.get(key) for key in shapes}
         keep = strategy.keeps_statistics(name) and all(v is not None for v in values.values())
-        layer.running = {k: v.to(device).clone() for k, v in values.items() if v is not None}
+        layer.running = {
+            k: layer.kind(k).restore(v.to(device), shapes[k]).clone()
+            for k, v in values.items()
+            if v is not None
+        }
         if not keep:
             layer.running = {}
         inverse = entry.get("inverse")

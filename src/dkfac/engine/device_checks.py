@@ -44,7 +44,6 @@ from dkfac.engine.step_math import (
     read_flags,
 )
 from dkfac.solvers.stacking import ALIGNMENT
-from dkfac.solvers.statistics import DenseStatistic
 
 __all__ = [
     "DeviceGuard",
@@ -240,13 +239,14 @@ def hold_statistics(
     through ``held``'s buffers where given (the values are then its views).
 
     Returns ``False`` (and changes nothing) when some kept statistic cannot be held so: it
-    has no running value yet, or it is not dense; the caller then reads the flags.
+    has no running value yet, or its kind's values change shape (not ``comparable``: a
+    low-rank side); the caller then reads the flags.
     """
     index = {name: i for i, name in enumerate(layers)}
     entries = [(name, key) for name in new if strategy.keeps_statistics(name) for key in new[name]]
     for name, key in entries:
         layer = layers[name]
-        if key not in layer.running or not isinstance(layer.kinds[key], DenseStatistic):
+        if key not in layer.running or not layer.kinds[key].comparable:
             return False
     select = select_where if held is None else held.select
     chosen = select(

@@ -217,7 +217,7 @@ class EagerReducer:
             nbytes = 0
             element = layer.block.parameters()[0].element_size()
             if self._factor_traffic(layer):
-                shapes = layer.statistic_shapes()
+                shapes = layer.stored_shapes()
                 nbytes += sum(math.prod(shapes[key]) for key in layer.due) * element
             if self.with_gradients and _trainable(layer):
                 nbytes += layer.block.a_dim * layer.block.g_dim * element  # its g×a gradient

@@ -111,19 +111,23 @@ class LayerState:
     def restate_kinds(self) -> None:
         """Gives each statistic the kind its solver asks for now, after the solver's options
         changed (the overhead budget's one-sided sides, whose factors only their diagonal
-        is computed for): a statistic whose kind changed gets the new kind's accumulator,
-        holding what this step already added to the old one; running values (of the same
-        shape for every dense kind) and moments are kept."""
+        is kept for): a statistic whose kind changed gets the new kind's accumulator,
+        holding what this step already added to the old one, and its running value in the
+        new kind's layout (:meth:`~dkfac.solvers.statistics.StatisticKind.restore`: a
+        dense value's diagonal, a diagonal's ``diag``); moments are kept."""
         if self.solver.deferred:
             return
-        kinds = self.solver.statistics(self.block.statistic_shapes())
+        shapes = self.block.statistic_shapes()
+        kinds = self.solver.statistics(shapes)
         for key, kind in kinds.items():
             if self.kinds.get(key) == kind:
                 continue
             sink = kind.accumulator(self.factor_dtype, self.capture_dtype)
             held = self.accumulators.get(key)
             if isinstance(held, FactorAccumulator) and held.total is not None:
-                sink.add_sum(held.total, held.normaliser)
+                sink.add_stored(kind.restore(held.total, shapes[key]), held.normaliser)
+            if key in self.running:
+                self.running[key] = kind.restore(self.running[key], shapes[key]).clone()
             self.kinds[key], self.accumulators[key] = kind, sink
 
     def resolve(self, rows: int | None) -> None:
@@ -169,8 +173,20 @@ class LayerState:
         return self.running.get("G")
 
     def statistic_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every statistic, known without data (used to allocate receive buffers)."""
+        """Shape of every statistic (as the block defines it), known without data."""
         return self.block.statistic_shapes()
+
+    def kind(self, key: str) -> StatisticKind:
+        """How statistic ``key`` is kept (dense while a deferred solver is pending)."""
+        return self.kinds.get(key) or DenseStatistic()
+
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every statistic's stored value, as its kind keeps it (a one-sided
+        side's ``(d,)`` diagonal), known without data (for buffers and bucket sizes)."""
+        return {
+            key: self.kind(key).stored_shape(shape)
+            for key, shape in self.block.statistic_shapes().items()
+        }
 
     def statistic_names(self) -> tuple[str, ...]:
         """The names of :meth:`statistic_shapes` (a block's are fixed: kept after the first
@@ -208,17 +224,19 @@ class LayerState:
         """The running statistics as the solver takes them (low-rank sides as ``LowRank``;
         ``G`` cut to :attr:`g_rows`)."""
         inputs = {}
+        shapes = self.block.statistic_shapes()
         for key, value in self.running.items():
+            kind, shape = self.kinds[key], shapes[key]
             if key == "G" and self.g_rows is not None:
-                rows = self.g_rows
-                value = value[rows] if self.kinds[key].gathered else value[rows, rows]
-            inputs[key] = self.kinds[key].solver_input(value)
+                inputs[key] = kind.part(value, shape, self.g_rows)
+            else:
+                inputs[key] = kind.solver_input(value, shape)
         return inputs
 
     def factor_kinds(self) -> dict[str, str]:
         """``a_factor`` / ``g_factor``: ``"lowrank"``, ``"dense"``, ``"blockdiag"``,
-        ``"pending"``, or ``"unit-wise"`` for a block without a Kronecker pair (its statistic
-        ``"F"``: BatchNorm's and a grouped convolution's)."""
+        ``"diagonal"``, ``"pending"``, or ``"unit-wise"`` for a block without a Kronecker
+        pair (its statistic ``"F"``: BatchNorm's and a grouped convolution's)."""
         other = "unit-wise" if "F" in self.kinds else "dense"
         return {
             f"{key.lower()}_factor": "pending"

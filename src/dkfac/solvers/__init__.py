@@ -36,7 +36,12 @@ from dkfac.solvers.moment_options import (
     check_moment_combinations,
 )
 from dkfac.solvers.polar import NS_STEPS
-from dkfac.solvers.statistics import BlockDiagonalStatistic, DenseStatistic, StatisticKind
+from dkfac.solvers.statistics import (
+    BlockDiagonalStatistic,
+    DenseStatistic,
+    DiagonalStatistic,
+    StatisticKind,
+)
 from dkfac.solvers.unitwise import UnitwiseSolver
 from dkfac.solvers.unitwise_adam import UnitwiseAdamSolver
 
@@ -148,6 +153,7 @@ __all__ = [
     "BlockDiagonalStatistic",
     "CholeskySolver",
     "DenseStatistic",
+    "DiagonalStatistic",
     "EKFACSolver",
     "EigenAdamSolver",
     "EigenMomentsSolver",

@@ -31,9 +31,10 @@ dense ``qa``).
 (stored as an empty ``q``/``d`` pair, and never decomposed): the layer's moments live in the
 eigenbasis of its other factor only, ``R = Q_Gᵀ ∇W`` for a wide input side (SOAP's
 ``max_precond_dim``). A layer with both factors wider is Adam (or its EKFAC analogue) on the
-raw gradient. Nothing reads such a factor but its width, so it is captured as its diagonal
-only (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic` of blocks of 1: ``d``
-products a row instead of ``d²``), still kept, combined and saved as a ``d × d`` statistic.
+raw gradient. Nothing reads such a factor but its width, so it is captured and kept as its
+diagonal only (:class:`~dkfac.solvers.statistics.DiagonalStatistic`: ``d`` products a row
+instead of ``d²``, and a ``(d,)`` vector accumulated, averaged, combined over ranks and
+saved instead of a ``d × d`` matrix); the refresh reads its length.
 
 **Block-diagonal basis** (``block_size``): a factor wider than ``block_size`` (and not
 one-sided) gets the basis of its block-diagonal part: its dimension is cut into
@@ -43,10 +44,13 @@ that of the factor's diagonal block (a power step from the previous basis's bloc
 checkpoints) with an empty ``(0, block_size)`` tensor beside it (``qa_block``/``qg_block``:
 the width is in the shape, so a rotation reads it without waiting for a device), and
 every product with it runs block by block (:func:`~dkfac.solvers.rotations.times_blocks`);
-the factor itself is captured as its diagonal blocks only
-(:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`). For a side of ``n = k·b`` that
-is ``1/k`` of the flops of the capture and the rotations and ``1/k²`` of the refresh's
-decompositions (Distributed Shampoo's blocking of a wide
+the factor itself is captured and kept as its diagonal blocks only
+(:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`: a ``(k, b, b)`` tensor, which
+the refresh reads as :class:`~dkfac.solvers.block_layout.DiagonalBlocks`; a dense factor,
+as :meth:`EigenBasisSolver.compute` may be given, has its blocks cut out). For a side of
+``n = k·b`` that is ``1/k`` of the flops of the capture and the rotations, and of the
+factor's memory and traffic, and ``1/k²`` of the refresh's decompositions (Distributed
+Shampoo's blocking of a wide
 dimension, here of one Kronecker side); ``power_rank`` applies to each block. A power step
 follows the previous basis only where it has the same blocks (``_previous_basis``: the
 diagonal blocks of a dense basis, from a checkpoint without the option, are not
@@ -82,13 +86,14 @@ from dkfac.solvers.basis_refresh import (
     power_refresh,
     range_eigh,
 )
+from dkfac.solvers.block_layout import DiagonalBlocks, block_bounds
 from dkfac.solvers.host_copy import HostFlag, host_reads_now
 from dkfac.solvers.kron_basis import check_input_map, structured_basis
 from dkfac.solvers.moment_options import MomentOptions
 from dkfac.solvers.null_space import any_null, canonical_null_basis, null_masks
 from dkfac.solvers.rotations import side_block
 from dkfac.solvers.stacking import stacked_calls
-from dkfac.solvers.statistics import BlockDiagonalStatistic, StatisticKind, block_bounds
+from dkfac.solvers.statistics import BlockDiagonalStatistic, DiagonalStatistic, StatisticKind
 
 __all__ = ["EigenBasisSolver"]
 
@@ -127,14 +132,15 @@ class EigenBasisSolver(Solver):
         """Dense, except a side with a block-diagonal basis: only its diagonal blocks are
         computed (:class:`~dkfac.solvers.statistics.BlockDiagonalStatistic`); and a
         one-sided side (wider than ``max_dim``), whose factor nothing reads but its width:
-        only its diagonal (blocks of 1, ``d`` products a row instead of ``d²``)."""
+        only its diagonal, kept as a ``(d,)`` vector
+        (:class:`~dkfac.solvers.statistics.DiagonalStatistic`)."""
         kinds = super().statistics(shapes)
         for key in ("A", "G"):
             if key not in shapes:
                 continue
             size, input_side = shapes[key][0], key == "A"
             if self._one_sided(size, input_side):
-                kinds[key] = BlockDiagonalStatistic(1)
+                kinds[key] = DiagonalStatistic()
             elif (width := self._block_width(size, input_side)) is not None:
                 kinds[key] = BlockDiagonalStatistic(width)
         return kinds
@@ -175,7 +181,7 @@ class EigenBasisSolver(Solver):
         """The new states of several layers in ``dtype`` (stored in their factors' dtype),
         the dense decompositions of one size and kind, of any layer and either side, as one
         stack (:meth:`_sides`); a structured input side is built layer by layer."""
-        requests: list[tuple[Tensor, Tensor | None]] = []
+        requests: list[tuple[Any, Tensor | None]] = []
         for one, before in zip(stats, previous, strict=True):
             if self.input_map is None:
                 requests.append((one["A"], self._previous_basis(before, "qa")))
@@ -196,7 +202,9 @@ class EigenBasisSolver(Solver):
             for key, factor in (("qa", a), ("qg", g)):
                 width = self._block_width(factor.shape[0], key == "qa")
                 if width is not None:
-                    pairs[f"{key}_block"] = factor.new_empty(0, width)
+                    pairs[f"{key}_block"] = torch.empty(
+                        0, width, dtype=factor.dtype, device=factor.device
+                    )
             state = {key: value.to(a.dtype) for key, value in pairs.items()}
             if self.input_map is not None:
                 state["qa_order"] = basis.order  # int64 indices, whatever the storage
@@ -211,7 +219,8 @@ class EigenBasisSolver(Solver):
         structured input side."""
         del previous
         a, g = stats["A"], stats["G"]
-        if self.input_map is not None or not (isinstance(a, Tensor) and isinstance(g, Tensor)):
+        dense = (Tensor, DiagonalBlocks)
+        if self.input_map is not None or not (isinstance(a, dense) and isinstance(g, dense)):
             return None
         return (type(self), self.options, self.compute_dtype, a.dtype, g.dtype, a.device)
 
@@ -324,7 +333,7 @@ class EigenBasisSolver(Solver):
         return basis
 
     def _sides(
-        self, requests: Sequence[tuple[Tensor, Tensor | None]], dtype: torch.dtype
+        self, requests: Sequence[tuple[Any, Tensor | None]], dtype: torch.dtype
     ) -> list[tuple[Tensor, Tensor]]:
         """``(d, Q)`` of each ``(factor, previous basis)`` (never the structured input side,
         which has its own basis): the identity (empty pair) when wider than ``max_dim``; a
@@ -346,9 +355,10 @@ class EigenBasisSolver(Solver):
             else:
                 if previous is not None and previous.shape != factor.shape:
                     previous = None
-                for i, j in block_bounds(size, width):
+                bounds = block_bounds(size, width)
+                for (i, j), part in zip(bounds, _blocks(factor, bounds), strict=True):
                     old = None if previous is None else previous[i:j, i:j]
-                    jobs.append((factor[i:j, i:j], old))
+                    jobs.append((part, old))
             spans.append((start, len(jobs), width is not None))
         checked = self.host_checks
 
@@ -372,8 +382,8 @@ class EigenBasisSolver(Solver):
         sides = []
         for (factor, _), span in zip(requests, spans, strict=True):
             if span is None:
-                empty = factor.new_zeros(0, dtype=dtype), factor.new_zeros(0, 0, dtype=dtype)
-                sides.append(empty)
+                where = {"dtype": dtype, "device": factor.device}
+                sides.append((torch.zeros(0, **where), torch.zeros(0, 0, **where)))
             elif not span[2]:
                 sides.append((found[span[0]][0], found[span[0]][1]))
             else:
@@ -415,3 +425,14 @@ class EigenBasisSolver(Solver):
         checked = self.host_checks
         values, basis = found if found is not None else descending_eigh(factor, dtype, checked)
         return canonical_null_basis(values, basis, factor.dtype, check=checked)
+
+
+def _blocks(factor: Tensor | DiagonalBlocks, bounds: Sequence[tuple[int, int]]) -> list[Tensor]:
+    """The diagonal blocks of ``bounds`` of a factor: those it keeps where it is
+    :class:`~dkfac.solvers.block_layout.DiagonalBlocks` of those bounds, else cut out of its
+    dense matrix (a dense factor, or blocks of another width)."""
+    if isinstance(factor, DiagonalBlocks):
+        if block_bounds(factor.size, factor.block) == list(bounds):
+            return factor.parts()
+        factor = factor.dense()
+    return [factor[i:j, i:j] for i, j in bounds]

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.base import SolverState
+from dkfac.solvers.block_layout import block_bounds
 from dkfac.solvers.kron_basis import times_basis
 from dkfac.solvers.stacking import matmul
-from dkfac.solvers.statistics import block_bounds
 
 __all__ = [
     "BLOCK_PRODUCT_SHARE",

@@ -289,6 +289,12 @@ class LowRankStatistic(StatisticKind):
                 f"1 <= r <= {self.max_rank}"
             )
 
-    def solver_input(self, value: Tensor) -> LowRank:
+    def part(self, value: Tensor, shape: tuple[int, ...], rows: slice) -> LowRank:
+        """The rows ``rows`` of ``U`` (the factor's diagonal block of those units)."""
+        del shape
+        return LowRank(value[rows])
+
+    def solver_input(self, value: Tensor, shape: tuple[int, ...]) -> LowRank:
         """``U`` as a :class:`LowRank` factor."""
+        del shape
         return LowRank(value)
