@@ -193,7 +193,7 @@ def step_seconds(
         step itself computed, less sensitive to other processes sharing the cores; with one
         torch thread the whole step runs on this thread on a CPU).
     """
-    cases: dict[str, Callable[[], tuple[float, float]]] = {}
+    cases: dict[str, Callable[..., tuple[float, float]]] = {}
     for name, lr in lrs.items():
         torch.manual_seed(0)
         model = task.build()
