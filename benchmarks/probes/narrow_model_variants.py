@@ -15,10 +15,15 @@ blocks, every step from the same initial weights, one thread; the median block):
 * ``no one-sided side``: ``basis_max_dim`` above every width;
 * ``no polar factor``, ``polar factor everywhere``: ``orthogonal_layers`` empty, or every
   layer;
-* ``input and head to Adam``: ``skip_layers`` of the first layer and the head.
+* ``input and head to Adam``: ``skip_layers`` of the first layer and the head;
+* ``blocks from the widths``: ``basis_block_size="widths"`` (whole bases on these two; on
+  the digits CNN blocks of 128 for its 289- and 577-wide convolution inputs).
 
     PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py \\
         --out benchmarks/results/narrow_model_variants.json
+    PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py --families cnn \\
+        --lr 0.005 --variants default "blocks from the widths" \\
+        --out benchmarks/results/cnn_block_widths.json
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ from dkfac.bench.common import machine_info
 from dkfac.bench.suite import step_seconds, train_to_target
 from dkfac.bench.suite_tasks import load_task
 
-LR = 0.01
-ENDS = {"mlp": ["net.1", "net.10"], "autoencoder": ["encoder.1", "decoder.4"]}
+ENDS = {
+    "mlp": ["net.1", "net.10"],
+    "autoencoder": ["encoder.1", "decoder.4"],
+    "cnn": ["features.0", "classifier.2"],
+}
 
 
 def variants(family: str) -> dict[str, dict[str, Any]]:
@@ -54,20 +62,23 @@ def variants(family: str) -> dict[str, dict[str, Any]]:
         "no polar factor": {"orthogonal_layers": []},
         "polar factor everywhere": {"orthogonal_layers": ".*"},
         "input and head to Adam": {"skip_layers": ENDS[family]},
+        "blocks from the widths": {"basis_block_size": "widths"},
     }
 
 
-def measure(family: str, options: dict[str, Any], seeds: int, blocks: int) -> dict[str, Any]:
+def measure(
+    family: str, options: dict[str, Any], lr: float, seeds: int, blocks: int
+) -> dict[str, Any]:
     """Steps to the target on both splits and the step against AdamW's."""
     steps = []
     for split in (0, 1):
         task = load_task(family, split)
         for seed in range(seeds):
-            reached = train_to_target(task, "dkfac", LR, seed, 150, options)["reached"]
+            reached = train_to_target(task, "dkfac", lr, seed, 150, options)["reached"]
             steps.append(reached)
     _, cpu = step_seconds(
         load_task(family, 0),
-        {"adamw": LR, "dkfac": LR},
+        {"adamw": 0.01, "dkfac": lr},
         blocks=blocks,
         steps=10,
         dkfac_options=options,
@@ -79,16 +90,23 @@ def measure(family: str, options: dict[str, Any], seeds: int, blocks: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--families", nargs="+", choices=sorted(ENDS), default=["mlp", "autoencoder"]
+    )
+    parser.add_argument("--variants", nargs="+", default=None)
+    parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
-    for family in ENDS:
+    for family in args.families:
         results[family] = {}
         for name, options in variants(family).items():
-            found = measure(family, options, args.seeds, args.blocks)
+            if args.variants is not None and name not in args.variants:
+                continue
+            found = measure(family, options, args.lr, args.seeds, args.blocks)
             results[family][name] = {"options": options, **found}
             print(
                 f"{family} {name}: median steps {found['median_steps']} {found['steps']}, "
@@ -98,9 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         record = {
             "command": "PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py "
-            f"--seeds {args.seeds} --blocks {args.blocks} --out {args.out}",
+            f"--families {' '.join(args.families)} --lr {args.lr} --seeds {args.seeds} "
+            f"--blocks {args.blocks}"
+            + (
+                ""
+                if args.variants is None
+                else " --variants " + " ".join(f'"{v}"' for v in args.variants)
+            )
+            + f" --out {args.out}",
             "machine": machine_info(),
-            "lr": LR,
+            "lr": args.lr,
             "results": results,
         }
         args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -77,6 +77,24 @@ def test_kfac_flags_are_typed_from_the_annotations() -> None:
     assert config.seed == 7 and config.accumulation_steps == 2
 
 
+@pytest.mark.parametrize(
+    ("text", "value"), [("widths", "widths"), ("Widths", "widths"), ("64", 64), ("none", None)]
+)
+def test_the_block_size_flag_takes_an_integer_or_widths(text: str, value: object) -> None:
+    args = parse_args(["train", "--method", "eigen_adam", "--basis-block-size", text])
+    assert kfac_config_from_args(args).basis_block_size == value
+
+
+def test_a_block_size_that_is_neither_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["train", "--basis-block-size", "wide"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "expected an integer or one of ['widths'], got 'wide'" in error
+
+
 def test_kfac_schedule_flags_bind_to_the_epoch_length() -> None:
     args = parse_args(
         [

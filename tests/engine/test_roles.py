@@ -239,6 +239,37 @@ def _picks(pre: KFACPreconditioner) -> tuple[object, ...]:
     return set(pre.layers), orthogonal, dict(pre.config.flattened_inputs)
 
 
+@pytest.mark.parametrize(("name", "block"), [("digits-autoencoder", 250), ("gpt-text", 128)])
+def test_a_recipe_that_says_widths_gets_the_block_it_named(name: str, block: int) -> None:
+    from dkfac.bench.peers import kfac_parts
+    from dkfac.bench.recipes import load_recipe
+
+    _, options = kfac_parts(load_recipe(f"benchmarks/recipes/{name}.toml").options)
+    assert options["basis_block_size"] == "widths"
+    by_rule = KFACPreconditioner(_recipe_model(name), **options)
+    by_hand = KFACPreconditioner(_recipe_model(name), **{**options, "basis_block_size": block})
+    assert by_rule.config == by_hand.config
+    assert {n: s.solver.options for n, s in by_rule.layers.items()} == {
+        n: s.solver.options for n, s in by_hand.layers.items()
+    }
+
+
+def test_widths_resolve_when_the_model_is_read_and_bad_values_are_refused() -> None:
+    wide = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 600), nn.ReLU())
+    wide.append(nn.Linear(600, 128)).append(nn.ReLU()).append(nn.Linear(128, 4))
+    pre = KFACPreconditioner(wide, method="eigen_adam", basis_block_size="widths")
+    assert pre.config.basis_block_size == basis_block_from_widths(wide) == 128
+    assert {n: s.solver.options.block_size for n, s in pre.layers.items()} == dict.fromkeys(
+        pre.layers, 128
+    )
+    narrow = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    pre = KFACPreconditioner(narrow, method="eigen_adam", basis_block_size="widths")
+    assert pre.config.basis_block_size is None
+    for bad in ("wide", 0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="basis_block_size must be None, 'widths' or an"):
+            KFACPreconditioner(narrow, method="eigen_adam", basis_block_size=bad)
+
+
 @pytest.mark.parametrize("name", sorted(HAND_WRITTEN))
 def test_each_shrunk_recipe_picks_what_its_names_picked(name: str) -> None:
     from dkfac.bench.peers import kfac_parts
@@ -252,7 +283,7 @@ def test_each_shrunk_recipe_picks_what_its_names_picked(name: str) -> None:
 
 
 def test_block_sizes_from_widths_are_the_recipes() -> None:
-    # digits-autoencoder.toml: basis-block-size 250; gpt-text.toml: 128
+    # the block sizes the recipes named before they said "widths": 250 and 128
     assert basis_block_from_widths(_recipe_model("digits-autoencoder")) == 250
     assert basis_block_from_widths(_recipe_model("gpt-text")) == 128
     # narrow models keep whole bases

@@ -113,6 +113,25 @@ def dtype_or_auto(text: str) -> torch.dtype | str:
         raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {choices}") from None
 
 
+def integer_or(words: tuple[str, ...]) -> typing.Callable[[str], int | str]:
+    """An argparse ``type``: an integer, or one of ``words`` (``basis_block_size``'s
+    ``widths``)."""
+
+    def parse(text: str) -> int | str:
+        word = text.strip().lower()
+        if word in words:
+            return word
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer or one of {list(words)}, got {text!r}"
+            ) from None
+
+    parse.__name__ = "integer"
+    return parse
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -161,6 +180,11 @@ def _argument_spec(hint: Any) -> dict[str, Any]:
         return {"type": wrap(dtype_or_auto), "metavar": metavar}
     if schedule:
         return {"type": wrap(number), "metavar": "NUMBER" + ("|none" if nullable else "")}
+    literals = [a for a in core if typing.get_origin(a) is typing.Literal]
+    if int in core and len(core) == 2 and literals:  # an integer or a word: "widths"
+        words = tuple(str(word) for word in typing.get_args(literals[0]))
+        metavar = "|".join(["INT", *words] + (["none"] if nullable else []))
+        return {"type": wrap(integer_or(words)), "metavar": metavar}
     origin = typing.get_origin(hint)
     if origin in (collections.abc.Mapping, dict):  # KFACConfig.flattened_inputs: NAME=CxP ...
         return {"type": str, "nargs": "*", "metavar": "NAME=CxP"}

@@ -31,6 +31,8 @@ GRAPH = "graph"
 GRAPH_MAPS = {"<graph>": (1, 1)}
 """How a config holds ``"graph"`` until the preconditioner resolves it (no layer is named
 ``<graph>``: module names hold no angle brackets)."""
+BLOCK_WIDTHS = "widths"
+"""``basis_block_size="widths"``: the block width is read off the model's layer widths."""
 _INPUT_MAP = re.compile(r"^\s*(\S+?)\s*=\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 

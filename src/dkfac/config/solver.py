@@ -13,6 +13,7 @@ from typing import Literal, get_args
 import torch
 
 from dkfac.config.checks import (
+    BLOCK_WIDTHS,
     check_bool,
     check_choice,
     check_dtype,
@@ -201,6 +202,11 @@ class SolverConfig:
             transformer MLP's 4·width hidden units; it applies to
             every layer. Not applied to the structured input side of ``flattened_inputs``.
             With ``basis_max_dim`` it must be smaller (else no side would get blocks).
+            ``"widths"``: read off the model when the preconditioner is built
+            (:func:`dkfac.engine.roles.basis_block_from_widths`): the narrowest output
+            width of a hidden layer that is at least 128 wide, where some side is more than
+            twice that, else every basis whole (the recipes' 250 on a 64-1000-500-250-30
+            autoencoder, 128 on a width-128 transformer with a 512-wide MLP).
             ``None`` (default): every basis is dense.
         leftover_update: What the parameters no block preconditions (LayerNorms, raw
             ``nn.Parameter``; ``describe()`` lists them) hand the inner optimizer:
@@ -242,7 +248,7 @@ class SolverConfig:
     orthogonal_split: float = 0.0
     gradient_rotation_dtype: torch.dtype | Literal["auto"] | None = None
     power_rank: int | None = None
-    basis_block_size: int | None = None
+    basis_block_size: int | Literal["widths"] | None = None
     leftover_update: LeftoverUpdate = "auto"
     compile_moments: CompileMoments = "auto"
 
@@ -306,9 +312,16 @@ class SolverConfig:
             "gradient_rotation_dtype", self.gradient_rotation_dtype, allowed=lowered, auto=True
         )
         check_int("power_rank", self.power_rank, optional=True)
-        check_int("basis_block_size", self.basis_block_size, optional=True)
         block, widest = self.basis_block_size, self.basis_max_dim
-        if block is not None and widest is not None and block >= widest:
+        if block != BLOCK_WIDTHS:
+            try:
+                check_int("basis_block_size", block, optional=True)
+            except ValueError:
+                raise ValueError(
+                    f"basis_block_size must be None, {BLOCK_WIDTHS!r} or an integer >= 1, "
+                    f"got {block!r}"
+                ) from None
+        if isinstance(block, int) and widest is not None and block >= widest:
             raise ValueError(
                 f"basis_block_size {block} >= basis_max_dim {widest}: every side wider than "
                 "the block is wider than basis_max_dim, so one-sided, and no basis would get "

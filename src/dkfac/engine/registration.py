@@ -274,7 +274,7 @@ def create_layers(
                 orthogonal_split=config.orthogonal_split if name in orthogonal else 0.0,
                 gradient_rotation_dtype=lowered["gradient_rotation_dtype"],
                 power_rank=config.power_rank,
-                block_size=config.basis_block_size,
+                block_size=_block_size(config),
                 compile_backend=launches.compile_backend(config.compile_moments, param.device),
             ),
             maps.get(name),
@@ -293,6 +293,18 @@ def create_layers(
             chosen or "the default precision (bf16 not native there, or a float64 layer)",
         )
     return layers
+
+
+def _block_size(config: KFACConfig) -> int | None:
+    """``config.basis_block_size`` once read off the model (``"widths"`` is resolved by
+    :func:`dkfac.engine.roles.apply_model_rules` before any layer is registered)."""
+    block = config.basis_block_size
+    if isinstance(block, str):
+        raise ValueError(
+            f"basis_block_size={block!r} is read off the model when the preconditioner is "
+            "built; register layers with a config from KFACPreconditioner"
+        )
+    return block
 
 
 def input_maps(blocks: Mapping[str, Block], config: KFACConfig) -> dict[str, tuple[int, int]]:
