@@ -137,6 +137,7 @@ DEFAULT_TASKS = {
     "language model": ("lm", "lm_gpt_default_v12.json"),
 }
 SUITE = "suite_default_v14.json"
+WIDE_SIDES = "one_sided_memory.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 GROUPED = "grouped_conv_digits.json"
 GROUPED_MODELS = {"convnext": "ConvNeXt-like", "mobilenet": "MobileNet-like"}
@@ -171,6 +172,21 @@ def _host_values(p: Payloads) -> dict[str, str]:
     return {
         "host_r20": f(host["resnet20"]["dkfac_vs_adamw"]),
         "host_gpt": f(host["gpt"]["dkfac_vs_adamw"]),
+    }
+
+
+def _wide_values(p: Payloads) -> dict[str, Any]:
+    after = p[WIDE_SIDES]["results"]["after"]
+    mlp = after["mlp"]
+    rounds = [r["dkfac_vs_adamw"] for r in mlp["rounds"]]
+    return {
+        "mlp_bytes": f"{mlp['statistics']['bytes']:,}",
+        "mlp_dense": f"{mlp['statistics']['as_matrix_bytes']:,}",
+        "mlp_ratio": f(mlp["dkfac_vs_adamw"]),
+        "mlp_low": f(min(rounds)),
+        "mlp_high": f(max(rounds)),
+        "gpt_blocks": f"{after['gpt_basis_block_size_64']['bytes']:,}",
+        "gpt_whole": f"{after['gpt']['bytes']:,}",
     }
 
 
@@ -365,6 +381,27 @@ the best peer's seconds. A run of 5 to 25 steps pays its first basis almost whol
         tables=(suite_table(SUITE, SUITE_ALL_PEERS),),
         values=_suite_values,
         plot=("suite_gpt.png", plot_suite(SUITE, "gpt")),
+    ),
+    Section(
+        title="Wide sides: the statistics K-FAC keeps",
+        sources=(WIDE_SIDES,),
+        text="""
+A side nearly as wide as the rows a step sees keeps the identity as its basis under
+`for_model` (one-sided), and its factor, which nothing reads but its width, is captured and
+kept as its diagonal; a side cut into diagonal blocks (`basis_block_size`) keeps only its
+blocks. On the probe's MLP, whose input is many times wider than its batch (one thread),
+every side but the head's outputs is one-sided: the preconditioner's statistics hold
+{mlp_bytes} bytes, where square factors would hold {mlp_dense}, and its step costs
+{mlp_ratio}× AdamW's (the median ratio of five rounds of alternated blocks; the rounds
+ranged from {mlp_low} to {mlp_high}). The suite's GPT with blocks as wide as the model keeps
+{gpt_blocks} bytes of statistics against {gpt_whole} with whole bases.
+""",
+        values=_wide_values,
+        commands=(
+            "PYTHONPATH=src python benchmarks/probes/one_sided_memory.py --threads 1 "
+            "--blocks 7 --rounds 5 --gpt-steps 3 --label after "
+            "--out benchmarks/results/one_sided_memory.json",
+        ),
     ),
     Section(
         title="Grouped and depthwise convolutions under the default",
