@@ -326,6 +326,64 @@ def test_one_sided_sides_are_neither_rotated_nor_refreshed_in_the_count() -> Non
     assert plain.fixed == 4 * 9 * 300 * 309 + 14 * d  # no limit: both sides
 
 
+def test_one_sided_and_blocked_sides_are_priced_as_they_are_kept() -> None:
+    """A one-sided side is captured as its diagonal (``n`` products a row); a side cut into
+    blocks of ``b`` captures ``n · b``, rotates in ``b`` and refreshes ``n · b²``; a side
+    no wider than the block, and a flattened map's structured side, stay whole."""
+    d = DISPATCH_FLOPS
+    wide = LayerShape(a=9, g=300, rows=100, basis_max=75)  # G one-sided
+    blocked = LayerShape(a=90, g=40, rows=100, block=32)  # A in blocks of 32, G whole
+    mapped = LayerShape(a=96, g=80, rows=100, a_parts=(8, 12), block=32)  # A structured
+    costs = layer_costs([wide, blocked, mapped])
+    captured = (81 + 300) + (90 * 32 + 40 * 32) + (96 * 96 + 80 * 32)
+    assert costs.capture == 2 * 100 * captured + 12 * d
+    assert costs.fixed == (
+        4 * 9 * 300 * 9 + 4 * 90 * 40 * (32 + 32) + 4 * 96 * 80 * (8 + 12 + 32) + 42 * d
+    )
+    assert costs.refresh == (
+        10 * 9**3 + 10 * (90 * 32**2 + 40 * 32**2) + 10 * (8**3 + 12**3 + 80 * 32**2) + 48 * d
+    )
+    whole = layer_costs([LayerShape(a=90, g=40, rows=100)])
+    assert whole.capture == 2 * 100 * (90**2 + 40**2) + 4 * d
+
+
+def test_the_budget_prices_the_sides_a_layer_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running budget hands :func:`choose_for` each layer with the sides it keeps: a
+    given ``basis_block_size`` and ``basis_max_dim`` (and its own one-sided limit)."""
+    from dkfac.engine import overhead
+
+    seen: list[list[LayerShape]] = []
+
+    def recording(layers: list[LayerShape], *args: object, **kwargs: object) -> object:
+        seen.append(list(layers))
+        return choose_for(layers, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(overhead, "choose_for", recording)
+    for options, want in (
+        (
+            {"basis_block_size": 64},
+            [
+                LayerShape(21, 200, 128, basis_max=96, block=64),
+                LayerShape(201, 64, 128, polar_steps=5, basis_max=96, block=64),
+                LayerShape(65, 5, 128, block=64),
+            ],
+        ),
+        (
+            {"basis_max_dim": 150},
+            [
+                LayerShape(21, 200, 128, basis_max=150),
+                LayerShape(201, 64, 128, polar_steps=5, basis_max=150),
+                LayerShape(65, 5, 128, basis_max=150),
+            ],
+        ),
+    ):
+        seen.clear()
+        model = _wide()
+        opt = KFACOptimizer.for_model(model, overhead=0.3, **options)
+        _step(model, opt, 0)
+        assert seen and seen[-1] == want, options
+
+
 def test_a_side_too_wide_for_its_rows_is_one_sided_from_the_first_refresh() -> None:
     """Batch 128: sides wider than 96 keep the identity (the 200-wide output of the first
     layer, the 201-wide input of the second), from the first step on; the first step's

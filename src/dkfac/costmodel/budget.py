@@ -3,8 +3,9 @@
 A K-FAC step costs the training step (forward and backward), plus the preconditioner's own
 work: a fixed part every step (rotating the gradient into the eigenbasis and out of it, the
 moments), the factor captures (``rows · (a² + g²)`` per layer, from ``factor_batch_size``
-samples every ``factor_update_interval`` steps) and the basis refreshes (``~ a³ + g³`` per
-layer every ``inverse_update_interval`` steps). :func:`layer_costs` counts each from the
+samples every ``factor_update_interval`` steps; less for a side kept as its diagonal or its
+diagonal blocks) and the basis refreshes (``~ a³ + g³`` per layer every
+``inverse_update_interval`` steps). :func:`layer_costs` counts each from the
 layer sizes and the rows a step sees (in flops, plus a fixed cost per dispatched operation,
 :data:`DISPATCH_FLOPS`, which is what a small layer's work is on a CPU or GPU);
 :func:`choose` then takes the freshest factor batch and intervals whose total stays within
@@ -103,7 +104,10 @@ class LayerShape:
     basis is refreshed as (``(channels, positions)`` for a flattened map's Kronecker
     basis; ``()``: the whole side ``a``), and the Newton–Schulz steps of its orthogonalised
     update (0: none), and the widest side it keeps a basis for (a wider one is one-sided:
-    neither rotated nor refreshed; ``None``: every side; the structured one always).
+    neither rotated nor refreshed, and only its diagonal captured; ``None``: every side; the
+    structured one always), and the width of the diagonal blocks a wider side's basis is cut
+    into (``basis_block_size``: such a side captures, rotates and refreshes its ``b``-wide
+    blocks alone; ``None``: whole bases; never the structured side).
 
     A unit-wise layer (``units``: the samples its rows come from, > 0) is ``g`` units of
     ``a`` parameters each (BatchNorm's channels, ``a = 2``; a grouped convolution's output
@@ -122,6 +126,7 @@ class LayerShape:
     polar_steps: int = 0
     basis_max: int | None = None
     units: int = 0
+    block: int | None = None
 
     def rotated(self) -> tuple[tuple[int, ...], int]:
         """The input side's parts that are rotated (``a_parts``, ``(a,)`` or none) and the
@@ -131,6 +136,26 @@ class LayerShape:
         limit = self.basis_max
         a_parts = self.a_parts or ((self.a,) if limit is None or self.a <= limit else ())
         return a_parts, self.g if limit is None or self.g <= limit else 0
+
+    def width(self, side: int) -> int:
+        """The width a rotated side's basis works in: its block where it is cut into
+        blocks, else the whole side."""
+        return self.block if self.block is not None and side > self.block else side
+
+    def kept(self) -> tuple[list[tuple[int, int]], int]:
+        """Each rotated side as ``(side, width)`` (a structured input side's parts whole),
+        and the sides' captured products per row: the whole square of a side, its diagonal
+        blocks' ``side · width``, or, one-sided, its diagonal alone."""
+        a_parts, g = self.rotated()
+        sides = [(p, p if self.a_parts else self.width(p)) for p in a_parts]
+        if g:
+            sides.append((g, self.width(g)))
+        if self.a_parts:
+            captured = self.a * self.a
+        else:
+            captured = self.a * self.width(self.a) if a_parts else self.a
+        captured += self.g * self.width(self.g) if g else self.g
+        return sides, captured
 
 
 @dataclass(frozen=True)
@@ -157,24 +182,27 @@ def layer_costs(layers: Sequence[LayerShape]) -> Costs:
     ``2 · a · g · min(a, g)`` and an addition per Newton–Schulz step; a capture is two
     products ``2 · rows · (a² + g²)`` and two running-average updates; a refresh is a power
     step and a QR per side, counted as ``10 · (a³ + g³)`` in sixteen operations. Each adds
-    :data:`DISPATCH_FLOPS`.
+    :data:`DISPATCH_FLOPS`. A side cut into blocks of ``b`` works in them
+    (:meth:`LayerShape.kept`): ``b`` in place of its width in the rotations, ``side · b`` in
+    place of its square in the capture and ``side · b²`` of its cube in the refresh; a
+    one-sided side is captured as its diagonal (``side`` products a row).
     """
     d = DISPATCH_FLOPS
     step = sum(6.0 * x.rows * x.a * x.g + 3 * d for x in layers)
     kron = [x for x in layers if not x.units]
     units = [x for x in layers if x.units]
-    rotated = [x.rotated() for x in kron]
+    kept = [x.kept() for x in kron]
     fixed = sum(
-        4.0 * x.a * x.g * (sum(a_parts) + g)
+        4.0 * x.a * x.g * sum(width for _, width in sides)
         + 14 * d
         + x.polar_steps * (6.0 * x.a * x.g * min(x.a, x.g) + 4 * d)
-        for x, (a_parts, g) in zip(kron, rotated, strict=True)
+        for x, (sides, _) in zip(kron, kept, strict=True)
     ) + sum(4.0 * x.g * x.a**2 + 12 * d for x in units)
-    capture = sum(2.0 * x.rows * (x.a**2 + x.g**2) + 4 * d for x in kron) + sum(
-        2.0 * x.rows * x.a * x.g + 2.0 * x.units * x.g * x.a**2 + 4 * d for x in units
-    )
+    capture = sum(
+        2.0 * x.rows * captured + 4 * d for x, (_, captured) in zip(kron, kept, strict=True)
+    ) + sum(2.0 * x.rows * x.a * x.g + 2.0 * x.units * x.g * x.a**2 + 4 * d for x in units)
     refresh = sum(
-        10.0 * (sum(p**3 for p in a_parts) + g**3) + 16 * d for a_parts, g in rotated
+        10.0 * sum(side * width**2 for side, width in sides) + 16 * d for sides, _ in kept
     ) + sum(10.0 * x.g * x.a**3 + 4 * d for x in units)
     return Costs(step, fixed, capture, refresh)
 

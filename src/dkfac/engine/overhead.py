@@ -121,7 +121,9 @@ class OverheadBudget:
                 self.rows.get(name, self.batch),
                 tuple((maps or {}).get(name, ())),
                 _polar_steps(layer),
+                _solver_option(layer, "max_dim"),  # basis_max_dim, where given
                 units=self.batch if _priced_by_units(layer) else 0,
+                block=_solver_option(layer, "block_size"),  # basis_block_size
             )
             for name, layer in (trainable or layers).items()
         }
@@ -216,6 +218,15 @@ def _priced_by_units(layer: LayerState) -> bool:
     budget's constants were fitted with (its work is a small share either way)."""
     cost = layer.block.cost_description()
     return cost.unitwise and cost.kind != "batchnorm"
+
+
+def _solver_option(layer: LayerState, name: str) -> int | None:
+    """An eigenbasis solver's ``max_dim`` or ``block_size`` (``None`` for another solver,
+    which has neither)."""
+    if not isinstance(layer.solver, EigenMomentsSolver):
+        return None
+    value = getattr(layer.solver.options, name)
+    return None if value is None else int(value)
 
 
 def _polar_steps(layer: LayerState) -> int:
