@@ -36,7 +36,8 @@ def test_layer_costs_are_the_counted_flops() -> None:
     polar = 2 * (6 * 5 * 3 * 3 + 4 * d)  # two Newton-Schulz steps on the first layer
     # a flattened map's input side is rotated through its channel and position bases
     assert costs.fixed == 4 * 5 * 3 * 8 + 4 * 9 * 2 * (3 + 3 + 2) + 28 * d + polar
-    assert costs.capture == 2 * 7 * (25 + 9) + 2 * 4 * (81 + 4) + 8 * d
+    assert costs.capture == 2 * 7 * (25 + 9) + 2 * 4 * (81 + 4)
+    assert costs.capture_dispatch == 8 * d  # four operations a layer, whatever the batch
     # ... and refreshed as those two sides
     assert costs.refresh == 10 * (125 + 27) + 10 * (27 + 27 + 8) + 32 * d
 
@@ -47,7 +48,8 @@ def test_a_unit_wise_layer_is_priced_per_unit() -> None:
     d = DISPATCH_FLOPS
     costs = layer_costs([LayerShape(a=10, g=6, rows=12, units=4)])
     assert costs.step == 6 * 12 * 10 * 6 + 3 * d
-    assert costs.capture == 2 * 12 * 10 * 6 + 2 * 4 * 6 * 100 + 4 * d
+    assert costs.capture == 2 * 12 * 10 * 6 + 2 * 4 * 6 * 100
+    assert costs.capture_dispatch == 4 * d
     assert costs.fixed == 4 * 6 * 100 + 12 * d
     assert costs.refresh == 10 * 6 * 1000 + 4 * d
 
@@ -56,7 +58,20 @@ COSTS = Costs(step=100.0, fixed=5.0, capture=40.0, refresh=200.0)
 
 
 def _overhead(batch: int, b: int, fi: int, ii: int, costs: Costs = COSTS) -> float:
-    return (costs.fixed + costs.capture * b / batch / fi + costs.refresh / ii) / costs.step
+    capture = costs.capture * b / batch + costs.capture_dispatch
+    return (costs.fixed + capture / fi + costs.refresh / ii) / costs.step
+
+
+def test_a_smaller_factor_batch_cuts_a_captures_products_not_its_operations() -> None:
+    """A capture whose operations alone cost 40% of the step every step cannot fit a 30%
+    budget by cutting its batch: the captures come every other step, from the largest
+    batch that then fits the freshest (staleness 1.5: half the batch, every 2nd step)."""
+    costs = Costs(step=100.0, fixed=5.0, capture=8.0, refresh=10.0, capture_dispatch=40.0)
+    choice = choose(costs, 256, 0.3)
+    assert (choice.factor_batch_size, choice.factor_update_interval) == (128, 2)
+    assert choice.inverse_update_interval == 5
+    assert choice.overhead == pytest.approx(_overhead(256, 128, 2, 5, costs)) == 0.29
+    assert _overhead(256, 32, 1, 50, costs) > 0.3  # the smallest batch every step does not fit
 
 
 def test_a_generous_budget_takes_the_freshest_choice() -> None:
@@ -336,7 +351,7 @@ def test_one_sided_and_blocked_sides_are_priced_as_they_are_kept() -> None:
     mapped = LayerShape(a=96, g=80, rows=100, a_parts=(8, 12), block=32)  # A structured
     costs = layer_costs([wide, blocked, mapped])
     captured = (81 + 300) + (90 * 32 + 40 * 32) + (96 * 96 + 80 * 32)
-    assert costs.capture == 2 * 100 * captured + 12 * d
+    assert costs.capture == 2 * 100 * captured
     assert costs.fixed == (
         4 * 9 * 300 * 9 + 4 * 90 * 40 * (32 + 32) + 4 * 96 * 80 * (8 + 12 + 32) + 42 * d
     )
@@ -344,7 +359,7 @@ def test_one_sided_and_blocked_sides_are_priced_as_they_are_kept() -> None:
         10 * 9**3 + 10 * (90 * 32**2 + 40 * 32**2) + 10 * (8**3 + 12**3 + 80 * 32**2) + 48 * d
     )
     whole = layer_costs([LayerShape(a=90, g=40, rows=100)])
-    assert whole.capture == 2 * 100 * (90**2 + 40**2) + 4 * d
+    assert whole.capture == 2 * 100 * (90**2 + 40**2)
 
 
 def test_the_budget_prices_the_sides_a_layer_keeps(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -161,13 +161,15 @@ class LayerShape:
 @dataclass(frozen=True)
 class Costs:
     """Per-step costs in flops: ``step``, the training step; ``fixed``, the
-    preconditioner's every step; ``capture``, one capture of the whole batch; ``refresh``,
-    one refresh of every basis."""
+    preconditioner's every step; ``capture``, the products of one capture of the whole
+    batch (a smaller factor batch does its share of them); ``refresh``, one refresh of every
+    basis; ``capture_dispatch``, the operations of one capture, whatever its batch."""
 
     step: float
     fixed: float
     capture: float
     refresh: float
+    capture_dispatch: float = 0.0
 
 
 def layer_costs(layers: Sequence[LayerShape]) -> Costs:
@@ -198,13 +200,12 @@ def layer_costs(layers: Sequence[LayerShape]) -> Costs:
         + x.polar_steps * (6.0 * x.a * x.g * min(x.a, x.g) + 4 * d)
         for x, (sides, _) in zip(kron, kept, strict=True)
     ) + sum(4.0 * x.g * x.a**2 + 12 * d for x in units)
-    capture = sum(
-        2.0 * x.rows * captured + 4 * d for x, (_, captured) in zip(kron, kept, strict=True)
-    ) + sum(2.0 * x.rows * x.a * x.g + 2.0 * x.units * x.g * x.a**2 + 4 * d for x in units)
+    capture = sum(2.0 * x.rows * captured for x, (_, captured) in zip(kron, kept, strict=True))
+    capture += sum(2.0 * x.rows * x.a * x.g + 2.0 * x.units * x.g * x.a**2 for x in units)
     refresh = sum(
         10.0 * sum(side * width**2 for side, width in sides) + 16 * d for sides, _ in kept
     ) + sum(10.0 * x.g * x.a**3 + 4 * d for x in units)
-    return Costs(step, fixed, capture, refresh)
+    return Costs(step, fixed, capture, refresh, capture_dispatch=4 * d * len(layers))
 
 
 def min_factor_batch(layers: Sequence[LayerShape], batch: int) -> int:
@@ -258,8 +259,9 @@ def choose(
 ) -> Choice:
     """The freshest factor batch and intervals whose overhead is within ``budget``.
 
-    Overhead = ``(fixed + capture · (b / batch) / factor_interval + refresh /
-    inverse_interval) / step``. Among the candidates (:data:`BATCH_FRACTIONS`,
+    Overhead = ``(fixed + (capture · (b / batch) + capture_dispatch) / factor_interval +
+    refresh / inverse_interval) / step``: a smaller factor batch cuts the products of a
+    capture, not its operations. Among the candidates (:data:`BATCH_FRACTIONS`,
     :data:`FACTOR_INTERVALS`, :data:`INVERSE_INTERVALS`, an inverse interval at least the
     factor interval) that fit, the freshest wins: the least staleness, counted as half a unit
     per halving of the factor batch (the recipes cut it first: 50 of 700 samples on the
@@ -309,7 +311,9 @@ def choose(
             )
             for ii in inverse:
                 overhead = (
-                    costs.fixed + costs.capture * min(b, batch) / batch / fi + costs.refresh / ii
+                    costs.fixed
+                    + (costs.capture * min(b, batch) / batch + costs.capture_dispatch) / fi
+                    + costs.refresh / ii
                 ) / costs.step
                 staleness = 0.5 * math.log2(batch / b) + math.log2(fi) + math.log2(max(ii, 5) / 5)
                 candidates.append((overhead, staleness, b, fi, ii))
