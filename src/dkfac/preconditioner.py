@@ -74,6 +74,7 @@ from dkfac.engine.checkpoint import (
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
+from dkfac.engine.introspection import describe_table, memory_usage
 from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, update_running_all
@@ -595,16 +596,7 @@ class KFACPreconditioner:
         solver keeps between steps) and ``accumulators`` (with, between a backward and the
         step, the inputs and output gradients of captures held for their groups where the
         device is launch-bound: :mod:`~dkfac.engine.capture_groups`)."""
-        usage = {"factors": 0, "inverses": 0, "moments": 0, "accumulators": 0}
-        for layer in self.layers.values():
-            for kind, nbytes in layer.memory().items():
-                usage[kind] += nbytes
-        usage["accumulators"] += self.capture.held_bytes()
-        if self.eager is not None:  # statistics already handed to the overlapped reduction
-            usage["accumulators"] += self.eager.pending_bytes()
-        if self.leftover is not None:
-            usage["moments"] += self.leftover.nbytes()
-        return usage
+        return memory_usage(self.layers, self.capture, self.eager, self.leftover)
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per layer, then one per parameter left to the inner optimizer.
@@ -622,21 +614,9 @@ class KFACPreconditioner:
         direction (:mod:`~dkfac.engine.leftover`); a layer's ``reason`` is ``None`` and
         ``numel`` its gradient's entries.
         """
-        rows = {
-            name: {**x.summary(), "role": self._roles.get(name), **self.strategy.describe(name)}
-            for name, x in self.layers.items()
-        }
-        table = self.coverage.table(rows)
-        if self.leftover is not None:
-            for row in table:
-                if row["block"] == "inner optimizer" and row["name"] in self.leftover.params:
-                    row["method"] = "adam"
-        if self.budget is not None and table:
-            choice = self.budget.choice
-            reason = choice.reason if choice else "chosen after the first step"
-            row = dict.fromkeys(table[0])
-            table.append({**row, "name": "overhead budget", "block": "cost", "reason": reason})
-        return table
+        return describe_table(
+            self.layers, self._roles, self.strategy, self.coverage, self.leftover, self.budget
+        )
 
     def state_dict(self, include_inverses: bool = False, gather: bool = True) -> dict[str, Any]:
         """Step counter and running factors keyed by module name.
