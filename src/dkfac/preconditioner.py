@@ -64,13 +64,6 @@ from dkfac.distributed.shard_exchange import Delivery
 from dkfac.distributed.sharding import find_layout, refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
-from dkfac.engine.checkpoint import (
-    check_state,
-    layers_state,
-    load_layers_state,
-    saved_choice,
-    saved_late_layers,
-)
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
@@ -93,6 +86,7 @@ from dkfac.engine.registration import (
     unwrap,
 )
 from dkfac.engine.roles import apply_model_rules, block_roles, layer_roles
+from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
@@ -637,22 +631,19 @@ class KFACPreconditioner:
         """
         check_bool("include_inverses", include_inverses)
         check_bool("gather", gather)
-        layers = layers_state(
-            self.layers, self.strategy, self.comm, include_inverses=include_inverses, gather=gather
+        return preconditioner_state(
+            self.layers,
+            self.strategy,
+            self.comm,
+            step=self.steps,
+            capture=self.capture,
+            refresh=self.refresh,
+            late=self.late,
+            leftover=self.leftover,
+            budget=self.budget,
+            include_inverses=include_inverses,
+            gather=gather,
         )
-        generator = self.capture.generator
-        state = {
-            "step": self.steps,
-            "layers": layers,
-            "mc_generator": None if generator is None else generator.get_state(),
-            "refresh": self.refresh.state_dict(),
-            "late_layers": self.late.state_dict(),
-        }
-        if self.leftover is not None:  # the same on every rank: no gathering
-            state["leftover"] = self.leftover.state_dict()
-        if self.budget is not None and self.budget.choice is not None:
-            state["budget"] = dataclasses.asdict(self.budget.choice)
-        return state
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Raises ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing.
@@ -660,16 +651,13 @@ class KFACPreconditioner:
         It checks the layer names, statistic shapes, low-rank plans, that every tensor is
         finite, the step, the refresh and Monte-Carlo generator states.
         """
-        check_state(state, self.layers, self.refresh, self._device())
-        self._check_leftover(state)
-        saved_choice(state, self.layers, self.budget is not None)
-        saved_late_layers(state, self.layers)
+        self._check_saved(state)
 
-    def _check_leftover(self, state: dict[str, Any]) -> None:
-        """Raises ValueError unless the saved leftover moments fit (absent ones are fine)."""
-        saved = state.get("leftover")
-        if saved is not None and self.leftover is not None:
-            self.leftover.check_state_dict(saved)
+    def _check_saved(self, state: dict[str, Any]) -> Saved:
+        device = self._device()
+        return check_saved(
+            state, self.layers, self.refresh, device, self.leftover, self.budget is not None
+        )
 
     def _device(self) -> torch.device:
         return next(iter(self.layers.values())).block.parameters()[0].device
@@ -685,24 +673,23 @@ class KFACPreconditioner:
                 (see :meth:`check_state_dict`); nothing is changed then. Past the checks
                 only a failing collective can interrupt the load.
         """
-        step = check_state(state, self.layers, self.refresh, self._device())
-        self._check_leftover(state)
-        choice = saved_choice(state, self.layers, self.budget is not None)
-        late = saved_late_layers(state, self.layers)
-        if choice is not None:  # the run's chosen intervals, before its refresh state
+        saved = self._check_saved(state)
+        step = saved.step
+        if saved.choice is not None:  # the run's chosen intervals, before its refresh state
             assert self.budget is not None
             self.budget.remove()
-            self.budget.choice = choice
+            self.budget.choice = saved.choice
             self._spend_budget()
-        stale = load_layers_state(self.layers, self.strategy, state["layers"])
-        self.late = late
-        if self.leftover is not None:
-            self.leftover.load_state_dict(state.get("leftover") or {})
-        if state.get("refresh"):
-            self.refresh.load_state_dict(dict(state["refresh"]))
-        if state.get("mc_generator") is not None:
-            self.capture.generator = torch.Generator(device=self._device())
-            self.capture.generator.set_state(state["mc_generator"])
+        stale = restore_entries(
+            state,
+            self.layers,
+            self.strategy,
+            capture=self.capture,
+            refresh=self.refresh,
+            leftover=self.leftover,
+            device=self._device(),
+        )
+        self.late = saved.late
         self.restore_step(step)
         damping = resolve("damping", self.config.damping, max(step - 1, 0))
         assert damping is not None
