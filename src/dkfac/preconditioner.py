@@ -57,12 +57,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
-from dkfac.config.checks import check_bool, check_range
+from dkfac.config.checks import check_bool
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
 from dkfac.distributed.sharding import find_layout, refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
+from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_budget
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
@@ -72,7 +73,7 @@ from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.leftover import LeftoverAdam
-from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
+from dkfac.engine.overhead import OverheadBudget
 from dkfac.engine.phases import phase
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
@@ -172,17 +173,8 @@ class KFACPreconditioner:
         elif options:
             config = dataclasses.replace(config, **options)
         config = apply_model_rules(unwrap(model), config)
-        self.budget: OverheadBudget | None = None
+        self.budget: OverheadBudget | None = make_budget(overhead, config, options)
         self._budget_spent = False  # the choice applied (after the first step)
-        if overhead is not None:
-            check_range("overhead", overhead, low=0.0)
-            defaults = KFACConfig()
-            given = {
-                k: getattr(config, k)
-                for k in BUDGETED_OPTIONS
-                if k in options or getattr(config, k) != getattr(defaults, k)
-            }
-            self.budget = OverheadBudget(float(overhead), given)
         self.config = config
         self.model = model
         self.grad_scaler = grad_scaler
@@ -368,7 +360,7 @@ class KFACPreconditioner:
         params = self._params()  # the same tensors all step long
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
-            self._budget_bases()  # before the first refresh: one-sided sides from the start
+            apply_budget_bases(self.budget, self.layers, self.config)  # before the 1st refresh
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -449,29 +441,18 @@ class KFACPreconditioner:
             write_back(self.layers, finals, delivered, ready, scale, factors)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
 
-    def _budget_bases(self) -> None:
-        """Makes the overhead budget's choice as soon as the shapes were seen (the first
-        training forward) and gives the layers it makes one-sided their limit, so that the
-        first refresh already builds their bases so (the intervals and factor batch are
-        applied after the first step, :meth:`_spend_budget`)."""
-        assert self.budget is not None
-        if self.budget.decide(self.layers, self.config.flattened_inputs) is not None:
-            self.budget.apply_bases(self.layers)
-
     def _spend_budget(self) -> None:
         """Applies the overhead budget's choice once it can be made (after the first step)."""
         assert self.budget is not None
-        maps = self.config.flattened_inputs
-        if self.budget.decide(self.layers, maps) is None:
+        config = spend_budget(self.budget, self.layers, self.config)
+        if config is None:
             return
         self._budget_spent = True
-        self.budget.apply_bases(self.layers)
-        if not (chosen := self.budget.options()):
+        if config is self.config:  # the user set every option it chooses
             return
-        self.config = dataclasses.replace(self.config, **chosen)
-        self.capture.config = self.config
-        self.budget.apply(self.layers)
-        if self.config.refresh == "fixed":
+        self.config = config
+        self.capture.config = config
+        if config.refresh == "fixed":
             self.refresh = make_refresh_policy("fixed", self.config.factor_update_interval)
 
     def _reduce(
