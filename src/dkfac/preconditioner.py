@@ -67,18 +67,18 @@ from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_bud
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
+from dkfac.engine.factor_phase import reduce_statistics, update_factors
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.introspection import describe_table, memory_usage
 from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
-from dkfac.engine.layer_state import LayerState, update_running_all
+from dkfac.engine.layer_state import LayerState
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.overhead import OverheadBudget
 from dkfac.engine.phases import phase
-from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_checks import StateHold
-from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
+from dkfac.engine.refresh_step import mark_due, refresh_report
 from dkfac.engine.registration import (
     create_layers,
     other_parameters,
@@ -91,7 +91,6 @@ from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, r
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
     finite_flags,
-    kept_statistics,
     kl_clip_scale,
     precondition,
     presence_token,
@@ -401,12 +400,32 @@ class KFACPreconditioner:
         capturing = self.capture.active
         keep: Tensor | None = None  # the guard's gradient flags, on the device
         with phase("dkfac.factors"):
-            new_factors = self._reduce(grads, capturing)
+            new_factors = reduce_statistics(
+                self.layers,
+                grads,
+                capturing,
+                capture=self.capture,
+                eager=self.eager,
+                comm=self.comm,
+                strategy=self.strategy,
+                other_params=self._other_params,
+                fisher=cfg.fisher,
+                grad_scaler=self.grad_scaler,
+            )
             if self.flags_on_device:
                 finite, keep = self._guard.run(self.layers, self.strategy, new_factors, grads, step)
             else:
                 finite = finite_flags(self.layers, self.strategy, new_factors, grads)
-            self._update_factors(new_factors, finite, step)
+            self.last_refreshed = update_factors(
+                self.layers,
+                new_factors,
+                finite,
+                step,
+                config=cfg,
+                strategy=self.strategy,
+                refresh=self.refresh,
+                comm=self.comm,
+            )
             self.gradients_finite = (
                 keep.all() if keep is not None else all(flags[1] for flags in finite.values())
             )
@@ -454,49 +473,6 @@ class KFACPreconditioner:
         self.capture.config = config
         if config.refresh == "fixed":
             self.refresh = make_refresh_policy("fixed", self.config.factor_update_interval)
-
-    def _reduce(
-        self, grads: dict[str, Tensor | None], capturing: bool
-    ) -> dict[str, dict[str, Tensor]]:
-        """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer."""
-        if self.eager is not None:
-            new, handle = self.eager.finish(grads, self._other_params)
-        else:
-            new = self.capture.collect(self.layers, 1.0) if capturing else {}
-            agree_presence(self.comm, self.layers, new, grads, self._other_params)
-            present = {name: g for name, g in grads.items() if g is not None}
-            others = [p.grad for p in self._other_params if p.grad is not None]
-            gathered = {n: x.gathered() for n, x in self.layers.items() if x.gathered()}
-            handle = self.strategy.reduce_step(new, gathered, present, others)
-        handle.wait()
-        if new:
-            self.capture.scale_grad_statistics(self.layers, new, self._g_scale())
-        return new
-
-    def _g_scale(self) -> float:
-        """``k²`` for the ``k`` micro-batches of the step (each one's loss is divided by ``k``;
-        a sampled Fisher backward's is not), over the square of an enabled GradScaler's scale
-        (G was captured from scaled gradients)."""
-        passes = self.capture.backward_passes() if self.config.fisher == "empirical" else 1
-        scale = float(passes) ** 2
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            return scale * float(self.grad_scaler.get_scale()) ** -2
-        return scale
-
-    def _update_factors(
-        self,
-        new: dict[str, dict[str, Tensor]],
-        finite: dict[str, tuple[bool, bool]],
-        step: int,
-    ) -> None:
-        """Updates the running averages this rank keeps; the refresh policy learns of them."""
-        decay = resolve("factor_decay", self.config.factor_decay, step)
-        assert decay is not None
-        self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
-        kept = kept_statistics(self.strategy, new, finite, step)
-        recorded = record_refreshes(self.refresh, self.layers, kept, step)  # before updates
-        update_running_all(self.layers, kept, decay)
-        agree_intervals(self.refresh, self.comm, self.layers, recorded, step)
 
     def update_inverses(self, damping: float, names: list[str] | None = None) -> None:
         """Owners recompute solver states (all layers, or ``names``) and share them.
