@@ -47,13 +47,11 @@ Checkpoints: :mod:`~dkfac.engine.checkpoint`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
@@ -63,6 +61,7 @@ from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
 from dkfac.distributed.sharding import find_layout, refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
+from dkfac.engine.arguments import check_layer_names, check_step, checked_config, checked_lr
 from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_budget
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.device_checks import DeviceGuard
@@ -86,7 +85,7 @@ from dkfac.engine.registration import (
     rows_rule,
     unwrap,
 )
-from dkfac.engine.roles import apply_model_rules, block_roles, layer_roles
+from dkfac.engine.roles import block_roles, layer_roles
 from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
@@ -156,22 +155,7 @@ class KFACPreconditioner:
         overhead: float | None = None,
         **options: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
-            raise TypeError("grad_scaler must be a torch.amp.GradScaler (it has no get_scale())")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "process_group must be a torch.distributed.ProcessGroup or None, got "
-                f"{type(process_group).__name__}"
-            )
-        if config is not None and not isinstance(config, KFACConfig):
-            raise TypeError(f"config must be a KFACConfig or None, got {type(config).__name__}")
-        if config is None:
-            config = KFACConfig(**options)
-        elif options:
-            config = dataclasses.replace(config, **options)
-        config = apply_model_rules(unwrap(model), config)
+        config = checked_config(model, config, grad_scaler, process_group, options)
         self.budget: OverheadBudget | None = make_budget(overhead, config, options)
         self._budget_spent = False  # the choice applied (after the first step)
         self.config = config
@@ -352,10 +336,7 @@ class KFACPreconditioner:
             ValueError: For a NaN, infinite or negative ``lr`` (TypeError: not a number).
         """
         self._hooks.check("step")
-        try:
-            lr = None if lr is None else check_schedule_value("lr", lr)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"step(): {err}") from None
+        lr = checked_lr(lr)
         params = self._params()  # the same tensors all step long
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
@@ -488,20 +469,13 @@ class KFACPreconditioner:
                 read as its characters).
         """
         damping = check_schedule_value("damping", damping)
-        if names is not None:
-            if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-                raise TypeError(f"names must be a list of layer names or None, got {names!r}")
-            if unknown := [n for n in names if n not in self.layers]:
-                raise ValueError(
-                    f"names {unknown} are not registered layers; they are {list(self.layers)}"
-                )
+        check_layer_names(names, self.layers)
         hold = StateHold(self._guard.late, self._steps) if self.flags_on_device else None
         update_inverses(self.layers, self.strategy, damping, names, hold)
 
     def restore_step(self, step: int) -> None:
         """Sets the step counter (checkpoints) and schedules that step's captures."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        check_step(step)
         self._steps = step
         self._set_block_steps()
         self.schedule_captures(step)
