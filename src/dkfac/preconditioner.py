@@ -47,23 +47,22 @@ Checkpoints: :mod:`~dkfac.engine.checkpoint`.
 
 from __future__ import annotations
 
-import functools
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
+from dkfac.config import KFACConfig, check_schedule_value, resolve
 from dkfac.config.checks import check_bool
-from dkfac.distributed.comm import Communicator
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
-from dkfac.distributed.sharding import find_layout, refuse_fsdp1
+from dkfac.distributed.sharding import refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.arguments import check_layer_names, check_step, checked_config, checked_lr
+from dkfac.engine.assembly import join_layers, leftover_for, place_blocks
 from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_budget
-from dkfac.engine.capture import FactorCapture, rank_mean
+from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.factor_phase import reduce_statistics, update_factors
@@ -79,13 +78,10 @@ from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_checks import StateHold
 from dkfac.engine.refresh_step import mark_due, refresh_report
 from dkfac.engine.registration import (
-    create_layers,
     other_parameters,
     register,
-    rows_rule,
     unwrap,
 )
-from dkfac.engine.roles import block_roles, layer_roles
 from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
@@ -96,7 +92,6 @@ from dkfac.engine.step_math import (
     update_inverses,
     write_back,
 )
-from dkfac.engine.strategy_choice import build_strategy, local_layers
 
 
 class KFACPreconditioner:
@@ -178,49 +173,17 @@ class KFACPreconditioner:
         self._hooks = HookOwnership(self, {name: b.module for name, b in blocks.items()})
         self._hooks.add(self.capture)
         self._marks = GradientMarks()
-        self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
-        self.layout: ShardedLayout | None = find_layout(
-            model,
-            {name: b.parameters() for name, b in blocks.items()},
-            strategy=config.strategy,
-            ledger=self.comm.ledger,
-            bucket_bytes=config.bucket_bytes,
-            shard_exchange=config.shard_exchange,
-        )
-        self.strategy: Strategy = build_strategy(
-            config,
-            self.comm,
-            blocks,
-            ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel)
-            or self.layout is not None,
-        )
-        self.delivery: Delivery = (
-            self.strategy
-            if self.layout is None
-            else self.layout.attach(
-                self.strategy,
-                {name: b.parameter_parts() for name, b in blocks.items()},
-                local_layers(config, blocks),
-            )
-        )
+        placement = place_blocks(model, blocks, config, process_group)
+        self.comm = placement.comm
+        self.layout: ShardedLayout | None = placement.layout
+        self.strategy: Strategy = placement.strategy
+        self.delivery: Delivery = placement.delivery
         """Delivers the preconditioned gradients and adds the KL-clip sum: the strategy, or
         the sharded layout's owner exchange (:mod:`~dkfac.distributed.shard_exchange`)."""
-        gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
-        if gathered > 1 and self.comm.active:
-            self.capture.rank_mean = functools.partial(rank_mean, self.comm)
-        roles = layer_roles(unwrap(model))
-        self.layers: dict[str, LayerState] = create_layers(
-            blocks, config, rows_rule(config, gathered), roles
-        )
-        self._roles = block_roles(roles, self.layers)
+        self.layers: dict[str, LayerState]
+        self.layers, self._roles = join_layers(model, blocks, config, placement, self.capture)
         self.late = LateLayers(self.layers)
         self._set_block_steps()
-        if self.layout is not None:  # shard_exchange="local": each rank its rows' G block
-            for name, rows in self.layout.local_rows().items():
-                self.layers[name].g_rows = rows
-        for name, layer in self.layers.items():
-            layer.captures = self.strategy.captures(name)
-            self.capture.attach(layer.block.module, layer)
         scaled = grad_scaler is not None and grad_scaler.is_enabled()
         self.eager = build_eager(
             config, self.layers, self.capture, self.strategy, model=model, grad_scaled=scaled
@@ -231,11 +194,7 @@ class KFACPreconditioner:
         if self.budget is not None:
             self.budget.watch(self.layers)
         self._other_params = other_parameters(unwrap(model), self.layers)
-        self.leftover: LeftoverAdam | None = None
-        if leftover_adam(config):
-            ids = {id(p) for p in self._other_params}
-            named = {n: p for n, p in unwrap(model).named_parameters() if id(p) in ids}
-            self.leftover = LeftoverAdam(named, config)
+        self.leftover: LeftoverAdam | None = leftover_for(model, config, self._other_params)
         self.schedule_captures(0)
         self._kl_scale: Tensor | None = None
         self.gradients_finite: Tensor | bool = True
