@@ -65,7 +65,6 @@ from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_bud
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
-from dkfac.engine.factor_phase import reduce_statistics, update_factors
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.introspection import describe_table, memory_usage
 from dkfac.engine.late_layers import LateLayers
@@ -85,12 +84,16 @@ from dkfac.engine.registration import (
 from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import (
-    finite_flags,
-    kl_clip_scale,
-    precondition,
-    presence_token,
     update_inverses,
-    write_back,
+)
+from dkfac.engine.step_phases import (
+    StepParts,
+    agree_finite,
+    clip_and_write,
+    precondition_gradients,
+    read_gradients,
+    reduce_statistics,
+    update_factors,
 )
 
 
@@ -203,6 +206,17 @@ class KFACPreconditioner:
         flags stay on the device): :class:`~dkfac.KFACOptimizer` skips on it, so that a
         gradient this step zeroed still skips the inner step."""
         self._guard = DeviceGuard(list(self.layers))
+        self._parts = StepParts(
+            self.layers,
+            self.capture,
+            self.comm,
+            self.layout,
+            self.strategy,
+            self.delivery,
+            self.eager,
+            self._guard,
+            self._other_params,
+        )
         self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
         """Keep the finiteness guard's flags on the device (masks instead of branches, its
         warnings logged a step late: :mod:`~dkfac.engine.device_checks`), so that a step
@@ -324,48 +338,18 @@ class KFACPreconditioner:
     def _precondition_layers(
         self, step: int, damping: float, inverse_interval: int, lr: float | None
     ) -> None:
-        """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients."""
-        partial = self.layout.partial if self.layout is not None else frozenset()
-        rows_only = partial | (self.layout.local if self.layout is not None else frozenset())
+        """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients
+        (:mod:`~dkfac.engine.step_phases`)."""
+        parts, cfg = self._parts, self.config
+        rows_only = parts.partial | (self.layout.local if self.layout is not None else frozenset())
         world = self.strategy.world_size
         self._scaler_check.step(self.layers, self.grad_scaler, world, skip=rows_only)
-        cfg = self.config
-        if self.flags_on_device and self.layout is None:  # one copy into the guard's buffer
-            grads = self._guard.gradients(self.layers)
-        else:
-            grads = {
-                name: layer.block.weight_grad() if name not in partial else presence_token(layer)
-                for name, layer in self.layers.items()
-            }
+        grads = read_gradients(parts, self.flags_on_device)
         capturing = self.capture.active
-        keep: Tensor | None = None  # the guard's gradient flags, on the device
         with phase("dkfac.factors"):
-            new_factors = reduce_statistics(
-                self.layers,
-                grads,
-                capturing,
-                capture=self.capture,
-                eager=self.eager,
-                comm=self.comm,
-                strategy=self.strategy,
-                other_params=self._other_params,
-                fisher=cfg.fisher,
-                grad_scaler=self.grad_scaler,
-            )
-            if self.flags_on_device:
-                finite, keep = self._guard.run(self.layers, self.strategy, new_factors, grads, step)
-            else:
-                finite = finite_flags(self.layers, self.strategy, new_factors, grads)
-            self.last_refreshed = update_factors(
-                self.layers,
-                new_factors,
-                finite,
-                step,
-                config=cfg,
-                strategy=self.strategy,
-                refresh=self.refresh,
-                comm=self.comm,
-            )
+            new = reduce_statistics(parts, grads, capturing, cfg.fisher, self.grad_scaler)
+            finite, keep = agree_finite(parts, new, grads, step, self.flags_on_device)
+            self.last_refreshed = update_factors(parts, new, finite, step, cfg, self.refresh)
             self.gradients_finite = (
                 keep.all() if keep is not None else all(flags[1] for flags in finite.values())
             )
@@ -378,26 +362,11 @@ class KFACPreconditioner:
                 self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
             self.late.refreshed(self.layers, grads, arrived)
         with phase("dkfac.precondition"):
-            bn_damping = resolve("bn_damping", cfg.bn_damping, step)
-            dampings = {"damping": damping, "bn_damping": bn_damping or damping}
-            advance = None if keep is None else keep.all()
-            finals, ready = precondition(
-                self.layers, self.strategy, grads, finite, dampings, step, advance, partial
-            )
+            finals, ready = precondition_gradients(parts, grads, finite, keep, cfg, damping, step)
         with phase("dkfac.distribute"):
             delivered = self.delivery.distribute(finals, ready)
         with phase("dkfac.kl_clip"):
-            kl_clip = resolve("kl_clip", cfg.kl_clip, step)
-            lr = lr if lr is not None else resolve("lr", cfg.lr, step)
-            scale = kl_clip_scale(self.delivery, finals, ready, grads, kl_clip, lr)
-            factors = None
-            if keep is not None:  # the scale times 0 where a gradient was not finite
-                both = keep.to(torch.float32) if scale is None else keep * scale  # 1 call
-                # Through the guard's buffer; write_back takes the layers it leaves.
-                delivered = self._guard.writes.write(self.layers, finals, delivered, ready, both)
-                if delivered:
-                    factors = dict(zip(self.layers, both.unbind(0), strict=True))
-            write_back(self.layers, finals, delivered, ready, scale, factors)
+            scale = clip_and_write(parts, finals, delivered, ready, grads, keep, cfg, step, lr)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
 
     def _spend_budget(self) -> None:
