@@ -59,8 +59,14 @@ from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
 from dkfac.distributed.sharding import refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
-from dkfac.engine.arguments import check_layer_names, check_step, checked_config, checked_lr
-from dkfac.engine.assembly import join_layers, leftover_for, place_blocks
+from dkfac.engine.arguments import (
+    check_layer_names,
+    check_sampled_outputs,
+    check_step,
+    checked_config,
+    checked_lr,
+)
+from dkfac.engine.assembly import adopt_parameters, join_layers, leftover_for, place_blocks
 from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_budget
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
@@ -76,16 +82,10 @@ from dkfac.engine.phases import phase
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_checks import StateHold
 from dkfac.engine.refresh_step import mark_due, refresh_report
-from dkfac.engine.registration import (
-    other_parameters,
-    register,
-    unwrap,
-)
+from dkfac.engine.registration import other_parameters, register, unwrap
 from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
-from dkfac.engine.step_math import (
-    update_inverses,
-)
+from dkfac.engine.step_math import update_inverses
 from dkfac.engine.step_phases import (
     StepParts,
     agree_finite,
@@ -246,14 +246,7 @@ class KFACPreconditioner:
         Adam's direction with ``leftover_update`` (named ``prefix.i``), the gradient
         reduction of ``"spngd"``; parameters already known are left as they are.
         """
-        known = {id(p) for p in self._other_params}
-        known.update(id(p) for layer in self.layers.values() for p in layer.block.parameters())
-        for i, param in enumerate(params):
-            if id(param) in known:
-                continue
-            self._other_params.append(param)
-            if self.leftover is not None:
-                self.leftover.params[f"{prefix}.{i}"] = param
+        adopt_parameters(params, prefix, self.layers, self._other_params, self.leftover)
 
     def _params(self) -> dict[str, list[Tensor]]:
         return {name: layer.block.parameters() for name, layer in self.layers.items()}
@@ -283,10 +276,7 @@ class KFACPreconditioner:
             loss: ``"cross_entropy"`` (categorical) or ``"mse"`` (unit Gaussian).
         """
         self._hooks.check("sample_fisher")
-        if self.config.fisher != "mc":
-            raise RuntimeError('sample_fisher() needs fisher="mc" in the preconditioner config')
-        if not isinstance(outputs, Tensor) or not outputs.requires_grad:
-            raise ValueError("outputs must be the model's output tensor, with a graph")
+        check_sampled_outputs(self.config, outputs)
         params = [p for layer in self.layers.values() for p in layer.block.parameters()]
         seed = self.config.seed + self.strategy.index
         self.capture.sample_fisher(outputs, loss, params, seed)

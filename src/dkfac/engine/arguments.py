@@ -11,13 +11,19 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from dkfac.config import KFACConfig, check_schedule_value
 from dkfac.engine.registration import unwrap
 from dkfac.engine.roles import apply_model_rules
 
-__all__ = ["check_layer_names", "check_step", "checked_config", "checked_lr"]
+__all__ = [
+    "check_layer_names",
+    "check_sampled_outputs",
+    "check_step",
+    "checked_config",
+    "checked_lr",
+]
 
 
 def checked_config(
@@ -91,3 +97,16 @@ def check_step(step: Any) -> None:
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
+
+
+def check_sampled_outputs(config: KFACConfig, outputs: Any) -> None:
+    """Checks a ``sample_fisher()`` call: ``fisher="mc"`` and outputs with a graph.
+
+    Raises:
+        RuntimeError: Where the configuration's ``fisher`` is not ``"mc"``.
+        ValueError: For ``outputs`` that is not a tensor with a graph.
+    """
+    if config.fisher != "mc":
+        raise RuntimeError('sample_fisher() needs fisher="mc" in the preconditioner config')
+    if not isinstance(outputs, Tensor) or not outputs.requires_grad:
+        raise ValueError("outputs must be the model's output tensor, with a graph")

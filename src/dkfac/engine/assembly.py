@@ -4,7 +4,8 @@ After registration (:mod:`~dkfac.engine.registration`) the blocks are placed on 
 (:func:`place_blocks`: the communicator, the sharded layout if any, the strategy and who
 delivers the preconditioned gradients), their layers' states created and joined to the
 capture hooks (:func:`join_layers`), and the parameters no block takes given Adam's
-direction where ``leftover_update`` says so (:func:`leftover_for`).
+direction where ``leftover_update`` says so (:func:`leftover_for`), with those added later
+(:func:`adopt_parameters`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dkfac.engine.registration import create_layers, rows_rule, unwrap
 from dkfac.engine.roles import block_roles, layer_roles
 from dkfac.engine.strategy_choice import build_strategy, local_layers
 
-__all__ = ["Placement", "join_layers", "leftover_for", "place_blocks"]
+__all__ = ["Placement", "adopt_parameters", "join_layers", "leftover_for", "place_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,3 +124,22 @@ def leftover_for(
     ids = {id(p) for p in other_params}
     named = {n: p for n, p in unwrap(model).named_parameters() if id(p) in ids}
     return LeftoverAdam(named, config)
+
+
+def adopt_parameters(
+    params: Sequence[Tensor],
+    prefix: str,
+    layers: Mapping[str, LayerState],
+    other_params: list[Tensor],
+    leftover: LeftoverAdam | None,
+) -> None:
+    """Adds to ``other_params`` (in place) each of ``params`` that neither a layer nor
+    ``other_params`` holds yet, and gives it to ``leftover`` (named ``prefix.i``) if any."""
+    known = {id(p) for p in other_params}
+    known.update(id(p) for layer in layers.values() for p in layer.block.parameters())
+    for i, param in enumerate(params):
+        if id(param) in known:
+            continue
+        other_params.append(param)
+        if leftover is not None:
+            leftover.params[f"{prefix}.{i}"] = param
