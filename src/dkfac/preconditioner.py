@@ -3,37 +3,12 @@
 Construction registers every supported layer (:mod:`~dkfac.engine.registration`), attaches the
 capture hooks (:class:`~dkfac.engine.capture.FactorCapture`) and builds the strategy
 (:mod:`~dkfac.distributed.strategies`, ``pre.strategy``), which decides where each piece of
-work runs and what travels between ranks; the math never branches on the rank. A step has
-five phases, each under a ``torch.profiler.record_function`` label; this class sequences
-them, the per-layer math is in :mod:`~dkfac.engine.step_math`.
-
-1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
-   (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
-   gradient reduction the strategy does itself (``spngd``: in the same buffers). With
-   ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
-   were final (:mod:`~dkfac.engine.eager`); otherwise all is launched here once the
-   ranks agree which layers ran (:mod:`~dkfac.engine.presence`). After one wait, ranks
-   agree on which layers have finite factors and gradients
-   (:func:`~dkfac.engine.step_math.finite_flags`); the ranks that keep a layer's factors update
-   its running averages (:meth:`~dkfac.engine.layer_state.LayerState.update_running`), and the
-   refresh policy records what changed and, when adaptive, the ranks agree on its
-   intervals (:mod:`~dkfac.engine.refresh_step`). Only statistics the policy marked due are
-   captured; the hooks do no work on other steps.
-2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
-   and the strategy sends it to the layer's gradient workers
-   (:func:`~dkfac.engine.step_math.update_inverses`).
-3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
-   natural gradient (:func:`~dkfac.engine.step_math.precondition`).
-4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank
-   (:meth:`~dkfac.distributed.strategy_base.Strategy.distribute`).
-5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
-   sum runs over every layer, whichever rank preconditioned it;
-   :func:`~dkfac.engine.step_math.kl_clip_scale`) and written back
-   (:func:`~dkfac.engine.step_math.write_back`).
-
-Then, with ``leftover_update`` (the default under ``"eigen_adam"``), ``dkfac.leftover``
-replaces the gradients of the parameters no block takes by Adam's direction on them
-(:mod:`~dkfac.engine.leftover`).
+work runs and what travels between ranks (:mod:`~dkfac.engine.assembly`); the math never
+branches on the rank. A step has five phases, each under a ``torch.profiler.record_function``
+label: ``dkfac.factors``, ``dkfac.inverse``, ``dkfac.precondition``, ``dkfac.distribute`` and
+``dkfac.kl_clip``, then ``dkfac.leftover`` with ``leftover_update``. This class sequences
+them; what each does is in :mod:`~dkfac.engine.step_phases`, the per-layer math in
+:mod:`~dkfac.engine.step_math`.
 
 Scale convention (see :class:`~dkfac.engine.capture.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and the number of micro-batches a step
@@ -42,7 +17,7 @@ number, as the frameworks do). With a ``GradScaler`` the factors are divided by 
 of its scale, and ``step()`` must see unscaled gradients (call ``scaler.unscale_(optimizer)``
 first, as for gradient clipping); a scaler not given is named in one warning
 (:mod:`~dkfac.engine.scaler_check`).
-Checkpoints: :mod:`~dkfac.engine.checkpoint`.
+Checkpoints: :mod:`~dkfac.engine.saved_state` and :mod:`~dkfac.engine.checkpoint`.
 """
 
 from __future__ import annotations

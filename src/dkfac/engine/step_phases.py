@@ -1,19 +1,36 @@
 """The work of each phase of a step; :class:`dkfac.KFACPreconditioner` runs them in order.
 
-A step reads the layers' gradients (:func:`read_gradients`), then:
+A step reads the layers' gradients (:func:`read_gradients`), then runs five phases, each
+under a ``torch.profiler.record_function`` label:
 
-1. ``dkfac.factors``: the statistics the hooks captured travel as the strategy says, in the
-   same buffers as the gradient reduction a strategy does itself: launched by the backward
-   hooks with ``overlap_comm`` (:mod:`~dkfac.engine.eager`), else here once the ranks agree
-   which layers ran (:mod:`~dkfac.engine.presence`); :func:`reduce_statistics` waits for
-   them and puts the gradient statistics on the per-sample scale. The ranks agree which
-   layers have finite statistics and gradients (:func:`agree_finite`), and
-   :func:`update_factors` updates the running averages this rank keeps and tells the
-   refresh policy what changed (:mod:`~dkfac.engine.refresh_step`).
-2. ``dkfac.inverse``: the preconditioner's ``update_inverses``.
-3. ``dkfac.precondition``: :func:`precondition_gradients`.
-4. ``dkfac.distribute``: the delivery's ``distribute``.
-5. ``dkfac.kl_clip``: :func:`clip_and_write`.
+1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
+   (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
+   gradient reduction the strategy does itself (``spngd``: in the same buffers). With
+   ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
+   were final (:mod:`~dkfac.engine.eager`); otherwise all is launched here once the
+   ranks agree which layers ran (:mod:`~dkfac.engine.presence`; :func:`reduce_statistics`).
+   After one wait, ranks agree on which layers have finite factors and gradients
+   (:func:`agree_finite`); the ranks that keep a layer's factors update its running
+   averages (:func:`update_factors`,
+   :meth:`~dkfac.engine.layer_state.LayerState.update_running`), and the refresh policy
+   records what changed and, when adaptive, the ranks agree on its intervals
+   (:mod:`~dkfac.engine.refresh_step`). Only statistics the policy marked due are captured;
+   the hooks do no work on other steps.
+2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
+   and the strategy sends it to the layer's gradient workers
+   (the preconditioner's ``update_inverses``, :func:`~dkfac.engine.step_math.update_inverses`).
+3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
+   natural gradient (:func:`precondition_gradients`, :func:`~dkfac.engine.step_math.precondition`).
+4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank
+   (:meth:`~dkfac.distributed.strategy_base.Strategy.distribute`).
+5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
+   sum runs over every layer, whichever rank preconditioned it;
+   :func:`~dkfac.engine.step_math.kl_clip_scale`) and written back
+   (:func:`clip_and_write`, :func:`~dkfac.engine.step_math.write_back`).
+
+Then, with ``leftover_update`` (the default under ``"eigen_adam"``), ``dkfac.leftover``
+replaces the gradients of the parameters no block takes by Adam's direction on them
+(:mod:`~dkfac.engine.leftover`).
 
 The per-layer math is in :mod:`~dkfac.engine.step_math`; the parts a step runs through,
 fixed when the preconditioner is built, travel together as :class:`StepParts`.
