@@ -47,7 +47,7 @@ from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
-from dkfac.engine.introspection import describe_table, memory_usage
+from dkfac.engine.introspection import describe_table, memory_usage, running_factors
 from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState
@@ -396,11 +396,7 @@ class KFACPreconditioner:
         ``blockdiag`` side as its ``(k, b, b)`` diagonal blocks
         (:mod:`dkfac.solvers.block_layout`: the last one padded with zeros).
         """
-        return {
-            name: (layer.a, layer.g)
-            for name, layer in self.layers.items()
-            if layer.a is not None and layer.g is not None
-        }
+        return running_factors(self.layers)
 
     def comm_stats(self) -> dict[str, Any]:
         """Bytes communicated by kind and collective, cumulative and per step.

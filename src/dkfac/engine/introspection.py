@@ -1,4 +1,4 @@
-"""What a preconditioner reports about itself: ``describe()``'s table and ``memory_usage()``.
+"""What a preconditioner reports about itself: ``describe()``, ``memory_usage()``, ``factors()``.
 
 Pure functions over the registered layers and the parts beside them (the coverage of the
 model's parameters, the strategy's placement, the leftover optimizer, the overhead
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torch import Tensor
+
 from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.coverage import Coverage
@@ -18,7 +20,7 @@ from dkfac.engine.layer_state import LayerState
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.overhead import OverheadBudget
 
-__all__ = ["describe_table", "memory_usage"]
+__all__ = ["describe_table", "memory_usage", "running_factors"]
 
 
 def describe_table(
@@ -75,3 +77,12 @@ def memory_usage(
     if leftover is not None:
         usage["moments"] += leftover.nbytes()
     return usage
+
+
+def running_factors(layers: Mapping[str, LayerState]) -> dict[str, tuple[Tensor, Tensor]]:
+    """``name -> (A, G)`` of the layers that keep both running factors on this rank."""
+    return {
+        name: (layer.a, layer.g)
+        for name, layer in layers.items()
+        if layer.a is not None and layer.g is not None
+    }
