@@ -3,37 +3,12 @@
 Construction registers every supported layer (:mod:`~dkfac.engine.registration`), attaches the
 capture hooks (:class:`~dkfac.engine.capture.FactorCapture`) and builds the strategy
 (:mod:`~dkfac.distributed.strategies`, ``pre.strategy``), which decides where each piece of
-work runs and what travels between ranks; the math never branches on the rank. A step has
-five phases, each under a ``torch.profiler.record_function`` label; this class sequences
-them, the per-layer math is in :mod:`~dkfac.engine.step_math`.
-
-1. ``dkfac.factors``: the factors captured by the hooks are reduced as the strategy says
-   (all-reduce, reduce-scatter to owners, or nothing) in asynchronous buckets, with any
-   gradient reduction the strategy does itself (``spngd``: in the same buffers). With
-   ``overlap_comm`` on, the backward hooks already launched each bucket once its layers
-   were final (:mod:`~dkfac.engine.eager`); otherwise all is launched here once the
-   ranks agree which layers ran (:mod:`~dkfac.engine.presence`). After one wait, ranks
-   agree on which layers have finite factors and gradients
-   (:func:`~dkfac.engine.step_math.finite_flags`); the ranks that keep a layer's factors update
-   its running averages (:meth:`~dkfac.engine.layer_state.LayerState.update_running`), and the
-   refresh policy records what changed and, when adaptive, the ranks agree on its
-   intervals (:mod:`~dkfac.engine.refresh_step`). Only statistics the policy marked due are
-   captured; the hooks do no work on other steps.
-2. ``dkfac.inverse``: on inverse-update steps each layer's owner recomputes its solver state
-   and the strategy sends it to the layer's gradient workers
-   (:func:`~dkfac.engine.step_math.update_inverses`).
-3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
-   natural gradient (:func:`~dkfac.engine.step_math.precondition`).
-4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank
-   (:meth:`~dkfac.distributed.strategy_base.Strategy.distribute`).
-5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
-   sum runs over every layer, whichever rank preconditioned it;
-   :func:`~dkfac.engine.step_math.kl_clip_scale`) and written back
-   (:func:`~dkfac.engine.step_math.write_back`).
-
-Then, with ``leftover_update`` (the default under ``"eigen_adam"``), ``dkfac.leftover``
-replaces the gradients of the parameters no block takes by Adam's direction on them
-(:mod:`~dkfac.engine.leftover`).
+work runs and what travels between ranks (:mod:`~dkfac.engine.assembly`); the math never
+branches on the rank. A step has five phases, each under a ``torch.profiler.record_function``
+label: ``dkfac.factors``, ``dkfac.inverse``, ``dkfac.precondition``, ``dkfac.distribute`` and
+``dkfac.kl_clip``, then ``dkfac.leftover`` with ``leftover_update``. This class sequences
+them; what each does is in :mod:`~dkfac.engine.step_phases`, the per-layer math in
+:mod:`~dkfac.engine.step_math`.
 
 Scale convention (see :class:`~dkfac.engine.capture.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and the number of micro-batches a step
@@ -42,67 +17,59 @@ number, as the frameworks do). With a ``GradScaler`` the factors are divided by 
 of its scale, and ``step()`` must see unscaled gradients (call ``scaler.unscale_(optimizer)``
 first, as for gradient clipping); a scaler not given is named in one warning
 (:mod:`~dkfac.engine.scaler_check`).
-Checkpoints: :mod:`~dkfac.engine.checkpoint`.
+Checkpoints: :mod:`~dkfac.engine.saved_state` and :mod:`~dkfac.engine.checkpoint`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from dkfac.config import KFACConfig, check_schedule_value, leftover_adam, resolve
-from dkfac.config.checks import check_bool, check_range
-from dkfac.distributed.comm import Communicator
+from dkfac.config import KFACConfig, check_schedule_value, resolve
+from dkfac.config.checks import check_bool
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
-from dkfac.distributed.sharding import find_layout, refuse_fsdp1
+from dkfac.distributed.sharding import refuse_fsdp1
 from dkfac.distributed.strategies import Strategy
-from dkfac.engine.capture import FactorCapture, rank_mean
-from dkfac.engine.checkpoint import (
-    check_state,
-    layers_state,
-    load_layers_state,
-    saved_choice,
-    saved_late_layers,
+from dkfac.engine.arguments import (
+    check_layer_names,
+    check_sampled_outputs,
+    check_step,
+    checked_config,
+    checked_lr,
 )
+from dkfac.engine.assembly import adopt_parameters, join_layers, leftover_for, place_blocks
+from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_budget
+from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.guards import GradientMarks, HookOwnership
+from dkfac.engine.introspection import describe_table, memory_usage, running_factors
 from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
-from dkfac.engine.layer_state import LayerState, update_running_all
+from dkfac.engine.layer_state import LayerState
 from dkfac.engine.leftover import LeftoverAdam
-from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
+from dkfac.engine.overhead import OverheadBudget
 from dkfac.engine.phases import phase
-from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_checks import StateHold
-from dkfac.engine.refresh_step import agree_intervals, mark_due, record_refreshes, refresh_report
-from dkfac.engine.registration import (
-    create_layers,
-    other_parameters,
-    register,
-    rows_rule,
-    unwrap,
-)
-from dkfac.engine.roles import apply_model_rules, block_roles, layer_roles
+from dkfac.engine.refresh_step import mark_due, refresh_report
+from dkfac.engine.registration import other_parameters, register, unwrap
+from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
-from dkfac.engine.step_math import (
-    finite_flags,
-    kept_statistics,
-    kl_clip_scale,
-    precondition,
-    presence_token,
-    update_inverses,
-    write_back,
+from dkfac.engine.step_math import update_inverses
+from dkfac.engine.step_phases import (
+    StepParts,
+    agree_finite,
+    clip_and_write,
+    precondition_gradients,
+    read_gradients,
+    reduce_statistics,
+    update_factors,
 )
-from dkfac.engine.strategy_choice import build_strategy, local_layers
 
 
 class KFACPreconditioner:
@@ -161,33 +128,9 @@ class KFACPreconditioner:
         overhead: float | None = None,
         **options: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if grad_scaler is not None and not hasattr(grad_scaler, "get_scale"):
-            raise TypeError("grad_scaler must be a torch.amp.GradScaler (it has no get_scale())")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "process_group must be a torch.distributed.ProcessGroup or None, got "
-                f"{type(process_group).__name__}"
-            )
-        if config is not None and not isinstance(config, KFACConfig):
-            raise TypeError(f"config must be a KFACConfig or None, got {type(config).__name__}")
-        if config is None:
-            config = KFACConfig(**options)
-        elif options:
-            config = dataclasses.replace(config, **options)
-        config = apply_model_rules(unwrap(model), config)
-        self.budget: OverheadBudget | None = None
+        config = checked_config(model, config, grad_scaler, process_group, options)
+        self.budget: OverheadBudget | None = make_budget(overhead, config, options)
         self._budget_spent = False  # the choice applied (after the first step)
-        if overhead is not None:
-            check_range("overhead", overhead, low=0.0)
-            defaults = KFACConfig()
-            given = {
-                k: getattr(config, k)
-                for k in BUDGETED_OPTIONS
-                if k in options or getattr(config, k) != getattr(defaults, k)
-            }
-            self.budget = OverheadBudget(float(overhead), given)
         self.config = config
         self.model = model
         self.grad_scaler = grad_scaler
@@ -208,49 +151,17 @@ class KFACPreconditioner:
         self._hooks = HookOwnership(self, {name: b.module for name, b in blocks.items()})
         self._hooks.add(self.capture)
         self._marks = GradientMarks()
-        self.comm = Communicator(process_group, bucket_bytes=config.bucket_bytes)
-        self.layout: ShardedLayout | None = find_layout(
-            model,
-            {name: b.parameters() for name, b in blocks.items()},
-            strategy=config.strategy,
-            ledger=self.comm.ledger,
-            bucket_bytes=config.bucket_bytes,
-            shard_exchange=config.shard_exchange,
-        )
-        self.strategy: Strategy = build_strategy(
-            config,
-            self.comm,
-            blocks,
-            ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel)
-            or self.layout is not None,
-        )
-        self.delivery: Delivery = (
-            self.strategy
-            if self.layout is None
-            else self.layout.attach(
-                self.strategy,
-                {name: b.parameter_parts() for name, b in blocks.items()},
-                local_layers(config, blocks),
-            )
-        )
+        placement = place_blocks(model, blocks, config, process_group)
+        self.comm = placement.comm
+        self.layout: ShardedLayout | None = placement.layout
+        self.strategy: Strategy = placement.strategy
+        self.delivery: Delivery = placement.delivery
         """Delivers the preconditioned gradients and adds the KL-clip sum: the strategy, or
         the sharded layout's owner exchange (:mod:`~dkfac.distributed.shard_exchange`)."""
-        gathered = 1 if self.strategy.factor_reduction == "none" else self.strategy.world_size
-        if gathered > 1 and self.comm.active:
-            self.capture.rank_mean = functools.partial(rank_mean, self.comm)
-        roles = layer_roles(unwrap(model))
-        self.layers: dict[str, LayerState] = create_layers(
-            blocks, config, rows_rule(config, gathered), roles
-        )
-        self._roles = block_roles(roles, self.layers)
+        self.layers: dict[str, LayerState]
+        self.layers, self._roles = join_layers(model, blocks, config, placement, self.capture)
         self.late = LateLayers(self.layers)
         self._set_block_steps()
-        if self.layout is not None:  # shard_exchange="local": each rank its rows' G block
-            for name, rows in self.layout.local_rows().items():
-                self.layers[name].g_rows = rows
-        for name, layer in self.layers.items():
-            layer.captures = self.strategy.captures(name)
-            self.capture.attach(layer.block.module, layer)
         scaled = grad_scaler is not None and grad_scaler.is_enabled()
         self.eager = build_eager(
             config, self.layers, self.capture, self.strategy, model=model, grad_scaled=scaled
@@ -261,11 +172,7 @@ class KFACPreconditioner:
         if self.budget is not None:
             self.budget.watch(self.layers)
         self._other_params = other_parameters(unwrap(model), self.layers)
-        self.leftover: LeftoverAdam | None = None
-        if leftover_adam(config):
-            ids = {id(p) for p in self._other_params}
-            named = {n: p for n, p in unwrap(model).named_parameters() if id(p) in ids}
-            self.leftover = LeftoverAdam(named, config)
+        self.leftover: LeftoverAdam | None = leftover_for(model, config, self._other_params)
         self.schedule_captures(0)
         self._kl_scale: Tensor | None = None
         self.gradients_finite: Tensor | bool = True
@@ -274,6 +181,17 @@ class KFACPreconditioner:
         flags stay on the device): :class:`~dkfac.KFACOptimizer` skips on it, so that a
         gradient this step zeroed still skips the inner step."""
         self._guard = DeviceGuard(list(self.layers))
+        self._parts = StepParts(
+            self.layers,
+            self.capture,
+            self.comm,
+            self.layout,
+            self.strategy,
+            self.delivery,
+            self.eager,
+            self._guard,
+            self._other_params,
+        )
         self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
         """Keep the finiteness guard's flags on the device (masks instead of branches, its
         warnings logged a step late: :mod:`~dkfac.engine.device_checks`), so that a step
@@ -303,14 +221,7 @@ class KFACPreconditioner:
         Adam's direction with ``leftover_update`` (named ``prefix.i``), the gradient
         reduction of ``"spngd"``; parameters already known are left as they are.
         """
-        known = {id(p) for p in self._other_params}
-        known.update(id(p) for layer in self.layers.values() for p in layer.block.parameters())
-        for i, param in enumerate(params):
-            if id(param) in known:
-                continue
-            self._other_params.append(param)
-            if self.leftover is not None:
-                self.leftover.params[f"{prefix}.{i}"] = param
+        adopt_parameters(params, prefix, self.layers, self._other_params, self.leftover)
 
     def _params(self) -> dict[str, list[Tensor]]:
         return {name: layer.block.parameters() for name, layer in self.layers.items()}
@@ -340,10 +251,7 @@ class KFACPreconditioner:
             loss: ``"cross_entropy"`` (categorical) or ``"mse"`` (unit Gaussian).
         """
         self._hooks.check("sample_fisher")
-        if self.config.fisher != "mc":
-            raise RuntimeError('sample_fisher() needs fisher="mc" in the preconditioner config')
-        if not isinstance(outputs, Tensor) or not outputs.requires_grad:
-            raise ValueError("outputs must be the model's output tensor, with a graph")
+        check_sampled_outputs(self.config, outputs)
         params = [p for layer in self.layers.values() for p in layer.block.parameters()]
         seed = self.config.seed + self.strategy.index
         self.capture.sample_fisher(outputs, loss, params, seed)
@@ -366,14 +274,11 @@ class KFACPreconditioner:
             ValueError: For a NaN, infinite or negative ``lr`` (TypeError: not a number).
         """
         self._hooks.check("step")
-        try:
-            lr = None if lr is None else check_schedule_value("lr", lr)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"step(): {err}") from None
+        lr = checked_lr(lr)
         params = self._params()  # the same tensors all step long
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
-            self._budget_bases()  # before the first refresh: one-sided sides from the start
+            apply_budget_bases(self.budget, self.layers, self.config)  # before the 1st refresh
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)
@@ -398,28 +303,18 @@ class KFACPreconditioner:
     def _precondition_layers(
         self, step: int, damping: float, inverse_interval: int, lr: float | None
     ) -> None:
-        """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients."""
-        partial = self.layout.partial if self.layout is not None else frozenset()
-        rows_only = partial | (self.layout.local if self.layout is not None else frozenset())
+        """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients
+        (:mod:`~dkfac.engine.step_phases`)."""
+        parts, cfg = self._parts, self.config
+        rows_only = parts.partial | (self.layout.local if self.layout is not None else frozenset())
         world = self.strategy.world_size
         self._scaler_check.step(self.layers, self.grad_scaler, world, skip=rows_only)
-        cfg = self.config
-        if self.flags_on_device and self.layout is None:  # one copy into the guard's buffer
-            grads = self._guard.gradients(self.layers)
-        else:
-            grads = {
-                name: layer.block.weight_grad() if name not in partial else presence_token(layer)
-                for name, layer in self.layers.items()
-            }
+        grads = read_gradients(parts, self.flags_on_device)
         capturing = self.capture.active
-        keep: Tensor | None = None  # the guard's gradient flags, on the device
         with phase("dkfac.factors"):
-            new_factors = self._reduce(grads, capturing)
-            if self.flags_on_device:
-                finite, keep = self._guard.run(self.layers, self.strategy, new_factors, grads, step)
-            else:
-                finite = finite_flags(self.layers, self.strategy, new_factors, grads)
-            self._update_factors(new_factors, finite, step)
+            new = reduce_statistics(parts, grads, capturing, cfg.fisher, self.grad_scaler)
+            finite, keep = agree_finite(parts, new, grads, step, self.flags_on_device)
+            self.last_refreshed = update_factors(parts, new, finite, step, cfg, self.refresh)
             self.gradients_finite = (
                 keep.all() if keep is not None else all(flags[1] for flags in finite.values())
             )
@@ -432,95 +327,26 @@ class KFACPreconditioner:
                 self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
             self.late.refreshed(self.layers, grads, arrived)
         with phase("dkfac.precondition"):
-            bn_damping = resolve("bn_damping", cfg.bn_damping, step)
-            dampings = {"damping": damping, "bn_damping": bn_damping or damping}
-            advance = None if keep is None else keep.all()
-            finals, ready = precondition(
-                self.layers, self.strategy, grads, finite, dampings, step, advance, partial
-            )
+            finals, ready = precondition_gradients(parts, grads, finite, keep, cfg, damping, step)
         with phase("dkfac.distribute"):
             delivered = self.delivery.distribute(finals, ready)
         with phase("dkfac.kl_clip"):
-            kl_clip = resolve("kl_clip", cfg.kl_clip, step)
-            lr = lr if lr is not None else resolve("lr", cfg.lr, step)
-            scale = kl_clip_scale(self.delivery, finals, ready, grads, kl_clip, lr)
-            factors = None
-            if keep is not None:  # the scale times 0 where a gradient was not finite
-                both = keep.to(torch.float32) if scale is None else keep * scale  # 1 call
-                # Through the guard's buffer; write_back takes the layers it leaves.
-                delivered = self._guard.writes.write(self.layers, finals, delivered, ready, both)
-                if delivered:
-                    factors = dict(zip(self.layers, both.unbind(0), strict=True))
-            write_back(self.layers, finals, delivered, ready, scale, factors)
+            scale = clip_and_write(parts, finals, delivered, ready, grads, keep, cfg, step, lr)
             self._kl_scale = scale  # read as a number only when asked: no host sync a step
-
-    def _budget_bases(self) -> None:
-        """Makes the overhead budget's choice as soon as the shapes were seen (the first
-        training forward) and gives the layers it makes one-sided their limit, so that the
-        first refresh already builds their bases so (the intervals and factor batch are
-        applied after the first step, :meth:`_spend_budget`)."""
-        assert self.budget is not None
-        if self.budget.decide(self.layers, self.config.flattened_inputs) is not None:
-            self.budget.apply_bases(self.layers)
 
     def _spend_budget(self) -> None:
         """Applies the overhead budget's choice once it can be made (after the first step)."""
         assert self.budget is not None
-        maps = self.config.flattened_inputs
-        if self.budget.decide(self.layers, maps) is None:
+        config = spend_budget(self.budget, self.layers, self.config)
+        if config is None:
             return
         self._budget_spent = True
-        self.budget.apply_bases(self.layers)
-        if not (chosen := self.budget.options()):
+        if config is self.config:  # the user set every option it chooses
             return
-        self.config = dataclasses.replace(self.config, **chosen)
-        self.capture.config = self.config
-        self.budget.apply(self.layers)
-        if self.config.refresh == "fixed":
+        self.config = config
+        self.capture.config = config
+        if config.refresh == "fixed":
             self.refresh = make_refresh_policy("fixed", self.config.factor_update_interval)
-
-    def _reduce(
-        self, grads: dict[str, Tensor | None], capturing: bool
-    ) -> dict[str, dict[str, Tensor]]:
-        """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer."""
-        if self.eager is not None:
-            new, handle = self.eager.finish(grads, self._other_params)
-        else:
-            new = self.capture.collect(self.layers, 1.0) if capturing else {}
-            agree_presence(self.comm, self.layers, new, grads, self._other_params)
-            present = {name: g for name, g in grads.items() if g is not None}
-            others = [p.grad for p in self._other_params if p.grad is not None]
-            gathered = {n: x.gathered() for n, x in self.layers.items() if x.gathered()}
-            handle = self.strategy.reduce_step(new, gathered, present, others)
-        handle.wait()
-        if new:
-            self.capture.scale_grad_statistics(self.layers, new, self._g_scale())
-        return new
-
-    def _g_scale(self) -> float:
-        """``k²`` for the ``k`` micro-batches of the step (each one's loss is divided by ``k``;
-        a sampled Fisher backward's is not), over the square of an enabled GradScaler's scale
-        (G was captured from scaled gradients)."""
-        passes = self.capture.backward_passes() if self.config.fisher == "empirical" else 1
-        scale = float(passes) ** 2
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            return scale * float(self.grad_scaler.get_scale()) ** -2
-        return scale
-
-    def _update_factors(
-        self,
-        new: dict[str, dict[str, Tensor]],
-        finite: dict[str, tuple[bool, bool]],
-        step: int,
-    ) -> None:
-        """Updates the running averages this rank keeps; the refresh policy learns of them."""
-        decay = resolve("factor_decay", self.config.factor_decay, step)
-        assert decay is not None
-        self.last_refreshed = sum(len(layer.due) for layer in self.layers.values())
-        kept = kept_statistics(self.strategy, new, finite, step)
-        recorded = record_refreshes(self.refresh, self.layers, kept, step)  # before updates
-        update_running_all(self.layers, kept, decay)
-        agree_intervals(self.refresh, self.comm, self.layers, recorded, step)
 
     def update_inverses(self, damping: float, names: list[str] | None = None) -> None:
         """Owners recompute solver states (all layers, or ``names``) and share them.
@@ -536,20 +362,13 @@ class KFACPreconditioner:
                 read as its characters).
         """
         damping = check_schedule_value("damping", damping)
-        if names is not None:
-            if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-                raise TypeError(f"names must be a list of layer names or None, got {names!r}")
-            if unknown := [n for n in names if n not in self.layers]:
-                raise ValueError(
-                    f"names {unknown} are not registered layers; they are {list(self.layers)}"
-                )
+        check_layer_names(names, self.layers)
         hold = StateHold(self._guard.late, self._steps) if self.flags_on_device else None
         update_inverses(self.layers, self.strategy, damping, names, hold)
 
     def restore_step(self, step: int) -> None:
         """Sets the step counter (checkpoints) and schedules that step's captures."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        check_step(step)
         self._steps = step
         self._set_block_steps()
         self.schedule_captures(step)
@@ -577,11 +396,7 @@ class KFACPreconditioner:
         ``blockdiag`` side as its ``(k, b, b)`` diagonal blocks
         (:mod:`dkfac.solvers.block_layout`: the last one padded with zeros).
         """
-        return {
-            name: (layer.a, layer.g)
-            for name, layer in self.layers.items()
-            if layer.a is not None and layer.g is not None
-        }
+        return running_factors(self.layers)
 
     def comm_stats(self) -> dict[str, Any]:
         """Bytes communicated by kind and collective, cumulative and per step.
@@ -595,16 +410,7 @@ class KFACPreconditioner:
         solver keeps between steps) and ``accumulators`` (with, between a backward and the
         step, the inputs and output gradients of captures held for their groups where the
         device is launch-bound: :mod:`~dkfac.engine.capture_groups`)."""
-        usage = {"factors": 0, "inverses": 0, "moments": 0, "accumulators": 0}
-        for layer in self.layers.values():
-            for kind, nbytes in layer.memory().items():
-                usage[kind] += nbytes
-        usage["accumulators"] += self.capture.held_bytes()
-        if self.eager is not None:  # statistics already handed to the overlapped reduction
-            usage["accumulators"] += self.eager.pending_bytes()
-        if self.leftover is not None:
-            usage["moments"] += self.leftover.nbytes()
-        return usage
+        return memory_usage(self.layers, self.capture, self.eager, self.leftover)
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per layer, then one per parameter left to the inner optimizer.
@@ -622,21 +428,9 @@ class KFACPreconditioner:
         direction (:mod:`~dkfac.engine.leftover`); a layer's ``reason`` is ``None`` and
         ``numel`` its gradient's entries.
         """
-        rows = {
-            name: {**x.summary(), "role": self._roles.get(name), **self.strategy.describe(name)}
-            for name, x in self.layers.items()
-        }
-        table = self.coverage.table(rows)
-        if self.leftover is not None:
-            for row in table:
-                if row["block"] == "inner optimizer" and row["name"] in self.leftover.params:
-                    row["method"] = "adam"
-        if self.budget is not None and table:
-            choice = self.budget.choice
-            reason = choice.reason if choice else "chosen after the first step"
-            row = dict.fromkeys(table[0])
-            table.append({**row, "name": "overhead budget", "block": "cost", "reason": reason})
-        return table
+        return describe_table(
+            self.layers, self._roles, self.strategy, self.coverage, self.leftover, self.budget
+        )
 
     def state_dict(self, include_inverses: bool = False, gather: bool = True) -> dict[str, Any]:
         """Step counter and running factors keyed by module name.
@@ -657,22 +451,19 @@ class KFACPreconditioner:
         """
         check_bool("include_inverses", include_inverses)
         check_bool("gather", gather)
-        layers = layers_state(
-            self.layers, self.strategy, self.comm, include_inverses=include_inverses, gather=gather
+        return preconditioner_state(
+            self.layers,
+            self.strategy,
+            self.comm,
+            step=self.steps,
+            capture=self.capture,
+            refresh=self.refresh,
+            late=self.late,
+            leftover=self.leftover,
+            budget=self.budget,
+            include_inverses=include_inverses,
+            gather=gather,
         )
-        generator = self.capture.generator
-        state = {
-            "step": self.steps,
-            "layers": layers,
-            "mc_generator": None if generator is None else generator.get_state(),
-            "refresh": self.refresh.state_dict(),
-            "late_layers": self.late.state_dict(),
-        }
-        if self.leftover is not None:  # the same on every rank: no gathering
-            state["leftover"] = self.leftover.state_dict()
-        if self.budget is not None and self.budget.choice is not None:
-            state["budget"] = dataclasses.asdict(self.budget.choice)
-        return state
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Raises ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing.
@@ -680,16 +471,13 @@ class KFACPreconditioner:
         It checks the layer names, statistic shapes, low-rank plans, that every tensor is
         finite, the step, the refresh and Monte-Carlo generator states.
         """
-        check_state(state, self.layers, self.refresh, self._device())
-        self._check_leftover(state)
-        saved_choice(state, self.layers, self.budget is not None)
-        saved_late_layers(state, self.layers)
+        self._check_saved(state)
 
-    def _check_leftover(self, state: dict[str, Any]) -> None:
-        """Raises ValueError unless the saved leftover moments fit (absent ones are fine)."""
-        saved = state.get("leftover")
-        if saved is not None and self.leftover is not None:
-            self.leftover.check_state_dict(saved)
+    def _check_saved(self, state: dict[str, Any]) -> Saved:
+        device = self._device()
+        return check_saved(
+            state, self.layers, self.refresh, device, self.leftover, self.budget is not None
+        )
 
     def _device(self) -> torch.device:
         return next(iter(self.layers.values())).block.parameters()[0].device
@@ -705,24 +493,23 @@ class KFACPreconditioner:
                 (see :meth:`check_state_dict`); nothing is changed then. Past the checks
                 only a failing collective can interrupt the load.
         """
-        step = check_state(state, self.layers, self.refresh, self._device())
-        self._check_leftover(state)
-        choice = saved_choice(state, self.layers, self.budget is not None)
-        late = saved_late_layers(state, self.layers)
-        if choice is not None:  # the run's chosen intervals, before its refresh state
+        saved = self._check_saved(state)
+        step = saved.step
+        if saved.choice is not None:  # the run's chosen intervals, before its refresh state
             assert self.budget is not None
             self.budget.remove()
-            self.budget.choice = choice
+            self.budget.choice = saved.choice
             self._spend_budget()
-        stale = load_layers_state(self.layers, self.strategy, state["layers"])
-        self.late = late
-        if self.leftover is not None:
-            self.leftover.load_state_dict(state.get("leftover") or {})
-        if state.get("refresh"):
-            self.refresh.load_state_dict(dict(state["refresh"]))
-        if state.get("mc_generator") is not None:
-            self.capture.generator = torch.Generator(device=self._device())
-            self.capture.generator.set_state(state["mc_generator"])
+        stale = restore_entries(
+            state,
+            self.layers,
+            self.strategy,
+            capture=self.capture,
+            refresh=self.refresh,
+            leftover=self.leftover,
+            device=self._device(),
+        )
+        self.late = saved.late
         self.restore_step(step)
         damping = resolve("damping", self.config.damping, max(step - 1, 0))
         assert damping is not None

@@ -1,11 +1,15 @@
 """The engine: what runs a K-FAC step and joins the three axes (blocks, solvers, strategies).
 
-Registration (:mod:`.registration`) and what each parameter gets (:mod:`.coverage`), guards
-against misuse (:mod:`.guards`), per-layer state (:mod:`.layer_state`), the capture
-hooks (:mod:`.capture`) and Monte-Carlo Fisher targets (:mod:`.fisher`), the step math
+The checks on what callers pass (:mod:`.arguments`), registration (:mod:`.registration`) and
+what each parameter gets (:mod:`.coverage`), how the parts are put together
+(:mod:`.assembly`), guards against misuse (:mod:`.guards`), per-layer state
+(:mod:`.layer_state`), the capture hooks (:mod:`.capture`) and Monte-Carlo Fisher targets
+(:mod:`.fisher`), the work of each step phase (:mod:`.step_phases`) over the step math
 (:mod:`.step_math`) and its NaN/Inf test (:mod:`.finite`), which devices take their
 multi-tensor forms (:mod:`.launches`), the refresh policy and its
 agreement (:mod:`.refresh`, :mod:`.refresh_step`), presence agreement and overlapped
-reduction (:mod:`.presence`, :mod:`.eager`) and preconditioner checkpoints
-(:mod:`.checkpoint`). The public face is :class:`dkfac.KFACPreconditioner`.
+reduction (:mod:`.presence`, :mod:`.eager`), the overhead budget's application
+(:mod:`.budget_apply`), what a preconditioner reports (:mod:`.introspection`) and
+preconditioner checkpoints (:mod:`.saved_state`, :mod:`.checkpoint`). The public face is
+:class:`dkfac.KFACPreconditioner`.
 """

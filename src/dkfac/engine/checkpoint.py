@@ -6,8 +6,7 @@ tensors from its owner (a collective: call it on every rank), so a checkpoint wr
 rank 0 holds the whole model's state and loads at any world size and with any strategy;
 :func:`load_layers_state` keeps on each rank only what its strategy needs and returns the
 layers whose solver state the owners must recompute (and share). The preconditioner's own
-entries beside the layers' are checked here too (:func:`saved_late_layers`,
-:func:`saved_choice`).
+entries beside the layers' are in :mod:`~dkfac.engine.saved_state`.
 
 Under ``"dp"`` each owner's factors come from its own local batches; the gathered
 checkpoint holds those.
@@ -45,10 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.costmodel.budget import Choice
 from dkfac.distributed.comm import Communicator
 from dkfac.distributed.strategy_base import Strategy
-from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.refresh import RefreshPolicy
 from dkfac.solvers import DenseStatistic, decided_solver
@@ -334,45 +331,3 @@ def _loaded_moments(
         return None
     device = _device(layer)
     return {key: value.to(device).clone() for key, value in saved.items()}
-
-
-def saved_late_layers(state: Mapping[str, Any], layers: Mapping[str, LayerState]) -> LateLayers:
-    """The layers still waiting for their first refresh in a preconditioner's ``state`` (none
-    when the entry is absent: a checkpoint from before it was saved).
-
-    Raises:
-        ValueError: If the entry is not a list of the names of ``layers``.
-    """
-    late = LateLayers(())
-    saved = state.get("late_layers") or []
-    if not isinstance(saved, list | tuple) or not all(isinstance(n, str) for n in saved):
-        raise ValueError(f"'late_layers' must be a list of layer names, got {saved!r}")
-    late.load_state_dict(saved, layers)
-    return late
-
-
-def saved_choice(
-    state: Mapping[str, Any], layers: Mapping[str, LayerState], budgeted: bool
-) -> Choice | None:
-    """The overhead budget's saved choice in a preconditioner's ``state`` (``None``: none
-    saved, or no budget in the preconditioner loading it: ``budgeted`` false).
-
-    Raises:
-        ValueError: If the saved entry is not a choice for ``layers``.
-    """
-    saved = state.get("budget")
-    if saved is None or not budgeted:
-        return None
-    try:
-        choice = Choice(**saved)
-    except TypeError as err:
-        raise ValueError(f"'budget' is not an overhead budget's choice: {err}") from None
-    limits = choice.basis_max_dims
-    if not isinstance(limits, dict) or not all(
-        name in layers and type(limit) is int and limit >= 1 for name, limit in limits.items()
-    ):
-        raise ValueError(
-            "'budget' basis_max_dims must map this model's layer names to integers >= 1, "
-            f"got {limits!r}"
-        )
-    return choice

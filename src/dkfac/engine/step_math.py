@@ -1,6 +1,7 @@
 """The per-layer math of one K-FAC step, as plain functions of the layers and the strategy.
 
-:class:`~dkfac.preconditioner.KFACPreconditioner` calls them in the order of its phases:
+The phases of :class:`~dkfac.preconditioner.KFACPreconditioner`'s step
+(:mod:`~dkfac.engine.step_phases`) call them in order:
 :func:`finite_flags` and :func:`kept_statistics` (phase 1, before the running averages are
 updated), :func:`update_inverses` (phase 2), :func:`precondition` (phase 3), then, after
 the strategy has distributed the results (phase 4), :func:`kl_clip_scale` and
