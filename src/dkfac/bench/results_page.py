@@ -133,10 +133,10 @@ FSDP_MEMORY = "fsdp_memory_cpu.json"
 FSDP_STEP = "fsdp_step_cpu.json"
 DEFAULT_TASKS = {
     "digits CNN": ("tta", "tta_digits_default_v11.json"),
-    "autoencoder": ("autoencoder", "autoencoder_digits_default_v11.json"),
+    "autoencoder": ("autoencoder", "autoencoder_digits_default_v16.json"),
     "language model": ("lm", "lm_gpt_default_v12.json"),
 }
-SUITE = "suite_default_v14.json"
+SUITE = "suite_default_v16.json"
 WIDE_SIDES = "one_sided_memory.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 GROUPED = "grouped_conv_digits.json"
