@@ -44,7 +44,7 @@ import dkfac.solvers.host_copy as host_copy
 from dkfac import KFACOptimizer
 from dkfac.app import models
 from dkfac.app.gpt import GPT
-from dkfac.bench.common import machine_info
+from dkfac.bench.common import machine_info, synchronize
 from dkfac.engine import launches
 
 NEVER = 10**9
@@ -127,19 +127,14 @@ def measure_round(model: str, blocks: int, device: torch.device) -> dict[str, An
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
     for _ in range(blocks):
         for arm, step in steps.items():
-            _synchronize(device)
+            synchronize(device)
             start = clock()
             for _ in range(BLOCK):
                 step()
-            _synchronize(device)
+            synchronize(device)
             times[arm].append((clock() - start) / BLOCK * 1e3)
     ms = {arm: statistics.median(values) for arm, values in times.items()}
     return {"ms_per_step": ms, "blocks_ms": times, "dkfac_vs_adamw": ms["dkfac"] / ms["adamw"]}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(model: str, blocks: int, rounds: int, device: torch.device) -> dict[str, Any]:
