@@ -1,11 +1,12 @@
-"""The default's other choices on the suite's narrow families (the MLP and the autoencoder).
+"""The default's other choices on the suite's families where a target is missed.
 
 On ``dkfac bench suite``'s MLP (64-128-128-128-10) and autoencoder (64-256-64-16, mirrored),
 at batch 256, ``for_model``'s step costs about twice AdamW's and the autoencoder takes more
-steps than Muon. This probe measures, for each variant of ``for_model``'s options at the
-default's swept lr (0.01), the steps to the suite's target (seeds 0-2 on both splits, their
-median) and the step against AdamW's (``dkfac.bench.suite.step_seconds``: alternated
-blocks, every step from the same initial weights, one thread; the median block):
+steps than Muon; on the residual CNN and the digits CNN it sits at about 1.3x. This probe
+measures, for each variant of ``for_model``'s options at the default's swept lr (0.01 by
+default), the steps to the suite's target (seeds ``--first-seed`` on, ``--seeds`` of them, on
+both splits; their median) and the step against AdamW's (``dkfac.bench.suite.step_seconds``:
+alternated blocks, every step from the same initial weights, one thread; the median block):
 
 * ``default``: ``for_model`` as it ships;
 * ``fresh``: ``overhead=None`` (factors every step from the whole batch, a basis every 5
@@ -17,13 +18,20 @@ blocks, every step from the same initial weights, one thread; the median block):
   layer;
 * ``input and head to Adam``: ``skip_layers`` of the first layer and the head;
 * ``blocks from the widths``: ``basis_block_size="widths"`` (whole bases on these two; on
-  the digits CNN blocks of 128 for its 289- and 577-wide convolution inputs).
+  the digits CNN blocks of 128 for its 289- and 577-wide convolution inputs);
+* ``reduce-sum convolutions``: ``conv_reduction="sum"`` (SKFAC's reduction, K-FAC-reduce's
+  factors: one row per image, so a capture costs ``1/T`` of the expand one's products);
+* ``bases every 5``, ``moments kept at a refresh`` (``moment_carry="keep_v"``), and
+  ``bases every 5, no one-sided side``.
 
     PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py \\
         --out benchmarks/results/narrow_model_variants.json
     PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py --families cnn \\
         --lr 0.005 --variants default "blocks from the widths" \\
         --out benchmarks/results/cnn_block_widths.json
+    PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py --families resnet \\
+        --seeds 10 --first-seed 10 --variants default "reduce-sum convolutions" \\
+        --out benchmarks/results/resnet_reduce_sum.json
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ ENDS = {
     "mlp": ["net.1", "net.10"],
     "autoencoder": ["encoder.1", "decoder.4"],
     "cnn": ["features.0", "classifier.2"],
+    "resnet": ["stem.0", "head"],
 }
 
 
@@ -63,17 +72,24 @@ def variants(family: str) -> dict[str, dict[str, Any]]:
         "polar factor everywhere": {"orthogonal_layers": ".*"},
         "input and head to Adam": {"skip_layers": ENDS[family]},
         "blocks from the widths": {"basis_block_size": "widths"},
+        "reduce-sum convolutions": {"conv_reduction": "sum"},
+        "bases every 5": {"inverse_update_interval": 5},
+        "moments kept at a refresh": {"moment_carry": "keep_v"},
+        "bases every 5, no one-sided side": {
+            "inverse_update_interval": 5,
+            "basis_max_dim": 100_000,
+        },
     }
 
 
 def measure(
-    family: str, options: dict[str, Any], lr: float, seeds: int, blocks: int
+    family: str, options: dict[str, Any], lr: float, seeds: range, blocks: int
 ) -> dict[str, Any]:
     """Steps to the target on both splits and the step against AdamW's."""
     steps = []
     for split in (0, 1):
         task = load_task(family, split)
-        for seed in range(seeds):
+        for seed in seeds:
             reached = train_to_target(task, "dkfac", lr, seed, 150, options)["reached"]
             steps.append(reached)
     _, cpu = step_seconds(
@@ -96,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=None)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -106,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, options in variants(family).items():
             if args.variants is not None and name not in args.variants:
                 continue
-            found = measure(family, options, args.lr, args.seeds, args.blocks)
+            seeds = range(args.first_seed, args.first_seed + args.seeds)
+            found = measure(family, options, args.lr, seeds, args.blocks)
             results[family][name] = {"options": options, **found}
             print(
                 f"{family} {name}: median steps {found['median_steps']} {found['steps']}, "
@@ -117,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "command": "PYTHONPATH=src python benchmarks/probes/narrow_model_variants.py "
             f"--families {' '.join(args.families)} --lr {args.lr} --seeds {args.seeds} "
+            f"--first-seed {args.first_seed} "
             f"--blocks {args.blocks}"
             + (
                 ""
