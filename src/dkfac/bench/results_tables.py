@@ -338,16 +338,18 @@ STEP_LIMIT = 1.3
 """The default's step against AdamW's that the suite's table marks as met."""
 
 
-def suite_table(name: str, earlier: str) -> Callable[[Payloads], Table]:
-    """``dkfac bench suite``: per family, the default's steps (both splits), its step and
-    time against the best peer of the run, and SOAP's and shipped Muon's steps from
-    ``earlier`` (a run of the same seeds with every peer; steps do not depend on the run).
+def suite_table(name: str, earlier: str | None = None) -> Callable[[Payloads], Table]:
+    """``dkfac bench suite`` (or a run of its protocol on other families): per family, the
+    default's steps (both splits), its step and time against the best peer of the run, and
+    SOAP's and shipped Muon's steps from ``earlier`` (a run of the same seeds with every
+    peer; steps do not depend on the run; ``None``: no such column).
     The step (at most :data:`STEP_LIMIT` × AdamW's) and the time (at most the best
     peer's) are in bold where they meet their target (:func:`against`)."""
 
     def table(payloads: Payloads) -> Table:
         before = {
-            task["task"]: task["summary"]["optimizers"] for task in payloads[earlier]["tasks"]
+            task["task"]: task["summary"]["optimizers"]
+            for task in (payloads[earlier]["tasks"] if earlier else [])
         }
         rows = []
         for task in payloads[name]["tasks"]:
@@ -365,18 +367,17 @@ def suite_table(name: str, earlier: str) -> Callable[[Payloads], Table]:
                     " / ".join(
                         f(old[n]["median_steps"], 0) if n in old else "–" for n in ("soap", "muon")
                     ),
-                ]
+                ][: None if earlier else -1]
             )
-        headers = ["family", "dkfac steps (split 0 / 1)", "dkfac step × AdamW"]
-        return Table(
-            [
-                *headers,
-                "best peer: steps, step × AdamW",
-                "dkfac time ÷ best peer",
-                "SOAP / Muon steps",
-            ],
-            rows,
-        )
+        headers = [
+            "family",
+            "dkfac steps (split 0 / 1)",
+            "dkfac step × AdamW",
+            "best peer: steps, step × AdamW",
+            "dkfac time ÷ best peer",
+            "SOAP / Muon steps",
+        ]
+        return Table(headers[: None if earlier else -1], rows)
 
     return table
 

@@ -40,7 +40,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,15 @@ from dkfac.bench.suite_report import plot_task, summarise_task
 from dkfac.bench.suite_tasks import FAMILIES, Task, load_task
 from dkfac.optimizer import KFACOptimizer
 
-__all__ = ["GRIDS", "OPTIMIZERS", "main", "make_optimizer", "run_task", "train_to_target"]
+__all__ = [
+    "GRIDS",
+    "OPTIMIZERS",
+    "main",
+    "make_optimizer",
+    "measure_task",
+    "run_task",
+    "train_to_target",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +239,19 @@ def step_seconds(
 def run_task(args: argparse.Namespace, family: str, names: Sequence[str]) -> dict[str, Any]:
     """Sweep, seeds on both splits, and the per-step timing of one task."""
     tasks = {split: load_task(family, split, tiny=args.tiny) for split in (0, 1)}
+    return measure_task(args, tasks, names)
+
+
+def measure_task(
+    args: argparse.Namespace, tasks: Mapping[int, Task], names: Sequence[str]
+) -> dict[str, Any]:
+    """The suite's protocol on one task given on its two splits (``tasks[0]``, the sweep's,
+    and ``tasks[1]``): the sweep, the held-out seeds and the per-step timing, as
+    :func:`run_task` runs it on a family of the suite (``args``: the ``bench suite`` flags
+    ``sweep_seed``, ``max_steps``, ``dkfac_options``, ``first_seed``, ``seeds``,
+    ``timing_blocks`` and ``timing_steps``)."""
     task = tasks[0]
+    family = task.name
     sweep: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for i in range(len(GRIDS[names[0]])):
         for name in names:
