@@ -36,8 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.bench.common import command_line, format_table, machine_info, write_result
-from dkfac.bench.suite import GRIDS, measure_task
+from dkfac.bench.common import (
+    command_line,
+    format_table,
+    machine_info,
+    parse_options,
+    write_result,
+)
+from dkfac.bench.suite import GRIDS, make_optimizer, measure_task
 from dkfac.bench.suite_tasks import Task, load_task
 
 FAMILIES = ("convnext", "mixer", "gnresnet", "llama")
@@ -195,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--timing-blocks", type=int, default=5)
     parser.add_argument("--timing-steps", type=int, default=10)
+    parser.add_argument(
+        "--dkfac-options",
+        type=parse_options,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="options of for_model over its defaults (none: the default as a user gets it)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--name", default="unseen_families")
     parser.add_argument("--out-dir", default=None)
@@ -202,9 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("seeds", "max_steps", "timing_blocks", "timing_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.dkfac_options:  # refused on a small model now, not deep in the first run
+        try:
+            make_optimizer("dkfac", Mixer(), 1e-3, args.dkfac_options)
+        except (TypeError, ValueError) as error:
+            parser.error(f"--dkfac-options: {error}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.dkfac_options = {}
     names = list(dict.fromkeys(args.optimizers))
     skipped = {f: reason for f in args.families if (reason := _missing(f)) is not None}
     records: list[dict[str, Any]] = []
