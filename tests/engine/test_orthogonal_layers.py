@@ -98,7 +98,18 @@ def test_a_pattern_that_matches_no_layer_is_refused() -> None:
         ({"method": "eigen_adam", "orthogonal_layers": ("(",)}, ValueError, "not a regular"),
         ({"method": "eigen_adam", "orthogonal_layers": (3,)}, TypeError, "regex strings"),
         ({"method": "eigen_adam", "orthogonal_rms": 0.0}, ValueError, "orthogonal_rms"),
-        ({"method": "eigen_adam", "orthogonal_rms": "1"}, TypeError, "orthogonal_rms"),
+        ({"method": "eigen_adam", "orthogonal_rms": "1"}, ValueError, "orthogonal_rms"),
+        ({"method": "eigen_adam", "orthogonal_rms": [1.0]}, TypeError, "orthogonal_rms"),
+        (
+            {
+                "method": "eigen_adam",
+                "orthogonal_layers": ("^3$",),
+                "orthogonal_rms": "adam",
+                "orthogonal_split": 0.5,
+            },
+            ValueError,
+            "give orthogonal_rms a number",
+        ),
         ({"method": "eigen_adam", "orthogonal_steps": 0}, ValueError, "orthogonal_steps"),
         ({"method": "eigen_adam", "orthogonal_steps": 2.5}, ValueError, "orthogonal_steps"),
         ({"method": "eigen_adam", "orthogonal_split": 1.5}, ValueError, "orthogonal_split"),
@@ -120,6 +131,32 @@ def test_a_pattern_that_matches_no_layer_is_refused() -> None:
 def test_config_refuses_bad_values(options: dict[str, Any], error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         KFACConfig(**options)
+
+
+def test_the_rms_of_the_replaced_update_is_a_choice_of_the_config_and_the_flag() -> None:
+    config = KFACConfig(method="eigen_adam", orthogonal_layers=("^3$",), orthogonal_rms="adam")
+    pre = KFACPreconditioner(make_model(), **{**OPTIONS, "orthogonal_layers": ("^3$",)})
+    assert config.orthogonal_rms == "adam" and pre.config.orthogonal_rms == 1.5
+    matched = KFACPreconditioner(
+        make_model(), **{**OPTIONS, "orthogonal_layers": ("^3$",), "orthogonal_rms": "adam"}
+    )
+    assert matched.layers["3"].solver.label.endswith("(orthogonal, rms adam)")
+    flags = ["train", "--method", "eigen_adam", "--orthogonal-layers", "^3$"]
+    assert (
+        kfac_config_from_args(parse_args([*flags, "--orthogonal-rms", "adam"])).orthogonal_rms
+        == "adam"
+    )
+    assert (
+        kfac_config_from_args(parse_args([*flags, "--orthogonal-rms", "2"])).orthogonal_rms == 2.0
+    )
+
+
+def test_a_bad_rms_flag_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["train", "--orthogonal-rms", "fast"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "expected a number or one of ['adam'], got 'fast'" in error
 
 
 def test_config_takes_one_string_as_one_pattern() -> None:

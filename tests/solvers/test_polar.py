@@ -111,6 +111,18 @@ def test_three_steps_land_in_the_band_above_their_threshold() -> None:
 
 def test_a_zero_update_stays_zero() -> None:
     assert torch.equal(orthogonal_update(torch.zeros(3, 4), 1.0), torch.zeros(3, 4))
+    assert torch.equal(orthogonal_update(torch.zeros(2, 3, 4), "adam"), torch.zeros(2, 3, 4))
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (9, 4)], ids=str)
+def test_the_rms_of_the_replaced_update_scales_each_polar_factor(shape: tuple[int, int]) -> None:
+    """``rms="adam"``: each matrix of a stack gets its polar factor at its own RMS entry."""
+    stack = torch.stack([_matrix(*shape, seed=20 + i) * (i + 1) for i in range(3)])
+    got = orthogonal_update(stack, "adam", 4)
+    for i in range(3):
+        rms = stack[i].square().mean().sqrt()
+        want = quintic_polar(stack[i], 4) * (rms * max(shape) ** 0.5)
+        torch.testing.assert_close(got[i], want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from dkfac.config.checks import (
 from dkfac.config.schedules import Schedule, check_schedules
 from dkfac.solvers import (
     BASIS_REFRESHES,
+    MATCH_UPDATE,
     METHODS,
     MOMENT_CARRIES,
     NS_STEPS,
@@ -168,8 +169,10 @@ class SolverConfig:
         orthogonal_rms: RMS entry (> 0) of an orthogonalised update per unit of learning
             rate (default 1.5, the language-model recipe's: at ``lr=0.003`` a 128 × 128
             layer then steps about as far as under Muon at its lr 0.05; an AdamW update's
-            RMS entry is about 0.2–0.4 of its lr). A value other than the default without
-            ``orthogonal_layers`` is an error.
+            RMS entry is about 0.2–0.4 of its lr), or ``"adam"``: the RMS entry of the
+            update the polar factor replaces (Adam's normalised step in the eigenbasis:
+            :func:`~dkfac.solvers.polar.orthogonal_update`; not with ``orthogonal_split``).
+            A value other than the default without ``orthogonal_layers`` is an error.
         orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
             Muon's); three cost 3/5 of the flops and leave the smallest singular values
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
@@ -243,7 +246,7 @@ class SolverConfig:
     rotation_dtype: torch.dtype | Literal["auto"] | None = None
     flattened_inputs: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     orthogonal_layers: tuple[str, ...] = field(default_factory=tuple)
-    orthogonal_rms: float = ORTHOGONAL_RMS
+    orthogonal_rms: float | Literal["adam"] = ORTHOGONAL_RMS
     orthogonal_steps: int = NS_STEPS
     orthogonal_split: float = 0.0
     gradient_rotation_dtype: torch.dtype | Literal["auto"] | None = None
@@ -283,7 +286,20 @@ class SolverConfig:
         object.__setattr__(self, "flattened_inputs", maps)
         patterns = check_patterns("orthogonal_layers", self.orthogonal_layers)
         object.__setattr__(self, "orthogonal_layers", patterns)
-        check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
+        if isinstance(self.orthogonal_rms, str):
+            if self.orthogonal_rms != MATCH_UPDATE:
+                raise ValueError(
+                    f"orthogonal_rms must be a number > 0 or {MATCH_UPDATE!r}, "
+                    f"got {self.orthogonal_rms!r}"
+                )
+        else:
+            check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
+        if self.orthogonal_rms == MATCH_UPDATE and self.orthogonal_split:
+            raise ValueError(
+                f"orthogonal_split {self.orthogonal_split} rescales the split polar factor to "
+                f"a fixed RMS: give orthogonal_rms a number, or drop the split for "
+                f"{MATCH_UPDATE!r}"
+            )
         check_int("orthogonal_steps", self.orthogonal_steps)
         check_range(
             "orthogonal_split",

@@ -214,7 +214,8 @@ class EigenMomentsSolver(EigenBasisSolver):
             shown = "" if steps == NS_STEPS else f", {steps} steps"
             if self.options.orthogonal_split:
                 shown += f", split {self.options.orthogonal_split:g}"
-            notes.append(f"orthogonal, rms {self.options.orthogonal_rms:g}{shown}")
+            rms = self.options.orthogonal_rms
+            notes.append(f"orthogonal, rms {rms if isinstance(rms, str) else f'{rms:g}'}{shown}")
         return f"{self.name} ({', '.join(notes)})" if notes else self.name
 
     @classmethod
@@ -249,7 +250,7 @@ class EigenMomentsSolver(EigenBasisSolver):
         elif split:  # in the basis, then out (module notes)
             new = self.update_moments(moments, rotated)
             ratio, weight = self.split_parts(new, rotated, damping, split, null=null)
-            scaled = weighted_polar(ratio, weight, rms, steps)
+            scaled = weighted_polar(ratio, weight, float(rms), steps)  # never "adam" here
         else:
             new = self.update_moments(moments, rotated)
             scaled = orthogonal_update(self.scaled(new, rotated, damping, null=null), rms, steps)

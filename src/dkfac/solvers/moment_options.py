@@ -11,7 +11,7 @@ import torch
 
 from dkfac.solvers.compiled import check_backend
 from dkfac.solvers.null_space import ROUNDING_FLOOR
-from dkfac.solvers.polar import NS_STEPS
+from dkfac.solvers.polar import MATCH_UPDATE, NS_STEPS
 from dkfac.solvers.precision import LowPrecision
 
 __all__ = [
@@ -46,8 +46,8 @@ class MomentOptions:
         rotation_dtype: Precision of the rotation of the update out of the basis (module
             notes); ``None``: the gradient's (the polar factor's with ``orthogonal_rms``).
         orthogonal_rms: The update ``V`` is replaced by its orthogonal polar factor scaled
-            to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes);
-            ``None``: ``V`` itself.
+            to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes),
+            or with ``"adam"`` to ``V``'s own; ``None``: ``V`` itself.
         orthogonal_steps: Newton–Schulz steps of that polar factor (>= 1; default 5).
         orthogonal_split: The share ``S`` in [0, 1] of the scaling ``D⁻¹`` (Adam's ``1 /
             (√v̂ + ε)``, EKFAC's ``1 / (v̂ + λ)``) applied after the polar factor instead
@@ -85,7 +85,7 @@ class MomentOptions:
     carry: MomentCarry = "keep_v"
     max_dim: int | None = None
     rotation_dtype: torch.dtype | None = None
-    orthogonal_rms: float | None = None
+    orthogonal_rms: float | Literal["adam"] | None = None
     orthogonal_steps: int = NS_STEPS
     orthogonal_split: float = 0.0
     gradient_rotation_dtype: torch.dtype | None = None
@@ -149,9 +149,15 @@ class MomentOptions:
             power_rank=self.power_rank,
         )
         rms = self.orthogonal_rms
-        if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
+        if isinstance(rms, str):
+            if rms != MATCH_UPDATE:
+                raise ValueError(
+                    f"orthogonal_rms must be a finite number > 0, {MATCH_UPDATE!r} or None, "
+                    f"got {rms!r}"
+                )
+        elif rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
             raise TypeError(f"orthogonal_rms must be a number or None, got {type(rms).__name__}")
-        if rms is not None and not 0.0 < rms < float("inf"):
+        elif rms is not None and not 0.0 < rms < float("inf"):
             raise ValueError(f"orthogonal_rms must be a finite number > 0 or None, got {rms!r}")
         split = self.orthogonal_split
         if isinstance(split, bool) or not isinstance(split, (int, float)):
@@ -162,6 +168,11 @@ class MomentOptions:
             raise ValueError(
                 f"orthogonal_split {split} splits the scaling around the polar factor, which "
                 "only an orthogonalised update has: set orthogonal_rms too, or drop it"
+            )
+        if split and rms == MATCH_UPDATE:
+            raise ValueError(
+                f"orthogonal_split {split} rescales the split polar factor to a fixed RMS: "
+                f"give orthogonal_rms a number, or drop the split for {MATCH_UPDATE!r}"
             )
 
 
