@@ -294,12 +294,6 @@ class SolverConfig:
                 )
         else:
             check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
-        if self.orthogonal_rms == MATCH_UPDATE and self.orthogonal_split:
-            raise ValueError(
-                f"orthogonal_split {self.orthogonal_split} rescales the split polar factor to "
-                f"a fixed RMS: give orthogonal_rms a number, or drop the split for "
-                f"{MATCH_UPDATE!r}"
-            )
         check_int("orthogonal_steps", self.orthogonal_steps)
         check_range(
             "orthogonal_split",
@@ -358,6 +352,8 @@ class SolverConfig:
             gradient_rotation_dtype=self.gradient_rotation_dtype,
             power_rank=self.power_rank,
             carry_name="moment_carry",
+            orthogonal_rms=self.orthogonal_rms,
+            orthogonal_split=self.orthogonal_split,
         )
         for name, value in (
             ("flattened_inputs", maps),

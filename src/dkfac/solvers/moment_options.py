@@ -142,12 +142,6 @@ class MomentOptions:
             )
         if self.carry not in MOMENT_CARRIES:
             raise ValueError(f"carry must be one of {MOMENT_CARRIES}, got {self.carry!r}")
-        check_moment_combinations(
-            basis_refresh=self.basis_refresh,
-            carry=self.carry,
-            gradient_rotation_dtype=self.gradient_rotation_dtype,
-            power_rank=self.power_rank,
-        )
         rms = self.orthogonal_rms
         if isinstance(rms, str):
             if rms != MATCH_UPDATE:
@@ -169,11 +163,14 @@ class MomentOptions:
                 f"orthogonal_split {split} splits the scaling around the polar factor, which "
                 "only an orthogonalised update has: set orthogonal_rms too, or drop it"
             )
-        if split and rms == MATCH_UPDATE:
-            raise ValueError(
-                f"orthogonal_split {split} rescales the split polar factor to a fixed RMS: "
-                f"give orthogonal_rms a number, or drop the split for {MATCH_UPDATE!r}"
-            )
+        check_moment_combinations(
+            basis_refresh=self.basis_refresh,
+            carry=self.carry,
+            gradient_rotation_dtype=self.gradient_rotation_dtype,
+            power_rank=self.power_rank,
+            orthogonal_rms=rms,
+            orthogonal_split=split,
+        )
 
 
 def check_moment_combinations(
@@ -183,6 +180,8 @@ def check_moment_combinations(
     gradient_rotation_dtype: LowPrecision,
     power_rank: int | None,
     carry_name: str = "carry",
+    orthogonal_rms: float | str | None = None,
+    orthogonal_split: float = 0.0,
 ) -> None:
     """Raises ValueError for the option pairs the solvers cannot honour (shared by
     :class:`MomentOptions` and the engine's config, which names the carry ``carry_name``).
@@ -191,8 +190,14 @@ def check_moment_combinations(
     ``"reset"`` carry (a carried second moment would meet gradients rotated with another
     rounding); ``power_rank`` needs the ``"power"`` refresh, and not the ``"keep_v"`` carry
     (the completion changes at every refresh, so a kept second moment would scale other
-    directions).
+    directions); ``orthogonal_rms="adam"`` takes the plain polar factor, not a split one
+    (which is rescaled to a fixed RMS).
     """
+    if orthogonal_split and orthogonal_rms == MATCH_UPDATE:
+        raise ValueError(
+            f"orthogonal_split {orthogonal_split} rescales the split polar factor to a fixed "
+            f"RMS: give orthogonal_rms a number, or drop the split for {MATCH_UPDATE!r}"
+        )
     if gradient_rotation_dtype is not None and carry != "reset":
         raise ValueError(
             f"gradient_rotation_dtype needs {carry_name} 'reset' (a carried second moment "
