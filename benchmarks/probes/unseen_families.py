@@ -36,14 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.bench.common import (
-    command_line,
-    format_table,
-    machine_info,
-    parse_options,
-    write_result,
+from dkfac.bench.common import command_line, format_table, machine_info, write_result
+from dkfac.bench.suite import (
+    GRIDS,
+    add_protocol_flags,
+    check_protocol_flags,
+    make_optimizer,
+    measure_task,
 )
-from dkfac.bench.suite import GRIDS, make_optimizer, measure_task
 from dkfac.bench.suite_tasks import Task, load_task
 
 FAMILIES = ("convnext", "mixer", "gnresnet", "llama")
@@ -192,29 +192,9 @@ def _missing(family: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
-    parser.add_argument(
-        "--optimizers", nargs="+", choices=sorted(GRIDS), default=["dkfac", "adamw", "muon32"]
-    )
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--sweep-seed", type=int, default=100)
-    parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--timing-blocks", type=int, default=5)
-    parser.add_argument("--timing-steps", type=int, default=10)
-    parser.add_argument(
-        "--dkfac-options",
-        type=parse_options,
-        default={},
-        metavar="KEY=VALUE,...",
-        help="options of for_model over its defaults (none: the default as a user gets it)",
-    )
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--name", default="unseen_families")
-    parser.add_argument("--out-dir", default=None)
+    add_protocol_flags(parser, ("dkfac", "adamw", "muon32"), max_steps=200, name="unseen_families")
     args = parser.parse_args(argv)
-    for flag in ("seeds", "max_steps", "timing_blocks", "timing_steps"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_protocol_flags(parser, args)
     if args.dkfac_options:  # refused on a small model now, not deep in the first run
         try:
             make_optimizer("dkfac", Mixer(), 1e-3, args.dkfac_options)

@@ -68,6 +68,8 @@ from dkfac.optimizer import KFACOptimizer
 __all__ = [
     "GRIDS",
     "OPTIMIZERS",
+    "add_protocol_flags",
+    "check_protocol_flags",
     "main",
     "make_optimizer",
     "measure_task",
@@ -299,11 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``bench suite`` flags."""
     p = argparse.ArgumentParser(prog="dkfac bench suite", description=__doc__)
     p.add_argument("--tasks", nargs="+", choices=FAMILIES, default=list(FAMILIES))
-    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    add_protocol_flags(p, OPTIMIZERS, max_steps=150, name="suite")
+    p.add_argument("--tiny", action="store_true", help="tiny models (tests of the mechanics)")
+    p.add_argument("--plot-dir", default=None, help="one PNG per task: <dir>/<name>_<task>.png")
+    return p
+
+
+def add_protocol_flags(
+    p: argparse.ArgumentParser, optimizers: Sequence[str], *, max_steps: int, name: str
+) -> None:
+    """The flags of the protocol :func:`measure_task` runs (the optimizers, seeds, step
+    budget, timing, ``for_model``'s options, threads and the result's name and folder), with
+    the given defaults; :func:`check_protocol_flags` checks their ranges."""
+    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(optimizers))
     p.add_argument("--seeds", type=int, default=3, help="held-out seeds per split")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--sweep-seed", type=int, default=100)
-    p.add_argument("--max-steps", type=int, default=150, help="step budget of every run")
+    p.add_argument("--max-steps", type=int, default=max_steps, help="step budget of every run")
     p.add_argument("--timing-blocks", type=int, default=5)
     p.add_argument("--timing-steps", type=int, default=10)
     p.add_argument(
@@ -315,11 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. overhead=none or orthogonal_layers=role:hidden",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--tiny", action="store_true", help="tiny models (tests of the mechanics)")
-    p.add_argument("--name", default="suite")
+    p.add_argument("--name", default=name)
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--plot-dir", default=None, help="one PNG per task: <dir>/<name>_<task>.png")
-    return p
 
 
 def _options(text: str) -> dict[str, Any]:
@@ -330,8 +341,8 @@ def _options(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """One-line errors for flags out of range."""
+def check_protocol_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One-line errors for the flags of :func:`add_protocol_flags` out of range."""
     for flag in ("seeds", "max_steps", "timing_blocks", "timing_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -360,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench suite``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check(parser, args)
+    check_protocol_flags(parser, args)
     _check_dkfac_options(parser, args)
     if args.plot_dir:  # made before the runs, so that a bad folder fails now, not after them
         try:
