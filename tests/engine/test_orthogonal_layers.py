@@ -98,18 +98,20 @@ def test_a_pattern_that_matches_no_layer_is_refused() -> None:
         ({"method": "eigen_adam", "orthogonal_layers": ("(",)}, ValueError, "not a regular"),
         ({"method": "eigen_adam", "orthogonal_layers": (3,)}, TypeError, "regex strings"),
         ({"method": "eigen_adam", "orthogonal_rms": 0.0}, ValueError, "orthogonal_rms"),
-        ({"method": "eigen_adam", "orthogonal_rms": "1"}, ValueError, "orthogonal_rms"),
+        ({"method": "eigen_adam", "orthogonal_rms": "1"}, TypeError, "orthogonal_rms"),
         ({"method": "eigen_adam", "orthogonal_rms": [1.0]}, TypeError, "orthogonal_rms"),
         (
             {
                 "method": "eigen_adam",
                 "orthogonal_layers": ("^3$",),
-                "orthogonal_rms": "adam",
+                "orthogonal_rms_power": 0.5,
                 "orthogonal_split": 0.5,
             },
             ValueError,
-            "give orthogonal_rms a number",
+            "drop one of them",
         ),
+        ({"method": "eigen_adam", "orthogonal_rms_power": -0.5}, ValueError, "rms_power"),
+        ({"method": "eigen_adam", "orthogonal_rms_power": 0.5}, ValueError, "power sets .* no"),
         ({"method": "eigen_adam", "orthogonal_steps": 0}, ValueError, "orthogonal_steps"),
         ({"method": "eigen_adam", "orthogonal_steps": 2.5}, ValueError, "orthogonal_steps"),
         ({"method": "eigen_adam", "orthogonal_split": 1.5}, ValueError, "orthogonal_split"),
@@ -133,30 +135,35 @@ def test_config_refuses_bad_values(options: dict[str, Any], error: type, message
         KFACConfig(**options)
 
 
-def test_the_rms_of_the_replaced_update_is_a_choice_of_the_config_and_the_flag() -> None:
-    config = KFACConfig(method="eigen_adam", orthogonal_layers=("^3$",), orthogonal_rms="adam")
+def test_the_length_power_is_a_choice_of_the_config_and_the_flag() -> None:
     pre = KFACPreconditioner(make_model(), **{**OPTIONS, "orthogonal_layers": ("^3$",)})
-    assert config.orthogonal_rms == "adam" and pre.config.orthogonal_rms == 1.5
-    matched = KFACPreconditioner(
-        make_model(), **{**OPTIONS, "orthogonal_layers": ("^3$",), "orthogonal_rms": "adam"}
+    assert pre.config.orthogonal_rms_power == 0.0
+    assert pre.layers["3"].solver.label.endswith("(orthogonal, rms 1.5)")
+    following = KFACPreconditioner(
+        make_model(), **{**OPTIONS, "orthogonal_layers": ("^3$",), "orthogonal_rms_power": 0.5}
     )
-    assert matched.layers["3"].solver.label.endswith("(orthogonal, rms adam)")
+    assert following.layers["3"].solver.label.endswith("(orthogonal, rms 1.5 ^ 0.5 x own ^ 0.5)")
+    assert following.layers["6"].solver.options.orthogonal_rms_power == 0.0  # not picked
     flags = ["train", "--method", "eigen_adam", "--orthogonal-layers", "^3$"]
-    assert (
-        kfac_config_from_args(parse_args([*flags, "--orthogonal-rms", "adam"])).orthogonal_rms
-        == "adam"
-    )
-    assert (
-        kfac_config_from_args(parse_args([*flags, "--orthogonal-rms", "2"])).orthogonal_rms == 2.0
-    )
+    config = kfac_config_from_args(parse_args([*flags, "--orthogonal-rms-power", "0.5"]))
+    assert config.orthogonal_rms_power == 0.5
+    assert kfac_config_from_args(parse_args([*flags, "--orthogonal-rms", "2"])).orthogonal_rms == 2
 
 
-def test_a_bad_rms_flag_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--orthogonal-rms", "adam"], "invalid float value: 'adam'"),
+        (["--orthogonal-rms-power", "half"], "invalid float value: 'half'"),
+    ],
+)
+def test_a_bad_length_flag_is_one_line_and_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(["train", "--orthogonal-rms", "fast"])
+        parse_args(["train", *flags])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "expected a number or one of ['adam'], got 'fast'" in error
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_config_takes_one_string_as_one_pattern() -> None:

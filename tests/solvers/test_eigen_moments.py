@@ -203,32 +203,44 @@ def test_a_split_needs_an_orthogonalised_update() -> None:
         MomentOptions(orthogonal_split=0.5)
 
 
-def test_the_rms_of_the_replaced_update_keeps_the_moments_and_the_length() -> None:
-    """``orthogonal_rms="adam"``: the plain update's polar factor at the plain update's own
-    RMS entry (the rotation out keeps both: the bases are orthogonal), the same moments."""
+def test_the_length_follows_the_replaced_update_and_keeps_the_moments() -> None:
+    """``orthogonal_rms_power=p``: the plain update's polar factor at ``rms^(1−p) · r^p``,
+    ``r`` the plain update's own RMS entry (the rotation out keeps both: the bases are
+    orthogonal), the same moments."""
     plain = EigenAdamSolver(DT, MomentOptions(beta1=0.8, eps=1e-3))
-    matched = EigenAdamSolver(DT, MomentOptions(beta1=0.8, eps=1e-3, orthogonal_rms="adam"))
-    assert matched.label == "eigen_adam (orthogonal, rms adam)"
+    options = MomentOptions(beta1=0.8, eps=1e-3, orthogonal_rms=2.0, orthogonal_rms_power=0.25)
+    matched = EigenAdamSolver(DT, options)
+    assert matched.label == "eigen_adam (orthogonal, rms 2 ^ 0.75 x own ^ 0.25)"
     state = plain.compute(A, G, 0.1)
     moments_p = moments_m = None
     for grad in _grads(3):
         want, moments_p = plain.apply_with_moments(state, moments_p, grad, 0.1)
         got, moments_m = matched.apply_with_moments(state, moments_m, grad, 0.1)
-        scale = want.square().mean().sqrt() * max(want.shape) ** 0.5
+        length = 2.0**0.75 * want.square().mean().sqrt() ** 0.25
+        scale = length * max(want.shape) ** 0.5
         torch.testing.assert_close(got, quintic_polar(want) * scale, rtol=1e-9, atol=1e-12)
         for key, value in moments_p.items():
             torch.testing.assert_close(moments_m[key], value, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "error", "message"),
     [
-        ({"orthogonal_rms": "adma"}, "'adam' or None"),
-        ({"orthogonal_rms": "adam", "orthogonal_split": 0.5}, "give orthogonal_rms a number"),
+        ({"orthogonal_rms": 1.5, "orthogonal_rms_power": 1.5}, ValueError, r"in \[0, 1\]"),
+        ({"orthogonal_rms": 1.5, "orthogonal_rms_power": "1"}, TypeError, "must be a number"),
+        ({"orthogonal_rms_power": 0.5}, ValueError, "set orthogonal_rms too"),
+        (
+            {"orthogonal_rms": 1.5, "orthogonal_rms_power": 0.5, "orthogonal_split": 0.5},
+            ValueError,
+            "drop one of them",
+        ),
+        ({"orthogonal_rms": "adam"}, TypeError, "orthogonal_rms must be a number"),
     ],
 )
-def test_the_rms_takes_one_word(options: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_the_length_options_are_checked(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
         MomentOptions(**options)  # type: ignore[arg-type]
 
 
@@ -653,7 +665,7 @@ def test_make_solver_passes_the_options() -> None:
         ("max_dim", 2.0, ValueError),
         ("orthogonal_rms", 0.0, ValueError),
         ("orthogonal_rms", math.inf, ValueError),
-        ("orthogonal_rms", "1", ValueError),
+        ("orthogonal_rms", "1", TypeError),
         ("orthogonal_rms", [1.0], TypeError),
         ("orthogonal_rms", True, TypeError),
         ("orthogonal_steps", 0, ValueError),

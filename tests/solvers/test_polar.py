@@ -111,18 +111,25 @@ def test_three_steps_land_in_the_band_above_their_threshold() -> None:
 
 def test_a_zero_update_stays_zero() -> None:
     assert torch.equal(orthogonal_update(torch.zeros(3, 4), 1.0), torch.zeros(3, 4))
-    assert torch.equal(orthogonal_update(torch.zeros(2, 3, 4), "adam"), torch.zeros(2, 3, 4))
+    zero = orthogonal_update(torch.zeros(2, 3, 4), 1.5, power=0.5)
+    assert torch.equal(zero, torch.zeros(2, 3, 4))
 
 
+@pytest.mark.parametrize("power", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("shape", [(5, 7), (9, 4)], ids=str)
-def test_the_rms_of_the_replaced_update_scales_each_polar_factor(shape: tuple[int, int]) -> None:
-    """``rms="adam"``: each matrix of a stack gets its polar factor at its own RMS entry."""
+def test_the_length_follows_the_replaced_update_by_its_power(
+    shape: tuple[int, int], power: float
+) -> None:
+    """Each matrix of a stack gets its polar factor at ``rms^(1−p) · r^p``, ``r`` its own
+    RMS entry: the fixed ``rms`` at ``p = 0``, its own at ``p = 1``."""
     stack = torch.stack([_matrix(*shape, seed=20 + i) * (i + 1) for i in range(3)])
-    got = orthogonal_update(stack, "adam", 4)
+    got = orthogonal_update(stack, 1.5, 4, power)
     for i in range(3):
-        rms = stack[i].square().mean().sqrt()
-        want = quintic_polar(stack[i], 4) * (rms * max(shape) ** 0.5)
+        own = stack[i].square().mean().sqrt().item()
+        length = 1.5 ** (1 - power) * own**power
+        want = quintic_polar(stack[i], 4) * (length * max(shape) ** 0.5)
         torch.testing.assert_close(got[i], want, rtol=1e-10, atol=1e-12)
+        assert got[i].square().mean().sqrt().item() == pytest.approx(length, rel=0.25)
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,7 @@ def number_or(
     kind: type[int] | type[float], words: tuple[str, ...]
 ) -> typing.Callable[[str], int | float | str]:
     """An argparse ``type``: a number of ``kind`` (``int`` or ``float``), or one of
-    ``words`` (``basis_block_size``'s ``widths``, ``orthogonal_rms``'s ``adam``)."""
+    ``words`` (``basis_block_size``'s ``widths``)."""
     noun = "an integer" if kind is int else "a number"
 
     def parse(text: str) -> int | float | str:

@@ -25,7 +25,6 @@ from dkfac.config.checks import (
 from dkfac.config.schedules import Schedule, check_schedules
 from dkfac.solvers import (
     BASIS_REFRESHES,
-    MATCH_UPDATE,
     METHODS,
     MOMENT_CARRIES,
     NS_STEPS,
@@ -169,10 +168,16 @@ class SolverConfig:
         orthogonal_rms: RMS entry (> 0) of an orthogonalised update per unit of learning
             rate (default 1.5, the language-model recipe's: at ``lr=0.003`` a 128 × 128
             layer then steps about as far as under Muon at its lr 0.05; an AdamW update's
-            RMS entry is about 0.2–0.4 of its lr), or ``"adam"``: the RMS entry of the
-            update the polar factor replaces (Adam's normalised step in the eigenbasis:
-            :func:`~dkfac.solvers.polar.orthogonal_update`; not with ``orthogonal_split``).
+            RMS entry is about 0.2–0.4 of its lr).
             A value other than the default without ``orthogonal_layers`` is an error.
+        orthogonal_rms_power: ``p`` in [0, 1]: the orthogonalised update's RMS entry per
+            unit of lr becomes ``orthogonal_rms^(1−p) · r^p``, ``r`` the RMS entry of the
+            update the polar factor replaces (Adam's normalised step in the eigenbasis, each
+            matrix's at each step: :func:`~dkfac.solvers.polar.orthogonal_update`); ``r`` is
+            about 1 while the moments see more signal than noise and shrinks with the
+            noise. 0 (default): the fixed ``orthogonal_rms``; 1: Adam's own length. Not
+            with ``orthogonal_split``; a value other than 0 without ``orthogonal_layers`` is
+            an error.
         orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
             Muon's); three cost 3/5 of the flops and leave the smallest singular values
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
@@ -246,7 +251,8 @@ class SolverConfig:
     rotation_dtype: torch.dtype | Literal["auto"] | None = None
     flattened_inputs: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     orthogonal_layers: tuple[str, ...] = field(default_factory=tuple)
-    orthogonal_rms: float | Literal["adam"] = ORTHOGONAL_RMS
+    orthogonal_rms: float = ORTHOGONAL_RMS
+    orthogonal_rms_power: float = 0.0
     orthogonal_steps: int = NS_STEPS
     orthogonal_split: float = 0.0
     gradient_rotation_dtype: torch.dtype | Literal["auto"] | None = None
@@ -286,27 +292,22 @@ class SolverConfig:
         object.__setattr__(self, "flattened_inputs", maps)
         patterns = check_patterns("orthogonal_layers", self.orthogonal_layers)
         object.__setattr__(self, "orthogonal_layers", patterns)
-        if isinstance(self.orthogonal_rms, str):
-            if self.orthogonal_rms != MATCH_UPDATE:
-                raise ValueError(
-                    f"orthogonal_rms must be a number > 0 or {MATCH_UPDATE!r}, "
-                    f"got {self.orthogonal_rms!r}"
-                )
-        else:
-            check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
+        check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
         check_int("orthogonal_steps", self.orthogonal_steps)
-        check_range(
-            "orthogonal_split",
-            self.orthogonal_split,
-            low=0.0,
-            high=1.0,
-            low_inclusive=True,
-            high_inclusive=True,
-        )
+        for name in ("orthogonal_split", "orthogonal_rms_power"):
+            check_range(
+                name,
+                getattr(self, name),
+                low=0.0,
+                high=1.0,
+                low_inclusive=True,
+                high_inclusive=True,
+            )
         changed = [
             name
             for name, value, default in (
                 ("orthogonal_rms", self.orthogonal_rms, ORTHOGONAL_RMS),
+                ("orthogonal_rms_power", self.orthogonal_rms_power, 0.0),
                 ("orthogonal_steps", self.orthogonal_steps, NS_STEPS),
                 ("orthogonal_split", self.orthogonal_split, 0.0),
             )
@@ -352,7 +353,7 @@ class SolverConfig:
             gradient_rotation_dtype=self.gradient_rotation_dtype,
             power_rank=self.power_rank,
             carry_name="moment_carry",
-            orthogonal_rms=self.orthogonal_rms,
+            orthogonal_rms_power=self.orthogonal_rms_power,
             orthogonal_split=self.orthogonal_split,
         )
         for name, value in (

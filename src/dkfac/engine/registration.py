@@ -270,6 +270,7 @@ def create_layers(
                 max_dim=config.basis_max_dim,
                 rotation_dtype=lowered["rotation_dtype"],
                 orthogonal_rms=config.orthogonal_rms if name in orthogonal else None,
+                orthogonal_rms_power=config.orthogonal_rms_power if name in orthogonal else 0.0,
                 orthogonal_steps=config.orthogonal_steps,
                 orthogonal_split=config.orthogonal_split if name in orthogonal else 0.0,
                 gradient_rotation_dtype=lowered["gradient_rotation_dtype"],

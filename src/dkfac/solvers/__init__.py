@@ -35,7 +35,7 @@ from dkfac.solvers.moment_options import (
     MomentOptions,
     check_moment_combinations,
 )
-from dkfac.solvers.polar import MATCH_UPDATE, NS_STEPS
+from dkfac.solvers.polar import NS_STEPS
 from dkfac.solvers.statistics import (
     BlockDiagonalStatistic,
     DenseStatistic,
@@ -145,7 +145,6 @@ def make_solver(
 
 __all__ = [
     "BASIS_REFRESHES",
-    "MATCH_UPDATE",
     "METHODS",
     "MOMENT_CARRIES",
     "NS_STEPS",

@@ -84,6 +84,8 @@ orthogonal polar factor by Muon's Newton–Schulz iteration (:mod:`dkfac.solvers
 every singular value of the step set to one, an RMS entry of ``rms`` per unit of learning
 rate. Orthogonalising the raw momentum is Muon; here the singular vectors are those of the
 preconditioned ``V``, which K-FAC's eigenbasis and Adam's second moment there have turned.
+``orthogonal_rms_power`` ``p`` lets that length follow ``V``'s own RMS entry ``r``:
+``rms^(1−p) · r^p`` (:func:`dkfac.solvers.polar.orthogonal_update`).
 The moments are those of ``"eigen_adam"`` / ``"ekfac"`` unchanged. Meant for a transformer's
 hidden layers (the engine's ``orthogonal_layers`` picks them; Muon's convention leaves the
 embeddings and the head out). ``orthogonal_steps``
@@ -214,8 +216,9 @@ class EigenMomentsSolver(EigenBasisSolver):
             shown = "" if steps == NS_STEPS else f", {steps} steps"
             if self.options.orthogonal_split:
                 shown += f", split {self.options.orthogonal_split:g}"
-            rms = self.options.orthogonal_rms
-            notes.append(f"orthogonal, rms {rms if isinstance(rms, str) else f'{rms:g}'}{shown}")
+            rms, power = self.options.orthogonal_rms, self.options.orthogonal_rms_power
+            length = f"rms {rms:g}" + (f" ^ {1 - power:g} x own ^ {power:g}" if power else "")
+            notes.append(f"orthogonal, {length}{shown}")
         return f"{self.name} ({', '.join(notes)})" if notes else self.name
 
     @classmethod
@@ -250,10 +253,11 @@ class EigenMomentsSolver(EigenBasisSolver):
         elif split:  # in the basis, then out (module notes)
             new = self.update_moments(moments, rotated)
             ratio, weight = self.split_parts(new, rotated, damping, split, null=null)
-            scaled = weighted_polar(ratio, weight, float(rms), steps)  # never "adam" here
+            scaled = weighted_polar(ratio, weight, rms, steps)
         else:
             new = self.update_moments(moments, rotated)
-            scaled = orthogonal_update(self.scaled(new, rotated, damping, null=null), rms, steps)
+            plain = self.scaled(new, rotated, damping, null=null)
+            scaled = orthogonal_update(plain, rms, steps, self.options.orthogonal_rms_power)
         update = change_basis(scaled, state_out, out, out=True)
         return update.to(grad.dtype), new
 

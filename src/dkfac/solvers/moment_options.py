@@ -11,7 +11,7 @@ import torch
 
 from dkfac.solvers.compiled import check_backend
 from dkfac.solvers.null_space import ROUNDING_FLOOR
-from dkfac.solvers.polar import MATCH_UPDATE, NS_STEPS
+from dkfac.solvers.polar import NS_STEPS
 from dkfac.solvers.precision import LowPrecision
 
 __all__ = [
@@ -46,8 +46,12 @@ class MomentOptions:
         rotation_dtype: Precision of the rotation of the update out of the basis (module
             notes); ``None``: the gradient's (the polar factor's with ``orthogonal_rms``).
         orthogonal_rms: The update ``V`` is replaced by its orthogonal polar factor scaled
-            to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes),
-            or with ``"adam"`` to ``V``'s own; ``None``: ``V`` itself.
+            to this RMS entry (:func:`dkfac.solvers.polar.orthogonal_update`; module notes);
+            ``None``: ``V`` itself.
+        orthogonal_rms_power: ``p`` in [0, 1]: the polar factor's RMS entry is
+            ``orthogonal_rms^(1−p) · r^p``, ``r`` the RMS entry of the ``V`` it replaces
+            (each matrix's, at each step; module notes); 0 (default): ``orthogonal_rms``.
+            Needs ``orthogonal_rms``, and no ``orthogonal_split``.
         orthogonal_steps: Newton–Schulz steps of that polar factor (>= 1; default 5).
         orthogonal_split: The share ``S`` in [0, 1] of the scaling ``D⁻¹`` (Adam's ``1 /
             (√v̂ + ε)``, EKFAC's ``1 / (v̂ + λ)``) applied after the polar factor instead
@@ -85,7 +89,8 @@ class MomentOptions:
     carry: MomentCarry = "keep_v"
     max_dim: int | None = None
     rotation_dtype: torch.dtype | None = None
-    orthogonal_rms: float | Literal["adam"] | None = None
+    orthogonal_rms: float | None = None
+    orthogonal_rms_power: float = 0.0
     orthogonal_steps: int = NS_STEPS
     orthogonal_split: float = 0.0
     gradient_rotation_dtype: torch.dtype | None = None
@@ -143,32 +148,31 @@ class MomentOptions:
         if self.carry not in MOMENT_CARRIES:
             raise ValueError(f"carry must be one of {MOMENT_CARRIES}, got {self.carry!r}")
         rms = self.orthogonal_rms
-        if isinstance(rms, str):
-            if rms != MATCH_UPDATE:
-                raise ValueError(
-                    f"orthogonal_rms must be a finite number > 0, {MATCH_UPDATE!r} or None, "
-                    f"got {rms!r}"
-                )
-        elif rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
+        if rms is not None and (isinstance(rms, bool) or not isinstance(rms, (int, float))):
             raise TypeError(f"orthogonal_rms must be a number or None, got {type(rms).__name__}")
-        elif rms is not None and not 0.0 < rms < float("inf"):
+        if rms is not None and not 0.0 < rms < float("inf"):
             raise ValueError(f"orthogonal_rms must be a finite number > 0 or None, got {rms!r}")
+        for name, what in (
+            ("orthogonal_split", "splits the scaling around the polar factor"),
+            ("orthogonal_rms_power", "lets the polar factor's length follow the update's"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+            if value and rms is None:
+                raise ValueError(
+                    f"{name} {value} {what}, which only an orthogonalised update has: set "
+                    "orthogonal_rms too, or drop it"
+                )
         split = self.orthogonal_split
-        if isinstance(split, bool) or not isinstance(split, (int, float)):
-            raise TypeError(f"orthogonal_split must be a number, got {type(split).__name__}")
-        if not 0.0 <= split <= 1.0:
-            raise ValueError(f"orthogonal_split must be in [0, 1], got {split!r}")
-        if split and rms is None:
-            raise ValueError(
-                f"orthogonal_split {split} splits the scaling around the polar factor, which "
-                "only an orthogonalised update has: set orthogonal_rms too, or drop it"
-            )
         check_moment_combinations(
             basis_refresh=self.basis_refresh,
             carry=self.carry,
             gradient_rotation_dtype=self.gradient_rotation_dtype,
             power_rank=self.power_rank,
-            orthogonal_rms=rms,
+            orthogonal_rms_power=self.orthogonal_rms_power,
             orthogonal_split=split,
         )
 
@@ -180,7 +184,7 @@ def check_moment_combinations(
     gradient_rotation_dtype: LowPrecision,
     power_rank: int | None,
     carry_name: str = "carry",
-    orthogonal_rms: float | str | None = None,
+    orthogonal_rms_power: float = 0.0,
     orthogonal_split: float = 0.0,
 ) -> None:
     """Raises ValueError for the option pairs the solvers cannot honour (shared by
@@ -190,13 +194,14 @@ def check_moment_combinations(
     ``"reset"`` carry (a carried second moment would meet gradients rotated with another
     rounding); ``power_rank`` needs the ``"power"`` refresh, and not the ``"keep_v"`` carry
     (the completion changes at every refresh, so a kept second moment would scale other
-    directions); ``orthogonal_rms="adam"`` takes the plain polar factor, not a split one
+    directions); ``orthogonal_rms_power`` takes the plain polar factor, not a split one
     (which is rescaled to a fixed RMS).
     """
-    if orthogonal_split and orthogonal_rms == MATCH_UPDATE:
+    if orthogonal_split and orthogonal_rms_power:
         raise ValueError(
             f"orthogonal_split {orthogonal_split} rescales the split polar factor to a fixed "
-            f"RMS: give orthogonal_rms a number, or drop the split for {MATCH_UPDATE!r}"
+            f"RMS, which orthogonal_rms_power {orthogonal_rms_power} would let follow the "
+            "update's: drop one of them"
         )
     if gradient_rotation_dtype is not None and carry != "reset":
         raise ValueError(

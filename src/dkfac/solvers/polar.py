@@ -25,11 +25,14 @@ pass: half the error against a float64 iteration, and 5-25% faster here).
 ``O`` has ``k`` unit singular values, so ``‖O‖_F = √k`` and its RMS entry is
 ``√(k / mn) = 1 / √max(m, n)``; ``rms · √max(m, n) · O`` has RMS ``rms`` whatever the shape
 (Moonshot's "match the RMS of AdamW" convention, with their 0.2 as one choice of ``rms``).
-With ``rms="adam"`` (:data:`MATCH_UPDATE`) the match is made per matrix and per step: the
-polar factor of an update ``U`` (Adam's normalised step in K-FAC's eigenbasis) is scaled to
-``U``'s own RMS entry, so the orthogonalised layer steps as far as that update would, a
-length that shrinks as its moments see more noise than signal, where a fixed ``rms`` keeps
-the same length at every step.
+With ``power`` ``p > 0`` the length follows the update it replaces, per matrix and per
+step: for the polar factor of an update ``U`` (Adam's normalised step in K-FAC's
+eigenbasis) the RMS entry is ``rms^(1−p) · r^p``, ``r`` the RMS entry of ``U`` itself.
+``r`` is about 1 while the moments see more signal than noise (Adam's first step is the
+sign of the gradient) and shrinks as they see more noise, so ``p`` is how much of that
+shrinking the orthogonalised step takes: ``p = 0`` a fixed length (Muon's), ``p = 1``
+Adam's length (the direction of the polar factor, the length of the update it replaces),
+``p = ½`` their geometric mean.
 
 :func:`weighted_orthogonal_update` takes the polar factor between positive weights ``W`` of
 the update's shape: ``W ⊙ O(U ⊘ W)``, rescaled to RMS ``rms`` (the result is no longer
@@ -75,7 +78,6 @@ from dkfac.solvers.precision import low_precision
 
 __all__ = [
     "GRAM_MIN_WORK",
-    "MATCH_UPDATE",
     "NORM_EPS",
     "NS_COEFFICIENTS",
     "NS_STEPS",
@@ -204,16 +206,14 @@ def polar_dtype(
     return low_precision(device, dtype, work)
 
 
-MATCH_UPDATE = "adam"
-"""``orthogonal_rms`` that scales each polar factor to the RMS entry of the update it replaces
-(:func:`orthogonal_update`), instead of a fixed RMS per unit of lr."""
-
-
-def orthogonal_update(update: Tensor, rms: float | str, steps: int = NS_STEPS) -> Tensor:
-    """``rms · √max(m, n) · polar_factor(update, steps)``: the polar factor of ``update``
-    (or of each matrix of a stack) with an RMS entry of about ``rms`` (module notes); with
-    ``rms`` :data:`MATCH_UPDATE` (``"adam"``), each matrix's own RMS entry: the polar factor
-    takes the direction, the update it replaces (Adam's normalised step) the length. A zero
+def orthogonal_update(
+    update: Tensor, rms: float, steps: int = NS_STEPS, power: float = 0.0
+) -> Tensor:
+    """``rms^(1−power) · r^power · √max(m, n) · polar_factor(update, steps)``: the polar
+    factor of ``update`` (or of each matrix of a stack) at an RMS entry of about ``rms``
+    (module notes), or with ``power`` in (0, 1] a length that follows ``r``, the RMS entry
+    of ``update`` itself (of each matrix of a stack): the polar factor takes the direction,
+    ``rms`` and the update it replaces (Adam's normalised step) the length. A zero
     ``update`` stays zero.
 
     The iteration runs in bfloat16 (Muon's precision: the singular values land in a band
@@ -223,10 +223,11 @@ def orthogonal_update(update: Tensor, rms: float | str, steps: int = NS_STEPS) -
     for precision, as it gets float64 decompositions (``KFACConfig.eigen_dtype``).
     """
     polar = polar_factor(update, steps, polar_dtype(update.dtype, update.device, update.shape))
-    if rms == MATCH_UPDATE:
-        scale = update.square().mean((-2, -1), keepdim=True).sqrt().to(polar.dtype)
-        return polar * (scale * max(update.shape[-2:]) ** 0.5)
-    return polar * (float(rms) * max(update.shape[-2:]) ** 0.5)
+    scale = float(rms) * max(update.shape[-2:]) ** 0.5
+    if not power:
+        return polar * scale
+    own = update.square().mean((-2, -1), keepdim=True).sqrt() / float(rms)
+    return polar * (own.pow(power) * scale).to(polar.dtype)
 
 
 def weighted_orthogonal_update(
