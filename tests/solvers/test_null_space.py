@@ -58,6 +58,26 @@ def test_the_null_basis_follows_the_range_where_eigh_picks_any() -> None:
     assert torch.equal(c1[5:], torch.zeros(7, dtype=DT)) and torch.equal(c1[:5], d1[:5])
 
 
+@pytest.mark.parametrize("rank", [1, 5, 11])
+def test_the_null_columns_are_the_projected_probe_orthonormalised_in_order(rank: int) -> None:
+    """Oracle: ``(I − Q_r Q_rᵀ) Ω_j`` for ``j >= r`` (``Ω`` the fixed Gaussian seeded by the
+    width), orthonormalised one column after another by explicit Gram–Schmidt (twice), each
+    column's sign that of its projection: what the single QR of ``[Q_r, Ω]`` computes."""
+    rows = _rows(rank, 12, seed=30 + rank)
+    values, basis = descending_eigh(rows.T @ rows, DT)
+    got = canonical_null_basis(values, basis, DT)[1]
+    omega = torch.randn(12, 12, generator=torch.Generator().manual_seed(12), dtype=DT)
+    columns = [basis[:, i] for i in range(rank)]
+    for j in range(rank, 12):
+        y = omega[:, j].clone()
+        for _ in range(2):
+            for c in columns:
+                y = y - (c @ y) * c
+        columns.append(y / y.norm())
+    want = torch.stack(columns, dim=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_a_factor_of_full_rank_or_zero_is_left_as_it_is() -> None:
     full = _rows(30, 12, seed=1)
     values, basis = descending_eigh(full.T @ full, DT)
