@@ -113,25 +113,22 @@ def dtype_or_auto(text: str) -> torch.dtype | str:
         raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {choices}") from None
 
 
-def number_or(
-    kind: type[int] | type[float], words: tuple[str, ...]
-) -> typing.Callable[[str], int | float | str]:
-    """An argparse ``type``: a number of ``kind`` (``int`` or ``float``), or one of
-    ``words`` (``basis_block_size``'s ``widths``)."""
-    noun = "an integer" if kind is int else "a number"
+def integer_or(words: tuple[str, ...]) -> typing.Callable[[str], int | str]:
+    """An argparse ``type``: an integer, or one of ``words`` (``basis_block_size``'s
+    ``widths``)."""
 
-    def parse(text: str) -> int | float | str:
+    def parse(text: str) -> int | str:
         word = text.strip().lower()
         if word in words:
             return word
         try:
-            return kind(text)
+            return int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected {noun} or one of {list(words)}, got {text!r}"
+                f"expected an integer or one of {list(words)}, got {text!r}"
             ) from None
 
-    parse.__name__ = "integer" if kind is int else "number"
+    parse.__name__ = "integer"
     return parse
 
 
@@ -184,12 +181,10 @@ def _argument_spec(hint: Any) -> dict[str, Any]:
     if schedule:
         return {"type": wrap(number), "metavar": "NUMBER" + ("|none" if nullable else "")}
     literals = [a for a in core if typing.get_origin(a) is typing.Literal]
-    numbers = [kind for kind in (int, float) if kind in core]
-    if numbers and len(core) == 2 and literals:  # a number or a word: "widths", "adam"
+    if int in core and len(core) == 2 and literals:  # an integer or a word: "widths"
         words = tuple(str(word) for word in typing.get_args(literals[0]))
-        kind = numbers[0]
-        metavar = "|".join([kind.__name__.upper(), *words] + (["none"] if nullable else []))
-        return {"type": wrap(number_or(kind, words)), "metavar": metavar}
+        metavar = "|".join(["INT", *words] + (["none"] if nullable else []))
+        return {"type": wrap(integer_or(words)), "metavar": metavar}
     origin = typing.get_origin(hint)
     if origin in (collections.abc.Mapping, dict):  # KFACConfig.flattened_inputs: NAME=CxP ...
         return {"type": str, "nargs": "*", "metavar": "NAME=CxP"}
