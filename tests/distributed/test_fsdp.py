@@ -66,6 +66,8 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
 MOMENTS = {"basis_refresh": "power", "moment_carry": "rotate", "moment_eps": 1e-6}
 HALF = {"grad_worker_fraction": 0.5}
 LOCAL = {"shard_exchange": "local"}
+# the orthogonalised updates divided by their inputs' RMS, averaged over the ranks
+INPUT_RMS = {"orthogonal_layers": ("Conv2d", "^3$"), "orthogonal_input_rms": True}
 
 
 def _shard_children(reshard: bool, hsdp: bool, bf16: bool, model: nn.Module) -> None:
@@ -151,6 +153,11 @@ CASES: dict[int, dict[str, Case]] = {
             "cnn64",
             {"method": "eigen_adam", "strategy": "mem-opt", **MOMENTS},
         ),
+        "cnn64-eigen_adam-input-rms": ("cnn64", {"method": "eigen_adam", **MOMENTS, **INPUT_RMS}),
+        "cnn64-eigen_adam-input-rms-ddp": (
+            "cnn64",
+            {"method": "eigen_adam", **MOMENTS, **INPUT_RMS, "ddp": True},
+        ),
     },
     4: {
         "cnn-eigen": ("cnn", {"method": "eigen"}),
@@ -170,6 +177,10 @@ CASES: dict[int, dict[str, Case]] = {
         ),
         "cnn-eigen-hsdp-local": ("cnn", {"method": "eigen", "hsdp": True, **LOCAL}),
         "cnn-same-eigen-hsdp-dp": ("cnn-same", {"method": "eigen", "strategy": "dp", "hsdp": True}),
+        "cnn64-eigen_adam-input-rms-hsdp": (
+            "cnn64",
+            {"method": "eigen_adam", **MOMENTS, **INPUT_RMS, "hsdp": True},
+        ),
     },
 }
 

@@ -178,6 +178,12 @@ class SolverConfig:
             noise. 0 (default): the fixed ``orthogonal_rms``; 1: Adam's own length. Not
             with ``orthogonal_split``; a value other than 0 without ``orthogonal_layers`` is
             an error.
+        orthogonal_input_rms: Divide each orthogonalised update by the RMS entry of its
+            layer's input row (the bias's 1 counted), from this step's forwards and ranks (one
+            all-reduce of a number a layer): a layer fed small inputs takes a longer step, so
+            that ``ΔW·a`` has about the same size in every layer and at every step
+            (:mod:`dkfac.engine.input_rms`). False (default): the same length for every
+            layer. True without ``orthogonal_layers`` is an error.
         orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
             Muon's); three cost 3/5 of the flops and leave the smallest singular values
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
@@ -253,6 +259,7 @@ class SolverConfig:
     orthogonal_layers: tuple[str, ...] = field(default_factory=tuple)
     orthogonal_rms: float = ORTHOGONAL_RMS
     orthogonal_rms_power: float = 0.0
+    orthogonal_input_rms: bool = False
     orthogonal_steps: int = NS_STEPS
     orthogonal_split: float = 0.0
     gradient_rotation_dtype: torch.dtype | Literal["auto"] | None = None
@@ -284,6 +291,7 @@ class SolverConfig:
         check_range("moment_eps", self.moment_eps, low=0.0)
         check_bool("moment_bias_correction", self.moment_bias_correction)
         check_bool("moment_nesterov", self.moment_nesterov)
+        check_bool("orthogonal_input_rms", self.orthogonal_input_rms)
         check_choice("basis_refresh", self.basis_refresh, BASIS_REFRESHES)
         check_choice("moment_carry", self.moment_carry, MOMENT_CARRIES)
         check_int("basis_max_dim", self.basis_max_dim, optional=True)
@@ -308,6 +316,7 @@ class SolverConfig:
             for name, value, default in (
                 ("orthogonal_rms", self.orthogonal_rms, ORTHOGONAL_RMS),
                 ("orthogonal_rms_power", self.orthogonal_rms_power, 0.0),
+                ("orthogonal_input_rms", self.orthogonal_input_rms, False),
                 ("orthogonal_steps", self.orthogonal_steps, NS_STEPS),
                 ("orthogonal_split", self.orthogonal_split, 0.0),
             )

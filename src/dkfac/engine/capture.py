@@ -20,6 +20,7 @@ from dkfac.distributed.comm import Communicator
 from dkfac.engine import launches
 from dkfac.engine.capture_groups import CaptureGroups
 from dkfac.engine.fisher import mc_sample_loss
+from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter
 from dkfac.engine.phases import phase
@@ -191,6 +192,10 @@ class FactorCapture:
     def _forward_hook(
         self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
+        if layer.input_rms and module.training and torch.is_grad_enabled():
+            x = layer.block.hooked_input(inputs)
+            if x is not None:
+                add_input_square(layer, x)  # every step (dkfac.engine.input_rms)
         if not (self.active and layer.captures and layer.due):
             return
         if not (module.training and torch.is_grad_enabled()):

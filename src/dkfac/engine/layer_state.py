@@ -63,6 +63,10 @@ class LayerState:
         g_rows: The rows of its gradient this rank preconditions alone (the sharded
             layout's local mode): the solver then takes ``G``'s diagonal block of them
             (the rows of a low-rank ``U``); ``None``: all of ``G``.
+        input_rms: Whether its update is divided by its input's RMS entry
+            (``orthogonal_input_rms``, :mod:`~dkfac.engine.input_rms`).
+        input_square: With ``input_rms``, the sum of this step's forwards' mean squares of
+            the input (``None``: none yet); ``input_forwards`` counts them.
     """
 
     block: Block
@@ -78,6 +82,9 @@ class LayerState:
     decided: dict[str, Any] | None = None
     moments: SolverState | None = None
     g_rows: slice | None = None
+    input_rms: bool = False
+    input_square: Tensor | None = None
+    input_forwards: int = 0
     _names: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -245,6 +252,13 @@ class LayerState:
             for key in ("A", "G")
         }
 
+    def _method_label(self) -> str:
+        """The solver's label, ``" / input rms"`` inside its note with ``input_rms``."""
+        label = self.solver.label
+        if self.input_rms and label.endswith(")"):
+            return f"{label[:-1]} / input rms)"
+        return label
+
     def summary(self) -> dict[str, Any]:
         """Name, block type, factor dimensions, method and factor kinds (``describe()``)."""
         return {
@@ -252,7 +266,7 @@ class LayerState:
             "block": type(self.block).__name__,
             "a_dim": self.block.a_dim,
             "g_dim": self.block.g_dim,
-            "method": self.solver.label,
+            "method": self._method_label(),
             **self.factor_kinds(),
         }
 

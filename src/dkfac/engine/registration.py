@@ -286,6 +286,7 @@ def create_layers(
                 "of moments to orthogonalise the update of"
             )
         layers[name] = LayerState.create(block, solver, dtype, lowered["capture_dtype"])
+        layers[name].input_rms = config.orthogonal_input_rms and name in orthogonal
     for option, device, chosen in decided:
         logger.info(
             '%s="auto" on %s: %s',

@@ -262,6 +262,7 @@ def precondition(
     step: int,
     advance: Tensor | None = None,
     partial: Collection[str] = (),
+    scales: Mapping[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Final gradient matrices (or receive buffers) and the layers ready to precondition.
 
@@ -284,6 +285,8 @@ def precondition(
         partial: Layers whose ``grads`` entry is only a :func:`presence_token` (this rank
             does not precondition them and never holds their full gradient: the sharded
             layout's owner exchange returns their results, zeros included, after the step).
+        scales: Layer -> a 0-d factor its update is multiplied by
+            (:func:`~dkfac.engine.input_rms.input_scales`); others: none.
 
     Returns:
         ``(finals, ready)``: per layer with a gradient, its preconditioned gradient, its
@@ -317,7 +320,11 @@ def precondition(
             jobs.append((name, dampings[layer.block.damping_key]))
         else:
             finals[name] = grad
+    scales = scales or {}
     for name, (update, moments) in apply_grouped(layers, grads, jobs, advance).items():
+        scale = scales.get(name)
+        if scale is not None:
+            update = update * (scale if scale.dtype == update.dtype else scale.to(update.dtype))
         finals[name] = update
         if all_finite or advance is not None:
             layers[name].moments = moments

@@ -20,7 +20,9 @@ under a ``torch.profiler.record_function`` label:
    and the strategy sends it to the layer's gradient workers
    (the preconditioner's ``update_inverses``, :func:`~dkfac.engine.step_math.update_inverses`).
 3. ``dkfac.precondition``: each gradient worker replaces its layers' gradients by the damped
-   natural gradient (:func:`precondition_gradients`, :func:`~dkfac.engine.step_math.precondition`).
+   natural gradient (:func:`precondition_gradients`, :func:`~dkfac.engine.step_math.precondition`;
+   with ``orthogonal_input_rms`` an orthogonalised update is divided by its input's RMS
+   entry, averaged over the ranks first: :mod:`~dkfac.engine.input_rms`).
 4. ``dkfac.distribute``: the strategy delivers preconditioned gradients to every rank
    (:meth:`~dkfac.distributed.strategy_base.Strategy.distribute`).
 5. ``dkfac.kl_clip``: all preconditioned gradients are scaled by the KL-clip factor ν (the
@@ -53,6 +55,7 @@ from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import EagerReducer
+from dkfac.engine.input_rms import input_scales
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import RefreshPolicy
@@ -209,8 +212,9 @@ def precondition_gradients(
     bn_damping = resolve("bn_damping", config.bn_damping, step)
     dampings = {"damping": damping, "bn_damping": bn_damping or damping}
     advance = None if keep is None else keep.all()
+    scales = input_scales(parts.layers, parts.comm)
     return precondition(
-        parts.layers, parts.strategy, grads, finite, dampings, step, advance, parts.partial
+        parts.layers, parts.strategy, grads, finite, dampings, step, advance, parts.partial, scales
     )
 
 
