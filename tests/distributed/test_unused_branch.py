@@ -53,7 +53,16 @@ def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
-def _rank_main(rank: int, world: int, strategy: str) -> dict[str, Any]:
+# The branch's orthogonalised update divided by its input's RMS: a float64 layer reached on
+# one rank only (step 0) or on none (step 2) still launches the same all-reduce everywhere.
+INPUT_RMS = {
+    "method": "eigen_adam",
+    "orthogonal_layers": ("^branch$",),
+    "orthogonal_input_rms": True,
+}
+
+
+def _rank_main(rank: int, world: int, strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     factors_after: list[dict[str, Any]] = []
     branch_inputs: list[torch.Tensor] = []
 
@@ -85,6 +94,7 @@ def _rank_main(rank: int, world: int, strategy: str) -> dict[str, Any]:
         factor_decay=0.0,
         inverse_update_interval=1,
         kl_clip=None,
+        **options,
     )
     return {
         "params": run.params(),
@@ -93,9 +103,15 @@ def _rank_main(rank: int, world: int, strategy: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("strategy", ["replicated", "spngd"])
-def test_unused_branch_does_not_hang_and_ranks_agree(strategy: str) -> None:
-    results = run_distributed(_rank_main, 2, strategy, timeout=90)
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("replicated", {}), ("spngd", {}), ("replicated", INPUT_RMS)],
+    ids=["replicated", "spngd", "replicated-input-rms"],
+)
+def test_unused_branch_does_not_hang_and_ranks_agree(
+    strategy: str, options: dict[str, Any]
+) -> None:
+    results = run_distributed(_rank_main, 2, strategy, options, timeout=90)
     params = [r["params"] for r in results]
     assert_ranks_match(params, params[0], label=strategy)
     assert all(bool(torch.isfinite(p).all()) for p in params[0]), strategy

@@ -187,6 +187,7 @@ REFRESHES = {
     # for_model's options: the hidden layers' polar factors, and their split scaling
     "default": DEFAULT_OPTIONS,
     "default-split": {**DEFAULT_OPTIONS, "orthogonal_split": 0.5, "orthogonal_steps": 3},
+    "default-input-rms": {**DEFAULT_OPTIONS, "orthogonal_input_rms": True},  # engine.input_rms
 }
 
 

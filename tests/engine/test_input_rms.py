@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from dkfac import KFACConfig, KFACPreconditioner
 from dkfac.app.cli import parse_args
 from dkfac.app.runconfig import kfac_config_from_args
-from tests.oracles import weight_grad_matrix
 
 OPTIONS: dict[str, Any] = {
     "method": "eigen_adam",
@@ -48,24 +47,50 @@ def _model() -> nn.Module:
     ).double()
 
 
+def _transposed() -> nn.Module:
+    """A transposed convolution (its bias not a column of A) before two linear layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.ConvTranspose2d(2, 3, 3),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(108, 8),
+        nn.Tanh(),
+        nn.Linear(8, 3),
+    ).double()
+
+
+# layer -> (entries of its input row d, whether the bias's 1 is one of them), by hand
+ROWS = {
+    "conv": {"0": (2 * 9 + 1, True), "3": (48, False), "5": (9, True)},
+    "transposed": {"0": (2, False), "3": (109, True)},
+}
+MODELS = {"conv": _model, "transposed": _transposed}
+
+
 def _expected_scale(inputs: list[Tensor], width: int, bias: bool) -> float:
     square = sum(float(x.square().mean()) for x in inputs) / len(inputs)
     return ((square * (width - bias) + bias) / width) ** -0.5
 
 
-@pytest.mark.parametrize("patterns", [("Conv2d", "^3$", "^5$"), ("^5$",)])
-def test_a_picked_layer_is_divided_by_its_input_rows_rms(patterns: tuple[str, ...]) -> None:
-    model, twin = _model(), _model()
-    pre = KFACPreconditioner(
-        model, orthogonal_layers=patterns, orthogonal_input_rms=True, **OPTIONS
-    )
+@pytest.mark.parametrize(
+    ("model", "patterns"),
+    [("conv", ("Conv2d", "^3$", "^5$")), ("conv", ("^5$",)), ("transposed", ("^0$", "^3$"))],
+)
+def test_a_picked_layer_is_divided_by_its_input_rows_rms(
+    model: str, patterns: tuple[str, ...]
+) -> None:
+    net, twin = MODELS[model](), MODELS[model]()
+    pre = KFACPreconditioner(net, orthogonal_layers=patterns, orthogonal_input_rms=True, **OPTIONS)
     plain = KFACPreconditioner(twin, orthogonal_layers=patterns, **OPTIONS)
     picked = {name for name, layer in pre.layers.items() if layer.input_rms}
-    assert picked == {"0", "3", "5"} if len(patterns) == 3 else picked == {"5"}
+    assert picked == {p.strip("^$") for p in patterns} - {"Conv2d"} | (
+        {"0"} if "Conv2d" in patterns else set()
+    )
     labels = {row["name"]: row["method"] for row in pre.describe()}
     assert all(labels[name].endswith("/ input rms)") for name in picked)
     fed: dict[str, list[Tensor]] = {name: [] for name in pre.layers}
-    for name, module in model.named_children():
+    for name, module in net.named_children():
         if name in fed:
             module.register_forward_pre_hook(
                 lambda _, args, name=name: fed[name].append(args[0].detach().clone())
@@ -73,31 +98,31 @@ def test_a_picked_layer_is_divided_by_its_input_rows_rms(patterns: tuple[str, ..
     for step in range(4):
         for inputs in fed.values():
             inputs.clear()
-        for m, p in ((model, pre), (twin, plain)):
+        for m, p in ((net, pre), (twin, plain)):
             m.zero_grad()
             for micro in range(2):
-                x = torch.randn(
-                    6,
-                    2,
-                    4,
-                    4,
-                    generator=torch.Generator().manual_seed(10 * step + micro),
-                    dtype=torch.float64,
-                ) * (1 + step)
-                y = torch.arange(6) % 3
-                (F.cross_entropy(m(x), y) / 2).backward()
+                generator = torch.Generator().manual_seed(10 * step + micro)
+                x = torch.randn(6, 2, 4, 4, generator=generator, dtype=torch.float64) * (1 + step)
+                (F.cross_entropy(m(x), torch.arange(6) % 3) / 2).backward()
             p.step()
         for name, layer in pre.layers.items():
-            got = weight_grad_matrix(layer.block.module)
-            want = weight_grad_matrix(plain.layers[name].block.module)
+            got = layer.block.weight_grad()
+            want = plain.layers[name].block.weight_grad()
             if name in picked:
-                width = layer.block.statistic_shapes()["A"][0]
-                want = want * _expected_scale(fed[name], width, layer.block.has_bias)
+                want = want * _expected_scale(fed[name], *ROWS[model][name])
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"{name} {step}")
         with torch.no_grad():  # both models take the same step
-            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            for a, b in zip(net.parameters(), twin.parameters(), strict=True):
                 a -= 0.1 * a.grad
                 b.copy_(a)
+
+
+def test_an_embedding_is_refused_with_the_option() -> None:
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 4))
+    with pytest.raises(ValueError, match="'0' \\(EmbeddingBlock\\) reads no input entries"):
+        KFACPreconditioner(
+            model, orthogonal_layers=("^0$", "^1$"), orthogonal_input_rms=True, **OPTIONS
+        )
 
 
 def test_an_input_of_zeros_leaves_the_update_as_it_is() -> None:
@@ -117,6 +142,18 @@ def test_an_input_of_zeros_leaves_the_update_as_it_is() -> None:
     pre.step()
     assert torch.isfinite(model[0].weight.grad).all()
     assert not model[0].weight.grad.any()
+
+
+def test_a_loaded_checkpoint_drops_the_unfinished_steps_inputs() -> None:
+    model = _model()
+    pre = KFACPreconditioner(
+        model, orthogonal_layers=("^5$",), orthogonal_input_rms=True, **OPTIONS
+    )
+    state = pre.state_dict()
+    model(torch.randn(4, 2, 4, 4, dtype=torch.float64))  # a forward whose step never comes
+    assert pre.layers["5"].input_forwards == 1
+    pre.load_state_dict(state)
+    assert pre.layers["5"].input_square is None and pre.layers["5"].input_forwards == 0
 
 
 def test_the_option_is_a_choice_of_the_config_and_the_flag() -> None:

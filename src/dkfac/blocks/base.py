@@ -220,6 +220,14 @@ class Block(ABC):
         """Whether the module has a bias (folded into A as a column of ones)."""
         return getattr(self.module, "bias", None) is not None
 
+    @property
+    def input_row_bias(self) -> bool | None:
+        """How ``A`` is made of the hooked input: the second moment of rows of its entries,
+        ending with the bias's constant 1 (``True``) or not (``False``); ``None`` where
+        ``A`` is not that (an embedding's, of token counts). Read by
+        :mod:`~dkfac.engine.input_rms`."""
+        return self.has_bias
+
     def batch_size(self, inputs: Tensor) -> int:
         """Samples in a forward input: its first dimension, or 1 for an unbatched input."""
         return int(inputs.shape[0]) if inputs.dim() > 1 else 1

@@ -207,6 +207,11 @@ class ConvTranspose2dBlock(ConvolutionBlock):
         return self.geometry.kernel_size[0] * self.geometry.kernel_size[1]
 
     @property
+    def input_row_bias(self) -> bool:
+        """False: the bias is not a column of ``A`` (module notes)."""
+        return False
+
+    @property
     def a_dim(self) -> int:
         """Input channels (the bias is not a column: see the module notes)."""
         return self.geometry.in_channels

@@ -89,6 +89,11 @@ class EmbeddingBlock(Block):
         return int(inputs.shape[0]) if inputs.dim() > 1 else 1
 
     @property
+    def input_row_bias(self) -> None:
+        """None: ``A`` counts token ids, it is not a second moment of input entries."""
+        return None
+
+    @property
     def a_dim(self) -> int:
         """Vocabulary size ``V``."""
         return self.module.num_embeddings

@@ -180,7 +180,7 @@ class SolverConfig:
             an error.
         orthogonal_input_rms: Divide each orthogonalised update by the RMS entry of its
             layer's input row (the bias's 1 counted), from this step's forwards and ranks (one
-            all-reduce of a number a layer): a layer fed small inputs takes a longer step, so
+            all-reduce of two numbers a layer): a layer fed small inputs takes a longer step, so
             that ``ΔW·a`` has about the same size in every layer and at every step
             (:mod:`dkfac.engine.input_rms`). False (default): the same length for every
             layer. True without ``orthogonal_layers`` is an error.

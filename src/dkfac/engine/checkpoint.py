@@ -313,6 +313,7 @@ def load_layers_state(
             stale.append(name)
         layer.moments = _loaded_moments(layer, strategy, entry.get("moments"), inverse)
         layer.reset_accumulators()
+        layer.input_square, layer.input_forwards = None, 0  # a step left unfinished
     return stale
 
 

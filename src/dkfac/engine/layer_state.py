@@ -65,8 +65,9 @@ class LayerState:
             (the rows of a low-rank ``U``); ``None``: all of ``G``.
         input_rms: Whether its update is divided by its input's RMS entry
             (``orthogonal_input_rms``, :mod:`~dkfac.engine.input_rms`).
-        input_square: With ``input_rms``, the sum of this step's forwards' mean squares of
-            the input (``None``: none yet); ``input_forwards`` counts them.
+        input_square: With ``input_rms``, the sum over this step's forwards of ``s²``, the
+            mean square of the input row (bias included; :mod:`~dkfac.engine.input_rms`;
+            ``None``: none yet); ``input_forwards`` counts them.
     """
 
     block: Block

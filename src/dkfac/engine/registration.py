@@ -286,7 +286,14 @@ def create_layers(
                 "of moments to orthogonalise the update of"
             )
         layers[name] = LayerState.create(block, solver, dtype, lowered["capture_dtype"])
-        layers[name].input_rms = config.orthogonal_input_rms and name in orthogonal
+        if config.orthogonal_input_rms and name in orthogonal:
+            if block.input_row_bias is None:
+                raise ValueError(
+                    f"orthogonal_input_rms divides an update by the RMS entry of its layer's "
+                    f"input, and {name!r} ({type(block).__name__}) reads no input entries "
+                    "(token ids): leave it out of orthogonal_layers, or drop the option"
+                )
+            layers[name].input_rms = True
     for option, device, chosen in decided:
         logger.info(
             '%s="auto" on %s: %s',
