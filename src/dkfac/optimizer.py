@@ -30,7 +30,7 @@ from dkfac.engine.finite import finite_each
 from dkfac.engine.moment_betas import set_moment_betas
 from dkfac.engine.overhead import BUDGETED_OPTIONS
 from dkfac.engine.registration import unwrap
-from dkfac.engine.roles import normalises, vocabulary_layers
+from dkfac.engine.roles import vocabulary_layers
 from dkfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,7 @@ map found in the model's graph (``flattened_inputs="graph"``, :mod:`dkfac.engine
 the hidden matrices (every linear or convolution layer but the input layer and the head,
 Muon's split, found by role: ``"role:hidden"``) take the orthogonal polar factor of that
 update (fewer steps on five of the six families of ``dkfac bench suite``, the same on the
-digits CNN); in a model without a normalisation layer (:func:`~dkfac.engine.roles.normalises`),
-where nothing holds the scale of the layers' inputs, each of those updates is divided by
-the RMS entry of its layer's input (``orthogonal_input_rms``, :mod:`dkfac.engine.input_rms`:
-the suite's autoencoder 14 / 14 held-out steps against 19 / 20, its digits CNN 6 / 6 against
-7 / 6 over ten seeds; in the normalised families it was mixed and lost the language models'
-second text split, docs/tried.md).
+digits CNN).
 The factor batch and both intervals (and, where the per-step work alone is over it, 3
 Newton–Schulz steps instead of 5; for a side wider than 3/4 of the rows a step sees, no
 basis) are chosen within :data:`DEFAULT_OVERHEAD`; with
@@ -264,13 +259,6 @@ class KFACOptimizer(Optimizer):
             if wide:
                 logger.info("for_model: the vocabulary layers %s keep Adam's direction", wide)
                 defaults["skip_layers"] = tuple(f"^{re.escape(name)}$" for name in wide)
-        if "orthogonal_input_rms" not in options and {**defaults, **options}.get(
-            "orthogonal_layers"
-        ):
-            unnormalised = not normalises(unwrap(model))
-            if unnormalised:
-                logger.info("for_model: no normalisation layer, so orthogonal_input_rms=True")
-            defaults["orthogonal_input_rms"] = unnormalised
         preconditioner = KFACPreconditioner(model, overhead=overhead, **{**defaults, **options})
         # Every parameter, frozen ones too, as AdamW(model.parameters()) takes them: one
         # unfrozen later is stepped (a parameter without a gradient is left as it is).

@@ -132,30 +132,3 @@ def test_the_default_does_not_depend_on_the_factors_scale() -> None:
     eigen = _token_run(method="eigen")
     eigen_positions = _token_run(method="eigen", loss_average="positions")
     assert max((a - b).abs().max() for a, b in zip(eigen, eigen_positions, strict=True)) > 1e-3
-
-
-def _unnormalised() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 8),
-        torch.nn.ReLU(),
-        torch.nn.Linear(8, 8),
-        torch.nn.ReLU(),
-        torch.nn.Linear(8, 3),
-    )
-
-
-def test_a_model_without_normalisation_divides_its_hidden_updates_by_their_inputs_rms() -> None:
-    """The rule reads the model: without a normalisation layer the orthogonalised (hidden)
-    layers' updates follow their inputs' RMS, with one (make_model's LayerNorm) they do not;
-    a value passed wins either way, and a method without orthogonalised layers gets none."""
-    opt = KFACOptimizer.for_model(_unnormalised())
-    assert opt.preconditioner.config.orthogonal_input_rms is True
-    assert {n for n, layer in opt.preconditioner.layers.items() if layer.input_rms} == {"2"}
-    kept = KFACOptimizer.for_model(_unnormalised(), orthogonal_input_rms=False)
-    assert not any(layer.input_rms for layer in kept.preconditioner.layers.values())
-    assert KFACOptimizer.for_model(make_model()).preconditioner.config.orthogonal_input_rms is False
-    forced = KFACOptimizer.for_model(make_model(), orthogonal_input_rms=True)
-    assert {n for n, layer in forced.preconditioner.layers.items() if layer.input_rms} == {"3"}
-    other = KFACOptimizer.for_model(_unnormalised(), method="eigen", overhead=None)
-    assert other.preconditioner.config.orthogonal_input_rms is False

@@ -18,7 +18,6 @@ from dkfac.engine.roles import (
     basis_block_from_widths,
     flattened_conv_inputs,
     layer_roles,
-    normalises,
     resolve_role_patterns,
 )
 
@@ -551,28 +550,3 @@ class _TiedDecoder(nn.Module):
 def test_a_layer_tied_to_an_embedding_is_a_head_in_module_order_too() -> None:
     heads = {"decoder": "head", "pair": "head"}
     assert layer_roles(_TiedDecoder()) == {"tokens": "embedding", "mid": "hidden", **heads}
-
-
-class LlamaRMSNorm(nn.Module):
-    """A normalisation of another package, known by its class name."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x
-
-
-@pytest.mark.parametrize(
-    ("norm", "found"),
-    [
-        (nn.BatchNorm2d(3), True),
-        (nn.InstanceNorm1d(3), True),
-        (nn.LayerNorm(3), True),
-        (nn.GroupNorm(1, 3), True),
-        (nn.RMSNorm(3), True),
-        (LlamaRMSNorm(), True),
-        (nn.Dropout(), False),
-        (nn.Identity(), False),
-    ],
-)
-def test_a_normalisation_is_found_anywhere_in_the_model(norm: nn.Module, found: bool) -> None:
-    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), norm), nn.Linear(3, 2))
-    assert normalises(model) is found

@@ -63,7 +63,6 @@ __all__ = [
     "block_roles",
     "flattened_conv_inputs",
     "layer_roles",
-    "normalises",
     "resolve_role_patterns",
     "role_blocks",
     "vocabulary_layers",
@@ -133,29 +132,6 @@ def apply_model_rules(model: nn.Module, config: KFACConfig) -> KFACConfig:
         logger.info("basis_block_size from the widths: %s", block or "none (whole bases)")
         changes["basis_block_size"] = block
     return dataclasses.replace(config, **changes) if changes else config
-
-
-NORMALISATIONS: tuple[type[nn.Module], ...] = (
-    _NormBase,  # batch and instance norms
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-    nn.LocalResponseNorm,
-)
-"""torch's normalisation layers (:func:`normalises`)."""
-
-
-def normalises(model: nn.Module) -> bool:
-    """Whether ``model`` holds a normalisation layer: one of :data:`NORMALISATIONS`, or a
-    module whose class name ends in ``Norm`` (``transformers``' ``LlamaRMSNorm``,
-    ``T5LayerNorm``: known without importing their package). Without one, nothing holds the
-    scale of a layer's inputs, which can drift by orders of magnitude in a few steps
-    (``for_model`` then divides the orthogonalised updates by it:
-    :mod:`~dkfac.engine.input_rms`)."""
-    return any(
-        isinstance(module, NORMALISATIONS) or type(module).__name__.endswith("Norm")
-        for module in model.modules()
-    )
 
 
 def _is_matrix(module: nn.Module) -> bool:
