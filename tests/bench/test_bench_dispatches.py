@@ -30,7 +30,8 @@ def _lines(payload: dict, kind: str) -> str:
 def test_every_kind_is_counted_and_launch_bound_takes_the_multi_tensor_forms(
     tmp_path: Path,
 ) -> None:
-    common = ["--model", "mlp", "--batch-size", "8", "--top", "200", "--out-dir", str(tmp_path)]
+    common = ["--model", "mlp", "--batch-size", "8", "--image-size", "8", "--channels", "1"]
+    common += ["--top", "200", "--out-dir", str(tmp_path)]  # 8x8 grey: the 3073-wide eigh took 1 s
     assert dispatches.main([*common, "--name", "cpu"]) == 0
     assert dispatches.main([*common, "--name", "gpu", "--launch-bound"]) == 0
     assert launches.launch_bound(torch.device("cpu")) is False  # put back after the run

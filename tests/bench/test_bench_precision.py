@@ -56,13 +56,23 @@ def test_without_native_bf16_float32_is_chosen(native_bf16: Callable[[bool], Non
         (["--out", "x.txt"], "--out must name a .json file"),
     ],
 )
-def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+def test_bad_arguments_are_one_line_and_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as err:  # a traceback would be another exception
+        bench.main(args)
+    assert err.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in last and last.startswith("dkfac bench precision: error:"), last
+
+
+def test_a_bad_argument_through_the_real_program() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "dkfac", "bench", "precision", *args],
+        [sys.executable, "-m", "dkfac", "bench", "precision", "--shape", "12"],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert done.returncode == 2 and message in done.stderr
+    assert done.returncode == 2 and "a shape is ROWSxCOLUMNS" in done.stderr
     assert "Traceback" not in done.stderr
