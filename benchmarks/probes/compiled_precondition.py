@@ -1,8 +1,8 @@
 """The plain step's preconditioning through ``torch.compile``: what it saves on a CPU.
 
-Issue 44 asks for the plain step compiled (or captured as a CUDA graph) with the eager path
-as its fallback; issue 45 for ``for_model``'s step within 1.3x AdamW's. This probe measures
-how far a compiler gets on a CPU before any of it is built: it runs
+A plain step compiled (or captured as a CUDA graph), with the eager path as its fallback,
+is one way to a cheaper ``for_model`` step. This probe measures how far a compiler gets on a
+CPU before any of it is built: it runs
 :func:`dkfac.engine.step_math.precondition` (the rotations, moments and Newton-Schulz
 iterations of every layer, once the gradients are read and before they are written back)
 through ``torch.compile`` (default mode, not ``fullgraph``: the engine's Python around the
