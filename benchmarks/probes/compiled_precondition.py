@@ -39,7 +39,7 @@ import dkfac.bench.suite as suite
 import dkfac.engine.step_phases as step_phases
 from dkfac.bench.common import command_line, machine_info
 from dkfac.bench.peers import Stepper
-from dkfac.bench.suite_tasks import load_task
+from dkfac.bench.suite_tasks import Task, load_task
 from dkfac.engine import step_math
 
 COMPILED = "dkfac_compiled"
@@ -78,10 +78,9 @@ def _install(backend: str) -> None:
     suite.make_optimizer = _make  # type: ignore[assignment]
 
 
-def _warm_seconds(family: str, name: str, lr: float, steps: int) -> float:
+def _warm_seconds(task: Task, name: str, lr: float, steps: int) -> float:
     """Seconds of the first ``steps`` steps of ``name`` on a fresh model (compilation
     included for the compiled arm)."""
-    task = load_task(family, 0)
     torch.manual_seed(0)
     model = task.build()
     optimizer = suite.make_optimizer(name, model, lr, None)
@@ -127,9 +126,9 @@ def main() -> None:
 
 def _measure(family: str, args: argparse.Namespace) -> dict[str, Any]:
     """One family's row: the arms' step costs and their first steps' seconds."""
-    warm = {n: _warm_seconds(family, n, args.lr, args.warm) for n in (EAGER, COMPILED)}
-    lrs = {EAGER: args.lr, COMPILED: args.lr, "adamw": args.lr}
     task = load_task(family, 0)
+    warm = {n: _warm_seconds(task, n, args.lr, args.warm) for n in (EAGER, COMPILED)}
+    lrs = {EAGER: args.lr, COMPILED: args.lr, "adamw": args.lr}
     skip = -(-args.warm // args.steps)  # warm blocks on the timed instances, dropped
     _, cpu = suite.step_seconds(task, lrs, blocks=skip + args.blocks, steps=args.steps)
     cpu = {n: v[skip:] for n, v in cpu.items()}
