@@ -57,6 +57,12 @@ py --model resnet20 --batch-size 128 --repeats 5 --method eigen_adam --options "
    --name step_resnet20_cuda_default
 py --model gpt --layers 4 --width 128 --heads 4 --seq-len 128 --batch-size 32 --repeats 5 \
    --method eigen_adam --options "$default" --name step_gpt_cuda_default
+# the same, each group's update compiled (Triton kernels; the first steps compile)
+py --model resnet20 --batch-size 128 --repeats 5 --method eigen_adam \
+   --options "$default,compile_step=inductor" --name step_resnet20_cuda_default_compiled
+py --model gpt --layers 4 --width 128 --heads 4 --seq-len 128 --batch-size 32 --repeats 5 \
+   --method eigen_adam --options "$default,compile_step=inductor" \
+   --name step_gpt_cuda_default_compiled
 # One configuration (factors from 32 samples, products in bf16): with four (and the exact
 # factors) the run did not end within 73 s on an H200.
 py --model resnet50 --image-size 224 --batch-size 128 --repeats 3 --autocast bf16 \

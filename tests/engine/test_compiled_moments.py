@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dkfac import KFACConfig, KFACPreconditioner
+from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
 from dkfac.engine import launches
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
@@ -89,10 +89,69 @@ def test_the_rule_compiles_only_on_a_cuda_device_with_triton(
     assert launches.compile_backend("auto", cuda) is None
 
 
-def test_the_option_is_validated() -> None:
-    with pytest.raises(ValueError, match="compile_moments"):
-        KFACConfig(method="eigen_adam", compile_moments="fast")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="compile_moments is not read by method 'eigen'"):
-        KFACConfig(method="eigen", compile_moments="off")
-    assert KFACConfig(method="eigen").compile_moments == "auto"
-    KFACConfig(method="ekfac", compile_moments="inductor")
+@pytest.mark.parametrize(
+    ("option", "default", "bad"),
+    [("compile_moments", "auto", "fast"), ("compile_step", "off", "auto")],
+)
+def test_the_options_are_validated(option: str, default: str, bad: str) -> None:
+    with pytest.raises(ValueError, match=f"{option} must be one of"):
+        KFACConfig(method="eigen_adam", **{option: bad})
+    with pytest.raises(ValueError, match=f"{option} is not read by method 'eigen'"):
+        KFACConfig(method="eigen", **{option: "off" if default != "off" else "inductor"})
+    assert getattr(KFACConfig(method="eigen"), option) == default
+    KFACConfig(method="ekfac", **{option: "inductor"})
+
+
+def _cnn() -> nn.Module:
+    """A convolution read flattened by a Linear layer (its Kronecker-structured input basis,
+    applied layer by layer), two hidden Linear layers of one shape (an orthogonalised
+    group), a LayerNorm (its singular factor: Adam's rounding floor) and a head."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 16, 8),
+        nn.LayerNorm(8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 3),
+    ).double()
+
+
+def test_a_compiled_step_equals_the_eager_one() -> None:
+    """``compile_step="aot_eager"`` (each group's whole update captured: rotations, moments,
+    polar factors) against ``"off"``: ``for_model``'s default over refreshes, both arms
+    float64 from the same weights and batches; the gradients it writes and the moments
+    to 1e-12, every solver still compiled at the end (no fallback)."""
+    torch._dynamo.reset()
+    models = [_cnn(), _cnn()]
+    opts = [
+        KFACOptimizer.for_model(model, lr=0.01, compile_step=choice, inverse_update_interval=2)
+        for model, choice in zip(models, ("aot_eager", "off"), strict=True)
+    ]
+    pre, eager = (opt.preconditioner for opt in opts)
+    labels = {layer.solver.label for layer in pre.layers.values()}
+    assert any("orthogonal" in label for label in labels)  # the polar factor runs
+    assert any("A basis" in label for label in labels)  # and the structured input side
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x = torch.randn(16, 2, 4, 4, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (16,), generator=gen)
+        for model, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        for name, layer in pre.layers.items():
+            assert layer.moments is not None
+            for key, value in layer.moments.items():
+                want = eager.layers[name].moments[key]  # type: ignore[index]
+                torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-12)
+    solvers = [layer.solver for layer in pre.layers.values()]
+    assert all(isinstance(s, EigenMomentsSolver) and s._update.active for s in solvers)
+    assert not any(s._update.active for s in (lay.solver for lay in eager.layers.values()))

@@ -1,4 +1,5 @@
-"""The moment update and scaling through ``torch.compile`` equal the eager ones.
+"""The moment update and scaling, and a group's whole update, through ``torch.compile``
+equal the eager ones.
 
 Oracle: the same solver without a backend (eager), over several steps, through each path
 that runs it (one layer, a stack of one shape, the flat pass over groups of several
@@ -6,11 +7,14 @@ shapes). ``aot_eager`` captures the functions and runs the captured graph with e
 kernels: to 1e-12 in float64. ``inductor`` generates C++ on this CPU (it needs a C
 compiler, skipped without one): to 1e-12 in float64 as well (its kernels may contract a
 multiply and an add, a rounding apart). A compiler that fails is logged once and the
-eager function runs from then on, with eager's values.
+eager function runs from then on, with eager's values. A group's whole update
+(``step_compile_backend``: rotations, moments, polar factor) is checked the same way, stacked
+and for one layer alone, and each :class:`Compiled` compiles a code object of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from typing import Any
@@ -21,7 +25,7 @@ from torch import Tensor
 
 from dkfac.solvers import EigenAdamSolver, EKFACSolver, MomentOptions
 from dkfac.solvers.base import BatchJob
-from dkfac.solvers.compiled import Compiled, check_backend
+from dkfac.solvers.compiled import Compiled, check_backend, own_code
 
 DT = torch.float64
 TOL: dict[str, Any] = {"rtol": 1e-12, "atol": 1e-12}
@@ -193,3 +197,96 @@ def test_backends_are_checked() -> None:
         MomentOptions(compile_backend="fast")
     plain = Compiled(lambda x: x + 1, None)
     assert not plain.active and plain(1) == 2
+
+
+def test_each_instance_compiles_a_code_object_of_its_own() -> None:
+    """Twelve solvers' bound methods, each a graph of its own under a recompile limit of
+    one: a shared code object would recompile for each new instance and, past the limit,
+    run eagerly without a word (counted: the backend sees every graph)."""
+
+    class Scaled:
+        def __init__(self, k: float) -> None:
+            self.k = k
+
+        def run(self, x: Tensor) -> Tensor:
+            return (x * self.k).sin() @ x
+
+    graphs: list[Any] = []
+
+    def counting(gm: Any, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 3, dtype=DT)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for k in range(12):
+            method = Scaled(float(k)).run
+            own = own_code(method)
+            assert own.__code__ is not method.__code__  # type: ignore[attr-defined]
+            torch.testing.assert_close(torch.compile(own, backend=counting)(x), method(x))
+    assert len(graphs) == 12
+    plain = own_code(_grads)
+    assert plain(0, 1)[0].equal(_grads(0, 1)[0])  # a plain function copies too
+
+
+def _group_run(options: MomentOptions, steps: int = 2) -> list[Tensor]:
+    """Updates and moments of ``steps`` steps of one group (a stack of the shape of
+    ``SHAPES[0]``, each layer's input factor singular) and of its first layer alone,
+    under ``options``; checks that the whole update compiled where ``options`` say so."""
+    g, a, count = SHAPES[0]
+    solver, alone = EigenAdamSolver(DT, options), EigenAdamSolver(DT, options)
+    states = [
+        solver.completed(solver.compute(_spd(a, i, 3), _spd(g, i + 7), 0.1)) for i in range(count)
+    ]
+    moments: list[Any] = [None] * count
+    single: Any = None
+    out: list[Tensor] = []
+    for step in range(steps):
+        grads = _grads(step, 0)
+        results = solver.apply_batch(states, moments, grads, 0.1)
+        moments = [m for _, m in results]
+        out += [u for u, _ in results] + [v for m in moments for v in m.values()]
+        update, single = alone.apply_with_moments(states[0], single, grads[0], 0.1)
+        out += [update, *single.values()]
+    assert all("null_a" in state for state in states)  # Adam's rounding floor runs
+    compiled = options.step_compile_backend is not None
+    assert solver._update.active == alone._update.active == compiled
+    return out
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")), reason="inductor needs a C compiler"
+)
+def test_inductor_s_compiled_update_equals_the_eager_one_on_the_cpu() -> None:
+    """``step_compile_backend="inductor"``: a group's whole update in generated C++ (the
+    rotations, the moments with a singular factor's rounding floor, the Newton-Schulz
+    iteration in float64) against eager, stacked and alone, two steps, to 1e-10 (its
+    kernels may contract a multiply and an add; the polar factor's iteration magnifies a
+    rounding a little)."""
+    torch._dynamo.reset()
+    options = MomentOptions(orthogonal_rms=1.5)
+    eager = _group_run(options)
+    compiled = _group_run(MomentOptions(orthogonal_rms=1.5, step_compile_backend="inductor"))
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        MomentOptions(orthogonal_rms=1.5),
+        MomentOptions(orthogonal_rms=1.5, orthogonal_split=0.5),
+        MomentOptions(orthogonal_rms=1.5, orthogonal_rms_power=0.5),
+        MomentOptions(nesterov=True, block_size=4),
+    ],
+)
+def test_a_captured_update_equals_the_eager_one(options: MomentOptions) -> None:
+    """``step_compile_backend="aot_eager"`` (the whole update captured, eager kernels)
+    against eager: the polar factor, the split around it, a length that follows the
+    update's own, and a plain Adam update with blocked bases, to 1e-12."""
+    torch._dynamo.reset()
+    eager = _group_run(options)
+    captured = _group_run(dataclasses.replace(options, step_compile_backend="aot_eager"))
+    for got, want in zip(captured, eager, strict=True):
+        torch.testing.assert_close(got, want, **TOL)

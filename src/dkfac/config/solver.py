@@ -41,9 +41,11 @@ from dkfac.solvers import (
 
 __all__ = [
     "COMPILE_MOMENTS",
+    "COMPILE_STEPS",
     "LEFTOVER_UPDATES",
     "METHODS",
     "CompileMoments",
+    "CompileStep",
     "LeftoverUpdate",
     "Method",
     "SolverConfig",
@@ -65,6 +67,7 @@ UNREAD_WITHOUT_MOMENTS = (
     "basis_refresh",
     "moment_carry",
     "compile_moments",
+    "compile_step",
 )
 """The :class:`SolverConfig` fields that only a method with a basis of moments reads."""
 ORTHOGONAL_RMS = 1.5
@@ -74,6 +77,8 @@ LeftoverUpdate = Literal["auto", "gradient", "adam"]
 LEFTOVER_UPDATES: tuple[str, ...] = get_args(LeftoverUpdate)
 CompileMoments = Literal["auto", "off", "inductor", "aot_eager"]
 COMPILE_MOMENTS: tuple[str, ...] = get_args(CompileMoments)
+CompileStep = Literal["off", "inductor", "aot_eager"]
+COMPILE_STEPS: tuple[str, ...] = get_args(CompileStep)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,6 +243,13 @@ class SolverConfig:
             ``"auto"`` (default): ``"inductor"`` on a launch-bound device (CUDA) where
             Triton is installed, ``"off"`` elsewhere (a CPU's elementwise passes are not
             launches, and compiling costs seconds).
+        compile_step: ``"ekfac"``/``"eigen_adam"``: run each group's whole update of a step
+            (a group: the layers of one shape and options; the rotations into and out of
+            its basis, the moments and the polar factor) through ``torch.compile``, with
+            the moment step inside it (``compile_moments`` then applies only to the flat
+            pass over several groups on a CUDA device): ``"inductor"``, ``"aot_eager"``
+            (as for ``compile_moments``) or ``"off"`` (default). Each group compiles a graph
+            of its own at its first step (seconds), and eager runs after a failure, logged.
     """
 
     method: Method = "eigen"
@@ -267,6 +279,7 @@ class SolverConfig:
     basis_block_size: int | Literal["widths"] | None = None
     leftover_update: LeftoverUpdate = "auto"
     compile_moments: CompileMoments = "auto"
+    compile_step: CompileStep = "off"
 
     def __post_init__(self) -> None:
         self._check_solver()
@@ -349,6 +362,7 @@ class SolverConfig:
             )
         check_choice("leftover_update", self.leftover_update, LEFTOVER_UPDATES)
         check_choice("compile_moments", self.compile_moments, COMPILE_MOMENTS)
+        check_choice("compile_step", self.compile_step, COMPILE_STEPS)
         if self.leftover_update == "adam" and not adam_scaled(self.method):
             scaled = [m for m in method_names() if adam_scaled(m)]
             raise ValueError(

@@ -277,6 +277,7 @@ def create_layers(
                 power_rank=config.power_rank,
                 block_size=_block_size(config),
                 compile_backend=launches.compile_backend(config.compile_moments, param.device),
+                step_compile_backend=launches.compile_backend(config.compile_step, param.device),
             ),
             maps.get(name),
         )

@@ -15,12 +15,13 @@ to the rounding, not bit for bit.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["COMPILE_BACKENDS", "Compiled", "check_backend"]
+__all__ = ["COMPILE_BACKENDS", "Compiled", "check_backend", "own_code"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,11 @@ COMPILE_BACKENDS = ("inductor", "aot_eager")
 """The ``torch.compile`` backends a solver's elementwise work may run through."""
 
 
-def check_backend(backend: object) -> None:
-    """Raises ValueError unless ``backend`` is ``None`` or one of :data:`COMPILE_BACKENDS`."""
+def check_backend(backend: object, name: str = "compile_backend") -> None:
+    """Raises ValueError unless ``backend`` (the option ``name``) is ``None`` or one of
+    :data:`COMPILE_BACKENDS`."""
     if backend is not None and backend not in COMPILE_BACKENDS:
-        raise ValueError(
-            f"compile_backend must be None or one of {COMPILE_BACKENDS}, got {backend!r}"
-        )
+        raise ValueError(f"{name} must be None or one of {COMPILE_BACKENDS}, got {backend!r}")
 
 
 class Compiled:
@@ -58,7 +58,8 @@ class Compiled:
         if self.backend is None:
             return self.function(*args)
         if self._compiled is None:
-            self._compiled = torch.compile(self.function, backend=self.backend, fullgraph=True)
+            own = own_code(self.function)
+            self._compiled = torch.compile(own, backend=self.backend, fullgraph=True)
         try:
             return self._compiled(*args)
         except Exception as err:
@@ -71,3 +72,22 @@ class Compiled:
             )
             self.backend = None
             return self.function(*args)
+
+
+def own_code(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (a plain function or a bound method) with a copy of its code object of
+    its own: the same behaviour, its own ``torch.compile`` cache (module notes)."""
+    bound = getattr(function, "__self__", None)
+    plain = getattr(function, "__func__", function)
+    if not isinstance(plain, types.FunctionType):
+        return function  # a callable object: compiled as it is
+    copy = types.FunctionType(
+        plain.__code__.replace(),
+        plain.__globals__,
+        plain.__name__,
+        plain.__defaults__,
+        plain.__closure__,
+    )
+    copy.__kwdefaults__ = plain.__kwdefaults__
+    copy.__qualname__ = plain.__qualname__
+    return copy if bound is None else types.MethodType(copy, bound)

@@ -204,6 +204,7 @@ class EigenMomentsSolver(EigenBasisSolver):
         self._last_lowered: _Rotations | None = None
         self._flat = FlatMoments()
         self._moment_step = Compiled(self._eager_moment_step, self.options.compile_backend)
+        self._update = Compiled(self._eager_update, self.options.step_compile_backend)
 
     @property
     def label(self) -> str:
@@ -239,17 +240,40 @@ class EigenMomentsSolver(EigenBasisSolver):
         :meth:`apply_batch`); each layer's slice is its own result. A half-precision
         gradient is worked on in float32 (module notes) and its update returned in its own
         dtype."""
-        work = moment_dtype(grad.dtype)  # the moments' precision
-        rms = self.options.orthogonal_rms
         into, out = self.rotation_dtypes(grad)
-        state, state_out = self.rotation_states(state, into, out)
-        rotated = change_basis(grad.to(work), state, into)
+        state_in, state_out = self.rotation_states(state, into, out)
         if moments is None:
-            moments = self.zero_moments(rotated)
+            moments = self.zero_moments_like(grad)
+        work = moment_dtype(grad.dtype)  # the moments' precision
+        update: Tensor
+        new: SolverState
+        update, new = self._update(state_in, state_out, moments, grad, damping, work, into, out)
+        return update, new
+
+    def _eager_update(
+        self,
+        state: SolverState,
+        state_out: SolverState,
+        moments: SolverState,
+        grad: Tensor,
+        damping: float,
+        work: torch.dtype,
+        into: torch.dtype | None,
+        out: torch.dtype | None,
+    ) -> tuple[Tensor, SolverState]:
+        """:meth:`apply_with_moments` once the bases for the rotations into (``state``) and
+        out of (``state_out``) the basis and the moments' precision (``work``) are chosen:
+        a pure function of tensors, run through ``torch.compile`` where
+        ``step_compile_backend`` is set, with the moment step traced into it."""
+        rms = self.options.orthogonal_rms
+        rotated = change_basis(grad.to(work), state, into)
         steps, split = self.options.orthogonal_steps, self.options.orthogonal_split
         null = null_weights(state)
         if rms is None:
-            new, scaled = self.moment_step(moments, rotated, damping, null=null)
+            if self._update.active:  # traced whole: the moment step's eager code inside
+                new, scaled = self._eager_moment_step(moments, rotated, damping, None, null)
+            else:
+                new, scaled = self.moment_step(moments, rotated, damping, null=null)
         elif split:  # in the basis, then out (module notes)
             new = self.update_moments(moments, rotated)
             ratio, weight = self.split_parts(new, rotated, damping, split, null=null)

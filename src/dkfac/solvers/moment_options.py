@@ -78,6 +78,13 @@ class MomentOptions:
         compile_backend: The moment update and scaling run through ``torch.compile`` with
             this backend (:mod:`dkfac.solvers.compiled`: ``"inductor"`` or
             ``"aot_eager"``, eager after a failure); ``None``: eagerly.
+        step_compile_backend: A group's whole update (the rotations into and out of the
+            basis, the moments and the polar factor: everything
+            :meth:`~dkfac.solvers.eigen_moments.EigenMomentsSolver.apply_with_moments`
+            does after choosing its bases' precision) runs through ``torch.compile`` with
+            this backend, the moment step traced into it (``compile_backend`` then applies
+            only to the flat pass over several groups); ``None``: as ``compile_backend``
+            says.
     """
 
     beta1: float = 0.9
@@ -98,9 +105,11 @@ class MomentOptions:
     block_size: int | None = None
     rounding_floor: float = ROUNDING_FLOOR
     compile_backend: str | None = None
+    step_compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         check_backend(self.compile_backend)
+        check_backend(self.step_compile_backend, "step_compile_backend")
         for name in ("rotation_dtype", "gradient_rotation_dtype"):
             value = getattr(self, name)
             if value is not None and not (
