@@ -1,27 +1,17 @@
-"""The plain step's preconditioning through ``torch.compile``: what it saves on a CPU.
+"""``compile_step``: what compiling each group's update saves per step on a CPU.
 
-A plain step compiled (or captured as a CUDA graph), with the eager path as its fallback,
-is one way to a cheaper ``for_model`` step. This probe measures how far a compiler gets on a
-CPU before any of it is built: it runs
-:func:`dkfac.engine.step_math.precondition` (the rotations, moments and Newton-Schulz
-iterations of every layer, once the gradients are read and before they are written back)
-through ``torch.compile`` (default mode, not ``fullgraph``: the engine's Python around the
-tensor work breaks the graph where it must) for one arm, ``KFACOptimizer.for_model`` as it
-is for the other, and AdamW beside them: the suite's tasks (:mod:`dkfac.bench.suite_tasks`)
+``KFACOptimizer.for_model`` with ``compile_step`` set (each group's rotations, moments and
+Newton-Schulz iterations through ``torch.compile``, a graph a group) for one arm, as it is
+for the other, and AdamW beside them: the suite's tasks (:mod:`dkfac.bench.suite_tasks`)
 timed by :func:`dkfac.bench.suite.step_seconds` (alternated blocks from the same initial
 weights, the thread's CPU clock, one thread), its first ``--warm`` steps of each arm in
-blocks that are dropped (the compiled arm compiles a graph for every solver and group shape
-it meets, and again for the factor and refresh steps' paths). The seconds the first
-``--warm`` steps take on a fresh model and optimizer, compilation included, are recorded
-beside.
+blocks that are dropped (the compiled arm compiles a graph for every group at its first
+step). The seconds the first ``--warm`` steps take on a fresh model and optimizer,
+compilation included, are recorded beside.
 
     PYTHONPATH=src python benchmarks/probes/compiled_precondition.py --threads 1 \\
+        --families mlp autoencoder cnn gpt vit resnet \\
         --out benchmarks/results/compiled_precondition.json
-
-Not a feature: the compiled arm is a monkeypatch of one function with dynamo's recompile
-limit raised (the solvers' options differ per instance, and every instance shares the code
-of one function, so the default limit of 8 graphs is reached on a model with a few kinds of
-layers).
 """
 
 from __future__ import annotations
@@ -36,44 +26,22 @@ from typing import Any
 import torch
 
 import dkfac.bench.suite as suite
-import dkfac.engine.step_phases as step_phases
 from dkfac.bench.common import command_line, machine_info
 from dkfac.bench.peers import Stepper
 from dkfac.bench.suite_tasks import Task, load_task
-from dkfac.engine import step_math
 
 COMPILED = "dkfac_compiled"
 EAGER = "dkfac"
 
 
 def _install(backend: str) -> None:
-    """Routes ``step_phases.precondition`` to the compiled function while an optimizer made
-    by :func:`_make` for the compiled arm steps, and to the eager one otherwise."""
-    eager = step_math.precondition
-    compiled = torch.compile(eager, backend=backend)
-    active = [False]
-
-    def routed(*args: Any, **kwargs: Any) -> Any:
-        return (compiled if active[0] else eager)(*args, **kwargs)
-
-    step_phases.precondition = routed  # type: ignore[assignment]
+    """Makes :data:`COMPILED` a suite optimizer: ``for_model`` with ``compile_step=backend``."""
     make = suite.make_optimizer
 
     def _make(name: str, model: torch.nn.Module, lr: float, options: Any = None) -> Stepper:
         if name != COMPILED:
             return make(name, model, lr, options)
-        optimizer = make(EAGER, model, lr, options)
-        plain_step = optimizer.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            active[0] = True
-            try:
-                return plain_step(*args, **kwargs)
-            finally:
-                active[0] = False
-
-        optimizer.step = step  # type: ignore[method-assign]
-        return optimizer
+        return make(EAGER, model, lr, {**(options or {}), "compile_step": backend})
 
     suite.make_optimizer = _make  # type: ignore[assignment]
 
@@ -104,7 +72,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch._dynamo.config.recompile_limit = 256
     _install(args.backend)
     payload: dict[str, Any] = {
         "command": command_line(
