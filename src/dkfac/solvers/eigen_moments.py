@@ -245,10 +245,9 @@ class EigenMomentsSolver(EigenBasisSolver):
         if moments is None:
             moments = self.zero_moments_like(grad)
         work = moment_dtype(grad.dtype)  # the moments' precision
-        update: Tensor
-        new: SolverState
-        update, new = self._update(state_in, state_out, moments, grad, damping, work, into, out)
-        return update, new
+        result: tuple[Tensor, SolverState]
+        result = self._update(state_in, state_out, moments, grad, damping, work, into, out)
+        return result
 
     def _eager_update(
         self,

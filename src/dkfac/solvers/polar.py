@@ -164,7 +164,7 @@ def polar_factor(
 
 def gram_pays(matrix: Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`polar_factor` takes the Gram matrix's iteration (module notes)."""
-    rows, cols = matrix.shape[-2:]
+    rows, cols = matrix.shape[-2:]  # min and max, which torch.compile traces, not sorted
     k, n = min(rows, cols), max(rows, cols)
     wide_enough = 2 * n > 3 * k and k * k * n >= GRAM_MIN_WORK
     return wide_enough and dtype in (torch.float32, torch.float64)
