@@ -122,15 +122,23 @@ def _cnn() -> nn.Module:
     ).double()
 
 
-def test_a_compiled_step_equals_the_eager_one() -> None:
+@pytest.mark.parametrize("blocks", [None, 4])
+def test_a_compiled_step_equals_the_eager_one(blocks: int | None) -> None:
     """``compile_step="aot_eager"`` (each group's whole update captured: rotations, moments,
-    polar factors) against ``"off"``: ``for_model``'s default over refreshes, both arms
-    float64 from the same weights and batches; the gradients it writes and the moments
-    to 1e-12, every solver still compiled at the end (no fallback)."""
+    polar factors) against ``"off"``: ``for_model``'s default over refreshes, and with
+    block-diagonal bases (blocks of 4 on the 8- and 9-wide sides), both arms float64 from
+    the same weights and batches; the gradients it writes and the moments to 1e-12, every
+    solver still compiled at the end (no fallback)."""
     torch._dynamo.reset()
     models = [_cnn(), _cnn()]
     opts = [
-        KFACOptimizer.for_model(model, lr=0.01, compile_step=choice, inverse_update_interval=2)
+        KFACOptimizer.for_model(
+            model,
+            lr=0.01,
+            compile_step=choice,
+            inverse_update_interval=2,
+            basis_block_size=blocks,
+        )
         for model, choice in zip(models, ("aot_eager", "off"), strict=True)
     ]
     pre, eager = (opt.preconditioner for opt in opts)

@@ -37,10 +37,10 @@ def check_backend(backend: object, name: str = "compile_backend") -> None:
 
 
 class Compiled:
-    """``function`` through ``torch.compile(backend=backend, fullgraph=True)``, compiled at
-    its first call; ``function`` itself for a ``None`` backend and after a failure (module
-    notes). ``function`` must be pure (it may change in place only tensors it made), so
-    that a failed compiled call can be run again eagerly."""
+    """``function`` through ``torch.compile(backend=backend, fullgraph=True, dynamic=False)``,
+    compiled at its first call; ``function`` itself for a ``None`` backend and after a
+    failure (module notes). ``function`` must be pure (it may change in place only
+    tensors it made), so that a failed compiled call can be run again eagerly."""
 
     def __init__(self, function: Callable[..., Any], backend: str | None) -> None:
         check_backend(backend)
@@ -59,7 +59,7 @@ class Compiled:
             return self.function(*args)
         if self._compiled is None:
             own = own_code(self.function)
-            self._compiled = torch.compile(own, backend=self.backend, fullgraph=True)
+            self._compiled = torch.compile(own, backend=self.backend, fullgraph=True, dynamic=False)
         try:
             return self._compiled(*args)
         except Exception as err:
