@@ -29,6 +29,7 @@ import dkfac.bench.suite as suite
 from dkfac.bench.common import command_line, machine_info
 from dkfac.bench.peers import Stepper
 from dkfac.bench.suite_tasks import Task, load_task
+from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
 COMPILED = "dkfac_compiled"
 EAGER = "dkfac"
@@ -46,9 +47,10 @@ def _install(backend: str) -> None:
     suite.make_optimizer = _make  # type: ignore[assignment]
 
 
-def _warm_seconds(task: Task, name: str, lr: float, steps: int) -> float:
+def _warm_seconds(task: Task, name: str, lr: float, steps: int) -> tuple[float, list[str]]:
     """Seconds of the first ``steps`` steps of ``name`` on a fresh model (compilation
-    included for the compiled arm)."""
+    included for the compiled arm), and the layers whose update then runs eagerly (none
+    compiled for the eager arm; for the compiled one, those whose compilation failed)."""
     torch.manual_seed(0)
     model = task.build()
     optimizer = suite.make_optimizer(name, model, lr, None)
@@ -56,7 +58,10 @@ def _warm_seconds(task: Task, name: str, lr: float, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         suite._step(task, model, optimizer, batch)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    layers = optimizer.preconditioner.layers.items()  # type: ignore[attr-defined]
+    solvers = {n: lay.solver for n, lay in layers if isinstance(lay.solver, EigenMomentsSolver)}
+    return seconds, [n for n, solver in solvers.items() if not solver._update.active]
 
 
 def main() -> None:
@@ -105,7 +110,8 @@ def _measure(family: str, args: argparse.Namespace) -> dict[str, Any]:
         "ms_per_step": {n: round(v * 1e3, 3) for n, v in medians.items()},
         "vs_adamw": {n: round(v / medians["adamw"], 3) for n, v in medians.items()},
         "compiled_vs_eager": round(medians[COMPILED] / medians[EAGER], 3),
-        "first_steps_seconds": {n: round(v, 2) for n, v in warm.items()},
+        "first_steps_seconds": {n: round(v[0], 2) for n, v in warm.items()},
+        "eager_layers_of_the_compiled_arm": warm[COMPILED][1],
         "blocks_ms": {n: [round(x * 1e3, 3) for x in v] for n, v in cpu.items()},
     }
 
