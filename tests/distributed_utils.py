@@ -16,9 +16,12 @@ of re-importing torch (3-4 s each on a 2-core CPU, most of the multi-rank tests'
 Each child sets ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``, initialises a gloo
 process group on 127.0.0.1 (a free port per call), runs ``fn(rank, world_size, *args)``,
 destroys the group and hands its return value back through a file (``torch.save``, so tensors
-are fine). If any rank raises, the other ranks are killed and :class:`DistributedTestError`
-is raised in the parent with the failing rank and its traceback text. If the whole run takes
-longer than ``timeout`` seconds every child is killed and the error says which ranks hung.
+are fine). The port is free when chosen, not reserved: if another process (a second pytest
+worker) binds it before rank 0 does, the ranks are started again on another port, up to
+:data:`PORT_ATTEMPTS` times. If any rank raises, the other ranks are killed and
+:class:`DistributedTestError` is raised in the parent with the failing rank and its traceback
+text. If the whole run takes longer than ``timeout`` seconds every child is killed and the
+error says which ranks hung.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "find_free_port", "run_distributed"]
+__all__ = ["PORT_ATTEMPTS", "DistributedTestError", "find_free_port", "run_distributed"]
 
 _STARTUP_GRACE_S = 30.0  # starting the forkserver (importing torch) on a busy 2-core machine
 _FAILURE_GRACE_S = 3.0  # after a failure, how long the other ranks get to report theirs
+PORT_ATTEMPTS = 3  # starts on a fresh port after rank 0 found its port taken
 
 
 class DistributedTestError(RuntimeError):
@@ -78,8 +82,13 @@ def _child(
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-    def failure() -> dict[str, Any]:  # stamped before the group is torn down
-        return {"ok": False, "traceback": traceback.format_exc(), "time": time.time()}
+    def failure(port_taken: bool = False) -> dict[str, Any]:  # stamped before the teardown
+        return {
+            "ok": False,
+            "traceback": traceback.format_exc(),
+            "time": time.time(),
+            "port_taken": port_taken,
+        }
 
     result: dict[str, Any]
     try:
@@ -90,8 +99,8 @@ def _child(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    except BaseException:
-        result = failure()
+    except BaseException as err:
+        result = failure(port_taken=rank == 0 and _address_in_use(err))
     else:
         try:
             result = {"ok": True, "value": fn(rank, world_size, *args)}
@@ -108,6 +117,16 @@ def _child(
     except Exception:  # an unpicklable return value
         torch.save(failure(), tmp)
     tmp.rename(Path(out_dir) / f"rank{rank}.pt")
+
+
+def _address_in_use(err: BaseException) -> bool:
+    """Whether ``err`` (from ``init_process_group``) says the store's port is taken."""
+    text = str(err)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+class _PortTakenError(Exception):
+    """Rank 0 could not bind the chosen port: start the ranks again on another."""
 
 
 _PRELOAD = ["torch", "torch.distributed", "dkfac", "tests.distributed_utils"]
@@ -161,6 +180,21 @@ def run_distributed(
     except Exception as exc:
         raise TypeError(f"fn must be a picklable module-level function: {exc}") from exc
     ctx = _context()
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(ctx, fn, world_size, args, float(timeout))
+        except _PortTakenError as taken:
+            if attempt == PORT_ATTEMPTS:
+                raise DistributedTestError(
+                    f"rank 0 found its port taken {PORT_ATTEMPTS} times:\n{taken}", rank=0
+                ) from None
+    raise AssertionError("unreachable")
+
+
+def _run_once(
+    ctx: Any, fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float
+) -> list[Any]:
+    """One start of the ranks on a free port (:func:`run_distributed`)."""
     with tempfile.TemporaryDirectory(prefix="dkfac-dist-") as out_dir:
         port = find_free_port()
         procs = []
@@ -170,7 +204,7 @@ def run_distributed(
             for rank in range(world_size):
                 proc = ctx.Process(
                     target=_child,
-                    args=(rank, world_size, port, float(timeout), fn, args, out_dir),
+                    args=(rank, world_size, port, timeout, fn, args, out_dir),
                     daemon=True,
                 )
                 proc.start()
@@ -181,7 +215,7 @@ def run_distributed(
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         try:
-            return _collect(procs, Path(out_dir), float(timeout) + _STARTUP_GRACE_S)
+            return _collect(procs, Path(out_dir), timeout + _STARTUP_GRACE_S)
         finally:
             _kill(procs)
 
@@ -203,6 +237,8 @@ def _raise_first_failure(
             report = torch.load(path, weights_only=False)
             if not report["ok"]:
                 failures[rank] = report
+    if failures.get(0, {}).get("port_taken"):  # the others' failures follow from it
+        raise _PortTakenError(failures[0]["traceback"])
     rank = min(failures, key=lambda r: (failures[r]["time"], r))
     tb = failures[rank]["traceback"]
     others = sorted(set(failures) - {rank})

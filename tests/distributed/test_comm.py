@@ -339,3 +339,34 @@ def test_helper_world_one_and_error_propagation() -> None:
     assert info.value.rank == 1
     assert "boom from rank one" in info.value.child_traceback
     assert "Traceback" in info.value.child_traceback
+
+
+def _own_rank(rank: int, ws: int) -> int:
+    return rank
+
+
+def test_helper_starts_again_when_its_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process binding the chosen port first (a second pytest worker) costs a
+    restart on a fresh port, not a failed test; a port taken every time is an error."""
+    import socket
+
+    import tests.distributed_utils as utils
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        handed: list[int] = []
+        fresh = utils.find_free_port
+
+        def first_taken() -> int:
+            handed.append(taken if not handed else fresh())
+            return handed[-1]
+
+        monkeypatch.setattr(utils, "find_free_port", first_taken)
+        assert run_distributed(_own_rank, 2, timeout=60) == [0, 1]
+        assert handed[0] == taken and len(handed) == 2
+        monkeypatch.setattr(utils, "find_free_port", lambda: taken)
+        with pytest.raises(DistributedTestError, match="port taken 3 times") as info:
+            run_distributed(_own_rank, 2, timeout=60)
+        assert info.value.rank == 0
