@@ -36,21 +36,9 @@ not per-sample gradients, so ``v`` here is the second moment of the mini-batch g
 (``"eigh"``, or one power step from the previous basis), the one-sided, block-diagonal and
 Kronecker-structured sides, the batched refresh and the null indicators.
 
-**Carrying the moments across a refresh** (``Q → Q'``; on every rank that preconditions the
-layer, :meth:`Solver.carry_moments`), with ``P_G = Q_G'ᵀ Q_G`` and ``P_A = Q_A'ᵀ Q_A``:
-
-* ``"reset"``: ``m = v = 0``, ``t = 0`` (the bias correction starts again);
-* ``"keep_v"``: ``m ← P_G m P_Aᵀ``, computed as ``Q_G'ᵀ (Q_G m Q_Aᵀ) Q_A'`` (exact:
-  ``Q_G' m' Q_A'ᵀ = Q_G m Q_Aᵀ``; no ``n³`` product for ``P``), ``v`` kept as it
-  is (SOAP's choice);
-* ``"rotate"``: ``m`` as above, ``v ← (P_G∘P_G) v (P_A∘P_A)ᵀ`` (the diagonal second moment
-  carried to the new basis, its off-diagonal part dropped).
-
-A refresh that leaves the basis bit-identical (a failed decomposition keeps the last good
-one) carries nothing (selected on the device: the bases are never read on the host).
-Measured on digits: with a refresh every 1–2 steps ``"keep_v"`` (the default) wins; every
-5–10 steps ``"reset"`` does. The moments of the layers of one shape are carried as one stack
-(:meth:`EigenMomentsSolver.carry_batch`).
+**Carrying the moments across a refresh** (``moment_carry``: reset, or the first moment
+rotated into the new basis and the second kept or rotated too): :mod:`dkfac.solvers.moment_carry`;
+the layers of one shape carry as one stack (:meth:`EigenMomentsSolver.carry_batch`).
 
 **Rotation precision** (``rotation_dtype``): the rotation of the update out of the basis,
 ``V = Q_G S Q_Aᵀ``, may run in a lower precision than the gradient, e.g. ``torch.bfloat16``
@@ -148,11 +136,19 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from dkfac.solvers.base import BatchJob, SolverState, select_moments
+from dkfac.solvers.base import BatchJob, SolverState, select_moments, unstack
 from dkfac.solvers.compiled import Compiled
 from dkfac.solvers.eigen_basis import EigenBasisSolver
 from dkfac.solvers.flat_moments import FlatMoments, LayerIndex
 from dkfac.solvers.host_copy import host_reads_now
+from dkfac.solvers.moment_carry import (
+    basis_changed,
+    basis_key,
+    carried,
+    changed_layers,
+    stack_bases,
+    unchanged,
+)
 from dkfac.solvers.moment_options import MomentOptions
 from dkfac.solvers.null_space import null_weights
 from dkfac.solvers.polar import NS_STEPS, orthogonal_update, weighted_polar
@@ -161,9 +157,6 @@ from dkfac.solvers.rotations import (
     bases,
     change_basis,
     lowered_bases,
-    rotate,
-    side_block,
-    transition,
     with_transposes,
 )
 from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
@@ -509,15 +502,15 @@ class EigenMomentsSolver(EigenBasisSolver):
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
     ) -> SolverState:
-        """The moments in the basis ``new`` after a refresh from ``old`` (module notes): kept
-        where the bases are equal, selected on the device (no host read of the bases)."""
-        if old is None or all(old[k] is new[k] for k in ("qa", "qg")):
+        """The moments in the basis ``new`` after a refresh from ``old``
+        (:mod:`~dkfac.solvers.moment_carry`): kept where the bases are equal, selected on the
+        device (no host read of the bases)."""
+        if old is None or unchanged(old, new):
             return moments
-        carried = self._carried(old, new, moments)
+        result = carried(self.options.carry, old, new, moments, self.zero_moments)
         if any(old[k].shape != new[k].shape for k in ("qa", "qg")):
-            return carried
-        changed = (old["qa"] != new["qa"]).any().logical_or_((old["qg"] != new["qg"]).any())
-        return select_moments(changed, carried, moments)  # type: ignore[return-value]
+            return result
+        return select_moments(basis_changed(old, new), result, moments)  # type: ignore[return-value]
 
     def carry_key(
         self, old: SolverState | None, new: SolverState, moments: SolverState
@@ -525,18 +518,11 @@ class EigenMomentsSolver(EigenBasisSolver):
         """For bases that changed (not the very tensors), dense, blocked or one-sided alike
         and of the same shapes before and after: the class, the options, the bases'
         shapes, dtypes and blocks and the moments' shapes and dtypes; else ``None``."""
-        if old is None or all(old[k] is new[k] for k in ("qa", "qg")):
+        bases = None if old is None or unchanged(old, new) else basis_key(old, new)
+        if bases is None:
             return None
-        if "qa_order" in old or "qa_order" in new:
-            return None
-        bases: list[Any] = []
-        for key in ("qa", "qg"):
-            if old[key].shape != new[key].shape or old[key].dtype != new[key].dtype:
-                return None
-            bases.append((tuple(old[key].shape), old[key].dtype, side_block(old, key)))
-            bases.append(side_block(new, key))
         held = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in moments.items())
-        return (type(self), self.options, tuple(bases), held)
+        return (type(self), self.options, bases, held)
 
     def carry_batch(
         self,
@@ -550,39 +536,16 @@ class EigenMomentsSolver(EigenBasisSolver):
         which the next :meth:`apply_batch` reads as its last stack."""
         if len(olds) == 1:
             return super().carry_batch(olds, news, moments)
-        old, new = (
-            {
-                **{k: torch.stack([s[k] for s in states]) for k in ("qa", "qg")},
-                **{k: v for k, v in states[0].items() if k.endswith("_block")},
-            }
-            for states in (olds, news)
-        )
+        old, new = stack_bases(olds), stack_bases(news)
         stacked = self._restacked(moments) or {
             k: torch.stack([m[k] for m in moments]) for k in moments[0]
         }
-        changed = (old["qa"] != new["qa"]).flatten(1).any(1)
-        changed.logical_or_((old["qg"] != new["qg"]).flatten(1).any(1))
-        carried = self._carried(old, new, stacked)
+        changed = changed_layers(old, new)
+        result = carried(self.options.carry, old, new, stacked, self.zero_moments)
         chosen = {
             k: torch.where(changed.view(-1, *[1] * (v.dim() - 1)), v, stacked[k])
-            for k, v in carried.items()
+            for k, v in result.items()
         }
-        parts = {k: v.unbind(0) for k, v in chosen.items()}
-        slices = [{k: part[i] for k, part in parts.items()} for i in range(len(olds))]
+        slices = unstack(chosen, len(olds))
         self._last_batch = (chosen, slices)
         return list(slices)
-
-    def _carried(self, old: SolverState, new: SolverState, moments: SolverState) -> SolverState:
-        """The moments carried from the basis ``old`` to ``new`` (the ``carry`` option)."""
-        if self.options.carry == "reset":
-            return self.zero_moments(moments["v"])
-        carried = dict(moments)
-        if "m" in moments:  # through the weight space: 2(g²a + ga²) flops, not a³ + g³ more
-            weights = change_basis(moments["m"], old, None, out=True)
-            carried["m"] = change_basis(weights, new, None)
-        if self.options.carry == "rotate":
-            dtype = moments["v"].dtype
-            p_g = transition(new["qg"].to(dtype), old["qg"].to(dtype))
-            p_a = transition(new["qa"].to(dtype), old["qa"].to(dtype))
-            carried["v"] = rotate(moments["v"], p_g * p_g, (p_a * p_a).mT)
-        return carried
