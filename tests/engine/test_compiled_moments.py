@@ -122,6 +122,16 @@ def _cnn() -> nn.Module:
     ).double()
 
 
+def _step_both(models: list[nn.Module], opts: list[KFACOptimizer], gen: torch.Generator) -> None:
+    """One step of each of ``_cnn``'s twins on the same batch."""
+    x = torch.randn(16, 2, 4, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (16,), generator=gen)
+    for model, opt in zip(models, opts, strict=True):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("blocks", [None, 4])
 def test_a_compiled_step_equals_the_eager_one(blocks: int | None) -> None:
     """``compile_step="aot_eager"`` (each group's whole update captured: rotations, moments,
@@ -147,12 +157,7 @@ def test_a_compiled_step_equals_the_eager_one(blocks: int | None) -> None:
     assert any("A basis" in label for label in labels)  # and the structured input side
     gen = torch.Generator().manual_seed(3)
     for _ in range(5):
-        x = torch.randn(16, 2, 4, 4, generator=gen, dtype=torch.float64)
-        y = torch.randint(0, 3, (16,), generator=gen)
-        for model, opt in zip(models, opts, strict=True):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+        _step_both(models, opts, gen)
         for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         for name, layer in pre.layers.items():
@@ -163,3 +168,57 @@ def test_a_compiled_step_equals_the_eager_one(blocks: int | None) -> None:
     solvers = [layer.solver for layer in pre.layers.values()]
     assert all(isinstance(s, EigenMomentsSolver) and s._update.active for s in solvers)
     assert not any(s._update.active for s in (lay.solver for lay in eager.layers.values()))
+
+
+@pytest.mark.parametrize("changing", ["betas", "damping"])
+def test_values_changed_in_training_run_eagerly_after_the_first_compiled_step(
+    changing: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled update reads the moments' betas and EKFAC's damping as constants, so each
+    new value would compile a new graph (seconds each with inductor) until dynamo's limit of
+    eight made it fall back. ``OneCycleLR`` cycles β₁ every step (``for_model``'s groups hold
+    the moments' betas), a damping schedule changes the damping: either, after a solver's
+    first compiled step, makes it run eagerly from then on, said once. Oracle: the same run
+    with ``compile_step="off"``; the compiled graphs counted by a counting backend."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(EigenMomentsSolver, "_damping_said", False)  # said once a process
+    compiled: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example: Any) -> Any:
+        compiled.append(1)
+        return gm.forward
+
+    options: dict[str, Any] = {}
+    if changing == "damping":
+        options = {"method": "ekfac", "damping": lambda step: 0.01 * (step + 1)}
+    models = [_cnn(), _cnn()]
+    opts = [
+        KFACOptimizer.for_model(model, lr=0.01, compile_step=choice, **options)
+        for model, choice in zip(models, ("aot_eager", "off"), strict=True)
+    ]
+    schedulers = (
+        [torch.optim.lr_scheduler.OneCycleLR(opt, 0.02, total_steps=10) for opt in opts]
+        if changing == "betas"
+        else []
+    )
+    solvers = [layer.solver for layer in opts[0].preconditioner.layers.values()]
+    assert all(isinstance(s, EigenMomentsSolver) and s._update.active for s in solvers)
+    gen = torch.Generator().manual_seed(3)
+    with caplog.at_level("WARNING", logger="dkfac"):
+        for solver in solvers:  # the counting backend in place of aot_eager's
+            solver._update.backend = counting  # type: ignore[assignment]
+        for step in range(6):
+            _step_both(models, opts, gen)
+            for scheduler in schedulers:
+                scheduler.step()
+            if step == 0:
+                first = len(compiled)
+                assert first > 0
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert len(compiled) == first  # no graph after the values changed
+    ran = [s for s in solvers if s._update._compiled]  # the solvers that ran groups
+    assert ran and not any(s._update.active for s in ran)
+    said = [r.getMessage() for r in caplog.records if changing in r.getMessage()]
+    assert len(said) == 1 and "eagerly" in said[0], said
+    assert not any("failed" in r.getMessage() for r in caplog.records)

@@ -230,6 +230,36 @@ def test_each_instance_compiles_a_code_object_of_its_own() -> None:
     assert plain(0, 1)[0].equal(_grads(0, 1)[0])  # a plain function copies too
 
 
+def test_each_shape_compiles_a_graph_of_its_own_and_stop_runs_eagerly() -> None:
+    """One solver preconditions every group of its options, each of its own shapes: twelve
+    shapes through one :class:`Compiled` under a recompile limit of one give twelve graphs
+    and no fallback (one code object would reach the limit at the second shape and run the
+    rest eagerly). :meth:`Compiled.stop` before the first call changes nothing; after it,
+    the function runs eagerly (no new graph)."""
+    graphs: list[Any] = []
+
+    def counting(gm: Any, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def run(x: Tensor, k: float) -> Tensor:
+        return (x * k).sin() @ x.mT
+
+    torch._dynamo.reset()
+    compiled = Compiled(run, "aot_eager")
+    compiled.backend = counting  # type: ignore[assignment]
+    assert not compiled.stop() and compiled.active  # nothing compiled yet
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in range(1, 13):
+            x = torch.randn(n, 3, dtype=DT)
+            torch.testing.assert_close(compiled(x, 0.5), run(x, 0.5))
+            torch.testing.assert_close(compiled(x, 0.5), run(x, 0.5))  # the same graph
+    assert len(graphs) == 12 and compiled.active
+    assert compiled.stop() and not compiled.active
+    x = torch.randn(13, 3, dtype=DT)
+    assert compiled(x, 0.25).equal(run(x, 0.25)) and len(graphs) == 12
+
+
 def _group_run(options: MomentOptions, steps: int = 2) -> list[Tensor]:
     """Updates and moments of ``steps`` steps of one group (a stack of the shape of
     ``SHAPES[0]``, each layer's input factor singular) and of its first layer alone,

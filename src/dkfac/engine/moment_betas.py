@@ -8,17 +8,26 @@ so such a scheduler cycles the first moment, as it does AdamW's, instead of addi
 momentum on top of it (which multiplied the step by up to 20 and diverged where the
 default's best learning rate lies); :func:`set_moment_betas` applies them to the solvers
 before each step.
+
+A solver whose update has compiled (``compile_step``, ``compile_moments``) reads the betas
+as constants of its graphs, and a cycled β₁ is a new value every step: each would compile
+a graph (seconds with inductor) until dynamo's limit stopped it. Betas changed after a
+solver compiled make it run eagerly from then on (:meth:`~dkfac.solvers.base.Solver.run_eagerly`),
+logged once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 from dkfac.solvers import MomentOptions
 
 __all__ = ["set_moment_betas"]
+
+logger = logging.getLogger(__name__)
 
 
 def set_moment_betas(solvers: Iterable[object], beta1: float, beta2: float) -> int:
@@ -39,11 +48,19 @@ def set_moment_betas(solvers: Iterable[object], beta1: float, beta2: float) -> i
         if not moments:
             return 0
     wanted = MomentOptions(beta1=beta1, beta2=beta2)  # checks both
-    changed = 0
+    changed = stopped = 0
     for solver in moments:
         options = solver.options
         if (options.beta1, options.beta2) == (wanted.beta1, wanted.beta2):
             continue
         solver.options = dataclasses.replace(options, beta1=wanted.beta1, beta2=wanted.beta2)
         changed += 1
+        stopped += bool(getattr(solver, "run_eagerly", lambda: False)())
+    if stopped:
+        logger.warning(
+            "the moments' betas changed during training (a scheduler cycling the momentum, "
+            "such as OneCycleLR): %d compiled updates run eagerly from now on, since every "
+            "new value would compile a graph of its own",
+            stopped,
+        )
     return changed

@@ -274,6 +274,11 @@ class Solver(ABC):
             for solver, state in zip(solvers, states, strict=True)
         ]
 
+    def run_eagerly(self) -> bool:
+        """Stops running compiled code, after its options changed during training; returns
+        whether any had compiled (the default compiles nothing)."""
+        return False
+
     def carry_moments(
         self, old: SolverState | None, new: SolverState, moments: SolverState
     ) -> SolverState | None:

@@ -33,6 +33,7 @@ class EigenAdamSolver(EigenMomentsSolver):
     name = "eigen_adam"
     keys = ("m", "v")
     adam_scaled = True
+    reads_damping = False
 
     def update_moments(self, moments: SolverState, rotated: Tensor) -> SolverState:
         """``m ← β₁ m + (1−β₁) R``, ``v ← β₂ v + (1−β₂) R∘R``, ``t ← t + 1``."""

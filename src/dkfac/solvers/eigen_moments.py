@@ -130,6 +130,7 @@ bases are in :mod:`dkfac.solvers.rotations`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
@@ -163,6 +164,8 @@ from dkfac.solvers.stacking import StateStack, same_tensors, stack_key
 
 __all__ = ["EigenMomentsSolver"]
 
+logger = logging.getLogger(__name__)
+
 _Rotations = tuple[torch.dtype | None, SolverState, SolverState, SolverState]
 """``(out, the bases, state in, state out)``: :meth:`EigenMomentsSolver.rotation_states`'s last."""
 
@@ -184,6 +187,10 @@ class EigenMomentsSolver(EigenBasisSolver):
     stateful = True
     keys: ClassVar[tuple[str, ...]] = ("v",)
     """The moment matrices the solver keeps (besides the count ``t``)."""
+    reads_damping: ClassVar[bool] = True
+    """Whether the scaling reads the damping (EKFAC's ``v̂ + λ``; eigen_adam's ``ε`` stands
+    in for it): a compiled update then holds it as a constant."""
+    _damping_said: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -198,6 +205,13 @@ class EigenMomentsSolver(EigenBasisSolver):
         self._flat = FlatMoments()
         self._moment_step = Compiled(self._eager_moment_step, self.options.compile_backend)
         self._update = Compiled(self._eager_update, self.options.step_compile_backend)
+        self._damping: float | None = None  # the last damping a compiled update read
+
+    def run_eagerly(self) -> bool:
+        """The compiled update and moment step run eagerly from now on (:meth:`Compiled.stop
+        <dkfac.solvers.compiled.Compiled.stop>`); whether either had compiled."""
+        stopped = self._update.stop()
+        return self._moment_step.stop() or stopped
 
     @property
     def label(self) -> str:
@@ -233,6 +247,7 @@ class EigenMomentsSolver(EigenBasisSolver):
         :meth:`apply_batch`); each layer's slice is its own result. A half-precision
         gradient is worked on in float32 (module notes) and its update returned in its own
         dtype."""
+        self._note_damping(damping)
         into, out = self.rotation_dtypes(grad)
         state_in, state_out = self.rotation_states(state, into, out)
         if moments is None:
@@ -292,7 +307,25 @@ class EigenMomentsSolver(EigenBasisSolver):
         (:mod:`dkfac.solvers.flat_moments`), the layer of each entry, whose count ``t``
         (one a layer) and rounding floor the scaling reads per entry. ``null``: as
         :meth:`scaled` takes it (flat too with ``index``)."""
+        self._note_damping(damping)
         return self._moment_step(moments, rotated, damping, index, null)
+
+    def _note_damping(self, damping: float) -> None:
+        """A damping that changed since the compiled code read it (a schedule) makes this
+        solver run eagerly from now on, as changed betas do (:meth:`run_eagerly`): each value
+        would compile a graph of its own. Said once a process."""
+        if not self.reads_damping or damping == self._damping:
+            return
+        if self._damping is not None and self.run_eagerly():
+            level = logging.DEBUG if EigenMomentsSolver._damping_said else logging.WARNING
+            EigenMomentsSolver._damping_said = True
+            logger.log(
+                level,
+                "the damping changed during training (a schedule): %s's compiled updates run "
+                "eagerly from now on, since every new value would compile a graph of its own",
+                self.name,
+            )
+        self._damping = damping
 
     def _eager_moment_step(
         self,
