@@ -19,7 +19,7 @@ def test_bench_soak_dispatches_to_the_soak_parser(capsys: pytest.CaptureFixture[
         bench_main(["soak", "--steps", "0"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: python -m dkfac.bench.soak")
+    assert err.startswith("usage: dkfac bench soak")
     assert "error: --steps must be >= 1, got 0" in err
     with pytest.raises(SystemExit) as exit_info:
         bench_main(["soak", "--help"])
@@ -44,4 +44,4 @@ def test_soak_refuses_what_dkfac_train_refuses_before_any_rank_starts(
         bench_main(["soak", *flags])
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"python -m dkfac.bench.soak: error: {message}"), last
+    assert last.startswith(f"dkfac bench soak: error: {message}"), last

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dkfac import KFACOptimizer
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, machine_info
 
 __all__ = ["VARIANTS", "main", "weight_gap"]
@@ -97,9 +98,7 @@ def weight_gap(options: dict[str, Any] | None, steps: int) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dkfac bench accumulation", description=__doc__.split("\n")[0]
-    )
+    parser = BenchParser(prog="dkfac bench accumulation", description=__doc__.split("\n")[0])
     parser.add_argument("--label", required=True, help="name of this measurement in --out")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument(

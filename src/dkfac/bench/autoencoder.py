@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from dkfac.app.data import batches, load_digits
 from dkfac.app.models import build_model
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
     first_reaching,
@@ -328,7 +329,7 @@ def plot(payload: dict[str, Any], path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``bench autoencoder`` flags."""
-    p = argparse.ArgumentParser(prog="dkfac bench autoencoder", description=__doc__)
+    p = BenchParser(prog="dkfac bench autoencoder", description=__doc__)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--seconds", type=float, default=40.0, help="training budget per run")
     p.add_argument("--sweep-seconds", type=float, default=10.0, help="budget of a sweep run")

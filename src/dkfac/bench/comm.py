@@ -12,7 +12,6 @@ all-reduce is outside the ledger either way). ``comm`` writes
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
@@ -27,6 +26,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import format_table, machine_info, write_result
 from dkfac.costmodel import DtypeBytes, extract_layers, predict_ledger_bytes, predict_memory
 
@@ -124,7 +124,7 @@ def measure(world: int) -> list[dict[str, Any]]:
 
 
 def _run(kind: str, argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog=f"dkfac bench {kind}", description=__doc__)
+    parser = BenchParser(prog=f"dkfac bench {kind}", description=__doc__)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out-dir", default=None, help="default benchmarks/results")
     args = parser.parse_args(list(argv) if argv is not None else None)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dkfac.app.devices import device_error, pick_device
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     best_seconds,
     check_repeats_and_out,
@@ -127,9 +128,7 @@ def _shape(text: str) -> Shape:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dkfac bench conv-paths", description=__doc__.split("\n")[0]
-    )
+    parser = BenchParser(prog="dkfac bench conv-paths", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed loops per path (best)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON record here")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (synchronised timers)")

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dkfac.blocks.conv_path_choice as conv_path_choice
 import dkfac.solvers.host_copy as host_copy
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.step import add_case_arguments, case_problem, model_and_batch
 from dkfac.engine import launches
@@ -124,9 +125,7 @@ def _device_forms(launch_bound: bool, conv_path: str) -> Iterator[None]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dkfac bench dispatches", description=__doc__.split("\n")[0]
-    )
+    parser = BenchParser(prog="dkfac bench dispatches", description=__doc__.split("\n")[0])
     add_case_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--conv-path", choices=CONV_PATHS, default="auto")

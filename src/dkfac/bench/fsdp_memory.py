@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dkfac import KFACOptimizer
 from dkfac.app.gpt import GPT
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.gloo_ranks import run_ranks
 
@@ -141,9 +142,7 @@ def run_world(world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dkfac bench fsdp-memory", description=__doc__.split("\n")[0]
-    )
+    parser = BenchParser(prog="dkfac bench fsdp-memory", description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks per run")
     parser.add_argument("--steps", type=int, default=100, help="measured steps per config")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file written")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dkfac import KFACOptimizer
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, format_table, machine_info, median, write_result
 from dkfac.bench.fsdp_memory import (
     INTERVALS,
@@ -205,7 +206,7 @@ def sharded_model_for_spec() -> torch.nn.Module:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dkfac bench fsdp-step", description=__doc__.split("\n")[0])
+    p = BenchParser(prog="dkfac bench fsdp-step", description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks per run")
     p.add_argument("--seeds", type=int, default=3, help="seeds (medians over them)")
     p.add_argument("--first-seed", type=int, default=0, help="the first seed")

@@ -52,6 +52,7 @@ from dkfac.app.devices import device_error, pick_device
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB, DEFAULT_GLOB, DEFAULT_TEXT_BYTES, load_text
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
     format_table,
@@ -351,7 +352,7 @@ def plot(payload: dict[str, Any], path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``bench lm`` flags."""
-    p = argparse.ArgumentParser(prog="dkfac bench lm", description=__doc__)
+    p = BenchParser(prog="dkfac bench lm", description=__doc__)
     p.add_argument("--batch-size", type=int, default=32, help="windows per step (default: 32)")
     p.add_argument("--seconds", type=float, default=90.0, help="training budget per run")
     p.add_argument("--sweep-seconds", type=float, default=30.0, help="budget of a sweep run")

@@ -14,11 +14,12 @@ the same as JSON. A seed present in several files is counted once (the first fil
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 from typing import Any
+
+from dkfac.bench.arguments import BenchParser
 
 __all__ = ["main", "pairs", "summary"]
 
@@ -104,7 +105,7 @@ def pairs(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench paired``: prints the pairs and their summary."""
-    parser = argparse.ArgumentParser(prog="dkfac bench paired", description=__doc__.split("\n")[0])
+    parser = BenchParser(prog="dkfac bench paired", description=__doc__.split("\n")[0])
     parser.add_argument("--first", required=True, help="run label whose loss is subtracted from")
     parser.add_argument("--second", required=True, help="run label subtracted")
     parser.add_argument("--at-step", type=int, help="also compare the losses at this step")

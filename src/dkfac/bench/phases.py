@@ -35,6 +35,7 @@ from dkfac.app.gpt import add_gpt_arguments, size_problem
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB
 from dkfac.bench import lm, peers
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, machine_info, synchronize, write_result
 from dkfac.bench.muon_precision import use_float32_muon
 from dkfac.bench.recipes import load_recipe
@@ -111,7 +112,7 @@ def time_phases(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dkfac bench phases", description=__doc__.split("\n")[0])
+    parser = BenchParser(prog="dkfac bench phases", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=45, help=f"steps per variant (> {WARMUP})")
     parser.add_argument(
         "--block",

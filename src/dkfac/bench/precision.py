@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     best_seconds,
     check_repeats_and_out,
@@ -100,9 +101,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dkfac bench precision", description=__doc__.split("\n")[0]
-    )
+    parser = BenchParser(prog="dkfac bench precision", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=_shape, nargs="+", help="shapes instead of SHAPES")
     parser.add_argument("--repeats", type=int, default=7, help="timed loops per case (>= 1)")
     parser.add_argument("--out", type=Path, help="JSON file to write")

@@ -10,12 +10,12 @@ docstring); the machinery is :mod:`dkfac.bench.page`.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from dkfac.bench import results_page
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.page import build_page, load_sources
 
 __all__ = ["main"]
@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Writes (or with ``--check`` compares) BENCHMARKS.md and the plots."""
-    parser = argparse.ArgumentParser(prog="dkfac bench report", description=__doc__.split("\n")[0])
+    parser = BenchParser(prog="dkfac bench report", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="benchmarks/results", help="the JSON folder")
     parser.add_argument("--page", default="BENCHMARKS.md", help="the page to write")
     parser.add_argument(

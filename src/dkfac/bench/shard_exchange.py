@@ -49,6 +49,7 @@ from dkfac.app.data import load_digits
 from dkfac.app.gpt import GPT
 from dkfac.app.models import build_model
 from dkfac.app.text import load_text
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.gloo_ranks import run_ranks
 
@@ -171,9 +172,7 @@ def summarise(runs: dict[str, list[float]], seeds: Sequence[int], target: float)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dkfac bench shard-exchange", description=__doc__.split("\n")[0]
-    )
+    parser = BenchParser(prog="dkfac bench shard-exchange", description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2, help="gloo ranks (>= 2)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..n-1")
     parser.add_argument("--digits-steps", type=int, default=60, help="digits steps per run")

@@ -16,7 +16,6 @@ Run: ``python -m dkfac.bench.skfac --part step`` or ``--part digits``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from collections import Counter
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from dkfac import KFACPreconditioner
 from dkfac.app.data import batches, load_digits
 from dkfac.app.models import build_model, resnet20
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
     format_table,
@@ -136,7 +136,7 @@ def run_digits(seeds: list[int], epochs: int, batch: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m dkfac.bench.skfac")
+    parser = BenchParser(prog="python -m dkfac.bench.skfac")
     parser.add_argument("--part", choices=("step", "digits"), required=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--repeats", type=int, default=5)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import RESULTS_DIR, machine_info
 from dkfac.config import METHODS
 
@@ -200,7 +201,7 @@ def _plot(per_rank: list[list[dict[str, float]]], path: Path, title: str) -> Non
 
 def build_parser() -> argparse.ArgumentParser:
     summary = (__doc__ or "soak").split("\n")[0]
-    p = argparse.ArgumentParser(prog="python -m dkfac.bench.soak", description=summary)
+    p = BenchParser(prog="dkfac bench soak", description=summary)
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps (default: 3000)")
     p.add_argument("--sample-every", type=int, default=50, help="steps between RSS samples")
     p.add_argument("--checkpoint-every", type=int, default=500, help="0: never")

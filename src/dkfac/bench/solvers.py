@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from dkfac.app.devices import device_error, pick_device
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import format_table, interleaved, machine_info, median, write_result
 from dkfac.solvers import CholeskySolver, EigenSolver, SMWSolver
 from dkfac.solvers.base import Solver
@@ -164,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench solvers``."""
-    parser = argparse.ArgumentParser(prog="dkfac bench solvers", description=__doc__)
+    parser = BenchParser(prog="dkfac bench solvers", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.repeats < 1:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from dkfac.app.data import Splits, load_digits
 from dkfac.app.models import SmallCNN
 from dkfac.app.schedules import lr_factor
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
     first_reaching,
@@ -174,7 +175,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dkfac.bench.stale", description=__doc__)
+    p = BenchParser(prog="python -m dkfac.bench.stale", description=__doc__)
     p.add_argument("--seeds", type=int, default=3, help="seeds per arm (default: 3)")
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")

@@ -45,6 +45,7 @@ from dkfac.app.devices import device_error, pick_device
 from dkfac.app.factory import ModelError
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model, check_model_name
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
     interleaved,
@@ -411,7 +412,7 @@ def _options(text: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench step``."""
-    parser = argparse.ArgumentParser(prog="dkfac bench step", description=__doc__)
+    parser = BenchParser(prog="dkfac bench step", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     if problem := case_problem(args):

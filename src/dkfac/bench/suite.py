@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
     format_table,
@@ -299,7 +300,7 @@ def measure_task(
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``bench suite`` flags."""
-    p = argparse.ArgumentParser(prog="dkfac bench suite", description=__doc__)
+    p = BenchParser(prog="dkfac bench suite", description=__doc__)
     p.add_argument("--tasks", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     add_protocol_flags(p, OPTIMIZERS, max_steps=150, name="suite")
     p.add_argument("--tiny", action="store_true", help="tiny models (tests of the mechanics)")

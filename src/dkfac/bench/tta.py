@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from dkfac.app.data import Splits, batches, load_digits
 from dkfac.app.models import build_model
+from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
     first_reaching,
@@ -299,7 +300,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dkfac bench tta``."""
-    parser = argparse.ArgumentParser(prog="dkfac bench tta", description=__doc__)
+    parser = BenchParser(prog="dkfac bench tta", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     _validate(parser, args)

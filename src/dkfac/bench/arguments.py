@@ -1,0 +1,73 @@
+"""The benchmarks' argument parser: output paths checked before any run starts.
+
+A benchmark runs for minutes to hours and writes its JSON, plots or page at the end; a path
+it cannot write must fail at once, with one line and exit 2, not as a traceback after the
+run. :class:`BenchParser` is ``argparse.ArgumentParser`` with those checks applied to the
+arguments every benchmark names alike:
+
+* ``--name``: a result's file stem, without a folder (``--out-dir`` says where);
+* ``--out-dir``, ``--plot-dir``: folders made when missing, so their nearest existing
+  ancestor must be a folder, and they must not be files;
+* ``--out``, ``--plot``, ``--page``: files, in a folder that exists, and not folders;
+* ``--results``: a folder that exists (read, not written).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BenchParser", "path_problem"]
+
+_FOLDERS = ("out_dir", "plot_dir")
+_FILES = ("out", "plot", "page")
+
+
+def path_problem(kind: str, value: str | Path) -> str | None:
+    """What is wrong with ``value`` as a ``kind`` path (``"folder"``: made when missing,
+    ``"file"``: written, ``"input folder"``: read), or ``None``."""
+    path = Path(value)
+    if str(value) == "":
+        return "is empty"
+    if kind == "input folder":
+        return None if path.is_dir() else "is not a folder that exists"
+    if kind == "file":
+        if path.is_dir():
+            return "is a folder, not a file"
+        parent = path.parent
+        if parent.exists() and not parent.is_dir():
+            return f"is inside a file ({str(parent)!r})"
+        if not parent.is_dir():
+            return f"is in a folder that does not exist ({str(parent)!r})"
+        return None
+    if path.exists() and not path.is_dir():
+        return "is a file, not a folder"
+    ancestor = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+    if ancestor.exists() and not ancestor.is_dir():
+        return f"is inside a file ({str(ancestor)!r})"
+    return None
+
+
+class BenchParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose ``parse_args`` checks the output paths (module
+    notes) and answers a bad one with ``error`` (one line, exit 2)."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> argparse.Namespace:
+        parsed = super().parse_args(args, namespace)
+        name = getattr(parsed, "name", None)
+        if isinstance(name, str) and (not name or Path(name).name != name or name in ("..", ".")):
+            self.error(f"--name must be a file name without a folder (--out-dir), got {name!r}")
+        checks = [(key, "folder") for key in _FOLDERS] + [(key, "file") for key in _FILES]
+        checks.append(("results", "input folder"))
+        for key, kind in checks:
+            value = getattr(parsed, key, None)
+            if value is None or (key in ("plot", "plot_dir") and value == ""):
+                continue  # not given ('' turns a default plot off)
+            problem = path_problem(kind, value)
+            if problem:
+                self.error(f"--{key.replace('_', '-')} {str(value)!r} {problem}")
+        return parsed
