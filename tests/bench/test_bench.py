@@ -341,7 +341,11 @@ def test_bench_step_refuses_options_it_sets_itself(
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [("kl_clip=bogus", "kl_clip must be a number"), ("no_such_option=1", "no_such_option")],
+    [
+        ("kl_clip=bogus", "kl_clip must be a number"),
+        ("no_such_option=1", "--options: unknown option 'no_such_option'; every option: docs"),
+        ("dampin=1", "unknown option 'dampin' (did you mean damping or bn_damping?)"),
+    ],
 )
 def test_bench_step_answers_a_bad_option_value_in_one_line(
     options: str, message: str, capsys: pytest.CaptureFixture[str]

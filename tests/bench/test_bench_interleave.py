@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,3 +137,32 @@ def test_paired_answers_a_file_that_is_no_result_in_one_line(
     assert info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"dkfac bench paired: error: {path}: {message}"), last
+
+
+@pytest.mark.parametrize(
+    ("runs", "argv", "message"),
+    [
+        ({"k": [{"seed": 1, "steps": 3}], "m": [{"seed": 1, "steps": 3}]}, [], "KeyError"),
+        ({"k": 5, "m": 5}, [], "TypeError"),
+        ({"k": [{"seed": "x"}], "m": [{"seed": 1}]}, [], "ValueError"),
+        ({}, ["--second", "k"], "--first and --second must be two labels, got 'k' twice"),
+        ({}, ["--at-step", "-1"], "--at-step must be >= 0, got -1"),
+    ],
+)
+def test_paired_answers_runs_it_cannot_pair_in_one_line(
+    runs: dict[str, Any],
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The first three were tracebacks (a run without final_loss, runs that are not lists).
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"runs": runs}))
+    with pytest.raises(SystemExit) as info:
+        paired.main(["--first", "k", "--second", "m", *argv, str(path)])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dkfac bench paired: error: ") and message in last, last
+    if not argv:
+        assert "are not lists of runs with 'seed', 'final_loss' and 'steps'" in last

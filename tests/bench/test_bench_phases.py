@@ -79,6 +79,8 @@ def test_each_variant_trains_on_the_same_batches_whatever_the_block(task: lm.Tex
         (["adamw", "adamw"], "each variant once"),
         (["no-such-recipe.toml"], "no-such-recipe.toml"),
         ([RECIPE + "+[1]"], "JSON object"),
+        ([RECIPE + '+{"bogus": 1}'], "kfac option: unknown option 'bogus'"),  # a traceback
+        ([RECIPE + "+{bad"], "the text after '+' is not JSON (Expecting property name"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(

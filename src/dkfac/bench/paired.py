@@ -70,36 +70,52 @@ def pairs(
     files of a ``seconds`` budget when it is given).
 
     Raises:
-        ValueError: For a file that is not a readable JSON result.
+        ValueError: For a file that is not a readable JSON result, or whose runs of the two
+            labels lack what a pair needs.
     """
     rows: list[dict[str, Any]] = []
     seen: set[int] = set()
     for path in paths:
         payload = _result_file(path)
         runs = payload.get("runs", {})
-        if first not in runs or second not in runs:
+        if not isinstance(runs, dict) or first not in runs or second not in runs:
             continue
         if seconds is not None and payload.get("settings", {}).get("seconds") != seconds:
             continue
-        by_seed = {int(r["seed"]): r for r in runs[second]}
-        for run in runs[first]:
-            seed = int(run["seed"])
-            other = by_seed.get(seed)
-            if other is None or seed in seen:
-                continue
-            seen.add(seed)
-            row = {
-                "file": path,
-                "seed": seed,
-                "first": run["final_loss"],
-                "second": other["final_loss"],
-                "first_steps": run["steps"],
-                "second_steps": other["steps"],
-            }
-            if at_step is not None:
-                row["first_at_step"] = loss_at(run, at_step)
-                row["second_at_step"] = loss_at(other, at_step)
-            rows.append(row)
+        try:
+            rows += _file_pairs(path, runs[first], runs[second], at_step, seen)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"{path}: its runs of {first!r} and {second!r} are not lists of runs with "
+                f"'seed', 'final_loss' and 'steps' ({type(err).__name__}: {err})"
+            ) from None
+    return rows
+
+
+def _file_pairs(
+    path: str, firsts: Any, seconds: Any, at_step: int | None, seen: set[int]
+) -> list[dict[str, Any]]:
+    """:func:`pairs`' rows of one file (seeds in ``seen`` skipped, new ones added)."""
+    rows = []
+    by_seed = {int(r["seed"]): r for r in seconds}
+    for run in firsts:
+        seed = int(run["seed"])
+        other = by_seed.get(seed)
+        if other is None or seed in seen:
+            continue
+        seen.add(seed)
+        row = {
+            "file": path,
+            "seed": seed,
+            "first": float(run["final_loss"]),
+            "second": float(other["final_loss"]),
+            "first_steps": run["steps"],
+            "second_steps": other["steps"],
+        }
+        if at_step is not None:
+            row["first_at_step"] = loss_at(run, at_step)
+            row["second_at_step"] = loss_at(other, at_step)
+        rows.append(row)
     return rows
 
 
@@ -115,12 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the pairs and summaries to this JSON file")
     parser.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
+    if args.first == args.second:
+        parser.error(f"--first and --second must be two labels, got {args.first!r} twice")
+    if args.at_step is not None and args.at_step < 0:
+        parser.error(f"--at-step must be >= 0, got {args.at_step}")
     try:
         rows = pairs(args.files, args.first, args.second, args.at_step, args.seconds)
     except ValueError as err:
         parser.error(str(err))
     if not rows:
-        parser.exit(2, f"no seed has both {args.first!r} and {args.second!r} in these files\n")
+        parser.error(f"no seed has both {args.first!r} and {args.second!r} in these files")
     print(f"| seed | {args.first} | {args.second} | difference | steps |")
     print("|---|---|---|---|---|")
     for row in rows:

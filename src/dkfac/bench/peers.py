@@ -38,6 +38,8 @@ every result records what ran.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import math
 from collections.abc import Iterable, Mapping
@@ -357,6 +359,20 @@ def kfac_parts(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return inner, {**rest, **flags}
 
 
+def unknown_options(options: Iterable[str]) -> str | None:
+    """What is wrong with the names of ``options`` as :class:`~dkfac.KFACConfig` fields
+    (each unknown one, with the closest field names), or ``None``."""
+    fields = {each.name for each in dataclasses.fields(KFACConfig)}
+    unknown = sorted(set(options) - fields)
+    if not unknown:
+        return None
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(fields), n=2)
+        hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    return f"unknown option {', '.join(hints)}; every option: docs/options.md"
+
+
 def check_kfac_options(options: Mapping[str, Any]) -> None:
     """Checks a K-FAC spec's options as :func:`build_optimizer` will use them, before any run.
 
@@ -367,6 +383,8 @@ def check_kfac_options(options: Mapping[str, Any]) -> None:
     """
     _, preconditioner = kfac_parts(options)
     overhead = preconditioner.pop(KFAC_BUDGET_OPTION, None)
+    if problem := unknown_options(preconditioner):
+        raise ValueError(f"kfac option: {problem}")
     try:
         if overhead is not None:
             check_range(KFAC_BUDGET_OPTION, overhead, low=0.0)

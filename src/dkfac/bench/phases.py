@@ -61,10 +61,14 @@ def make(variant: str, task: lm.TextTask, device: torch.device) -> Run:
     else:
         path, _, override = variant.partition("+")
         recipe = load_recipe(path)
-        extra = json.loads(override) if override else {}
+        try:
+            extra = json.loads(override) if override else {}
+        except ValueError as err:
+            raise ValueError(f"{variant!r}: the text after '+' is not JSON ({err})") from None
         if not isinstance(extra, dict):
             raise ValueError(f"{variant!r}: the text after '+' must be a JSON object")
         options = {**recipe.options, **extra}
+        peers.check_kfac_options(options)
         spec, lr = peers.OptimizerSpec(variant, "kfac", [recipe.lr], options), recipe.lr
     torch.manual_seed(0)
     model = build_model(

@@ -54,6 +54,7 @@ from dkfac.bench.common import (
     parse_options,
     write_result,
 )
+from dkfac.bench.peers import unknown_options
 from dkfac.bench.step_report import plot_breakdown, summary_text
 from dkfac.config import KFACConfig
 from dkfac.preconditioner import KFACPreconditioner
@@ -426,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             re.compile(pattern)
         except re.error as err:
             parser.error(f"--skip-layers: {pattern!r} is not a regular expression ({err})")
+    if problem := unknown_options(args.options):
+        parser.error(f"--options: {problem}")
     try:  # a bad --options value is the user's, not a traceback halfway through the run
         KFACConfig(**{**args.options, "method": args.method})
     except (TypeError, ValueError) as err:
