@@ -104,6 +104,25 @@ def test_factory_returning_no_module_exits_2(
 
 
 @pytest.mark.parametrize(
+    ("factory", "optimizer", "message"),
+    [
+        ("torch.nn:Identity", "sgd", "--model torch.nn:Identity: the model has no trainable"),
+        ("torch.nn:Flatten", "adamw", "--model torch.nn:Flatten: the model has no trainable"),
+        (f"{__name__}:takes_nothing", "muon", "--optimizer muon: "),
+    ],
+)
+def test_a_model_its_optimizer_cannot_train_exits_2(
+    factory: str, optimizer: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No parameters at all, or no hidden matrix for Muon: each was a traceback from the
+    optimizer's constructor (``optimizer got an empty parameter list``)."""
+    argv = ["train", *_without_model(TINY), "--model", factory, "--optimizer", optimizer]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--model", "gpt"], "--model gpt reads token ids: use it with --data text"),

@@ -325,6 +325,10 @@ def test_plan_cli_bad_input_exits_2(argv: list[str]) -> None:
         (["--world-size", "4", "--grad-worker-fraction", "3"], "must be in (0, 1], got 3"),
         # torch.device's own RuntimeError, a traceback.
         (["--world-size", "4", "--calibrate", "--device", "gpu0"], "--device must be auto"),
+        # A 100000² image: a forward of 40 GB, the allocator's RuntimeError.
+        (["--world-size", "4", "--image-size", "100000"], "--image-size must be in [1, 4096]"),
+        (["--world-size", "4", "--num-classes", "1"], "--num-classes must be in [2, 100000]"),
+        (["--world-size", "4", "--bandwidth-gbps", "inf"], "must be finite and > 0, got inf"),
     ],
 )
 def test_plan_cli_answers_hostile_input_in_one_line(
@@ -333,6 +337,25 @@ def test_plan_cli_answers_hostile_input_in_one_line(
     assert plan_main(["--model", "cnn", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("dkfac plan: error:"), err
+
+
+def test_the_shapes_come_from_a_forward_without_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The positions per sample are read from a forward on fake tensors (a 4096² VGG-16's
+    real one took 13 GB); a forward that reads values takes a real one, with the same
+    positions (oracle: the real forward of the same model)."""
+    model = build_model("cnn", in_channels=1, image_size=8, num_classes=10)
+    fake = extract_layers(model, (1, 8, 8))
+
+    def reads_values(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() >= 0):  # data-dependent: a fake tensor has no value to branch on
+            return original(self, x)
+        raise AssertionError("unreachable")
+
+    original = type(model).forward
+    monkeypatch.setattr(type(model), "forward", reads_values)
+    real = extract_layers(model, (1, 8, 8))
+    assert [layer.positions for layer in fake.layers] == [layer.positions for layer in real.layers]
+    assert [layer.positions for layer in real.layers] == [64, 64, 16, 1, 1]
 
 
 def test_plan_cli_json_and_budget(capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dkfac.app.devices import device_error
+from dkfac.app.domains import domain_error
 from dkfac.app.models import MODELS, build_model
 from dkfac.app.plan_sharded import (
     align_table,
@@ -82,7 +83,9 @@ def _positive(kind: type, name: str, high: float = math.inf) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}") from None
-        if not (isinstance(value, int) or math.isfinite(value)) or value <= 0:
+        if not (isinstance(value, int) or math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{name} must be finite and > 0, got {text}")
+        if value <= 0:
             raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
         if value > high:
             raise argparse.ArgumentTypeError(f"{name} must be in (0, {high:g}], got {text}")
@@ -301,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # argparse: 2 on bad input, 0 for --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    for dest in ("in_channels", "image_size", "num_classes"):  # the domains train takes
+        value = getattr(args, dest)
+        if value is not None and (problem := domain_error(dest, value)):
+            print(f"dkfac plan: error: {problem}", file=sys.stderr)
+            return 2
     c_in, size, classes = DEFAULT_SHAPES.get(args.model, (3, 32, 10))
     c_in = args.in_channels or c_in
     size = args.image_size or size

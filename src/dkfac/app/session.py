@@ -179,6 +179,8 @@ def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
             raise
         except ValueError as err:  # a shape this model cannot take
             raise UsageError(f"--model {args.model}: {err}") from None
+    if not any(p.requires_grad for p in bare.parameters()):
+        raise UsageError(f"--model {args.model}: the model has no trainable parameters")
     parallel = getattr(args, "parallel", "ddp")
     try:
         model = wrap_model(
@@ -200,13 +202,16 @@ def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
     elif args.optimizer == "muon":
         if scaler is not None:
             raise UsageError("--optimizer muon does not run under --amp fp16 (use bf16)")
-        opt = MuonAdamW(
-            bare,
-            args.lr,
-            adamw_lr=args.muon_adamw_lr,
-            momentum=args.momentum,
-            weight_decay=args.weight_decay,
-        )
+        try:
+            opt = MuonAdamW(
+                bare,
+                args.lr,
+                adamw_lr=args.muon_adamw_lr,
+                momentum=args.momentum,
+                weight_decay=args.weight_decay,
+            )
+        except ValueError as err:  # a model without hidden matrices
+            raise UsageError(f"--optimizer muon: {err}") from None
     elif args.optimizer in ("sgd", "kfac"):
         opt = torch.optim.SGD(
             bare.parameters(),

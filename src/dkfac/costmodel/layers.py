@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dkfac.blocks.base import Block, BlockCost, kronecker_cost
 from dkfac.blocks.registry import blocks_or_reason, owned_children
@@ -280,7 +281,8 @@ def _count_positions(
 ) -> dict[str, int]:
     """Positions per sample of every block that prices forward flops (its rows,
     :meth:`~dkfac.blocks.base.Block.forward_rows`, in a forward of one sample: a
-    transposed convolution's input positions), from one forward pass."""
+    transposed convolution's input positions), from one forward pass on fake tensors
+    (shapes without storage; a real one where the forward reads values)."""
     found: dict[str, int] = {}
     handles = []
 
@@ -300,7 +302,12 @@ def _count_positions(
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.zeros((1, *input_shape), device=device))
+            try:  # shapes only: no memory for the activations (a 4096² VGG took 13 GB)
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    model(torch.zeros((1, *input_shape), device=device))
+            except Exception:  # a forward that reads values (data-dependent control flow)
+                found.clear()
+                model(torch.zeros((1, *input_shape), device=device))
     finally:
         model.train(was_training)
         for handle in handles:
