@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dkfac.bench import SUBCOMMANDS, main
-from dkfac.bench.arguments import BenchParser, path_problem
+from dkfac.bench.arguments import MAX_LOCAL_RANKS, BenchParser, path_problem
 
 
 def test_path_problems(tmp_path: Path) -> None:
@@ -65,6 +65,25 @@ def test_a_bad_path_is_one_line_and_exit_2(
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("dkfac bench x: error: ") and message.format(**fill) in err[-1]
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("memory", ["--world-sizes", "2", "1000000000"]),
+        ("comm", ["--world-sizes", "65"]),
+        ("fsdp-memory", ["--worlds", "100", "--out", "x.json"]),
+        ("fsdp-step", ["--worlds", "2", "999", "--out", "x.json"]),
+        ("soak", ["--world-size", "4096"]),
+    ],
+)
+def test_the_ranks_a_benchmark_starts_are_bounded(
+    command: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench memory --world-sizes 1000000000`` spawned processes until it was killed."""
+    assert _exit_code([command, *argv]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"must be at most {MAX_LOCAL_RANKS} (ranks are processes" in last, last
 
 
 def test_good_paths_and_an_empty_plot_pass(tmp_path: Path) -> None:

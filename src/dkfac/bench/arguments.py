@@ -9,7 +9,9 @@ arguments every benchmark names alike:
 * ``--out-dir``, ``--plot-dir``: folders made when missing, so their nearest existing
   ancestor must be a folder, and they must not be files;
 * ``--out``, ``--plot``, ``--page``: files, in a folder that exists, and not folders;
-* ``--results``: a folder that exists (read, not written).
+* ``--results``: a folder that exists (read, not written);
+* ``--world-size``, ``--world-sizes``, ``--worlds``: at most :data:`MAX_LOCAL_RANKS` (each
+  rank is a process started on this machine).
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchParser", "path_problem"]
+__all__ = ["MAX_LOCAL_RANKS", "BenchParser", "path_problem"]
+
+MAX_LOCAL_RANKS = 64
+"""The most ranks a benchmark starts, each a process on this machine (a billion was taken,
+and spawned until the machine gave out)."""
+_WORLDS = ("world_size", "world_sizes", "worlds")
 
 _FOLDERS = ("out_dir", "plot_dir")
 _FILES = ("out", "plot", "page")
@@ -70,4 +77,12 @@ class BenchParser(argparse.ArgumentParser):
             problem = path_problem(kind, value)
             if problem:
                 self.error(f"--{key.replace('_', '-')} {str(value)!r} {problem}")
+        for key in _WORLDS:
+            value = getattr(parsed, key, None)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, int) and v > MAX_LOCAL_RANKS for v in values):
+                self.error(
+                    f"--{key.replace('_', '-')} must be at most {MAX_LOCAL_RANKS} (ranks are "
+                    f"processes started on this machine), got {max(values)}"
+                )
         return parsed
