@@ -205,7 +205,7 @@ def test_tiny_lm_run_records_every_optimizer_and_each_learns(
     ("flags", "message"),
     [
         (["--width", "15"], "--width (15) must be a multiple of --heads (4)"),
-        (["--eval-batches", "0"], "must be positive"),
+        (["--eval-batches", "0"], "--eval-batches must be finite and > 0, got 0"),
         (["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
         (["--adamw-lrs", "0.1"], "same number of learning rates"),
         (["--kfac", "k:inner=adam"], "kfac option inner must be sgd or adamw, got 'adam'"),

@@ -227,12 +227,13 @@ def test_tiny_autoencoder_run_with_peers_and_old_single_lr_flags(tmp_path: Path)
 @pytest.mark.parametrize(
     ("main", "flags", "message"),
     [
-        (tta.main, ["--max-steps", "0"], "--batch-size, --max-steps, --seeds and --max-seconds"),
+        (tta.main, ["--max-steps", "0"], "--max-steps must be finite and > 0, got 0"),
         (tta.main, ["--target", "2"], "--target must be in (0, 1], got 2.0"),
         (tta.main, ["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
-        (autoencoder.main, ["--seconds", "0"], "--eval-every and --seeds must be positive"),
-        (autoencoder.main, ["--seconds", "nan"], "--eval-every and --seeds must be positive"),
-        (tta.main, ["--max-seconds", "inf"], "--seeds and --max-seconds must be positive"),
+        # The flag and its value named (a list of every flag checked was the message).
+        (autoencoder.main, ["--seconds", "0"], "--seconds must be finite and > 0, got 0.0"),
+        (autoencoder.main, ["--seconds", "nan"], "--seconds must be finite and > 0, got nan"),
+        (tta.main, ["--max-seconds", "inf"], "--max-seconds must be finite and > 0, got inf"),
         # torch.set_num_threads(-1): "set_num_threads expects a positive integer", a traceback.
         (tta.main, ["--threads=-1"], "--threads must be >= 1, got -1"),
         (autoencoder.main, ["--threads=-1"], "--threads must be >= 1, got -1"),

@@ -107,3 +107,24 @@ def test_out_that_cannot_be_written(out: str, capsys: pytest.CaptureFixture[str]
     assert code == 2
     assert last_line(err).startswith(f"dkfac train: error: --out {out}: cannot ")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Each was taken without a word: runs/<time> for an empty --out, the empty name
+        # dropped from the list; /dev/null was said not to exist.
+        (["train", *SHORT, "--out", ""], "--out is empty: give the run folder"),
+        (["compare", *SHORT, "--optimizers", "sgd,,adam"], "got 'sgd,,adam'"),
+        (
+            ["train", *SHORT, "--model", "gpt", "--data", "text", "--text-path", "/dev/null"],
+            "--text-path /dev/null is neither a regular file nor a folder",
+        ),
+    ],
+)
+def test_empty_or_special_paths_and_names_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run_cli(argv, capsys)
+    assert code == 2, err
+    assert message in last_line(err), err

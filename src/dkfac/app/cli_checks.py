@@ -68,6 +68,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error("the autoencoder has no accuracy; drop --target-accuracy")
     if message := device_error(args.device):
         parser.error(message)
+    if args.out == "":
+        parser.error("--out is empty: give the run folder (or leave --out out for runs/<time>)")
     if args.resume == "auto" and args.out is None:
         parser.error(
             "--resume auto continues the run in --out: give --out RUN (without it every run "
@@ -81,8 +83,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     if message := flag_problem(args):
         parser.error(message)
     if args.command == "compare":
-        names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-        bad = [n for n in names if n not in OPTIMIZERS]
+        names = [n.strip() for n in args.optimizers.split(",")]
+        bad = [n for n in names if n not in OPTIMIZERS]  # an empty name too ("sgd,,adam")
         if not names or bad or len(set(names)) != len(names):
             parser.error(
                 f"--optimizers must list distinct names from {OPTIMIZERS}, got {args.optimizers!r}"

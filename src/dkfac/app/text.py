@@ -67,6 +67,8 @@ def text_files(root: PathLike, pattern: str = DEFAULT_GLOB) -> list[Path]:
     base = Path(root)
     if base.is_file():
         return [base]
+    if base.exists() and not base.is_dir():
+        raise DataError(f"--text-path {base} is neither a regular file nor a folder")
     if not base.is_dir():
         raise DataError(f"--text-path {base} does not exist (give a text file or a folder)")
     found: list[tuple[str, Path]] = []

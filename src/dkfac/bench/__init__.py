@@ -95,7 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
-        print(f"dkfac bench: unknown benchmark {name!r}\n{_usage()}", file=sys.stderr)
+        choices = ", ".join(SUBCOMMANDS)
+        print(
+            f"dkfac bench: error: unknown benchmark {name!r}; choose from {choices}",
+            file=sys.stderr,
+        )
         return 2
     module_name, _, function = SUBCOMMANDS[name][0].partition(":")
     try:

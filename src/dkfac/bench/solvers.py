@@ -111,7 +111,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
     return values

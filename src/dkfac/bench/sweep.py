@@ -244,10 +244,9 @@ def check_peer_flags(
     """
     if getattr(args, "muon_dtype", "bfloat16") == "float32":
         use_float32_muon()  # every Muon run of this process
-    if not all(0 < getattr(args, name) < math.inf for name in positive):  # NaN fails too
-        flags = [f"--{name.replace('_', '-')}" for name in positive]
-        listed = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
-        parser.error(f"{listed} must be positive")
+    for name in positive:  # NaN fails too
+        if not 0 < (value := getattr(args, name)) < math.inf:
+            parser.error(f"--{name.replace('_', '-')} must be finite and > 0, got {value}")
     if problem := next((found for found in problems if found is not None), None):
         parser.error(problem)
     if (threads := getattr(args, "threads", None)) is not None and threads < 1:
