@@ -55,11 +55,21 @@ def test_every_kind_is_counted_and_launch_bound_takes_the_multi_tensor_forms(
     assert "device_checks.py" not in _lines(cpu, "plain")
 
 
-@pytest.mark.parametrize("bad", [["--threads", "0"], ["--top", "-1"], ["--conv-path", "x"]])
-def test_bad_arguments_exit_2(bad: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--top", "-1"], "--top must be >= 0, got -1"),  # both flags were named for either
+        (["--conv-path", "x"], "--conv-path"),
+    ],
+)
+def test_bad_arguments_exit_2(
+    bad: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as err:
         dispatches.main(bad)
     assert err.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(

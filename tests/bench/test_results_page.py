@@ -135,3 +135,16 @@ def test_a_target_is_marked_met_only_where_it_is() -> None:
     assert against(1.304, 1.3) == "1.304"
     assert against(2.5, 1.0) == "2.50"
     assert against(float("inf"), 1.0) == "–"
+
+
+def test_report_names_the_result_it_misses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty results folder: one line naming the folder and the first file the page reads
+    (it was ``FileNotFoundError(2, 'No such file or directory')``, no path)."""
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["--check", "--results", str(tmp_path), "--page", str(tmp_path / "p.md")])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"dkfac bench report: error: cannot build the page from '{tmp_path}': ")
+    assert f"{tmp_path}/" in last and last.endswith(".json No such file or directory")

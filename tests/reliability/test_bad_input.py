@@ -114,7 +114,9 @@ def test_out_that_cannot_be_written(out: str, capsys: pytest.CaptureFixture[str]
     [
         # Each was taken without a word: runs/<time> for an empty --out, the empty name
         # dropped from the list; /dev/null was said not to exist.
-        (["train", *SHORT, "--out", ""], "--out is empty: give the run folder"),
+        (["train", *SHORT, "--out", ""], "--out is empty: give a path (or leave it out)"),
+        (["train", *SHORT, "--resume", ""], "--resume is empty: give a path"),
+        (["train", *SHORT, "--data", "cifar10", "--data-dir", ""], "--data-dir is empty"),
         (["compare", *SHORT, "--optimizers", "sgd,,adam"], "got 'sgd,,adam'"),
         (
             ["train", *SHORT, "--model", "gpt", "--data", "text", "--text-path", "/dev/null"],

@@ -68,8 +68,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error("the autoencoder has no accuracy; drop --target-accuracy")
     if message := device_error(args.device):
         parser.error(message)
-    if args.out == "":
-        parser.error("--out is empty: give the run folder (or leave --out out for runs/<time>)")
+    for dest in ("out", "resume", "data_dir", "text_path"):  # "" was read as "." or skipped
+        if getattr(args, dest, None) == "":
+            parser.error(f"--{dest.replace('_', '-')} is empty: give a path (or leave it out)")
     if args.resume == "auto" and args.out is None:
         parser.error(
             "--resume auto continues the run in --out: give --out RUN (without it every run "

@@ -144,8 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Counts each kind, prints the counts, writes them to ``--name``'s JSON if given."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.threads < 1 or args.top < 0:
-        parser.error("--threads must be >= 1 and --top >= 0")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.top < 0:
+        parser.error(f"--top must be >= 0, got {args.top}")
     if problem := case_problem(args):
         parser.error(problem)
     torch.set_num_threads(args.threads)

@@ -41,9 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         page = build_page(
             results_page.HEAD, results_page.SECTIONS, results, aliases=results_page.ALIASES
         )
-    except (OSError, KeyError, ValueError) as err:
-        print(f"dkfac bench report: cannot build the page: {err!r}", file=sys.stderr)
-        return 2
+    except OSError as err:  # a result the page names is missing: say which
+        where = f" {err.filename}" if err.filename else ""
+        parser.error(f"cannot build the page from {args.results!r}:{where} {err.strerror}")
+    except (KeyError, ValueError) as err:
+        parser.error(f"cannot build the page from {args.results!r}: {err!r}")
     target = Path(args.page)
     if args.check:
         current = target.read_text() if target.exists() else ""
