@@ -133,3 +133,21 @@ def _exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # A width of 10⁸ ran until it was killed; -1 and a repeated option were taken.
+        (["solvers", "--widths", "100000000"], "expected comma-separated ints in [1, 65536]"),
+        (["solvers", "--widths", "abc"], "expected comma-separated ints in [1, 65536], got 'abc'"),
+        (["solvers", "--large-dim", "-1"], "--large-dim must be >= 1, got -1"),
+        (["dispatches", "--options", "damping=1,damping=2"], "option 'damping' is given twice"),
+        (["step", "--autocast", "fp16", "--device", "cpu"], "--autocast fp16 needs a CUDA device"),
+    ],
+)
+def test_values_a_benchmark_cannot_run_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _exit_code(argv) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]

@@ -329,6 +329,11 @@ def test_plan_cli_bad_input_exits_2(argv: list[str]) -> None:
         (["--world-size", "4", "--image-size", "100000"], "--image-size must be in [1, 4096]"),
         (["--world-size", "4", "--num-classes", "1"], "--num-classes must be in [2, 100000]"),
         (["--world-size", "4", "--bandwidth-gbps", "inf"], "must be finite and > 0, got inf"),
+        # One replica: dkfac train refuses it, plan planned it.
+        (
+            ["--world-size", "4", "--parallel", "hsdp", "--shard-size", "4"],
+            "--shard-size 4 must divide them into 2 or more replicas of 2 or more ranks",
+        ),
     ],
 )
 def test_plan_cli_answers_hostile_input_in_one_line(

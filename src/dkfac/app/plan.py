@@ -32,6 +32,7 @@ import torch
 from dkfac.app.devices import device_error
 from dkfac.app.domains import domain_error
 from dkfac.app.models import MODELS, build_model
+from dkfac.app.parallel import mesh_shape
 from dkfac.app.plan_sharded import (
     align_table,
     recommend_sharded,
@@ -201,8 +202,10 @@ def _sharded_problem(args: argparse.Namespace) -> str | None:
     if args.parallel == "hsdp":
         if args.shard_size is None:
             return "--parallel hsdp needs --shard-size (ranks a weight is cut over)"
-        if args.world_size % args.shard_size:
-            return f"--shard-size {args.shard_size} must divide --world-size {args.world_size}"
+        try:  # the rule dkfac train applies: 2 or more replicas of 2 or more ranks
+            mesh_shape("hsdp", args.world_size, args.shard_size)
+        except ValueError as err:
+            return str(err)
     return None
 
 

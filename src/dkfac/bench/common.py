@@ -206,7 +206,7 @@ def parse_options(text: str) -> dict[str, Any]:
     natively; the fields that do not take it refuse it).
 
     Raises:
-        ValueError: For an item without ``=``, or an unknown dtype name.
+        ValueError: For an item without ``=``, a key given twice, or an unknown dtype name.
     """
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -230,5 +230,7 @@ def parse_options(text: str) -> dict[str, Any]:
                     break
                 except ValueError:
                     continue
+        if key.strip() in out:
+            raise ValueError(f"option {key.strip()!r} is given twice")
         out[key.strip()] = value
     return out

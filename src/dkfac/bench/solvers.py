@@ -110,13 +110,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+MAX_WIDTH = 65_536
+"""The largest width or batch the solver benchmark takes (a factor of this width is 16 GiB in
+float32; 10⁸ was taken and ran until it was killed)."""
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    if not values or any(not 1 <= v <= MAX_WIDTH for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated ints in [1, {MAX_WIDTH}], got {text!r}"
+        )
     return values
 
 
@@ -172,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.large_dim < 1:
+        parser.error(f"--large-dim must be >= 1, got {args.large_dim}")
     if problem := device_error(args.device):  # torch.device's own error was a traceback
         parser.error(problem)
     args.device = str(pick_device(args.device))

@@ -418,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if problem := case_problem(args):
         parser.error(problem)
+    if args.autocast == "fp16" and torch.device(args.device).type != "cuda":
+        parser.error("--autocast fp16 needs a CUDA device (use --autocast bf16 on a CPU)")
     for flag in ("repeats", "subsample_positions", "factor_batch_size", "threads"):
         value = getattr(args, flag)
         if value is not None and value < 1:
