@@ -77,7 +77,7 @@ def test_each_variant_trains_on_the_same_batches_whatever_the_block(task: lm.Tex
         (["--out", "x.txt", "adamw"], "--out"),
         (["--device", "tpu", "adamw"], "--device"),
         (["adamw", "adamw"], "each variant once"),
-        (["no-such-recipe.toml"], "no-such-recipe.toml"),
+        (["no-such-recipe.toml"], "a recipe file (RECIPE.toml[+{json}]); 'no-such-recipe.toml'"),
         ([RECIPE + "+[1]"], "JSON object"),
         ([RECIPE + '+{"bogus": 1}'], "kfac option: unknown option 'bogus'"),  # a traceback
         ([RECIPE + "+{bad"], "the text after '+' is not JSON (Expecting property name"),

@@ -60,6 +60,11 @@ def make(variant: str, task: lm.TextTask, device: torch.device) -> Run:
         spec, lr = peers.OptimizerSpec("adamw", "adamw", [0.001]), 0.001
     else:
         path, _, override = variant.partition("+")
+        if not Path(path).is_file():
+            raise ValueError(
+                f"variant {variant!r}: give muon, adamw or a recipe file "
+                f"(RECIPE.toml[+{{json}}]); {path!r} is not a file"
+            )
         recipe = load_recipe(path)
         try:
             extra = json.loads(override) if override else {}
