@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from dkfac.app.cli_checks import OPTIMIZERS, check_args, default_lr
 from dkfac.app.data import DATASETS
 from dkfac.app.gpt import add_gpt_arguments
+from dkfac.app.idle_flags import warn_idle_flags
 from dkfac.app.models import ModelError, check_model_name, model_names
 from dkfac.app.parallel import add_parallel_arguments
 from dkfac.app.runconfig import (
@@ -305,6 +307,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         # --lr on the command line wins over the config file's --lrs entry for this run.
         args.lrs = [e for e in args.lrs if not str(e).startswith(f"{args.optimizer}=")]
     check_args(args, sub)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, said once
+        warn_idle_flags(args, {a.dest: a.default for a in sub._actions})
     return args
 
 

@@ -1,0 +1,109 @@
+"""Flags given to ``dkfac train`` or ``compare`` that the run will not read.
+
+A flag such as ``--milestones`` without ``--schedule step``, or ``--damping`` with
+``--optimizer sgd``, is valid on its own, so the parser takes it; but the run it was given
+to never reads it, which is most often a typo in another flag. It is not refused (one config
+file may serve several optimizers and schedules), but it is named:
+:func:`idle_flags` lists them and :func:`warn_idle_flags` logs one warning for each.
+
+A flag counts when the command line or the ``--config`` file sets it (``args.given``,
+:func:`dkfac.app.cli.given_flags`) to a value other than its default, so a run repeated from
+its saved ``config.toml`` (every option written) names only what was named the first time;
+in ``compare`` a flag is idle only when no optimizer of the run reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dkfac.config import KFACConfig
+
+__all__ = ["idle_flags", "warn_idle_flags"]
+
+_log = logging.getLogger(__name__)
+
+KFAC_OPTIMIZERS = frozenset({"kfac", "kfac-adam", "dkfac"})
+"""The optimizers that read the K-FAC flags."""
+
+_Rule = tuple[Callable[[argparse.Namespace, frozenset[str]], bool], str]
+
+RULES: dict[str, _Rule] = {
+    "milestones": (lambda a, o: a.schedule == "step", "the run's --schedule is not step"),
+    "gamma": (lambda a, o: a.schedule == "step", "the run's --schedule is not step"),
+    "power": (lambda a, o: a.schedule == "poly", "the run's --schedule is not poly"),
+    "muon_adamw_lr": (lambda a, o: "muon" in o, "no optimizer of the run is muon"),
+    "nesterov": (lambda a, o: bool(o & {"sgd", "kfac"}), "no optimizer of the run is SGD"),
+    "momentum": (
+        lambda a, o: bool(o - {"dkfac"}) or a.momentum_scale_with_lr,
+        "dkfac reads no momentum (without --momentum-scale-with-lr)",
+    ),
+    "data_dir": (lambda a, o: a.data in ("cifar10", "cifar100"), "--data is not CIFAR"),
+    "synthetic_samples": (lambda a, o: a.data == "synthetic", "--data is not synthetic"),
+    "image_size": (lambda a, o: a.data == "synthetic", "--data is not synthetic"),
+    "in_channels": (lambda a, o: a.data == "synthetic", "--data is not synthetic"),
+    "num_classes": (lambda a, o: a.data == "synthetic", "--data is not synthetic"),
+    "text_path": (lambda a, o: a.data == "text", "--data is not text"),
+    "text_bytes": (lambda a, o: a.data == "text", "--data is not text"),
+    "text_glob": (lambda a, o: a.data == "text", "--data is not text"),
+    "seq_len": (lambda a, o: a.data == "text", "--data is not text"),
+    "layers": (lambda a, o: a.model == "gpt", "--model is not gpt"),
+    "width": (lambda a, o: a.model == "gpt", "--model is not gpt"),
+    "heads": (lambda a, o: a.model == "gpt", "--model is not gpt"),
+}
+"""Flag destination -> (whether the run reads it, given the namespace and the run's
+optimizers; why not, when it does not)."""
+
+
+def _kfac_dests(args: argparse.Namespace) -> set[str]:
+    """The destinations of the K-FAC flags (a field's and its ``_schedule``'s) in ``args``;
+    fields filled from a training flag (``--lr``, ``--weight-decay``) are not among them:
+    every optimizer reads those."""
+    names = {f.name for f in dataclasses.fields(KFACConfig)}
+    dests = names | {f"{n}_schedule" for n in names}
+    return {d for d in vars(args) if d in dests} - {"lr", "weight_decay"}
+
+
+def _optimizers(args: argparse.Namespace) -> frozenset[str]:
+    if args.command == "compare":
+        return frozenset(n for n in str(args.optimizers).split(",") if n)
+    return frozenset({str(args.optimizer)})
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def idle_flags(args: argparse.Namespace, defaults: Mapping[str, Any]) -> list[str]:
+    """One message for each flag given (``args.given``) off its default that the run will
+    not read.
+
+    Args:
+        args: A namespace of :func:`dkfac.app.cli.parse_args` (``train`` or ``compare``).
+        defaults: Each destination's default, as the command's parser has it.
+
+    Returns:
+        The messages, in the order of the flags' names; empty where every flag given is read.
+    """
+    given = [d for d in getattr(args, "given", ()) if getattr(args, d) != defaults.get(d)]
+    optimizers = _optimizers(args)
+    messages = []
+    kfac = _kfac_dests(args)
+    for dest in sorted(given):
+        if dest in kfac and not optimizers & KFAC_OPTIMIZERS:
+            messages.append(
+                f"{_flag(dest)} is a K-FAC option and no optimizer of the run is "
+                f"{', '.join(sorted(KFAC_OPTIMIZERS))}: it is not read"
+            )
+        elif dest in RULES and not RULES[dest][0](args, optimizers):
+            messages.append(f"{_flag(dest)} is given but {RULES[dest][1]}: it is not read")
+    return messages
+
+
+def warn_idle_flags(args: argparse.Namespace, defaults: Mapping[str, Any]) -> None:
+    """Logs :func:`idle_flags`'s messages as warnings (one each)."""
+    for message in idle_flags(args, defaults):
+        _log.warning("dkfac %s: %s", args.command, message)
