@@ -550,3 +550,16 @@ class _TiedDecoder(nn.Module):
 def test_a_layer_tied_to_an_embedding_is_a_head_in_module_order_too() -> None:
     heads = {"decoder": "head", "pair": "head"}
     assert layer_roles(_TiedDecoder()) == {"tokens": "embedding", "mid": "hidden", **heads}
+
+
+def test_reading_the_roles_runs_no_parametrization() -> None:
+    """spectral_norm advances its power iteration in place each time ``weight`` is read:
+    building the default leaves every buffer and parameter as it was (so a resumed run
+    equals the uninterrupted one), and a tied head is still found."""
+    torch.manual_seed(0)
+    normed = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), normed, nn.ReLU(), nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    KFACOptimizer.for_model(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert layer_roles(_TiedDecoder())["decoder"] == "head"

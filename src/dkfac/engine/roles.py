@@ -182,9 +182,12 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
 
 
 def _tied_heads(modules: list[tuple[str, nn.Module]]) -> set[str]:
-    """The matrix layers whose ``weight`` is an embedding's (tied output layers)."""
-    tables = {id(m.weight) for _, m in modules if isinstance(m, nn.Embedding)}
-    return {n for n, m in modules if _is_matrix(m) and id(getattr(m, "weight", None)) in tables}
+    """The matrix layers whose ``weight`` is an embedding's (tied output layers). The
+    stored parameters are compared: reading a parametrized ``weight`` would run its
+    parametrization, and spectral_norm's advances its power iteration in place."""
+    tables = {id(m._parameters.get("weight")) for _, m in modules if isinstance(m, nn.Embedding)}
+    tables.discard(id(None))
+    return {n for n, m in modules if _is_matrix(m) and id(m._parameters.get("weight")) in tables}
 
 
 def _roles(
