@@ -231,8 +231,8 @@ class KFACOptimizer(Optimizer):
                 (``describe()``'s last row says what and why); an interval, factor batch,
                 ``orthogonal_steps`` or ``basis_max_dim`` passed in ``options`` is kept.
                 The choice is made once, from the first step's shapes, and kept (also in
-                checkpoints); a later step on a batch at least twice the first one's is
-                named in one warning.
+                checkpoints); a later step that captures factors from a batch at least
+                twice the first one's is named in one warning.
                 ``None``: the fixed intervals of :data:`DEFAULT_OPTIONS` (factors every
                 step, the basis every 5) and the whole batch.
             **options: Any :class:`~dkfac.KFACConfig` field, over the defaults; with another

@@ -68,7 +68,7 @@ def test_every_trainable_parameter_is_listed_once_with_its_reason(
     message = warnings[0].getMessage()
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert f"{100 * 24 / total:.1f}%" in message
-    assert "K-FAC leaves 1 weight parameter(s)" in message
+    assert "K-FAC leaves 1 parameter(s) of two or more dimensions" in message
     assert "pos (a raw parameter of Mixed, used by its own forward" in message
     assert "grouped.weight" not in message
     assert "norm.weight" not in message  # one dimension: nothing to precondition anyway
@@ -206,3 +206,19 @@ def test_each_computed_tensor_and_what_computes_it_is_named() -> None:
         model(x).square().mean().backward()
         opt.step()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("method", "takes"), [("eigen_adam", "Adam's direction"), ("eigen", "its plain gradient")]
+)
+def test_a_declined_layer_is_logged_with_the_update_it_takes(
+    method: str, takes: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """weight_norm's parametrized Linear is declined by its block; the log says what its
+    parameters get (``leftover_update``): Adam's direction under ``eigen_adam``."""
+    normed = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), normed)
+    with caplog.at_level(logging.INFO, logger="dkfac.engine.registration"):
+        KFACPreconditioner(model, method=method)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping 2")]
+    assert len(logged) == 1 and logged[0].endswith(f"; it takes {takes}")

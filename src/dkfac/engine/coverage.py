@@ -154,8 +154,9 @@ class Coverage:
         named = [f"{p.name} ({p.reason})" for p in unchosen[:MAX_NAMED]]
         more = len(unchosen) - len(named)
         logger.warning(
-            "K-FAC leaves %d weight parameter(s) to the inner optimizer, %.1f%% of the "
-            "model's trainable parameters: %s%s; see describe() or register_block()",
+            "K-FAC leaves %d parameter(s) of two or more dimensions to the inner optimizer, "
+            "%.1f%% of the model's trainable parameters: %s%s; see describe() or "
+            "register_block()",
             len(unchosen),
             100.0 * share,
             "; ".join(named),

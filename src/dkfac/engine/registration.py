@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from dkfac.blocks.base import Block
 from dkfac.blocks.linear import LinearBlock
 from dkfac.blocks.registry import blocks_or_reason, owned_children
-from dkfac.config import KFACConfig, resolve
+from dkfac.config import KFACConfig, leftover_adam, resolve
 from dkfac.engine import launches
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.guards import name_list
@@ -124,7 +124,7 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
             continue
         if isinstance(found, str):
             chosen = found in USER_CHOICES
-            logger.info("skipping %s: %s; it keeps its plain gradient", name, found)
+            logger.info("skipping %s: %s; it takes %s", name, found, _leftover_words(config))
             for part in (module, *children):
                 coverage.leave(part, f"declined by its block: {found}", chosen=chosen)
             continue
@@ -381,6 +381,11 @@ def other_parameters(model: nn.Module, layers: dict[str, LayerState]) -> list[Te
     too: they have no gradient until they are unfrozen)."""
     block_params = {id(p) for layer in layers.values() for p in layer.block.parameters()}
     return [p for p in model.parameters() if id(p) not in block_params]
+
+
+def _leftover_words(config: KFACConfig) -> str:
+    """What a parameter no block takes gets (``leftover_update``), for the log."""
+    return "Adam's direction" if leftover_adam(config) else "its plain gradient"
 
 
 def _no_block_reason(module: nn.Module) -> str:
