@@ -46,6 +46,7 @@ from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_bud
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
+from dkfac.engine.eval_mode import EvalModeLayers
 from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.introspection import describe_table, memory_usage, running_factors
 from dkfac.engine.late_layers import LateLayers
@@ -161,6 +162,7 @@ class KFACPreconditioner:
         self.layers: dict[str, LayerState]
         self.layers, self._roles = join_layers(model, blocks, config, placement, self.capture)
         self.late = LateLayers(self.layers)
+        self._eval_mode = EvalModeLayers()
         self._set_block_steps()
         scaled = grad_scaler is not None and grad_scaler.is_enabled()
         self.eager = build_eager(
@@ -311,6 +313,8 @@ class KFACPreconditioner:
         self._scaler_check.step(self.layers, self.grad_scaler, world, skip=rows_only)
         grads = read_gradients(parts, self.flags_on_device)
         capturing = self.capture.active
+        if capturing:
+            self._eval_mode.check(self.layers, grads)
         with phase("dkfac.factors"):
             new = reduce_statistics(parts, grads, capturing, cfg.fisher, self.grad_scaler)
             finite, keep = agree_finite(parts, new, grads, step, self.flags_on_device)
@@ -326,6 +330,7 @@ class KFACPreconditioner:
             with phase("dkfac.inverse"):
                 self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
             self.late.refreshed(self.layers, grads, arrived)
+        self.late.note_missed(self.layers, grads)
         with phase("dkfac.precondition"):
             finals, ready = precondition_gradients(parts, grads, finite, keep, cfg, damping, step)
         with phase("dkfac.distribute"):

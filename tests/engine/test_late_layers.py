@@ -43,3 +43,20 @@ def test_a_checkpoint_without_the_entry_loads_with_no_layer_waiting() -> None:
     del state["late_layers"]
     pre.load_state_dict(state)
     assert pre.late.waiting == set()
+
+
+@pytest.mark.parametrize(
+    ("missed", "message"),
+    [
+        (["5"], r"'late_layers_missed' names layers that are not waiting: \['5'\]"),
+        ("0", "'late_layers_missed' must be a list of layer names"),
+    ],
+)
+def test_a_bad_missed_entry_is_refused(missed: object, message: str) -> None:
+    pre = _pre()
+    state = pre.state_dict()
+    assert state["late_layers_missed"] == []
+    state["late_layers_missed"] = missed
+    with pytest.raises(ValueError, match=message):
+        pre.load_state_dict(state)
+    assert pre.late.missed == set()

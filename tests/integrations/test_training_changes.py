@@ -1,6 +1,7 @@
 """What users do to a model while it trains, each against a twin run that does not.
 
-Gradual unfreezing, a forward whose output is never backpropagated, gradient accumulation
+Gradual unfreezing, a head used only between the factor captures, layers trained in eval
+mode, a forward whose output is never backpropagated, gradient accumulation
 without a declared count (a layer broadcast over the batch included), and a GradScaler the
 preconditioner was not given.
 """
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac import KFACOptimizer
+from dkfac.blocks.attention import shared_forward
 from tests.integrations.twins import max_difference
 
 DT = torch.float64
@@ -158,6 +160,134 @@ def test_a_checkpoint_taken_while_a_layer_is_frozen_resumes_its_late_refresh() -
             model[0].requires_grad_(True)
             _train_step(model, o, step)
     assert max_difference(run, resumed) == 0.0
+
+
+class TwoHeads(nn.Module):
+    """The MLP's body and two heads taking turns, one per step (two tasks alternating)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()[:4]
+        self.heads = nn.ModuleList([nn.Linear(8, 3), nn.Linear(8, 3)])
+
+    def forward(self, x: Tensor, task: int) -> Tensor:
+        return self.heads[task](self.body(x))
+
+
+def _task_step(model: TwoHeads, opt: KFACOptimizer, step: int) -> None:
+    x, y = _batch(step)
+    opt.zero_grad()
+    F.cross_entropy(model(x, step % 2), y).backward()
+    opt.step()
+
+
+def _two_heads(**options: object) -> tuple[TwoHeads, KFACOptimizer]:
+    model = TwoHeads()
+    return model, KFACOptimizer.for_model(
+        model, overhead=None, factor_update_interval=4, inverse_update_interval=8, **options
+    )
+
+
+def test_a_head_used_only_between_captures_is_preconditioned_from_its_next_use() -> None:
+    """Captures every 4th step, the second head used on odd steps only: the schedule never
+    captures it. Seen with a gradient at step 1, it is captured at its next use (step 3) and
+    refreshed on its own, as an unfrozen layer is, and preconditioned from then on."""
+    model, opt = _two_heads()
+    pre = opt.preconditioner
+    active = []
+    for step in range(4):
+        active.append(pre.capture.active)
+        _task_step(model, opt, step)
+    assert active == [True, False, True, True]  # steps 2 and 3: the head is due at its use
+    assert pre.late.waiting == set()
+    layer = pre.layers["heads.1"]
+    expected = layer.solver.compute_statistics(layer.solver_inputs(), pre.config.damping, None)
+    assert layer.solver_state is not None
+    for key, value in expected.items():
+        torch.testing.assert_close(layer.solver_state[key], value, rtol=1e-5, atol=1e-6)
+    x, y = _batch(5)
+    opt.zero_grad()
+    F.cross_entropy(model(x, 1), y).backward()
+    plain = model.heads[1].weight.grad.detach().clone()
+    pre.step()
+    assert not torch.allclose(model.heads[1].weight.grad, plain)
+
+
+def test_a_checkpoint_taken_while_a_head_waits_for_its_capture_resumes_it() -> None:
+    """Saved after step 1 (the head seen, not yet captured), loaded into a twin: the same
+    weights to the bit as the uninterrupted run."""
+    run, opt = _two_heads()
+    for step in range(2):
+        _task_step(run, opt, step)
+    assert opt.preconditioner.late.missed == {"heads.1"}
+    resumed, opt_resumed = _two_heads()
+    resumed.load_state_dict(run.state_dict())
+    opt_resumed.load_state_dict(opt.state_dict())
+    assert opt_resumed.preconditioner.late.missed == {"heads.1"}
+    for step in range(2, 7):
+        _task_step(run, opt, step)
+        _task_step(resumed, opt_resumed, step)
+    assert max_difference(run, resumed) == 0.0
+
+
+@pytest.mark.parametrize("scope", ["model", "body"])
+def test_layers_trained_in_eval_mode_are_named_once(
+    scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """K-FAC captures nothing in eval mode; a layer trained in it is named once (at its
+    first capture step with a gradient), and a train-mode run says nothing."""
+    model, opt = _two_heads()
+    (model if scope == "model" else model.body).eval()
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.eval_mode"):
+        for step in range(9):
+            _task_step(model, opt, step)
+    warned = [r.getMessage() for r in caplog.records if r.name == "dkfac.engine.eval_mode"]
+    named = [m.split("statistics: ")[1].split(". ")[0] for m in warned]
+    # the second head's first capture step with a gradient comes later (step 3)
+    assert named == (
+        ["body.0, body.2, heads.0", "heads.1"] if scope == "model" else ["body.0, body.2"]
+    )
+    caplog.clear()
+    model, opt = _two_heads()
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.eval_mode"):
+        for step in range(4):
+            model.eval()
+            with torch.enable_grad():
+                model(torch.randn(5, 6), 0).sum()  # a metric forward, never backpropagated
+            model.train()
+            _task_step(model, opt, step)
+    assert not caplog.records
+
+
+class WithAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        return self.out(self.att(h, h, h)[0].mean(1))
+
+
+def test_an_attention_trained_in_eval_mode_is_named_with_its_projections(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """q, k and v are no submodules ``.eval()`` reaches: their mode is the attention's."""
+    model = WithAttention()
+    opt = KFACOptimizer.for_model(model, overhead=None)
+    model.att.eval()
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.eval_mode"):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(4, 5, 6)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "statistics: att.q_proj, att.k_proj, att.v_proj, att.out_proj." in message
+    projections = shared_forward(model.att).projections.values()
+    assert projections and not any(p.training for p in projections)
+    model.att.train()
+    assert all(p.training for p in projections)
 
 
 # ----------------------------------------------------------------- forwards not backpropagated

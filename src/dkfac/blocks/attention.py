@@ -65,6 +65,15 @@ class Projection(nn.Module):
         self.role = role
 
     @property
+    def training(self) -> bool:
+        """The attention's mode: the projection is no submodule that ``.eval()`` reaches."""
+        return bool(self.attention.training)
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        """Ignored (``nn.Module.__init__`` sets it): the mode is always the attention's."""
+
+    @property
     def rows(self) -> slice:
         """The rows of ``in_proj_weight`` / ``in_proj_bias`` this projection owns."""
         embed = int(self.attention.embed_dim)

@@ -2,12 +2,15 @@
 
 A layer with no gradient at a refresh gets no solver state then, and would take its plain
 gradient until its next scheduled capture and refresh, which under the overhead budget's
-intervals (tens of steps) leaves a just-unfrozen layer nearly still. Instead, a waiting
-layer that was seen frozen and now requires a gradient is captured at the next step
-whatever the schedule says, refreshed on its own at the first step that captured all of
-its statistics with a gradient present, and preconditioned from then on. A layer that stays
-frozen (a frozen backbone) costs nothing: it is never captured; nor is one that trains but
-never gets a gradient (an unused head), which waits for the schedule's captures.
+intervals (tens of steps) leaves a just-unfrozen layer nearly still, and a layer used only
+on steps the schedule never captures (two heads taking turns, the captures every 8th step)
+still for good. Instead, a waiting layer that was seen frozen and now requires a gradient,
+or that had a gradient at a step that did not capture it in full, is captured at every step
+from the next on whatever the schedule says, refreshed on its own at the first step that
+captured all of its statistics with a gradient present, and preconditioned from then on. A
+layer that stays frozen (a frozen backbone) costs nothing: it is never captured; nor is one
+that trains but never gets a gradient (an unused head), which waits for the schedule's
+captures.
 
 Which layers wait depends only on what every rank sees alike (``requires_grad``, whether a
 layer has a gradient, and the captures the agreed schedule marked due), so every rank
@@ -35,16 +38,17 @@ class LateLayers:
     def __init__(self, names: Iterable[str]) -> None:
         self.waiting: set[str] = set(names)
         self.frozen: set[str] = set()  # waiting layers seen without a trainable parameter
+        self.missed: set[str] = set()  # waiting layers seen with a gradient, not captured
 
     def mark_due(self, layers: Mapping[str, LayerState]) -> bool:
-        """Marks every statistic due of each waiting layer seen frozen that now trains;
-        whether any."""
+        """Marks every statistic due of each waiting layer seen frozen that now trains, or
+        seen with a gradient its step did not capture; whether any."""
         joining = []
         for name in sorted(self.waiting):
             layer = layers[name]
             if not any(p.requires_grad for p in layer.block.parameters()):
                 self.frozen.add(name)
-            elif name in self.frozen:
+            elif name in self.frozen or name in self.missed:
                 joining.append(layer)
         for layer in joining:
             layer.due = frozenset(layer.statistic_names())
@@ -54,6 +58,17 @@ class LateLayers:
     def _captured(layer: LayerState, grad: Tensor | None) -> bool:
         """Whether this step gave the layer a gradient and every one of its statistics."""
         return grad is not None and layer.due == frozenset(layer.statistic_names())
+
+    def note_missed(
+        self, layers: Mapping[str, LayerState], grads: Mapping[str, Tensor | None]
+    ) -> None:
+        """Records the waiting layers this step gave a gradient without capturing them in
+        full: :meth:`mark_due` captures them from the next step on."""
+        self.missed.update(
+            n
+            for n in self.waiting
+            if grads[n] is not None and not self._captured(layers[n], grads[n])
+        )
 
     def arrived(
         self, layers: Mapping[str, LayerState], grads: Mapping[str, Tensor | None]
@@ -72,20 +87,30 @@ class LateLayers:
             if self._captured(layers[name], grads[name]):
                 self.waiting.discard(name)
                 self.frozen.discard(name)
+                self.missed.discard(name)
 
     def state_dict(self) -> list[str]:
         """The waiting layers, sorted (the same on every rank)."""
         return sorted(self.waiting)
 
-    def load_state_dict(self, names: Iterable[str], known: Iterable[str]) -> None:
-        """Restores :meth:`state_dict`.
+    def load_state_dict(
+        self, names: Iterable[str], known: Iterable[str], missed: Iterable[str] = ()
+    ) -> None:
+        """Restores :meth:`state_dict`, and :attr:`missed` (its saved, sorted list).
 
         Raises:
-            ValueError: If a name is not one of ``known`` (the registered layers).
+            ValueError: If a name is not one of ``known`` (the registered layers), or a
+                missed layer is not waiting.
         """
-        names = list(names)
+        names, missed = list(names), list(missed)
         unknown = sorted(set(names) - set(known))
         if unknown:
             raise ValueError(f"'late_layers' names layers this model does not have: {unknown}")
+        if not set(missed) <= set(names):
+            raise ValueError(
+                f"'late_layers_missed' names layers that are not waiting: "
+                f"{sorted(set(missed) - set(names))}"
+            )
         self.waiting = set(names)
         self.frozen = set()  # seen again at the next schedule
+        self.missed = set(missed)

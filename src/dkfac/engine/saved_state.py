@@ -74,6 +74,7 @@ def preconditioner_state(
         "mc_generator": None if generator is None else generator.get_state(),
         "refresh": refresh.state_dict(),
         "late_layers": late.state_dict(),
+        "late_layers_missed": sorted(late.missed),
     }
     if leftover is not None:  # the same on every rank: no gathering
         state["leftover"] = leftover.state_dict()
@@ -161,16 +162,18 @@ def restore_entries(
 
 def saved_late_layers(state: Mapping[str, Any], layers: Mapping[str, LayerState]) -> LateLayers:
     """The layers still waiting for their first refresh in a preconditioner's ``state`` (none
-    when the entry is absent: a checkpoint from before it was saved).
+    when the entry is absent: a checkpoint from before it was saved), and those of them seen
+    with a gradient their step did not capture (``late_layers_missed``).
 
     Raises:
         ValueError: If the entry is not a list of the names of ``layers``.
     """
     late = LateLayers(())
-    saved = state.get("late_layers") or []
-    if not isinstance(saved, list | tuple) or not all(isinstance(n, str) for n in saved):
-        raise ValueError(f"'late_layers' must be a list of layer names, got {saved!r}")
-    late.load_state_dict(saved, layers)
+    saved = {key: state.get(key) or [] for key in ("late_layers", "late_layers_missed")}
+    for key, names in saved.items():
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{key!r} must be a list of layer names, got {names!r}")
+    late.load_state_dict(saved["late_layers"], layers, saved["late_layers_missed"])
     return late
 
 
