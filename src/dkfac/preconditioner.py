@@ -316,7 +316,7 @@ class KFACPreconditioner:
         if capturing:
             self._eval_mode.check(self.layers, grads)
         with phase("dkfac.factors"):
-            new = reduce_statistics(parts, grads, capturing, cfg.fisher, self.grad_scaler)
+            new, skipped = reduce_statistics(parts, grads, capturing, cfg.fisher, self.grad_scaler)
             finite, keep = agree_finite(parts, new, grads, step, self.flags_on_device)
             self.last_refreshed = update_factors(parts, new, finite, step, cfg, self.refresh)
             self.gradients_finite = (
@@ -325,12 +325,12 @@ class KFACPreconditioner:
         if step % inverse_interval == 0:
             with phase("dkfac.inverse"):
                 self.update_inverses(damping)
-            self.late.refreshed(self.layers, grads)
-        elif arrived := self.late.arrived(self.layers, grads):
+            self.late.refreshed(self.layers, grads, skipped)
+        elif arrived := self.late.arrived(self.layers, grads, skipped):
             with phase("dkfac.inverse"):
                 self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
-            self.late.refreshed(self.layers, grads, arrived)
-        self.late.note_missed(self.layers, grads)
+            self.late.refreshed(self.layers, grads, skipped, arrived)
+        self.late.note_missed(self.layers, grads, skipped)
         with phase("dkfac.precondition"):
             finals, ready = precondition_gradients(parts, grads, finite, keep, cfg, damping, step)
         with phase("dkfac.distribute"):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from dkfac import KFACOptimizer
 from tests.distributed_utils import run_distributed
 from tests.oracles import with_ones
 from tests.serial_vs_distributed import Hooks, Run, assert_ranks_match, train_sharded
@@ -124,3 +125,36 @@ def test_unused_branch_does_not_hang_and_ranks_agree(
     assert owners, f"{strategy}: nobody keeps the branch factors after step 1"
     for result in owners:
         torch.testing.assert_close(result["factors"][1]["branch"], expected, msg=strategy)
+
+
+def _late_branch_main(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    """The branch on rank 1 only at step 0, on both ranks after; bases every 50 steps."""
+    torch.set_num_threads(1)
+    model = _Branchy().double()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = KFACOptimizer.for_model(
+        ddp, overhead=None, strategy=strategy, inverse_update_interval=50, kl_clip=None
+    )
+    waiting = []
+    for step in range(3):
+        model.use_branch = step > 0 or rank == 1
+        x, y = _batch(step, world)
+        rows = slice(6 * rank, 6 * rank + 6)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x[rows]), y[rows]).backward()
+        opt.step()
+        waiting.append(sorted(opt.preconditioner.late.waiting))
+    return {"params": [p.detach().clone() for p in model.parameters()], "waiting": waiting}
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "dp"])
+def test_a_branch_whose_first_statistics_were_skipped_joins_at_its_next_step(
+    strategy: str,
+) -> None:
+    """Its step-0 statistics are missing on rank 0, so skipped on both: it stays waiting
+    (not counted as refreshed from no statistics) and is refreshed on its own at step 1,
+    on every rank alike, long before the next basis at step 50."""
+    results = run_distributed(_late_branch_main, 2, strategy, timeout=90)
+    for result in results:
+        assert result["waiting"] == [["branch"], [], []], strategy
+    assert_ranks_match([r["params"] for r in results], results[0]["params"], label=strategy)

@@ -247,6 +247,13 @@ def test_layers_trained_in_eval_mode_are_named_once(
     assert named == (
         ["body.0, body.2, heads.0", "heads.1"] if scope == "model" else ["body.0, body.2"]
     )
+    body = {"body.0", "body.2"}
+    heads = {"heads.0", "heads.1"}
+    assert opt.preconditioner.late.waiting == (body | heads if scope == "model" else body)
+    model.train()  # captured at their next use, not at the schedule's step 12
+    _task_step(model, opt, 9)
+    _task_step(model, opt, 10)
+    assert opt.preconditioner.late.waiting == set()
     caplog.clear()
     model, opt = _two_heads()
     with caplog.at_level(logging.WARNING, logger="dkfac.engine.eval_mode"):

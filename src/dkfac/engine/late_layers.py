@@ -20,6 +20,7 @@ refreshes the same layers at the same step (a refresh is a collective).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
 from torch import Tensor
 
@@ -55,36 +56,54 @@ class LateLayers:
         return bool(joining)
 
     @staticmethod
-    def _captured(layer: LayerState, grad: Tensor | None) -> bool:
-        """Whether this step gave the layer a gradient and every one of its statistics."""
-        return grad is not None and layer.due == frozenset(layer.statistic_names())
+    def _captured(
+        name: str, layer: LayerState, grad: Tensor | None, skipped: AbstractSet[str]
+    ) -> bool:
+        """Whether this step gave the layer a gradient and every one of its statistics
+        (due, and not ``skipped``: missing on some rank, or never captured)."""
+        return (
+            grad is not None
+            and layer.due == frozenset(layer.statistic_names())
+            and name not in skipped
+        )
 
     def note_missed(
-        self, layers: Mapping[str, LayerState], grads: Mapping[str, Tensor | None]
+        self,
+        layers: Mapping[str, LayerState],
+        grads: Mapping[str, Tensor | None],
+        skipped: AbstractSet[str],
     ) -> None:
         """Records the waiting layers this step gave a gradient without capturing them in
         full: :meth:`mark_due` captures them from the next step on."""
         self.missed.update(
             n
             for n in self.waiting
-            if grads[n] is not None and not self._captured(layers[n], grads[n])
+            if grads[n] is not None and not self._captured(n, layers[n], grads[n], skipped)
         )
 
     def arrived(
-        self, layers: Mapping[str, LayerState], grads: Mapping[str, Tensor | None]
+        self,
+        layers: Mapping[str, LayerState],
+        grads: Mapping[str, Tensor | None],
+        skipped: AbstractSet[str],
     ) -> list[str]:
         """The waiting layers this step captured in full, in registration order."""
-        return [n for n in layers if n in self.waiting and self._captured(layers[n], grads[n])]
+        return [
+            n
+            for n in layers
+            if n in self.waiting and self._captured(n, layers[n], grads[n], skipped)
+        ]
 
     def refreshed(
         self,
         layers: Mapping[str, LayerState],
         grads: Mapping[str, Tensor | None],
+        skipped: AbstractSet[str],
         names: Iterable[str] | None = None,
     ) -> None:
         """Records a refresh of ``names`` (default: every layer) at this step."""
         for name in layers if names is None else names:
-            if self._captured(layers[name], grads[name]):
+            if self._captured(name, layers[name], grads[name], skipped):
                 self.waiting.discard(name)
                 self.frozen.discard(name)
                 self.missed.discard(name)

@@ -33,7 +33,7 @@ def agree_presence(
     other_params: Sequence[Tensor],
     *,
     statistics: bool = True,
-) -> None:
+) -> set[str]:
     """Makes ``stats``, ``grads`` and the other parameters' ``.grad`` agree across ranks.
 
     Args:
@@ -46,9 +46,13 @@ def agree_presence(
             elsewhere becomes zeros.
         statistics: ``False``: agree on the gradients only (the statistics were already
             launched by the overlapped path, :mod:`dkfac.engine.eager`).
+
+    Returns:
+        The layers with a due statistic that no rank or not every capturing rank has, the
+        same on every rank (:func:`uncaptured` on one rank; empty without ``statistics``).
     """
     if not comm.active:
-        return
+        return uncaptured(layers, stats) if statistics else set()
     all_keys = [(n, k) for n, layer in layers.items() for k in sorted(layer.due) if statistics]
     # A rank that does not capture a layer votes True for its statistics; "absent" flags
     # of gradients are AND-ed, so False means the gradient exists on some rank.
@@ -58,7 +62,10 @@ def agree_presence(
     device = next(iter(layers.values())).block.parameters()[0].device  # NCCL needs CUDA
     local = torch.tensor(stat_flags + grad_absent + other_absent, dtype=torch.bool, device=device)
     agreed = comm.all_true(local).tolist()
+    skipped = set()
     for (name, key), ok in zip(all_keys, agreed[: len(all_keys)], strict=True):
+        if not ok:
+            skipped.add(name)
         if not ok and key in stats.get(name, {}):
             logger.warning("%s/%s missing on some rank this step; its update is skipped", name, key)
             del stats[name][key]
@@ -76,3 +83,17 @@ def agree_presence(
     for i, param in enumerate(other_params):
         if param.grad is None and not agreed[offset + i]:
             param.grad = torch.zeros_like(param)
+    return skipped
+
+
+def uncaptured(
+    layers: Mapping[str, LayerState], stats: Mapping[str, Mapping[str, Tensor]]
+) -> set[str]:
+    """The layers this rank captures that lack a due statistic in ``stats`` (a layer in eval
+    mode, or not run this step); where every rank runs every layer (the overlapped path)
+    the same on every rank."""
+    return {
+        name
+        for name, layer in layers.items()
+        if layer.captures and any(key not in stats.get(name, {}) for key in layer.due)
+    }

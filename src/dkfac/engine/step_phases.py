@@ -57,7 +57,7 @@ from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import EagerReducer
 from dkfac.engine.input_rms import input_scales
 from dkfac.engine.layer_state import LayerState, update_running_all
-from dkfac.engine.presence import agree_presence
+from dkfac.engine.presence import agree_presence, uncaptured
 from dkfac.engine.refresh import RefreshPolicy
 from dkfac.engine.refresh_step import agree_intervals, record_refreshes
 from dkfac.engine.step_math import (
@@ -134,8 +134,10 @@ def reduce_statistics(
     capturing: bool,
     fisher: str,
     grad_scaler: Any | None,
-) -> dict[str, dict[str, Tensor]]:
-    """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer.
+) -> tuple[dict[str, dict[str, Tensor]], set[str]]:
+    """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer, and
+    the layers with a due statistic skipped on every rank (not captured everywhere:
+    :func:`~dkfac.engine.presence.agree_presence`).
 
     Args:
         parts: The step's parts.
@@ -145,11 +147,12 @@ def reduce_statistics(
         grad_scaler: The GradScaler, if any (G was captured from scaled gradients).
     """
     layers, capture, other_params = parts.layers, parts.capture, parts.other_params
-    if parts.eager is not None:
+    if parts.eager is not None:  # every rank has every layer (or it raised)
         new, handle = parts.eager.finish(grads, other_params)
+        skipped = uncaptured(layers, new) if capturing else set()
     else:
         new = capture.collect(layers, 1.0) if capturing else {}
-        agree_presence(parts.comm, layers, new, grads, other_params)
+        skipped = agree_presence(parts.comm, layers, new, grads, other_params)
         present = {name: g for name, g in grads.items() if g is not None}
         others = [p.grad for p in other_params if p.grad is not None]
         gathered = {n: x.gathered() for n, x in layers.items() if x.gathered()}
@@ -157,7 +160,7 @@ def reduce_statistics(
     handle.wait()
     if new:
         capture.scale_grad_statistics(layers, new, g_scale(capture, fisher, grad_scaler))
-    return new
+    return new, skipped
 
 
 def agree_finite(
