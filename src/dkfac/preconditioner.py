@@ -280,7 +280,7 @@ class KFACPreconditioner:
         params = self._params()  # the same tensors all step long
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
-            apply_budget_bases(self.budget, self.layers, self.config)  # before the 1st refresh
+            apply_budget_bases(self.budget, self.layers, self.config, self.comm)  # 1st refresh
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)

@@ -15,6 +15,7 @@ from typing import Any
 
 from dkfac.config import KFACConfig
 from dkfac.config.checks import check_range
+from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
 
@@ -49,11 +50,16 @@ def make_budget(
 
 
 def apply_budget_bases(
-    budget: OverheadBudget, layers: Mapping[str, LayerState], config: KFACConfig
+    budget: OverheadBudget,
+    layers: Mapping[str, LayerState],
+    config: KFACConfig,
+    control: ControlMessages,
 ) -> None:
-    """Makes the choice as soon as the shapes were seen (the first training forward) and gives
-    the layers it makes one-sided their limit, so that the first refresh already builds their
-    bases so (the rest is applied after the first step, :func:`spend_budget`)."""
+    """Makes the choice as soon as the shapes were seen (the first training forward), from
+    what every rank saw (:meth:`OverheadBudget.agree`), and gives the layers it makes
+    one-sided their limit, so that the first refresh already builds their bases so (the rest
+    is applied after the first step, :func:`spend_budget`)."""
+    budget.agree(layers, control)
     if budget.decide(layers, config.flattened_inputs) is not None:
         budget.apply_bases(layers)
 

@@ -18,11 +18,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
+from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
@@ -94,6 +96,34 @@ class OverheadBudget:
         self.step_rows[name] = self.step_rows.get(name, 0) + rows
         if self.batch is None and batch:
             self.batch = batch
+
+    def agree(self, layers: Mapping[str, LayerState], control: ControlMessages) -> None:
+        """Makes every rank's record of the first step the same (one small sum over the
+        ranks, before :meth:`decide`), so that every rank makes the same choice: ranks whose
+        first batches differ in size, or that ran different branches, would otherwise size
+        a side differently and then reduce factors of different shapes.
+
+        The batch and each layer's rows become their mean over the ranks that saw them
+        (rounded up): a rank's own step is what the budget weighs against. Each layer's
+        rows of the step become their sum: the averaged factors are built from all of
+        them, as one process would build them from the whole batch.
+        """
+        if not control.active or self.choice is not None:
+            return
+        names = list(layers)
+        local = [float(self.batch or 0), float(bool(self.batch))]
+        local += [float(self.rows.get(n, 0)) for n in names]
+        local += [float(n in self.rows) for n in names]
+        local += [float(self.step_rows.get(n, 0)) for n in names]
+        device = next(iter(layers.values())).block.parameters()[0].device  # NCCL needs CUDA
+        total = control.sum_control(torch.tensor(local, dtype=torch.float64, device=device))
+        values = [round(v) for v in total.tolist()]
+        count = len(names)
+        batch, seen = values[0], values[1]
+        rows, present, step_rows = (values[2 + i * count : 2 + (i + 1) * count] for i in range(3))
+        self.batch = -(-batch // seen) if seen else None
+        self.rows = {n: -(-r // k) for n, r, k in zip(names, rows, present, strict=True) if k}
+        self.step_rows = {n: r for n, r in zip(names, step_rows, strict=True) if r}
 
     def decide(
         self, layers: Mapping[str, LayerState], maps: Mapping[str, tuple[int, int]] | None = None
