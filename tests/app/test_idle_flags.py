@@ -14,8 +14,7 @@ from tests.cli_args import TINY
 
 def _idle(*argv: str) -> list[str]:
     sub = build_parser()[1][argv[0]]
-    defaults = {a.dest: a.default for a in sub._actions}
-    return [m.split(" is ")[0] for m in idle_flags(parse_args(list(argv)), defaults)]
+    return [m.split(" is ")[0] for m in idle_flags(parse_args(list(argv)), sub)]
 
 
 @pytest.mark.parametrize(
@@ -29,6 +28,10 @@ def _idle(*argv: str) -> list[str]:
         (["train", "--optimizer", "adamw", "--damping-schedule", "0.1@0"], ["--damping-schedule"]),
         (["train", "--optimizer", "kfac", "--damping", "0.01"], []),
         (["train", "--damping", "0.01", "--lr", "0.01"], []),
+        # K-FAC fields filled from training flags: read by every optimizer
+        (["train", "--optimizer", "sgd", "--accumulation-steps", "2", "--seed", "3"], []),
+        (["train", "--optimizer", "adamw", "--strategy", "spngd"], ["--strategy"]),
+        (["compare", "--optimizers", "adamw,sgd", "--seed", "5"], []),
         (["train", "--optimizer", "adamw", "--muon-adamw-lr", "0.01"], ["--muon-adamw-lr"]),
         (["train", "--optimizer", "muon", "--muon-adamw-lr", "0.01"], []),
         (["train", "--optimizer", "muon", "--nesterov"], ["--nesterov"]),

@@ -45,6 +45,15 @@ def test_two_ranks_sgd_equal_one_process_on_the_global_batch() -> None:
         assert abs(mine["loss"] - theirs["loss"]) < 1e-4
 
 
+def test_sgd_given_strategy_spngd_is_still_averaged_by_ddp() -> None:
+    # --strategy spngd leaves the model unwrapped because K-FAC then averages the
+    # gradients itself; a run without K-FAC (one of compare's optimizers) needs DDP still.
+    extra = ["--optimizer", "sgd", "--lr", "0.1", "--strategy", "spngd"]
+    ranks = run_distributed(_run, 2, extra)
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(ranks[1]["params"][name], value), name
+
+
 def test_two_ranks_kfac_equal_one_process_on_the_global_batch() -> None:
     # The replicated strategy averages the ranks' factors: with equal shards that is the
     # factor of the global batch, so the run is the serial run up to float32 rounding.

@@ -308,7 +308,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.lrs = [e for e in args.lrs if not str(e).startswith(f"{args.optimizer}=")]
     check_args(args, sub)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, said once
-        warn_idle_flags(args, {a.dest: a.default for a in sub._actions})
+        warn_idle_flags(args, sub)
     return args
 
 

@@ -17,16 +17,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
+from dkfac.app.session import KFAC_RUNS
 from dkfac.config import KFACConfig
 
-__all__ = ["idle_flags", "warn_idle_flags"]
+__all__ = ["idle_flags", "kfac_dests", "warn_idle_flags"]
 
 _log = logging.getLogger(__name__)
 
-KFAC_OPTIMIZERS = frozenset({"kfac", "kfac-adam", "dkfac"})
+KFAC_OPTIMIZERS = frozenset(KFAC_RUNS)
 """The optimizers that read the K-FAC flags."""
 
 _Rule = tuple[Callable[[argparse.Namespace, frozenset[str]], bool], str]
@@ -58,13 +58,18 @@ RULES: dict[str, _Rule] = {
 optimizers; why not, when it does not)."""
 
 
-def _kfac_dests(args: argparse.Namespace) -> set[str]:
-    """The destinations of the K-FAC flags (a field's and its ``_schedule``'s) in ``args``;
-    fields filled from a training flag (``--lr``, ``--weight-decay``) are not among them:
-    every optimizer reads those."""
-    names = {f.name for f in dataclasses.fields(KFACConfig)}
-    dests = names | {f"{n}_schedule" for n in names}
-    return {d for d in vars(args) if d in dests} - {"lr", "weight_decay"}
+def kfac_dests(parser: argparse.ArgumentParser) -> set[str]:
+    """The destinations of the K-FAC flags of ``parser`` (each spelled also ``--kfac-...``)
+    and of their schedules; a :class:`KFACConfig` field filled from a training flag
+    (``--lr``, ``--seed``, ``--accumulation-steps``, ``--strategy``, ...) is not among
+    them: the run reads those whatever its optimizer."""
+    fields = {f.name for f in dataclasses.fields(KFACConfig)}
+    own = {
+        a.dest
+        for a in parser._actions
+        if a.dest in fields and any(o.startswith("--kfac-") for o in a.option_strings)
+    }
+    return own | {f"{d}_schedule" for d in own}
 
 
 def _optimizers(args: argparse.Namespace) -> frozenset[str]:
@@ -77,21 +82,22 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def idle_flags(args: argparse.Namespace, defaults: Mapping[str, Any]) -> list[str]:
+def idle_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """One message for each flag given (``args.given``) off its default that the run will
     not read.
 
     Args:
         args: A namespace of :func:`dkfac.app.cli.parse_args` (``train`` or ``compare``).
-        defaults: Each destination's default, as the command's parser has it.
+        parser: The command's parser (its defaults, and which flags are K-FAC's).
 
     Returns:
         The messages, in the order of the flags' names; empty where every flag given is read.
     """
+    defaults = {a.dest: a.default for a in parser._actions}
     given = [d for d in getattr(args, "given", ()) if getattr(args, d) != defaults.get(d)]
     optimizers = _optimizers(args)
     messages = []
-    kfac = _kfac_dests(args)
+    kfac = kfac_dests(parser)
     for dest in sorted(given):
         if dest in kfac and not optimizers & KFAC_OPTIMIZERS:
             messages.append(
@@ -103,7 +109,7 @@ def idle_flags(args: argparse.Namespace, defaults: Mapping[str, Any]) -> list[st
     return messages
 
 
-def warn_idle_flags(args: argparse.Namespace, defaults: Mapping[str, Any]) -> None:
+def warn_idle_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Logs :func:`idle_flags`'s messages as warnings (one each)."""
-    for message in idle_flags(args, defaults):
+    for message in idle_flags(args, parser):
         _log.warning("dkfac %s: %s", args.command, message)

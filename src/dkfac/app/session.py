@@ -43,6 +43,9 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 EVAL_ROWS = 512  # samples per evaluation forward pass
 EVAL_TOKENS = 2**15  # target tokens per evaluation forward pass of a sequence model
 
+KFAC_RUNS = ("kfac", "kfac-adam", "dkfac")
+"""The optimizers of the program that run a K-FAC preconditioner (read ``--strategy``)."""
+
 
 class UsageError(ValueError):
     """Options that cannot work together, found once the data and world size are known."""
@@ -189,7 +192,8 @@ def _build_session(args: argparse.Namespace, device: torch.device) -> Session:
             world=world,
             device=device,
             shard_size=getattr(args, "shard_size", None),
-            strategy=getattr(args, "strategy", None),
+            # spngd averages the gradients itself (no DDP): a K-FAC run's choice only
+            strategy=getattr(args, "strategy", None) if args.optimizer in KFAC_RUNS else None,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
