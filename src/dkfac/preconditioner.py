@@ -313,7 +313,7 @@ class KFACPreconditioner:
         self._scaler_check.step(self.layers, self.grad_scaler, world, skip=rows_only)
         grads = read_gradients(parts, self.flags_on_device)
         capturing = self.capture.active
-        if capturing:
+        if capturing or self.late.missed:  # a layer seen uncaptured may be in eval mode
             self._eval_mode.check(self.layers, grads)
         with phase("dkfac.factors"):
             new, skipped = reduce_statistics(parts, grads, capturing, cfg.fisher, self.grad_scaler)

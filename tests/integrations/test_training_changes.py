@@ -237,23 +237,30 @@ def test_layers_trained_in_eval_mode_are_named_once(
     """K-FAC captures nothing in eval mode; a layer trained in it is named once (at its
     first capture step with a gradient), and a train-mode run says nothing."""
     model, opt = _two_heads()
+    pre = opt.preconditioner
     (model if scope == "model" else model.body).eval()
+    active = []
     with caplog.at_level(logging.WARNING, logger="dkfac.engine.eval_mode"):
         for step in range(9):
+            active.append(pre.capture.active)
             _task_step(model, opt, step)
     warned = [r.getMessage() for r in caplog.records if r.name == "dkfac.engine.eval_mode"]
     named = [m.split("statistics: ")[1].split(". ")[0] for m in warned]
-    # the second head's first capture step with a gradient comes later (step 3)
+    # the second head has its first gradient at step 1
     assert named == (
         ["body.0, body.2, heads.0", "heads.1"] if scope == "model" else ["body.0, body.2"]
     )
     body = {"body.0", "body.2"}
     heads = {"heads.0", "heads.1"}
-    assert opt.preconditioner.late.waiting == (body | heads if scope == "model" else body)
-    model.train()  # captured at their next use, not at the schedule's step 12
-    _task_step(model, opt, 9)
-    _task_step(model, opt, 10)
-    assert opt.preconditioner.late.waiting == set()
+    assert pre.late.waiting == (body | heads if scope == "model" else body)
+    # Layers in eval mode are not captured out of schedule (they could not be); a head in
+    # train mode seen uncaptured at step 1 is, at steps 2 and 3.
+    schedule = [step % 4 == 0 for step in range(9)]
+    assert active == (schedule if scope == "model" else [*schedule[:2], True, True, *schedule[4:]])
+    model.train()  # captured from the step after, not at the schedule's step 12
+    for step in range(9, 12):
+        _task_step(model, opt, step)
+    assert pre.late.waiting == set()
     caplog.clear()
     model, opt = _two_heads()
     with caplog.at_level(logging.WARNING, logger="dkfac.engine.eval_mode"):

@@ -5,9 +5,13 @@ BatchNorm updates its running statistics only there, so an evaluation forward ru
 gradients enabled never enters the factors. A layer that is trained while in eval mode
 (``model.eval()`` before the training loop, or ``backbone.eval()`` to hold its BatchNorm
 statistics) therefore gets no new statistics: it is preconditioned with those of its
-train-mode steps, or takes its plain gradient while it has none. That is easy to miss, so
+train-mode steps, or takes its plain gradient while it has none (and under DDP's overlapped
+reduction ``step()`` raises, as for any layer a rank skips). That is easy to miss, so
 :class:`EvalModeLayers` names such layers in one warning, at the first step that would
-have captured them.
+have captured them (a scheduled capture, or the step after a layer was seen uncaptured).
+An affine BatchNorm held in eval mode to freeze its statistics is such a layer too:
+``unitwise_bn=False`` leaves its scale and shift to the update of the model's other
+parameters instead.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ logger = logging.getLogger(__name__)
 
 
 class EvalModeLayers:
-    """Warns once for each layer seen with a gradient, in eval mode, at a capture step."""
+    """Warns once for each layer seen with a gradient in eval mode."""
 
     def __init__(self) -> None:
         self.named: set[str] = set()
 
     def check(self, layers: Mapping[str, LayerState], grads: Mapping[str, Tensor | None]) -> None:
         """Names the layers that have a gradient this step while their module is in eval
-        mode (call it on the steps that capture); each layer once per run."""
+        mode (call it on the steps that capture, and while a waiting layer was seen
+        uncaptured); each layer once per run."""
         found = [
             name
             for name, layer in layers.items()
@@ -49,7 +54,8 @@ class EvalModeLayers:
             "statistics: %s. K-FAC captures nothing in eval mode, so they are preconditioned "
             "with the statistics of their train-mode steps, or take their plain gradient "
             "while they have none. Put the layers being trained in train mode (.train()); "
-            "to hold BatchNorm's running statistics, set only the BatchNorm modules to eval",
+            "for a BatchNorm held in eval mode, unitwise_bn=False leaves its scale and shift "
+            "to the update of the model's other parameters",
             len(found),
             name_list(found),
         )

@@ -12,9 +12,13 @@ layer that stays frozen (a frozen backbone) costs nothing: it is never captured;
 that trains but never gets a gradient (an unused head), which waits for the schedule's
 captures.
 
-Which layers wait depends only on what every rank sees alike (``requires_grad``, whether a
-layer has a gradient, and the captures the agreed schedule marked due), so every rank
-refreshes the same layers at the same step (a refresh is a collective).
+A layer in eval mode captures nothing: seen with a gradient there, it is captured from
+the first step after it is back in train mode.
+
+Which layers wait depends only on what every rank sees alike (``requires_grad``, the train
+mode, whether a layer has a gradient, the captures the agreed schedule marked due, and the
+statistics the ranks agreed were skipped), so every rank refreshes the same layers at the
+same step (a refresh is a collective).
 """
 
 from __future__ import annotations
@@ -43,13 +47,15 @@ class LateLayers:
 
     def mark_due(self, layers: Mapping[str, LayerState]) -> bool:
         """Marks every statistic due of each waiting layer seen frozen that now trains, or
-        seen with a gradient its step did not capture; whether any."""
+        seen with a gradient its step did not capture and now in train mode (one in eval
+        mode is never captured: it waits for train mode, not capturing all along); whether
+        any."""
         joining = []
         for name in sorted(self.waiting):
             layer = layers[name]
             if not any(p.requires_grad for p in layer.block.parameters()):
                 self.frozen.add(name)
-            elif name in self.frozen or name in self.missed:
+            elif name in self.frozen or (name in self.missed and layer.block.module.training):
                 joining.append(layer)
         for layer in joining:
             layer.due = frozenset(layer.statistic_names())

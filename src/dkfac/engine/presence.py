@@ -90,8 +90,7 @@ def uncaptured(
     layers: Mapping[str, LayerState], stats: Mapping[str, Mapping[str, Tensor]]
 ) -> set[str]:
     """The layers this rank captures that lack a due statistic in ``stats`` (a layer in eval
-    mode, or not run this step); where every rank runs every layer (the overlapped path)
-    the same on every rank."""
+    mode, or not run this step): :func:`agree_presence`'s answer on one rank."""
     return {
         name
         for name, layer in layers.items()

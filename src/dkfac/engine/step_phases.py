@@ -57,7 +57,7 @@ from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import EagerReducer
 from dkfac.engine.input_rms import input_scales
 from dkfac.engine.layer_state import LayerState, update_running_all
-from dkfac.engine.presence import agree_presence, uncaptured
+from dkfac.engine.presence import agree_presence
 from dkfac.engine.refresh import RefreshPolicy
 from dkfac.engine.refresh_step import agree_intervals, record_refreshes
 from dkfac.engine.step_math import (
@@ -137,7 +137,7 @@ def reduce_statistics(
 ) -> tuple[dict[str, dict[str, Tensor]], set[str]]:
     """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer, and
     the layers with a due statistic skipped on every rank (not captured everywhere:
-    :func:`~dkfac.engine.presence.agree_presence`).
+    :func:`~dkfac.engine.presence.agree_presence`; none on the overlapped path).
 
     Args:
         parts: The step's parts.
@@ -147,9 +147,12 @@ def reduce_statistics(
         grad_scaler: The GradScaler, if any (G was captured from scaled gradients).
     """
     layers, capture, other_params = parts.layers, parts.capture, parts.other_params
-    if parts.eager is not None:  # every rank has every layer (or it raised)
+    if parts.eager is not None:
+        # Every rank has every layer whose factors it sends (or it raised); what a dp owner
+        # alone lacks no other rank can know without a host read, so nothing counts as
+        # skipped on this path.
         new, handle = parts.eager.finish(grads, other_params)
-        skipped = uncaptured(layers, new) if capturing else set()
+        skipped: set[str] = set()
     else:
         new = capture.collect(layers, 1.0) if capturing else {}
         skipped = agree_presence(parts.comm, layers, new, grads, other_params)
