@@ -280,7 +280,8 @@ class KFACPreconditioner:
         params = self._params()  # the same tensors all step long
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
-            apply_budget_bases(self.budget, self.layers, self.config, self.comm)  # 1st refresh
+            local = self.strategy.factor_reduction == "none"  # dp: an owner's own rows
+            apply_budget_bases(self.budget, self.layers, self.config, self.comm, local)
         step = self._steps
         cfg = self.config
         damping = resolve("damping", cfg.damping, step)

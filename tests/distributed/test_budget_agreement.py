@@ -42,11 +42,14 @@ def _global(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
-def _train(rank: int | None, world: int, first_rows: int = 16) -> dict[str, Any]:
+def _train(
+    rank: int | None, world: int, first_rows: int = 16, strategy: str | None = None
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = _model()
     wrapped = model if rank is None else nn.parallel.DistributedDataParallel(model)
-    opt = KFACOptimizer.for_model(wrapped, lr=0.01)
+    options = {} if strategy is None else {"strategy": strategy}  # None: for_model's own
+    opt = KFACOptimizer.for_model(wrapped, lr=0.01, **options)
     for step in range(STEPS):
         if rank is None:
             x, y = _global(step, world)
@@ -83,3 +86,11 @@ def test_ranks_whose_first_batches_differ_make_one_choice() -> None:
     assert results[0]["one_sided"] == results[1]["one_sided"]
     params = [r["params"] for r in results]
     assert_ranks_match(params, params[0], label="uneven first batch")
+
+
+def test_dp_sizes_the_sides_from_an_owners_own_rows() -> None:
+    """``dp`` builds each layer's factors from its owner's batch alone: 16 rows, so the
+    16-wide sides are one-sided (limit 12) on both ranks alike."""
+    results = run_distributed(_train, 2, 16, "dp", timeout=90)
+    assert results[0]["one_sided"] and results[0]["one_sided"] == results[1]["one_sided"]
+    assert set(results[0]["one_sided"].values()) == {12}

@@ -54,12 +54,14 @@ def apply_budget_bases(
     layers: Mapping[str, LayerState],
     config: KFACConfig,
     control: ControlMessages,
+    local_factors: bool = False,
 ) -> None:
     """Makes the choice as soon as the shapes were seen (the first training forward), from
-    what every rank saw (:meth:`OverheadBudget.agree`), and gives the layers it makes
-    one-sided their limit, so that the first refresh already builds their bases so (the rest
-    is applied after the first step, :func:`spend_budget`)."""
-    budget.agree(layers, control)
+    what every rank saw (:meth:`OverheadBudget.agree`; ``local_factors``: factors built from
+    each owner's own batch, ``dp``), and gives the layers it makes one-sided their limit, so
+    that the first refresh already builds their bases so (the rest is applied after the
+    first step, :func:`spend_budget`)."""
+    budget.agree(layers, control, local_factors)
     if budget.decide(layers, config.flattened_inputs) is not None:
         budget.apply_bases(layers)
 

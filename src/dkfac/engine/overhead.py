@@ -97,7 +97,12 @@ class OverheadBudget:
         if self.batch is None and batch:
             self.batch = batch
 
-    def agree(self, layers: Mapping[str, LayerState], control: ControlMessages) -> None:
+    def agree(
+        self,
+        layers: Mapping[str, LayerState],
+        control: ControlMessages,
+        local_factors: bool = False,
+    ) -> None:
         """Makes every rank's record of the first step the same (one small sum over the
         ranks, before :meth:`decide`), so that every rank makes the same choice: ranks whose
         first batches differ in size, or that ran different branches, would otherwise size
@@ -106,7 +111,8 @@ class OverheadBudget:
         The batch and each layer's rows become their mean over the ranks that saw them
         (rounded up): a rank's own step is what the budget weighs against. Each layer's
         rows of the step become their sum: the averaged factors are built from all of
-        them, as one process would build them from the whole batch.
+        them, as one process would build them from the whole batch; with ``local_factors``
+        (``dp``: an owner's own batch) their mean, as the batch's.
         """
         if not control.active or self.choice is not None:
             return
@@ -123,6 +129,8 @@ class OverheadBudget:
         rows, present, step_rows = (values[2 + i * count : 2 + (i + 1) * count] for i in range(3))
         self.batch = -(-batch // seen) if seen else None
         self.rows = {n: -(-r // k) for n, r, k in zip(names, rows, present, strict=True) if k}
+        if local_factors:
+            step_rows = [-(-r // k) if k else r for r, k in zip(step_rows, present, strict=True)]
         self.step_rows = {n: r for n, r in zip(names, step_rows, strict=True) if r}
 
     def decide(
