@@ -17,6 +17,7 @@ from dkfac.app.models import LANGUAGE_MODELS
 from dkfac.app.parallel import flag_problem
 from dkfac.app.runconfig import dkfac_defaults, kfac_config_from_args
 from dkfac.app.schedules import parse_piecewise
+from dkfac.app.session import KFAC_RUNS
 from dkfac.config import check_schedule_value
 from dkfac.optimizer import DEFAULT_LR
 
@@ -128,7 +129,7 @@ def _check_kfac(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         except re.error as err:
             parser.error(f"--skip-layers {pattern!r} is not a regular expression: {err}")
     names = args.optimizers.split(",") if args.command == "compare" else [args.optimizer]
-    kfac = [n for n in names if n.startswith("kfac") or n == "dkfac"]
+    kfac = [n for n in names if n in KFAC_RUNS]
     # Checked as `dkfac` reads them when it is the only K-FAC optimizer of the run.
     defaults = dkfac_defaults(args) if kfac == ["dkfac"] else None
     checked = argparse.Namespace(**vars(args))

@@ -26,9 +26,6 @@ __all__ = ["idle_flags", "kfac_dests", "warn_idle_flags"]
 
 _log = logging.getLogger(__name__)
 
-KFAC_OPTIMIZERS = frozenset(KFAC_RUNS)
-"""The optimizers that read the K-FAC flags."""
-
 _Rule = tuple[Callable[[argparse.Namespace, frozenset[str]], bool], str]
 
 RULES: dict[str, _Rule] = {
@@ -99,10 +96,10 @@ def idle_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
     messages = []
     kfac = kfac_dests(parser)
     for dest in sorted(given):
-        if dest in kfac and not optimizers & KFAC_OPTIMIZERS:
+        if dest in kfac and not optimizers & set(KFAC_RUNS):
             messages.append(
                 f"{_flag(dest)} is a K-FAC option and no optimizer of the run is "
-                f"{', '.join(sorted(KFAC_OPTIMIZERS))}: it is not read"
+                f"{', '.join(sorted(KFAC_RUNS))}: it is not read"
             )
         elif dest in RULES and not RULES[dest][0](args, optimizers):
             messages.append(f"{_flag(dest)} is given but {RULES[dest][1]}: it is not read")
