@@ -403,6 +403,30 @@ def test_a_grad_scaler_not_given_is_named_in_one_warning(caplog: pytest.LogCaptu
     assert "4096 times" in named[0].getMessage() and "grad_scaler=scaler" in named[0].getMessage()
 
 
+def test_clipping_without_a_scaler_is_named_as_what_the_ratio_may_be(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Gradients clipped 2000-fold before ``step()`` and no scaler: the captured sums are
+    2000 times the gradients, no power of two; the warning says that clipping explains it.
+    A scaler's exact power of two (above) gets no such remark."""
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model)
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        for step in range(2):
+            x, y = _batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(norm) / 2000)
+            opt.step()
+    (message,) = [r.getMessage() for r in caplog.records if "GradScaler" in r.getMessage()]
+    assert "2000 times" in message and "clip_grad_norm_" in message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        _scaled_run(_mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    assert "clip_grad_norm_" not in caplog.text
+
+
 def test_a_grad_scaler_given_or_absent_raises_no_warning(caplog: pytest.LogCaptureFixture) -> None:
     given = _mlp()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)

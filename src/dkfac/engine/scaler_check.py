@@ -64,22 +64,35 @@ def looks_scaled(ratio: float, world_size: int) -> bool:
         return True
     if world_size > 1 or ratio < 2.0:
         return False
+    return _power_of_two(ratio)
+
+
+def _power_of_two(ratio: float) -> bool:
     power = math.log2(ratio)
     return abs(power - round(power)) < 0.01
 
 
 def warn_if_scaled(ratio: float, world_size: int) -> bool:
-    """Logs the one warning when ``ratio`` looks like an unannounced loss scale."""
+    """Logs the one warning when ``ratio`` looks like an unannounced loss scale. A large
+    ratio that is no power of two on one process may also be gradient clipping between the
+    backward and ``step()`` (``clip_grad_norm_`` divides the gradients, not the captured
+    sums), which the warning then says."""
     if not looks_scaled(ratio, world_size):
         return False
+    clipped = world_size == 1 and not _power_of_two(ratio)
     logger.warning(
         "the output gradients the K-FAC hooks captured are %.4g times the parameters' "
         "gradients at step(): a torch.amp.GradScaler (or another loss scale) scales the "
         "backward but was not given to the preconditioner, so the output-gradient factors "
         "are about %.3g times too large; pass grad_scaler=scaler to KFACPreconditioner "
-        "(KFACOptimizer.for_model(model, grad_scaler=scaler))",
+        "(KFACOptimizer.for_model(model, grad_scaler=scaler))%s",
         ratio,
         ratio**2,
+        "; the ratio is no power of two, so if the gradients were clipped by that factor "
+        "between the backward and step() (clip_grad_norm_) and no loss scale is used, "
+        "nothing is wrong"
+        if clipped
+        else "",
     )
     return True
 
