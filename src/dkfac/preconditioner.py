@@ -51,7 +51,7 @@ from dkfac.engine.guards import GradientMarks, HookOwnership
 from dkfac.engine.introspection import describe_table, memory_usage, running_factors
 from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, layers_device
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.overhead import OverheadBudget
 from dkfac.engine.phases import phase
@@ -486,7 +486,7 @@ class KFACPreconditioner:
         )
 
     def _device(self) -> torch.device:
-        return next(iter(self.layers.values())).block.parameters()[0].device
+        return layers_device(self.layers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (a collective with several ranks).

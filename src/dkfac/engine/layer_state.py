@@ -31,7 +31,7 @@ from dkfac.solvers.statistics import (
     StatisticKind,
 )
 
-__all__ = ["LayerState", "PendingSink", "take_means_all", "update_running_all"]
+__all__ = ["LayerState", "PendingSink", "layers_device", "take_means_all", "update_running_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -338,6 +338,12 @@ class PendingSink:
     def tensors(self) -> list[Tensor]:
         """Holds no tensor."""
         return []
+
+
+def layers_device(layers: Mapping[str, LayerState]) -> torch.device:
+    """The device of the layers' parameters (the first layer's): where the ranks' small
+    control tensors are built, since NCCL reduces CUDA tensors only."""
+    return next(iter(layers.values())).block.parameters()[0].device
 
 
 def update_running_all(

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.distributed.control import ControlMessages
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, layers_device
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
 __all__ = ["BUDGETED_OPTIONS", "LARGER_BATCH_FACTOR", "OverheadBudget"]
@@ -121,7 +121,7 @@ class OverheadBudget:
         local += [float(self.rows.get(n, 0)) for n in names]
         local += [float(n in self.rows) for n in names]
         local += [float(self.step_rows.get(n, 0)) for n in names]
-        device = next(iter(layers.values())).block.parameters()[0].device  # NCCL needs CUDA
+        device = layers_device(layers)
         total = control.sum_control(torch.tensor(local, dtype=torch.float64, device=device))
         values = [round(v) for v in total.tolist()]
         count = len(names)

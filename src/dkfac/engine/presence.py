@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.comm import Communicator
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, layers_device
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def agree_presence(
     stat_flags = [not layers[n].captures or k in stats.get(n, {}) for n, k in all_keys]
     grad_absent = [grads[name] is None for name in layers]
     other_absent = [p.grad is None for p in other_params]
-    device = next(iter(layers.values())).block.parameters()[0].device  # NCCL needs CUDA
+    device = layers_device(layers)
     local = torch.tensor(stat_flags + grad_absent + other_absent, dtype=torch.bool, device=device)
     agreed = comm.all_true(local).tolist()
     skipped = set()

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from dkfac.distributed.comm import Communicator
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, layers_device
 from dkfac.engine.refresh import AdaptiveRefresh, RefreshPolicy
 
 __all__ = ["agree_intervals", "mark_due", "record_refreshes", "refresh_report"]
@@ -93,7 +93,7 @@ def agree_intervals(
     if not keys or not comm.active:
         return
     intervals = {key: refresh.interval(key) for key in recorded}
-    device = next(iter(layers.values())).block.parameters()[0].device  # NCCL: CUDA
+    device = layers_device(layers)
     values = torch.tensor(
         [[float(intervals.get(k, 0)), float(k in intervals)] for k in keys],
         dtype=torch.float64,
