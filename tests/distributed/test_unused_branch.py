@@ -158,3 +158,60 @@ def test_a_branch_whose_first_statistics_were_skipped_joins_at_its_next_step(
     for result in results:
         assert result["waiting"] == [["branch"], [], []], strategy
     assert_ranks_match([r["params"] for r in results], results[0]["params"], label=strategy)
+
+
+EVAL_STEPS = 2  # the branch is held in eval mode for the first steps, then trained
+
+
+def _eval_branch_main(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    """The branch in eval mode at steps 0-1 and in train mode after, under DDP's overlapped
+    reduction (``find_unused_parameters=False``), and the serial twin on the global batch."""
+
+    def modes(run: Run) -> None:
+        run.model.use_branch = True
+        run.model.branch.train(run.step >= EVAL_STEPS)
+
+    waiting: list[list[str]] = []
+
+    def train(shard_rank: int | None) -> Run:
+        distributed = shard_rank is not None
+        after = (lambda run: waiting.append(sorted(run.pre.late.waiting))) if distributed else None
+        return train_sharded(
+            shard_rank,
+            world,
+            model_fn=lambda: _Branchy().double(),
+            batch_fn=lambda step: _batch(step, world),
+            steps=EVAL_STEPS + 2,
+            ddp=distributed,
+            momentum=0.0,
+            hooks=Hooks(before_forward=modes, after_step=after),
+            strategy=strategy,
+            factor_decay=0.5,
+            inverse_update_interval=1,
+            kl_clip=None,
+        )
+
+    run = train(rank)
+    assert run.pre.eager is not None, "DDP without unused parameters overlaps"
+    serial = train(None)
+    return {
+        "params": run.params(),
+        "serial": serial.params(),
+        "factors": sorted(run.pre.factors()),
+        "waiting": waiting,
+    }
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "dp"])
+def test_a_layer_trained_in_eval_mode_under_the_overlapped_reduction(strategy: str) -> None:
+    """Its statistics are skipped on every rank alike while it is in eval mode, as on one
+    process (no rank raises for the layer it lacks); it is captured once back in train mode.
+    The ranks end equal, and under ``replicated`` equal to the one-process run on the global
+    batch (``dp``'s factors are an owner's own rows, so its run is not that one)."""
+    results = run_distributed(_eval_branch_main, 2, strategy, timeout=90)
+    want = results[0]["serial"] if strategy == "replicated" else results[0]["params"]
+    assert_ranks_match([r["params"] for r in results], want, label=strategy)
+    assert any("branch" in r["factors"] for r in results), strategy
+    # It waits for statistics while held (not refreshed from none), then joins.
+    for result in results:
+        assert result["waiting"] == [["branch"]] * EVAL_STEPS + [[], []], strategy

@@ -25,6 +25,12 @@ same buffers) are handed to the strategy as soon as they are final:
   than ``accumulation_steps``) in the same order and waits once. No host synchronisation
   happens in the hooks; the GradScaler's ``1/scale²`` is applied after the reduction.
 
+* **Layers in eval mode.** The hooks capture nothing from a layer whose module is in eval
+  mode (:mod:`dkfac.engine.eval_mode`). A mode is set by the training loop, the same on
+  every rank, and is final once the forward has run, so the plan is settled at the step's
+  first hook (or in ``step()``): a due layer held in eval mode then sends no statistics on
+  any rank, and ``step()`` names it as skipped, as the presence agreement would.
+
 This is correct only when every rank runs every layer on every step: there is no presence
 agreement on this path (a rank that skipped a layer would launch fewer collectives). A rank
 that finds a planned layer without statistics or gradient raises ``RuntimeError`` in
@@ -148,6 +154,8 @@ class EagerReducer:
     Attributes:
         launched: Buckets launched so far this step (a prefix of :attr:`buckets`).
         buckets: This step's buckets of layer names, in launch order.
+        held: The layers due this step whose module is in eval mode (they capture nothing,
+            so they send no statistics and are skipped on every rank).
     """
 
     def __init__(
@@ -170,6 +178,8 @@ class EagerReducer:
         self.with_gradients = with_gradients
         self.buckets: list[list[str]] = []
         self.launched = 0
+        self.held: set[str] = set()
+        self._settled = False
         self._capturing = False
         self._counts: dict[int, int] = {}
         self._ready: set[str] = set()
@@ -198,25 +208,56 @@ class EagerReducer:
         self._hooks.clear()
 
     # ------------------------------------------------------------------ planning
-    def _factor_traffic(self, layer: LayerState) -> bool:
+    def _due(self, layer: LayerState) -> bool:
+        """Whether the layer has statistics due this step (on every rank alike: under
+        ``dp`` only its owner captures them)."""
+        return self._capturing and bool(layer.due) and _trainable(layer)
+
+    def _factor_traffic(self, name: str, layer: LayerState) -> bool:
         return (
-            self._capturing
-            and self.strategy.factor_reduction != "none"
+            self.strategy.factor_reduction != "none"
             and layer.captures
-            and bool(layer.due)
-            and _trainable(layer)
+            and self._due(layer)
+            and name not in self.held
         )
 
     def plan(self, capturing: bool) -> None:
         """Forms this step's buckets (the same on every rank) and forgets the last step's."""
         self._capturing = capturing
+        self.held = set()
+        self._settled = False
+        self._form_buckets()
+        self.launched = 0
+        self._counts.clear()
+        self._ready.clear()
+        self._stats = {}
+        self._grads = {}
+        self._handles = []
+        self._missing_g = False
+        self._problem = None
+
+    def _settle(self) -> None:
+        """Once a step, after the forward: drops the statistics of due layers held in eval
+        mode from the plan (module notes; the same on every rank)."""
+        if self._settled:
+            return
+        self._settled = True
+        self.held = {
+            name
+            for name, layer in self.layers.items()
+            if self._due(layer) and not layer.block.module.training
+        }
+        if self.held:
+            self._form_buckets()
+
+    def _form_buckets(self) -> None:
         self.buckets = []
         size = 0
         for name in reversed(list(self.layers)):
             layer = self.layers[name]
             nbytes = 0
             element = layer.block.parameters()[0].element_size()
-            if self._factor_traffic(layer):
+            if self._factor_traffic(name, layer):
                 shapes = layer.stored_shapes()
                 nbytes += sum(math.prod(shapes[key]) for key in layer.due) * element
             if self.with_gradients and _trainable(layer):
@@ -228,14 +269,6 @@ class EagerReducer:
                 size = 0
             self.buckets[-1].append(name)
             size += nbytes
-        self.launched = 0
-        self._counts.clear()
-        self._ready.clear()
-        self._stats = {}
-        self._grads = {}
-        self._handles = []
-        self._missing_g = False
-        self._problem = None
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, key: int) -> None:
@@ -260,6 +293,7 @@ class EagerReducer:
             return
         if count < last:
             return
+        self._settle()
         for name in self._users[key]:
             params = [p for p in self.layers[name].block.parameters() if p.requires_grad]
             if all(self._counts.get(id(p), 0) >= last for p in params):
@@ -285,7 +319,7 @@ class EagerReducer:
         grads: dict[str, Tensor] = {}
         for name in names:
             layer = self.layers[name]
-            if self._factor_traffic(layer):
+            if self._factor_traffic(name, layer):
                 means, missing_g = self.capture.take_layer(layer)
                 self._missing_g = self._missing_g or missing_g
                 if means is None or set(means) != set(layer.due):
@@ -324,12 +358,14 @@ class EagerReducer:
 
         Returns:
             ``(statistics by layer, handle)``; the statistics are final after ``wait()``.
+            The due layers held in eval mode, skipped on every rank, are :attr:`held`.
 
         Raises:
             RuntimeError: When this rank lacks a planned layer's statistics or gradient,
                 ran more backward passes than ``accumulation_steps``, or (``fisher="mc"``)
                 captured no sampled G.
         """
+        self._settle()
         self._launch_in_order(pending_too=True)
         if self._problem is None:
             self._problem = self._late_statistics()

@@ -5,8 +5,9 @@ BatchNorm updates its running statistics only there, so an evaluation forward ru
 gradients enabled never enters the factors. A layer that is trained while in eval mode
 (``model.eval()`` before the training loop, or ``backbone.eval()`` to hold its BatchNorm
 statistics) therefore gets no new statistics: it is preconditioned with those of its
-train-mode steps, or takes its plain gradient while it has none (and under DDP's overlapped
-reduction ``step()`` raises, as for any layer a rank skips). That is easy to miss, so
+train-mode steps, or takes its plain gradient while it has none (on every rank alike: the
+overlapped reduction leaves such a layer out of the step's plan, :mod:`dkfac.engine.eager`).
+That is easy to miss, so
 :class:`EvalModeLayers` names such layers in one warning, at the first step that would
 have captured them (a scheduled capture, or the step after a layer was seen uncaptured).
 An affine BatchNorm held in eval mode to freeze its statistics is such a layer too:

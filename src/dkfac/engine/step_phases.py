@@ -137,7 +137,8 @@ def reduce_statistics(
 ) -> tuple[dict[str, dict[str, Tensor]], set[str]]:
     """Phase 1's traffic (overlapped or not); this step's reduced statistics by layer, and
     the layers with a due statistic skipped on every rank (not captured everywhere:
-    :func:`~dkfac.engine.presence.agree_presence`; none on the overlapped path).
+    :func:`~dkfac.engine.presence.agree_presence`; on the overlapped path the due layers
+    held in eval mode).
 
     Args:
         parts: The step's parts.
@@ -149,10 +150,10 @@ def reduce_statistics(
     layers, capture, other_params = parts.layers, parts.capture, parts.other_params
     if parts.eager is not None:
         # Every rank has every layer whose factors it sends (or it raised); what a dp owner
-        # alone lacks no other rank can know without a host read, so nothing counts as
-        # skipped on this path.
+        # alone lacks no other rank can know without a host read, so only the layers every
+        # rank holds in eval mode count as skipped on this path.
         new, handle = parts.eager.finish(grads, other_params)
-        skipped: set[str] = set()
+        skipped = set(parts.eager.held)
     else:
         new = capture.collect(layers, 1.0) if capturing else {}
         skipped = agree_presence(parts.comm, layers, new, grads, other_params)
