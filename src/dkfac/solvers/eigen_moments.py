@@ -124,8 +124,10 @@ on this CPU they do not at the shapes measured); the engine groups the layers by
 :meth:`EigenMomentsSolver.batch_key`. A structured input side is applied layer by layer.
 On a launch-bound device the groups of one set of options (all shapes) go further: their
 moments and scaling run as one flat elementwise pass (:meth:`EigenMomentsSolver.apply_groups`,
-:mod:`dkfac.solvers.flat_moments`), the same values bit for bit. The products with the
-bases are in :mod:`dkfac.solvers.rotations`.
+:mod:`dkfac.solvers.flat_moments`), the same values bit for bit, and an orthogonalised
+update's polar factors (without a split) as one zero-padded batched iteration for the small
+ones (:mod:`dkfac.solvers.padded_polar`), the same values to the rounding. The products
+with the bases are in :mod:`dkfac.solvers.rotations`.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ from dkfac.solvers.moment_carry import (
 )
 from dkfac.solvers.moment_options import MomentOptions
 from dkfac.solvers.null_space import null_weights
+from dkfac.solvers.padded_polar import orthogonal_updates
 from dkfac.solvers.polar import NS_STEPS, orthogonal_update, weighted_polar
 from dkfac.solvers.precision import low_precision, moment_dtype
 from dkfac.solvers.rotations import (
@@ -287,10 +290,37 @@ class EigenMomentsSolver(EigenBasisSolver):
             scaled = weighted_polar(ratio, weight, rms, steps)
         else:
             new = self.update_moments(moments, rotated)
-            plain = self.scaled(new, rotated, damping, null=null)
-            scaled = orthogonal_update(plain, rms, steps, self.options.orthogonal_rms_power)
+            scaled = self.orthogonalised(self.scaled(new, rotated, damping, null=null))
         update = change_basis(scaled, state_out, out, out=True)
         return update.to(grad.dtype), new
+
+    @property
+    def orthogonalises(self) -> bool:
+        """Whether the update in the basis is replaced by its polar factor with no split
+        (:meth:`orthogonalised`)."""
+        return self.options.orthogonal_rms is not None and not self.options.orthogonal_split
+
+    def orthogonalised(self, scaled: Tensor) -> Tensor:
+        """The update in the basis ``scaled`` (a matrix or a stack) replaced by its polar
+        factor at ``orthogonal_rms`` where :attr:`orthogonalises` (module notes);
+        ``scaled`` itself otherwise."""
+        options = self.options
+        if options.orthogonal_rms is None or options.orthogonal_split:
+            return scaled
+        return orthogonal_update(
+            scaled, options.orthogonal_rms, options.orthogonal_steps, options.orthogonal_rms_power
+        )
+
+    def orthogonalised_all(self, scaled: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`orthogonalised` of each update of several groups, the small ones as one
+        zero-padded batched iteration (:mod:`~dkfac.solvers.padded_polar`: the same values
+        to the rounding, a few launches for all)."""
+        options = self.options
+        if options.orthogonal_rms is None or options.orthogonal_split:
+            return list(scaled)
+        return orthogonal_updates(
+            scaled, options.orthogonal_rms, options.orthogonal_steps, options.orthogonal_rms_power
+        )
 
     def moment_step(
         self,
@@ -413,10 +443,13 @@ class EigenMomentsSolver(EigenBasisSolver):
     def fuse_key(self, state: SolverState, grad: Tensor) -> Hashable | None:
         """The class, the options and the gradient's dtype and device, for a state and
         gradient that :meth:`batch_key` batches and an update that is not orthogonalised
-        (the polar factor is per matrix); else ``None``. A layer floored in a null space
+        with a split (whose weights come from the moments within the pass); else ``None``.
+        An orthogonalised update joins: its moments and scaling run in the flat pass and
+        its polar factor per group (:meth:`orthogonalised`). A layer floored in a null space
         (:mod:`~dkfac.solvers.null_space`) joins too: the flat pass takes its floor per
         layer."""
-        if self.options.orthogonal_rms is not None or self.batch_key(state, grad) is None:
+        split = self.options.orthogonal_rms is not None and self.options.orthogonal_split
+        if split or self.batch_key(state, grad) is None:
             return None
         return (type(self), self.options, grad.dtype, grad.device)
 

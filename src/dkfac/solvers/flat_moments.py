@@ -7,7 +7,11 @@ a GPU. Elementwise work does not care about shapes: here the rotated gradients o
 group are laid end to end in one flat vector, and the moments of every layer are held the
 same way, so each elementwise pass of :meth:`~EigenMomentsSolver.update_moments` and
 :meth:`~EigenMomentsSolver.scaled` runs once for all layers. Only the rotations into and
-out of each basis stay per group (batched products of one shape).
+out of each basis stay per group (batched products of one shape). Where the update is
+orthogonalised (a polar factor without a split), the groups' scaled updates then take
+their polar factors together (:meth:`~EigenMomentsSolver.orthogonalised_all`: one
+zero-padded iteration for the small ones, :mod:`dkfac.solvers.padded_polar`), before each
+group's rotation out.
 
 The count ``t`` is per layer; its bias corrections are taken per element from ``t``
 repeated to each layer's entries (an index made once for a composition of groups, on the
@@ -16,7 +20,8 @@ device, from no host data). So is Adam's rounding floor of the layers with a sin
 the flat ``v``'s slices, repeated to its entries, and its null coordinates are a flat vector
 of weights (0 for a layer without null directions) built when the states change, i.e. at a
 refresh. Each layer's result is the same elementwise formula on the same numbers as in its
-group's own pass: the updates and moments are equal bit for bit (on a CPU; a GPU's
+group's own pass: the updates and moments are equal bit for bit (an orthogonalised
+update to the rounding of its padded products; on a CPU; a GPU's
 multi-tensor norm may sum a layer in another order than its own norm, a rounding apart).
 
 Each layer's new moments are views of the flat vectors (the moments are never changed in
@@ -74,6 +79,15 @@ class MomentSolver(Protocol):
         """Zero moments of a layer."""
         ...
 
+    @property
+    def orthogonalises(self) -> bool:
+        """Whether the update in the basis takes a polar factor."""
+        ...
+
+    def orthogonalised_all(self, scaled: Sequence[Tensor]) -> list[Tensor]:
+        """Each update in the basis after the polar factor, where the options take one."""
+        ...
+
     def moment_step(
         self,
         moments: SolverState,
@@ -124,9 +138,8 @@ class FlatMoments:
         """
         first = groups[0].grads[0]
         work = moment_dtype(first.dtype)
-        into, out = solver.rotation_dtypes(first)
         rotated: list[Tensor] = []
-        outs: list[SolverState] = []
+        outs: list[tuple[torch.dtype | None, SolverState]] = []
         states: list[SolverState] = []
         for job in groups:
             own: MomentSolver = job.solver  # type: ignore[assignment]
@@ -134,9 +147,10 @@ class FlatMoments:
             grad = torch.stack(list(job.grads)) if many else job.grads[0]
             state = own.stacked_states(job.states) if many else job.states[0]
             states.append(state)
+            into, out = own.rotation_dtypes(job.grads[0])  # out: by shape when orthogonalised
             state_in, state_out = own.rotation_states(state, into, out)
             rotated.append(change_basis(grad.to(work), state_in, into))
-            outs.append(state_out)
+            outs.append((out, state_out))
         sizes = tuple(len(job.grads) * job.grads[0].numel() for job in groups)
         layers = tuple(n for job in groups for n in [job.grads[0].numel()] * len(job.grads))
         flat_r = torch.cat([r.reshape(-1) for r in rotated])
@@ -145,7 +159,10 @@ class FlatMoments:
         index = self._layer_index(layers, flat_r.device)
         null = self._null_weights(states, [r.shape for r in rotated])
         new, scaled = solver.moment_step(old, flat_r, damping, index, null=null)
-        if out is not None and all(dense_side(state) for state in outs):
+        polar = solver.orthogonalises  # per group, below
+        out = outs[0][0]
+        one_cast = not polar and all(o == out and dense_side(st) for o, st in outs)
+        if out is not None and one_cast:
             scaled = scaled.to(out)  # what each group's rotation out casts its part to
         if advance is not None:
             new = select_moments(advance, new, old)  # type: ignore[assignment]
@@ -158,9 +175,14 @@ class FlatMoments:
         starts = [sum(counts[:g]) for g in range(len(counts))]
         views["t"] = [each_t[start : start + n] for start, n in zip(starts, counts, strict=True)]
         slices: list[SolverState] = []
-        for g, (job, part) in enumerate(zip(groups, scaled.split(sizes), strict=True)):
-            shape = rotated[g].shape
-            update = change_basis(part.view(shape), outs[g], out, out=True).to(first.dtype)
+        in_basis = [
+            part.view(r.shape) for part, r in zip(scaled.split(sizes), rotated, strict=True)
+        ]
+        if polar:  # every group's polar factor in one padded iteration where small
+            in_basis = solver.orthogonalised_all(in_basis)
+        for g, job in enumerate(groups):
+            group_out, state_out = outs[g]
+            update = change_basis(in_basis[g], state_out, group_out, out=True).to(first.dtype)
             mine = [{key: views[key][g][i] for key in new} for i in range(len(job.grads))]
             slices += mine
             updates = update.unbind(0) if len(job.grads) > 1 else [update]
