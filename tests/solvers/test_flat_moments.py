@@ -1,16 +1,16 @@
 """``apply_groups``: layer groups of several shapes, their elementwise work as one flat pass.
 
-Oracle: each group's own :meth:`~dkfac.solvers.base.Solver.apply_batch` on twin solvers
-(the per-group path), bit for bit: the flat pass runs the same elementwise formulas on the
-same numbers, and each group's rotations are its own (an orthogonalised update to the
-rounding: the groups' polar factors are one zero-padded iteration). Over several steps (the flat moments
-read back from the last call), with fresh, carried and replaced moments mixed, an advance
-that fails on one step, and every option the flat pass takes (Nesterov without bias
-correction, EKFAC, one-sided and block-diagonal sides, lowered rotations); each with full-rank
-factors and with singular ones in some groups (Adam's rounding floor in their null
-directions, taken per layer of the flat moments, beside groups without one), the orthogonal
-update (its polar factor per group). The orthogonal update with a split and the structured
-input side are not fused (``fuse_key`` is ``None``).
+Oracle: each group's own :meth:`~dkfac.solvers.base.Solver.apply_batch` on twin solvers (the
+per-group path), bit for bit: the flat pass runs the same elementwise formulas on the same
+numbers, and each group's rotations are its own (an orthogonalised update to the rounding:
+the groups' polar factors are one zero-padded iteration). Over several steps (the flat
+moments read back from the last call), with fresh, carried and replaced moments mixed, an
+advance that fails on one step, and every option the flat pass takes (Nesterov without bias
+correction, EKFAC, one-sided and block-diagonal sides, lowered rotations); each with
+full-rank factors and with singular ones in some groups (Adam's rounding floor in their null
+directions, taken per layer of the flat moments, beside groups without one), and the
+orthogonalised update. The orthogonal update with a split and the structured input side are
+not fused (``fuse_key`` is ``None``).
 """
 
 from __future__ import annotations
