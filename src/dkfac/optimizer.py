@@ -392,8 +392,12 @@ class KFACOptimizer(Optimizer):
         self._skipped, self._skipped_late = value, None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the gradients through the inner optimizer."""
+        """Clears the gradients through the inner optimizer, and the statistics the
+        backward passes since the last step captured
+        (:meth:`~dkfac.KFACPreconditioner.discard_backward`: a step that a GradScaler
+        skipped, or a closure evaluated again, leaves none behind)."""
         self.inner.zero_grad(set_to_none=set_to_none)
+        self.preconditioner.discard_backward()
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, with the K-FAC part in its first group.

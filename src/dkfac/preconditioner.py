@@ -240,6 +240,25 @@ class KFACPreconditioner:
         if self.eager is not None:
             self.eager.plan(self.capture.active)
 
+    def discard_backward(self) -> None:
+        """Forgets what the hooks captured since the last step, if a backward pass ran since.
+
+        :meth:`dkfac.KFACOptimizer.zero_grad` calls it: gradients cleared before a step
+        that never ran (a ``GradScaler`` that skipped it for an overflow, a closure
+        evaluated again) take their statistics with them, so that the next step's factors
+        are its own backward passes' only. A forward run before ``zero_grad`` and not yet
+        followed by a backward (``loss = f(model(x)); opt.zero_grad(); loss.backward()``)
+        keeps what it captured.
+        """
+        if not self.capture.counter.seen:
+            return
+        for layer in self.layers.values():
+            layer.reset_accumulators()
+            layer.input_square, layer.input_forwards = None, 0
+        if self.eager is not None:
+            self.eager.discard()
+        self.capture.end_step(self._params().values())
+
     def sample_fisher(self, outputs: Tensor, loss: str = "cross_entropy") -> None:
         """Feeds the G factors from one backward of targets sampled from ``outputs``.
 
@@ -319,6 +338,8 @@ class KFACPreconditioner:
         with phase("dkfac.factors"):
             new, skipped = reduce_statistics(parts, grads, capturing, cfg.fisher, self.grad_scaler)
             finite, keep = agree_finite(parts, new, grads, step, self.flags_on_device)
+            # A waiting layer whose statistics were not finite got none: it keeps waiting.
+            skipped = skipped | {name for name, (ok, _) in finite.items() if not ok}
             self.last_refreshed = update_factors(parts, new, finite, step, cfg, self.refresh)
             self.gradients_finite = (
                 keep.all() if keep is not None else all(flags[1] for flags in finite.values())

@@ -270,6 +270,12 @@ class EagerReducer:
             self.buckets[-1].append(name)
             size += nbytes
 
+    def discard(self) -> None:
+        """Drops this step's traffic (its gradients are being discarded, the step will not
+        run): waits for the buckets already launched, then forms the plan again."""
+        join_handles(self._handles).wait()
+        self.plan(self._capturing)
+
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, key: int) -> None:
         if self.synced is None:

@@ -62,6 +62,11 @@ class BackwardCounter:
         self._passes[key] = self._passes.get(key, 0) + 1
 
     @property
+    def seen(self) -> bool:
+        """Whether a backward pass reached a watched parameter since the last reset."""
+        return bool(self._passes)
+
+    @property
     def passes(self) -> int:
         """Backward passes since the last reset (the most through any parameter), at least 1."""
         return max(self._passes.values(), default=1)
