@@ -22,6 +22,7 @@ Checkpoints: :mod:`~dkfac.engine.saved_state` and :mod:`~dkfac.engine.checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from typing import Any
 
@@ -502,9 +503,14 @@ class KFACPreconditioner:
 
     def _check_saved(self, state: dict[str, Any]) -> Saved:
         device = self._device()
-        return check_saved(
+        saved = check_saved(
             state, self.layers, self.refresh, device, self.leftover, self.budget is not None
         )
+        if saved.choice is None:
+            return saved
+        assert self.budget is not None
+        choice = self.budget.checked(saved.choice, self.layers, self.config)
+        return dataclasses.replace(saved, choice=choice)
 
     def _device(self) -> torch.device:
         return layers_device(self.layers)

@@ -327,6 +327,48 @@ def test_a_saved_choice_that_is_not_one_is_refused() -> None:
             opt.preconditioner.check_state_dict(state)
 
 
+def test_a_refused_choice_changes_nothing() -> None:
+    """A choice whose options no configuration takes is refused before anything changes:
+    the optimizer then trains as its untouched twin."""
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    _step(model, opt, 0)
+    state = opt.preconditioner.state_dict()
+    state["budget"]["orthogonal_steps"] = 0
+    target, untouched = _mlp(), _mlp()
+    loaded = KFACOptimizer.for_model(target, overhead=0.3)
+    fresh = KFACOptimizer.for_model(untouched, overhead=0.3)
+    with pytest.raises(ValueError, match=r"'budget' holds a choice .* orthogonal_steps"):
+        loaded.preconditioner.load_state_dict(state)
+    assert loaded.preconditioner.budget.choice is None  # type: ignore[union-attr]
+    for seed in range(3):
+        _step(target, loaded, seed)
+        _step(untouched, fresh, seed)
+    for a, b in zip(target.parameters(), untouched.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_choice_loads_into_another_method_without_newton_schulz_steps() -> None:
+    """The default's checkpoint (Newton-Schulz steps chosen for its orthogonalised layers)
+    loads into ``method="eigen"``, which has none: its intervals and factor batch apply."""
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    _step(model, opt, 0)
+    chosen = opt.preconditioner.budget.choice  # type: ignore[union-attr]
+    assert chosen is not None and chosen.orthogonal_steps is not None
+    target = _mlp()
+    eigen = KFACOptimizer.for_model(target, overhead=0.3, method="eigen")
+    eigen.load_state_dict(opt.state_dict())
+    taken = eigen.preconditioner.budget.choice  # type: ignore[union-attr]
+    assert taken is not None and taken.orthogonal_steps is None
+    config = eigen.preconditioner.config
+    assert config.inverse_update_interval == chosen.inverse_update_interval
+    assert config.factor_update_interval == chosen.factor_update_interval
+    for seed in range(1, 4):
+        _step(target, eigen, seed)
+    assert all(torch.isfinite(p).all() for p in target.parameters())
+
+
 def test_one_sided_sides_are_neither_rotated_nor_refreshed_in_the_count() -> None:
     d = DISPATCH_FLOPS
     assert basis_limit(256) == 192  # 3/4 of the rows: 2s/(3 rows) > ONE_SIDED_SHARE

@@ -211,6 +211,8 @@ def test_a_checkpoint_round_trip_continues_to_the_bit() -> None:
         (lambda s: s["scale"].update(m=torch.zeros(2, 2)), "'m' must be a tensor of shape"),
         (lambda s: s["scale"].update(v=torch.full((1, 1), float("nan"))), "'v' is not finite"),
         (lambda s: s["scale"].pop("t"), "must be a dict of m, v and t"),
+        (lambda s: s["scale"].update(t=torch.full((1,), -3.0)), "'t' is negative"),
+        (lambda s: s["scale"].update(v=torch.full((1, 1), -1.0)), "'v' is negative"),
     ],
 )
 def test_a_bad_saved_state_is_refused_and_nothing_changes(edit: Any, match: str) -> None:

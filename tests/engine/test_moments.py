@@ -230,6 +230,38 @@ def test_saved_moments_of_a_wrong_shape_are_refused() -> None:
         pre.load_state_dict(saved)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("m", float("nan"), "saved moments m is not finite"),
+        ("v", float("inf"), "saved moments v is not finite"),
+        ("v", -1.0, "saved moments 'v' has negative entries"),
+        ("t", -3.0, "saved moments 't' has negative entries"),
+    ],
+)
+def test_saved_moments_that_no_run_makes_are_refused(key: str, value: float, message: str) -> None:
+    """Each would stop training: a NaN or Inf moment skips every later step, a negative
+    count fails in the bias correction."""
+    _, opt = _trained(1)
+    saved = opt.preconditioner.state_dict()
+    entry = saved["layers"]["0"]
+    entry["moments"] = {**entry["moments"], key: torch.full_like(entry["moments"][key], value)}
+    pre = KFACPreconditioner(make_model(), **OPTIONS)
+    with pytest.raises(ValueError, match=f"0: {message}"):
+        pre.load_state_dict(saved)
+
+
+def test_an_entry_without_a_statistic_is_refused() -> None:
+    """A statistic that was not saved is held as ``None``; a missing key is an edited or
+    foreign entry, not silently a layer without statistics."""
+    _, opt = _trained(1)
+    saved = opt.preconditioner.state_dict()
+    del saved["layers"]["0"]["A"]
+    pre = KFACPreconditioner(make_model(), **OPTIONS)
+    with pytest.raises(ValueError, match=r"0: the saved entry lacks \['A'\]"):
+        pre.load_state_dict(saved)
+
+
 def test_memory_counts_the_moments_apart_from_the_solver_state() -> None:
     _, opt = _trained(1)
     pre = opt.preconditioner

@@ -194,8 +194,14 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
             )
         else:
             kinds = layer.kinds
+        absent = sorted(set(shapes) - set(entry))
+        if absent:
+            raise ValueError(
+                f"{name}: the saved entry lacks {absent} (a statistic that was not saved is "
+                "held as None)"
+            )
         for key, shape in shapes.items():
-            value = entry.get(key)
+            value = entry[key]
             if value is None:
                 continue
             if not isinstance(value, Tensor):
@@ -207,8 +213,9 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
 
 
 def _check_moments(name: str, layer: LayerState, moments: Any) -> None:
-    """Raises ValueError unless saved moments are named tensors, matrices of the gradient's
-    ``g_dim × a_dim`` shape or 1-element counts."""
+    """Raises ValueError unless saved moments are named finite tensors, matrices of the
+    gradient's ``g_dim × a_dim`` shape or 1-element counts, with no negative second moment
+    ``v`` or count ``t``."""
     if moments is None:
         return
     if not isinstance(moments, Mapping) or not all(
@@ -222,6 +229,10 @@ def _check_moments(name: str, layer: LayerState, moments: Any) -> None:
                 f"{name}: saved moments {key!r} has shape {tuple(value.shape)}, expected "
                 f"{grad_shape} or (1,)"
             )
+    _check_tensors(f"{name}: saved moments", moments)
+    for key in ("v", "t"):
+        if key in moments and bool((moments[key] < 0).any()):
+            raise ValueError(f"{name}: saved moments {key!r} has negative entries")
 
 
 def check_state(

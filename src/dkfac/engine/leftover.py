@@ -175,6 +175,8 @@ class LeftoverAdam:
                     )
                 if not bool(torch.isfinite(value).all()):
                     raise ValueError(f"{name}: saved leftover moment {key!r} is not finite")
+                if key in ("v", "t") and bool((value < 0).any()):
+                    raise ValueError(f"{name}: saved leftover moment {key!r} is negative")
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]]) -> None:
         """Restores :meth:`state_dict`'s moments (checked first); absent ones start afresh."""

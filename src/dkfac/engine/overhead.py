@@ -207,18 +207,39 @@ class OverheadBudget:
                 self.choice.reason,
             )
 
-    def options(self) -> dict[str, Any]:
-        """The chosen values of the options the user did not set."""
-        if self.choice is None:
+    def options(self, choice: Choice | None = None) -> dict[str, Any]:
+        """The chosen values of the options the user did not set (of ``choice``, or this
+        budget's own choice)."""
+        choice = choice or self.choice
+        if choice is None:
             return {}
         chosen: dict[str, Any] = {
-            "factor_batch_size": self.choice.factor_batch_size,
-            "factor_update_interval": self.choice.factor_update_interval,
-            "inverse_update_interval": self.choice.inverse_update_interval,
+            "factor_batch_size": choice.factor_batch_size,
+            "factor_update_interval": choice.factor_update_interval,
+            "inverse_update_interval": choice.inverse_update_interval,
         }
-        if self.choice.orthogonal_steps is not None:
-            chosen["orthogonal_steps"] = self.choice.orthogonal_steps
+        if choice.orthogonal_steps is not None:
+            chosen["orthogonal_steps"] = choice.orthogonal_steps
         return {k: v for k, v in chosen.items() if k not in self.explicit}
+
+    def checked(self, choice: Choice, layers: Mapping[str, LayerState], config: Any) -> Choice:
+        """A saved ``choice`` as this preconditioner takes it, checked before anything
+        changes: without Newton–Schulz steps where no layer orthogonalises its update (a
+        checkpoint of another method), and refused where its options make no valid
+        configuration with ``config`` (a ``KFACConfig``).
+
+        Raises:
+            ValueError: For chosen options the configuration refuses.
+        """
+        if choice.orthogonal_steps is not None and not any(map(_polar_steps, layers.values())):
+            choice = dataclasses.replace(choice, orthogonal_steps=None)
+        try:
+            dataclasses.replace(config, **self.options(choice))
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"'budget' holds a choice this preconditioner refuses: {err}"
+            ) from None
+        return choice
 
     def apply(self, layers: Mapping[str, LayerState]) -> None:
         """Gives the layers with an orthogonalised update the chosen Newton–Schulz steps
