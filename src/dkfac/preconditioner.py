@@ -445,8 +445,8 @@ class KFACPreconditioner:
 
         A layer's row: name, block, dimensions, method, factor kinds, ``role`` (its
         layer's role in Muon's split, :func:`~dkfac.engine.roles.layer_roles`: ``"input"``,
-        ``"hidden"``, ``"head"``, ``"embedding"``; ``None`` for a normalisation), owner,
-        workers and ``parameters`` (the names of the parameters it preconditions, every
+        ``"hidden"``, ``"head"``, ``"embedding"``; ``None`` for a normalisation), ``owner``,
+        ``grad_workers`` and ``parameters`` (the names of the parameters it preconditions, every
         name of a tied one, ``[a:b]`` for rows of one). ``method``: e.g. ``"eigen"``,
         ``"smw(A=lowrank,G=dense)"``, ``"auto (pending)"`` until the first capture decides
         (:mod:`dkfac.solvers.lowrank.deferred`); likewise ``a_factor``/``g_factor``. A

@@ -130,6 +130,8 @@ def test_grad_worker_groups_p6_and_world_one() -> None:
     assert grad_worker_groups(6, 1 / 3) == [[0, 3], [1, 4], [2, 5]]
     assert grad_receiver_groups(6, 1 / 3) == [[0, 1, 2], [3, 4, 5]]
     assert grad_worker_groups(1, 1.0) == [[0]]
+    assert grad_worker_count(1, 0.5) == 1  # one process: the serial engine, whatever f
+    assert grad_worker_groups(1, 0.25) == [[0]]
 
 
 def test_grad_workers_for_owner() -> None:

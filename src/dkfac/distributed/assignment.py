@@ -97,15 +97,20 @@ def grad_worker_count(world_size: int, grad_worker_fraction: float) -> int:
         grad_worker_fraction: KAISA fraction ``f`` in ``(0, 1]``.
 
     Returns:
-        ``n``, which is at least 1 and divides ``world_size``.
+        ``n``, which is at least 1 and divides ``world_size``; 1 on one rank whatever ``f``
+        (one process is the serial engine, so a script runs unchanged on one rank and on
+        many).
 
     Raises:
-        ValueError: If ``f`` is outside ``(0, 1]`` or ``n`` is 0 or does not divide ``P``.
+        ValueError: If ``f`` is outside ``(0, 1]``, or with several ranks ``n`` is 0 or does
+            not divide ``P``.
     """
     _check_world_size(world_size)
     fraction = float(grad_worker_fraction)
     if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
         raise ValueError(f"grad_worker_fraction must be in (0, 1], got {grad_worker_fraction!r}")
+    if world_size == 1:
+        return 1
     n = round(fraction * world_size)
     if n < 1 or world_size % n != 0:
         raise ValueError(
