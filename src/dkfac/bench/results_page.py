@@ -374,8 +374,9 @@ the code paths a CUDA device takes). SGD's and AdamW's steps include the forward
 backward; K-FAC's plain step preconditions with the current bases, its factor step also
 captures and updates the factors, and its refresh step also recomputes the bases. The
 last two rows take `for_model`'s options (its overhead budget aside): the hidden layers'
-updates are orthogonalised by the Newton–Schulz iteration, which makes most of their
-difference from the `eigen_adam` rows.
+updates are orthogonalised by the Newton–Schulz iteration, whose steps for every hidden
+layer of every shape run as one zero-padded batched iteration on such a device (their
+moments with the other layers' in one flat pass).
 """,
         tables=(dispatch_table(DISPATCHES),),
         notes="""
