@@ -404,12 +404,24 @@ class KFACOptimizer(Optimizer):
         states) and :attr:`skipped_steps` are one ``bytes`` entry of the first group
         (:mod:`dkfac.engine.optimizer_state`). A collective with several ranks (the
         preconditioner's state is gathered from the layers' owners): call it on every rank.
+
+        The hooks registered with ``register_state_dict_pre_hook`` and
+        ``register_state_dict_post_hook`` run as ``torch.optim.Optimizer`` runs them: each
+        pre hook with this optimizer first, then each post hook with this optimizer and the
+        state dict (one that returns a dict replaces it).
         """
-        return optimizer_state.pack(
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
+        state_dict = optimizer_state.pack(
             self.inner.state_dict(),
             self.preconditioner.state_dict(include_inverses=True),
             self.skipped_steps,
         )
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (or one of the older ``"inner"``/``"preconditioner"``
@@ -420,10 +432,22 @@ class KFACOptimizer(Optimizer):
         (its own ``state`` and ``param_groups`` objects, nothing copied). Either way the
         wrapper's ``param_groups`` and ``state`` stay the inner optimizer's.
 
+        The hooks registered with ``register_load_state_dict_pre_hook`` and
+        ``register_load_state_dict_post_hook`` run as ``torch.optim.Optimizer`` runs them:
+        each pre hook with this optimizer and a shallow copy of ``state_dict`` before
+        anything is checked (one that returns a dict replaces it), each post hook with this
+        optimizer once the state has loaded (not after a refused load).
+
         Raises:
             ValueError: If the state dict is not one of this optimizer, or a group's
                 learning rate is not a finite number >= 0; nothing is changed.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch's: a hook may change its keys
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         inner, preconditioner, skipped = optimizer_state.unpack(state_dict)
         if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
             raise ValueError(
@@ -444,3 +468,5 @@ class KFACOptimizer(Optimizer):
             self.param_groups = self.inner.param_groups
             self.state = self.inner.state
         self.skipped_steps = skipped
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)

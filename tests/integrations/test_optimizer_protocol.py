@@ -150,3 +150,46 @@ def test_state_dict_loads_with_weights_only_and_resumes_exactly(options: dict) -
         _step(straight, opt_straight, step)
         _step(fresh, opt_fresh, step)
     assert _same(straight, fresh)
+
+
+def _state_dict_events(opt: torch.optim.Optimizer) -> tuple[list[str], dict, float]:
+    """The hooks torch.optim.Optimizer offers around state dicts, each logged: a prepended
+    one, a post hook that returns a new dict, a load pre hook that returns one with another
+    learning rate. ``(events, the saved dict, the learning rate after the load)``."""
+    events: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: events.append("save pre"))
+    opt.register_state_dict_pre_hook(lambda o: events.append("save pre first"), prepend=True)
+
+    def tag(o: torch.optim.Optimizer, sd: dict) -> dict:
+        events.append("save post")
+        return {**sd, "tag": "saved"}
+
+    def relearn(o: torch.optim.Optimizer, sd: dict) -> dict:
+        events.append(f"load pre {sd.get('tag')}")
+        groups = [{**group, "lr": 0.25} for group in sd["param_groups"]]
+        return {"state": sd["state"], "param_groups": groups}
+
+    opt.register_state_dict_post_hook(tag)
+    opt.register_load_state_dict_pre_hook(relearn)
+    opt.register_load_state_dict_post_hook(lambda o: events.append("load post"))
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    return events, saved, opt.param_groups[0]["lr"]
+
+
+def test_state_dict_hooks_run_as_torchs_optimizers_run_them() -> None:
+    """The hooks registered on the wrapper fire in the order they fire on AdamW, a post hook's
+    dict is what ``state_dict()`` returns, and a load pre hook's dict is what loads."""
+    model, twin = _mlp(), _mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    adamw = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    _step(model, opt, 0)
+    _step(twin, adamw, 0)
+    events, saved, lr = _state_dict_events(opt)
+    expected, adamw_saved, adamw_lr = _state_dict_events(adamw)
+    assert events == expected
+    assert events == ["save pre first", "save pre", "save post", "load pre saved", "load post"]
+    assert saved["tag"] == adamw_saved["tag"] == "saved"
+    assert lr == adamw_lr == 0.25
+    assert opt.inner.param_groups[0]["lr"] == 0.25
+    _step(model, opt, 1)  # the rewritten dict loaded whole: it still steps
