@@ -84,6 +84,33 @@ def _skips_on_device(inner: Optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False))
 
 
+def _check_holds_layers(inner: Optimizer, preconditioner: KFACPreconditioner) -> None:
+    """Every parameter of a registered layer that requires a gradient is one of ``inner``'s
+    (by identity): the inner optimizer steps what the preconditioner preconditions. A frozen
+    parameter may be left out (``filter(lambda p: p.requires_grad, ...)``).
+
+    Raises:
+        ValueError: Naming the registered layers with such a parameter ``inner`` does not
+            hold (an optimizer built over another model, or over part of this one).
+    """
+    held = {id(p) for group in inner.param_groups for p in group["params"]}
+    missing = [
+        name
+        for name, layer in preconditioner.layers.items()
+        if any(p.requires_grad and id(p) not in held for p in layer.block.parameters())
+    ]
+    if missing:
+        shown = ", ".join(repr(name) for name in missing[:10])
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise ValueError(
+            f"the inner optimizer does not hold the trainable parameters of the registered "
+            f"layers {shown}{more}: they would be stepped without preconditioning or not at "
+            "all; build it over the parameters of the model the preconditioner was built on "
+            "(e.g. torch.optim.SGD(model.parameters(), ...)), or leave those layers out of "
+            "the preconditioner (skip_layers)"
+        )
+
+
 def _check_group_rates(groups: Any) -> None:
     """The learning rates of a saved optimizer's groups, checked before anything loads
     (torch loads a NaN or a string, and the next step refused it).
@@ -117,7 +144,9 @@ class KFACOptimizer(Optimizer):
     """Wraps ``inner`` so that every step is preconditioned by ``preconditioner``.
 
     Args:
-        inner: Any ``torch.optim.Optimizer`` over the model's parameters.
+        inner: Any ``torch.optim.Optimizer`` over the model's parameters: it must hold every
+            parameter of the preconditioner's layers that requires a gradient (frozen ones
+            may be left out).
         preconditioner: The :class:`KFACPreconditioner` of the same model.
         skip_nonfinite: Skip the inner step (and log it) when any parameter gradient is not
             finite, before or after preconditioning, so NaN/Inf never reaches the weights
@@ -127,6 +156,8 @@ class KFACOptimizer(Optimizer):
     Raises:
         TypeError: If ``inner`` is not an optimizer, ``preconditioner`` not a
             :class:`KFACPreconditioner`, or ``skip_nonfinite`` not a bool.
+        ValueError: If ``inner`` does not hold a trainable parameter of a registered layer
+            (the message names the layers).
     """
 
     def __init__(
@@ -143,6 +174,7 @@ class KFACOptimizer(Optimizer):
                 f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__}"
             )
         check_bool("skip_nonfinite", skip_nonfinite)
+        _check_holds_layers(inner, preconditioner)
         self.inner = inner
         self.preconditioner = preconditioner
         self.skip_nonfinite = skip_nonfinite

@@ -193,6 +193,44 @@ def test_a_collected_preconditioner_frees_its_layers_and_hooks() -> None:
     assert _forward_hooks(model) == 0
 
 
+# ----------------------------------------------------------------- the inner optimizer
+
+
+def test_an_inner_optimizer_without_the_layers_parameters_is_refused() -> None:
+    """An inner optimizer over another model (or part of this one) would step the layers
+    unpreconditioned, or not at all: refused, naming the layers it misses."""
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    other = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"does not hold .* layers '0', '2': .*model\.parameters"):
+        KFACOptimizer(other, pre)
+    part = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"layers '0': "):
+        KFACOptimizer(part, pre)
+    bias_only = torch.optim.SGD([model[0].bias, *model[2].parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"layers '0': "):
+        KFACOptimizer(bias_only, pre)
+
+
+def test_an_inner_optimizer_without_a_frozen_layers_parameters_is_accepted() -> None:
+    """``filter(lambda p: p.requires_grad, ...)`` leaves a frozen (still registered) layer
+    out: accepted, and it steps as the optimizer over every parameter does."""
+    model, twin = _mlp(), _mlp()
+    for m in (model, twin):
+        m[0].requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = KFACOptimizer(torch.optim.SGD(trainable, lr=0.1), KFACPreconditioner(model))
+    twin_opt = KFACOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1), KFACPreconditioner(twin))
+    assert list(opt.preconditioner.layers) == ["0", "2"]
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        _backward(m)
+        o.step()
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
+    )
+
+
 # ----------------------------------------------------------------- bad values
 
 
