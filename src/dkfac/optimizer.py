@@ -12,6 +12,7 @@ under an SGD without momentum, its factor batch and intervals chosen within
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -111,6 +112,29 @@ def _check_holds_layers(inner: Optimizer, preconditioner: KFACPreconditioner) ->
         )
 
 
+def _check_steps_without_closure(inner: Optimizer) -> None:
+    """``inner.step`` runs without a closure: K-FAC preconditions the one gradient of each
+    step, and an optimizer whose ``step`` requires a closure (``torch.optim.LBFGS``)
+    re-evaluates it several times per step, gradients no preconditioner has seen.
+
+    Raises:
+        ValueError: If ``inner.step`` has a ``closure`` parameter without a default.
+    """
+    try:
+        closure = inspect.signature(inner.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read (a builtin): nothing required
+        return
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return
+    if closure.kind not in (closure.VAR_POSITIONAL, closure.VAR_KEYWORD):
+        raise ValueError(
+            f"the inner optimizer {type(inner).__name__} requires a closure in step(): it "
+            "re-evaluates the model several times per step, and K-FAC preconditions the one "
+            "gradient of each step; use an optimizer that steps on the gradient it is given "
+            "(SGD, Adam, AdamW, ...)"
+        )
+
+
 def _check_group_rates(groups: Any) -> None:
     """The learning rates of a saved optimizer's groups, checked before anything loads
     (torch loads a NaN or a string, and the next step refused it).
@@ -144,9 +168,10 @@ class KFACOptimizer(Optimizer):
     """Wraps ``inner`` so that every step is preconditioned by ``preconditioner``.
 
     Args:
-        inner: Any ``torch.optim.Optimizer`` over the model's parameters: it must hold every
-            parameter of the preconditioner's layers that requires a gradient (frozen ones
-            may be left out).
+        inner: Any ``torch.optim.Optimizer`` over the model's parameters whose ``step``
+            takes the gradients as they are (not one that requires a closure); it must hold
+            every parameter of the preconditioner's layers that requires a gradient (frozen
+            ones may be left out).
         preconditioner: The :class:`KFACPreconditioner` of the same model.
         skip_nonfinite: Skip the inner step (and log it) when any parameter gradient is not
             finite, before or after preconditioning, so NaN/Inf never reaches the weights
@@ -157,7 +182,9 @@ class KFACOptimizer(Optimizer):
         TypeError: If ``inner`` is not an optimizer, ``preconditioner`` not a
             :class:`KFACPreconditioner`, or ``skip_nonfinite`` not a bool.
         ValueError: If ``inner`` does not hold a trainable parameter of a registered layer
-            (the message names the layers).
+            (the message names the layers), or its ``step`` requires a closure
+            (``torch.optim.LBFGS``: it evaluates several gradients per step, K-FAC
+            preconditions one).
     """
 
     def __init__(
@@ -174,6 +201,7 @@ class KFACOptimizer(Optimizer):
                 f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__}"
             )
         check_bool("skip_nonfinite", skip_nonfinite)
+        _check_steps_without_closure(inner)
         _check_holds_layers(inner, preconditioner)
         self.inner = inner
         self.preconditioner = preconditioner

@@ -231,6 +231,42 @@ def test_an_inner_optimizer_without_a_frozen_layers_parameters_is_accepted() -> 
     )
 
 
+class _NeedsClosure(torch.optim.SGD):
+    """An optimizer of no known class whose step re-evaluates a closure, as LBFGS's does."""
+
+    def step(self, closure):  # type: ignore[no-untyped-def, override]
+        for _ in range(2):
+            closure()
+            super().step()
+
+
+class _TakesClosure(torch.optim.SGD):
+    """An optimizer whose step may take a closure, as every optimizer's may."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        return super().step(closure)
+
+
+def test_an_inner_optimizer_whose_step_requires_a_closure_is_refused() -> None:
+    """LBFGS (and any optimizer whose ``step`` requires a closure) evaluates several gradients
+    a step, which K-FAC cannot precondition: refused at construction, not a ``TypeError``
+    at the first step; one whose closure is optional is accepted."""
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    for inner in (
+        torch.optim.LBFGS(model.parameters(), lr=0.1),
+        _NeedsClosure(model.parameters(), lr=0.1),
+    ):
+        name = type(inner).__name__
+        with pytest.raises(ValueError, match=rf"{name} requires a closure in step\(\).*SGD"):
+            KFACOptimizer(inner, pre)
+    opt = KFACOptimizer(_TakesClosure(model.parameters(), lr=0.1), pre)
+    opt.zero_grad()
+    _backward(model)
+    opt.step()
+    assert pre.steps == 1
+
+
 # ----------------------------------------------------------------- bad values
 
 
