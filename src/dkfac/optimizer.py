@@ -455,6 +455,22 @@ class KFACOptimizer(Optimizer):
         """Clears the gradients through the inner optimizer."""
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refuses ``copy.copy``, ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the
+        optimizer object (torch's ``Optimizer.__getstate__`` keeps only its groups and
+        state, so the copy would have no preconditioner and fail at its first call).
+
+        Raises:
+            TypeError: Always: the preconditioner holds hooks on the model and process-group
+                handles, which cannot be copied; save :meth:`state_dict` and rebuild.
+        """
+        raise TypeError(
+            "a KFACOptimizer cannot be copied or pickled: its preconditioner holds hooks on the "
+            "model and process-group handles. Save opt.state_dict() (with the model's "
+            "state_dict()), then build a new optimizer on the restored model and call its "
+            "load_state_dict()"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, with the K-FAC part in its first group.
 

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -193,3 +195,27 @@ def test_state_dict_hooks_run_as_torchs_optimizers_run_them() -> None:
     assert lr == adamw_lr == 0.25
     assert opt.inner.param_groups[0]["lr"] == 0.25
     _step(model, opt, 1)  # the rewritten dict loaded whole: it still steps
+
+
+def test_copying_or_pickling_the_optimizer_is_refused_with_what_to_do() -> None:
+    """A copy or pickle of the optimizer would keep only torch's groups and state (no
+    preconditioner) and fail at its first call: refused, pointing at ``state_dict()``; the
+    optimizer itself is untouched and steps as a twin does."""
+    model, twin = _mlp(), _mlp()
+    opt, twin_opt = KFACOptimizer.for_model(model), KFACOptimizer.for_model(twin)
+    _step(model, opt, 0)
+    _step(twin, twin_opt, 0)
+    copies = {
+        "copy": lambda: copy.copy(opt),
+        "deepcopy": lambda: copy.deepcopy(opt),
+        "deepcopy with the model": lambda: copy.deepcopy((model, opt)),
+        "pickle": lambda: pickle.dumps(opt),
+        "torch.save": lambda: torch.save(opt, io.BytesIO()),
+    }
+    for name, attempt in copies.items():
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*opt\.state_dict\(\)"):
+            attempt()
+            pytest.fail(f"{name} was not refused")
+    _step(model, opt, 1)
+    _step(twin, twin_opt, 1)
+    assert _same(model, twin)
