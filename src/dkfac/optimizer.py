@@ -135,21 +135,43 @@ def _check_steps_without_closure(inner: Optimizer) -> None:
         )
 
 
-def _check_group_rates(groups: Any) -> None:
-    """The learning rates of a saved optimizer's groups, checked before anything loads
-    (torch loads a NaN or a string, and the next step refused it).
+def _check_groups(groups: Any, betas: bool) -> None:
+    """The hyperparameters of a saved optimizer's groups, checked before anything loads
+    (torch loads a NaN or a string, and the next step refused it or put NaN in the weights):
+    ``lr`` (a finite number >= 0, as :meth:`KFACOptimizer.step` takes it), ``weight_decay``
+    (a finite number >= 0, at most float32's largest, as :meth:`KFACOptimizer.for_model`
+    takes it) and, with ``betas`` (the groups' ``"betas"`` drive the moments), ``"betas"``
+    (two numbers in ``[0, 1)``, as ``moment_beta1`` and ``moment_beta2``).
 
     Raises:
-        ValueError: Naming the group, for a rate that is not a finite number >= 0.
+        ValueError: Naming the group, for a value outside those.
     """
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("'param_groups' of the inner state dict must be a list of dicts")
+    largest = float(torch.finfo(torch.float32).max)
     for index, group in enumerate(groups):
-        if "lr" in group:
-            try:
+        try:
+            if "lr" in group:
                 check_schedule_value("lr", group["lr"])
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"param_groups[{index}]: {err}") from None
+            if "weight_decay" in group:
+                check_range(
+                    "weight_decay",
+                    group["weight_decay"],
+                    low=0.0,
+                    high=largest,
+                    low_inclusive=True,
+                    high_inclusive=True,
+                )
+            if betas and "betas" in group:
+                pair = group["betas"]
+                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                    raise ValueError(
+                        f"betas must be a pair (moment_beta1, moment_beta2), got {pair!r}"
+                    )
+                for position, value in enumerate(pair):
+                    check_range(f"betas[{position}]", value, low=0.0, high=1.0, low_inclusive=True)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"param_groups[{index}]: {err}") from None
 
 
 def method_defaults(method: str) -> dict[str, Any]:
@@ -516,7 +538,10 @@ class KFACOptimizer(Optimizer):
 
         Raises:
             ValueError: If the state dict is not one of this optimizer, or a group's
-                learning rate is not a finite number >= 0; nothing is changed.
+                ``lr`` or ``weight_decay`` is not a finite number >= 0 (``weight_decay`` at
+                most float32's largest), or, where the groups' ``"betas"`` are the moments'
+                (:meth:`for_model`), they are not two numbers in ``[0, 1)``; nothing is
+                changed.
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch's: a hook may change its keys
@@ -531,7 +556,7 @@ class KFACOptimizer(Optimizer):
             )
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
-        _check_group_rates(inner["param_groups"])
+        _check_groups(inner["param_groups"], self._betas_drive_moments)
         self.preconditioner.check_state_dict(preconditioner)
         before = {"state": self.inner.state, "param_groups": self.inner.param_groups}
         try:
