@@ -12,6 +12,7 @@ under an SGD without momentum, its factor batch and intervals chosen within
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -84,21 +85,93 @@ def _skips_on_device(inner: Optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False))
 
 
-def _check_group_rates(groups: Any) -> None:
-    """The learning rates of a saved optimizer's groups, checked before anything loads
-    (torch loads a NaN or a string, and the next step refused it).
+def _check_holds_layers(inner: Optimizer, preconditioner: KFACPreconditioner) -> None:
+    """Every parameter of a registered layer that requires a gradient is one of ``inner``'s
+    (by identity): the inner optimizer steps what the preconditioner preconditions. A frozen
+    parameter may be left out (``filter(lambda p: p.requires_grad, ...)``).
 
     Raises:
-        ValueError: Naming the group, for a rate that is not a finite number >= 0.
+        ValueError: Naming the registered layers with such a parameter ``inner`` does not
+            hold (an optimizer built over another model, or over part of this one).
+    """
+    held = {id(p) for group in inner.param_groups for p in group["params"]}
+    missing = [
+        name
+        for name, layer in preconditioner.layers.items()
+        if any(p.requires_grad and id(p) not in held for p in layer.block.parameters())
+    ]
+    if missing:
+        shown = ", ".join(repr(name) for name in missing[:10])
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise ValueError(
+            f"the inner optimizer does not hold the trainable parameters of the registered "
+            f"layers {shown}{more}: they would be stepped without preconditioning or not at "
+            "all; build it over the parameters of the model the preconditioner was built on "
+            "(e.g. torch.optim.SGD(model.parameters(), ...)), or leave those layers out of "
+            "the preconditioner (skip_layers)"
+        )
+
+
+def _check_steps_without_closure(inner: Optimizer) -> None:
+    """``inner.step`` runs without a closure: K-FAC preconditions the one gradient of each
+    step, and an optimizer whose ``step`` requires a closure (``torch.optim.LBFGS``)
+    re-evaluates it several times per step, gradients no preconditioner has seen.
+
+    Raises:
+        ValueError: If ``inner.step`` has a ``closure`` parameter without a default.
+    """
+    try:
+        closure = inspect.signature(inner.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read (a builtin): nothing required
+        return
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return
+    if closure.kind not in (closure.VAR_POSITIONAL, closure.VAR_KEYWORD):
+        raise ValueError(
+            f"the inner optimizer {type(inner).__name__} requires a closure in step(): it "
+            "re-evaluates the model several times per step, and K-FAC preconditions the one "
+            "gradient of each step; use an optimizer that steps on the gradient it is given "
+            "(SGD, Adam, AdamW, ...)"
+        )
+
+
+def _check_groups(groups: Any, betas: bool) -> None:
+    """The hyperparameters of a saved optimizer's groups, checked before anything loads
+    (torch loads a NaN or a string, and the next step refused it or put NaN in the weights):
+    ``lr`` (a finite number >= 0, as :meth:`KFACOptimizer.step` takes it), ``weight_decay``
+    (a finite number >= 0, at most float32's largest, as :meth:`KFACOptimizer.for_model`
+    takes it) and, with ``betas`` (the groups' ``"betas"`` drive the moments), ``"betas"``
+    (two numbers in ``[0, 1)``, as ``moment_beta1`` and ``moment_beta2``).
+
+    Raises:
+        ValueError: Naming the group, for a value outside those.
     """
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("'param_groups' of the inner state dict must be a list of dicts")
+    largest = float(torch.finfo(torch.float32).max)
     for index, group in enumerate(groups):
-        if "lr" in group:
-            try:
+        try:
+            if "lr" in group:
                 check_schedule_value("lr", group["lr"])
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"param_groups[{index}]: {err}") from None
+            if "weight_decay" in group:
+                check_range(
+                    "weight_decay",
+                    group["weight_decay"],
+                    low=0.0,
+                    high=largest,
+                    low_inclusive=True,
+                    high_inclusive=True,
+                )
+            if betas and "betas" in group:
+                pair = group["betas"]
+                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                    raise ValueError(
+                        f"betas must be a pair (moment_beta1, moment_beta2), got {pair!r}"
+                    )
+                for position, value in enumerate(pair):
+                    check_range(f"betas[{position}]", value, low=0.0, high=1.0, low_inclusive=True)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"param_groups[{index}]: {err}") from None
 
 
 def method_defaults(method: str) -> dict[str, Any]:
@@ -117,7 +190,10 @@ class KFACOptimizer(Optimizer):
     """Wraps ``inner`` so that every step is preconditioned by ``preconditioner``.
 
     Args:
-        inner: Any ``torch.optim.Optimizer`` over the model's parameters.
+        inner: Any ``torch.optim.Optimizer`` over the model's parameters whose ``step``
+            takes the gradients as they are (not one that requires a closure); it must hold
+            every parameter of the preconditioner's layers that requires a gradient (frozen
+            ones may be left out).
         preconditioner: The :class:`KFACPreconditioner` of the same model.
         skip_nonfinite: Skip the inner step (and log it) when any parameter gradient is not
             finite, before or after preconditioning, so NaN/Inf never reaches the weights
@@ -127,6 +203,10 @@ class KFACOptimizer(Optimizer):
     Raises:
         TypeError: If ``inner`` is not an optimizer, ``preconditioner`` not a
             :class:`KFACPreconditioner`, or ``skip_nonfinite`` not a bool.
+        ValueError: If ``inner`` does not hold a trainable parameter of a registered layer
+            (the message names the layers), or its ``step`` requires a closure
+            (``torch.optim.LBFGS``: it evaluates several gradients per step, K-FAC
+            preconditions one).
     """
 
     def __init__(
@@ -143,6 +223,8 @@ class KFACOptimizer(Optimizer):
                 f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__}"
             )
         check_bool("skip_nonfinite", skip_nonfinite)
+        _check_steps_without_closure(inner)
+        _check_holds_layers(inner, preconditioner)
         self.inner = inner
         self.preconditioner = preconditioner
         self.skip_nonfinite = skip_nonfinite
@@ -399,6 +481,22 @@ class KFACOptimizer(Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
         self.preconditioner.discard_backward()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refuses ``copy.copy``, ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the
+        optimizer object (torch's ``Optimizer.__getstate__`` keeps only its groups and
+        state, so the copy would have no preconditioner and fail at its first call).
+
+        Raises:
+            TypeError: Always: the preconditioner holds hooks on the model and process-group
+                handles, which cannot be copied; save :meth:`state_dict` and rebuild.
+        """
+        raise TypeError(
+            "a KFACOptimizer cannot be copied or pickled: its preconditioner holds hooks on the "
+            "model and process-group handles. Save opt.state_dict() (with the model's "
+            "state_dict()), then build a new optimizer on the restored model and call its "
+            "load_state_dict()"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, with the K-FAC part in its first group.
 
@@ -408,12 +506,24 @@ class KFACOptimizer(Optimizer):
         states) and :attr:`skipped_steps` are one ``bytes`` entry of the first group
         (:mod:`dkfac.engine.optimizer_state`). A collective with several ranks (the
         preconditioner's state is gathered from the layers' owners): call it on every rank.
+
+        The hooks registered with ``register_state_dict_pre_hook`` and
+        ``register_state_dict_post_hook`` run as ``torch.optim.Optimizer`` runs them: each
+        pre hook with this optimizer first, then each post hook with this optimizer and the
+        state dict (one that returns a dict replaces it).
         """
-        return optimizer_state.pack(
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
+        state_dict = optimizer_state.pack(
             self.inner.state_dict(),
             self.preconditioner.state_dict(include_inverses=True),
             self.skipped_steps,
         )
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (or one of the older ``"inner"``/``"preconditioner"``
@@ -424,10 +534,25 @@ class KFACOptimizer(Optimizer):
         (its own ``state`` and ``param_groups`` objects, nothing copied). Either way the
         wrapper's ``param_groups`` and ``state`` stay the inner optimizer's.
 
+        The hooks registered with ``register_load_state_dict_pre_hook`` and
+        ``register_load_state_dict_post_hook`` run as ``torch.optim.Optimizer`` runs them:
+        each pre hook with this optimizer and a shallow copy of ``state_dict`` before
+        anything is checked (one that returns a dict replaces it), each post hook with this
+        optimizer once the state has loaded (not after a refused load).
+
         Raises:
             ValueError: If the state dict is not one of this optimizer, or a group's
-                learning rate is not a finite number >= 0; nothing is changed.
+                ``lr`` or ``weight_decay`` is not a finite number >= 0 (``weight_decay`` at
+                most float32's largest), or, where the groups' ``"betas"`` are the moments'
+                (:meth:`for_model`), they are not two numbers in ``[0, 1)``; nothing is
+                changed.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch's: a hook may change its keys
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         inner, preconditioner, skipped = optimizer_state.unpack(state_dict)
         if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
             raise ValueError(
@@ -435,7 +560,7 @@ class KFACOptimizer(Optimizer):
             )
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
-        _check_group_rates(inner["param_groups"])
+        _check_groups(inner["param_groups"], self._betas_drive_moments)
         self.preconditioner.check_state_dict(preconditioner)
         before = {"state": self.inner.state, "param_groups": self.inner.param_groups}
         try:
@@ -448,3 +573,5 @@ class KFACOptimizer(Optimizer):
             self.param_groups = self.inner.param_groups
             self.state = self.inner.state
         self.skipped_steps = skipped
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)

@@ -71,8 +71,7 @@ def test_a_compiled_model_finds_the_eager_models_flattened_map(part: bool) -> No
         elif compiled:
             model = torch.compile(net, backend="eager")
         opt = KFACOptimizer.for_model(model)
-        name = "_orig_mod.head" if compiled and not part else "head"
-        assert opt.preconditioner.config.flattened_inputs == {name: (4, 9)}
+        assert opt.preconditioner.config.flattened_inputs == {"head": (4, 9)}
         gen = torch.Generator().manual_seed(2)
         for _ in range(3):
             x, y = torch.randn(8, 2, 6, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
@@ -81,3 +80,64 @@ def test_a_compiled_model_finds_the_eager_models_flattened_map(part: bool) -> No
             opt.step()
         runs.append(net.head.weight.detach())
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-7)
+
+
+def _normed() -> nn.Sequential:
+    """A LayerNorm among the layers: its parameters get Adam's direction, by name too."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+    )
+
+
+def _steps(model: nn.Module, opt: KFACOptimizer, steps: range) -> None:
+    for step in steps:
+        gen = torch.Generator().manual_seed(10 + step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "saved_compiled", [True, False], ids=["compiled-to-eager", "eager-to-compiled"]
+)
+def test_a_checkpoint_moves_between_the_compiled_and_the_eager_model(saved_compiled: bool) -> None:
+    """The layers of ``for_model(torch.compile(model))`` are named as the eager model's, so
+    its checkpoint loads into ``for_model(model)`` (and back), and the resumed run takes the
+    steps the uninterrupted one takes (the eager backend's forward is the eager forward,
+    bit for bit)."""
+    torch._dynamo.reset()
+
+    def build(compiled: bool) -> tuple[nn.Module, nn.Module, KFACOptimizer]:
+        net = _normed()
+        model = torch.compile(net, backend="eager") if compiled else net
+        return net, model, KFACOptimizer.for_model(model, lr=0.01)
+
+    net, model, opt = build(saved_compiled)
+    _steps(model, opt, range(3))
+    saved = {"model": net.state_dict(), "opt": opt.state_dict()}
+    assert sorted(opt.preconditioner.layers) == ["0", "2", "4"]
+    other_net, other_model, other = build(not saved_compiled)
+    other_net.load_state_dict(saved["model"])
+    other.load_state_dict(saved["opt"])
+    _steps(model, opt, range(3, 6))
+    _steps(other_model, other, range(3, 6))
+    for p, q in zip(net.parameters(), other_net.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_layer_name_options_take_the_eager_names_on_a_compiled_model() -> None:
+    """``orthogonal_layers`` and ``skip_layers`` by the eager model's names pick the same
+    layers on the compiled model, and ``describe()`` names them so."""
+    torch._dynamo.reset()
+    rows = []
+    for compiled in (False, True):
+        net = _normed()
+        model = torch.compile(net, backend="eager") if compiled else net
+        opt = KFACOptimizer.for_model(model, orthogonal_layers=["^2$"], skip_layers=["^4$"])
+        assert list(opt.preconditioner.layers) == ["0", "2"]
+        rows.append([(r["name"], r["method"]) for r in opt.preconditioner.describe()])
+        _steps(model, opt, range(2))
+    assert rows[0] == rows[1]
+    assert any(name == "2" and "orthogonal" in method for name, method in rows[1])

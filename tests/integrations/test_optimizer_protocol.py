@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -150,3 +152,70 @@ def test_state_dict_loads_with_weights_only_and_resumes_exactly(options: dict) -
         _step(straight, opt_straight, step)
         _step(fresh, opt_fresh, step)
     assert _same(straight, fresh)
+
+
+def _state_dict_events(opt: torch.optim.Optimizer) -> tuple[list[str], dict, float]:
+    """The hooks torch.optim.Optimizer offers around state dicts, each logged: a prepended
+    one, a post hook that returns a new dict, a load pre hook that returns one with another
+    learning rate. ``(events, the saved dict, the learning rate after the load)``."""
+    events: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: events.append("save pre"))
+    opt.register_state_dict_pre_hook(lambda o: events.append("save pre first"), prepend=True)
+
+    def tag(o: torch.optim.Optimizer, sd: dict) -> dict:
+        events.append("save post")
+        return {**sd, "tag": "saved"}
+
+    def relearn(o: torch.optim.Optimizer, sd: dict) -> dict:
+        events.append(f"load pre {sd.get('tag')}")
+        groups = [{**group, "lr": 0.25} for group in sd["param_groups"]]
+        return {"state": sd["state"], "param_groups": groups}
+
+    opt.register_state_dict_post_hook(tag)
+    opt.register_load_state_dict_pre_hook(relearn)
+    opt.register_load_state_dict_post_hook(lambda o: events.append("load post"))
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    return events, saved, opt.param_groups[0]["lr"]
+
+
+def test_state_dict_hooks_run_as_torchs_optimizers_run_them() -> None:
+    """The hooks registered on the wrapper fire in the order they fire on AdamW, a post hook's
+    dict is what ``state_dict()`` returns, and a load pre hook's dict is what loads."""
+    model, twin = _mlp(), _mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    adamw = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    _step(model, opt, 0)
+    _step(twin, adamw, 0)
+    events, saved, lr = _state_dict_events(opt)
+    expected, adamw_saved, adamw_lr = _state_dict_events(adamw)
+    assert events == expected
+    assert events == ["save pre first", "save pre", "save post", "load pre saved", "load post"]
+    assert saved["tag"] == adamw_saved["tag"] == "saved"
+    assert lr == adamw_lr == 0.25
+    assert opt.inner.param_groups[0]["lr"] == 0.25
+    _step(model, opt, 1)  # the rewritten dict loaded whole: it still steps
+
+
+def test_copying_or_pickling_the_optimizer_is_refused_with_what_to_do() -> None:
+    """A copy or pickle of the optimizer would keep only torch's groups and state (no
+    preconditioner) and fail at its first call: refused, pointing at ``state_dict()``; the
+    optimizer itself is untouched and steps as a twin does."""
+    model, twin = _mlp(), _mlp()
+    opt, twin_opt = KFACOptimizer.for_model(model), KFACOptimizer.for_model(twin)
+    _step(model, opt, 0)
+    _step(twin, twin_opt, 0)
+    copies = {
+        "copy": lambda: copy.copy(opt),
+        "deepcopy": lambda: copy.deepcopy(opt),
+        "deepcopy with the model": lambda: copy.deepcopy((model, opt)),
+        "pickle": lambda: pickle.dumps(opt),
+        "torch.save": lambda: torch.save(opt, io.BytesIO()),
+    }
+    for name, attempt in copies.items():
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*opt\.state_dict\(\)"):
+            attempt()
+            pytest.fail(f"{name} was not refused")
+    _step(model, opt, 1)
+    _step(twin, twin_opt, 1)
+    assert _same(model, twin)

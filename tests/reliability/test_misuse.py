@@ -193,6 +193,80 @@ def test_a_collected_preconditioner_frees_its_layers_and_hooks() -> None:
     assert _forward_hooks(model) == 0
 
 
+# ----------------------------------------------------------------- the inner optimizer
+
+
+def test_an_inner_optimizer_without_the_layers_parameters_is_refused() -> None:
+    """An inner optimizer over another model (or part of this one) would step the layers
+    unpreconditioned, or not at all: refused, naming the layers it misses."""
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    other = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"does not hold .* layers '0', '2': .*model\.parameters"):
+        KFACOptimizer(other, pre)
+    part = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"layers '0': "):
+        KFACOptimizer(part, pre)
+    bias_only = torch.optim.SGD([model[0].bias, *model[2].parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"layers '0': "):
+        KFACOptimizer(bias_only, pre)
+
+
+def test_an_inner_optimizer_without_a_frozen_layers_parameters_is_accepted() -> None:
+    """``filter(lambda p: p.requires_grad, ...)`` leaves a frozen (still registered) layer
+    out: accepted, and it steps as the optimizer over every parameter does."""
+    model, twin = _mlp(), _mlp()
+    for m in (model, twin):
+        m[0].requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = KFACOptimizer(torch.optim.SGD(trainable, lr=0.1), KFACPreconditioner(model))
+    twin_opt = KFACOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1), KFACPreconditioner(twin))
+    assert list(opt.preconditioner.layers) == ["0", "2"]
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        _backward(m)
+        o.step()
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
+    )
+
+
+class _NeedsClosure(torch.optim.SGD):
+    """An optimizer of no known class whose step re-evaluates a closure, as LBFGS's does."""
+
+    def step(self, closure):  # type: ignore[no-untyped-def, override]
+        for _ in range(2):
+            closure()
+            super().step()
+
+
+class _TakesClosure(torch.optim.SGD):
+    """An optimizer whose step may take a closure, as every optimizer's may."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        return super().step(closure)
+
+
+def test_an_inner_optimizer_whose_step_requires_a_closure_is_refused() -> None:
+    """LBFGS (and any optimizer whose ``step`` requires a closure) evaluates several gradients
+    a step, which K-FAC cannot precondition: refused at construction, not a ``TypeError``
+    at the first step; one whose closure is optional is accepted."""
+    model = _mlp()
+    pre = KFACPreconditioner(model)
+    for inner in (
+        torch.optim.LBFGS(model.parameters(), lr=0.1),
+        _NeedsClosure(model.parameters(), lr=0.1),
+    ):
+        name = type(inner).__name__
+        with pytest.raises(ValueError, match=rf"{name} requires a closure in step\(\).*SGD"):
+            KFACOptimizer(inner, pre)
+    opt = KFACOptimizer(_TakesClosure(model.parameters(), lr=0.1), pre)
+    opt.zero_grad()
+    _backward(model)
+    opt.step()
+    assert pre.steps == 1
+
+
 # ----------------------------------------------------------------- bad values
 
 

@@ -117,6 +117,18 @@ def _string_lr(state: dict[str, Any]) -> None:
     state["inner"]["param_groups"][0]["lr"] = "0.1"
 
 
+def _nan_weight_decay(state: dict[str, Any]) -> None:  # torch loads it; NaN reached the weights
+    state["inner"]["param_groups"][0]["weight_decay"] = math.nan
+
+
+def _negative_weight_decay(state: dict[str, Any]) -> None:
+    state["inner"]["param_groups"][0]["weight_decay"] = -1.0
+
+
+def _string_weight_decay(state: dict[str, Any]) -> None:
+    state["inner"]["param_groups"][0]["weight_decay"] = "0"
+
+
 TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "string step": (_set_step, "'step' must be an integer >= 0, got '4'"),
     "NaN factor": (_nan_factor, "2: saved A is not finite"),
@@ -127,6 +139,9 @@ TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "inner of another model": (_other_inner, "doesn't match the size"),
     "NaN lr": (_nan_lr, r"param_groups\[0\]: lr must be in \[0.0, inf\), got nan"),
     "string lr": (_string_lr, r"param_groups\[0\]: lr must be a number, got str"),
+    "NaN weight decay": (_nan_weight_decay, r"param_groups\[0\]: weight_decay must be in .*nan"),
+    "negative weight decay": (_negative_weight_decay, r"weight_decay must be in \[0.0, .*-1.0"),
+    "string weight decay": (_string_weight_decay, r"weight_decay must be a number, got str"),
 }
 
 
@@ -141,6 +156,47 @@ def test_a_refused_state_dict_changes_nothing(case: str) -> None:
     with pytest.raises(ValueError, match=message):
         opt.load_state_dict(_packed(state))
     _assert_unchanged(model, opt, before)
+    _train(model, opt, 1)  # and it still trains
+    assert opt.preconditioner.steps == 4
+
+
+BETAS: dict[str, tuple[Any, str]] = {
+    "NaN beta1": (
+        (math.nan, 0.95),
+        r"param_groups\[0\]: betas\[0\] must be in \[0.0, 1.0\), got nan",
+    ),
+    "beta1 above 1": ((1.5, 0.95), r"betas\[0\] must be in \[0.0, 1.0\), got 1.5"),
+    "beta2 of 1": ((0.9, 1.0), r"betas\[1\] must be in \[0.0, 1.0\), got 1.0"),
+    "a string": ("x", r"betas must be a pair \(moment_beta1, moment_beta2\), got 'x'"),
+    "three betas": ((0.9, 0.95, 0.99), r"betas must be a pair"),
+    "a string beta": ((0.9, "0.95"), r"betas\[1\] must be a number, got str"),
+}
+
+
+@pytest.mark.parametrize("case", list(BETAS))
+def test_for_models_betas_out_of_range_are_refused_at_load_and_change_nothing(case: str) -> None:
+    """``for_model``'s groups carry the moments' betas (read at each step): a saved pair
+    that is not two numbers in [0, 1) is refused at load, not at the next step, and the
+    optimizer is left as it was."""
+    betas, message = BETAS[case]
+    torch.manual_seed(3)
+    saved_model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    saved_opt = KFACOptimizer.for_model(saved_model, lr=0.01)
+    _train(saved_model, saved_opt, 2, seed=7)
+    state = copy.deepcopy(saved_opt.state_dict())
+    state["param_groups"][0]["betas"] = betas
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    _train(model, opt, 3)
+    groups, group = opt.param_groups, dict(opt.param_groups[0])
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(state)
+    assert opt.param_groups is opt.inner.param_groups is groups
+    assert opt.param_groups[0] == group
+    assert opt.preconditioner.steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
     _train(model, opt, 1)  # and it still trains
     assert opt.preconditioner.steps == 4
 

@@ -29,6 +29,7 @@ from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.guards import name_list
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.roles import ROLE_PREFIX, role_blocks
+from dkfac.engine.tracing import compiled_original
 from dkfac.solvers import EigenMomentsSolver, RowsRule, adam_scaled, make_solver, precision
 
 __all__ = [
@@ -51,12 +52,18 @@ LOWERED_OPTIONS = ("rotation_dtype", "gradient_rotation_dtype", "capture_dtype")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP / DataParallel wrapper (names then match the bare model)."""
-    inner = getattr(model, "module", None)
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        assert isinstance(inner, nn.Module)
-        return inner
-    return model
+    """The model inside its DDP / DataParallel wrapper and ``torch.compile``'s
+    ``OptimizedModule`` (its ``_orig_mod``), in any nesting, so that layer names (those of
+    checkpoints, ``skip_layers``, ``orthogonal_layers``, ``describe()``) are the eager bare
+    model's."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = getattr(model, "module", None)
+        else:
+            inner = compiled_original(model)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 def is_skipped(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
