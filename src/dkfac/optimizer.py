@@ -412,7 +412,7 @@ class KFACOptimizer(Optimizer):
             if self.preconditioner.leftover is not None:
                 solvers.append(self.preconditioner.leftover.solver)
             set_moment_betas(solvers, *self.param_groups[0]["betas"])
-        self.preconditioner.step(lr=float(self.param_groups[0]["lr"]))
+        self.preconditioner.step(lr=self._layer_rates())
         finite = self._finite_flag() if self.skip_nonfinite else None
         if finite is None:
             self._inner_step()
@@ -430,6 +430,19 @@ class KFACOptimizer(Optimizer):
             return loss
         self._inner_step()
         return loss
+
+    def _layer_rates(self) -> float | dict[str, float]:
+        """The learning rate of each registered layer, for the KL-clip: that of the group
+        holding its weight (0 where no group holds it: it is not stepped); one number when
+        there is one group."""
+        groups = self.param_groups
+        if len(groups) == 1:
+            return float(groups[0]["lr"])
+        rate = {id(p): float(group["lr"]) for group in groups for p in group["params"]}
+        layers = self.preconditioner.layers
+        return {
+            name: rate.get(id(layer.block.parameters()[0]), 0.0) for name, layer in layers.items()
+        }
 
     def _inner_step(self) -> None:
         """The inner optimizer's step, without torch's *global* step hooks

@@ -23,6 +23,7 @@ Checkpoints: :mod:`~dkfac.engine.saved_state` and :mod:`~dkfac.engine.checkpoint
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -280,23 +281,25 @@ class KFACPreconditioner:
 
     # ----------------------------------------------------------------- the step
     @torch.no_grad()
-    def step(self, lr: float | None = None) -> None:
+    def step(self, lr: float | Mapping[str, float] | None = None) -> None:
         """Preconditions the gradients of every registered layer in place.
 
         Every rank of the process group must call it (it runs collectives). With
         ``strategy="spngd"`` it also averages the gradients of every other parameter.
 
         Args:
-            lr: The learning rate for the KL-clip (finite, >= 0); defaults to the
-                configured ``lr``.
+            lr: The learning rate for the KL-clip (finite, >= 0), or each layer's (a
+                mapping naming every registered layer: the lr of the parameter group
+                that holds it); defaults to the configured ``lr``.
 
         Raises:
             RuntimeError: After :meth:`remove_hooks`, or when no backward wrote a layer's
                 gradients since the last step (they are already preconditioned).
-            ValueError: For a NaN, infinite or negative ``lr`` (TypeError: not a number).
+            ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not
+                name exactly the registered layers (TypeError: not a number).
         """
         self._hooks.check("step")
-        lr = checked_lr(lr)
+        lr = checked_lr(lr, self.layers)
         params = self._params()  # the same tensors all step long
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
@@ -324,7 +327,11 @@ class KFACPreconditioner:
         self.schedule_captures(self._steps)
 
     def _precondition_layers(
-        self, step: int, damping: float, inverse_interval: int, lr: float | None
+        self,
+        step: int,
+        damping: float,
+        inverse_interval: int,
+        lr: float | Mapping[str, float] | None,
     ) -> None:
         """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients
         (:mod:`~dkfac.engine.step_phases`)."""

@@ -378,7 +378,48 @@ def test_memory_usage_counts_factor_bytes() -> None:
     assert usage["accumulators"] == 0
 
 
+def test_a_per_layer_lr_names_every_layer() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model, kl_clip=1e-6)
+    x, y = _batch()
+    F.cross_entropy(model(x), y).backward()
+    names = list(pre.layers)
+    with pytest.raises(ValueError, match=r"step\(\): a per-layer lr must name every .* missing"):
+        pre.step(lr={name: 0.1 for name in names[1:]})
+    with pytest.raises(ValueError, match=r"step\(\): lr must be"):
+        pre.step(lr={**{name: 0.1 for name in names}, names[0]: float("nan")})
+    pre.step(lr={name: 0.1 for name in names})
+
+
 # ---------------------------------------------------------------- KFACOptimizer
+def test_the_kl_clip_takes_each_layer_s_group_rate_in_any_order() -> None:
+    """Two groups, the first layer at lr 0 (held still), the second at 0.1: ν is the
+    clip of the second layer alone, ``min(1, √(κ / |0.1² ⟨V, ∇W⟩|))``, whichever group
+    comes first (the first group's rate used to stand for every layer)."""
+    scales = []
+    for first_still in (True, False):
+        torch.manual_seed(0)
+        model = _mlp()
+        still = {"params": list(model[0].parameters()), "lr": 0.0}
+        moving = {"params": list(model[2].parameters()), "lr": 0.1}
+        groups = [still, moving] if first_still else [moving, still]
+        pre = KFACPreconditioner(model, kl_clip=1e-6)
+        opt = KFACOptimizer(torch.optim.SGD(groups, lr=0.1), pre)
+        torch.manual_seed(1)
+        x, y = _batch()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raw = pre.layers["2"].block.weight_grad().clone()  # type: ignore[union-attr]
+        opt.step()
+        final = pre.layers["2"].block.weight_grad()
+        scale = pre.last_kl_scale
+        assert scale is not None and final is not None
+        product = float((final / scale * raw).sum())
+        assert scale == pytest.approx(min(1.0, (1e-6 / abs(0.01 * product)) ** 0.5), rel=1e-5)
+        scales.append(scale)
+    assert scales[0] == scales[1]
+
+
 def test_optimizer_shares_param_groups_and_feeds_lr() -> None:
     model = _mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)

@@ -94,6 +94,31 @@ def test_the_kl_clip_scale_is_the_definition(total: float, kl_clip: float, lr: f
     assert float(got) == pytest.approx(want, rel=1e-14)
 
 
+@pytest.mark.parametrize(
+    ("rates", "want_sum"),
+    [
+        ({"w": 0.1, "b": 1e-4}, 0.1**2 * 2.5 + 1e-4**2 * -7.0),
+        ({"w": 0.0, "b": 0.1}, 0.1**2 * -7.0),  # a frozen group at lr 0 adds nothing
+        ({"w": 0.1, "b": 0.1}, 0.1**2 * (2.5 - 7.0)),  # one rate: the scalar form
+    ],
+)
+def test_the_kl_clip_scale_takes_each_layer_s_rate(
+    rates: dict[str, float], want_sum: float
+) -> None:
+    """ν = min(1, √(κ / |Σ_l lr_l² ⟨V_l, ∇W_l⟩|)) with each layer's own lr (parameter
+    groups of several rates), whatever their order."""
+    finals = {
+        "w": torch.tensor([[2.5, 0.0]], dtype=torch.float64),
+        "b": torch.tensor([[-7.0, 0.0]], dtype=torch.float64),
+    }
+    raws = {"w": torch.tensor([[1.0, 3.0]], dtype=torch.float64), "b": finals["b"].abs() / 7}
+    want = min(1.0, math.sqrt(1e-4 / abs(want_sum)))
+    for order in (["w", "b"], ["b", "w"]):
+        got = kl_clip_scale(_Serial(), finals, order, raws, 1e-4, rates)  # type: ignore[arg-type]
+        assert got is not None and float(got) == pytest.approx(want, rel=1e-14), order
+    assert kl_clip_scale(_Serial(), finals, ["w"], raws, 1e-4, {"w": 0.0, "b": 0.0}) is None  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("total", "lr"), [(2.5, 1e30), (0.0, 1e30), (2.5, 1e300), (0.0, 1e300)])
 def test_the_kl_clip_scale_survives_a_huge_lr(total: float, lr: float, dtype: torch.dtype) -> None:

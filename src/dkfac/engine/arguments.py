@@ -61,13 +61,24 @@ def checked_config(
     return apply_model_rules(unwrap(model), config)
 
 
-def checked_lr(lr: Any) -> float | None:
-    """``step()``'s learning rate (``None``: the configured one).
+def checked_lr(lr: Any, layers: Collection[str] = ()) -> float | dict[str, float] | None:
+    """``step()``'s learning rate (``None``: the configured one), or each layer's: a
+    mapping that names every one of ``layers`` (an optimizer's parameter groups may
+    differ).
 
     Raises:
-        ValueError: For a NaN, infinite or negative ``lr`` (TypeError: not a number).
+        ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not name
+            exactly ``layers`` (TypeError: not a number).
     """
     try:
+        if isinstance(lr, Mapping):
+            missing, unknown = sorted(set(layers) - set(lr)), sorted(set(lr) - set(layers))
+            if missing or unknown:
+                raise ValueError(
+                    "a per-layer lr must name every registered layer: missing "
+                    f"{missing}, unknown {unknown}"
+                )
+            return {name: check_schedule_value("lr", rate) for name, rate in lr.items()}
         return None if lr is None else check_schedule_value("lr", lr)
     except (TypeError, ValueError) as err:
         raise type(err)(f"step(): {err}") from None

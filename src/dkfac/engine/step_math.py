@@ -401,9 +401,10 @@ def kl_clip_scale(
     ready: Sequence[str],
     grads: Mapping[str, Tensor | None],
     kl_clip: float | None,
-    lr: float | None,
+    lr: float | Mapping[str, float] | None,
 ) -> Tensor | None:
-    """The KL-clip factor ``ν`` (a 0-d tensor), or ``None`` when there is nothing to clip.
+    """The KL-clip factor ``ν = min(1, √(κ / |Σ_l lr_l² ⟨V_l, ∇W_l⟩|))`` (a 0-d tensor), or
+    ``None`` when there is nothing to clip.
 
     Args:
         strategy: Picks the layers this rank sums over and adds the partial sums of all ranks
@@ -412,24 +413,40 @@ def kl_clip_scale(
         ready: The preconditioned layers.
         grads: The raw gradient matrices by layer.
         kl_clip: ``κ``; ``None`` disables the clip.
-        lr: The learning rate; ``None`` or ``<= 0`` disables the clip.
+        lr: The learning rate, or each layer's (the parameter groups of an optimizer may
+            differ); ``None`` or every rate ``<= 0`` disables the clip.
     """
-    if kl_clip is None or not ready or lr is None or lr <= 0:
+    if isinstance(lr, Mapping) and len(set(lr.values())) == 1:
+        lr = next(iter(lr.values()))  # one rate: the scalar form below, to the bit
+    rates = set(lr.values()) if isinstance(lr, Mapping) else {lr}
+    if kl_clip is None or not ready or lr is None or all(r is None or r <= 0 for r in rates):
         return None
     names = strategy.kl_layers(ready)
-    raws: list[Tensor] = []
+    by_rate: dict[float, list[Tensor]] = {}  # each rate's (V, ∇W) pairs, interleaved
     for name in names:
         raw = grads[name]
         assert raw is not None
-        raws.append(raw)
-    partial = sum_of_products([finals[name] for name in names], raws, finals[ready[0]])
-    # min(1, √(κ / max(lr²|s|, 1e-30))) as 1 / √max(lr²|s| / κ, 1, 1e-30 / κ): four calls.
+        by_rate.setdefault(lr[name] if isinstance(lr, Mapping) else lr, []).extend(
+            (finals[name], raw)
+        )
+    like = finals[ready[0]]
+    # min(1, √(κ / max(|s|, 1e-30))) as 1 / √max(|s| / κ, 1, 1e-30 / κ), s = Σ lr² ⟨V, ∇W⟩.
     # lr² / κ is capped at the sum's largest number (lr ** 2 raises past 1.3e154, and an
     # infinite factor times a zero sum is NaN): a larger one clips the step to zero.
     floor = max(1.0, 1e-30 / kl_clip)
-    factor = min(lr * lr / kl_clip, torch.finfo(partial.dtype).max)
-    ratio = strategy.reduce_kl(partial).abs().mul_(factor)
-    return ratio.clamp_(min=floor).rsqrt_()
+    parts = {
+        rate: sum_of_products(pairs[0::2], pairs[1::2], like) for rate, pairs in by_rate.items()
+    }
+    if not isinstance(lr, Mapping):
+        partial = parts.get(lr, sum_of_products([], [], like))
+        factor = min(lr * lr / kl_clip, torch.finfo(partial.dtype).max)
+        return strategy.reduce_kl(partial).abs().mul_(factor).clamp_(min=floor).rsqrt_()
+    weighted = [
+        part.mul_(min(rate * rate / kl_clip, torch.finfo(part.dtype).max))
+        for rate, part in parts.items()
+    ]
+    partial = torch.stack(weighted).sum() if weighted else sum_of_products([], [], like)
+    return strategy.reduce_kl(partial).abs().clamp_(min=floor).rsqrt_()
 
 
 def sum_of_products(

@@ -234,7 +234,7 @@ def clip_and_write(
     keep: Tensor | None,
     config: KFACConfig,
     step: int,
-    lr: float | None,
+    lr: float | Mapping[str, float] | None,
 ) -> Tensor | None:
     """Phase 5: the preconditioned gradients scaled by the KL-clip factor ``ν`` and written
     back (times 0 where the guard on the device found a gradient not finite); ``ν``
