@@ -53,11 +53,25 @@ def test_one_batched_iteration_for_the_small_updates(monkeypatch: pytest.MonkeyP
     assert calls == [(1 + 3 + 2 + 1 + 1, 7, 12)]  # every matrix, wide, padded to 7 × 12
 
 
-def test_an_update_too_large_to_pad_keeps_its_own_iteration() -> None:
+def test_an_update_too_large_to_pad_keeps_its_own_iteration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The small ones are still padded together; a lone small one keeps its own too."""
     side = round(PAD_MAX_WORK ** (1 / 3)) + 1
     gen = torch.Generator().manual_seed(2)
     large = torch.randn(side, side, generator=gen, dtype=torch.float32)
-    small = torch.randn(4, 6, generator=gen, dtype=torch.float32)
-    got = orthogonal_updates([large, small], 0.5, steps=2)
+    small = [torch.randn(4, 6, generator=gen, dtype=torch.float32) for _ in range(2)]
+    got = orthogonal_updates([large, small[0]], 0.5, steps=2)
     assert torch.equal(got[0], orthogonal_update(large, 0.5, 2))
-    assert torch.equal(got[1], orthogonal_update(small, 0.5, 2))  # alone: not padded
+    assert torch.equal(got[1], orthogonal_update(small[0], 0.5, 2))  # alone: not padded
+    calls: list[tuple[int, ...]] = []
+    original = padded_polar.polar_factor
+
+    def counted(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
+        calls.append(tuple(matrix.shape))
+        return original(matrix, steps, dtype)
+
+    monkeypatch.setattr(padded_polar, "polar_factor", counted)
+    got = orthogonal_updates([small[0], large, small[1]], 0.5, steps=2)
+    assert calls == [(2, 4, 6)]  # the large one went through orthogonal_update
+    assert torch.equal(got[1], orthogonal_update(large, 0.5, 2))

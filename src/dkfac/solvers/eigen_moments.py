@@ -305,7 +305,7 @@ class EigenMomentsSolver(EigenBasisSolver):
         factor at ``orthogonal_rms`` where :attr:`orthogonalises` (module notes);
         ``scaled`` itself otherwise."""
         options = self.options
-        if options.orthogonal_rms is None or options.orthogonal_split:
+        if not self.orthogonalises or options.orthogonal_rms is None:
             return scaled
         return orthogonal_update(
             scaled, options.orthogonal_rms, options.orthogonal_steps, options.orthogonal_rms_power
@@ -316,7 +316,7 @@ class EigenMomentsSolver(EigenBasisSolver):
         zero-padded batched iteration (:mod:`~dkfac.solvers.padded_polar`: the same values
         to the rounding, a few launches for all)."""
         options = self.options
-        if options.orthogonal_rms is None or options.orthogonal_split:
+        if not self.orthogonalises or options.orthogonal_rms is None:
             return list(scaled)
         return orthogonal_updates(
             scaled, options.orthogonal_rms, options.orthogonal_steps, options.orthogonal_rms_power
@@ -445,7 +445,8 @@ class EigenMomentsSolver(EigenBasisSolver):
         gradient that :meth:`batch_key` batches and an update that is not orthogonalised
         with a split (whose weights come from the moments within the pass); else ``None``.
         An orthogonalised update joins: its moments and scaling run in the flat pass and
-        its polar factor per group (:meth:`orthogonalised`). A layer floored in a null space
+        the groups' polar factors together (:meth:`orthogonalised_all`). A layer floored in
+        a null space
         (:mod:`~dkfac.solvers.null_space`) joins too: the flat pass takes its floor per
         layer."""
         split = self.options.orthogonal_rms is not None and self.options.orthogonal_split

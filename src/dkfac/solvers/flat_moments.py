@@ -20,9 +20,9 @@ device, from no host data). So is Adam's rounding floor of the layers with a sin
 the flat ``v``'s slices, repeated to its entries, and its null coordinates are a flat vector
 of weights (0 for a layer without null directions) built when the states change, i.e. at a
 refresh. Each layer's result is the same elementwise formula on the same numbers as in its
-group's own pass: the updates and moments are equal bit for bit (an orthogonalised
-update to the rounding of its padded products; on a CPU; a GPU's
-multi-tensor norm may sum a layer in another order than its own norm, a rounding apart).
+group's own pass: the updates and moments are equal bit for bit on a CPU (an
+orthogonalised update to the rounding of its padded products; a GPU's multi-tensor norm
+may sum a layer in another order than its own norm, a rounding apart).
 
 Each layer's new moments are views of the flat vectors (the moments are never changed in
 place, so the views are never written through); when the next call is handed exactly those

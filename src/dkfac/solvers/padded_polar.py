@@ -67,17 +67,32 @@ def orthogonal_updates(
         dtype = polar_dtype(update.dtype, update.device, update.shape)
         joint.setdefault(dtype, []).append(i)
     for dtype, members in joint.items():
-        shapes = [_wide(updates[i])[0].shape[-2:] for i in members]
-        k_max = max(k for k, _ in shapes)
-        n_max = max(n for _, n in shapes)
-        if len(members) == 1 or k_max * k_max * n_max > PAD_MAX_WORK:
-            for i in members:
+        padded = _small_enough(members, [_wide(updates[i])[0].shape[-2:] for i in members])
+        if len(padded) < 2:
+            padded = []
+        for i in members:
+            if i not in padded:
                 results[i] = orthogonal_update(updates[i], rms, steps, power)
-            continue
-        padded = _padded([updates[i] for i in members], rms, steps, power, dtype)
-        for i, result in zip(members, padded, strict=True):
-            results[i] = result
+        if padded:
+            outputs = _padded([updates[i] for i in padded], rms, steps, power, dtype)
+            for i, result in zip(padded, outputs, strict=True):
+                results[i] = result
     return results  # type: ignore[return-value]
+
+
+def _small_enough(members: list[int], shapes: Sequence[Sequence[int]]) -> list[int]:
+    """The members (indices, with their wide ``(k, n)``) padded together: from the least
+    work up, each whose joining keeps the padded ``K² N`` within :data:`PAD_MAX_WORK`; in
+    ``members``' order."""
+    by_work = sorted(zip(members, shapes, strict=True), key=lambda m: m[1][0] ** 2 * m[1][1])
+    chosen: set[int] = set()
+    k_max = n_max = 0
+    for i, (k, n) in by_work:
+        k_pad, n_pad = max(k_max, k), max(n_max, n)
+        if k_pad * k_pad * n_pad <= PAD_MAX_WORK:
+            chosen.add(i)
+            k_max, n_max = k_pad, n_pad
+    return [i for i in members if i in chosen]
 
 
 def _padded(
