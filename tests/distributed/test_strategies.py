@@ -63,10 +63,12 @@ def test_bad_strategy_options_are_rejected(options: dict, error: type, match: st
         KFACConfig(**options)
 
 
-def test_fraction_that_does_not_fit_the_world_is_rejected() -> None:
-    # round(0.3 × 1) = 0 grad workers
-    with pytest.raises(ValueError, match="grad_worker_fraction"):
-        KFACPreconditioner(make_model(), strategy="kaisa", grad_worker_fraction=0.3)
+def test_any_fraction_is_one_worker_on_one_process() -> None:
+    """One process is the serial engine whatever the fraction (round(0.3 × 1) = 0 workers
+    would be refused with several ranks: tests/distributed/test_assignment.py)."""
+    pre = KFACPreconditioner(make_model(), strategy="kaisa", grad_worker_fraction=0.3)
+    assert pre.strategy.workers_per_layer == 1
+    assert all(pre.strategy.preconditions(name) for name in pre.layers)
 
 
 def test_process_group_type_is_checked() -> None:
