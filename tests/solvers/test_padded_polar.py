@@ -40,7 +40,9 @@ def test_each_update_is_its_own_orthogonal_update(power: float) -> None:
     assert torch.count_nonzero(got[2][1]) == 0
 
 
-def test_one_batched_iteration_for_the_small_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+def _padded_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes the padded iteration is called with from now on (each update's own
+    iteration goes through :func:`~dkfac.solvers.polar.orthogonal_update`, not counted)."""
     calls: list[tuple[int, ...]] = []
     original = padded_polar.polar_factor
 
@@ -49,6 +51,11 @@ def test_one_batched_iteration_for_the_small_updates(monkeypatch: pytest.MonkeyP
         return original(matrix, steps, dtype)
 
     monkeypatch.setattr(padded_polar, "polar_factor", counted)
+    return calls
+
+
+def test_one_batched_iteration_for_the_small_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _padded_calls(monkeypatch)
     orthogonal_updates(_updates(1), 0.5, steps=2)
     assert calls == [(1 + 3 + 2 + 1 + 1, 7, 12)]  # every matrix, wide, padded to 7 × 12
 
@@ -64,14 +71,7 @@ def test_an_update_too_large_to_pad_keeps_its_own_iteration(
     got = orthogonal_updates([large, small[0]], 0.5, steps=2)
     assert torch.equal(got[0], orthogonal_update(large, 0.5, 2))
     assert torch.equal(got[1], orthogonal_update(small[0], 0.5, 2))  # alone: not padded
-    calls: list[tuple[int, ...]] = []
-    original = padded_polar.polar_factor
-
-    def counted(matrix: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
-        calls.append(tuple(matrix.shape))
-        return original(matrix, steps, dtype)
-
-    monkeypatch.setattr(padded_polar, "polar_factor", counted)
+    calls = _padded_calls(monkeypatch)
     got = orthogonal_updates([small[0], large, small[1]], 0.5, steps=2)
     assert calls == [(2, 4, 6)]  # the large one went through orthogonal_update
     assert torch.equal(got[1], orthogonal_update(large, 0.5, 2))
