@@ -169,17 +169,24 @@ def _shapes_model() -> nn.Module:
     return nn.Sequential(*layers[:-1]).double()
 
 
-@pytest.mark.parametrize(("method", "device_guard"), [("eigen_adam", False), ("ekfac", True)])
+@pytest.mark.parametrize(
+    ("method", "device_guard", "orthogonal"),
+    [("eigen_adam", False, False), ("ekfac", True, False), ("eigen_adam", True, True)],
+)
 def test_groups_of_several_shapes_fused_equal_each_group_alone(
-    method: str, device_guard: bool, monkeypatch: pytest.MonkeyPatch
+    method: str, device_guard: bool, orthogonal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a launch-bound device the groups of one solver's options (four shapes here, one
     of them a stack of two) share one flat pass of their elementwise work: bit for bit the
     per-group path's gradients and moments, over refreshes, resets and a skipped step (the
-    guard's flags read on the host, or left on the device: the moments held by a mask)."""
+    guard's flags read on the host, or left on the device: the moments held by a mask).
+    Orthogonalised updates too, their polar factors one zero-padded iteration: the moments
+    bit for bit, the gradients to the rounding of the padded products."""
     options = {**OPTIONS, "method": method}
     if method == "ekfac":
         del options["moment_nesterov"]
+    if orthogonal:  # every layer: one fused set, as the test counts
+        options["orthogonal_layers"] = ("^[0-9]+$",)
     (model, pre), (twin, alone) = _twins(_shapes_model, **options)
     for layer in alone.layers.values():  # the twin batches by shape, as on a CPU
         del layer.solver.batch_key
@@ -218,7 +225,10 @@ def test_groups_of_several_shapes_fused_equal_each_group_alone(
             other = alone.layers[name]
             for a, b in zip(layer.block.parameters(), other.block.parameters(), strict=True):
                 assert a.grad is not None and b.grad is not None
-                assert torch.equal(a.grad, b.grad), (step, name)
+                if orthogonal:
+                    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+                else:
+                    assert torch.equal(a.grad, b.grad), (step, name)
             assert layer.moments is not None and other.moments is not None
             for key, value in layer.moments.items():
                 assert torch.equal(value, other.moments[key]), (step, name, key)
