@@ -67,7 +67,8 @@ def orthogonal_updates(
         dtype = polar_dtype(update.dtype, update.device, update.shape)
         joint.setdefault(dtype, []).append(i)
     for dtype, members in joint.items():
-        padded = _small_enough(members, [_wide(updates[i])[0].shape[-2:] for i in members])
+        shapes = [sorted(updates[i].shape[-2:]) for i in members]  # (k, n) of _wide's view
+        padded = _small_enough(members, shapes)
         if len(padded) < 2:
             padded = []
         for i in members:
