@@ -23,6 +23,7 @@ from dkfac.engine.fisher import mc_sample_loss
 from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter
+from dkfac.engine.model_hooks import ModelHook
 from dkfac.engine.phases import phase
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class FactorCapture:
         installed = layer.block.install()
         if installed is not None:
             self._handles.append(installed)
-        hook = functools.partial(self._forward_hook, layer)
+        hook = ModelHook(functools.partial(self._forward_hook, layer))
         self._handles.append(module.register_forward_hook(hook))
         self.counter.watch(layer.block.parameters())
 

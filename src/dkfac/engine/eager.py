@@ -55,6 +55,7 @@ from dkfac.distributed.comm import CommHandle
 from dkfac.distributed.strategy_base import Strategy, join_handles
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.layer_state import LayerState
+from dkfac.engine.model_hooks import ModelHook
 from dkfac.engine.presence import agree_presence
 
 __all__ = ["EagerReducer", "build_eager", "resolve_overlap"]
@@ -198,7 +199,9 @@ class EagerReducer:
                     self._users.setdefault(id(param), []).append(name)
         for key, param in params.items():
             self._hooks.append(
-                param.register_post_accumulate_grad_hook(lambda _p, key=key: self._on_grad(key))
+                param.register_post_accumulate_grad_hook(
+                    ModelHook(lambda _p, key=key: self._on_grad(key))
+                )
             )
 
     def remove(self) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import Tensor
 
+from dkfac.engine.model_hooks import ModelHook
+
 __all__ = ["BackwardCounter"]
 
 
@@ -55,7 +57,9 @@ class BackwardCounter:
                 continue
             self._hooked.add(key)
             self._handles.append(
-                param.register_post_accumulate_grad_hook(lambda _p, key=key: self._count(key))
+                param.register_post_accumulate_grad_hook(
+                    ModelHook(lambda _p, key=key: self._count(key))
+                )
             )
 
     def _count(self, key: int) -> None:

@@ -26,6 +26,7 @@ from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState, layers_device
+from dkfac.engine.model_hooks import ModelHook
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
 __all__ = ["BUDGETED_OPTIONS", "LARGER_BATCH_FACTOR", "OverheadBudget"]
@@ -87,7 +88,7 @@ class OverheadBudget:
                 rows = layers[name].block.forward_rows(first, out)
                 out.register_hook(lambda grad: self._seen(name, rows, batch))
 
-            self._handles.append(layer.block.module.register_forward_hook(seen))
+            self._handles.append(layer.block.module.register_forward_hook(ModelHook(seen)))
 
     def _seen(self, name: str, rows: int, batch: int | None) -> None:
         """A backpropagated forward of layer ``name`` (:meth:`watch`); the batch is the
