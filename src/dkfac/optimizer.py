@@ -198,7 +198,8 @@ class KFACOptimizer(Optimizer):
         skip_nonfinite: Skip the inner step (and log it) when any parameter gradient is not
             finite, before or after preconditioning, so NaN/Inf never reaches the weights
             (the preconditioner itself zeroes the non-finite gradients of its layers and
-            skips their factor updates).
+            skips their factor updates). A gradient whose squares overflow its dtype
+            (:mod:`~dkfac.engine.finite`) counts as not finite.
 
     Raises:
         TypeError: If ``inner`` is not an optimizer, ``preconditioner`` not a

@@ -119,8 +119,9 @@ class LeftoverAdam:
         else:
             old = self.solver.stack_moments(given, [matrices[0]] * len(members))
         update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
-        # finite_each's test, one sum a parameter in one call (float32 at least: widened)
-        finite = torch.isfinite(matrices.sum(dim=(1, 2)))
+        # finite_each's test, the squares' sum of each parameter in one call (float32 at
+        # least: widened): a gradient whose squares overflow would make v Inf for good
+        finite = torch.isfinite(matrices.square().sum(dim=(1, 2)))
         kept = {
             key: torch.where(finite.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
             for key in new

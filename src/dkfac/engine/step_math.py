@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 FACTORS_SKIPPED = "step %d: non-finite factors in %s; update skipped"
 """The guard's warning for a layer's non-finite statistics (step, layer)."""
-GRADIENT_ZEROED = "step %d: non-finite gradient in %s; zeroed"
+GRADIENT_ZEROED = "step %d: non-finite gradient in %s (NaN, Inf, or squares that overflow); zeroed"
 """The guard's warning for a layer's non-finite gradient (step, layer)."""
 
 
