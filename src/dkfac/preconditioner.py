@@ -44,7 +44,13 @@ from dkfac.engine.arguments import (
     checked_lr,
 )
 from dkfac.engine.assembly import adopt_parameters, join_layers, leftover_for, place_blocks
-from dkfac.engine.budget_apply import apply_budget_bases, make_budget, spend_budget
+from dkfac.engine.budget_apply import (
+    apply_budget_bases,
+    make_budget,
+    restore_limits,
+    solver_limits,
+    spend_budget,
+)
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
@@ -175,6 +181,7 @@ class KFACPreconditioner:
             self.capture.grouping = False  # each layer's statistics leave as its backward ends
         if self.budget is not None:
             self.budget.watch(self.layers)
+            self._unbudgeted = (config, solver_limits(self.layers))  # a choice undone
         self._other_params = other_parameters(unwrap(model), self.layers)
         self.leftover: LeftoverAdam | None = leftover_for(model, config, self._other_params)
         self.schedule_captures(0)
@@ -376,7 +383,22 @@ class KFACPreconditioner:
         if config is None:
             return
         self._budget_spent = True
-        if config is self.config:  # the user set every option it chooses
+        self._use_config(config)
+
+    def _forget_budget(self) -> None:
+        """Undoes the overhead budget's choice: the options as they were before it, the
+        budget watching for the shapes again (a state saved before any choice is loaded)."""
+        assert self.budget is not None
+        config, limits = self._unbudgeted
+        restore_limits(self.layers, limits)
+        self._use_config(config)
+        self.budget.forget(self.layers)
+        self._budget_spent = False
+
+    def _use_config(self, config: KFACConfig) -> None:
+        """Takes ``config``, a budget's choice applied or undone (nothing where it is the
+        configuration already: the user set every option the budget chooses)."""
+        if config is self.config:
             return
         self.config = config
         self.capture.config = config
@@ -535,6 +557,8 @@ class KFACPreconditioner:
         """
         saved = self._check_saved(state)
         step = saved.step
+        if self.budget is not None and (self._budget_spent or self.budget.choice is not None):
+            self._forget_budget()  # the saved run's choice, or none when it had made none
         if saved.choice is not None:  # the run's chosen intervals, before its refresh state
             assert self.budget is not None
             self.budget.remove()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -309,6 +310,46 @@ def test_the_choice_is_saved_and_a_resumed_run_continues_as_the_uninterrupted_on
         _step(model, opt, seed)
         _step(twin, resumed, seed)
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("saved_after", [0, 1], ids=["before-any-choice", "with-a-choice"])
+@pytest.mark.parametrize("build", [_mlp, _wide], ids=["mlp", "one-sided"])
+def test_an_earlier_state_loaded_into_a_stepped_optimizer_continues_as_a_fresh_one(
+    build: Callable[[], nn.Module], saved_after: int
+) -> None:
+    """An optimizer that stepped on other batches (an lr finder on small ones) and then
+    loads a state saved earlier, before the budget chose or after a choice on full
+    batches, continues exactly as a new optimizer loading the same state: its own choice
+    (intervals, Newton-Schulz steps, one-sided sides) undone, not kept."""
+    model = build()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    for seed in range(saved_after):
+        _step(model, opt, seed)
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    for seed in range(100, 104):  # steps on batches of 8: another choice
+        gen = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(8, 20, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.preconditioner.budget.choice is not None  # type: ignore[union-attr]
+    model.load_state_dict(weights)
+    opt.load_state_dict(state)
+    fresh = build()
+    fresh.load_state_dict(weights)
+    fresh_opt = KFACOptimizer.for_model(fresh, overhead=0.3)
+    fresh_opt.load_state_dict(state)
+    assert opt.preconditioner.config == fresh_opt.preconditioner.config
+    for seed in range(saved_after, saved_after + 6):
+        _step(model, opt, seed)
+        _step(fresh, fresh_opt, seed)
+    assert opt.preconditioner.budget.choice == fresh_opt.preconditioner.budget.choice  # type: ignore[union-attr]
+    for name, layer in opt.preconditioner.layers.items():
+        twin = fresh_opt.preconditioner.layers[name]
+        assert layer.solver.options == twin.solver.options  # type: ignore[attr-defined]
+        assert layer.kinds == twin.kinds
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -18,8 +18,20 @@ from dkfac.config.checks import check_range
 from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.overhead import BUDGETED_OPTIONS, OverheadBudget
+from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
-__all__ = ["apply_budget_bases", "make_budget", "spend_budget"]
+__all__ = [
+    "SolverLimits",
+    "apply_budget_bases",
+    "make_budget",
+    "restore_limits",
+    "solver_limits",
+    "spend_budget",
+]
+
+SolverLimits = dict[str, tuple[int | None, int]]
+"""Each eigenbasis solver's ``max_dim`` and ``orthogonal_steps`` by layer name: the two
+options the budget's choice changes in a solver (:func:`solver_limits`)."""
 
 
 def make_budget(
@@ -83,3 +95,28 @@ def spend_budget(
         return config
     budget.apply(layers)
     return dataclasses.replace(config, **chosen)
+
+
+def solver_limits(layers: Mapping[str, LayerState]) -> SolverLimits:
+    """The ``max_dim`` and ``orthogonal_steps`` of each layer's eigenbasis solver, as the
+    options set them before any choice (for :func:`restore_limits`)."""
+    return {
+        name: (layer.solver.options.max_dim, layer.solver.options.orthogonal_steps)
+        for name, layer in layers.items()
+        if isinstance(layer.solver, EigenMomentsSolver)
+    }
+
+
+def restore_limits(layers: Mapping[str, LayerState], limits: SolverLimits) -> None:
+    """Gives each solver of ``limits`` back its ``max_dim`` and ``orthogonal_steps`` (a
+    choice undone); a side the choice made one-sided gets its statistic's kind back."""
+    for name, (max_dim, steps) in limits.items():
+        layer = layers[name]
+        solver = layer.solver
+        assert isinstance(solver, EigenMomentsSolver)
+        options = solver.options
+        if (options.max_dim, options.orthogonal_steps) == (max_dim, steps):
+            continue
+        solver.options = dataclasses.replace(options, max_dim=max_dim, orthogonal_steps=steps)
+        if options.max_dim != max_dim:
+            layer.restate_kinds()

@@ -271,6 +271,14 @@ class OverheadBudget:
             handle.remove()
         self._handles.clear()
 
+    def forget(self, layers: Mapping[str, LayerState]) -> None:
+        """Back to no choice, watching ``layers`` for the shapes again (a state saved before
+        the choice was made is loaded: the choice is made anew from the steps after it)."""
+        self.remove()
+        self.rows, self.step_rows = {}, {}
+        self.batch, self.choice, self._warned = None, None, False
+        self.watch(layers)
+
 
 def _priced_by_units(layer: LayerState) -> bool:
     """Whether the budget prices the layer as unit-wise (:class:`LayerShape`'s ``units``):
