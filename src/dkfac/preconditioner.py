@@ -216,6 +216,21 @@ class KFACPreconditioner:
         for layer in self.layers.values():
             layer.block.set_step(self._steps)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refuses ``copy.copy``, ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the
+        preconditioner: a copy's hooks on the model would be inert (the model's copy is a
+        plain model, :mod:`~dkfac.engine.model_hooks`), so it would capture nothing.
+
+        Raises:
+            TypeError: Always; save :meth:`state_dict` and rebuild.
+        """
+        raise TypeError(
+            "a KFACPreconditioner cannot be copied or pickled: it holds hooks on the model and "
+            "process-group handles. Save pre.state_dict() (with the model's state_dict()), "
+            "then build a new preconditioner on the restored model and call its "
+            "load_state_dict()"
+        )
+
     def remove_hooks(self) -> None:
         """Detaches every hook and frees the layers for another preconditioner.
 

@@ -199,8 +199,9 @@ def test_state_dict_hooks_run_as_torchs_optimizers_run_them() -> None:
 
 def test_copying_or_pickling_the_optimizer_is_refused_with_what_to_do() -> None:
     """A copy or pickle of the optimizer would keep only torch's groups and state (no
-    preconditioner) and fail at its first call: refused, pointing at ``state_dict()``; the
-    optimizer itself is untouched and steps as a twin does."""
+    preconditioner) and fail at its first call; one of the preconditioner would capture
+    nothing (its hooks inert): both refused, pointing at ``state_dict()``; the optimizer
+    itself is untouched and steps as a twin does."""
     model, twin = _mlp(), _mlp()
     opt, twin_opt = KFACOptimizer.for_model(model), KFACOptimizer.for_model(twin)
     _step(model, opt, 0)
@@ -216,6 +217,10 @@ def test_copying_or_pickling_the_optimizer_is_refused_with_what_to_do() -> None:
         with pytest.raises(TypeError, match=r"cannot be copied or pickled.*opt\.state_dict\(\)"):
             attempt()
             pytest.fail(f"{name} was not refused")
+    pre = opt.preconditioner
+    for attempt in (lambda: copy.copy(pre), lambda: copy.deepcopy(pre), lambda: pickle.dumps(pre)):
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*pre\.state_dict\(\)"):
+            attempt()
     _step(model, opt, 1)
     _step(twin, twin_opt, 1)
     assert _same(model, twin)
