@@ -27,7 +27,7 @@ from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.leftover import LeftoverAdam
-from dkfac.engine.registration import create_layers, rows_rule, unwrap
+from dkfac.engine.registration import create_layers, ddp_wrapper, rows_rule, unwrap
 from dkfac.engine.roles import block_roles, layer_roles
 from dkfac.engine.strategy_choice import build_strategy, local_layers
 
@@ -72,7 +72,7 @@ def place_blocks(
         config,
         comm,
         blocks,
-        ddp_wrapped=isinstance(model, nn.parallel.DistributedDataParallel) or layout is not None,
+        ddp_wrapped=ddp_wrapper(model) is not None or layout is not None,
     )
     delivery: Delivery = (
         strategy

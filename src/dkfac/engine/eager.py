@@ -57,6 +57,7 @@ from dkfac.engine.capture import FactorCapture
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.model_hooks import ModelHook
 from dkfac.engine.presence import agree_presence
+from dkfac.engine.registration import ddp_wrapper
 
 __all__ = ["EagerReducer", "build_eager", "resolve_overlap"]
 
@@ -114,7 +115,7 @@ def build_eager(
         grad_scaled: Whether an enabled GradScaler scales the gradients (then they are
             reduced in ``step()``, after unscaling).
     """
-    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    ddp = ddp_wrapper(model)
     on = resolve_overlap(
         config.overlap_comm,
         world_size=strategy.world_size,

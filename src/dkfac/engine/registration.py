@@ -66,6 +66,18 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
+def ddp_wrapper(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` that averages ``model``'s gradients: ``model`` itself,
+    or the one inside ``torch.compile``'s ``OptimizedModule`` (``torch.compile(DDP(m))``, in
+    any nesting); ``None`` where there is none."""
+    while not isinstance(model, nn.parallel.DistributedDataParallel):
+        inner = compiled_original(model)
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
 def is_skipped(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
     """Whether a regular expression of ``patterns`` is found (``re.search``) in the module's
     qualified name or its type name."""
