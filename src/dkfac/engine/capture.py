@@ -193,6 +193,7 @@ class FactorCapture:
     def _forward_hook(
         self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
+        self.counter.note_forward(layer.block.parameters())
         if layer.input_rms and module.training and torch.is_grad_enabled():
             x = layer.block.hooked_input(inputs)
             if x is not None:
