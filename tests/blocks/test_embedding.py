@@ -90,6 +90,51 @@ def test_sparse_embedding_is_skipped_with_warning(caplog: pytest.LogCaptureFixtu
     assert "sparse embedding" in caplog.text
 
 
+class _SparseModel(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 3, sparse=sparse)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids))).sum(dim=1)
+
+
+def test_a_sparse_embedding_trains_as_the_same_dense_one_left_to_the_inner_optimizer() -> None:
+    """The declined sparse embedding keeps its sparse gradient for the inner SGD (which
+    takes one); the oracle is the dense twin skipped by name: the same weights after 3
+    steps (up to the order its duplicate rows are summed in)."""
+    torch.manual_seed(0)
+    sparse, dense = _SparseModel(True).to(DT), _SparseModel(False).to(DT)
+    dense.load_state_dict(sparse.state_dict())
+    for model, skip in ((sparse, ()), (dense, ("emb",))):
+        pre = KFACPreconditioner(model, skip_layers=skip)
+        opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), pre)
+        for step in range(3):
+            ids = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            _loss(model, ids).backward()
+            opt.step()
+    assert sparse.emb.weight.grad is not None and sparse.emb.weight.grad.is_sparse
+    for p, q in zip(sparse.parameters(), dense.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0.0, atol=1e-12)
+
+
+def test_the_default_refuses_a_sparse_embedding_it_would_give_adam() -> None:
+    """``for_model`` gives the parameters no block takes Adam's direction, which a sparse
+    gradient has no dense moments for: refused when built, naming the layer and the ways
+    out; with ``leftover_update="gradient"`` it builds and trains."""
+    model = _SparseModel(True)
+    with pytest.raises(ValueError, match=r"emb\.weight.*sparse=False.*leftover_update"):
+        KFACOptimizer.for_model(model)
+    opt = KFACOptimizer.for_model(model, leftover_update="gradient")
+    before = model.emb.weight.detach().clone()
+    opt.zero_grad()
+    _loss(model, torch.randint(0, 7, (4, 5))).backward()
+    opt.step()
+    assert not torch.equal(model.emb.weight, before)
+
+
 class _OffsetPositions(nn.Embedding):
     """Learned positions as BART writes them: called with the token ids, it looks up
     ``arange(T) + 2``, so its input is not the rows it reads."""

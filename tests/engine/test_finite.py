@@ -92,3 +92,20 @@ def test_fused_finite_each_refuses_what_it_cannot_norm() -> None:
     for other in (torch.ones(3, dtype=torch.float64), torch.arange(3)):
         with pytest.raises(ValueError, match="float16, bfloat16 and float32 tensors, got"):
             finite_each([torch.ones(2), other], torch.device("cpu"), fused=True)
+
+
+def test_a_sparse_gradient_is_tested_on_its_values() -> None:
+    """An ``nn.Embedding(sparse=True)`` gradient: uncoalesced rows (a repeated index) are
+    summed first, as the dense gradient holds them."""
+    indices = torch.tensor([[0, 2, 2]])
+    good = torch.sparse_coo_tensor(indices, torch.tensor([[1.0], [2.0], [3.0]]), (4, 1))
+    bad = torch.sparse_coo_tensor(indices, torch.tensor([[1.0], [float("nan")], [3.0]]), (4, 1))
+    large = torch.sparse_coo_tensor(indices, torch.tensor([[1.0], [3e38], [3e38]]), (4, 1))
+    for tensor in (good, bad, large):
+        expected = bool(all_finite(tensor.to_dense()))
+        assert bool(all_finite(tensor)) is expected
+        assert finite_each([tensor, torch.ones(2)], torch.device("cpu")).tolist() == [
+            expected,
+            True,
+        ]
+    assert [bool(all_finite(t)) for t in (good, bad, large)] == [True, False, False]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dkfac.engine.micro_batches import BackwardCounter
 
@@ -30,3 +31,18 @@ def test_a_parameter_unfrozen_later_is_counted_once_watched_again() -> None:
     counter.reset()
     (frozen * 2).sum().backward()
     assert counter.passes == 1  # no hooks: at least 1
+
+
+def test_reentrant_checkpointed_segments_of_one_backward_are_one_pass() -> None:
+    """Each reentrant segment runs a backward of its own inside the outer one: a layer in
+    two segments, whose forward hook notes where its recomputation ran, counts one pass
+    per outer backward; without the note it would count one per segment."""
+    layer = nn.Linear(3, 3)
+    counter = BackwardCounter()
+    counter.watch(layer.parameters(), every=True)
+    layer.register_forward_hook(lambda module, *_: counter.note_forward(module.parameters()))
+    x = torch.randn(2, 3, requires_grad=True)
+    for passes in (1, 2):
+        h = checkpoint(layer, x, use_reentrant=True)
+        checkpoint(layer, h, use_reentrant=True).sum().backward()
+        assert counter.passes == passes

@@ -375,6 +375,30 @@ def test_accumulation_equals_the_unaccumulated_run_without_a_declared_count(meth
         torch.testing.assert_close(g2, g, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
+def test_a_one_sample_micro_batch_is_captured_whether_it_comes_first_or_last(method: str) -> None:
+    """A step accumulating micro-batches of 7 and 1 samples (a loader's short last batch)
+    builds the factors of one accumulating them as 1 then 7: the one-sample micro-batch
+    is a batch of its own, not a lookup broadcast over the other's samples. The
+    overhead budget is off (it chooses from the first batch)."""
+    opts = {"method": method, "inverse_update_interval": 1, "kl_clip": None, "overhead": None}
+    models = [_mlp().double(), _mlp().double()]
+    optimizers = [KFACOptimizer.for_model(model, lr=0.01, **opts) for model in models]
+    for step in range(3):
+        x, y = _batch(step, 8)
+        parts = [(x[:7], y[:7]), (x[7:], y[7:])]
+        for model, opt, order in zip(models, optimizers, (parts, parts[::-1]), strict=True):
+            opt.zero_grad()
+            for part_x, part_y in order:
+                (F.cross_entropy(model(part_x.double()), part_y) / 2).backward()
+            opt.step()
+    first, last = (opt.preconditioner.factors() for opt in optimizers)
+    for name, (a, g) in first.items():
+        torch.testing.assert_close(last[name][0], a, rtol=0.0, atol=1e-12, msg=name)
+        torch.testing.assert_close(last[name][1], g, rtol=0.0, atol=1e-12, msg=name)
+    assert max_difference(*models) < 1e-10
+
+
 # ----------------------------------------------------------------- a GradScaler not given
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dkfac import KFACOptimizer
+from dkfac import KFACOptimizer, KFACPreconditioner
 from tests.integrations.twins import max_difference
 
 DT = torch.float64
@@ -102,6 +102,61 @@ def test_checkpointed_blocks_capture_once_as_the_plain_model_does(
     _assert_same_factors(*opts)
     assert max_difference(plain, twin) == 0.0
     assert opts[0].preconditioner.describe() == opts[1].preconditioner.describe()
+
+
+class _SharedBlocks(nn.Module):
+    """One block applied three times (weights shared across depth, as ALBERT's layers),
+    each application run through ``checkpoint`` (``reentrant`` True or False) or plainly."""
+
+    def __init__(self, reentrant: bool | None = None, width: int = 8) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(5, width)
+        self.block = _Block(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for _ in range(3):
+            h = (
+                self.block(h)
+                if self.reentrant is None
+                else checkpoint(self.block, h, use_reentrant=self.reentrant)
+            )
+        return self.head(h)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("method", ["eigen", None])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_block_shared_by_checkpointed_segments_is_one_backward_pass(
+    reentrant: bool, method: str | None, micro_batches: int
+) -> None:
+    """A reentrant checkpoint runs a backward of its own for each segment: a layer in
+    three of them still saw one backward pass per micro-batch, so its G is on the plain
+    model's scale (not 3² times it) and the weights after 4 steps are the plain model's
+    (``method="eigen"`` under SGD, and the default)."""
+    torch.manual_seed(0)
+    plain = _SharedBlocks().to(DT)
+    twin = _SharedBlocks(reentrant).to(DT)
+    twin.load_state_dict(plain.state_dict())
+    opts = [
+        KFACOptimizer.for_model(m, lr=0.01)
+        if method is None
+        else KFACOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05), KFACPreconditioner(m, method=method)
+        )
+        for m in (plain, twin)
+    ]
+    for model, opt in zip((plain, twin), opts, strict=True):
+        for step in range(4):
+            x, y = _vectors(step)
+            opt.zero_grad()
+            for part_x, part_y in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+                (F.cross_entropy(model(part_x), part_y) / micro_batches).backward()
+            opt.step()
+    _assert_same_factors(*opts, atol=1e-12)
+    assert max_difference(plain, twin) < 1e-12
 
 
 class _OddConvs(nn.Module):

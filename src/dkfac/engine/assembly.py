@@ -118,12 +118,37 @@ def leftover_for(
     model: nn.Module, config: KFACConfig, other_params: Sequence[Tensor]
 ) -> LeftoverAdam | None:
     """Adam for ``other_params`` (the parameters no layer takes) where ``leftover_update``
-    is on, named as in ``model``; ``None`` where it is off."""
+    is on, named as in ``model``; ``None`` where it is off.
+
+    Raises:
+        ValueError: If one of them is the weight of a module with sparse gradients
+            (``nn.Embedding(sparse=True)``): Adam's moments are dense, its direction would
+            not be a sparse gradient.
+    """
     if not leftover_adam(config):
         return None
     ids = {id(p) for p in other_params}
     named = {n: p for n, p in unwrap(model).named_parameters() if id(p) in ids}
+    sparse = _sparse_weights(unwrap(model), ids)
+    if sparse:
+        raise ValueError(
+            f"{', '.join(sparse)}: a sparse=True embedding's gradient cannot take Adam's "
+            f"direction (leftover_update={config.leftover_update!r} under method="
+            f"{config.method!r}): build it with sparse=False (K-FAC then preconditions it), "
+            'or pass leftover_update="gradient" to leave its sparse gradient to the inner '
+            "optimizer"
+        )
     return LeftoverAdam(named, config)
+
+
+def _sparse_weights(model: nn.Module, ids: set[int]) -> list[str]:
+    """The names of the parameters whose ids are in ``ids`` and that are the weight of a
+    module with sparse gradients (``nn.Embedding`` or ``nn.EmbeddingBag``, ``sparse=True``)."""
+    return [
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if getattr(module, "sparse", False) is True and id(getattr(module, "weight", None)) in ids
+    ]
 
 
 def adopt_parameters(

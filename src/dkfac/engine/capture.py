@@ -30,6 +30,18 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class _ForwardPass:
+    """The captured forwards of one micro-batch's forward pass (those run since a backward
+    last reached a captured layer, with the recomputations inside that backward).
+
+    Attributes:
+        largest: The largest batch among them.
+    """
+
+    largest: int = 0
+
+
+@dataclass
 class _Forward:
     """One captured forward of a layer, until its output's gradient arrives.
 
@@ -39,6 +51,7 @@ class _Forward:
         batch: Samples of the forward.
         scale: The squared number of terms the micro-batch's loss averages over.
         keep: Rows kept for the statistics (``factor_batch_size``), ``None``: all.
+        forward_pass: The forward pass it belongs to.
         context: What the block's input capture returned, for its gradient capture.
     """
 
@@ -46,6 +59,7 @@ class _Forward:
     batch: int
     scale: float
     keep: int | None
+    forward_pass: _ForwardPass
     context: Any = None
 
 
@@ -100,9 +114,10 @@ class FactorCapture:
     of a checkpointed segment whose recomputation is what the backward runs through,
     leaves nothing). A frozen layer (weight without ``requires_grad``) captures nothing.
 
-    A layer whose input has one sample while the step's micro-batches have more (a position
-    embedding looked up with ``position_ids`` of shape ``(1, T)``: its output is broadcast
-    over the batch and its output gradient is the batch's sum) has no per-sample gradient;
+    A layer whose input has one sample while other layers of the same forward pass have more
+    (a position embedding looked up with ``position_ids`` of shape ``(1, T)``: its output is
+    broadcast over the batch and its output gradient is the batch's sum) has no per-sample
+    gradient (a micro-batch of one sample is no such layer: its forward pass has one);
     its G is built once a step from the sum of its output gradients over the micro-batches,
     i.e. from the step's gradient, as it is without accumulation.
 
@@ -137,7 +152,8 @@ class FactorCapture:
         self._warned_missing: set[str] = set()
         self._handles: list[Any] = []
         self.counter = BackwardCounter()
-        self._largest_batch = 0  # of the forwards captured this step
+        self._pass = _ForwardPass()  # the forward pass being captured
+        self._pass_ended = False  # a backward reached it since: the next forward starts one
         self._backward_batch = 0  # of those a backward went through
         self._broadcast: dict[str, _Broadcast] = {}
         self.checking = False
@@ -184,7 +200,7 @@ class FactorCapture:
         self.counter.reset()
         if self.counter.waiting:
             self.counter.watch((p for ps in params for p in ps), every=True)
-        self._largest_batch = 0
+        self._pass, self._pass_ended = _ForwardPass(), False
         self._backward_batch = 0
         self._broadcast.clear()
         self._groups.clear()
@@ -193,6 +209,7 @@ class FactorCapture:
     def _forward_hook(
         self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
+        self.counter.note_forward(layer.block.parameters())
         if layer.input_rms and module.training and torch.is_grad_enabled():
             x = layer.block.hooked_input(inputs)
             if x is not None:
@@ -208,7 +225,8 @@ class FactorCapture:
         if x is None or output is None or not output.requires_grad:
             return
         batch = layer.block.batch_size(x)
-        self._largest_batch = max(self._largest_batch, batch)
+        forward_pass = self._forward_pass()
+        forward_pass.largest = max(forward_pass.largest, batch)
         # The G scale is that of the micro-batch's mean loss, whatever rows are kept: the
         # number of terms the loss averages over (samples, or every sample's positions).
         terms = batch
@@ -220,12 +238,20 @@ class FactorCapture:
         else:
             with torch.no_grad():  # a slice outside the graph
                 x = x[:keep]
-        pending = _Forward(x, batch, float(terms) ** 2, keep)
+        pending = _Forward(x, batch, float(terms) ** 2, keep, forward_pass)
         output.register_hook(functools.partial(self._grad_hook, layer, pending))
         if self.config.fisher == "mc":
             # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
             # would move the tensor's history past the node this hook belongs to.
             self._mc_roots.append(get_gradient_edge(output))
+
+    def _forward_pass(self) -> _ForwardPass:
+        """The forward pass a capture now belongs to: a new one where a backward reached
+        the last one, unless this forward runs inside a backward (a checkpointed segment's
+        recomputation belongs to the pass whose backward runs it)."""
+        if self._pass_ended and torch._C._current_graph_task_id() < 0:
+            self._pass, self._pass_ended = _ForwardPass(), False
+        return self._pass
 
     def _grad_sinks(self, layer: LayerState) -> dict[str, Any]:
         """The layer's due sinks for gradient rows: rows marked
@@ -247,6 +273,7 @@ class FactorCapture:
         """The grad hook's work: the input statistics on the forward's first backward, then
         the gradient statistics."""
         self._backward_batch = max(self._backward_batch, pending.batch)
+        self._pass_ended = True
         if pending.inputs is not None and self._hold(layer, pending, grad):
             return
         if pending.inputs is not None:  # the first backward through this forward: its A
@@ -294,8 +321,11 @@ class FactorCapture:
             self._groups.flush()
 
     def _broadcasts(self, pending: _Forward) -> bool:
-        """A one-sample input in a step whose micro-batches have more (see the class notes)."""
-        return self.config.fisher == "empirical" and pending.batch == 1 < self._largest_batch
+        """A one-sample input in a forward pass whose other inputs have more (see the class
+        notes)."""
+        return (
+            self.config.fisher == "empirical" and pending.batch == 1 < pending.forward_pass.largest
+        )
 
     def _add_broadcast(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         """Adds a broadcast layer's output gradient to the step's sum (G at the step's end)."""

@@ -43,7 +43,10 @@ def all_finite(tensor: Tensor) -> Tensor:
 
 def _total(tensor: Tensor) -> Tensor:
     """The sum of a floating tensor's squares, accumulated in float32 at least; a float16
-    tensor's plain sum in float32 (see the module notes)."""
+    tensor's plain sum in float32 (see the module notes). A sparse tensor (the gradient of
+    ``nn.Embedding(sparse=True)``) is tested on its summed values."""
+    if tensor.is_sparse:
+        tensor = tensor.coalesce().values()
     if tensor.dtype == torch.float16:
         return tensor.sum(dtype=torch.float32)
     flat = tensor.reshape(-1)
@@ -71,7 +74,7 @@ def finite_each(
         device: Where the answer lives.
         fused: Take the 2-norms in one multi-tensor call (module notes); ``None`` (the
             default): on a launch-bound ``device`` (:mod:`~dkfac.engine.launches`) when
-            every tensor is a float32, float16 or bfloat16 one there.
+            every tensor is a dense float32, float16 or bfloat16 one there.
 
     Raises:
         ValueError: For no tensors, or ``fused`` with a tensor of another dtype than
@@ -85,7 +88,7 @@ def finite_each(
         raise ValueError(f"finite_each(fused=True) takes {allowed}, got {', '.join(dtypes)}")
     if fused is None:
         fused = launches.launch_bound(device) and all(
-            t.device == device and t.dtype in _FUSED_DTYPES for t in tensors
+            t.device == device and t.dtype in _FUSED_DTYPES and not t.is_sparse for t in tensors
         )
     if fused:
         norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from dkfac.engine.model_hooks import ModelHook
@@ -31,7 +32,10 @@ class BackwardCounter:
     """
 
     def __init__(self) -> None:
-        self._passes: dict[int, int] = {}
+        self._passes: dict[int, set[int]] = {}
+        # id(param) -> the graph task its module's last forward ran inside (a recomputation
+        # during a backward); absent where that forward ran outside any backward.
+        self._recomputed_in: dict[int, int] = {}
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
         self.waiting = False
@@ -62,8 +66,21 @@ class BackwardCounter:
                 )
             )
 
+    def note_forward(self, params: Iterable[Tensor]) -> None:
+        """Notes the graph task the forward through ``params`` ran inside, if any (a
+        checkpointed segment recomputed during a backward); see the module notes."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:
+            if self._recomputed_in:
+                for param in params:
+                    self._recomputed_in.pop(id(param), None)
+            return
+        for param in params:
+            self._recomputed_in[id(param)] = task
+
     def _count(self, key: int) -> None:
-        self._passes[key] = self._passes.get(key, 0) + 1
+        task = self._recomputed_in.get(key, torch._C._current_graph_task_id())
+        self._passes.setdefault(key, set()).add(task)
 
     @property
     def seen(self) -> bool:
@@ -73,7 +90,7 @@ class BackwardCounter:
     @property
     def passes(self) -> int:
         """Backward passes since the last reset (the most through any parameter), at least 1."""
-        return max(self._passes.values(), default=1)
+        return max(map(len, self._passes.values()), default=1)
 
     def reset(self) -> None:
         """Starts the count of the next step."""
@@ -85,3 +102,4 @@ class BackwardCounter:
             handle.remove()
         self._handles.clear()
         self._hooked.clear()
+        self._recomputed_in.clear()
