@@ -7,7 +7,11 @@ of the per-sample scale and the output-gradient factors ``1 / k²`` of it. The c
 from the parameters' post-accumulate-grad hooks, which fire once per backward pass through
 a parameter (however often its module ran in the forward, and not for
 ``torch.autograd.grad``: the Monte-Carlo Fisher's sampled backward is no micro-batch), so
-the user never states it.
+the user never states it. A pass is a backward's graph task: a reentrant checkpoint
+(``use_reentrant=True``) runs an inner backward, a task of its own, for each segment it
+recomputes, so a parameter whose module's forward last ran inside a backward (the
+recomputation) counts for the task that forward ran in, the outer backward (a block shared
+by several segments is then one pass, not one per segment).
 """
 
 from __future__ import annotations
