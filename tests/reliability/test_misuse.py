@@ -292,6 +292,18 @@ def test_non_number_lr_is_a_type_error() -> None:
         pre.step(lr="0.1")  # type: ignore[arg-type]
 
 
+def test_a_misspelt_option_names_the_closest_ones() -> None:
+    """An unknown keyword option is refused where it enters, with the fields it resembles
+    (not the dataclass's bare "unexpected keyword argument"), and no hook is left."""
+    model = _mlp()
+    hint = r"unknown option 'dampin' \(did you mean damping or bn_damping\?\); every option"
+    with pytest.raises(TypeError, match=hint):
+        KFACOptimizer.for_model(model, lr=0.1, dampin=0.1)
+    with pytest.raises(TypeError, match="unknown option 'no_such_option'; every option"):
+        KFACPreconditioner(model, no_such_option=1)
+    KFACPreconditioner(model, damping=0.1)  # the model was left unhooked
+
+
 def test_optimizer_lr_nan_reaches_no_gradient() -> None:
     model = _mlp()
     opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), KFACPreconditioner(model))

@@ -38,8 +38,6 @@ every result records what ran.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import importlib
 import math
 from collections.abc import Iterable, Mapping
@@ -49,7 +47,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from dkfac.config import KFACConfig
+from dkfac.config import KFACConfig, unknown_options
 from dkfac.config.checks import check_range
 from dkfac.optimizer import KFACOptimizer
 from dkfac.preconditioner import KFACPreconditioner
@@ -357,20 +355,6 @@ def kfac_parts(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
     rest = {k: v for k, v in options.items() if k not in inner}
     flags = {key: value == "True" for key, value in rest.items() if value in ("True", "False")}
     return inner, {**rest, **flags}
-
-
-def unknown_options(options: Iterable[str]) -> str | None:
-    """What is wrong with the names of ``options`` as :class:`~dkfac.KFACConfig` fields
-    (each unknown one, with the closest field names), or ``None``."""
-    fields = {each.name for each in dataclasses.fields(KFACConfig)}
-    unknown = sorted(set(options) - fields)
-    if not unknown:
-        return None
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, sorted(fields), n=2)
-        hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
-    return f"unknown option {', '.join(hints)}; every option: docs/options.md"
 
 
 def check_kfac_options(options: Mapping[str, Any]) -> None:

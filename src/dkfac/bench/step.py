@@ -54,9 +54,8 @@ from dkfac.bench.common import (
     parse_options,
     write_result,
 )
-from dkfac.bench.peers import unknown_options
 from dkfac.bench.step_report import plot_breakdown, summary_text
-from dkfac.config import KFACConfig
+from dkfac.config import KFACConfig, unknown_options
 from dkfac.preconditioner import KFACPreconditioner
 from dkfac.solvers import METHODS
 

@@ -18,6 +18,8 @@ callable of the step; :mod:`dkfac.config.schedules`), validated when resolved.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
@@ -78,6 +80,7 @@ __all__ = [
     "check_schedule_value",
     "leftover_adam",
     "resolve",
+    "unknown_options",
     "unread_moment_fields",
 ]
 
@@ -157,3 +160,17 @@ class KFACConfig(RefreshConfig, DistributionConfig, EstimationConfig, SolverConf
     def refresh_config(self) -> RefreshConfig:
         """When statistics and inverses are recomputed."""
         return self.group(RefreshConfig)
+
+
+def unknown_options(options: Iterable[str]) -> str | None:
+    """What is wrong with the names of ``options`` as :class:`KFACConfig` fields (each
+    unknown one, with the closest field names), or ``None``."""
+    fields = {each.name for each in dataclasses.fields(KFACConfig)}
+    unknown = sorted(set(options) - fields)
+    if not unknown:
+        return None
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(fields), n=2)
+        hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    return f"unknown option {', '.join(hints)}; every option: docs/options.md"

@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dkfac.config import KFACConfig, check_schedule_value
+from dkfac.config import KFACConfig, check_schedule_value, unknown_options
 from dkfac.engine.registration import unwrap
 from dkfac.engine.roles import apply_model_rules
 
@@ -54,6 +54,8 @@ def checked_config(
         )
     if config is not None and not isinstance(config, KFACConfig):
         raise TypeError(f"config must be a KFACConfig or None, got {type(config).__name__}")
+    if problem := unknown_options(options):
+        raise TypeError(problem)
     if config is None:
         config = KFACConfig(**options)
     elif options:
