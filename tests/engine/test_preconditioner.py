@@ -105,6 +105,17 @@ def test_bad_arguments_are_rejected(options: dict, error: type, match: str) -> N
         KFACPreconditioner(_mlp(), **options)
 
 
+@pytest.mark.parametrize(
+    "option", ["factor_dtype", "capture_dtype", "rotation_dtype", "gradient_rotation_dtype"]
+)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_precision_is_refused_when_built(option: str, dtype: torch.dtype) -> None:
+    # float8 is a floating dtype to torch: factor_dtype failed at the first step (no
+    # products in it), capture_dtype and rotation_dtype ran on 2-3 significant bits.
+    with pytest.raises(ValueError, match=rf"{option} must be .*torch\.float32.*, got {dtype}"):
+        KFACOptimizer.for_model(_mlp(), **{option: dtype})
+
+
 def test_model_without_supported_layer_is_rejected() -> None:
     with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
         KFACPreconditioner(

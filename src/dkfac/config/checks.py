@@ -96,6 +96,12 @@ def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
         raise TypeError(f"{name} must be {allowed}, got {value!r}")
 
 
+FLOATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The floating dtypes a precision option may name: torch's float8 types are floating too,
+but hold no products (a float8 matrix product is not implemented on most devices) and keep
+two or three significant bits."""
+
+
 def check_dtype(
     name: str,
     value: Any,
@@ -104,19 +110,17 @@ def check_dtype(
     optional: bool = True,
     auto: bool = False,
 ) -> None:
-    """A floating ``torch.dtype`` (one of ``allowed`` when given), ``None`` when
-    ``optional``, or ``"auto"`` when ``auto`` (:mod:`dkfac.solvers.precision`).
+    """One of ``allowed`` (default :data:`FLOATING_DTYPES`), ``None`` when ``optional``, or
+    ``"auto"`` when ``auto`` (:mod:`dkfac.solvers.precision`).
 
     Raises:
         ValueError: Otherwise.
     """
     if (optional and value is None) or (auto and isinstance(value, str) and value == AUTO):
         return
-    ok = isinstance(value, torch.dtype) and value.is_floating_point
-    if ok and allowed is not None:
-        ok = value in allowed
-    if not ok:
-        kinds = ", ".join(str(d) for d in allowed) if allowed is not None else "a floating dtype"
+    allowed = FLOATING_DTYPES if allowed is None else allowed
+    if not (isinstance(value, torch.dtype) and value in allowed):
+        kinds = ", ".join(str(d) for d in allowed)
         words = (["None"] if optional else []) + (["'auto'"] if auto else [])
         extra = ", ".join(words) + " or " if words else ""
         raise ValueError(f"{name} must be {extra}{kinds}, got {value!r}")
