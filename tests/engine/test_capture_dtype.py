@@ -126,6 +126,40 @@ def test_capture_dtype_is_validated(bad: object) -> None:
         KFACConfig(capture_dtype=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("option", ["factor_dtype", "capture_dtype"])
+def test_float16_statistics_are_refused_when_built(option: str) -> None:
+    # float16's largest number is 65504 and its smallest 6e-8: the sums of a batch's
+    # products of inputs of size 100 were Inf, the squared output gradients of a small
+    # loss were 0.
+    allowed = r"torch\.bfloat16, torch\.float32, torch\.float64, got torch\.float16"
+    with pytest.raises(ValueError, match=f"{option} must be .*{allowed}"):
+        KFACConfig(**{option: torch.float16})  # type: ignore[arg-type]
+
+
+def _linear_factors(dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The factors of one step of a model of ``dtype`` (float16-rounded weights and
+    inputs), on inputs of size 100 and a loss a hundredth of a mean squared error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).half().to(dtype)
+    x = (100 * torch.randn(32, 6)).half().to(dtype)
+    y = torch.randn(32, 3)
+    pre = KFACPreconditioner(model, factor_decay=0.0)
+    (F.mse_loss(model(x).float(), y) / 100).backward()
+    pre.step()
+    return pre.factors()
+
+
+def test_a_float16_model_keeps_float32_factors_as_its_float32_twin() -> None:
+    want = _linear_factors(torch.float32)
+    got = _linear_factors(torch.float16)
+    assert set(got) == set(want) == {"0", "2"}
+    for name, pair in want.items():
+        for side, (a, b) in zip("AG", zip(got[name], pair, strict=True), strict=True):
+            assert a.dtype == torch.float32, (name, side)
+            # the activations and gradients themselves are float16: 2^-11 each
+            assert relative_error(a, b) < 1e-2, (name, side)
+
+
 def test_capture_dtype_flag() -> None:
     assert kfac_config_from_args(parse_args(["train"])).capture_dtype is None
     args = parse_args(["train", "--optimizer", "kfac", "--capture-dtype", "bfloat16"])

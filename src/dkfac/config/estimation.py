@@ -21,12 +21,31 @@ from dkfac.config.checks import (
 )
 from dkfac.config.schedules import Schedule, check_schedules
 
-__all__ = ["FISHER_TYPES", "LOSS_AVERAGES", "EstimationConfig", "FisherType", "LossAverage"]
+__all__ = [
+    "FISHER_TYPES",
+    "LOSS_AVERAGES",
+    "STATISTIC_DTYPES",
+    "EstimationConfig",
+    "FisherType",
+    "LossAverage",
+    "statistic_dtype",
+]
 
 FisherType = Literal["empirical", "mc"]
 FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
 LossAverage = Literal["samples", "positions"]
 LOSS_AVERAGES: tuple[str, ...] = get_args(LossAverage)
+
+STATISTIC_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+"""The precisions the factors may be stored and their products taken in. Not float16: its
+range (6e-8 to 65504) holds neither the sums of a batch's products of inputs of size 100
+(Inf) nor the squared output gradients of a small loss (0)."""
+
+
+def statistic_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The factors' default precision for parameters of ``param_dtype``: the same, but
+    float32 for float16 (:data:`STATISTIC_DTYPES`)."""
+    return torch.float32 if param_dtype == torch.float16 else param_dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,10 +69,13 @@ class EstimationConfig:
             model's mean over ``N·T`` tokens: each layer's G is then scaled by its own
             ``(N·T)²`` and the Monte-Carlo loss divides by ``N·T``). With ``"samples"`` on
             a token-mean loss, G is ``T²`` too small and the damping swamps it.
-        factor_dtype: Precision the factors are stored in (default: the parameters' dtype).
+        factor_dtype: Precision the factors are stored in: ``torch.bfloat16``,
+            ``torch.float32`` or ``torch.float64`` (:data:`STATISTIC_DTYPES`); ``None``
+            (default): the parameters' dtype, float32 for a float16 model.
         capture_dtype: Precision of the inputs of the factor products: activations and
             output gradients are cast to it before their outer products are summed (the
-            sums are then stored in ``factor_dtype``). ``None`` (default): ``factor_dtype``.
+            sums are then stored in ``factor_dtype``); one of :data:`STATISTIC_DTYPES`.
+            ``None`` (default): ``factor_dtype``.
             ``torch.bfloat16`` about halves the cost of building the factors on GPUs and on
             CPUs with bf16 matrix instructions (AVX512-BF16, AMX; measured 1.6x on
             ResNet-20's factor step), for a relative error of the factors of a few 1e-3
@@ -101,8 +123,8 @@ class EstimationConfig:
         check_schedules(self, ("factor_decay",))
         check_int("accumulation_steps", self.accumulation_steps)
         check_choice("loss_average", self.loss_average, LOSS_AVERAGES)
-        check_dtype("factor_dtype", self.factor_dtype)
-        check_dtype("capture_dtype", self.capture_dtype, auto=True)
+        check_dtype("factor_dtype", self.factor_dtype, allowed=STATISTIC_DTYPES)
+        check_dtype("capture_dtype", self.capture_dtype, allowed=STATISTIC_DTYPES, auto=True)
         object.__setattr__(self, "skip_layers", check_patterns("skip_layers", self.skip_layers))
         check_choice("conv_reduction", self.conv_reduction, CONV_REDUCTIONS)
         check_int("subsample_positions", self.subsample_positions)

@@ -24,6 +24,7 @@ from dkfac.blocks.base import Block
 from dkfac.blocks.linear import LinearBlock
 from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, leftover_adam, resolve
+from dkfac.config.estimation import statistic_dtype
 from dkfac.engine import launches
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.guards import name_list
@@ -264,7 +265,7 @@ def create_layers(
     decided: dict[tuple[str, str, torch.dtype | None], None] = {}  # "auto", in order
     for name, block in blocks.items():
         param = block.parameters()[0]
-        dtype = config.factor_dtype or param.dtype
+        dtype = config.factor_dtype or statistic_dtype(param.dtype)
         lowered: dict[str, torch.dtype | None] = {}
         for option in LOWERED_OPTIONS:  # "auto": bf16 where this layer's device has it natively
             value = getattr(config, option)
