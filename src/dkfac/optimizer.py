@@ -174,6 +174,23 @@ def _check_groups(groups: Any, betas: bool) -> None:
             raise ValueError(f"param_groups[{index}]: {err}") from None
 
 
+def _lr_number(lr: Any) -> Any:
+    """``lr`` as :meth:`KFACOptimizer.for_model` checks it: a one-element floating tensor
+    (torch's optimizers take one) as its number, anything else as it is.
+
+    Raises:
+        TypeError: For a tensor of several elements or of integers.
+    """
+    if not isinstance(lr, torch.Tensor):
+        return lr
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise TypeError(
+            f"lr must be a number or a one-element floating tensor, got a {lr.dtype} tensor "
+            f"of shape {tuple(lr.shape)}"
+        )
+    return float(lr.item())
+
+
 def method_defaults(method: str) -> dict[str, Any]:
     """:data:`DEFAULT_OPTIONS` as another ``method`` keeps them: the ones it reads. The
     moment options it does not read are errors when passed, and a method without a basis
@@ -259,7 +276,7 @@ class KFACOptimizer(Optimizer):
     def for_model(
         cls,
         model: nn.Module,
-        lr: float = DEFAULT_LR,
+        lr: float | torch.Tensor = DEFAULT_LR,
         *,
         weight_decay: float = 0.0,
         overhead: float | None = DEFAULT_OVERHEAD,
@@ -302,7 +319,8 @@ class KFACOptimizer(Optimizer):
         Args:
             model: The model to train (all of its parameters go to the inner SGD: frozen
                 ones are stepped once they are unfrozen and have gradients).
-            lr: Step size > 0 (at most float32's largest number).
+            lr: Step size > 0 (at most float32's largest number): a number or a one-element
+                floating tensor, handed to the inner SGD as given.
             weight_decay: Decoupled weight decay >= 0 (at most the same).
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
                 the first step, the factor batch and the factor and basis intervals are
@@ -323,8 +341,10 @@ class KFACOptimizer(Optimizer):
                 (:func:`~dkfac.config.unread_moment_fields`) are left out.
 
         Raises:
-            TypeError: If ``model`` is not an ``nn.Module``, or ``lr`` or ``weight_decay``
-                is not a number (or an option has the wrong type: the config's errors).
+            TypeError: If ``model`` is not an ``nn.Module``, ``lr`` is not a number or a
+                one-element floating tensor (which torch's optimizers take too), or
+                ``weight_decay`` is not a number (or an option has the wrong type: the
+                config's errors).
             ValueError: If ``lr`` is not > 0 or ``weight_decay`` not >= 0, or either is
                 beyond float32's largest number (about 3.4e38; or an option's value is bad).
         """
@@ -332,7 +352,7 @@ class KFACOptimizer(Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
         largest = float(torch.finfo(torch.float32).max)
-        check_range("lr", lr, low=0.0, high=largest, high_inclusive=True)
+        check_range("lr", _lr_number(lr), low=0.0, high=largest, high_inclusive=True)
         check_range("weight_decay", weight_decay, low=0.0, high=largest, low_inclusive=True)
         defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did

@@ -87,6 +87,31 @@ def test_bad_arguments_are_refused(kwargs: dict[str, object], error: type, match
         KFACOptimizer.for_model(make_model(), **kwargs)  # type: ignore[arg-type]
 
 
+def test_a_tensor_lr_steps_as_its_number() -> None:
+    # torch's optimizers take lr as a one-element tensor; for_model refused it.
+    runs = []
+    for lr in (0.01, torch.tensor(0.01)):
+        model = make_model()
+        opt = KFACOptimizer.for_model(model, lr=lr)
+        _train(opt, model, 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for got, want in zip(*runs, strict=True):  # SGD multiplies by a tensor lr apart: 1 ulp
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    ("lr", "error", "match"),
+    [
+        (torch.tensor([0.01, 0.02]), TypeError, "lr must be a number or a one-element floating"),
+        (torch.tensor(-1.0), ValueError, "lr must be in \\(0.0, 3.40"),
+        (torch.tensor(1), TypeError, "lr must be a number or a one-element floating tensor"),
+    ],
+)
+def test_a_bad_tensor_lr_is_refused(lr: torch.Tensor, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        KFACOptimizer.for_model(make_model(), lr=lr)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("model", ["model", None, [torch.nn.Linear(2, 2)]])
 def test_a_model_that_is_no_module_is_refused(model: object) -> None:
     # It was an AttributeError from deep inside (no attribute 'named_modules').
