@@ -399,6 +399,30 @@ def test_a_one_sample_micro_batch_is_captured_whether_it_comes_first_or_last(met
     assert max_difference(*models) < 1e-10
 
 
+@pytest.mark.parametrize("sizes", [(5, 1), (1, 5), (4, 1, 1), (2, 1, 2, 1)])
+def test_one_sample_micro_batches_give_the_factors_of_the_whole_batch(
+    sizes: tuple[int, ...],
+) -> None:
+    """Micro-batches of several sizes, one sample among them (an epoch's last), each mean
+    loss divided by their number: every row keeps its per-sample weight, so A and G are
+    those of the batch in one piece, in any order (float64, no running average). A
+    one-sample micro-batch is no layer broadcast over the batch."""
+    x, y = _batch(0, size=sum(sizes))
+    factors = []
+    for split in ((sum(sizes),), sizes):
+        model = _mlp().to(DT)
+        opt = KFACOptimizer.for_model(model, lr=0.01, method="eigen", factor_decay=0.0)
+        opt.zero_grad()
+        for xs, ys in zip(x.to(DT).split(split), y.split(split), strict=True):
+            (F.cross_entropy(model(xs), ys) / len(split)).backward()
+        opt.step()
+        factors.append(opt.preconditioner.factors())
+    whole, parts = factors
+    for name, (a, g) in whole.items():
+        torch.testing.assert_close(parts[name][0], a, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(parts[name][1], g, rtol=1e-10, atol=1e-12)
+
+
 # ----------------------------------------------------------------- a GradScaler not given
 
 
