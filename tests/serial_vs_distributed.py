@@ -11,7 +11,8 @@ What the loop guarantees, so that no test writes it again:
 
 - ``batch_fn`` is called once per step, in order (a stateful generator inside it is fine);
 - each micro-batch's loss is divided by ``micro`` and the preconditioner is built with
-  ``accumulation_steps=micro``; a DDP model synchronises on the last micro-batch only;
+  ``accumulation_steps=micro``; a DDP model synchronises on the last micro-batch only (a
+  sharded one too with ``sync_last_only=True``: ``set_requires_gradient_sync``);
 - inside a process group of several ranks, an unwrapped model's gradients are averaged over
   the ranks before ``pre.step()`` (what DDP would do), unless the strategy averages them
   itself (``pre.strategy.reduces_gradients``, SP-NGD); a parameter the rank's batch did not
@@ -218,8 +219,12 @@ def _build(
     return Run(model=model, wrapped=wrapped, pre=pre, optimizer=optimizer, scaler=scaler)
 
 
-def _backward(run: Run, x: Tensor, y: Tensor, *, micro: int, sync: bool, mc: bool) -> Tensor:
+def _backward(
+    run: Run, x: Tensor, y: Tensor, *, micro: int, sync: bool, mc: bool, sync_last_only: bool
+) -> Tensor:
     """Forward and backward of one micro-batch; returns its (divided, unscaled) loss."""
+    if sync_last_only:  # FSDP2: reduce-scatter on the last micro-batch only
+        run.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
     out = run.wrapped(x)
     if mc:
         run.pre.sample_fisher(out)
@@ -247,6 +252,7 @@ def train_sharded(
     momentum: float = 0.9,
     grad_scale: float | None = None,
     hooks: Hooks | None = None,
+    sync_last_only: bool = False,
     **options: Any,
 ) -> Run:
     """Trains one rank's shard (``rank=None``: the serial twin) of ``batch_fn``'s batches.
@@ -269,6 +275,9 @@ def train_sharded(
         momentum: SGD's momentum.
         grad_scale: If given, the initial scale of a ``GradScaler`` used for the loss.
         hooks: Callbacks into the loop, if any.
+        sync_last_only: A sharded model (``shard``) reduces its gradients on the last
+            micro-batch only (``set_requires_gradient_sync(False)`` on the others, FSDP2's
+            ``no_sync()``); otherwise on every micro-batch.
         **options: Keyword arguments of :class:`~dkfac.KFACPreconditioner`.
 
     Returns:
@@ -298,17 +307,32 @@ def train_sharded(
             hooks.before_forward(run)
         x, y = batch_fn(step)
         rows = micro_batch_rows(x.shape[0], world, rank, micro)
-        _train_step(run, [(x[r], y[r]) for r in rows], average_over, mc, lr, hooks)
+        parts = [(x[r], y[r]) for r in rows]
+        _train_step(run, parts, average_over, mc, lr, hooks, sync_last_only and shard is not None)
     return run
 
 
 def _train_step(
-    run: Run, parts: list[Batch], average_over: int, mc: bool, lr: float, hooks: Hooks
+    run: Run,
+    parts: list[Batch],
+    average_over: int,
+    mc: bool,
+    lr: float,
+    hooks: Hooks,
+    sync_last_only: bool = False,
 ) -> None:
     """One step on the micro-batches ``parts``: backward each, average, precondition, step."""
     run.optimizer.zero_grad()
     losses = [
-        _backward(run, x, y, micro=len(parts), sync=k == len(parts) - 1, mc=mc)
+        _backward(
+            run,
+            x,
+            y,
+            micro=len(parts),
+            sync=k == len(parts) - 1,
+            mc=mc,
+            sync_last_only=sync_last_only,
+        )
         for k, (x, y) in enumerate(parts)
     ]
     run.losses.append(torch.stack(losses).sum())

@@ -34,7 +34,7 @@ from dkfac.config import KFACConfig, check_schedule_value, resolve
 from dkfac.config.checks import check_bool
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.shard_exchange import Delivery
-from dkfac.distributed.sharding import refuse_fsdp1
+from dkfac.distributed.sharding import refuse_fsdp1, refuse_late_sharding
 from dkfac.distributed.strategies import Strategy
 from dkfac.engine.arguments import (
     check_layer_names,
@@ -315,14 +315,17 @@ class KFACPreconditioner:
                 that holds it); defaults to the configured ``lr``.
 
         Raises:
-            RuntimeError: After :meth:`remove_hooks`, or when no backward wrote a layer's
-                gradients since the last step (they are already preconditioned).
+            RuntimeError: After :meth:`remove_hooks`, when no backward wrote a layer's
+                gradients since the last step (they are already preconditioned), or when
+                the model was sharded with ``fully_shard`` after it was built.
             ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not
                 name exactly the registered layers (TypeError: not a number).
         """
         self._hooks.check("step")
         lr = checked_lr(lr, self.layers)
         params = self._params()  # the same tensors all step long
+        if self.layout is None:
+            refuse_late_sharding(params)
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
             local = self.strategy.factor_reduction == "none"  # dp: an owner's own rows

@@ -6,7 +6,8 @@ naming the parameter and what is allowed: a model where some trainable parameter
 DTensors and others not, a placement other than ``Shard(0)`` / ``Replicate()`` (tensor
 parallelism's ``Shard(1)``), DTensors on different meshes, FSDP1's
 ``FullyShardedDataParallel`` wrapper, and ``strategy="spngd"`` (which reduces unreduced
-gradients itself; FSDP2 has already reduced them).
+gradients itself; FSDP2 has already reduced them). :func:`refuse_late_sharding` refuses,
+at a step, a model that ``fully_shard`` sharded after the preconditioner was built.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from dkfac.distributed.layout import ShardedLayout
 from dkfac.distributed.ledger import CommLedger
 
-__all__ = ["find_layout", "refuse_fsdp1"]
+__all__ = ["find_layout", "refuse_fsdp1", "refuse_late_sharding"]
 
 _STRATEGIES = ("replicated", "kaisa", "mem-opt", "dp", "auto")
 """Strategies offered with the sharded layout (``auto`` never picks ``spngd`` here)."""
@@ -61,6 +62,27 @@ def refuse_fsdp1(model: nn.Module) -> None:
                 "buffers that K-FAC cannot see as layers; shard the model with FSDP2 "
                 "(torch.distributed.fsdp.fully_shard on each block, then on the root), or "
                 "use DistributedDataParallel"
+            )
+
+
+def refuse_late_sharding(params: Mapping[str, Sequence[Tensor]]) -> None:
+    """Refuses DTensor parameters in a preconditioner built on plain ones.
+
+    Args:
+        params: Layer name -> the parameters its block preconditions (read now).
+
+    Raises:
+        RuntimeError: Naming the first layer whose trainable parameter is a DTensor, and
+            the order that works.
+    """
+    for name, layer_params in params.items():
+        if any(isinstance(p, DTensor) and p.requires_grad for p in layer_params):
+            raise RuntimeError(
+                f"layer {name!r} holds a DTensor parameter, but the model's parameters were "
+                "plain tensors when the preconditioner was built: the model was sharded with "
+                "fully_shard after the preconditioner was built; apply fully_shard to the "
+                "blocks and the root first, then build KFACPreconditioner (or "
+                "KFACOptimizer.for_model) on the sharded model"
             )
 
 

@@ -172,6 +172,11 @@ class FactorCapture:
         installed = layer.block.install()
         if installed is not None:
             self._handles.append(installed)
+        # the parameters the forward runs with: under FSDP2 its pre-forward hook (always
+        # first) has swapped in the unsharded ones, its post-forward hook (before ours) the
+        # sharded ones back (dkfac.engine.micro_batches)
+        ran_with = ModelHook(lambda *_: self.counter.note_forward(layer.block.parameters()))
+        self._handles.append(module.register_forward_pre_hook(ran_with))
         hook = ModelHook(functools.partial(self._forward_hook, layer))
         self._handles.append(module.register_forward_hook(hook))
         self.counter.watch(layer.block.parameters())
@@ -209,7 +214,6 @@ class FactorCapture:
     def _forward_hook(
         self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
-        self.counter.note_forward(layer.block.parameters())
         if layer.input_rms and module.training and torch.is_grad_enabled():
             x = layer.block.hooked_input(inputs)
             if x is not None:

@@ -12,6 +12,14 @@ the user never states it. A pass is a backward's graph task: a reentrant checkpo
 recomputes, so a parameter whose module's forward last ran inside a backward (the
 recomputation) counts for the task that forward ran in, the outer backward (a block shared
 by several segments is then one pass, not one per segment).
+
+Under FSDP2 the registered parameters are the sharded DTensors, which no backward runs
+through: a layer's forward runs with its unsharded parameters, and FSDP2 reduce-scatters
+their gradients into the sharded ones (firing the sharded parameters' hooks) only on a
+micro-batch that synchronises; with ``set_requires_gradient_sync(False)`` on the others
+that is once a step. So the tensors a layer's forward runs with (read in a forward
+pre-hook: FSDP2's own, which unshards, runs first) are hooked too, as they are met
+(:meth:`BackwardCounter.note_forward`), and count each backward through them.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ class BackwardCounter:
 
     Hooks go on the parameters that require a gradient; :meth:`watch` is called again at
     every step so that a parameter unfrozen later is counted too (:attr:`waiting` says
-    whether one is left to watch for).
+    whether one is left to watch for). :meth:`note_forward` hooks the parameters a forward
+    ran with, where they are other tensors (FSDP2's unsharded parameters: module notes).
     """
 
     def __init__(self) -> None:
@@ -63,16 +72,23 @@ class BackwardCounter:
             if not param.requires_grad:
                 self.waiting = True
                 continue
-            self._hooked.add(key)
-            self._handles.append(
-                param.register_post_accumulate_grad_hook(
-                    ModelHook(lambda _p, key=key: self._count(key))
-                )
-            )
+            self._hook(param)
+
+    def _hook(self, param: Tensor) -> None:
+        key = id(param)
+        self._hooked.add(key)
+        self._handles.append(
+            param.register_post_accumulate_grad_hook(ModelHook(lambda _p: self._count(key)))
+        )
 
     def note_forward(self, params: Iterable[Tensor]) -> None:
         """Notes the graph task the forward through ``params`` ran inside, if any (a
-        checkpointed segment recomputed during a backward); see the module notes."""
+        checkpointed segment recomputed during a backward), and hooks those of ``params``
+        that are new (FSDP2's unsharded parameters); see the module notes."""
+        params = list(params)
+        for param in params:
+            if id(param) not in self._hooked and param.requires_grad and param.is_leaf:
+                self._hook(param)
         task = torch._C._current_graph_task_id()
         if task < 0:
             if self._recomputed_in:
