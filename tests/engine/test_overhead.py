@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dkfac import KFACOptimizer
 from dkfac.costmodel.budget import LayerShape, basis_limit, choose_for
+from dkfac.engine.overhead import OverheadBudget
 
 
 class _TopOne(nn.Module):
@@ -158,6 +159,30 @@ def test_an_empty_first_batch_waits_for_the_first_that_is_not() -> None:
     assert budget.choice is not None and budget.batch == 24
     assert budget.rows == {"0": 24, "2": 24}
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_accumulated_first_step_chooses_from_its_largest_micro_batch() -> None:
+    """The choice is made from the largest micro-batch of the first step, in any order: a
+    short micro-batch first (2 then 24) chooses as 24 then 2 does, not from a batch of 2."""
+
+    def budget_after(sizes: tuple[int, ...]) -> OverheadBudget:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+        opt = KFACOptimizer.for_model(model)
+        opt.zero_grad()
+        for size in sizes:
+            x, y = torch.randn(size, 8), torch.arange(size) % 3
+            (F.cross_entropy(model(x), y) / len(sizes)).backward()
+        opt.step()
+        budget = opt.preconditioner.budget
+        assert budget is not None and budget.choice is not None
+        return budget
+
+    short_first, long_first = budget_after((2, 24)), budget_after((24, 2))
+    for budget in (short_first, long_first):
+        assert budget.batch == 24 and budget.rows == {"0": 24, "2": 24}
+        assert budget.step_rows == {"0": 26, "2": 26}
+    assert short_first.choice == long_first.choice
 
 
 def _wide_input_mlp() -> nn.Module:

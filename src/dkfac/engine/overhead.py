@@ -91,12 +91,14 @@ class OverheadBudget:
             self._handles.append(layer.block.module.register_forward_hook(ModelHook(seen)))
 
     def _seen(self, name: str, rows: int, batch: int | None) -> None:
-        """A backpropagated forward of layer ``name`` (:meth:`watch`); the batch is the
-        first one that is not empty (a layer may see none of it, an expert of a router)."""
-        self.rows.setdefault(name, rows)
+        """A backpropagated forward of layer ``name`` (:meth:`watch`). The batch and each
+        layer's rows are the largest of the forwards before the choice (a layer may see
+        none of a batch, an expert of a router): the micro-batches of an accumulated first
+        step give the same choice in any order."""
+        self.rows[name] = max(self.rows.get(name, 0), rows)
         self.step_rows[name] = self.step_rows.get(name, 0) + rows
-        if self.batch is None and batch:
-            self.batch = batch
+        if batch:
+            self.batch = max(self.batch or 0, batch)
 
     def agree(
         self,
