@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -52,31 +52,36 @@ LOWERED_OPTIONS = ("rotation_dtype", "gradient_rotation_dtype", "capture_dtype")
 """The config's optional low precisions, which take ``"auto"``."""
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside its DDP / DataParallel wrapper and ``torch.compile``'s
-    ``OptimizedModule`` (its ``_orig_mod``), in any nesting, so that layer names (those of
-    checkpoints, ``skip_layers``, ``orthogonal_layers``, ``describe()``) are the eager bare
-    model's."""
+def _wrappers(model: nn.Module) -> Iterator[nn.Module]:
+    """``model``, then each module it wraps in turn: a DDP / DataParallel wrapper's
+    ``module`` and ``torch.compile``'s ``OptimizedModule``'s ``_orig_mod``, in any nesting,
+    down to the bare model."""
     while True:
+        yield model
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             inner = getattr(model, "module", None)
         else:
             inner = compiled_original(model)
         if not isinstance(inner, nn.Module):
-            return model
+            return
         model = inner
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside its DDP / DataParallel wrapper and ``torch.compile``'s
+    ``OptimizedModule`` (its ``_orig_mod``), in any nesting, so that layer names (those of
+    checkpoints, ``skip_layers``, ``orthogonal_layers``, ``describe()``) are the eager bare
+    model's."""
+    *_, bare = _wrappers(model)
+    return bare
 
 
 def ddp_wrapper(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
     """The ``DistributedDataParallel`` that averages ``model``'s gradients: ``model`` itself,
     or the one inside ``torch.compile``'s ``OptimizedModule`` (``torch.compile(DDP(m))``, in
     any nesting); ``None`` where there is none."""
-    while not isinstance(model, nn.parallel.DistributedDataParallel):
-        inner = compiled_original(model)
-        if inner is None:
-            return None
-        model = inner
-    return model
+    wrappers = (m for m in _wrappers(model) if isinstance(m, nn.parallel.DistributedDataParallel))
+    return next(wrappers, None)
 
 
 def is_skipped(name: str, module: nn.Module, patterns: Sequence[str]) -> bool:
