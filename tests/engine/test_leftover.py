@@ -151,37 +151,53 @@ def _train(opt: KFACOptimizer, model: Net, steps: range) -> None:
         opt.step()
 
 
-def test_a_nonfinite_gradient_stays_out_of_its_moments_and_the_step_is_skipped() -> None:
-    """A NaN in the LayerNorm weight's gradient: that gradient is left as it is (so the
-    optimizer skips the step), that parameter's moments keep their values, and the next
-    finite gradient continues them; per parameter, as the layers' own moments are."""
+def _moments(opt: KFACOptimizer) -> dict[str, dict[str, Tensor]]:
+    """Every moment the optimizer keeps: the layers' and the leftover Adam's, copied."""
+    pre = opt.preconditioner
+    layers = {
+        n: {k: v.clone() for k, v in (s.moments or {}).items()} for n, s in pre.layers.items()
+    }
+    assert pre.leftover is not None
+    return {**layers, **copy.deepcopy(pre.leftover.state_dict())}
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["branching", "on-device"])
+@pytest.mark.parametrize("bad", ["layers.1.weight", "layers.3.weight"], ids=["norm", "layer"])
+def test_a_skipped_step_leaves_every_moment_as_it_was(bad: str, on_device: bool) -> None:
+    """A NaN in one gradient (the LayerNorm's, which the leftover Adam steps, or a K-FAC
+    layer's): the optimizer skips the step, and no moment moves, of that parameter or of
+    any other, finite ones included (a step that did not happen, as a GradScaler's skipped
+    step leaves every moment). The next finite gradient continues them: the moments equal
+    Adam's written out over the finite steps alone."""
     model = Net()
     opt = KFACOptimizer.for_model(model, 0.01)
-    _train(opt, model, range(2))
+    opt.preconditioner.flags_on_device = on_device
+    raw = []  # the raw gradients of the raw scale at the finite steps
+    for step in range(2):
+        _backward(model, step)
+        raw.append(model.scale.grad.clone())
+        opt.step()
     left = opt.preconditioner.leftover
     assert left is not None
-    saved = copy.deepcopy(left.state_dict())
+    saved = _moments(opt)
     weights = [p.detach().clone() for p in model.parameters()]
     _backward(model, 99)
-    model.layers[1].weight.grad[0] = float("nan")
-    raw_scale = model.scale.grad.clone()
+    dict(model.named_parameters())[bad].grad[0] = float("nan")
     opt.step()
+    opt._late.flush()
     assert opt.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights, strict=True))
-    assert torch.isnan(model.layers[1].weight.grad[0])
-    after = left.state_dict()
-    for key, value in after["layers.1.weight"].items():
-        assert torch.equal(value, saved["layers.1.weight"][key]), key
-    assert after["scale"]["t"].item() == 3.0  # a finite gradient still counts
-    assert not torch.equal(model.scale.grad, raw_scale)
+    after = _moments(opt)
+    assert after.keys() == saved.keys()
+    for name, moments in saved.items():
+        for key, value in moments.items():
+            assert torch.equal(after[name][key], value), (name, key)
     _backward(model, 2)
-    raw = model.layers[1].weight.grad.clone()
+    raw.append(model.scale.grad.clone())
     opt.step()
-    assert left.moments["layers.1.weight"]["t"].item() == 3.0
-    m = saved["layers.1.weight"]["m"]
-    torch.testing.assert_close(
-        left.moments["layers.1.weight"]["m"], 0.9 * m + 0.1 * raw.reshape(-1, 1)
-    )
+    m = 0.9 * (0.9 * 0.1 * raw[0] + 0.1 * raw[1]) + 0.1 * raw[2]
+    assert left.moments["scale"]["t"].item() == 3.0
+    torch.testing.assert_close(left.moments["scale"]["m"], m.reshape(1, 1))
 
 
 def test_a_checkpoint_round_trip_continues_to_the_bit() -> None:

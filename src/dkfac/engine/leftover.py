@@ -16,8 +16,11 @@ would underflow).
 It runs after the strategy's reductions, on the gradients every rank holds averaged (by
 DDP, or by ``"spngd"``'s own reduction), so every rank keeps the same moments, and they
 are saved once, by parameter name. A gradient with a NaN or Inf is left as it is (the
-:class:`~dkfac.optimizer.KFACOptimizer` skips that step) and does not enter the moments;
-the check is a ``torch.where``, no host sync.
+:class:`~dkfac.optimizer.KFACOptimizer` skips that step). The moments advance only on a
+step whose gradients are finite everywhere: in every parameter here and in every
+registered layer (:meth:`gradients_finite` is read before the layers' moments advance,
+and :meth:`step` takes the layers' answer), so the step the optimizer skips leaves every
+moment as it was; the choice is a ``torch.where``, no host sync.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from dkfac.config import SolverConfig
 from dkfac.distributed.shard_rows import gather_rows, own_rows
+from dkfac.engine.finite import finite_each
 from dkfac.solvers import EigenAdamSolver, SolverState
 from dkfac.solvers.stacking import same_tensors
 
@@ -88,9 +92,23 @@ class LeftoverAdam:
             state = self._identities[key] = {"qa": empty, "da": empty, "qg": empty, "dg": empty}
         return state
 
+    def gradients_finite(self) -> tuple[Tensor, bool] | None:
+        """``(flag, local)``: a 0-d bool tensor, every gradient present is finite (the test
+        of :func:`~dkfac.engine.finite.finite_each`), and whether it was read on gradients
+        the ranks may hold differently (a shard of FSDP2's ``DTensor``); ``None``: no
+        gradient."""
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        if not grads:
+            return None
+        local = [_local(grad) for grad in grads]
+        sharded = any(isinstance(grad, DTensor) for grad in grads)
+        return finite_each(local, local[0].device).all(), sharded
+
     @torch.no_grad()
-    def step(self) -> None:
-        """Replaces each present, finite gradient by Adam's direction; updates the moments.
+    def step(self, advance: Tensor | bool = True) -> None:
+        """Replaces each present, finite gradient by Adam's direction; updates the moments
+        where ``advance`` holds (a 0-d bool tensor or a bool: the step's gradients are
+        finite everywhere, see the module notes) and the parameter's gradient is finite.
 
         The parameters of one matrix shape, dtype and device go through the solver as one
         stack (the solver's formulas are the same on a stack: a few calls for a model's
@@ -103,9 +121,9 @@ class LeftoverAdam:
                     (name, grad)
                 )
         for members in groups.values():
-            self._step_group(members)
+            self._step_group(members, advance)
 
-    def _step_group(self, members: list[tuple[str, Tensor]]) -> None:
+    def _step_group(self, members: list[tuple[str, Tensor]], advance: Tensor | bool) -> None:
         """The gradients of one shape, dtype and device as one stack of matrices
         (:meth:`step`): a few calls for the group, none a parameter but the copy back."""
         grads = [grad for _, grad in members]
@@ -122,8 +140,9 @@ class LeftoverAdam:
         # finite_each's test, the squares' sum of each parameter in one call (float32 at
         # least: widened): a gradient whose squares overflow would make v Inf for good
         finite = torch.isfinite(matrices.square().sum(dim=(1, 2)))
+        moves = finite & advance
         kept = {
-            key: torch.where(finite.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
+            key: torch.where(moves.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
             for key in new
         }
         update = torch.where(finite.view(-1, 1, 1), update, matrices)

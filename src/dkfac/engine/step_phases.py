@@ -213,12 +213,21 @@ def precondition_gradients(
     config: KFACConfig,
     damping: float,
     step: int,
+    others: Tensor | None = None,
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Phase 3: each gradient worker's preconditioned gradients and the layers ready
-    (:func:`~dkfac.engine.step_math.precondition`, with the BatchNorm damping where set)."""
+    (:func:`~dkfac.engine.step_math.precondition`, with the BatchNorm damping where set).
+    ``others``: a 0-d bool tensor, the other parameters' gradients (the leftover Adam's)
+    are finite; the moments advance only where they are, as the optimizer skips the step
+    elsewhere (on the host path it is read only to hold the moments on a failing step)."""
     bn_damping = resolve("bn_damping", config.bn_damping, step)
     dampings = {"damping": damping, "bn_damping": bn_damping or damping}
     advance = None if keep is None else keep.all()
+    if others is not None:
+        if advance is not None:
+            advance = advance & others
+        elif not bool(others):  # the host path: hold every moment on this step
+            advance = others
     scales = input_scales(parts.layers, parts.comm)
     return precondition(
         parts.layers, parts.strategy, grads, finite, dampings, step, advance, parts.partial, scales
