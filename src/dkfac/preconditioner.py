@@ -6,7 +6,8 @@ capture hooks (:class:`~dkfac.engine.capture.FactorCapture`) and builds the stra
 work runs and what travels between ranks (:mod:`~dkfac.engine.assembly`); the math never
 branches on the rank. A step has five phases, each under a ``torch.profiler.record_function``
 label: ``dkfac.factors``, ``dkfac.inverse``, ``dkfac.precondition``, ``dkfac.distribute`` and
-``dkfac.kl_clip``, then ``dkfac.leftover`` with ``leftover_update``. This class sequences
+``dkfac.kl_clip``, with ``dkfac.leftover`` before ``dkfac.precondition`` under
+``leftover_update``. This class sequences
 them; what each does is in :mod:`~dkfac.engine.step_phases`, the per-layer math in
 :mod:`~dkfac.engine.step_math`.
 
@@ -335,13 +336,8 @@ class KFACPreconditioner:
         damping = resolve("damping", cfg.damping, step)
         inverse_interval = resolve("inverse_update_interval", cfg.inverse_update_interval, step)
         assert damping is not None and inverse_interval is not None
-        others = self._leftover_finite()
         with self.layout.full_gradients() if self.layout is not None else nullcontext():
-            self._precondition_layers(step, damping, int(inverse_interval), lr, others)
-        if self.leftover is not None:
-            with phase("dkfac.leftover"):  # its moments advance where the layers' do
-                ok = self.gradients_finite
-                self.leftover.step(ok if others is None else others & ok)
+            self._precondition_layers(step, damping, int(inverse_interval), lr)
         self.comm.ledger.end_step()
         self._marks.record(params)
         if self.budget is not None:
@@ -353,30 +349,17 @@ class KFACPreconditioner:
         self._set_block_steps()
         self.schedule_captures(self._steps)
 
-    def _leftover_finite(self) -> Tensor | None:
-        """Whether the leftover Adam's gradients are finite on every rank (a 0-d bool
-        tensor; ranks that may hold them differently agree: shards, or gradients a strategy
-        averages later in the step), read before any moment advances; ``None``: no leftover
-        Adam or no gradient of its parameters."""
-        found = self.leftover.gradients_finite() if self.leftover is not None else None
-        if found is None:
-            return None
-        flag, sharded = found
-        if sharded or self.strategy.reduces_gradients:
-            flag = self.strategy.agree(flag.reshape(1)).reshape(())
-        return flag
-
     def _precondition_layers(
         self,
         step: int,
         damping: float,
         inverse_interval: int,
         lr: float | Mapping[str, float] | None,
-        others: Tensor | None,
     ) -> None:
         """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients
-        (:mod:`~dkfac.engine.step_phases`); ``others``: whether the leftover Adam's
-        gradients are finite (the layers' moments advance only where they are too)."""
+        (:mod:`~dkfac.engine.step_phases`), and the leftover Adam's step between the layers'
+        flags and their moments: every moment advances only where every gradient is
+        finite, the layers' and the leftover's (the step the optimizer takes)."""
         parts, cfg = self._parts, self.config
         rows_only = parts.partial | (self.layout.local if self.layout is not None else frozenset())
         world = self.strategy.world_size
@@ -403,6 +386,10 @@ class KFACPreconditioner:
                 self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
             self.late.refreshed(self.layers, grads, skipped, arrived)
         self.late.note_missed(self.layers, grads, skipped)
+        others = None
+        if self.leftover is not None:
+            with phase("dkfac.leftover"):
+                others = self.leftover.step(self.gradients_finite, self.strategy.agree)
         with phase("dkfac.precondition"):
             finals, ready = precondition_gradients(
                 parts, grads, finite, keep, cfg, damping, step, others

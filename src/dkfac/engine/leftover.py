@@ -18,16 +18,16 @@ DDP, or by ``"spngd"``'s own reduction), so every rank keeps the same moments, a
 are saved once, by parameter name. A gradient with a NaN or Inf is left as it is (the
 :class:`~dkfac.optimizer.KFACOptimizer` skips that step). The moments advance only on a
 step whose gradients are finite everywhere: in every parameter here and in every
-registered layer (:meth:`gradients_finite` is read before the layers' moments advance,
-and :meth:`step` takes the layers' answer), so the step the optimizer skips leaves every
-moment as it was; the choice is a ``torch.where``, no host sync.
+registered layer (:meth:`step` runs before the layers' moments advance, takes the layers'
+answer and returns its own), so the step the optimizer skips leaves every moment as it
+was; the choice is a ``torch.where``, no host sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor
 
 from dkfac.config import SolverConfig
 from dkfac.distributed.shard_rows import gather_rows, own_rows
-from dkfac.engine.finite import finite_each
 from dkfac.solvers import EigenAdamSolver, SolverState
 from dkfac.solvers.stacking import same_tensors
 
@@ -59,6 +58,16 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     gradient's square underflows below 6e-8, and ``m̂ ⊘ (√v̂ + ε)`` over a flushed ``v``
     would be ``m̂ / ε``); float64 stays."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _stack(members: list[tuple[str, Tensor]]) -> tuple[list[tuple[str, Tensor]], Tensor, Tensor]:
+    """``(members, matrices, finite)``: the gradients of one group stacked as the solver's
+    matrices (float32 at least), and whether each is finite: the test of
+    :func:`~dkfac.engine.finite.finite_each`, the squares' sum of each in one call (a
+    gradient whose squares overflow would make ``v`` Inf for good)."""
+    stacked = torch.stack([grad for _, grad in members])
+    matrices = stacked.view(len(members), *_matrix_shape(stacked[0])).to(_wide(stacked.dtype))
+    return members, matrices, torch.isfinite(matrices.square().sum(dim=(1, 2)))
 
 
 class LeftoverAdam:
@@ -92,44 +101,62 @@ class LeftoverAdam:
             state = self._identities[key] = {"qa": empty, "da": empty, "qg": empty, "dg": empty}
         return state
 
-    def gradients_finite(self) -> tuple[Tensor, bool] | None:
-        """``(flag, local)``: a 0-d bool tensor, every gradient present is finite (the test
-        of :func:`~dkfac.engine.finite.finite_each`), and whether it was read on gradients
-        the ranks may hold differently (a shard of FSDP2's ``DTensor``); ``None``: no
-        gradient."""
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
-        if not grads:
-            return None
-        local = [_local(grad) for grad in grads]
-        sharded = any(isinstance(grad, DTensor) for grad in grads)
-        return finite_each(local, local[0].device).all(), sharded
-
     @torch.no_grad()
-    def step(self, advance: Tensor | bool = True) -> None:
-        """Replaces each present, finite gradient by Adam's direction; updates the moments
-        where ``advance`` holds (a 0-d bool tensor or a bool: the step's gradients are
-        finite everywhere, see the module notes) and the parameter's gradient is finite.
+    def step(
+        self, advance: Tensor | bool = True, agree: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor | None:
+        """Replaces each present, finite gradient by Adam's direction; the moments advance
+        where every gradient here is finite and ``advance`` holds (a 0-d bool tensor or a
+        bool: the registered layers' gradients are finite, see the module notes).
 
         The parameters of one matrix shape, dtype and device go through the solver as one
         stack (the solver's formulas are the same on a stack: a few calls for a model's
-        LayerNorms instead of a dozen each)."""
+        LayerNorms instead of a dozen each).
+
+        Args:
+            advance: Whether the layers' gradients are finite.
+            agree: Ands a 1-element bool tensor across the ranks; applied to the answer
+                where the gradients are shards (FSDP2's ``DTensor``), which the ranks hold
+                differently.
+
+        Returns:
+            A 0-d bool tensor, whether every gradient here is finite (agreed where they are
+            shards); ``None`` where no parameter here has a gradient.
+        """
         groups: dict[tuple[Any, ...], list[tuple[str, Tensor]]] = {}
+        sharded = False
         for name, param in self.params.items():
             if param.grad is not None:
+                sharded = sharded or isinstance(param.grad, DTensor)
                 grad = _local(param.grad)  # Adam is elementwise: a shard's own
                 groups.setdefault((tuple(grad.shape), grad.dtype, grad.device), []).append(
                     (name, grad)
                 )
-        for members in groups.values():
-            self._step_group(members, advance)
+        if not groups:
+            return None
+        stacks = [_stack(members) for members in groups.values()]
+        ok = stacks[0][2].all()
+        for _, _, finite in stacks[1:]:
+            ok = ok & finite.all().to(ok.device)
+        if sharded and agree is not None:
+            ok = agree(ok.reshape(1)).reshape(())
+        moves = ok & advance
+        for members, matrices, finite in stacks:
+            self._step_group(members, matrices, finite, moves)
+        return ok
 
-    def _step_group(self, members: list[tuple[str, Tensor]], advance: Tensor | bool) -> None:
-        """The gradients of one shape, dtype and device as one stack of matrices
-        (:meth:`step`): a few calls for the group, none a parameter but the copy back."""
+    def _step_group(
+        self,
+        members: list[tuple[str, Tensor]],
+        matrices: Tensor,
+        finite: Tensor,
+        moves: Tensor,
+    ) -> None:
+        """The gradients of one shape, dtype and device as one stack of matrices (:func:`_stack`):
+        a few calls for the group, none a parameter but the copy back; the moments advance
+        where ``moves`` holds."""
         grads = [grad for _, grad in members]
         names = tuple(name for name, _ in members)
-        stacked = torch.stack(grads)
-        matrices = stacked.view(len(grads), *_matrix_shape(grads[0])).to(_wide(stacked.dtype))
         given = [self.moments.get(name) for name in names]
         last = self._stacks.get(names)
         if last is not None and same_tensors(given, last[1]):
@@ -137,20 +164,15 @@ class LeftoverAdam:
         else:
             old = self.solver.stack_moments(given, [matrices[0]] * len(members))
         update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
-        # finite_each's test, the squares' sum of each parameter in one call (float32 at
-        # least: widened): a gradient whose squares overflow would make v Inf for good
-        finite = torch.isfinite(matrices.square().sum(dim=(1, 2)))
-        moves = finite & advance
-        kept = {
-            key: torch.where(moves.view(-1, *[1] * (new[key].dim() - 1)), new[key], old[key])
-            for key in new
-        }
+        if moves.device != matrices.device:  # a model across devices
+            moves = moves.to(matrices.device)
+        kept = {key: torch.where(moves, new[key], old[key]) for key in new}
         update = torch.where(finite.view(-1, 1, 1), update, matrices)
         parts = {key: value.unbind(0) for key, value in kept.items()}  # one call a key
         slices = [{key: part[i] for key, part in parts.items()} for i in range(len(names))]
         self.moments.update(zip(names, slices, strict=True))
         self._stacks[names] = (kept, slices)
-        torch._foreach_copy_(grads, list(update.view(stacked.shape).unbind(0)))
+        torch._foreach_copy_(grads, list(update.view(len(grads), *grads[0].shape).unbind(0)))
 
     def nbytes(self) -> int:
         """Bytes of the moments held."""

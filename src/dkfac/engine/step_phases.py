@@ -30,9 +30,11 @@ under a ``torch.profiler.record_function`` label:
    :func:`~dkfac.engine.step_math.kl_clip_scale`) and written back
    (:func:`clip_and_write`, :func:`~dkfac.engine.step_math.write_back`).
 
-Then, with ``leftover_update`` (the default under ``"eigen_adam"``), ``dkfac.leftover``
-replaces the gradients of the parameters no block takes by Adam's direction on them
-(:mod:`~dkfac.engine.leftover`).
+Between 2 and 3, with ``leftover_update`` (the default under ``"eigen_adam"``),
+``dkfac.leftover`` replaces the gradients of the parameters no block takes by Adam's
+direction on them (:mod:`~dkfac.engine.leftover`). It runs there, after phase 1's
+reductions and flags, so that every moment, the layers' and its own, advances only on a
+step whose gradients are all finite: the step the optimizer takes.
 
 The per-layer math is in :mod:`~dkfac.engine.step_math`; the parts a step runs through,
 fixed when the preconditioner is built, travel together as :class:`StepParts`.
