@@ -185,6 +185,44 @@ def test_an_accumulated_first_step_chooses_from_its_largest_micro_batch() -> Non
     assert short_first.choice == long_first.choice
 
 
+class _Positions(nn.Module):
+    """Tokens plus positions, the positions looked up unbatched (GPT-2's ``wpe(arange(T))``,
+    broadcast over the batch) or as one row ``(1, T)``: the same layers and rows."""
+
+    def __init__(self, unbatched: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.unbatched = unbatched
+        self.tokens, self.positions = nn.Embedding(11, 8), nn.Embedding(32, 8)
+        self.mix, self.head = nn.Linear(8, 8), nn.Linear(8, 11)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        where = torch.arange(ids.shape[1])
+        where = where if self.unbatched else where.unsqueeze(0)
+        return self.head(torch.tanh(self.mix(self.tokens(ids) + self.positions(where))))
+
+
+def test_an_unbatched_lookup_counts_as_one_sample_not_as_its_length() -> None:
+    """Two sequences of 30 tokens: the budget's batch is 2 and its choice that of the twin
+    looking its positions up as ``(1, T)`` (the capture counts both as one sample). It took
+    the unbatched lookup's length for the batch (30 samples), so the choice depended on the
+    sequence length (with an attention layer added: bases every 5 steps instead of 50)."""
+    budgets = []
+    for unbatched in (True, False):
+        model = _Positions(unbatched)
+        opt = KFACOptimizer.for_model(model)
+        ids = torch.randint(0, 11, (2, 31), generator=torch.Generator().manual_seed(1))
+        opt.zero_grad()
+        F.cross_entropy(model(ids[:, :-1]).reshape(-1, 11), ids[:, 1:].reshape(-1)).backward()
+        opt.step()
+        budgets.append(opt.preconditioner.budget)
+    unbatched_budget, twin = budgets
+    assert unbatched_budget is not None and twin is not None
+    assert unbatched_budget.batch == twin.batch == 2
+    assert unbatched_budget.rows == twin.rows
+    assert unbatched_budget.choice == twin.choice
+
+
 def _wide_input_mlp() -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Linear(60, 8), nn.Tanh(), nn.Linear(8, 3)).double()

@@ -399,6 +399,36 @@ def test_a_one_sample_micro_batch_is_captured_whether_it_comes_first_or_last(met
     assert max_difference(*models) < 1e-10
 
 
+@pytest.mark.parametrize("method", ["eigen", "eigen_adam"])
+def test_a_forward_never_backpropagated_leaves_a_one_sample_micro_batch_a_batch(
+    method: str,
+) -> None:
+    """Micro-batches of 7 and 1 samples with a metric forward of 5 samples, gradients on and
+    never backpropagated, run between them: the factors and weights are those of the run
+    without it. The metric forward and the one-sample micro-batch are one forward pass to
+    the capture, whose larger batch made the micro-batch's layers broadcast ones (G from
+    the summed gradient, at another scale: the factors and weights differed)."""
+    opts = {"method": method, "inverse_update_interval": 1, "kl_clip": None, "overhead": None}
+    runs = []
+    for metric in (False, True):
+        model = _mlp().to(DT)
+        opt = KFACOptimizer.for_model(model, lr=0.05, factor_decay=0.0, **opts)
+        for step in range(3):
+            x, y = _batch(step, 8)
+            opt.zero_grad()
+            (F.cross_entropy(model(x[:7].to(DT)), y[:7]) / 2).backward()
+            if metric:
+                model(torch.randn(5, 6, dtype=DT)).sum().item()
+            (F.cross_entropy(model(x[7:].to(DT)), y[7:]) / 2).backward()
+            opt.step()
+        runs.append((model, opt.preconditioner.factors()))
+    (plain, plain_factors), (metered, metered_factors) = runs
+    for name, (a, g) in plain_factors.items():
+        torch.testing.assert_close(metered_factors[name][0], a, rtol=0.0, atol=0.0, msg=name)
+        torch.testing.assert_close(metered_factors[name][1], g, rtol=0.0, atol=0.0, msg=name)
+    assert max_difference(plain, metered) == 0.0
+
+
 @pytest.mark.parametrize("sizes", [(5, 1), (1, 5), (4, 1, 1), (2, 1, 2, 1)])
 def test_one_sample_micro_batches_give_the_factors_of_the_whole_batch(
     sizes: tuple[int, ...],

@@ -36,9 +36,12 @@ class _ForwardPass:
 
     Attributes:
         largest: The largest batch among them.
+        backpropagated: The largest batch among those a backward went through (a forward
+            never backpropagated, a metric's with gradients on, counts for nothing).
     """
 
     largest: int = 0
+    backpropagated: int = 0
 
 
 @dataclass
@@ -114,10 +117,11 @@ class FactorCapture:
     of a checkpointed segment whose recomputation is what the backward runs through,
     leaves nothing). A frozen layer (weight without ``requires_grad``) captures nothing.
 
-    A layer whose input has one sample while other layers of the same forward pass have more
-    (a position embedding looked up with ``position_ids`` of shape ``(1, T)``: its output is
-    broadcast over the batch and its output gradient is the batch's sum) has no per-sample
-    gradient (a micro-batch of one sample is no such layer: its forward pass has one);
+    A layer whose input has one sample while other backpropagated layers of the same forward
+    pass have more (a position embedding looked up with ``position_ids`` of shape ``(1, T)``:
+    its output is broadcast over the batch and its output gradient is the batch's sum) has
+    no per-sample gradient (a micro-batch of one sample is no such layer: its forward pass
+    has one);
     its G is built once a step from the sum of its output gradients over the micro-batches,
     i.e. from the step's gradient, as it is without accumulation.
 
@@ -156,6 +160,9 @@ class FactorCapture:
         self._pass_ended = False  # a backward reached it since: the next forward starts one
         self._backward_batch = 0  # of those a backward went through
         self._broadcast: dict[str, _Broadcast] = {}
+        # one-sample forwards' output gradients, until the step's end says whether their
+        # pass had a larger batch that a backward went through (:meth:`_broadcasts`)
+        self._undecided: dict[str, list[tuple[_Forward, Tensor]]] = {}
         self.checking = False
         self.bias_sums: dict[str, Tensor] = {}
         self.rank_mean: Callable[[Tensor], Tensor] | None = None
@@ -208,6 +215,7 @@ class FactorCapture:
         self._pass, self._pass_ended = _ForwardPass(), False
         self._backward_batch = 0
         self._broadcast.clear()
+        self._undecided.clear()
         self._groups.clear()
         self.bias_sums = {}
 
@@ -277,6 +285,8 @@ class FactorCapture:
         """The grad hook's work: the input statistics on the forward's first backward, then
         the gradient statistics."""
         self._backward_batch = max(self._backward_batch, pending.batch)
+        forward_pass = pending.forward_pass
+        forward_pass.backpropagated = max(forward_pass.backpropagated, pending.batch)
         self._pass_ended = True
         if pending.inputs is not None and self._hold(layer, pending, grad):
             return
@@ -289,8 +299,8 @@ class FactorCapture:
         if self.checking and self.config.fisher == "empirical":
             self._add_bias_sum(layer, grad)
         grad = grad if pending.keep is None else grad[: pending.keep]
-        if self._broadcasts(pending):
-            self._add_broadcast(layer, pending, grad)
+        if self._broadcasts(pending):  # decided at the step's end (:meth:`_flush_broadcast`)
+            self._undecided.setdefault(layer.name, []).append((pending, grad.clone()))
         else:
             with phase("dkfac.capture_g"):
                 layer.block.capture_grad(
@@ -326,7 +336,8 @@ class FactorCapture:
 
     def _broadcasts(self, pending: _Forward) -> bool:
         """A one-sample input in a forward pass whose other inputs have more (see the class
-        notes)."""
+        notes): a candidate when its gradient arrives; a broadcast layer at the step's end if
+        a larger input of its pass was backpropagated too (:meth:`_flush_broadcast`)."""
         return (
             self.config.fisher == "empirical" and pending.batch == 1 < pending.forward_pass.largest
         )
@@ -355,9 +366,20 @@ class FactorCapture:
     def _flush_broadcast(self, layer: LayerState) -> None:
         """A broadcast layer's G from the step's summed output gradient.
 
-        Its scale leaves out the ``k²`` the step applies to every gradient statistic: the
-        sum already carries each micro-batch's ``1 / k``.
+        A one-sample forward is a broadcast one only where a larger forward of its pass was
+        backpropagated: a larger forward no backward went through (a metric's, with
+        gradients on, between micro-batches) leaves a one-sample micro-batch a batch of its
+        own. Its scale leaves out the ``k²`` the step applies to every gradient statistic:
+        the sum already carries each micro-batch's ``1 / k``.
         """
+        with torch.no_grad():  # a context may hold an input that is not detached
+            for pending, grad in self._undecided.pop(layer.name, []):
+                if pending.forward_pass.backpropagated > 1:
+                    self._add_broadcast(layer, pending, grad)
+                else:
+                    layer.block.capture_grad(
+                        pending.context, grad, self._grad_sinks(layer), pending.scale
+                    )
         held = self._broadcast.pop(layer.name, None)
         if held is None:
             return

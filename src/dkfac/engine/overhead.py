@@ -84,7 +84,9 @@ class OverheadBudget:
                 if not out.requires_grad:  # (the hooks are removed once the choice is made)
                     return
                 first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
-                batch = int(first.shape[0]) if first is not None and first.dim() > 0 else None
+                # samples as the capture counts them: an unbatched input (GPT-2's position
+                # lookup wpe(arange(T)), a (C, L) sequence) is one, not its first dimension
+                batch = layers[name].block.batch_size(first) if first is not None else None
                 rows = layers[name].block.forward_rows(first, out)
                 out.register_hook(lambda grad: self._seen(name, rows, batch))
 
