@@ -135,6 +135,16 @@ def _check_steps_without_closure(inner: Optimizer) -> None:
         )
 
 
+def _check_weight_decay(value: Any) -> None:
+    """A weight decay, as :meth:`KFACOptimizer.for_model` takes it and a saved group may
+    hold it: a number in ``[0, float32's largest]`` (the inner SGD multiplies float32
+    weights by it; a larger one fails in torch)."""
+    largest = float(torch.finfo(torch.float32).max)
+    check_range(
+        "weight_decay", value, low=0.0, high=largest, low_inclusive=True, high_inclusive=True
+    )
+
+
 def _check_groups(groups: Any, betas: bool) -> None:
     """The hyperparameters of a saved optimizer's groups, checked before anything loads
     (torch loads a NaN or a string, and the next step refused it or put NaN in the weights):
@@ -148,20 +158,12 @@ def _check_groups(groups: Any, betas: bool) -> None:
     """
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("'param_groups' of the inner state dict must be a list of dicts")
-    largest = float(torch.finfo(torch.float32).max)
     for index, group in enumerate(groups):
         try:
             if "lr" in group:
                 check_schedule_value("lr", group["lr"])
             if "weight_decay" in group:
-                check_range(
-                    "weight_decay",
-                    group["weight_decay"],
-                    low=0.0,
-                    high=largest,
-                    low_inclusive=True,
-                    high_inclusive=True,
-                )
+                _check_weight_decay(group["weight_decay"])
             if betas and "betas" in group:
                 pair = group["betas"]
                 if not isinstance(pair, (tuple, list)) or len(pair) != 2:
@@ -353,7 +355,7 @@ class KFACOptimizer(Optimizer):
         # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
         largest = float(torch.finfo(torch.float32).max)
         check_range("lr", _lr_number(lr), low=0.0, high=largest, high_inclusive=True)
-        check_range("weight_decay", weight_decay, low=0.0, high=largest, low_inclusive=True)
+        _check_weight_decay(weight_decay)
         defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did
             defaults = {k: v for k, v in defaults.items() if k not in BUDGETED_OPTIONS}
