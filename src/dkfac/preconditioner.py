@@ -7,9 +7,8 @@ work runs and what travels between ranks (:mod:`~dkfac.engine.assembly`); the ma
 branches on the rank. A step has five phases, each under a ``torch.profiler.record_function``
 label: ``dkfac.factors``, ``dkfac.inverse``, ``dkfac.precondition``, ``dkfac.distribute`` and
 ``dkfac.kl_clip``, with ``dkfac.leftover`` before ``dkfac.precondition`` under
-``leftover_update``. This class sequences
-them; what each does is in :mod:`~dkfac.engine.step_phases`, the per-layer math in
-:mod:`~dkfac.engine.step_math`.
+``leftover_update``. This class sequences them; what each does is in
+:mod:`~dkfac.engine.step_phases`, the per-layer math in :mod:`~dkfac.engine.step_math`.
 
 Scale convention (see :class:`~dkfac.engine.capture.FactorCapture`): factors are on the
 per-sample Fisher scale whatever the batch size and the number of micro-batches a step
