@@ -14,6 +14,8 @@ alternated blocks, every step from the same initial weights, one thread; the med
 * ``fresh within the budget``: the budget's per-step choices with factors every step from
   the whole batch and a basis every 5 steps;
 * ``no one-sided side``: ``basis_max_dim`` above every width;
+* ``no basis``: ``basis_max_dim=1``, the identity on every side (Adam's moments and the
+  polar factor in the weights' own coordinates, as Muon's and AdamW's);
 * ``no polar factor``, ``polar factor everywhere``: ``orthogonal_layers`` empty, or every
   layer;
 * ``input and head to Adam``: ``skip_layers`` of the first layer and the head;
@@ -68,6 +70,7 @@ def variants(family: str) -> dict[str, dict[str, Any]]:
             "inverse_update_interval": 5,
         },
         "no one-sided side": {"basis_max_dim": 100_000},
+        "no basis": {"basis_max_dim": 1},
         "no polar factor": {"orthogonal_layers": []},
         "polar factor everywhere": {"orthogonal_layers": ".*"},
         "input and head to Adam": {"skip_layers": ENDS[family]},
