@@ -46,3 +46,24 @@ def test_reentrant_checkpointed_segments_of_one_backward_are_one_pass() -> None:
         h = checkpoint(layer, x, use_reentrant=True)
         checkpoint(layer, h, use_reentrant=True).sum().backward()
         assert counter.passes == passes
+
+
+def test_a_weight_used_in_reentrant_segments_outside_its_module_counts_one_pass() -> None:
+    """A segment's inner backward runs inside the outer one, also where the weight's own
+    module does not run in the segment (a tied head, ``F.linear(h, emb.weight)``), and
+    where the outer backward reaches the weight only after the segments (the last op is a
+    segment: its inner backward is the first to run)."""
+    layer = nn.Linear(3, 3)
+    counter = BackwardCounter()
+    counter.watch(layer.parameters(), every=True)
+    layer.register_forward_pre_hook(lambda module, _: counter.note_forward(module.parameters()))
+    for passes in (1, 2):
+        h = checkpoint(
+            lambda t: nn.functional.linear(t, layer.weight),
+            layer(torch.randn(2, 3)),
+            use_reentrant=True,
+        )
+        checkpoint(
+            lambda t: nn.functional.linear(t, layer.weight), h, use_reentrant=True
+        ).sum().backward()
+        assert counter.passes == passes

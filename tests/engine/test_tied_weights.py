@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dkfac import KFACPreconditioner
 from tests.oracles import dense_eigen_solve
@@ -75,3 +76,48 @@ def test_rows_of_one_tensor_are_not_a_tie() -> None:
     attention = nn.MultiheadAttention(4, 2, batch_first=True)
     pre = KFACPreconditioner(attention)
     assert list(pre.layers) == ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+class FunctionalTiedLM(nn.Module):
+    """Token embedding, then a block and the logits of the embedding's own weight
+    (``F.linear``, no head module), run through ``checkpoint`` or plainly."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.mid = nn.Linear(D, D)
+        self.reentrant = reentrant
+
+    def _top(self, h: Tensor) -> Tensor:
+        return F.linear(torch.tanh(self.mid(h)), self.emb.weight)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids)
+        if self.reentrant is None:
+            return self._top(h)
+        return checkpoint(self._top, h, use_reentrant=self.reentrant)
+
+
+def _functional_tie_step(reentrant: bool | None, micro_batches: int) -> list[Tensor]:
+    torch.manual_seed(0)
+    model = FunctionalTiedLM(reentrant).double()
+    pre = KFACPreconditioner(model, damping=0.05, kl_clip=None, factor_decay=0.0)
+    ids, targets = torch.randint(0, V, (4, T)), torch.randint(0, V, (4, T))
+    for chunk, target in zip(ids.chunk(micro_batches), targets.chunk(micro_batches), strict=True):
+        logits = model(chunk)
+        (F.cross_entropy(logits.reshape(-1, V), target.reshape(-1)) / micro_batches).backward()
+    pre.step()
+    return [f for ag in pre.factors().values() for f in ag] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_weight_tied_through_f_linear_in_a_checkpoint_gets_the_plain_models_factors(
+    reentrant: bool, micro_batches: int
+) -> None:
+    """The segment's inner backward (reentrant) reaches the embedding's weight through the
+    head, and the outer one through the lookup: one pass, not two (G would be 4x)."""
+    plain = _functional_tie_step(None, micro_batches)
+    checkpointed = _functional_tie_step(reentrant, micro_batches)
+    for want, got in zip(plain, checkpointed, strict=True):
+        torch.testing.assert_close(got, want)

@@ -19,7 +19,7 @@ from dkfac.config import KFACConfig
 from dkfac.distributed.comm import Communicator
 from dkfac.engine import launches
 from dkfac.engine.capture_groups import CaptureGroups
-from dkfac.engine.fisher import mc_sample_loss
+from dkfac.engine.fisher import REENTRANT_CHECKPOINT, mc_sample_loss, through_reentrant_checkpoint
 from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter
@@ -56,6 +56,8 @@ class _Forward:
         keep: Rows kept for the statistics (``factor_batch_size``), ``None``: all.
         forward_pass: The forward pass it belongs to.
         context: What the block's input capture returned, for its gradient capture.
+        recomputed: Whether it ran inside a backward (a checkpointed segment's
+            recomputation).
     """
 
     inputs: Tensor | None
@@ -64,6 +66,7 @@ class _Forward:
     keep: int | None
     forward_pass: _ForwardPass
     context: Any = None
+    recomputed: bool = False
 
 
 @dataclass
@@ -151,6 +154,9 @@ class FactorCapture:
         self.generator: torch.Generator | None = None
         self._mc_active = False
         self._mc_captured = False
+        # A reentrant checkpoint's recomputation got its gradient from the training backward:
+        # no sampled backward reaches such a layer (check_mc refuses the step).
+        self._mc_reentrant = False
         # Outputs of the layers captured in this forward: the sampled backward stops at them.
         self._mc_roots: list[GradientEdge] = []
         self._warned_missing: set[str] = set()
@@ -250,7 +256,8 @@ class FactorCapture:
         else:
             with torch.no_grad():  # a slice outside the graph
                 x = x[:keep]
-        pending = _Forward(x, batch, float(terms) ** 2, keep, forward_pass)
+        recomputed = torch._C._current_graph_task_id() >= 0
+        pending = _Forward(x, batch, float(terms) ** 2, keep, forward_pass, recomputed=recomputed)
         output.register_hook(functools.partial(self._grad_hook, layer, pending))
         if self.config.fisher == "mc":
             # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
@@ -295,7 +302,11 @@ class FactorCapture:
                 pending.context = layer.block.capture_input(pending.inputs, layer.due_sinks())
             pending.inputs = None
         if self.config.fisher == "mc" and not self._mc_active:
-            return  # G comes from the sampled backward only (check_mc: that it came)
+            # G comes from the sampled backward only (check_mc: that it came). A
+            # recomputation's gradient arriving here is a reentrant checkpoint's (that of a
+            # non-reentrant one's recomputed output never comes): none can come.
+            self._mc_reentrant = self._mc_reentrant or pending.recomputed
+            return
         if self.checking and self.config.fisher == "empirical":
             self._add_bias_sum(layer, grad)
         grad = grad if pending.keep is None else grad[: pending.keep]
@@ -394,6 +405,10 @@ class FactorCapture:
         parameters: it then runs only as far back as the first captured layer and computes
         no weight gradient (it would be thrown away). ``params`` serve when this forward
         captured no output (the hooks did not run).
+
+        Raises:
+            RuntimeError: Where the backward met a reentrant checkpoint's segment (one it
+                does not reach, before the first captured layer, is no obstacle).
         """
         roots, self._mc_roots = self._mc_roots, []
         if not self.active:
@@ -407,6 +422,10 @@ class FactorCapture:
         self._mc_active = True
         try:
             torch.autograd.grad(sampled, roots or params, retain_graph=True, allow_unused=True)
+        except RuntimeError as error:
+            if not through_reentrant_checkpoint(sampled):
+                raise
+            raise RuntimeError(REENTRANT_CHECKPOINT) from error
         finally:
             self._mc_active = False
 
@@ -431,7 +450,12 @@ class FactorCapture:
         )
         # Other layers got their gradient statistics, this one did not: say so once (a
         # step where none did is check_mc's error with fisher="mc").
-        if missing_g and self._mc_captured and layer.name not in self._warned_missing:
+        if (
+            missing_g
+            and self._mc_captured
+            and not self._mc_reentrant  # check_mc's error says why
+            and layer.name not in self._warned_missing
+        ):
             self._warned_missing.add(layer.name)
             logger.warning(
                 "%s: its input was captured but no output gradient reached it on this step "
@@ -444,10 +468,15 @@ class FactorCapture:
         """Ends a capture step: with ``fisher="mc"``, G must have come from a sampled backward.
 
         Raises:
-            RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors.
+            RuntimeError: With ``fisher="mc"`` when no sampled backward fed the G factors,
+                or a captured layer ran in a reentrant checkpoint's segment (which no
+                sampled backward reaches: see :meth:`sample_fisher`).
         """
         captured, self._mc_captured = self._mc_captured, False
+        reentrant, self._mc_reentrant = self._mc_reentrant, False
         self._mc_roots = []  # a forward whose sampled backward never came
+        if reentrant:
+            raise RuntimeError(REENTRANT_CHECKPOINT)
         if self.config.fisher == "mc" and missing_g and not captured:
             raise RuntimeError(
                 'fisher="mc": call pre.sample_fisher(outputs) after the forward pass and '

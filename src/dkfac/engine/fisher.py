@@ -12,6 +12,10 @@ The sampled loss is a *sum* over every element divided by the batch size (the fi
 dimension), matching the "mean over B samples" convention the factors are scaled for, or,
 with ``per_position``, by the number of rows (every dimension but the last: ``B·T`` for a
 sequence), matching ``loss_average="positions"``.
+
+The sampled backward is a ``torch.autograd.grad``, which a segment of
+``torch.utils.checkpoint`` run with ``use_reentrant=True`` refuses (it supports only
+``.backward()``); :func:`through_reentrant_checkpoint` tells that refusal apart.
 """
 
 from __future__ import annotations
@@ -21,9 +25,34 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import CheckpointFunction
 
 MCLoss = Literal["cross_entropy", "mse"]
 MC_LOSSES: tuple[str, ...] = ("cross_entropy", "mse")
+
+REENTRANT_CHECKPOINT = (
+    'fisher="mc" cannot run its sampled backward through torch.utils.checkpoint(..., '
+    "use_reentrant=True): sample_fisher() runs torch.autograd.grad, which a reentrant "
+    "checkpoint does not support (only .backward()). Checkpoint with use_reentrant=False "
+    "(transformers: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    '{"use_reentrant": False})), or use fisher="empirical"'
+)
+
+
+def through_reentrant_checkpoint(tensor: Tensor) -> bool:
+    """Whether the graph behind ``tensor`` holds a segment of ``torch.utils.checkpoint`` run
+    with ``use_reentrant=True`` (walked only once a sampled backward has failed)."""
+    seen: set[object] = set()
+    stack: list[object] = [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)  # held, so each node keeps one Python object while walked
+        if getattr(node, "_forward_cls", None) is CheckpointFunction:
+            return True
+        stack.extend(edge[0] for edge in getattr(node, "next_functions", ()))
+    return False
 
 
 def mc_sample_loss(

@@ -7,11 +7,16 @@ of the per-sample scale and the output-gradient factors ``1 / k²`` of it. The c
 from the parameters' post-accumulate-grad hooks, which fire once per backward pass through
 a parameter (however often its module ran in the forward, and not for
 ``torch.autograd.grad``: the Monte-Carlo Fisher's sampled backward is no micro-batch), so
-the user never states it. A pass is a backward's graph task: a reentrant checkpoint
+the user never states it. A pass is a backward's graph task, but a reentrant checkpoint
 (``use_reentrant=True``) runs an inner backward, a task of its own, for each segment it
-recomputes, so a parameter whose module's forward last ran inside a backward (the
-recomputation) counts for the task that forward ran in, the outer backward (a block shared
-by several segments is then one pass, not one per segment).
+recomputes, inside the outer one: every task that ran within another counts as that one
+(a block shared by several segments, or a weight used in a segment by another module or
+a functional call, ``F.linear(h, emb.weight)``, is then one pass, not one per segment).
+Backwards of a step run one after another, so a task ran within another exactly where
+both ran at once: the counter sees a task begin running at its first hook (a parameter's,
+or a registered layer's forward recomputed inside it) and end through the engine's
+callback at the task's end; tasks are numbered in the order they begin, so a task first
+seen after one with a higher number was already running when that one began.
 
 Under FSDP2 the registered parameters are the sharded DTensors, which no backward runs
 through: a layer's forward runs with its unsharded parameters, and FSDP2 reduce-scatters
@@ -46,9 +51,9 @@ class BackwardCounter:
 
     def __init__(self) -> None:
         self._passes: dict[int, set[int]] = {}
-        # id(param) -> the graph task its module's last forward ran inside (a recomputation
-        # during a backward); absent where that forward ran outside any backward.
-        self._recomputed_in: dict[int, int] = {}
+        # graph task -> the outermost task it ran within (itself for a backward of its own)
+        self._outer: dict[int, int] = {}
+        self._running: set[int] = set()  # the tasks seen whose end has not come yet
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
         self.waiting = False
@@ -82,25 +87,35 @@ class BackwardCounter:
         )
 
     def note_forward(self, params: Iterable[Tensor]) -> None:
-        """Notes the graph task the forward through ``params`` ran inside, if any (a
-        checkpointed segment recomputed during a backward), and hooks those of ``params``
-        that are new (FSDP2's unsharded parameters); see the module notes."""
-        params = list(params)
+        """Hooks those of ``params`` that are new (FSDP2's unsharded parameters) and notes
+        the graph task the forward runs inside, if any (a checkpointed segment recomputed
+        during a backward: the task its inner backward runs within); see the module notes."""
         for param in params:
             if id(param) not in self._hooked and param.requires_grad and param.is_leaf:
                 self._hook(param)
-        task = torch._C._current_graph_task_id()
-        if task < 0:
-            if self._recomputed_in:
-                for param in params:
-                    self._recomputed_in.pop(id(param), None)
-            return
-        for param in params:
-            self._recomputed_in[id(param)] = task
+        self._see(torch._C._current_graph_task_id())
 
     def _count(self, key: int) -> None:
-        task = self._recomputed_in.get(key, torch._C._current_graph_task_id())
+        task = torch._C._current_graph_task_id()
+        self._see(task)
         self._passes.setdefault(key, set()).add(task)
+
+    def _see(self, task: int) -> None:
+        """Notes that ``task`` is running; joins it with the tasks it ran within or that
+        ran within it (see the module notes)."""
+        if task < 0 or task in self._outer:
+            return
+        self._outer[task] = task
+        self._running.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: self._running.discard(task)
+        )
+        joined = {t for t in self._outer if t in self._running or t > task}
+        outers = {self._outer[t] for t in joined}
+        outer = min(outers)
+        for t, o in self._outer.items():
+            if o in outers:
+                self._outer[t] = outer
 
     @property
     def seen(self) -> bool:
@@ -110,11 +125,14 @@ class BackwardCounter:
     @property
     def passes(self) -> int:
         """Backward passes since the last reset (the most through any parameter), at least 1."""
-        return max(map(len, self._passes.values()), default=1)
+        outer = self._outer
+        return max((len({outer.get(t, t) for t in ts}) for ts in self._passes.values()), default=1)
 
     def reset(self) -> None:
         """Starts the count of the next step."""
         self._passes.clear()
+        self._outer.clear()
+        self._running.clear()
 
     def remove(self) -> None:
         """Detaches the hooks."""
@@ -122,4 +140,5 @@ class BackwardCounter:
             handle.remove()
         self._handles.clear()
         self._hooked.clear()
-        self._recomputed_in.clear()
+        self._outer.clear()
+        self._running.clear()
