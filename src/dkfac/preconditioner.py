@@ -84,6 +84,11 @@ from dkfac.engine.step_phases import (
 class KFACPreconditioner:
     """Replaces the gradients of supported layers with K-FAC preconditioned gradients.
 
+    A model's layers are preconditioned by one preconditioner: the one built last on them.
+    An earlier one holding some of them is retired (all its hooks detached, its ``step()``
+    raising), as a framework that builds a new optimizer for each run (Lightning's
+    ``configure_optimizers`` at every ``fit`` and in its tuner) expects.
+
     Args:
         model: The model. Its layers of a type the block registry knows are
             preconditioned (:mod:`dkfac.blocks.registry`: ``nn.Linear``, ``nn.Conv1d/2d/3d``,
@@ -120,9 +125,7 @@ class KFACPreconditioner:
     Raises:
         ValueError: For a bad option value, a model with no supported layer, a
             DDP-wrapped or sharded model with ``strategy="spngd"``, a sharded model K-FAC
-            cannot take (FSDP1, tensor parallelism, DTensor and plain parameters mixed),
-            or layers another live preconditioner holds (call its ``remove_hooks()``
-            first).
+            cannot take (FSDP1, tensor parallelism, DTensor and plain parameters mixed).
         TypeError: For a ``model`` that is not an ``nn.Module``, a ``config`` that is not a
             :class:`KFACConfig`, an unknown option or a value of the wrong type.
     """
@@ -181,6 +184,7 @@ class KFACPreconditioner:
             self.capture.grouping = False  # each layer's statistics leave as its backward ends
         if self.budget is not None:
             self.budget.watch(self.layers)
+            self._hooks.add(self.budget)  # its shape watch goes with the other hooks
             self._unbudgeted = (config, solver_limits(self.layers))  # a choice undone
         self._other_params = other_parameters(unwrap(model), self.layers)
         self.leftover: LeftoverAdam | None = leftover_for(model, config, self._other_params)
@@ -236,9 +240,7 @@ class KFACPreconditioner:
 
         ``step()`` and ``sample_fisher()`` raise afterwards; ``state_dict()`` still works.
         """
-        self._hooks.remove(self)
-        if self.budget is not None:
-            self.budget.remove()
+        self._hooks.remove()
 
     def adopt_parameters(self, params: list[Tensor], prefix: str) -> None:
         """Parameters added to the optimizer after construction (``add_param_group``).

@@ -228,13 +228,18 @@ def test_describe_lists_rows_of_in_proj_and_remove_hooks_restores_forward() -> N
     F.cross_entropy(net(x, x, x), torch.zeros(N, dtype=torch.long)).backward()
     pre.step()
     assert set(pre.factors()) == set(pre.layers)
-    with pytest.raises(ValueError, match="already preconditioned"):
-        KFACPreconditioner(net)  # one live preconditioner per module
-    pre.remove_hooks()
-    assert "forward" not in net.attention.__dict__
-    second = KFACPreconditioner(net)  # the model is free again
-    assert "forward" in net.attention.__dict__
+    second = KFACPreconditioner(net)  # takes the module over: the first one is retired
+    with pytest.raises(RuntimeError, match="took over"):
+        pre.step()
+    assert "forward" in net.attention.__dict__  # the second one's replacement
+    F.cross_entropy(net(x, x, x), torch.zeros(N, dtype=torch.long)).backward()
+    second.step()
+    assert set(second.factors()) == set(second.layers)
     second.remove_hooks()
+    assert "forward" not in net.attention.__dict__
+    third = KFACPreconditioner(net)  # the model is free again
+    assert "forward" in net.attention.__dict__
+    third.remove_hooks()
     assert "forward" not in net.attention.__dict__
 
 

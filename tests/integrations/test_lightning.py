@@ -85,10 +85,13 @@ def _fit(root: Path, module: Classifier, steps: int, ckpt: str | None = None, **
     trainer.fit(module, _loader(), ckpt_path=ckpt)
 
 
-def _hand_loop(steps: int, autocast: torch.dtype | None = None) -> nn.Module:
+def _hand_loop(
+    steps: int, autocast: torch.dtype | None = None, net: nn.Module | None = None
+) -> nn.Module:
     """What Lightning documents, written out: micro-batches of loss / 2, unscale, clip by
-    norm, precondition and step, zero, schedule (a GradScaler under float16)."""
-    net = _net()
+    norm, precondition and step, zero, schedule (a GradScaler under float16); on ``net``
+    (a new optimizer on the weights as they are), or on a fresh network."""
+    net = _net() if net is None else net
     mixed = autocast == torch.float16
     scaler = torch.amp.GradScaler("cpu", enabled=mixed)
     opt = KFACOptimizer.for_model(net, lr=0.01, grad_scaler=scaler if mixed else None)
@@ -107,6 +110,34 @@ def _hand_loop(steps: int, autocast: torch.dtype | None = None) -> nn.Module:
         opt.zero_grad()
         schedule.step()
     return net
+
+
+def test_a_second_fit_builds_its_optimizer_on_the_same_module(tmp_path: Path) -> None:
+    """Lightning calls ``configure_optimizers`` at every ``fit`` (and in its tuner's runs)
+    while the Trainer still holds the last one's optimizer: the new optimizer takes the
+    layers over (the old one's step raises) and trains as a new optimizer on those weights.
+    Two epochs in two fits against the hand loop run twice."""
+    module = Classifier()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_epochs=1,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, _loader())
+    first = trainer.optimizers[0]
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, _loader())
+    assert trainer.optimizers[0] is not first
+    with pytest.raises(RuntimeError, match="took over"):
+        first.step()
+    steps = SAMPLES // BATCH // ACCUMULATE
+    assert max_difference(module.net, _hand_loop(steps, net=_hand_loop(steps))) == 0.0
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16])

@@ -3,8 +3,9 @@
 Before: ``step()`` twice after one backward preconditioned the already preconditioned
 gradients again; ``step()`` after ``remove_hooks()``, two preconditioners on one model and
 ``step(lr=nan)`` (NaN through the KL-clip into the gradients) went unnoticed. Now each
-raises a clear error before anything changes, and the legitimate neighbours (gradient
-accumulation, an unused branch, gradients set by hand, DDP) keep working.
+raises a clear error before anything changes (of two preconditioners, the earlier one),
+and the legitimate neighbours (gradient accumulation, an unused branch, gradients set by
+hand, DDP) keep working.
 """
 
 from __future__ import annotations
@@ -169,17 +170,28 @@ def test_step_after_remove_hooks_raises() -> None:
 # ----------------------------------------------------------------- two preconditioners
 
 
-def test_second_preconditioner_on_the_same_layers_is_refused() -> None:
+def test_a_second_preconditioner_takes_the_layers_over() -> None:
+    """The one built last on a model is the one used (a framework builds a new optimizer
+    for each run while it still holds the last one): the first one's hooks are all
+    detached and its step raises before changing anything."""
     model = _mlp()
     first = KFACPreconditioner(model)
-    with pytest.raises(ValueError, match=r"modules 0, 2 are already preconditioned .*remove_hooks"):
-        KFACPreconditioner(model)
-    with pytest.raises(ValueError, match=r"modules 2 are already"):
-        KFACPreconditioner(model, skip_layers=["^0$"])
-    assert _forward_hooks(model) == 2  # the refused ones left no hook behind
+    second = KFACPreconditioner(model)
+    assert _forward_hooks(model) == 2  # only the second one's
+    _backward(model)
+    grads = _grads(model)
+    with pytest.raises(RuntimeError, match=r"step\(\) on a preconditioner whose layers a newer"):
+        first.step()
+    assert all(torch.equal(a, b) for a, b in zip(grads, _grads(model), strict=True))
+    second.step()
+    third = KFACPreconditioner(model, skip_layers=["^0$"])  # one of its layers: all of it goes
+    assert _forward_hooks(model) == 1
+    with pytest.raises(RuntimeError, match="took over"):
+        second.step()
     KFACPreconditioner(copy.deepcopy(model))  # a copy is another model
-    first.remove_hooks()
-    KFACPreconditioner(model)  # freed by remove_hooks()
+    assert _forward_hooks(model) == 1
+    third.remove_hooks()
+    assert _forward_hooks(model) == 0
 
 
 def test_a_collected_preconditioner_frees_its_layers_and_hooks() -> None:

@@ -8,13 +8,16 @@
   ``zero_grad()``, creates a new tensor. A layer whose gradients are all unchanged is stale.
   Reading the counters is host-side metadata: no device synchronisation.
 - :func:`claim_modules` / :func:`release_modules`: a module is hooked by at most one live
-  preconditioner. The registry holds the modules and their owners weakly, so a
-  preconditioner that is garbage-collected (or whose hooks were removed) frees its modules.
+  preconditioner. A new one on modules another holds takes them over: the other's hooks
+  are all detached and its ``step()`` raises (a framework builds a new optimizer for the
+  same model at each run: Lightning's ``configure_optimizers`` at every ``fit``, its tuner,
+  a second ``Trainer``; the earlier optimizer is still referenced then). The registry holds
+  the modules and their holders weakly, so a preconditioner that is garbage-collected (or
+  whose hooks were removed) frees its modules.
 """
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -23,8 +26,10 @@ from torch import Tensor, nn
 
 __all__ = ["GradientMarks", "HookOwnership", "claim_modules", "name_list", "release_modules"]
 
-# module -> the preconditioner whose hooks are on it (both held weakly)
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[object]] = weakref.WeakKeyDictionary()
+# module -> the hooks on it (a preconditioner's HookOwnership; both held weakly)
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookOwnership]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def name_list(names: Sequence[str], limit: int = 8) -> str:
@@ -34,48 +39,30 @@ def name_list(names: Sequence[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
-def _held_by_others(owner: object, modules: Mapping[str, nn.Module]) -> list[str]:
-    """Names of the ``modules`` another live preconditioner holds."""
-    held = []
-    for name, module in modules.items():
-        ref = _OWNERS.get(module)
-        other = None if ref is None else ref()
-        if other is not None and other is not owner:
-            held.append(name)
-    return held
-
-
-def claim_modules(owner: object, modules: Mapping[str, nn.Module]) -> None:
-    """Registers ``owner`` as the one preconditioner hooked on ``modules``.
+def claim_modules(holder: HookOwnership, modules: Mapping[str, nn.Module]) -> None:
+    """Registers ``holder`` as the one whose hooks are on ``modules``; another live holder
+    of any of them is retired first (:meth:`HookOwnership.retire`): the preconditioner
+    built last on a model is the one that captures and steps.
 
     Args:
-        owner: The preconditioner (held weakly).
+        holder: The hooks of the new preconditioner (held weakly).
         modules: Qualified name -> module it registers.
-
-    Raises:
-        ValueError: If another live preconditioner holds some of the modules (named).
     """
-    held = _held_by_others(owner, modules)
-    if held:
-        gc.collect()  # an unreachable preconditioner in a reference cycle is freed here
-        held = _held_by_others(owner, modules)
-    if held:
-        raise ValueError(
-            f"modules {name_list(held)} are already preconditioned by another live "
-            "KFACPreconditioner: two would capture twice and precondition each gradient "
-            "twice; call remove_hooks() on the other one first, or build this one on another "
-            "model"
-        )
-    ref = weakref.ref(owner)
+    for module in modules.values():
+        ref = _OWNERS.get(module)
+        other = None if ref is None else ref()
+        if other is not None and other is not holder:
+            other.retire()
+    ref = weakref.ref(holder)
     for module in modules.values():
         _OWNERS[module] = ref
 
 
-def release_modules(owner: object, modules: Iterable[nn.Module]) -> None:
-    """Frees the ``modules`` that ``owner`` holds (after its hooks were removed)."""
+def release_modules(holder: HookOwnership, modules: Iterable[nn.Module]) -> None:
+    """Frees the ``modules`` that ``holder`` holds (after its hooks were removed)."""
     for module in modules:
         ref = _OWNERS.get(module)
-        if ref is not None and ref() is owner:
+        if ref is not None and ref() is holder:
             del _OWNERS[module]
 
 
@@ -88,8 +75,9 @@ def _remove_all(hooked: list[Any]) -> None:
 class HookOwnership:
     """The hooks a preconditioner put on its modules, and its claim on those modules.
 
-    The hooks are detached by :meth:`remove` or when the owner is garbage-collected (they
-    do not refer to it, so a forgotten preconditioner does not keep capturing).
+    The hooks are detached by :meth:`remove`, by :meth:`retire` (another preconditioner
+    took the modules) or when the owner is garbage-collected (they do not refer to it, so
+    a forgotten preconditioner does not keep capturing).
 
     Args:
         owner: The preconditioner.
@@ -98,23 +86,35 @@ class HookOwnership:
     """
 
     def __init__(self, owner: object, modules: Mapping[str, nn.Module]) -> None:
-        claim_modules(owner, modules)
         self._modules = list(modules.values())
         self._hooked: list[Any] = []
         self._detach = weakref.finalize(owner, _remove_all, self._hooked)
         self._detach.atexit = False
+        self._taken = False
+        claim_modules(self, modules)
 
     def add(self, holder: Any) -> None:
         """Adds an object whose ``remove()`` detaches hooks it attached."""
         self._hooked.append(holder)
 
-    def remove(self, owner: object) -> None:
+    def remove(self) -> None:
         """Detaches every hook and frees the modules for another preconditioner."""
         self._detach()
-        release_modules(owner, self._modules)
+        release_modules(self, self._modules)
+
+    def retire(self) -> None:
+        """Detaches every hook, all modules' (another preconditioner takes some of them)."""
+        self._taken = True
+        self.remove()
 
     def check(self, call: str) -> None:
         """Raises RuntimeError after :meth:`remove` (no statistics would be captured)."""
+        if self._taken:
+            raise RuntimeError(
+                f"{call}() on a preconditioner whose layers a newer KFACPreconditioner took "
+                "over (one built on the same model later, as a framework does for each "
+                "run): step the newer one's optimizer"
+            )
         if not self._detach.alive:
             raise RuntimeError(
                 f"{call}() after remove_hooks(): this preconditioner no longer captures "
