@@ -178,3 +178,20 @@ def test_berts_two_pretraining_heads_are_heads_and_its_vocabulary_is_left_to_ada
     assert "cls.seq_relationship" not in _orthogonal(opt)
     rows = {r["name"]: r for r in opt.preconditioner.describe()}
     assert rows["bert.embeddings.word_embeddings.weight"]["method"] == "adam"
+
+
+def test_a_classifiers_loss_is_the_one_its_labels_choose_after_for_model() -> None:
+    """``transformers``' classification loss picks its kind from the labels' dtype on its
+    first call and stores it in ``config.problem_type``. ``for_model`` traces the forward on
+    proxies to find the roles: the trace's guessed condition made it a multi-label loss, and
+    the first real step failed on integer labels. The trace leaves the model's attributes
+    (and its config's) as they were."""
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3
+    )
+    model = transformers.ResNetForImageClassification(config)
+    pixels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    labels = torch.tensor([0, 1, 2, 1])
+    opt = _train(model, pixel_values=pixels, labels=labels)
+    assert model.config.problem_type == "single_label_classification"
+    assert "resnet.embedder.embedder.convolution" in opt.preconditioner.layers
