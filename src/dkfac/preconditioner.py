@@ -387,6 +387,7 @@ class KFACPreconditioner:
                 self.update_inverses(damping, arrived)  # just unfrozen: not at the next refresh
             self.late.refreshed(self.layers, grads, skipped, arrived)
         self.late.note_missed(self.layers, grads, skipped)
+        self.late.note_unrun(self.layers, grads, self.capture.ran)
         others = None
         if self.leftover is not None:
             with phase("dkfac.leftover"):

@@ -178,3 +178,45 @@ def test_berts_two_pretraining_heads_are_heads_and_its_vocabulary_is_left_to_ada
     assert "cls.seq_relationship" not in _orthogonal(opt)
     rows = {r["name"]: r for r in opt.preconditioner.describe()}
     assert rows["bert.embeddings.word_embeddings.weight"]["method"] == "adam"
+
+
+def test_a_classifiers_loss_is_the_one_its_labels_choose_after_for_model() -> None:
+    """``transformers``' classification loss picks its kind from the labels' dtype on its
+    first call and stores it in ``config.problem_type``. ``for_model`` traces the forward on
+    proxies to find the roles: the trace's guessed condition made it a multi-label loss, and
+    the first real step failed on integer labels. The trace leaves the model's attributes
+    (and its config's) as they were."""
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3
+    )
+    model = transformers.ResNetForImageClassification(config)
+    pixels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    labels = torch.tensor([0, 1, 2, 1])
+    opt = _train(model, pixel_values=pixels, labels=labels)
+    assert model.config.problem_type == "single_label_classification"
+    assert "resnet.embedder.embedder.convolution" in opt.preconditioner.layers
+
+
+def test_a_layer_whose_weight_its_parent_applies_is_named_not_left_silently(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """MobileBERT's output layer is ``h @ cat([decoder.weight.T, dense.weight])``: neither
+    ``decoder`` (tied to the token table) nor ``dense`` is ever called, so no factor is
+    captured and their gradients reach the inner SGD plain (about 1/100 of Adam's step at
+    the same lr), which no row of ``describe()`` and no warning said. A warning names each
+    such layer once; ``skip_layers`` gives them Adam's direction."""
+    config = transformers.MobileBertConfig(
+        vocab_size=VOCAB, hidden_size=16, embedding_size=8, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, intra_bottleneck_size=8,
+        true_hidden_size=8, num_feedforward_networks=1, max_position_embeddings=LENGTH,
+    )  # fmt: skip
+    model = transformers.MobileBertForMaskedLM(config)
+    ids = _ids()
+    with caplog.at_level("WARNING", logger="dkfac"):
+        _train(model, steps=3, input_ids=ids, labels=ids)
+    unrun = [r.getMessage() for r in caplog.records if "forward has never run" in r.getMessage()]
+    skip = ["cls.predictions.decoder", "cls.predictions.dense"]
+    assert sorted(m.split()[1] for m in unrun) == skip
+    opt = KFACOptimizer.for_model(model, skip_layers=skip)
+    rows = {r["name"]: r for r in opt.preconditioner.describe()}
+    assert rows["cls.predictions.dense.weight"]["method"] == "adam"

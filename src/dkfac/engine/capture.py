@@ -160,6 +160,7 @@ class FactorCapture:
         # Outputs of the layers captured in this forward: the sampled backward stops at them.
         self._mc_roots: list[GradientEdge] = []
         self._warned_missing: set[str] = set()
+        self.ran: set[int] = set()  # ids of the layers whose forward has ever run
         self._handles: list[Any] = []
         self.counter = BackwardCounter()
         self._pass = _ForwardPass()  # the forward pass being captured
@@ -185,10 +186,15 @@ class FactorCapture:
         installed = layer.block.install()
         if installed is not None:
             self._handles.append(installed)
+
         # the parameters the forward runs with: under FSDP2 its pre-forward hook (always
         # first) has swapped in the unsharded ones, its post-forward hook (before ours) the
         # sharded ones back (dkfac.engine.micro_batches)
-        ran_with = ModelHook(lambda *_: self.counter.note_forward(layer.block.parameters()))
+        def ran_with_hook(*_: Any) -> None:
+            self.ran.add(id(layer))
+            self.counter.note_forward(layer.block.parameters())
+
+        ran_with = ModelHook(ran_with_hook)
         self._handles.append(module.register_forward_pre_hook(ran_with))
         hook = ModelHook(functools.partial(self._forward_hook, layer))
         self._handles.append(module.register_forward_hook(hook))

@@ -19,10 +19,16 @@ Which layers wait depends only on what every rank sees alike (``requires_grad``,
 mode, whether a layer has a gradient, the captures the agreed schedule marked due, and the
 statistics the ranks agreed were skipped), so every rank refreshes the same layers at the
 same step (a refresh is a collective).
+
+A layer whose weight gets a gradient while its forward never ran (its parent uses the
+weight itself: MobileBERT's output layer is ``h @ cat([decoder.weight.T, dense.weight])``)
+is never captured: it waits for good, its gradient reaching the inner optimizer plain.
+:meth:`LateLayers.note_unrun` names each such layer once in a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
@@ -31,6 +37,8 @@ from torch import Tensor
 from dkfac.engine.layer_state import LayerState
 
 __all__ = ["LateLayers"]
+
+logger = logging.getLogger(__name__)
 
 
 class LateLayers:
@@ -44,6 +52,28 @@ class LateLayers:
         self.waiting: set[str] = set(names)
         self.frozen: set[str] = set()  # waiting layers seen without a trainable parameter
         self.missed: set[str] = set()  # waiting layers seen with a gradient, not captured
+        self.unrun: set[str] = set()  # waiting layers warned of by note_unrun
+
+    def note_unrun(
+        self,
+        layers: Mapping[str, LayerState],
+        grads: Mapping[str, Tensor | None],
+        ran: AbstractSet[int],
+    ) -> None:
+        """Warns once of each waiting layer with a gradient whose forward never ran on this
+        rank (``ran``: the ids of the layers whose forward has): its parent applies its
+        weight without calling it, so no hook sees its input or output."""
+        for name in sorted(self.waiting - self.unrun):
+            if grads[name] is not None and id(layers[name]) not in ran:
+                self.unrun.add(name)
+                logger.warning(
+                    "layer %s has a gradient but its forward has never run: its weight is "
+                    "used outside it (by its parent, functionally), so K-FAC captures no "
+                    "factors for it and its gradient reaches the inner optimizer plain (no "
+                    "Adam's direction under eigen_adam); list it in skip_layers (with any "
+                    "layer tied to it) to give it the leftover update",
+                    name,
+                )
 
     def mark_due(self, layers: Mapping[str, LayerState]) -> bool:
         """Marks every statistic due of each waiting layer seen frozen that now trains, or

@@ -10,11 +10,12 @@ with ``torch.compile`` as the module it compiles (:class:`_UnshardedTracer`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ def traced_graph(
         # A symbolic run: what the forward warns of there is about proxies, not the user's
         # data (``torch.utils.checkpoint`` with ``use_reentrant=True`` warns that none of
         # its inputs requires a gradient), and the real forward warns again if it applies.
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), _attributes_kept(model):
             warnings.simplefilter("ignore")
             tracer = _UnshardedTracer() if branch is None else _GuessingTracer(branch)
             if not evaluating:
@@ -66,6 +67,43 @@ def traced_graph(
     except Exception as error:
         logger.info("%s: %s is not traceable (%s)", purpose, type(model).__name__, error)
         return None
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Restores, after a trace, the attributes of ``model``'s modules and of the plain
+    objects they hold (a ``transformers`` model's ``config``): the forward runs on proxies,
+    and what it stores is about them, not the user's data (``transformers``' classification
+    loss sets ``config.problem_type`` from the labels' dtype on its first call, and a guessed
+    condition would make it a multi-label loss for good)."""
+    saved: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for module in model.modules():
+        for holder in (module, *vars(module).values()):
+            if id(holder) in saved or not _plain_holder(holder, module):
+                continue
+            attributes = vars(holder)
+            saved[id(holder)] = (attributes, dict(attributes))
+    try:
+        yield
+    finally:
+        for attributes, before in saved.values():
+            changed = attributes.keys() != before.keys() or any(
+                attributes[k] is not v for k, v in before.items()
+            )
+            if changed:
+                attributes.clear()
+                attributes.update(before)
+
+
+def _plain_holder(holder: object, module: nn.Module) -> bool:
+    """Whether :func:`_attributes_kept` keeps ``holder``'s attributes: the module itself, or
+    an object of a class with an instance ``__dict__`` that is neither a module, a tensor,
+    a class nor a function."""
+    if holder is module:
+        return True
+    if isinstance(holder, (nn.Module, torch.Tensor, type)) or callable(holder):
+        return False
+    return isinstance(getattr(holder, "__dict__", None), dict)
 
 
 def call_order(model: nn.Module, names: Sequence[str]) -> list[str] | None:
