@@ -85,9 +85,9 @@ class KFACPreconditioner:
     """Replaces the gradients of supported layers with K-FAC preconditioned gradients.
 
     A model's layers are preconditioned by one preconditioner: the one built last on them.
-    An earlier one holding some of them is retired (all its hooks detached, its ``step()``
-    raising), as a framework that builds a new optimizer for each run (Lightning's
-    ``configure_optimizers`` at every ``fit`` and in its tuner) expects.
+    An earlier one holding some of them is retired once this one is built (all its hooks
+    detached, its ``step()`` raising), as a framework that builds a new optimizer for each
+    run (Lightning's ``configure_optimizers`` at every ``fit`` and in its tuner) expects.
 
     Args:
         model: The model. Its layers of a type the block registry knows are
@@ -213,6 +213,8 @@ class KFACPreconditioner:
         makes no host synchronisation. On by default on a launch-bound (CUDA) device with
         the fixed refresh (the adaptive one reads its statistics' changes); the values
         are the same either way."""
+        # Last: a construction that failed above leaves an older preconditioner in charge.
+        self._hooks.claim()
 
     # ----------------------------------------------------------------- hooks and capture
     def _set_block_steps(self) -> None:

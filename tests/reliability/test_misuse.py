@@ -194,6 +194,31 @@ def test_a_second_preconditioner_takes_the_layers_over() -> None:
     assert _forward_hooks(model) == 0
 
 
+def test_a_preconditioner_that_fails_to_build_leaves_the_other_in_charge() -> None:
+    """The takeover happens once the new one is built: one refused after its layers were
+    found (a sparse embedding under the leftover Adam) leaves the first one stepping."""
+
+    class Tagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 6, sparse=True)
+            self.mlp = _mlp()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.mlp(self.emb(x).mean(1))
+
+    model = Tagged()
+    first = KFACPreconditioner(model, method="eigen")
+    with pytest.raises(ValueError, match="sparse=True embedding"):
+        KFACPreconditioner(model, method="eigen_adam")
+    gc.collect()
+    assert _forward_hooks(model) == 2  # the first one's
+    x = torch.randint(0, 10, (16, 4), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(model(x), _batch()[1]).backward()
+    first.step()  # still in charge
+    assert first.steps == 1
+
+
 def test_a_collected_preconditioner_frees_its_layers_and_hooks() -> None:
     model = _mlp()
     first = KFACPreconditioner(model)

@@ -77,7 +77,8 @@ class HookOwnership:
 
     The hooks are detached by :meth:`remove`, by :meth:`retire` (another preconditioner
     took the modules) or when the owner is garbage-collected (they do not refer to it, so
-    a forgotten preconditioner does not keep capturing).
+    a forgotten preconditioner does not keep capturing). The modules are claimed by
+    :meth:`claim`, at the end of the owner's construction.
 
     Args:
         owner: The preconditioner.
@@ -91,7 +92,12 @@ class HookOwnership:
         self._detach = weakref.finalize(owner, _remove_all, self._hooked)
         self._detach.atexit = False
         self._taken = False
-        claim_modules(self, modules)
+        self._claimed = dict(modules)
+
+    def claim(self) -> None:
+        """Takes the modules (:func:`claim_modules`), once the preconditioner is built: one
+        whose construction fails retires no other."""
+        claim_modules(self, self._claimed)
 
     def add(self, holder: Any) -> None:
         """Adds an object whose ``remove()`` detaches hooks it attached."""
