@@ -74,6 +74,7 @@ from dkfac.engine.step_phases import (
     StepParts,
     agree_finite,
     clip_and_write,
+    others_finite,
     precondition_gradients,
     read_gradients,
     reduce_statistics,
@@ -189,6 +190,7 @@ class KFACPreconditioner:
         self._other_params = other_parameters(unwrap(model), self.layers)
         self.leftover: LeftoverAdam | None = leftover_for(model, config, self._other_params)
         self.schedule_captures(0)
+        self._stateful = any(layer.solver.stateful for layer in self.layers.values())
         self._kl_scale: Tensor | None = None
         self.gradients_finite: Tensor | bool = True
         """Whether every registered layer's gradient was finite at the last :meth:`step`,
@@ -362,7 +364,8 @@ class KFACPreconditioner:
         """Phases 1 to 5 of :meth:`step` on the layers' (full) gradients
         (:mod:`~dkfac.engine.step_phases`), and the leftover Adam's step between the layers'
         flags and their moments: every moment advances only where every gradient is
-        finite, the layers' and the leftover's (the step the optimizer takes)."""
+        finite, the layers' and the other parameters' (the step the optimizer takes; without
+        a leftover Adam, :func:`~dkfac.engine.step_phases.others_finite` reads theirs)."""
         parts, cfg = self._parts, self.config
         rows_only = parts.partial | (self.layout.local if self.layout is not None else frozenset())
         world = self.strategy.world_size
@@ -394,6 +397,8 @@ class KFACPreconditioner:
         if self.leftover is not None:
             with phase("dkfac.leftover"):
                 others = self.leftover.step(self.gradients_finite, self.strategy.agree)
+        elif self._stateful:  # the other gradients reach the inner optimizer as they are
+            others = others_finite(self._other_params, self.strategy.agree)
         with phase("dkfac.precondition"):
             finals, ready = precondition_gradients(
                 parts, grads, finite, keep, cfg, damping, step, others

@@ -200,6 +200,33 @@ def test_a_skipped_step_leaves_every_moment_as_it_was(bad: str, on_device: bool)
     torch.testing.assert_close(left.moments["scale"]["m"], m.reshape(1, 1))
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["branching", "on-device"])
+@pytest.mark.parametrize("method", ["ekfac", "eigen_adam"])
+def test_a_skipped_step_leaves_the_layers_moments_without_a_leftover_adam(
+    method: str, on_device: bool
+) -> None:
+    """Without the leftover Adam (``ekfac``'s default, ``leftover_update="gradient"``) the
+    other parameters' gradients reach the inner optimizer as they are: a NaN in the
+    LayerNorm's makes it skip the step, and the layers' moments stay as they were."""
+    model = Net()
+    pre = KFACPreconditioner(model, method=method, leftover_update="gradient")
+    pre.flags_on_device = on_device
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), pre)
+    for step in range(2):
+        _backward(model, step)
+        opt.step()
+    saved = {n: {k: v.clone() for k, v in (s.moments or {}).items()} for n, s in pre.layers.items()}
+    assert all(saved.values())
+    _backward(model, 99)  # not a refresh step: the bases stay
+    model.layers[1].weight.grad[0] = float("nan")
+    opt.step()
+    opt._late.flush()
+    assert opt.skipped_steps == 1
+    for name, moments in saved.items():
+        for key, value in moments.items():
+            assert torch.equal(pre.layers[name].moments[key], value), (name, key)
+
+
 def test_a_checkpoint_round_trip_continues_to_the_bit() -> None:
     model = Net()
     opt = KFACOptimizer.for_model(model, 0.01)

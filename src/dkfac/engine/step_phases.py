@@ -34,7 +34,8 @@ Between 2 and 3, with ``leftover_update`` (the default under ``"eigen_adam"``),
 ``dkfac.leftover`` replaces the gradients of the parameters no block takes by Adam's
 direction on them (:mod:`~dkfac.engine.leftover`). It runs there, after phase 1's
 reductions and flags, so that every moment, the layers' and its own, advances only on a
-step whose gradients are all finite: the step the optimizer takes.
+step whose gradients are all finite: the step the optimizer takes. Without it, the layers'
+moments wait for the other gradients' flag alone (:func:`others_finite`).
 
 The per-layer math is in :mod:`~dkfac.engine.step_math`; the parts a step runs through,
 fixed when the preconditioner is built, travel together as :class:`StepParts`.
@@ -43,11 +44,12 @@ fixed when the preconditioner is built, travel together as :class:`StepParts`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.comm import Communicator
@@ -57,6 +59,7 @@ from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import EagerReducer
+from dkfac.engine.finite import finite_each
 from dkfac.engine.input_rms import input_scales
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.presence import agree_presence
@@ -76,6 +79,7 @@ __all__ = [
     "agree_finite",
     "clip_and_write",
     "g_scale",
+    "others_finite",
     "precondition_gradients",
     "read_gradients",
     "reduce_statistics",
@@ -205,6 +209,21 @@ def update_factors(
     update_running_all(layers, kept, decay)
     agree_intervals(refresh, parts.comm, layers, recorded, step)
     return refreshed
+
+
+def others_finite(params: Sequence[Tensor], agree: Callable[[Tensor], Tensor]) -> Tensor | None:
+    """Whether the gradients of the parameters no layer takes are all finite, where no
+    leftover Adam reads that on its way (:meth:`~dkfac.engine.leftover.LeftoverAdam.step`):
+    a 0-d bool tensor (``agree`` ands it over the ranks where they are shards, FSDP2's
+    ``DTensor``); ``None`` where none has a gradient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flag = finite_each(local, local[0].device).all()
+    if any(isinstance(g, DTensor) for g in grads):
+        flag = agree(flag.reshape(1)).reshape(())
+    return flag
 
 
 def precondition_gradients(
