@@ -20,7 +20,9 @@ kind (a low-rank side is saved as its ``U`` of shape ``(d, r)``, a one-sided sid
 (:meth:`~dkfac.solvers.statistics.StatisticKind.restore`: a saved ``d × d`` factor where the
 side keeps its diagonal, or a saved diagonal where it is dense). A solver state made by
 another solver than the layer now has (a method switch) is dropped and recomputed from the
-saved factors.
+saved factors; dense factors saved without a plan (``eigen``, ``cholesky``) decide a still
+undecided deferred solver (``smw``, ``auto``) for dense sides: there are no rows to take a
+rank from.
 
 A stateful solver's moments (``"ekfac"``, ``"eigen_adam"``) are saved as ``"moments"``,
 taken from the owner (which always preconditions its layers), together with the solver
@@ -291,12 +293,14 @@ def load_layers_state(
     for name, entry in saved.items():
         layer = layers[name]
         plan = entry.get("plan")
+        shapes = layer.statistic_shapes()
+        values = {key: entry.get(key) for key in shapes}
         if plan is not None and (layer.solver.deferred or layer.decided is not None):
             solver = decided_solver(plan["solver"], layer.solver.compute_dtype, plan["lowrank"])
             layer.restore_decision(plan, solver)
+        elif layer.solver.deferred and any(v is not None for v in values.values()):
+            layer.resolve(None)  # dense factors of a solver that decides nothing: dense sides
         device = _device(layer)
-        shapes = layer.statistic_shapes()
-        values = {key: entry.get(key) for key in shapes}
         keep = strategy.keeps_statistics(name) and all(v is not None for v in values.values())
         layer.running = {
             k: layer.kind(k).restore(v.to(device), shapes[k]).clone()
