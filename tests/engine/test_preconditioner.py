@@ -367,6 +367,34 @@ def test_state_dict_round_trip_reproduces_next_step(steps: int, include_inverses
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [(torch.float32, torch.float64), (torch.float64, torch.float32)]
+)
+def test_a_state_of_another_precision_loads_in_the_models(
+    saved: torch.dtype, loaded: torch.dtype
+) -> None:
+    """Factors and solver states saved by a model of another dtype are kept in this model's
+    factor dtype, as a fresh run keeps them (they kept the saved dtype through the next
+    steps: a float64 model's state held float64 curvature in a float32 run)."""
+    torch.manual_seed(0)
+    model = _mlp().to(saved)
+    pre = KFACPreconditioner(model, method="eigen_adam", inverse_update_interval=2)
+    x, y = _batch()
+    for _ in range(3):
+        _train_step(model, pre, x.to(saved), y)
+    state = pre.state_dict(include_inverses=True)
+    clone = _mlp().to(loaded)
+    restored = KFACPreconditioner(clone, method="eigen_adam", inverse_update_interval=2)
+    restored.load_state_dict(state)
+    for _ in range(2):
+        for layer in restored.layers.values():
+            held = [*layer.running.values(), *(layer.solver_state or {}).values()]
+            assert {t.dtype for t in held if t.is_floating_point()} == {loaded}
+        _train_step(clone, restored, x.to(loaded), y)
+    a, _ = restored.factors()["0"]
+    assert a.dtype == loaded
+
+
 def test_load_state_dict_rejects_mismatch() -> None:
     pre = KFACPreconditioner(_mlp())
     other = KFACPreconditioner(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5)))

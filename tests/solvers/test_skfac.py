@@ -292,3 +292,29 @@ def test_lowrank_sink_rejects_sums() -> None:
     with pytest.raises(TypeError, match="dense factor side"):
         LowRankRowsAccumulator().add_sum(torch.eye(2), 1.0)
     assert math.isclose(default_max_rank(4, 0.5), 28)
+
+
+@pytest.mark.parametrize("method", ["smw", "auto"])
+def test_dense_factors_load_into_an_undecided_deferred_solver(method: str) -> None:
+    """A state of a solver that decides nothing (cholesky: dense factors, no plan) loads into
+    a fresh ``smw``/``auto`` preconditioner, whose layers then decide dense sides (there are
+    no rows to take a rank from); smw's next step equals cholesky's (the same factored
+    solve). Loading used to end in ``KeyError: 'A'`` after the factors were installed."""
+    model = _mlp()
+    pre = KFACPreconditioner(model, method="cholesky", **OPTIONS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        _train_step(model, pre, step, opt)
+    state = pre.state_dict()
+    clone = _mlp()
+    clone.load_state_dict(model.state_dict())
+    restored = KFACPreconditioner(clone, method=method, **OPTIONS)
+    restored.load_state_dict(state)
+    saved = restored.state_dict()["layers"]
+    assert all(not entry["plan"]["lowrank"] for entry in saved.values())
+    _train_step(model, pre, 2)
+    _train_step(clone, restored, 2)
+    for got, want in zip(_grads(clone), _grads(model), strict=True):
+        if method == "smw":
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert bool(torch.isfinite(got).all())

@@ -18,9 +18,12 @@ solver that made it (``"inverse_solver"``). A saved value is checked against its
 kind (a low-rank side is saved as its ``U`` of shape ``(d, r)``, a one-sided side as its
 ``(d,)`` diagonal) and loaded in the layout of the layer's kind now
 (:meth:`~dkfac.solvers.statistics.StatisticKind.restore`: a saved ``d × d`` factor where the
-side keeps its diagonal, or a saved diagonal where it is dense). A solver state made by
-another solver than the layer now has (a method switch) is dropped and recomputed from the
-saved factors.
+side keeps its diagonal, or a saved diagonal where it is dense), and in the layer's factor
+dtype (a float64 model's state loaded into a float32 one). A solver state made by another
+solver than the layer now has (a method switch) is dropped and recomputed from the saved
+factors; dense factors saved without a plan (``eigen``, ``cholesky``) decide a still
+undecided deferred solver (``smw``, ``auto``) for dense sides: there are no rows to take a
+rank from.
 
 A stateful solver's moments (``"ekfac"``, ``"eigen_adam"``) are saved as ``"moments"``,
 taken from the owner (which always preconditions its layers), together with the solver
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -291,15 +294,18 @@ def load_layers_state(
     for name, entry in saved.items():
         layer = layers[name]
         plan = entry.get("plan")
+        shapes = layer.statistic_shapes()
+        values = {key: entry.get(key) for key in shapes}
         if plan is not None and (layer.solver.deferred or layer.decided is not None):
             solver = decided_solver(plan["solver"], layer.solver.compute_dtype, plan["lowrank"])
             layer.restore_decision(plan, solver)
+        elif layer.solver.deferred and any(v is not None for v in values.values()):
+            layer.resolve(None)  # dense factors of a solver that decides nothing: dense sides
         device = _device(layer)
-        shapes = layer.statistic_shapes()
-        values = {key: entry.get(key) for key in shapes}
+        place = _placement(layer, values, device)
         keep = strategy.keeps_statistics(name) and all(v is not None for v in values.values())
         layer.running = {
-            k: layer.kind(k).restore(v.to(device), shapes[k]).clone()
+            k: layer.kind(k).restore(place(v), shapes[k]).clone()
             for k, v in values.items()
             if v is not None
         }
@@ -318,7 +324,7 @@ def load_layers_state(
         layer.solver_state = (
             None
             if inverse is None
-            else layer.solver.completed({k: v.to(device) for k, v in inverse.items()})
+            else layer.solver.completed({k: place(v) for k, v in inverse.items()})
         )
         if inverse is None:
             stale.append(name)
@@ -326,6 +332,23 @@ def load_layers_state(
         layer.reset_accumulators()
         layer.input_square, layer.input_forwards = None, 0  # a step left unfinished
     return stale
+
+
+def _placement(
+    layer: LayerState, values: Mapping[str, Tensor | None], device: torch.device
+) -> Callable[[Tensor], Tensor]:
+    """Moves a saved statistic or solver state tensor to ``device``; one in the saved
+    statistics' precision (a checkpoint of a float64 model loaded into a float32 one) also
+    to the layer's :attr:`~LayerState.factor_dtype`, where a fresh run keeps them."""
+    saved = next((v.dtype for v in values.values() if v is not None), None)
+    dtype = layer.factor_dtype if saved is not None and saved.is_floating_point else None
+
+    def place(value: Tensor) -> Tensor:
+        if dtype is not None and value.dtype == saved:
+            return value.to(device, dtype)
+        return value.to(device)
+
+    return place
 
 
 def _loaded_moments(
