@@ -20,14 +20,13 @@ from typing import Any, Final
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dkfac.config import check_schedule_value, unread_moment_fields
 from dkfac.config.checks import check_bool, check_range
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
-from dkfac.engine.finite import finite_each
+from dkfac.engine.finite import gradients_finite
 from dkfac.engine.moment_betas import set_moment_betas
 from dkfac.engine.overhead import BUDGETED_OPTIONS
 from dkfac.engine.registration import unwrap
@@ -388,14 +387,7 @@ class KFACOptimizer(Optimizer):
         """``(flag, sharded)``: a 0-d bool tensor, every parameter gradient on this rank is
         finite, and whether any is a shard (FSDP2's ``DTensor``, checked on this rank's
         shard: the ranks then agree with :meth:`_agreed`); ``None``: no gradients."""
-        grads = [
-            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
-        ]
-        if not grads:
-            return None
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        sharded = any(isinstance(g, DTensor) for g in grads)
-        return finite_each(local, local[0].device).all(), sharded
+        return gradients_finite([p.grad for group in self.param_groups for p in group["params"]])
 
     def _agreed(self, flag: torch.Tensor, sharded: bool) -> torch.Tensor:
         """``flag`` AND-ed over the ranks where gradients are sharded: one tiny all-reduce a

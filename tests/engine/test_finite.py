@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dkfac.engine.finite import all_finite, finite_each
+from dkfac.engine.finite import all_finite, finite_each, gradients_finite
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -109,3 +109,14 @@ def test_a_sparse_gradient_is_tested_on_its_values() -> None:
             True,
         ]
     assert [bool(all_finite(t)) for t in (good, bad, large)] == [True, False, False]
+
+
+def test_gradients_finite_skips_absent_ones_and_says_none_without_any() -> None:
+    good, bad = torch.ones(3), torch.tensor([1.0, float("nan")])
+    for grads, want in (([good, None], True), ([None, bad, good], False)):
+        found = gradients_finite(grads)
+        assert found is not None
+        flag, sharded = found
+        assert bool(flag) is want and sharded is False
+    assert gradients_finite([None, None]) is None
+    assert gradients_finite([]) is None

@@ -24,10 +24,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dkfac.engine import launches
 
-__all__ = ["all_finite", "finite_each"]
+__all__ = ["all_finite", "finite_each", "gradients_finite"]
 
 
 def all_finite(tensor: Tensor) -> Tensor:
@@ -101,3 +102,16 @@ def finite_each(
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Dtypes whose 2-norm :func:`finite_each` takes in float32 (a float64 tensor keeps its dot)."""
+
+
+def gradients_finite(grads: Sequence[Tensor | None]) -> tuple[Tensor, bool] | None:
+    """``(flag, sharded)``: a 0-d bool tensor, every gradient present is finite (the test
+    of :func:`finite_each`, on this rank's shard of a ``DTensor``), and whether any is a
+    shard (FSDP2's: the ranks then agree on the flag, since each tested its own rows);
+    ``None`` where no gradient is present."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in present]
+    sharded = any(isinstance(g, DTensor) for g in present)
+    return finite_each(local, local[0].device).all(), sharded

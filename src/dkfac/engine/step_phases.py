@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from dkfac.config import KFACConfig, resolve
 from dkfac.distributed.comm import Communicator
@@ -59,7 +58,7 @@ from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import EagerReducer
-from dkfac.engine.finite import finite_each
+from dkfac.engine.finite import gradients_finite
 from dkfac.engine.input_rms import input_scales
 from dkfac.engine.layer_state import LayerState, update_running_all
 from dkfac.engine.presence import agree_presence
@@ -216,14 +215,11 @@ def others_finite(params: Sequence[Tensor], agree: Callable[[Tensor], Tensor]) -
     leftover Adam reads that on its way (:meth:`~dkfac.engine.leftover.LeftoverAdam.step`):
     a 0-d bool tensor (``agree`` ands it over the ranks where they are shards, FSDP2's
     ``DTensor``); ``None`` where none has a gradient."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    found = gradients_finite([p.grad for p in params])
+    if found is None:
         return None
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    flag = finite_each(local, local[0].device).all()
-    if any(isinstance(g, DTensor) for g in grads):
-        flag = agree(flag.reshape(1)).reshape(())
-    return flag
+    flag, sharded = found
+    return agree(flag.reshape(1)).reshape(()) if sharded else flag
 
 
 def precondition_gradients(
