@@ -62,9 +62,12 @@ class LateLayers:
     ) -> None:
         """Warns once of each waiting layer with a gradient whose forward never ran on this
         rank (``ran``: the ids of the layers whose forward has): its parent applies its
-        weight without calling it, so no hook sees its input or output."""
+        weight without calling it, so no hook sees its input or output. A layer in eval
+        mode is left to :class:`~dkfac.engine.eval_mode.EvalModeLayers`' warning (an
+        attention's projections run as modules only in training: its own forward otherwise)."""
         for name in sorted(self.waiting - self.unrun):
-            if grads[name] is not None and id(layers[name]) not in ran:
+            layer = layers[name]
+            if grads[name] is not None and layer.block.module.training and id(layer) not in ran:
                 self.unrun.add(name)
                 logger.warning(
                     "layer %s has a gradient but its forward has never run: its weight is "
