@@ -530,3 +530,26 @@ def test_a_grad_scaler_set_after_construction_counts_as_given(
         _scaled_steps(late, opt, late_scaler)
     assert "GradScaler" not in caplog.text
     assert max_difference(given, late) == 0.0
+
+
+def test_an_optimizer_built_after_the_first_forward_names_no_layer_as_never_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loop that builds its optimizer after the model's first forward (as lazy modules
+    need): that step's gradients come from a forward no hook saw, which looks like a layer
+    whose parent applies its weight. No layer is named for it; each gets its factors from
+    the next step's forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    loss = F.cross_entropy(model(x), y)
+    opt = KFACOptimizer.for_model(model, overhead=None)
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        loss.backward()
+        opt.step()
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert not [r for r in caplog.records if "never run" in r.getMessage()]
+    assert all(layer.solver_state is not None for layer in opt.preconditioner.layers.values())

@@ -53,6 +53,7 @@ class LateLayers:
         self.frozen: set[str] = set()  # waiting layers seen without a trainable parameter
         self.missed: set[str] = set()  # waiting layers seen with a gradient, not captured
         self.unrun: set[str] = set()  # waiting layers warned of by note_unrun
+        self.unrun_once: set[str] = set()  # waiting layers seen so by one step of note_unrun
 
     def note_unrun(
         self,
@@ -61,13 +62,19 @@ class LateLayers:
         ran: AbstractSet[int],
     ) -> None:
         """Warns once of each waiting layer with a gradient whose forward never ran on this
-        rank (``ran``: the ids of the layers whose forward has): its parent applies its
-        weight without calling it, so no hook sees its input or output. A layer in eval
-        mode is left to :class:`~dkfac.engine.eval_mode.EvalModeLayers`' warning (an
-        attention's projections run as modules only in training: its own forward otherwise)."""
+        rank (``ran``: the ids of the layers whose forward has), at the second step it is
+        seen so: its parent applies its weight without calling it, so no hook sees its input
+        or output. At the first, the gradient may come from a forward run before the hooks
+        were put on (the optimizer built after the model's first forward, as for lazy
+        modules). A layer in eval mode is left to
+        :class:`~dkfac.engine.eval_mode.EvalModeLayers`' warning (an attention's projections
+        run as modules only in training: its own forward otherwise)."""
         for name in sorted(self.waiting - self.unrun):
             layer = layers[name]
             if grads[name] is not None and layer.block.module.training and id(layer) not in ran:
+                if name not in self.unrun_once:
+                    self.unrun_once.add(name)
+                    continue
                 self.unrun.add(name)
                 logger.warning(
                     "layer %s has a gradient but its forward has never run: its weight is "
