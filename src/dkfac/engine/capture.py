@@ -319,11 +319,13 @@ class FactorCapture:
         if self._broadcasts(pending):  # decided at the step's end (:meth:`_flush_broadcast`)
             self._undecided.setdefault(layer.name, []).append((pending, grad.clone()))
         else:
-            with phase("dkfac.capture_g"):
-                layer.block.capture_grad(
-                    pending.context, grad, self._grad_sinks(layer), pending.scale
-                )
+            self._capture_g(layer, pending, grad)
         self._mc_captured = True
+
+    def _capture_g(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
+        """The gradient statistics of one forward's output gradient (its kept rows)."""
+        with phase("dkfac.capture_g"):
+            layer.block.capture_grad(pending.context, grad, self._grad_sinks(layer), pending.scale)
 
     def _hold(self, layer: LayerState, pending: _Forward, grad: Tensor) -> bool:
         """Holds the forward's whole capture for its group (see :attr:`grouping`), with the
@@ -394,9 +396,7 @@ class FactorCapture:
                 if pending.forward_pass.backpropagated > 1:
                     self._add_broadcast(layer, pending, grad)
                 else:
-                    layer.block.capture_grad(
-                        pending.context, grad, self._grad_sinks(layer), pending.scale
-                    )
+                    self._capture_g(layer, pending, grad)
         held = self._broadcast.pop(layer.name, None)
         if held is None:
             return
