@@ -299,3 +299,21 @@ def test_make_targets_exist() -> None:
         if target not in targets
     ]
     assert not missing, f"make targets the pages name that the Makefile lacks: {missing}"
+
+
+def test_describe_rows_are_documented() -> None:
+    """Every kind of row ``describe()`` gives besides a layer's (a left-out parameter's, the
+    overhead budget's) is named, as ``block="..."``, by its docstring and by the coverage
+    section of docs/transformers.md."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    rows = KFACOptimizer.for_model(model).preconditioner.describe()
+    kinds = {row["block"] for row in rows if row["a_dim"] is None}
+    section = re.search(r"^## Checking the coverage\n(.*?)^## ", _text(TRANSFORMERS), re.S | re.M)
+    assert section is not None
+    docstring = inspect.getdoc(KFACPreconditioner.describe) or ""
+    assert kinds == {"inner optimizer", "cost"}, kinds
+    for kind in kinds:
+        assert f'`block="{kind}"`' in section.group(1), kind
+        assert f'``block="{kind}"``' in docstring, kind

@@ -503,7 +503,8 @@ class KFACPreconditioner:
         return memory_usage(self.layers, self.capture, self.eager, self.leftover)
 
     def describe(self) -> list[dict[str, Any]]:
-        """One row per layer, then one per parameter left to the inner optimizer.
+        """One row per layer, then one per parameter left to the inner optimizer, then the
+        overhead budget's.
 
         A layer's row: name, block, dimensions, method, factor kinds, ``role`` (its
         layer's role in Muon's split, :func:`~dkfac.engine.roles.layer_roles`: ``"input"``,
@@ -516,7 +517,9 @@ class KFACPreconditioner:
         ``block="inner optimizer"``, ``reason``, ``parameters``, ``numel``, the others
         ``None`` but ``method``: ``"adam"`` where ``leftover_update`` gives it Adam's
         direction (:mod:`~dkfac.engine.leftover`); a layer's ``reason`` is ``None`` and
-        ``numel`` its gradient's entries.
+        ``numel`` its gradient's entries. With an ``overhead`` budget a last row,
+        ``name="overhead budget"``, ``block="cost"``, says in ``reason`` what the budget
+        chose and why (``"chosen after the first step"`` before it), its other keys ``None``.
         """
         return describe_table(
             self.layers, self._roles, self.strategy, self.coverage, self.leftover, self.budget
