@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dkfac.config import check_schedule_value, unread_moment_fields
-from dkfac.config.checks import check_bool, check_range
+from dkfac.config.checks import check_bool, check_range, python_number
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import gradients_finite
@@ -320,9 +320,10 @@ class KFACOptimizer(Optimizer):
         Args:
             model: The model to train (all of its parameters go to the inner SGD: frozen
                 ones are stepped once they are unfrozen and have gradients).
-            lr: Step size > 0 (at most float32's largest number): a number or a one-element
-                floating tensor, handed to the inner SGD as given.
-            weight_decay: Decoupled weight decay >= 0 (at most the same).
+            lr: Step size > 0 (at most float32's largest number): a number (a numpy scalar
+                is read as its Python number) or a one-element floating tensor, handed to
+                the inner SGD as given.
+            weight_decay: Decoupled weight decay >= 0 (at most the same), a number.
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
@@ -351,6 +352,7 @@ class KFACOptimizer(Optimizer):
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        lr, weight_decay = python_number(lr), python_number(weight_decay)  # np.float32(3e-3)
         # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
         largest = float(torch.finfo(torch.float32).max)
         check_range("lr", _lr_number(lr), low=0.0, high=largest, high_inclusive=True)
@@ -426,7 +428,7 @@ class KFACOptimizer(Optimizer):
             solvers = [layer.solver for layer in self.preconditioner.layers.values()]
             if self.preconditioner.leftover is not None:
                 solvers.append(self.preconditioner.leftover.solver)
-            set_moment_betas(solvers, *self.param_groups[0]["betas"])
+            set_moment_betas(solvers, *map(python_number, self.param_groups[0]["betas"]))
         self.preconditioner.step(lr=self._layer_rates())
         finite = self._finite_flag() if self.skip_nonfinite else None
         if finite is None:

@@ -18,6 +18,7 @@ from dkfac.config.checks import (
     check_dtype,
     check_int,
     check_patterns,
+    python_numbers,
 )
 from dkfac.config.schedules import Schedule, check_schedules
 
@@ -116,6 +117,7 @@ class EstimationConfig:
     unitwise_bn: bool = True
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         self._check_estimation()
 
     def _check_estimation(self) -> None:

@@ -14,7 +14,7 @@ from typing import NamedTuple, TypeAlias
 
 import torch
 
-from dkfac.config.checks import check_range
+from dkfac.config.checks import check_range, python_number
 
 __all__ = ["SCHEDULE_DOMAINS", "Domain", "Schedule", "check_schedule_value", "resolve"]
 
@@ -48,7 +48,8 @@ def check_schedule_value(name: str, value: float) -> float:
 
     Args:
         name: Hyperparameter name, a key of :data:`SCHEDULE_DOMAINS`.
-        value: The resolved value (a 0-d tensor is read as its number).
+        value: The resolved value (a one-element tensor or a numpy scalar is read as its
+            number).
 
     Returns:
         The value, as an ``int`` for the update intervals and a ``float`` otherwise.
@@ -60,7 +61,13 @@ def check_schedule_value(name: str, value: float) -> float:
     """
     domain = SCHEDULE_DOMAINS[name]
     if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(
+                f"{name} must be a number or a one-element tensor, got a tensor of shape "
+                f"{tuple(value.shape)}"
+            )
         value = value.item()
+    value = python_number(value)
     check_range(
         name,
         value,
