@@ -75,6 +75,7 @@ def test_names_come_from_the_tables_of_their_axes() -> None:
         (SolverConfig, "eigen_dtype", torch.float16, ValueError),
         (EstimationConfig, "seed", -1, ValueError),
         (EstimationConfig, "seed", 1.5, TypeError),
+        (EstimationConfig, "seed", 2**63, ValueError),
         (EstimationConfig, "factor_batch_size", 0, ValueError),
         (EstimationConfig, "skip_layers", ["("], ValueError),
         (EstimationConfig, "unitwise_bn", 1, TypeError),

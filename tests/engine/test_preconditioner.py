@@ -341,6 +341,23 @@ def test_mc_fisher_requires_sample_call() -> None:
         KFACPreconditioner(_mlp()).sample_fisher(model(x))
 
 
+def test_the_largest_seed_samples_the_fisher_and_a_larger_one_is_refused() -> None:
+    # seed=2**70 was accepted and failed at the first sample_fisher, inside torch
+    # ("Overflow when unpacking long long").
+    from dkfac.config.estimation import SEED_END
+
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\), got"):
+        KFACPreconditioner(_mlp(), fisher="mc", seed=SEED_END)
+    model = _mlp()
+    pre = KFACPreconditioner(model, fisher="mc", seed=SEED_END - 1)
+    x, y = _batch()
+    out = model(x)
+    pre.sample_fisher(out)
+    F.cross_entropy(out, y).backward()
+    pre.step()
+    assert all(torch.isfinite(g).all() for _, g in pre.factors().values())
+
+
 # ---------------------------------------------------------------- state and memory
 def _run(model, pre, batches):
     for x, y in batches:
