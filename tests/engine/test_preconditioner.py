@@ -423,6 +423,28 @@ def test_load_state_dict_rejects_mismatch() -> None:
         KFACPreconditioner(nn.Linear(4, 3)).load_state_dict(pre.state_dict())
 
 
+@pytest.mark.parametrize("part", ["A", "moments"])
+def test_a_state_with_integer_statistics_is_refused_and_changes_nothing(part: str) -> None:
+    # An int64 A (or moment) loaded as it was: the factor truncated, the basis refreshed
+    # from it, silently.
+    torch.manual_seed(0)
+    model = _mlp()
+    pre = KFACPreconditioner(model, method="eigen_adam", kl_clip=None)
+    x, y = _batch()
+    _train_step(model, pre, x, y)
+    state = pre.state_dict(include_inverses=True)
+    entry = state["layers"]["0"]
+    if part == "A":
+        entry["A"] = entry["A"].round().to(torch.int64)
+    else:
+        entry["moments"]["v"] = entry["moments"]["v"].to(torch.int64)
+    before = {n: (a.clone(), g.clone()) for n, (a, g) in pre.factors().items()}
+    with pytest.raises(ValueError, match=r"0: saved (A|moments) must be .*floating"):
+        pre.load_state_dict(state)
+    for name, (a, g) in pre.factors().items():
+        assert torch.equal(a, before[name][0]) and torch.equal(g, before[name][1])
+
+
 def test_memory_usage_counts_factor_bytes() -> None:
     model = _mlp()
     pre = KFACPreconditioner(model)

@@ -129,6 +129,11 @@ def _string_weight_decay(state: dict[str, Any]) -> None:
     state["inner"]["param_groups"][0]["weight_decay"] = "0"
 
 
+def _integer_factor(state: dict[str, Any]) -> None:  # loaded as it was, truncated
+    layer = state["preconditioner"]["layers"]["2"]
+    layer["A"] = layer["A"].round().to(torch.int64)
+
+
 def _no_lr(state: dict[str, Any]) -> None:  # torch loads it; the next step: KeyError 'lr'
     del state["inner"]["param_groups"][0]["lr"]
 
@@ -162,6 +167,7 @@ TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "NaN weight decay": (_nan_weight_decay, r"param_groups\[0\]: weight_decay must be in .*nan"),
     "negative weight decay": (_negative_weight_decay, r"weight_decay must be in \[0.0, .*-1.0"),
     "string weight decay": (_string_weight_decay, r"weight_decay must be a number, got str"),
+    "integer factor": (_integer_factor, r"2: saved A must be a floating tensor or None, got "),
     "no lr": (_no_lr, r"param_groups\[0\]: a parameter group must hold 'lr'"),
     "NaN momentum": (_nan_momentum, r"param_groups\[0\]: momentum must be a finite number"),
     "string momentum": (_string_momentum, r"momentum must be a number, as the optimizer's"),
