@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dkfac.config import unread_moment_fields
-from dkfac.config.checks import check_bool, check_range, python_number
+from dkfac.config.checks import check_bool, check_int, check_range, python_number
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import gradients_finite
@@ -488,7 +488,13 @@ class KFACOptimizer(Optimizer):
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._skipped, self._skipped_late = value, None
+        """Sets the count (a checkpoint's, or 0 to restart it).
+
+        Raises:
+            ValueError: For a value that is not an integer >= 0.
+        """
+        check_int("skipped_steps", value, low=0)
+        self._skipped, self._skipped_late = python_number(value), None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients through the inner optimizer, and the statistics the

@@ -421,6 +421,17 @@ def test_add_param_group_refuses_a_bad_group_and_adds_nothing(
     assert len(opt.param_groups) == 2
 
 
+@pytest.mark.parametrize("count", [-3, 1.5, True, "2"])
+def test_skipped_steps_takes_only_a_count(count: object) -> None:
+    # -3 was kept and read back; "2" made the next skip a TypeError inside the step.
+    opt = KFACOptimizer.for_model(_mlp())
+    with pytest.raises(ValueError, match=f"skipped_steps must be an integer >= 0, got {count!r}"):
+        opt.skipped_steps = count  # type: ignore[assignment]
+    assert opt.skipped_steps == 0
+    opt.skipped_steps = 4
+    assert opt.skipped_steps == 4
+
+
 @pytest.mark.parametrize("lr", [math.nan, -0.1])
 def test_an_inner_optimizer_with_a_bad_lr_is_refused_when_wrapped(lr: float) -> None:
     # Accepted, and refused only at the first step.
