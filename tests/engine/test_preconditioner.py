@@ -80,6 +80,25 @@ def test_bad_schedule_value_names_argument_and_step() -> None:
         _train_step(model, pre, x, y)
 
 
+@pytest.mark.parametrize("field", ["damping", "factor_decay", "kl_clip", "inverse_update_interval"])
+def test_a_schedule_that_cannot_take_the_step_is_refused_when_built(field: str) -> None:
+    # damping=lambda: 0.01 was accepted and failed at the first step, factor_decay's from
+    # inside registration, with "<lambda>() takes 0 positional arguments but 1 was given".
+    with pytest.raises(TypeError, match=rf"{field} must be a number or a callable of the step"):
+        KFACPreconditioner(_mlp(), **{field: lambda: 1})
+    with pytest.raises(TypeError, match=rf"{field} must be a number or a callable of the step"):
+        KFACPreconditioner(_mlp(), **{field: lambda step, rate: 1})
+    model = _mlp()  # a callable that takes the step (and keyword defaults) is one
+    interval = field.endswith("interval")
+    pre = KFACPreconditioner(
+        model, **{field: lambda step, scale=1: scale * (1 if interval else 0.5)}
+    )
+    x, y = _batch()
+    _train_step(model, pre, x, y)
+    _train_step(model, pre, x, y)
+    assert pre.steps == 2
+
+
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     "options,error,match",
