@@ -22,13 +22,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from dkfac.config import check_schedule_value, unread_moment_fields
-from dkfac.config.checks import check_bool, check_range
+from dkfac.config import unread_moment_fields
+from dkfac.config.checks import check_bool, check_int, check_range, python_number
 from dkfac.engine import optimizer_state
 from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import gradients_finite
 from dkfac.engine.moment_betas import set_moment_betas
 from dkfac.engine.overhead import BUDGETED_OPTIONS
+from dkfac.engine.param_groups import check_group, check_groups, check_weight_decay
 from dkfac.engine.registration import unwrap
 from dkfac.engine.roles import vocabulary_layers
 from dkfac.preconditioner import KFACPreconditioner
@@ -134,47 +135,6 @@ def _check_steps_without_closure(inner: Optimizer) -> None:
         )
 
 
-def _check_weight_decay(value: Any) -> None:
-    """A weight decay, as :meth:`KFACOptimizer.for_model` takes it and a saved group may
-    hold it: a number in ``[0, float32's largest]`` (the inner SGD multiplies float32
-    weights by it; a larger one fails in torch)."""
-    largest = float(torch.finfo(torch.float32).max)
-    check_range(
-        "weight_decay", value, low=0.0, high=largest, low_inclusive=True, high_inclusive=True
-    )
-
-
-def _check_groups(groups: Any, betas: bool) -> None:
-    """The hyperparameters of a saved optimizer's groups, checked before anything loads
-    (torch loads a NaN or a string, and the next step refused it or put NaN in the weights):
-    ``lr`` (a finite number >= 0, as :meth:`KFACOptimizer.step` takes it), ``weight_decay``
-    (a finite number >= 0, at most float32's largest, as :meth:`KFACOptimizer.for_model`
-    takes it) and, with ``betas`` (the groups' ``"betas"`` drive the moments), ``"betas"``
-    (two numbers in ``[0, 1)``, as ``moment_beta1`` and ``moment_beta2``).
-
-    Raises:
-        ValueError: Naming the group, for a value outside those.
-    """
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise ValueError("'param_groups' of the inner state dict must be a list of dicts")
-    for index, group in enumerate(groups):
-        try:
-            if "lr" in group:
-                check_schedule_value("lr", group["lr"])
-            if "weight_decay" in group:
-                _check_weight_decay(group["weight_decay"])
-            if betas and "betas" in group:
-                pair = group["betas"]
-                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                    raise ValueError(
-                        f"betas must be a pair (moment_beta1, moment_beta2), got {pair!r}"
-                    )
-                for position, value in enumerate(pair):
-                    check_range(f"betas[{position}]", value, low=0.0, high=1.0, low_inclusive=True)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"param_groups[{index}]: {err}") from None
-
-
 def _lr_number(lr: Any) -> Any:
     """``lr`` as :meth:`KFACOptimizer.for_model` checks it: a one-element floating tensor
     (torch's optimizers take one) as its number, anything else as it is.
@@ -226,6 +186,8 @@ class KFACOptimizer(Optimizer):
             (the message names the layers), or its ``step`` requires a closure
             (``torch.optim.LBFGS``: it evaluates several gradients per step, K-FAC
             preconditions one).
+        TypeError, ValueError: For a group of ``inner`` whose hyperparameters a step would
+            refuse (a NaN or negative ``lr``: :mod:`~dkfac.engine.param_groups`).
     """
 
     def __init__(
@@ -265,8 +227,26 @@ class KFACOptimizer(Optimizer):
         (:meth:`~dkfac.KFACPreconditioner.adopt_parameters`: Adam's direction under
         ``leftover_update``); those of a registered layer are preconditioned with it.
         ``torch.optim.Optimizer``'s checks apply (a parameter already in a group raises
-        ``ValueError``).
+        ``ValueError``), and the group's hyperparameters, with the optimizer's defaults for
+        those it does not hold, are checked as a step checks them
+        (:mod:`~dkfac.engine.param_groups`).
+
+        Raises:
+            TypeError: For a group that is not a dict, or a value of the wrong kind.
+            ValueError: For a group without ``"params"``, or a value outside its range (a
+                NaN or negative ``lr`` or ``weight_decay``); nothing is added then.
         """
+        if isinstance(param_group, dict):  # not one: torch's TypeError
+            if "params" not in param_group:
+                raise ValueError(
+                    "a parameter group must hold 'params' (the parameters it steps), got the "
+                    f"keys {sorted(map(str, param_group))}"
+                )
+            try:
+                group = {**self.defaults, **param_group}
+                check_group(group, self.defaults, self._betas_drive_moments)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"param_groups[{len(self.param_groups)}]: {err}") from None
         super().add_param_group(param_group)
         if self._shared:  # not Optimizer.__init__'s own calls
             index = len(self.param_groups) - 1
@@ -320,9 +300,10 @@ class KFACOptimizer(Optimizer):
         Args:
             model: The model to train (all of its parameters go to the inner SGD: frozen
                 ones are stepped once they are unfrozen and have gradients).
-            lr: Step size > 0 (at most float32's largest number): a number or a one-element
-                floating tensor, handed to the inner SGD as given.
-            weight_decay: Decoupled weight decay >= 0 (at most the same).
+            lr: Step size > 0 (at most float32's largest number): a number (a numpy scalar
+                is read as its Python number) or a one-element floating tensor, handed to
+                the inner SGD as given.
+            weight_decay: Decoupled weight decay >= 0 (at most the same), a number.
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
@@ -351,10 +332,11 @@ class KFACOptimizer(Optimizer):
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        lr, weight_decay = python_number(lr), python_number(weight_decay)  # np.float32(3e-3)
         # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
         largest = float(torch.finfo(torch.float32).max)
         check_range("lr", _lr_number(lr), low=0.0, high=largest, high_inclusive=True)
-        _check_weight_decay(weight_decay)
+        check_weight_decay(weight_decay)
         defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did
             defaults = {k: v for k, v in defaults.items() if k not in BUDGETED_OPTIONS}
@@ -407,7 +389,14 @@ class KFACOptimizer(Optimizer):
         A step that cannot move any weight (every learning rate 0 and every gradient zero:
         what ``torch.distributed.checkpoint`` runs to create an optimizer's state) steps only
         the inner optimizer and leaves K-FAC's state as it is.
+
+        Raises:
+            TypeError, ValueError: For a parameter group whose hyperparameters were changed
+                to a value outside their domain since the last step (a NaN, negative or
+                non-number ``lr`` or ``weight_decay``, ``lr`` removed, a NaN momentum, bad
+                ``"betas"``: :mod:`~dkfac.engine.param_groups`), before anything changes.
         """
+        check_groups(self.param_groups, [], self.defaults, self._betas_drive_moments)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -426,7 +415,7 @@ class KFACOptimizer(Optimizer):
             solvers = [layer.solver for layer in self.preconditioner.layers.values()]
             if self.preconditioner.leftover is not None:
                 solvers.append(self.preconditioner.leftover.solver)
-            set_moment_betas(solvers, *self.param_groups[0]["betas"])
+            set_moment_betas(solvers, *map(python_number, self.param_groups[0]["betas"]))
         self.preconditioner.step(lr=self._layer_rates())
         finite = self._finite_flag() if self.skip_nonfinite else None
         if finite is None:
@@ -499,7 +488,13 @@ class KFACOptimizer(Optimizer):
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._skipped, self._skipped_late = value, None
+        """Sets the count (a checkpoint's, or 0 to restart it).
+
+        Raises:
+            ValueError: For a value that is not an integer >= 0.
+        """
+        check_int("skipped_steps", value, low=0)
+        self._skipped, self._skipped_late = python_number(value), None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients through the inner optimizer, and the statistics the
@@ -569,11 +564,12 @@ class KFACOptimizer(Optimizer):
         optimizer once the state has loaded (not after a refused load).
 
         Raises:
-            ValueError: If the state dict is not one of this optimizer, or a group's
-                ``lr`` or ``weight_decay`` is not a finite number >= 0 (``weight_decay`` at
-                most float32's largest), or, where the groups' ``"betas"`` are the moments'
-                (:meth:`for_model`), they are not two numbers in ``[0, 1)``; nothing is
-                changed.
+            ValueError: If the state dict is not one of this optimizer, or a group has no
+                ``lr``, or its ``lr`` or ``weight_decay`` is not a finite number in ``[0,
+                float32's largest]``, or, where the groups' ``"betas"`` are the moments'
+                (:meth:`for_model`), they are not two numbers in ``[0, 1)``, or another of
+                its values is not of the kind of the current group's (a NaN or a string
+                momentum: :mod:`~dkfac.engine.param_groups`); nothing is changed.
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch's: a hook may change its keys
@@ -588,7 +584,15 @@ class KFACOptimizer(Optimizer):
             )
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
-        _check_groups(inner["param_groups"], self._betas_drive_moments)
+        current = self.inner.param_groups
+        try:  # each saved group against the group it replaces
+            check_groups(
+                inner["param_groups"], current, self.inner.defaults, self._betas_drive_moments
+            )
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+        if not isinstance(inner["state"], dict):
+            raise ValueError(f"'state' must be a dict, got {type(inner['state']).__name__}")
         self.preconditioner.check_state_dict(preconditioner)
         before = {"state": self.inner.state, "param_groups": self.inner.param_groups}
         try:

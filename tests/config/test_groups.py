@@ -75,6 +75,7 @@ def test_names_come_from_the_tables_of_their_axes() -> None:
         (SolverConfig, "eigen_dtype", torch.float16, ValueError),
         (EstimationConfig, "seed", -1, ValueError),
         (EstimationConfig, "seed", 1.5, TypeError),
+        (EstimationConfig, "seed", 2**63, ValueError),
         (EstimationConfig, "factor_batch_size", 0, ValueError),
         (EstimationConfig, "skip_layers", ["("], ValueError),
         (EstimationConfig, "unitwise_bn", 1, TypeError),
@@ -92,3 +93,40 @@ def test_a_group_checks_its_fields_alone_and_in_the_whole(
         group(**{field: value})
     with pytest.raises(error, match=field):
         KFACConfig(**{field: value})
+
+
+@pytest.mark.parametrize("group", [*GROUPS, KFACConfig])
+def test_numpy_numbers_are_read_as_the_python_numbers_they_hold(group: type) -> None:
+    # np.float32(0.9), np.int64(4), np.bool_: "moment_beta1 must be a number, got float32",
+    # "basis_max_dim must be None or an integer >= 1, got np.int64(4)".
+    numpy = pytest.importorskip("numpy")
+    python = {
+        "damping": 0.25,
+        "moment_beta1": 0.5,
+        "basis_max_dim": 4,
+        "flattened_inputs": {"fc": (2, 4)},
+        "factor_decay": 0.75,
+        "seed": 3,
+        "unitwise_bn": False,
+        "grad_worker_fraction": 0.5,
+        "bucket_bytes": 1024,
+        "factor_update_interval": 2,
+        "refresh_threshold": 0.125,
+        "refresh_max_interval": 8,
+    }
+    python = {k: v for k, v in python.items() if k in _names(group)}
+    as_numpy = {
+        k: {"fc": (numpy.int64(2), numpy.int32(4))}
+        if k == "flattened_inputs"
+        else numpy.bool_(v)
+        if isinstance(v, bool)
+        else numpy.int64(v)
+        if isinstance(v, int)
+        else numpy.float32(v)  # every value above holds in float32 exactly
+        for k, v in python.items()
+    }
+    method = {"method": "eigen_adam"} if "moment_beta1" in python else {}
+    got, want = group(**as_numpy, **method), group(**python, **method)
+    assert got == want
+    for name in python:
+        assert type(getattr(got, name)) is type(getattr(want, name)), name

@@ -112,6 +112,21 @@ def test_a_tensor_lr_steps_as_its_number() -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
 
 
+def test_numpy_numbers_step_as_the_python_numbers_they_hold() -> None:
+    # lr=np.float32(0.01) was "lr must be a number, got float32", and so were the group's
+    # betas a scheduler left as numpy scalars (at the step, from set_moment_betas).
+    numpy = pytest.importorskip("numpy")
+    runs = []
+    for number in (float, numpy.float32):
+        model = make_model()
+        opt = KFACOptimizer.for_model(model, lr=number(0.25), weight_decay=number(0.5))
+        opt.param_groups[0]["betas"] = (number(0.5), number(0.75))
+        _train(opt, model, 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for got, want in zip(*runs, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("lr", "error", "match"),
     [

@@ -80,6 +80,25 @@ def test_bad_schedule_value_names_argument_and_step() -> None:
         _train_step(model, pre, x, y)
 
 
+@pytest.mark.parametrize("field", ["damping", "factor_decay", "kl_clip", "inverse_update_interval"])
+def test_a_schedule_that_cannot_take_the_step_is_refused_when_built(field: str) -> None:
+    # damping=lambda: 0.01 was accepted and failed at the first step, factor_decay's from
+    # inside registration, with "<lambda>() takes 0 positional arguments but 1 was given".
+    with pytest.raises(TypeError, match=rf"{field} must be a number or a callable of the step"):
+        KFACPreconditioner(_mlp(), **{field: lambda: 1})
+    with pytest.raises(TypeError, match=rf"{field} must be a number or a callable of the step"):
+        KFACPreconditioner(_mlp(), **{field: lambda step, rate: 1})
+    model = _mlp()  # a callable that takes the step (and keyword defaults) is one
+    interval = field.endswith("interval")
+    pre = KFACPreconditioner(
+        model, **{field: lambda step, scale=1: scale * (1 if interval else 0.5)}
+    )
+    x, y = _batch()
+    _train_step(model, pre, x, y)
+    _train_step(model, pre, x, y)
+    assert pre.steps == 2
+
+
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     "options,error,match",
@@ -341,6 +360,23 @@ def test_mc_fisher_requires_sample_call() -> None:
         KFACPreconditioner(_mlp()).sample_fisher(model(x))
 
 
+def test_the_largest_seed_samples_the_fisher_and_a_larger_one_is_refused() -> None:
+    # seed=2**70 was accepted and failed at the first sample_fisher, inside torch
+    # ("Overflow when unpacking long long").
+    from dkfac.config.estimation import SEED_END
+
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\), got"):
+        KFACPreconditioner(_mlp(), fisher="mc", seed=SEED_END)
+    model = _mlp()
+    pre = KFACPreconditioner(model, fisher="mc", seed=SEED_END - 1)
+    x, y = _batch()
+    out = model(x)
+    pre.sample_fisher(out)
+    F.cross_entropy(out, y).backward()
+    pre.step()
+    assert all(torch.isfinite(g).all() for _, g in pre.factors().values())
+
+
 # ---------------------------------------------------------------- state and memory
 def _run(model, pre, batches):
     for x, y in batches:
@@ -404,6 +440,28 @@ def test_load_state_dict_rejects_mismatch() -> None:
         other.load_state_dict(pre.state_dict())
     with pytest.raises(ValueError, match="missing"):
         KFACPreconditioner(nn.Linear(4, 3)).load_state_dict(pre.state_dict())
+
+
+@pytest.mark.parametrize("part", ["A", "moments"])
+def test_a_state_with_integer_statistics_is_refused_and_changes_nothing(part: str) -> None:
+    # An int64 A (or moment) loaded as it was: the factor truncated, the basis refreshed
+    # from it, silently.
+    torch.manual_seed(0)
+    model = _mlp()
+    pre = KFACPreconditioner(model, method="eigen_adam", kl_clip=None)
+    x, y = _batch()
+    _train_step(model, pre, x, y)
+    state = pre.state_dict(include_inverses=True)
+    entry = state["layers"]["0"]
+    if part == "A":
+        entry["A"] = entry["A"].round().to(torch.int64)
+    else:
+        entry["moments"]["v"] = entry["moments"]["v"].to(torch.int64)
+    before = {n: (a.clone(), g.clone()) for n, (a, g) in pre.factors().items()}
+    with pytest.raises(ValueError, match=r"0: saved (A|moments) must be .*floating"):
+        pre.load_state_dict(state)
+    for name, (a, g) in pre.factors().items():
+        assert torch.equal(a, before[name][0]) and torch.equal(g, before[name][1])
 
 
 def test_memory_usage_counts_factor_bytes() -> None:

@@ -352,6 +352,96 @@ def test_optimizer_lr_nan_reaches_no_gradient() -> None:
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
+# A group edited between steps reached the inner step as it was: a NaN weight decay or
+# momentum put NaN in the weights; a string lr or weight decay, or a removed lr, failed
+# inside torch (or with KeyError 'lr') after the preconditioner had stepped.
+GROUP_EDITS: dict[str, tuple[str, object, type[Exception], str]] = {
+    "NaN weight decay": ("weight_decay", math.nan, ValueError, "weight_decay must be in"),
+    "negative weight decay": ("weight_decay", -1.0, ValueError, "weight_decay must be in"),
+    "string weight decay": ("weight_decay", "0", TypeError, "weight_decay must be a number"),
+    "NaN momentum": ("momentum", math.nan, ValueError, "momentum must be a finite number"),
+    "string lr": ("lr", "0.1", TypeError, "lr must be a number, got str"),
+    "bool lr": ("lr", True, TypeError, "lr must be a number, got bool"),
+    "lr past float32": ("lr", 1e39, ValueError, r"lr must be in \[0.0, 3.40.*\], got 1e\+39"),
+    "no lr": ("lr", None, ValueError, "a parameter group must hold 'lr'"),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUP_EDITS))
+def test_a_group_edited_to_a_bad_value_is_refused_before_the_step_changes_anything(
+    case: str,
+) -> None:
+    key, value, error, message = GROUP_EDITS[case]
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5, weight_decay=0.01)
+    opt = KFACOptimizer(inner, KFACPreconditioner(model))
+    _backward(model)
+    opt.step()
+    group = opt.param_groups[0]
+    if value is None:
+        del group[key]
+    else:
+        group[key] = value
+    opt.zero_grad()
+    _backward(model, seed=2)
+    weights, grads = [p.detach().clone() for p in model.parameters()], _grads(model)
+    with pytest.raises(error, match=rf"param_groups\[0\]: {message}"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads, _grads(model), strict=True))
+    assert opt.preconditioner.steps == 1
+    group.update(lr=0.1, weight_decay=0.01, momentum=0.5)
+    opt.step()  # the gradients are still fresh
+    assert opt.preconditioner.steps == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("group", "error", "message"),
+    [
+        ({"lr": math.nan}, ValueError, r"param_groups\[1\]: lr must be in"),
+        ({"lr": -1.0}, ValueError, r"param_groups\[1\]: lr must be in"),
+        ({"weight_decay": math.nan}, ValueError, r"param_groups\[1\]: weight_decay must be in"),
+        ({"betas": (2.0, 0.9)}, ValueError, r"param_groups\[1\]: betas\[0\] must be in"),
+        ({"params": None}, ValueError, "a parameter group must hold 'params'"),
+    ],
+)
+def test_add_param_group_refuses_a_bad_group_and_adds_nothing(
+    group: dict[str, object], error: type[Exception], message: str
+) -> None:
+    # A NaN lr in a new group reached the new parameters' weights; a group without
+    # "params" was KeyError 'params' from inside torch.
+    model, extra = _mlp(), nn.Linear(3, 3)
+    opt = KFACOptimizer.for_model(model)
+    params = {} if group.get("params", 0) is None else {"params": list(extra.parameters())}
+    with pytest.raises(error, match=message):
+        opt.add_param_group({**params, **{k: v for k, v in group.items() if k != "params"}})
+    assert len(opt.param_groups) == len(opt.inner.param_groups) == 1
+    opt.add_param_group({"params": list(extra.parameters()), "lr": 0.01})
+    assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("count", [-3, 1.5, True, "2"])
+def test_skipped_steps_takes_only_a_count(count: object) -> None:
+    # -3 was kept and read back; "2" made the next skip a TypeError inside the step.
+    opt = KFACOptimizer.for_model(_mlp())
+    with pytest.raises(ValueError, match=f"skipped_steps must be an integer >= 0, got {count!r}"):
+        opt.skipped_steps = count  # type: ignore[assignment]
+    assert opt.skipped_steps == 0
+    opt.skipped_steps = 4
+    assert opt.skipped_steps == 4
+
+
+@pytest.mark.parametrize("lr", [math.nan, -0.1])
+def test_an_inner_optimizer_with_a_bad_lr_is_refused_when_wrapped(lr: float) -> None:
+    # Accepted, and refused only at the first step.
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner.param_groups[0]["lr"] = lr
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr must be in"):
+        KFACOptimizer(inner, KFACPreconditioner(model))
+
+
 @pytest.mark.parametrize("damping", [math.nan, 0.0, -1.0])
 def test_update_inverses_refuses_a_bad_damping(damping: float) -> None:
     pre = KFACPreconditioner(_mlp())

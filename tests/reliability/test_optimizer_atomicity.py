@@ -129,6 +129,31 @@ def _string_weight_decay(state: dict[str, Any]) -> None:
     state["inner"]["param_groups"][0]["weight_decay"] = "0"
 
 
+def _integer_factor(state: dict[str, Any]) -> None:  # loaded as it was, truncated
+    layer = state["preconditioner"]["layers"]["2"]
+    layer["A"] = layer["A"].round().to(torch.int64)
+
+
+def _no_lr(state: dict[str, Any]) -> None:  # torch loads it; the next step: KeyError 'lr'
+    del state["inner"]["param_groups"][0]["lr"]
+
+
+def _nan_momentum(state: dict[str, Any]) -> None:  # torch loads it; NaN reached the weights
+    state["inner"]["param_groups"][0]["momentum"] = math.nan
+
+
+def _string_momentum(state: dict[str, Any]) -> None:  # torch loads it; the step: TypeError
+    state["inner"]["param_groups"][0]["momentum"] = "0.9"
+
+
+def _string_nesterov(state: dict[str, Any]) -> None:
+    state["inner"]["param_groups"][0]["nesterov"] = "no"
+
+
+def _state_list(state: dict[str, Any]) -> None:  # AttributeError inside torch's load
+    state["inner"]["state"] = []
+
+
 TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "string step": (_set_step, "'step' must be an integer >= 0, got '4'"),
     "NaN factor": (_nan_factor, "2: saved A is not finite"),
@@ -137,11 +162,17 @@ TAMPERS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "bad generator": (_bad_generator, "'mc_generator' is not a generator state"),
     "bad inverse": (_bad_inverse, "0: a saved inverse must be a dict of tensors"),
     "inner of another model": (_other_inner, "doesn't match the size"),
-    "NaN lr": (_nan_lr, r"param_groups\[0\]: lr must be in \[0.0, inf\), got nan"),
+    "NaN lr": (_nan_lr, r"param_groups\[0\]: lr must be in \[0.0, 3.40.*\], got nan"),
     "string lr": (_string_lr, r"param_groups\[0\]: lr must be a number, got str"),
     "NaN weight decay": (_nan_weight_decay, r"param_groups\[0\]: weight_decay must be in .*nan"),
     "negative weight decay": (_negative_weight_decay, r"weight_decay must be in \[0.0, .*-1.0"),
     "string weight decay": (_string_weight_decay, r"weight_decay must be a number, got str"),
+    "integer factor": (_integer_factor, r"2: saved A must be a floating tensor or None, got "),
+    "no lr": (_no_lr, r"param_groups\[0\]: a parameter group must hold 'lr'"),
+    "NaN momentum": (_nan_momentum, r"param_groups\[0\]: momentum must be a finite number"),
+    "string momentum": (_string_momentum, r"momentum must be a number, as the optimizer's"),
+    "string nesterov": (_string_nesterov, r"nesterov must be a bool, as the optimizer's"),
+    "state not a dict": (_state_list, r"'state' must be a dict, got list"),
 }
 
 

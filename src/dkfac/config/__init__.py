@@ -22,7 +22,14 @@ import difflib
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from dkfac.config.checks import check_bool, check_choice, check_dtype, check_int, check_range
+from dkfac.config.checks import (
+    check_bool,
+    check_choice,
+    check_dtype,
+    check_int,
+    check_range,
+    python_numbers,
+)
 from dkfac.config.distribution import (
     OVERLAP_MODES,
     PLACEMENT_COSTS,
@@ -102,6 +109,7 @@ class KFACConfig(RefreshConfig, DistributionConfig, EstimationConfig, SolverConf
     """
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         self._check_solver()
         self._check_estimation()
         self._check_distribution()

@@ -6,7 +6,9 @@ a bad value fails where it enters with what was wrong and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -24,6 +26,8 @@ __all__ = [
     "check_int",
     "check_patterns",
     "check_range",
+    "python_number",
+    "python_numbers",
 ]
 
 GRAPH = "graph"
@@ -34,6 +38,35 @@ GRAPH_MAPS = {"<graph>": (1, 1)}
 BLOCK_WIDTHS = "widths"
 """``basis_block_size="widths"``: the block width is read off the model's layer widths."""
 _INPUT_MAP = re.compile(r"^\s*(\S+?)\s*=\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def python_number(value: Any) -> Any:
+    """``value`` as the Python number it holds where it is a number of another kind: a
+    numpy scalar or 0-d array (``np.float32(0.1)``, ``np.int64(4)``, ``np.bool_(True)``) as
+    its ``item()``, another ``numbers.Integral`` as an ``int``, another ``numbers.Real``
+    (``fractions.Fraction``) as a ``float``; anything else (a bool, int or float, a tensor,
+    a string, a callable) as it is."""
+    kind = type(value)
+    if kind in (bool, int, float):
+        return value
+    if kind.__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def python_numbers(config: Any) -> None:
+    """Replaces, in place, every field of the frozen dataclass ``config`` that holds a number
+    of another kind (a numpy scalar) by the Python number it holds (:func:`python_number`),
+    so that the checks and everything downstream see ints, floats and bools."""
+    for each in dataclasses.fields(config):
+        value = getattr(config, each.name)
+        number = python_number(value)
+        if number is not value:
+            object.__setattr__(config, each.name, number)
 
 
 def check_range(
@@ -47,10 +80,14 @@ def check_range(
 ) -> None:
     """A finite number in the interval (``inf`` as a bound means unbounded, never allowed).
 
+    A number of another kind (a numpy scalar) is checked as the Python number it holds
+    (:func:`python_number`).
+
     Raises:
-        TypeError: If ``value`` is not an int or float (a bool is not a number here).
+        TypeError: If ``value`` is not a real number (a bool is not a number here).
         ValueError: If it is not finite or lies outside the interval.
     """
+    value = python_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     ok_low = value >= low if low_inclusive else value > low
@@ -61,13 +98,15 @@ def check_range(
 
 
 def check_int(name: str, value: Any, *, low: int = 1, optional: bool = False) -> None:
-    """An integer ``>= low`` (or ``None`` when ``optional``); a bool is not an integer here.
+    """An integer ``>= low`` (or ``None`` when ``optional``); a bool is not an integer here,
+    a numpy integer is (:func:`python_number`).
 
     Raises:
         ValueError: Otherwise.
     """
     if optional and value is None:
         return
+    value = python_number(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         allowed = f"{'None or ' if optional else ''}an integer >= {low}"
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
@@ -91,7 +130,7 @@ def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
     """
     if optional and value is None:
         return
-    if not isinstance(value, bool):
+    if not isinstance(python_number(value), bool):
         allowed = "True, False or None" if optional else "a bool"
         raise TypeError(f"{name} must be {allowed}, got {value!r}")
 
@@ -154,12 +193,14 @@ def check_input_maps(name: str, value: Any) -> dict[str, tuple[int, int]]:
         raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}")
     maps: dict[str, tuple[int, int]] = {}
     for layer, shape in entries:
+        if isinstance(shape, (list, tuple)):
+            shape = tuple(python_number(count) for count in shape)
         if not isinstance(layer, str) or not layer:
             raise ValueError(f"{name}: a layer name must be a non-empty string, got {layer!r}")
         if layer in maps:
             raise ValueError(f"{name}: layer {layer!r} is given twice")
         try:
-            maps[layer] = check_input_map(tuple(shape) if isinstance(shape, list) else shape)
+            maps[layer] = check_input_map(shape)
         except ValueError:
             raise ValueError(
                 f"{name}[{layer!r}] must be (channels, positions), two integers >= 1, got {shape!r}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from dkfac.config.checks import check_bool, check_choice, check_int, check_range
+from dkfac.config.checks import check_bool, check_choice, check_int, check_range, python_numbers
 from dkfac.distributed.strategies import STRATEGIES, StrategyName
 
 __all__ = [
@@ -80,6 +80,7 @@ class DistributionConfig:
     shard_exchange: ShardExchange = "exact"
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         self._check_distribution()
 
     def _check_distribution(self) -> None:

@@ -18,12 +18,14 @@ from dkfac.config.checks import (
     check_dtype,
     check_int,
     check_patterns,
+    python_numbers,
 )
 from dkfac.config.schedules import Schedule, check_schedules
 
 __all__ = [
     "FISHER_TYPES",
     "LOSS_AVERAGES",
+    "SEED_END",
     "STATISTIC_DTYPES",
     "EstimationConfig",
     "FisherType",
@@ -35,6 +37,11 @@ FisherType = Literal["empirical", "mc"]
 FISHER_TYPES: tuple[str, ...] = get_args(FisherType)
 LossAverage = Literal["samples", "positions"]
 LOSS_AVERAGES: tuple[str, ...] = get_args(LossAverage)
+
+SEED_END = 2**63
+"""The first seed refused: rank ``r`` seeds its Monte-Carlo generator with ``seed + r``, and
+``torch.Generator.manual_seed`` takes nothing from ``2**64`` on (a seed of ``2**70`` failed
+with "Overflow when unpacking long long" at the first ``sample_fisher``)."""
 
 STATISTIC_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 """The precisions the factors may be stored and their products taken in. Not float16: its
@@ -96,8 +103,9 @@ class EstimationConfig:
             samples of every micro-batch only (``None``: all of them). The factors stay on
             the per-sample scale; their cost falls in proportion. BatchNorm's unit-wise
             statistics then use the moments of those samples.
-        seed: Seed (an integer >= 0) for the Monte-Carlo targets and spatial subsampling
-            (rank ``r`` of a process group uses ``seed + r``).
+        seed: Seed (an integer in ``[0, 2**63)``, :data:`SEED_END`) for the Monte-Carlo
+            targets and spatial subsampling (rank ``r`` of a process group uses
+            ``seed + r``, which a torch generator takes below ``2**64``).
         unitwise_bn: Precondition affine BatchNorm layers with SP-NGD's unit-wise 2×2
             Fisher per channel (on by default); off leaves them their plain gradient.
     """
@@ -116,6 +124,7 @@ class EstimationConfig:
     unitwise_bn: bool = True
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         self._check_estimation()
 
     def _check_estimation(self) -> None:
@@ -132,4 +141,6 @@ class EstimationConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
         check_int("seed", self.seed, low=0)
+        if self.seed >= SEED_END:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         check_bool("unitwise_bn", self.unitwise_bn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from dkfac.config.checks import check_choice, check_int, check_range
+from dkfac.config.checks import check_choice, check_int, check_range, python_numbers
 from dkfac.config.schedules import Schedule, check_schedules
 
 __all__ = ["REFRESH_KINDS", "RefreshConfig", "RefreshKind"]
@@ -36,6 +36,7 @@ class RefreshConfig:
     refresh_max_interval: int = 64
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         self._check_refresh()
 
     def _check_refresh(self) -> None:

@@ -8,13 +8,14 @@ with a message naming the argument and the step.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
 import torch
 
-from dkfac.config.checks import check_range
+from dkfac.config.checks import check_range, python_number
 
 __all__ = ["SCHEDULE_DOMAINS", "Domain", "Schedule", "check_schedule_value", "resolve"]
 
@@ -48,7 +49,8 @@ def check_schedule_value(name: str, value: float) -> float:
 
     Args:
         name: Hyperparameter name, a key of :data:`SCHEDULE_DOMAINS`.
-        value: The resolved value (a 0-d tensor is read as its number).
+        value: The resolved value (a one-element tensor or a numpy scalar is read as its
+            number).
 
     Returns:
         The value, as an ``int`` for the update intervals and a ``float`` otherwise.
@@ -60,7 +62,13 @@ def check_schedule_value(name: str, value: float) -> float:
     """
     domain = SCHEDULE_DOMAINS[name]
     if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(
+                f"{name} must be a number or a one-element tensor, got a tensor of shape "
+                f"{tuple(value.shape)}"
+            )
         value = value.item()
+    value = python_number(value)
     check_range(
         name,
         value,
@@ -89,12 +97,36 @@ def resolve(name: str, value: Schedule | None, step: int) -> float | None:
         raise
 
 
+def _check_takes_the_step(name: str, schedule: Callable[..., object]) -> None:
+    """A callable schedule can be called with the step alone (its values are checked when
+    resolved); one whose signature cannot be read (some builtins) is taken as it is.
+
+    Raises:
+        TypeError: For a callable that cannot take one positional argument (``lambda:
+            0.1`` failed at the first step, with a TypeError that did not name the option).
+    """
+    try:
+        signature = inspect.signature(schedule)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(0)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a number or a callable of the step (one argument, the number "
+            f"of completed steps), got {schedule!r} with the signature {signature}"
+        ) from None
+
+
 def check_schedules(config: object, names: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    """Checks the constant schedules among ``names`` of ``config`` (callables are checked
-    when resolved); ``optional`` ones may be ``None``."""
+    """Checks the schedules among ``names`` of ``config``: the constants' values, and that
+    the callables take the step (their values are checked when resolved); ``optional`` ones
+    may be ``None``."""
     for name in names:
         value = getattr(config, name)
         if value is None and name in optional:
             continue
-        if not callable(value):
+        if callable(value):
+            _check_takes_the_step(name, value)
+        else:
             check_schedule_value(name, value)

@@ -21,6 +21,7 @@ from dkfac.config.checks import (
     check_int,
     check_patterns,
     check_range,
+    python_numbers,
 )
 from dkfac.config.schedules import Schedule, check_schedules
 from dkfac.solvers import (
@@ -282,6 +283,7 @@ class SolverConfig:
     compile_step: CompileStep = "off"
 
     def __post_init__(self) -> None:
+        python_numbers(self)
         self._check_solver()
 
     def adam_options(self) -> MomentOptions:

@@ -1,6 +1,7 @@
 """The engine: what runs a K-FAC step and joins the three axes (blocks, solvers, strategies).
 
-The checks on what callers pass (:mod:`.arguments`), registration (:mod:`.registration`) and
+The checks on what callers pass (:mod:`.arguments`) and on a :class:`dkfac.KFACOptimizer`'s
+parameter groups (:mod:`.param_groups`), registration (:mod:`.registration`) and
 what each parameter gets (:mod:`.coverage`), how the parts are put together
 (:mod:`.assembly`), guards against misuse (:mod:`.guards`), per-layer state
 (:mod:`.layer_state`), the capture hooks (:mod:`.capture`) and Monte-Carlo Fisher targets

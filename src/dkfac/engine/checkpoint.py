@@ -207,8 +207,11 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
             value = entry[key]
             if value is None:
                 continue
-            if not isinstance(value, Tensor):
-                raise ValueError(f"{name}: saved {key} must be a tensor or None")
+            if not isinstance(value, Tensor) or not value.is_floating_point():
+                got = value.dtype if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"{name}: saved {key} must be a floating tensor or None, got {got}"
+                )
             kind = kinds.get(key, DenseStatistic())  # a pending layer's sides are dense
             kind.check_saved(f"{name}: saved {key}", shape, tuple(value.shape))
             _check_tensors(f"{name}: saved", {key: value})
@@ -216,15 +219,16 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
 
 
 def _check_moments(name: str, layer: LayerState, moments: Any) -> None:
-    """Raises ValueError unless saved moments are named finite tensors, matrices of the
+    """Raises ValueError unless saved moments are named finite floating tensors, matrices of the
     gradient's ``g_dim × a_dim`` shape or 1-element counts, with no negative second moment
     ``v`` or count ``t``."""
     if moments is None:
         return
     if not isinstance(moments, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in moments.items()
+        isinstance(k, str) and isinstance(v, Tensor) and v.is_floating_point()
+        for k, v in moments.items()
     ):
-        raise ValueError(f"{name}: saved moments must be a dict of named tensors")
+        raise ValueError(f"{name}: saved moments must be a dict of named floating tensors")
     grad_shape = (layer.block.g_dim, layer.block.a_dim)
     for key, value in moments.items():
         if tuple(value.shape) not in (grad_shape, (1,)):
