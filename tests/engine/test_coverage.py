@@ -222,3 +222,21 @@ def test_a_declined_layer_is_logged_with_the_update_it_takes(
         KFACPreconditioner(model, method=method)
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping 2")]
     assert len(logged) == 1 and logged[0].endswith(f"; it takes {takes}")
+
+
+def test_a_layer_of_width_zero_is_declined_and_named() -> None:
+    """A Linear with no outputs (or no inputs) has an empty weight: nothing to precondition,
+    factors 0 wide. It is declined with its reason (not a ValueError about a 0-wide
+    ``g_dim`` naming no layer), and the model trains as the same step of the others."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 0), nn.Linear(0, 3), nn.Linear(3, 2))
+    nn.init.ones_(model[1].bias)  # its initialisation (fan-in 0) leaves it at zero
+    opt = KFACOptimizer.for_model(model)
+    reasons = {r["name"]: r.get("reason") for r in opt.preconditioner.describe()}
+    declined = "declined by its block: a parameter with no entries (a layer of width 0)"
+    assert reasons["0.weight"] == reasons["1.weight"] == reasons["1.bias"] == declined
+    assert reasons["2"] is None  # the layer with entries is preconditioned
+    before = model[2].weight.detach().clone()
+    model(torch.randn(8, 6)).pow(2).sum().backward()
+    opt.step()
+    assert torch.isfinite(model[2].weight).all() and not torch.equal(model[2].weight, before)

@@ -124,6 +124,11 @@ def owned_children(module: nn.Module) -> list[nn.Module]:
     return owned
 
 
+EMPTY_REASON = "a parameter with no entries (a layer of width 0)"
+"""Why a module with an empty weight or bias gets no block: it has nothing to precondition
+(its factors would be 0 wide)."""
+
+
 def blocks_or_reason(name: str, module: nn.Module, **options: Any) -> list[Block] | str | None:
     """The blocks for ``module``, the reason it is declined, or ``None`` for an unknown type.
 
@@ -145,7 +150,8 @@ def block_or_reason(
     A factory that is a :class:`Block` subclass is first asked
     :meth:`~dkfac.blocks.base.Block.declines` (grouped convolutions with too wide units,
     grouped transposed convolutions, sparse embeddings, BatchNorm without affine
-    parameters or with ``unitwise=False``...). A grouped ``nn.Conv1d``/``nn.Conv2d``/
+    parameters or with ``unitwise=False``...). A module with an empty parameter (a layer of
+    width 0) is declined (:data:`EMPTY_REASON`). A grouped ``nn.Conv1d``/``nn.Conv2d``/
     ``nn.Conv3d`` gets its unit-wise block (:func:`grouped_variant`).
 
     Args:
@@ -161,6 +167,8 @@ def block_or_reason(
     computed = computed_weight(module)
     if computed is not None:
         return computed
+    if any(p.numel() == 0 for p in module.parameters(recurse=False)):
+        return EMPTY_REASON
     if isinstance(factory, type) and issubclass(factory, Block):
         reason = factory.declines(module, **options)
         if reason is not None:
