@@ -188,6 +188,8 @@ class KFACOptimizer(Optimizer):
             preconditions one).
         TypeError, ValueError: For a group of ``inner`` whose hyperparameters a step would
             refuse (a NaN or negative ``lr``: :mod:`~dkfac.engine.param_groups`).
+        RuntimeError: If ``preconditioner`` no longer captures: a newer one built on the
+            same model took its layers over, or its hooks were removed.
     """
 
     def __init__(
@@ -204,6 +206,8 @@ class KFACOptimizer(Optimizer):
                 f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__}"
             )
         check_bool("skip_nonfinite", skip_nonfinite)
+        # A preconditioner a newer one took over, or after remove_hooks(): its step() raises.
+        preconditioner._hooks.check("KFACOptimizer")
         _check_steps_without_closure(inner)
         _check_holds_layers(inner, preconditioner)
         self.inner = inner

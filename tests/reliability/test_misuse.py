@@ -194,6 +194,20 @@ def test_a_second_preconditioner_takes_the_layers_over() -> None:
     assert _forward_hooks(model) == 0
 
 
+def test_an_optimizer_over_a_preconditioner_that_no_longer_captures_is_refused() -> None:
+    """Wrapping a preconditioner that a newer one took over, or whose hooks were removed,
+    raises where the optimizer is built, not at its first step."""
+    model = _mlp()
+    first = KFACPreconditioner(model)
+    second = KFACPreconditioner(model)
+    with pytest.raises(RuntimeError, match=r"KFACOptimizer\(\) on a preconditioner whose layers"):
+        KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), first)
+    second.remove_hooks()
+    with pytest.raises(RuntimeError, match=r"KFACOptimizer\(\) after remove_hooks\(\)"):
+        KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), second)
+    KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), KFACPreconditioner(model))
+
+
 def test_a_preconditioner_that_fails_to_build_leaves_the_other_in_charge() -> None:
     """The takeover happens once the new one is built: one refused after its layers were
     found (a sparse embedding under the leftover Adam) leaves the first one stepping."""
