@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac import KFACOptimizer
+from dkfac import KFACOptimizer, KFACPreconditioner
 from dkfac.blocks.attention import shared_forward
 from tests.integrations.twins import max_difference
 
@@ -139,6 +139,58 @@ def test_a_trainable_layer_that_never_gets_a_gradient_adds_no_captures() -> None
         _train_step(model, opt, step)
     assert active == [True, False, False, False, True, False]
     assert pre.late.waiting == {"unused"}
+
+
+def _normed(seed: int = 0) -> nn.Sequential:
+    """A linear layer, an affine BatchNorm (unit-wise, ``γ`` and ``β`` one block) and a head."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("method", ["for_model", "eigen"])
+@pytest.mark.parametrize("frozen_at", [0, 2], ids=["frozen-when-built", "frozen-mid-training"])
+def test_a_frozen_bias_stays_as_it_is_and_the_weights_train_as_with_its_gradient_zeroed(
+    method: str, frozen_at: int
+) -> None:
+    """A layer's bias (and a BatchNorm's ``β``) frozen while its weight trains: the frozen
+    parameters keep their values and get no ``.grad``, as torch leaves a frozen parameter,
+    though ``for_model``'s SGD holds every parameter (the bias column of the layer's
+    update was written into a gradient created for it, and stepped). Oracle: a twin whose
+    bias gradients are zeroed after each backward, and whose biases are put back after
+    each step, takes the same weights, bit for bit (the block reads a missing bias
+    gradient as zeros)."""
+    frozen_model, twin = _normed(), _normed()
+
+    def build(model: nn.Sequential) -> KFACOptimizer:
+        if method == "for_model":
+            return KFACOptimizer.for_model(model, overhead=None)
+        pre = KFACPreconditioner(model, method="eigen", inverse_update_interval=2)
+        return KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), pre)
+
+    frozen = [frozen_model[0].bias, frozen_model[1].bias]
+    opt_frozen, opt_twin = build(frozen_model), build(twin)
+    for step in range(6):
+        if step == frozen_at:
+            for param in frozen:
+                param.requires_grad_(False)
+            kept = [param.detach().clone() for param in frozen]
+        _train_step(frozen_model, opt_frozen, step)
+        x, y = _batch(step)
+        opt_twin.zero_grad()
+        F.cross_entropy(twin(x), y).backward()
+        biases = [twin[0].bias, twin[1].bias]
+        if step >= frozen_at:
+            torch._foreach_zero_([bias.grad for bias in biases])
+        opt_twin.step()
+        if step >= frozen_at:  # the twin's biases moved by their update's column: put back
+            with torch.no_grad():
+                torch._foreach_copy_(biases, kept)
+            assert [param.grad for param in frozen] == [None, None]
+    for param, value in zip(frozen, kept, strict=True):
+        assert torch.equal(param, value)
+    for index in (0, 1, 3):
+        assert torch.equal(frozen_model[index].weight, twin[index].weight)
+    assert (frozen_model[0].weight - _normed()[0].weight).abs().max() > 1e-3
 
 
 def test_a_checkpoint_taken_while_a_layer_is_frozen_resumes_its_late_refresh() -> None:

@@ -1,8 +1,9 @@
 """The default (``KFACOptimizer.for_model``) under what users' training code does around it,
 each against the same run without it (the oracle): activation checkpointing
 (``torch.utils.checkpoint``, reentrant or not, whose backward runs the forward again), a
-``channels_last`` model and inputs, validation passes between steps, and a learning-rate
-scheduler that cycles the momentum (``OneCycleLR``)."""
+``channels_last`` model and inputs, validation passes between steps, ``torch.func``
+forwards with other weights (per-sample gradients), and a learning-rate scheduler that
+cycles the momentum (``OneCycleLR``)."""
 
 from __future__ import annotations
 
@@ -221,6 +222,47 @@ def test_validation_passes_between_steps_capture_nothing() -> None:
         twin.train()
         with torch.no_grad():
             twin(held_out[:3])
+    _assert_same_factors(*opts)
+    assert max_difference(plain, twin) == 0.0
+
+
+def _per_sample_gradients(model: nn.Module, params: dict[str, Tensor], x: Tensor, y: Tensor):
+    """Each sample's gradient, by ``torch.func`` (``vmap`` of ``grad`` of a
+    ``functional_call``), as differential privacy or a gradient-noise estimate takes it."""
+
+    def loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return F.cross_entropy(torch.func.functional_call(model, p, (xi[None],)), yi[None])
+
+    return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+@pytest.mark.parametrize("kind", ["per-sample-gradients", "other-weights-backpropagated"])
+def test_functional_forwards_with_other_weights_capture_nothing(kind: str) -> None:
+    """Forwards of the hooked model that are not its training forward, between steps:
+    ``vmap(grad(functional_call(...)))`` (its captures outlived the transform, and the next
+    backward raised "your tensor may have escaped from inside a function being vmapped"),
+    and ``functional_call`` with other tensors as weights, backpropagated into them (a
+    teacher's, an inner loop's: it added another network's statistics and counted as a
+    micro-batch). Oracle: the run without them, bit for bit."""
+    torch.manual_seed(0)
+    plain, twin = _Residual().to(DT), _Residual().to(DT)
+    twin.load_state_dict(plain.state_dict())
+    opts = [KFACOptimizer.for_model(m, lr=0.01, overhead=None) for m in (plain, twin)]
+    for step in range(4):
+        _run(plain, opts[0], range(step, step + 1))
+        other = {k: 2 * v.detach() for k, v in twin.named_parameters()}
+        other = {k: v.requires_grad_() for k, v in other.items()}
+        opts[1].zero_grad()
+        x, y = _vectors(50 + step)
+        if kind == "per-sample-gradients":
+            grads = _per_sample_gradients(twin, other, x, y)
+            assert grads["head.weight"].shape == (16, 3, 8)
+        else:
+            F.cross_entropy(torch.func.functional_call(twin, other, (x,)), y).backward()
+            assert other["head.weight"].grad is not None
+        x, y = _vectors(step)
+        F.cross_entropy(twin(x), y).backward()
+        opts[1].step()
     _assert_same_factors(*opts)
     assert max_difference(plain, twin) == 0.0
 

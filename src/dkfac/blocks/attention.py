@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac.blocks.attention_core import explicit_forward
-from dkfac.blocks.base import Block, ParameterPart
+from dkfac.blocks.base import Block, ParameterPart, gradient_write
 from dkfac.blocks.linear import LinearBlock
 
 __all__ = [
@@ -239,16 +239,14 @@ class AttentionProjectionBlock(LinearBlock):
 
     def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
         """A ``g_dim × a_dim`` matrix back into this projection's rows of the gradients
-        (the bias's created as zeros where missing)."""
+        (the bias's: :func:`~dkfac.blocks.base.gradient_write`)."""
         parts = self.parameter_parts()
         weight, rows = parts[0]
         assert weight.grad is not None
         writes = []
         if len(parts) > 1:
             bias, bias_rows = parts[1]
-            if bias.grad is None:
-                bias.grad = torch.zeros_like(bias)
-            writes.append((bias.grad if bias_rows is None else bias.grad[bias_rows], matrix[:, -1]))
+            writes += gradient_write(bias, matrix[:, -1], bias_rows)
             matrix = matrix[:, :-1]
         writes.append((weight.grad if rows is None else weight.grad[rows], matrix))
         return writes

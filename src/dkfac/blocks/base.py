@@ -380,7 +380,8 @@ class Block(ABC):
 
     def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
         """``(destination, value)`` pairs that write a ``g_dim × a_dim`` matrix back into
-        the parameters' ``.grad`` (a missing bias gradient is created as zeros first).
+        the parameters' ``.grad`` (a missing bias gradient is created as zeros first; a
+        frozen bias gets none: :func:`gradient_write`).
 
         The destinations are views of the ``.grad`` tensors and each value has its
         destination's shape; the engine copies every layer's pairs in one multi-tensor
@@ -392,9 +393,7 @@ class Block(ABC):
         if self.has_bias:
             bias = self.module.bias
             assert isinstance(bias, Tensor)
-            if bias.grad is None:
-                bias.grad = torch.zeros_like(bias)
-            writes.append((bias.grad, matrix[:, -1].reshape(bias.shape)))
+            writes += gradient_write(bias, matrix[:, -1])
             matrix = matrix[:, :-1]
         writes.append((weight.grad, matrix.reshape(weight.shape)))
         return writes
@@ -419,6 +418,23 @@ class Block(ABC):
         tensor) and to report which parameters each layer covers.
         """
         return [(param, None) for param in self.parameters()]
+
+
+def gradient_write(
+    param: Tensor, value: Tensor, rows: slice | None = None
+) -> list[tuple[Tensor, Tensor]]:
+    """The write of ``value`` into ``param.grad`` (its ``rows``; ``None``: all) as
+    :meth:`Block.grad_writes` pairs, for a parameter whose gradient may be missing (a
+    bias, BatchNorm's ``γ`` and ``β``): a trainable one's is created as zeros first; a
+    frozen one (``requires_grad`` off, no gradient) gets none, so that an optimizer holding
+    it (``for_model``'s holds every parameter) leaves it as it is, as torch does.
+    """
+    if param.grad is None:
+        if not param.requires_grad:
+            return []
+        param.grad = torch.zeros_like(param)
+    destination = param.grad if rows is None else param.grad[rows]
+    return [(destination, value.reshape(destination.shape))]
 
 
 def append_ones(rows: Tensor) -> Tensor:

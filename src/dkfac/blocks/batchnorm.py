@@ -29,6 +29,7 @@ from dkfac.blocks.base import (
     HeldForward,
     Rows,
     StatisticSink,
+    gradient_write,
 )
 from dkfac.blocks.unitwise_stats import (
     batch_moments,
@@ -189,14 +190,14 @@ class BatchNormBlock(Block):
         return list(matrix.unbind(1))
 
     def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """A ``(C, 2)`` matrix's columns into ``γ.grad`` and ``β.grad`` (created as zeros
-        where missing)."""
-        grads = []
-        for param in (self.module.weight, self.module.bias):
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
-        return list(zip(grads, matrix.unbind(1), strict=True))  # one call for both columns
+        """A ``(C, 2)`` matrix's columns into ``γ.grad`` and ``β.grad`` (each created as
+        zeros where missing, none for a frozen one: :func:`~dkfac.blocks.base.gradient_write`)."""
+        params = (self.module.weight, self.module.bias)
+        return [
+            write
+            for param, column in zip(params, matrix.unbind(1), strict=True)
+            for write in gradient_write(param, column)
+        ]
 
     def parameters(self) -> list[Tensor]:
         """``γ`` and ``β``."""

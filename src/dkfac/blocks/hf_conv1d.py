@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dkfac.blocks.base import gradient_write
 from dkfac.blocks.linear import LinearBlock
 
 QUALIFIED_NAME = "transformers.pytorch_utils.Conv1D"
@@ -46,15 +47,12 @@ class HFConv1DBlock(LinearBlock):
 
     def grad_writes(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
         """A ``nf × (nx + 1)`` matrix back as the ``nx × nf`` weight's gradient and the
-        bias's (created as zeros where missing)."""
+        bias's (:func:`~dkfac.blocks.base.gradient_write`)."""
         weight = self.module.weight
         assert weight.grad is not None
         writes = []
         if self.has_bias:
-            bias = self.module.bias
-            if bias.grad is None:
-                bias.grad = torch.zeros_like(bias)
-            writes.append((bias.grad, matrix[:, -1]))
+            writes += gradient_write(self.module.bias, matrix[:, -1])
             matrix = matrix[:, :-1]
         writes.append((weight.grad, matrix.T))
         return writes

@@ -23,7 +23,7 @@ from dkfac.engine.fisher import REENTRANT_CHECKPOINT, mc_sample_loss, through_re
 from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter
-from dkfac.engine.model_hooks import ModelHook
+from dkfac.engine.model_hooks import ModelHook, runs_as_the_model
 from dkfac.engine.phases import phase
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,10 @@ class FactorCapture:
     forward hook keeps the layer's input and the input statistics are added when the
     output's gradient arrives (a metric forward with gradients enabled, or the first pass
     of a checkpointed segment whose recomputation is what the backward runs through,
-    leaves nothing). A frozen layer (weight without ``requires_grad``) captures nothing.
+    leaves nothing). A frozen layer (weight without ``requires_grad``) captures nothing,
+    nor does a forward that is not the model's
+    (:func:`~dkfac.engine.model_hooks.runs_as_the_model`: ``functional_call`` with other
+    tensors, a ``torch.func`` transform).
 
     A layer whose input has one sample while other backpropagated layers of the same forward
     pass have more (a position embedding looked up with ``position_ids`` of shape ``(1, T)``:
@@ -189,14 +192,19 @@ class FactorCapture:
 
         # the parameters the forward runs with: under FSDP2 its pre-forward hook (always
         # first) has swapped in the unsharded ones, its post-forward hook (before ours) the
-        # sharded ones back (dkfac.engine.micro_batches)
+        # sharded ones back (dkfac.engine.micro_batches); a forward with other tensors
+        # (functional_call) or under a torch.func transform is not the model's
+        registered = tuple(layer.block.parameters())
+
         def ran_with_hook(*_: Any) -> None:
             self.ran.add(id(layer))
-            self.counter.note_forward(layer.block.parameters())
+            current = layer.block.parameters()
+            if runs_as_the_model(registered, current):
+                self.counter.note_forward(current)
 
         ran_with = ModelHook(ran_with_hook)
         self._handles.append(module.register_forward_pre_hook(ran_with))
-        hook = ModelHook(functools.partial(self._forward_hook, layer))
+        hook = ModelHook(functools.partial(self._forward_hook, layer, registered))
         self._handles.append(module.register_forward_hook(hook))
         self.counter.watch(layer.block.parameters())
 
@@ -232,8 +240,15 @@ class FactorCapture:
         self.bias_sums = {}
 
     def _forward_hook(
-        self, layer: LayerState, module: nn.Module, inputs: tuple[Any, ...], output: Any
+        self,
+        layer: LayerState,
+        registered: tuple[Tensor, ...],
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+        output: Any,
     ) -> None:
+        if not runs_as_the_model(registered, layer.block.parameters()):
+            return  # functional_call with other tensors, a torch.func transform
         if layer.input_rms and module.training and torch.is_grad_enabled():
             x = layer.block.hooked_input(inputs)
             if x is not None:

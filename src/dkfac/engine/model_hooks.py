@@ -6,12 +6,22 @@ a model kept for evaluation). A closure cannot be pickled, and a deep copy of on
 the preconditioner's capture would copy the capture's whole state into the model's copy and
 keep capturing there. So every such hook is a :class:`ModelHook`: the model's copy gets an
 inert hook, which does nothing, and the copy is a plain model again.
+
+A hooked module also runs outside the training forward: ``torch.func.functional_call``
+with other tensors as its parameters (a teacher's or an inner loop's weights), and under
+``torch.func`` transforms (``vmap(grad(...))``: per-sample gradients). Those forwards are
+not the model's (:func:`runs_as_the_model`): their statistics would be another network's,
+and a transform's tensors cannot outlive it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 class ModelHook:
@@ -36,3 +46,16 @@ class ModelHook:
 
     def __reduce__(self) -> tuple[type[ModelHook], tuple[None]]:
         return ModelHook, (None,)
+
+
+def runs_as_the_model(registered: Sequence[Tensor], current: Sequence[Tensor]) -> bool:
+    """Whether a registered module's forward runs as the model's own: with the parameters
+    it had when the preconditioner was built (``registered``; ``current``: what it holds
+    now), and outside every ``torch.func`` transform. A registered parameter that is a
+    sharded ``DTensor`` (FSDP2) takes any tensor: FSDP2 swaps the unsharded ones in."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return len(current) == len(registered) and all(
+        now is then or isinstance(then, DTensor)
+        for now, then in zip(current, registered, strict=True)
+    )
