@@ -193,6 +193,27 @@ def test_a_frozen_bias_stays_as_it_is_and_the_weights_train_as_with_its_gradient
     assert (frozen_model[0].weight - _normed()[0].weight).abs().max() > 1e-3
 
 
+def test_a_bias_frozen_with_a_kept_gradient_stays_as_it_is() -> None:
+    """Frozen mid-training under ``zero_grad(set_to_none=False)``: the bias keeps a zeroed
+    gradient, which the layer's update must not fill (``for_model``'s SGD steps every
+    parameter holding a gradient, as torch's does): the bias stays where it was frozen and
+    its gradient zero, as a plain SGD leaves it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = KFACOptimizer.for_model(model, overhead=None)
+    bias = model[0].bias
+    for step in range(5):
+        if step == 2:
+            bias.requires_grad_(False)
+            kept = bias.detach().clone()
+        opt.zero_grad(set_to_none=False)
+        x, y = _batch(step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert torch.equal(bias, kept)
+    assert bias.grad is not None and not bias.grad.any()
+
+
 def test_a_checkpoint_taken_while_a_layer_is_frozen_resumes_its_late_refresh() -> None:
     """Saved at step 2 with layer 0 still frozen, loaded into a twin: unfreezing then gives
     the uninterrupted run's weights to the bit."""

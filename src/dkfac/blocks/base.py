@@ -426,12 +426,13 @@ def gradient_write(
     """The write of ``value`` into ``param.grad`` (its ``rows``; ``None``: all) as
     :meth:`Block.grad_writes` pairs, for a parameter whose gradient may be missing (a
     bias, BatchNorm's ``γ`` and ``β``): a trainable one's is created as zeros first; a
-    frozen one (``requires_grad`` off, no gradient) gets none, so that an optimizer holding
-    it (``for_model``'s holds every parameter) leaves it as it is, as torch does.
+    frozen one (``requires_grad`` off) gets no write, and no gradient where it has none (a
+    stale one, kept by ``zero_grad(set_to_none=False)``, stays as it is), so that an
+    optimizer holding it (``for_model``'s holds every parameter) leaves it as torch does.
     """
+    if not param.requires_grad:
+        return []
     if param.grad is None:
-        if not param.requires_grad:
-            return []
         param.grad = torch.zeros_like(param)
     destination = param.grad if rows is None else param.grad[rows]
     return [(destination, value.reshape(destination.shape))]
