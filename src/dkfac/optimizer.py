@@ -177,7 +177,9 @@ class KFACOptimizer(Optimizer):
             finite, before or after preconditioning, so NaN/Inf never reaches the weights
             (the preconditioner itself zeroes the non-finite gradients of its layers and
             skips their factor updates). A gradient whose squares overflow its dtype
-            (:mod:`~dkfac.engine.finite`) counts as not finite.
+            (:mod:`~dkfac.engine.finite`) counts as not finite. A skipped step leaves the
+            weights and every moment as they were; it still counts toward the update
+            intervals, and the layers whose statistics were finite keep them.
 
     Raises:
         TypeError: If ``inner`` is not an optimizer, ``preconditioner`` not a
