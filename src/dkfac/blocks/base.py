@@ -426,11 +426,14 @@ def gradient_write(
     """The write of ``value`` into ``param.grad`` (its ``rows``; ``None``: all) as
     :meth:`Block.grad_writes` pairs, for a parameter whose gradient may be missing (a
     bias, BatchNorm's ``γ`` and ``β``): a trainable one's is created as zeros first; a
-    frozen one (``requires_grad`` off) gets no write, and no gradient where it has none (a
-    stale one, kept by ``zero_grad(set_to_none=False)``, stays as it is), so that an
-    optimizer holding it (``for_model``'s holds every parameter) leaves it as torch does.
+    frozen ``nn.Parameter`` (``requires_grad`` off) gets no write, and no gradient where it
+    has none (a stale one, kept by ``zero_grad(set_to_none=False)``, stays as it is), so that
+    an optimizer holding it (``for_model``'s holds every parameter) leaves it as torch does.
+    A plain tensor is a sharded layout's stand-in for a parameter
+    (:meth:`~dkfac.distributed.layout.ShardedLayout.full_gradients`): written as a
+    trainable one.
     """
-    if not param.requires_grad:
+    if isinstance(param, nn.Parameter) and not param.requires_grad:
         return []
     if param.grad is None:
         param.grad = torch.zeros_like(param)
