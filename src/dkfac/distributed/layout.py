@@ -293,7 +293,7 @@ class ShardedLayout:
         stand_ins: dict[int, Tensor] = {}
         for i, s in enumerate(self.params):
             local = s.param.to_local()
-            stand_in = local.new_zeros(()).expand(local.shape if i in kept else s.param.shape)
+            stand_in = _stand_in(s, local.shape if i in kept else s.param.shape)
             if i in kept and s.param.grad is not None:
                 stand_in.grad = grad_local(s)
             elif id(s.param) in full:
@@ -323,7 +323,8 @@ class ShardedLayout:
         exchange = self.exchange
         assert exchange is not None
         present = frozenset(i for i, s in enumerate(self.params) if s.param.grad is not None)
-        for index in exchange.completed(present) - present:
+        created = exchange.completed(present) - present
+        for index in created:
             set_local_grad(self.params[index], self.params[index].param.to_local().new_zeros(()))
         present = exchange.completed(present)
         full: dict[int, Tensor] = {}
@@ -337,7 +338,7 @@ class ShardedLayout:
         exchange.gather(present, full)
         for i, s in enumerate(self.params):
             local = s.param.to_local()
-            stand_in = local.new_zeros(()).expand(s.param.shape if i in full else local.shape)
+            stand_in = _stand_in(s, s.param.shape if i in full else local.shape)
             if i in full:
                 stand_in.grad = full[i]
             elif i in present:
@@ -351,3 +352,15 @@ class ShardedLayout:
                 for module, attr in s.slots:
                     module._parameters[attr] = s.param  # type: ignore[assignment]
             exchange.give_back(present, full)
+            for index in created:  # a frozen one keeps no gradient, as torch leaves it
+                if not self.params[index].param.requires_grad:
+                    self.params[index].param.grad = None
+
+
+def _stand_in(s: ShardedParameter, shape: torch.Size) -> Tensor:
+    """A parameter's stand-in of ``shape`` for the step: no weights (a zero-stride view: the
+    step reads gradients only); for a frozen parameter an ``nn.Parameter`` without
+    ``requires_grad``, so that the blocks write it no update
+    (:func:`~dkfac.blocks.base.gradient_write`) and its shard keeps the gradient it had."""
+    stand_in = s.param.to_local().new_zeros(()).expand(shape)
+    return stand_in if s.param.requires_grad else nn.Parameter(stand_in, requires_grad=False)
