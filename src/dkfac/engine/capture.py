@@ -247,13 +247,15 @@ class FactorCapture:
         inputs: tuple[Any, ...],
         output: Any,
     ) -> None:
-        if not runs_as_the_model(registered, layer.block.parameters()):
-            return  # functional_call with other tensors, a torch.func transform
-        if layer.input_rms and module.training and torch.is_grad_enabled():
+        rms = layer.input_rms and module.training and torch.is_grad_enabled()
+        due = self.active and layer.captures and layer.due
+        if not (rms or due) or not runs_as_the_model(registered, layer.block.parameters()):
+            return  # nothing to take; or functional_call with other tensors, a transform
+        if rms:
             x = layer.block.hooked_input(inputs)
             if x is not None:
                 add_input_square(layer, x)  # every step (dkfac.engine.input_rms)
-        if not (self.active and layer.captures and layer.due):
+        if not due:
             return
         if not (module.training and torch.is_grad_enabled()):
             return
