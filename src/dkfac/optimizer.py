@@ -29,7 +29,13 @@ from dkfac.engine.device_checks import LateWarnings
 from dkfac.engine.finite import gradients_finite
 from dkfac.engine.moment_betas import set_moment_betas
 from dkfac.engine.overhead import BUDGETED_OPTIONS
-from dkfac.engine.param_groups import check_group, check_groups, check_weight_decay
+from dkfac.engine.param_groups import (
+    LARGEST,
+    check_group,
+    check_groups,
+    check_weight_decay,
+    lr_number,
+)
 from dkfac.engine.registration import unwrap
 from dkfac.engine.roles import vocabulary_layers
 from dkfac.preconditioner import KFACPreconditioner
@@ -133,23 +139,6 @@ def _check_steps_without_closure(inner: Optimizer) -> None:
             "gradient of each step; use an optimizer that steps on the gradient it is given "
             "(SGD, Adam, AdamW, ...)"
         )
-
-
-def _lr_number(lr: Any) -> Any:
-    """``lr`` as :meth:`KFACOptimizer.for_model` checks it: a one-element floating tensor
-    (torch's optimizers take one) as its number, anything else as it is.
-
-    Raises:
-        TypeError: For a tensor of several elements or of integers.
-    """
-    if not isinstance(lr, torch.Tensor):
-        return lr
-    if lr.numel() != 1 or not lr.is_floating_point():
-        raise TypeError(
-            f"lr must be a number or a one-element floating tensor, got a {lr.dtype} tensor "
-            f"of shape {tuple(lr.shape)}"
-        )
-    return float(lr.item())
 
 
 def method_defaults(method: str) -> dict[str, Any]:
@@ -340,8 +329,7 @@ class KFACOptimizer(Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         lr, weight_decay = python_number(lr), python_number(weight_decay)  # np.float32(3e-3)
         # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
-        largest = float(torch.finfo(torch.float32).max)
-        check_range("lr", _lr_number(lr), low=0.0, high=largest, high_inclusive=True)
+        check_range("lr", lr_number(lr), low=0.0, high=LARGEST, high_inclusive=True)
         check_weight_decay(weight_decay)
         defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did

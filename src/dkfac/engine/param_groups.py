@@ -31,7 +31,7 @@ import torch
 
 from dkfac.config.checks import check_range, python_number
 
-__all__ = ["check_group", "check_groups", "check_weight_decay"]
+__all__ = ["check_group", "check_groups", "check_weight_decay", "lr_number"]
 
 LARGEST: Final = float(torch.finfo(torch.float32).max)
 """The largest ``lr`` and ``weight_decay``: the inner optimizer multiplies float32 weights by
@@ -51,12 +51,28 @@ def check_weight_decay(value: Any) -> None:
     )
 
 
+def lr_number(lr: Any) -> Any:
+    """``lr`` as it is checked: a one-element floating tensor (torch's optimizers take one)
+    as its number, anything else as it is.
+
+    Raises:
+        TypeError: For a tensor of several elements or of integers.
+    """
+    if not isinstance(lr, torch.Tensor):
+        return lr
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise TypeError(
+            f"lr must be a number or a one-element floating tensor, got a {lr.dtype} tensor "
+            f"of shape {tuple(lr.shape)}"
+        )
+    return float(lr.item())
+
+
 def _check_lr(value: Any) -> None:
-    """A group's learning rate: a number or a one-element tensor (as torch's optimizers take
-    it) in ``[0, float32's largest]``."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    check_range("lr", value, low=0.0, high=LARGEST, low_inclusive=True, high_inclusive=True)
+    """A group's learning rate: a number or a one-element floating tensor (as torch's
+    optimizers take it, :func:`lr_number`) in ``[0, float32's largest]``."""
+    lr = lr_number(value)
+    check_range("lr", lr, low=0.0, high=LARGEST, low_inclusive=True, high_inclusive=True)
 
 
 def _check_betas(pair: Any) -> None:
