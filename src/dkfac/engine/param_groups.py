@@ -10,7 +10,7 @@ momentum put NaN in the weights, and a string lr failed inside torch after the
 preconditioner had already stepped. Here:
 
 - ``lr`` is required (the KL-clip reads each layer's) and is a finite number (or a
-  one-element tensor) in ``[0, float32's largest]``;
+  one-element floating tensor) in ``[0, float32's largest]``;
 - ``weight_decay``, where a group holds one, a finite number in the same range;
 - ``"betas"``, where they drive the eigenbasis moments
   (:meth:`~dkfac.KFACOptimizer.for_model`), two numbers in ``[0, 1)``;
