@@ -54,12 +54,16 @@ LOWERED_OPTIONS = ("rotation_dtype", "gradient_rotation_dtype", "capture_dtype")
 
 def _wrappers(model: nn.Module) -> Iterator[nn.Module]:
     """``model``, then each module it wraps in turn: a DDP / DataParallel wrapper's
-    ``module`` and ``torch.compile``'s ``OptimizedModule``'s ``_orig_mod``, in any nesting,
-    down to the bare model."""
+    ``module``, ``torch.compile``'s ``OptimizedModule``'s ``_orig_mod`` and Lightning
+    Fabric's ``_FabricModule``'s ``_forward_module`` (what ``fabric.setup`` returns: the
+    strategy's module, itself a DDP where Fabric runs one), in any nesting, down to the bare
+    model."""
     while True:
         yield model
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             inner = getattr(model, "module", None)
+        elif _is_fabric_module(model):
+            inner = getattr(model, "_forward_module", None)
         else:
             inner = compiled_original(model)
         if not isinstance(inner, nn.Module):
@@ -67,11 +71,21 @@ def _wrappers(model: nn.Module) -> Iterator[nn.Module]:
         model = inner
 
 
+def _is_fabric_module(model: nn.Module) -> bool:
+    """Whether ``model`` is Lightning Fabric's module wrapper (known by its class, so that
+    Lightning need not be installed)."""
+    kind = type(model)
+    return kind.__name__ == "_FabricModule" and kind.__module__.split(".")[0] in (
+        "lightning",
+        "lightning_fabric",
+    )
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside its DDP / DataParallel wrapper and ``torch.compile``'s
-    ``OptimizedModule`` (its ``_orig_mod``), in any nesting, so that layer names (those of
-    checkpoints, ``skip_layers``, ``orthogonal_layers``, ``describe()``) are the eager bare
-    model's."""
+    """The model inside its DDP / DataParallel wrapper, ``torch.compile``'s
+    ``OptimizedModule`` (its ``_orig_mod``) and Fabric's module, in any nesting, so that
+    layer names (those of checkpoints, ``skip_layers``, ``orthogonal_layers``,
+    ``describe()``) are the eager bare model's."""
     *_, bare = _wrappers(model)
     return bare
 
