@@ -8,12 +8,16 @@ between a Fabric run and a bare one."""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac import KFACOptimizer
+from tests.distributed_utils import run_distributed
 from tests.integrations.twins import max_difference
 
 lightning = pytest.importorskip("lightning")
@@ -98,3 +102,53 @@ def test_fabric_layers_keep_the_bare_names_and_a_checkpoint_moves_to_a_bare_run(
             F.cross_entropy(net(x), y).backward()
             optimizer.step()
     assert max_difference(bare, twin) == 0.0
+
+
+def _ddp_rank(rank: int, world: int) -> dict[str, float]:
+    """Fabric's ``ddp`` strategy in a process group already started (as ``torchrun`` leaves
+    one): both setup orders, this rank's half of each batch, against serial K-FAC on the
+    whole batch."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",  # unused: the group is already there
+    )
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp")
+    fabric.launch()
+    serial = _net().double()
+    serial_opt = KFACOptimizer.for_model(serial, overhead=None)
+    gaps: dict[str, Any] = {}
+    models: dict[str, Any] = {}
+    for order in ("setup", "setup_module"):
+        model = _net().double()
+        if order == "setup":
+            models[order] = fabric.setup(model, KFACOptimizer.for_model(model, overhead=None))
+        else:
+            model = fabric.setup_module(model)
+            models[order] = (
+                model,
+                fabric.setup_optimizers(KFACOptimizer.for_model(model, overhead=None)),
+            )
+    half = slice(16 * rank, 16 * (rank + 1))
+    for step in range(STEPS):
+        x, y = _batch(step)
+        x = x.double()
+        for model, opt in models.values():
+            opt.zero_grad()
+            fabric.backward(F.cross_entropy(model(x[half]), y[half]))
+            opt.step()
+        serial_opt.zero_grad()
+        F.cross_entropy(serial(x), y).backward()
+        serial_opt.step()
+    for order, (model, _) in models.items():
+        gaps[order] = max_difference(model, serial)
+    return gaps
+
+
+def test_fabric_ddp_on_two_ranks_trains_as_serial_kfac() -> None:
+    for gaps in run_distributed(_ddp_rank, 2, timeout=120):
+        assert gaps["setup"] < 1e-12 and gaps["setup_module"] < 1e-12, gaps
