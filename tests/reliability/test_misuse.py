@@ -115,6 +115,45 @@ def test_unused_branch_and_hand_set_gradients_are_fresh() -> None:
     assert pre.steps == 4
 
 
+def test_a_model_converted_with_swapped_tensors_after_a_step_trains_on() -> None:
+    """``model.to()`` swaps each parameter and its gradient in place where torch swaps
+    tensors (``set_swap_module_params_on_conversion``; always for a tensor subclass such as
+    ``DTensor``), which fails for a tensor something holds a weak reference to: converting
+    the model between ``step()`` and the next ``zero_grad()`` works, the run continues as
+    one never converted (float32 to float64 and back is exact)."""
+    runs = []
+    for convert in (False, True):
+        model = _mlp()
+        opt = KFACOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), KFACPreconditioner(model, damping=0.1)
+        )
+        swapping = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            for step in range(3):
+                opt.zero_grad()
+                _backward(model, seed=1 + step)
+                opt.step()
+                if convert:
+                    model.to(torch.float64)
+                    model.to(torch.float32)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swapping)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_a_copied_gradient_is_fresh() -> None:
+    model = _mlp()
+    pre = KFACPreconditioner(model, damping=0.1)
+    _backward(model)
+    pre.step()
+    for p in model.parameters():  # a copy of the preconditioned gradient, set by hand
+        p.grad = copy.deepcopy(p.grad)
+    pre.step()
+    assert pre.steps == 2
+
+
 def test_a_layer_left_with_its_preconditioned_gradient_is_named() -> None:
     torch.manual_seed(0)
     model = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})

@@ -128,8 +128,16 @@ class HookOwnership:
             )
 
 
-# one entry per parameter: the gradient tensor (weakly) and its version counter
-_Mark = tuple["weakref.ref[Tensor]", int]
+MARK_ATTRIBUTE = "_dkfac_step_mark"
+"""The attribute a step leaves on each gradient it preconditioned: a token of that step.
+A token rather than a weak reference to the gradient: a tensor with a weak reference
+cannot be swapped, and ``model.to()`` swaps a parameter's gradient (under
+``torch.__future__.set_swap_module_params_on_conversion(True)``, and always for a tensor
+subclass such as FSDP2's ``DTensor``). A conversion makes new gradients of the old ones
+(the token is not copied): a step after it takes them as new."""
+
+# one entry per parameter: the token left on its gradient, and the gradient's version counter
+_Mark = tuple[object, int]
 
 
 class GradientMarks:
@@ -139,21 +147,31 @@ class GradientMarks:
         self._marks: dict[str, list[_Mark | None]] = {}
 
     def record(self, params: Mapping[str, Sequence[Tensor]]) -> None:
-        """Notes every parameter's current gradient (call it at the end of a step).
+        """Notes every parameter's current gradient (call it at the end of a step): leaves a
+        token of this step on it (:data:`MARK_ATTRIBUTE`) and keeps the token and the
+        gradient's version counter.
 
         Args:
             params: Layer name -> the parameters its block preconditions.
         """
-        self._marks = {
-            name: [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in ps]
-            for name, ps in params.items()
-        }
+        token = object()
+        marks: dict[str, list[_Mark | None]] = {}
+        for name, ps in params.items():
+            marks[name] = []
+            for p in ps:
+                if p.grad is None:
+                    marks[name].append(None)
+                    continue
+                setattr(p.grad, MARK_ATTRIBUTE, token)
+                marks[name].append((token, p.grad._version))
+        self._marks = marks
 
     def stale(self, params: Mapping[str, Sequence[Tensor]]) -> list[str]:
         """The layers whose every gradient is the one recorded, unchanged since then.
 
         A layer without gradients is not stale (an unused branch); neither is one with a
-        gradient that is new or was written to since the last step.
+        gradient that is new (it carries no token of the last step: a backward made it, or
+        a conversion of the model replaced it) or was written to since the last step.
         """
         stale = []
         for name, ps in params.items():
@@ -163,7 +181,10 @@ class GradientMarks:
             grads = [(p.grad, mark) for p, mark in zip(ps, marks, strict=True)]
             present = [(g, mark) for g, mark in grads if g is not None]
             if present and all(
-                mark is not None and mark[0]() is g and mark[1] == g._version for g, mark in present
+                mark is not None
+                and getattr(g, MARK_ATTRIBUTE, None) is mark[0]
+                and mark[1] == g._version
+                for g, mark in present
             ):
                 stale.append(name)
         return stale
