@@ -55,7 +55,7 @@ from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.eval_mode import EvalModeLayers
-from dkfac.engine.guards import GradientMarks, HookOwnership
+from dkfac.engine.guards import GradientMarks, HookOwnership, check_parameters_kept
 from dkfac.engine.introspection import describe_table, memory_usage, running_factors
 from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
@@ -215,6 +215,7 @@ class KFACPreconditioner:
         makes no host synchronisation. On by default on a launch-bound (CUDA) device with
         the fixed refresh (the adaptive one reads its statistics' changes); the values
         are the same either way."""
+        self._registered = self._params()  # the tensors the hooks take statistics for
         # Last: a construction that failed above leaves an older preconditioner in charge.
         self._hooks.claim()
 
@@ -332,6 +333,7 @@ class KFACPreconditioner:
         params = self._params()  # the same tensors all step long
         if self.layout is None:
             refuse_late_sharding(params)
+        check_parameters_kept(self._registered, params)
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
             local = self.strategy.factor_reduction == "none"  # dp: an owner's own rows

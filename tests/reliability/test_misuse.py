@@ -143,6 +143,38 @@ def test_a_model_converted_with_swapped_tensors_after_a_step_trains_on() -> None
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+@pytest.mark.parametrize("replace", ["to_empty", "assign", "tie"])
+def test_parameters_replaced_after_the_build_are_refused_at_the_step(replace: str) -> None:
+    """A module given new parameter tensors after the optimizer was built (a model built on
+    the meta device then materialised, a checkpoint loaded with ``assign=True``, a weight
+    tied afterwards) would train nothing: the inner optimizer steps the old tensors and the
+    hooks take no statistics for the new ones. The step says so and moves nothing."""
+    if replace == "to_empty":
+        with torch.device("meta"):
+            model = _mlp()
+    else:
+        model = _mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    if replace == "to_empty":
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+        names = r"\['0', '2'\]"
+    elif replace == "assign":
+        model.load_state_dict(_mlp(seed=1).state_dict(), assign=True)
+        names = r"\['0', '2'\]"
+    else:
+        model[2].weight = nn.Parameter(torch.zeros(3, 8))
+        names = r"\['2'\]"
+    weights = [p.detach().clone() for p in model.parameters()]
+    _backward(model)
+    with pytest.raises(RuntimeError, match=names + " hold other parameters than when"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
 def test_a_copied_gradient_is_fresh() -> None:
     model = _mlp()
     pre = KFACPreconditioner(model, damping=0.1)

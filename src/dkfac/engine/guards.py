@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from dkfac.engine.model_hooks import same_parameters
+
 __all__ = ["GradientMarks", "HookOwnership", "claim_modules", "name_list", "release_modules"]
 
 # module -> the hooks on it (a preconditioner's HookOwnership; both held weakly)
@@ -203,3 +205,27 @@ class GradientMarks:
                 "zero_grad() and loss.backward() before each step() (with gradient "
                 "accumulation: step() once after the last backward)"
             )
+
+
+def check_parameters_kept(
+    registered: Mapping[str, Sequence[Tensor]], current: Mapping[str, Sequence[Tensor]]
+) -> None:
+    """Raises RuntimeError if some layer's module holds other parameters than it did when
+    the preconditioner was built (:func:`~dkfac.engine.model_hooks.same_parameters`): its
+    hooks take no statistics from a forward with other tensors, and the optimizer steps
+    the ones it was given.
+
+    Args:
+        registered: Layer name -> the parameters its block preconditioned at the build.
+        current: Layer name -> the parameters its module holds now.
+    """
+    replaced = [
+        name for name, params in current.items() if not same_parameters(registered[name], params)
+    ]
+    if replaced:
+        raise RuntimeError(
+            f"the layers {replaced} hold other parameters than when the optimizer was built: "
+            "the model's parameters were replaced since (model.to_empty() from the meta "
+            "device, load_state_dict(..., assign=True), a weight tied or set anew), and the "
+            "optimizer would step the old ones; build it once the model's parameters are final"
+        )

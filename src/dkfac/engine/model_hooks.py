@@ -50,11 +50,18 @@ class ModelHook:
 
 def runs_as_the_model(registered: Sequence[Tensor], current: Sequence[Tensor]) -> bool:
     """Whether a registered module's forward runs as the model's own: with the parameters
-    it had when the preconditioner was built (``registered``; ``current``: what it holds
-    now), and outside every ``torch.func`` transform. A registered parameter that is a
-    sharded ``DTensor`` (FSDP2) takes any tensor: FSDP2 swaps the unsharded ones in."""
+    it had when the preconditioner was built (:func:`same_parameters`), and outside every
+    ``torch.func`` transform."""
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
+    return same_parameters(registered, current)
+
+
+def same_parameters(registered: Sequence[Tensor], current: Sequence[Tensor]) -> bool:
+    """Whether a module holds the parameters it had when the preconditioner was built
+    (``registered``; ``current``: what it holds now), the same tensors. A registered
+    parameter that is a sharded ``DTensor`` (FSDP2) takes any tensor: FSDP2 swaps the
+    unsharded ones in."""
     return len(current) == len(registered) and all(
         now is then or isinstance(then, DTensor)
         for now, then in zip(current, registered, strict=True)
