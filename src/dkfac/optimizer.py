@@ -141,6 +141,21 @@ def _check_steps_without_closure(inner: Optimizer) -> None:
         )
 
 
+def _check_steps_dense_gradients(inner: Optimizer) -> None:
+    """``inner`` steps dense gradients: K-FAC writes its layers' preconditioned gradients
+    dense, and ``torch.optim.SparseAdam`` refuses any dense gradient in its step.
+
+    Raises:
+        ValueError: If ``inner`` is a ``torch.optim.SparseAdam``.
+    """
+    if isinstance(inner, torch.optim.SparseAdam):
+        raise ValueError(
+            "the inner optimizer SparseAdam steps only sparse gradients, and K-FAC writes its "
+            "layers' preconditioned gradients dense; use an optimizer that steps dense "
+            "gradients (Adam, AdamW, SGD, ...)"
+        )
+
+
 def method_defaults(method: str) -> dict[str, Any]:
     """:data:`DEFAULT_OPTIONS` as another ``method`` keeps them: the ones it reads. The
     moment options it does not read are errors when passed, and a method without a basis
@@ -176,9 +191,11 @@ class KFACOptimizer(Optimizer):
         ValueError: If ``inner`` does not hold a trainable parameter of a registered layer
             (the message names the layers), or its ``step`` requires a closure
             (``torch.optim.LBFGS``: it evaluates several gradients per step, K-FAC
-            preconditions one).
+            preconditions one), or it steps only sparse gradients
+            (``torch.optim.SparseAdam``).
         TypeError, ValueError: For a group of ``inner`` whose hyperparameters a step would
-            refuse (a NaN or negative ``lr``: :mod:`~dkfac.engine.param_groups`).
+            refuse (a NaN or negative ``lr``, ``differentiable=True``:
+            :mod:`~dkfac.engine.param_groups`).
         RuntimeError: If ``preconditioner`` no longer captures: a newer one built on the
             same model took its layers over, or its hooks were removed.
     """
@@ -200,6 +217,7 @@ class KFACOptimizer(Optimizer):
         # A preconditioner a newer one took over, or after remove_hooks(): its step() raises.
         preconditioner._hooks.check("KFACOptimizer")
         _check_steps_without_closure(inner)
+        _check_steps_dense_gradients(inner)
         _check_holds_layers(inner, preconditioner)
         self.inner = inner
         self.preconditioner = preconditioner

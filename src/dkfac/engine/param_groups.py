@@ -14,6 +14,10 @@ preconditioner had already stepped. Here:
 - ``weight_decay``, where a group holds one, a finite number in the same range;
 - ``"betas"``, where they drive the eigenbasis moments
   (:meth:`~dkfac.KFACOptimizer.for_model`), two numbers in ``[0, 1)``;
+- ``differentiable``, where a group holds it, is not ``True``: K-FAC preconditions under
+  ``torch.no_grad()``, so no graph runs through its step, and torch's differentiable step
+  updates the model's leaf parameters in place with gradients enabled, which autograd
+  refuses;
 - every other value of the group has the kind of its reference (the inner optimizer's
   default, or for a state dict the current group's value): a bool where that is a bool, a
   finite number (or a tensor) where that is a number, as many finite numbers where that is a
@@ -122,7 +126,8 @@ def check_group(group: Any, reference: Mapping[str, Any], betas: bool) -> None:
 
     Raises:
         TypeError: For a group that is not a dict, or a value of the wrong kind.
-        ValueError: For a group without ``lr``, or a value outside its range.
+        ValueError: For a group without ``lr``, a value outside its range, or
+            ``differentiable=True``.
     """
     if not isinstance(group, dict):
         raise TypeError(f"a parameter group must be a dict, got {type(group).__name__}")
@@ -139,6 +144,14 @@ def check_group(group: Any, reference: Mapping[str, Any], betas: bool) -> None:
     for key, value in group.items():
         if key not in _CHECKED_APART and key in reference:
             _check_like(str(key), value, reference[key])
+    if python_number(group.get("differentiable", False)) is True:
+        raise ValueError(
+            "differentiable=True is not supported: K-FAC preconditions the gradients under "
+            "torch.no_grad() (no graph runs through its step), and a differentiable step "
+            "updates the model's leaf parameters in place with gradients enabled, which "
+            "autograd refuses; build the inner optimizer with differentiable=False (the "
+            "default)"
+        )
 
 
 def check_groups(
