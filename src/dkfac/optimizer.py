@@ -38,6 +38,7 @@ from dkfac.engine.param_groups import (
 )
 from dkfac.engine.registration import unwrap
 from dkfac.engine.roles import vocabulary_layers
+from dkfac.engine.zero_state import Consolidated, consolidate, kfac_part
 from dkfac.preconditioner import KFACPreconditioner
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ class KFACOptimizer(Optimizer):
         self._late = LateWarnings()
         self._shared = False
         self._betas_drive_moments = False  # for_model: the groups' "betas" are the moments'
+        self._consolidated: Consolidated | None = None  # under ZeRO: consolidate_state_dict
         super().__init__(inner.param_groups, inner.defaults)
         # Share, not copy: schedulers and users mutate these dicts.
         self.param_groups = inner.param_groups
@@ -541,6 +543,13 @@ class KFACOptimizer(Optimizer):
         states) and :attr:`skipped_steps` are one ``bytes`` entry of the first group
         (:mod:`dkfac.engine.optimizer_state`). A collective with several ranks (the
         preconditioner's state is gathered from the layers' owners): call it on every rank.
+        With a ``ZeroRedundancyOptimizer`` inside, ZeRO's rule instead: after
+        :meth:`consolidate_state_dict` on every rank, call it on that rank only (no
+        collective then).
+
+        Raises:
+            RuntimeError: With a ``ZeroRedundancyOptimizer`` inside, on a rank that holds
+                no state consolidated since the last step (before any collective).
 
         The hooks registered with ``register_state_dict_pre_hook`` and
         ``register_state_dict_post_hook`` run as ``torch.optim.Optimizer`` runs them: each
@@ -549,16 +558,29 @@ class KFACOptimizer(Optimizer):
         """
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
-        state_dict = optimizer_state.pack(
-            self.inner.state_dict(),
-            self.preconditioner.state_dict(include_inverses=True),
-            self.skipped_steps,
-        )
+        # The collective first: an inner optimizer refusing on some ranks leaves none waiting.
+        kfac = kfac_part(self.inner, self.preconditioner, self._consolidated)
+        inner = self.inner.state_dict()
+        state_dict = optimizer_state.pack(inner, kfac, self.skipped_steps)
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """With a ``torch.distributed.optim.ZeroRedundancyOptimizer`` inside: consolidates
+        its state on rank ``to`` and gathers K-FAC's there (collectives: call it on every
+        rank), so that :meth:`state_dict` on rank ``to`` alone returns the whole state, as
+        ZeRO's own does (:mod:`~dkfac.engine.zero_state`). It holds until the next step.
+        :meth:`load_state_dict` of that state runs on every rank, as ZeRO's.
+
+        Raises:
+            TypeError: For another inner optimizer (its state needs no consolidation: call
+                :meth:`state_dict` on every rank), or a ``to`` that is not an int.
+        """
+        self._consolidated = None
+        self._consolidated = consolidate(self.inner, self.preconditioner, to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores a :meth:`state_dict` (or one of the older ``"inner"``/``"preconditioner"``
@@ -617,5 +639,6 @@ class KFACOptimizer(Optimizer):
             self.param_groups = self.inner.param_groups
             self.state = self.inner.state
         self.skipped_steps = skipped
+        self._consolidated = None
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)

@@ -57,6 +57,7 @@ from dkfac.engine.eager import build_eager
 from dkfac.engine.eval_mode import EvalModeLayers
 from dkfac.engine.guards import GradientMarks, HookOwnership, check_parameters_kept
 from dkfac.engine.introspection import describe_table, memory_usage, running_factors
+from dkfac.engine.join_check import refuse_join
 from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, layers_device
@@ -324,11 +325,14 @@ class KFACPreconditioner:
         Raises:
             RuntimeError: After :meth:`remove_hooks`, when no backward wrote a layer's
                 gradients since the last step (they are already preconditioned), or when
-                the model was sharded with ``fully_shard`` after it was built.
+                the model was sharded with ``fully_shard`` after it was built, or inside
+                ``torch.distributed.algorithms.join.Join`` without
+                ``throw_on_early_termination=True`` (:mod:`~dkfac.engine.join_check`).
             ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not
                 name exactly the registered layers (TypeError: not a number).
         """
         self._hooks.check("step")
+        refuse_join(self.model)
         lr = checked_lr(lr, self.layers)
         params = self._params()  # the same tensors all step long
         if self.layout is None:
