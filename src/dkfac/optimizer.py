@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -85,6 +85,25 @@ fast (GPUs, CPUs with AVX512-BF16 or AMX); ``rotation_dtype="auto"`` takes bf16 
 
 
 _SKIP_MESSAGE: Final = ("step %d: non-finite gradient; optimizer step skipped",)
+
+
+def _fused_sgd_fits(params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``for_model``'s SGD over ``params`` is fused: on a launch-bound (CUDA) device."""
+    return all(p.is_cuda for p in params)
+
+
+def _fuse_sgd(inner: Optimizer) -> None:
+    """Makes ``for_model``'s SGD fused, as ``SGD(..., fused=True)`` builds it, where its
+    parameters are on a launch-bound device by the first step: a model moved there after the
+    optimizer was built (accelerate's ``prepare``, the Trainer)."""
+    params = [p for group in inner.param_groups for p in group["params"]]
+    if not isinstance(inner, torch.optim.SGD) or not _fused_sgd_fits(params):
+        return
+    for group in inner.param_groups:
+        group["fused"], group["foreach"] = True, None
+    inner.defaults["fused"], inner.defaults["foreach"] = True, None
+    inner._step_supports_amp_scaling = True
+    inner._need_device_dtype_check_for_fused = True
 
 
 def _skips_on_device(inner: Optimizer) -> bool:
@@ -228,6 +247,7 @@ class KFACOptimizer(Optimizer):
         self._late = LateWarnings()
         self._shared = False
         self._betas_drive_moments = False  # for_model: the groups' "betas" are the moments'
+        self._fuse_at_first_step = False  # for_model's SGD, for a model moved after the build
         self._consolidated: Consolidated | None = None  # under ZeRO: consolidate_state_dict
         super().__init__(inner.param_groups, inner.defaults)
         # Share, not copy: schedulers and users mutate these dicts.
@@ -364,7 +384,7 @@ class KFACOptimizer(Optimizer):
         # unfrozen later is stepped (a parameter without a gradient is left as it is).
         params = list(model.parameters())
         # Fused on a launch-bound device: it skips a non-finite step without a host read.
-        fused = preconditioner.flags_on_device and all(p.is_cuda for p in params)
+        fused = preconditioner.flags_on_device and _fused_sgd_fits(params)
         inner = torch.optim.SGD(
             params, lr=lr, momentum=0.0, weight_decay=weight_decay, fused=fused or None
         )
@@ -377,6 +397,7 @@ class KFACOptimizer(Optimizer):
                 group["betas"] = betas
         optimizer = cls(inner, preconditioner)
         optimizer._betas_drive_moments = moments
+        optimizer._fuse_at_first_step = not fused
         return optimizer
 
     def _finite_flag(self) -> tuple[torch.Tensor, bool] | None:
@@ -431,6 +452,10 @@ class KFACOptimizer(Optimizer):
                 solvers.append(self.preconditioner.leftover.solver)
             set_moment_betas(solvers, *map(python_number, self.param_groups[0]["betas"]))
         self.preconditioner.step(lr=self._layer_rates())
+        if self._fuse_at_first_step:
+            self._fuse_at_first_step = False
+            if self.preconditioner.flags_on_device:  # decided again at its first step
+                _fuse_sgd(self.inner)
         finite = self._finite_flag() if self.skip_nonfinite else None
         if finite is None:
             self._inner_step()

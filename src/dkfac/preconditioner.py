@@ -55,7 +55,13 @@ from dkfac.engine.capture import FactorCapture
 from dkfac.engine.device_checks import DeviceGuard
 from dkfac.engine.eager import build_eager
 from dkfac.engine.eval_mode import EvalModeLayers
-from dkfac.engine.guards import GradientMarks, HookOwnership, check_parameters_kept
+from dkfac.engine.guards import (
+    GradientMarks,
+    HookOwnership,
+    check_parameters_kept,
+    placements,
+    warn_if_moved,
+)
 from dkfac.engine.introspection import describe_table, memory_usage, running_factors
 from dkfac.engine.join_check import refuse_join
 from dkfac.engine.late_layers import LateLayers
@@ -210,15 +216,28 @@ class KFACPreconditioner:
             self._guard,
             self._other_params,
         )
-        self.flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
+        self._flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
+        self._flags_by_hand = False
+        self._registered = self._params()  # the tensors the hooks take statistics for
+        self._built_on = placements(self._registered)
+        # Last: a construction that failed above leaves an older preconditioner in charge.
+        self._hooks.claim()
+
+    @property
+    def flags_on_device(self) -> bool:
         """Keep the finiteness guard's flags on the device (masks instead of branches, its
         warnings logged a step late: :mod:`~dkfac.engine.device_checks`), so that a step
         makes no host synchronisation. On by default on a launch-bound (CUDA) device with
-        the fixed refresh (the adaptive one reads its statistics' changes); the values
-        are the same either way."""
-        self._registered = self._params()  # the tensors the hooks take statistics for
-        # Last: a construction that failed above leaves an older preconditioner in charge.
-        self._hooks.claim()
+        the fixed refresh (the adaptive one reads its statistics' changes), decided again
+        at the first step for the device the model is on then (a framework may move it
+        after the optimizer is built: accelerate's ``prepare``, the Trainer) unless it was
+        set by hand; the values are the same either way."""
+        return self._flags_on_device
+
+    @flags_on_device.setter
+    def flags_on_device(self, on: bool) -> None:
+        self._flags_on_device = on
+        self._flags_by_hand = True
 
     # ----------------------------------------------------------------- hooks and capture
     def _set_block_steps(self) -> None:
@@ -338,6 +357,8 @@ class KFACPreconditioner:
         if self.layout is None:
             refuse_late_sharding(params)
         check_parameters_kept(self._registered, params)
+        if self._steps == 0:
+            self._settle_device(params)
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
             local = self.strategy.factor_reduction == "none"  # dp: an owner's own rows
@@ -359,6 +380,15 @@ class KFACPreconditioner:
             self._spend_budget()
         self._set_block_steps()
         self.schedule_captures(self._steps)
+
+    def _settle_device(self, params: Mapping[str, list[Tensor]]) -> None:
+        """At the first step: :attr:`flags_on_device` for the device the layers are on now,
+        unless it was set by hand, and a warning naming the layers moved since the build
+        (:func:`~dkfac.engine.guards.warn_if_moved`)."""
+        warn_if_moved(self._built_on, params)
+        if not self._flags_by_hand:
+            on = launch_bound(self._device()) and self.config.refresh == "fixed"
+            self._flags_on_device = on
 
     def _precondition_layers(
         self,

@@ -84,6 +84,18 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def _train(model: nn.Module, opt: KFACOptimizer) -> None:
+    """``STEPS`` steps, a NaN in one layer's gradient at ``GRAD_NAN_STEP`` and in the input
+    at ``INPUT_NAN_STEP``."""
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(step)
+        F.cross_entropy(model(x), y).backward()
+        if step == GRAD_NAN_STEP:
+            model[7].weight.grad[0, 0] = float("nan")
+        opt.step()
+
+
 def _run(options: dict[str, Any], on_device: bool, fused: bool, caplog: Any) -> dict[str, Any]:
     model = _model()
     pre = KFACPreconditioner(model, damping=0.05, factor_decay=0.9, **options)
@@ -92,13 +104,7 @@ def _run(options: dict[str, Any], on_device: bool, fused: bool, caplog: Any) -> 
     opt = KFACOptimizer(inner, pre)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dkfac"):
-        for step in range(STEPS):
-            opt.zero_grad()
-            x, y = _batch(step)
-            F.cross_entropy(model(x), y).backward()
-            if step == GRAD_NAN_STEP:
-                model[7].weight.grad[0, 0] = float("nan")
-            opt.step()
+        _train(model, opt)
         pre._guard.late.flush()
         opt._late.flush()
     warnings = sorted(r.getMessage() for r in caplog.records)
@@ -383,3 +389,42 @@ def test_select_where_equals_where_tensor_by_tensor(aligned: bool) -> None:
     for got, tensor, other, at in zip(chosen, tensors, others, positions, strict=True):
         assert torch.equal(got, torch.where(flags[at], tensor, other))
         assert not aligned or got.data_ptr() % ALIGNMENT == 0
+
+
+def _for_model_run(launch_bound_at_build: bool, by_hand: bool | None = None) -> dict[str, Any]:
+    """``for_model`` with a CPU taken for a launch-bound device from the first step on, and
+    at the build too or not (a model a framework moves onto the GPU after the optimizer was
+    built: accelerate's ``prepare``, the Trainer); ``by_hand``: flags_on_device set so."""
+    import dkfac.optimizer as optimizer_module
+    import dkfac.preconditioner as preconditioner_module
+
+    model = _model()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optimizer_module, "_fused_sgd_fits", lambda params: True)
+        patch.setattr(preconditioner_module, "launch_bound", lambda d: launch_bound_at_build)
+        opt = KFACOptimizer.for_model(model, lr=0.01, overhead=None)
+        if by_hand is not None:
+            opt.preconditioner.flags_on_device = by_hand
+        patch.setattr(preconditioner_module, "launch_bound", lambda d: True)
+        _train(model, opt)
+        opt._late.flush()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "skipped": opt.skipped_steps,
+        "on_device": opt.preconditioner.flags_on_device,
+        "fused": [g["fused"] for g in opt.param_groups],
+    }
+
+
+def test_a_model_moved_to_a_launch_bound_device_after_the_build_keeps_its_flags_there() -> None:
+    """The device decides at the first step, not at the build: the guard's flags stay on the
+    device and ``for_model``'s SGD is fused, as in a run built there, to the bit (a NaN step
+    skipped on the device in both); flags set by hand stay as set."""
+    built_there, moved = _for_model_run(True), _for_model_run(False)
+    assert moved["on_device"] and moved["fused"] == [True]
+    assert built_there["on_device"] and built_there["fused"] == [True]
+    assert moved["skipped"] == built_there["skipped"] == 2  # the NaN gradient, the NaN input
+    for a, b in zip(moved["params"], built_there["params"], strict=True):
+        assert torch.equal(a, b)
+    by_hand = _for_model_run(False, by_hand=False)
+    assert not by_hand["on_device"] and by_hand["fused"] == [None]

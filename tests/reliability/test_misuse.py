@@ -175,6 +175,33 @@ def test_parameters_replaced_after_the_build_are_refused_at_the_step(replace: st
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("moved", [True, False])
+def test_a_model_moved_after_the_build_is_named_at_the_first_step(
+    moved: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Converting the model after the optimizer was built keeps the parameters (it works)
+    but not the choices made for their device and dtype (the factors stay float32 here): the
+    first step says so; a model moved and moved back before it has nothing to say."""
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    model.double()
+    if not moved:
+        model.float()
+    x, y = _batch()
+    with caplog.at_level("WARNING", logger="dkfac.engine.guards"):
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x.to(model[0].weight.dtype)), y).backward()
+            opt.step()
+    warned = [r.getMessage() for r in caplog.records if "moved after the optimizer" in r.message]
+    if moved:
+        assert len(warned) == 1
+        assert "'0': 'cpu float32 -> cpu float64'" in warned[0]
+        assert opt.preconditioner.factors()["0"][0].dtype == torch.float32
+    else:
+        assert warned == []
+
+
 def test_a_copied_gradient_is_fresh() -> None:
     model = _mlp()
     pre = KFACPreconditioner(model, damping=0.1)

@@ -18,13 +18,17 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from dkfac.engine.model_hooks import same_parameters
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GradientMarks", "HookOwnership", "claim_modules", "name_list", "release_modules"]
 
@@ -228,4 +232,41 @@ def check_parameters_kept(
             "the model's parameters were replaced since (model.to_empty() from the meta "
             "device, load_state_dict(..., assign=True), a weight tied or set anew), and the "
             "optimizer would step the old ones; build it once the model's parameters are final"
+        )
+
+
+Placement = tuple[torch.device, torch.dtype]
+"""Where a layer's first parameter lives: its device and dtype."""
+
+
+def placements(params: Mapping[str, Sequence[Tensor]]) -> dict[str, Placement]:
+    """Each layer's :data:`Placement` (``params``: layer name -> its parameters)."""
+    return {name: (ps[0].device, ps[0].dtype) for name, ps in params.items() if ps}
+
+
+def warn_if_moved(built: Mapping[str, Placement], params: Mapping[str, Sequence[Tensor]]) -> None:
+    """Logs a warning when a layer's parameters are on another device or of another dtype
+    than when the preconditioner was built (``built``, :func:`placements`): a model moved
+    after its optimizer was built keeps the choices made for where it was.
+
+    Args:
+        built: The layers' placements at the build.
+        params: Layer name -> the parameters its module holds now.
+    """
+    moved = {
+        name: f"{b[0]} {str(b[1]).removeprefix('torch.')} -> {now[0]} "
+        f"{str(now[1]).removeprefix('torch.')}"
+        for name, now in placements(params).items()
+        if (b := built.get(name)) is not None and b != now
+    }
+    if moved:
+        shown = dict(list(moved.items())[:3])
+        more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+        logger.warning(
+            "the model's layers moved after the optimizer was built (%s%s): what depends on "
+            "the device and dtype was chosen for where they were (the factors' precision, "
+            '"auto" precisions and compile backends); build the optimizer after moving the '
+            "model (with accelerate: model.to(accelerator.device) before it)",
+            shown,
+            more,
         )
