@@ -293,8 +293,7 @@ def _train_without_sync(
 ) -> None:
     """``steps`` whole iterations (the capture hooks run in the forward and the backward)
     under ``torch.cuda.set_sync_debug_mode("error")``, but the steps in ``free``; the guard
-    on the device, no step skipped, the weights finite."""
-    assert opt.preconditioner.flags_on_device
+    on the device (from the first step), no step skipped, the weights finite."""
     batches = [_batch(step, CUDA) for step in range(steps)]  # made before the checks
     for step, (x, y) in enumerate(batches):
         torch.cuda.set_sync_debug_mode(0 if step in free else "error")
@@ -304,6 +303,7 @@ def _train_without_sync(
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+    assert opt.preconditioner.flags_on_device
     assert opt.skipped_steps == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -321,6 +321,19 @@ def test_a_steady_cuda_step_makes_no_host_synchronisation(method: str) -> None:
         model, method=method, factor_update_interval=2, inverse_update_interval=4
     )
     _train_without_sync(opt, model, steps=8, free=(0, 4))
+
+
+@needs_cuda
+def test_a_model_moved_to_cuda_after_the_build_makes_no_host_synchronisation() -> None:
+    """Built on the CPU, then moved (as accelerate's ``prepare`` and the Trainer move it):
+    from the first step the guard's flags stay on the device and ``for_model``'s SGD is
+    fused, so the later steps make no host synchronisation either."""
+    model = _steady_model(torch.device("cpu"))
+    opt = KFACOptimizer.for_model(model, factor_update_interval=2, inverse_update_interval=4)
+    assert not opt.preconditioner.flags_on_device
+    model.to(CUDA)
+    _train_without_sync(opt, model, steps=8, free=(0, 4))
+    assert all(group["fused"] for group in opt.param_groups)
 
 
 @needs_cuda
