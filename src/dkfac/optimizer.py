@@ -248,7 +248,7 @@ class KFACOptimizer(Optimizer):
         self._shared = False
         self._betas_drive_moments = False  # for_model: the groups' "betas" are the moments'
         self._fuse_at_first_step = False  # for_model's SGD, for a model moved after the build
-        self._consolidated: Consolidated | None = None  # under ZeRO: consolidate_state_dict
+        self._consolidated: Consolidated | None = None  # consolidate_state_dict's, to a step
         super().__init__(inner.param_groups, inner.defaults)
         # Share, not copy: schedulers and users mutate these dicts.
         self.param_groups = inner.param_groups
@@ -432,6 +432,7 @@ class KFACOptimizer(Optimizer):
                 ``"betas"``: :mod:`~dkfac.engine.param_groups`), before anything changes.
         """
         check_groups(self.param_groups, [], self.defaults, self._betas_drive_moments)
+        self._consolidated = None  # a state consolidated before this step is not its state
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -568,9 +569,8 @@ class KFACOptimizer(Optimizer):
         states) and :attr:`skipped_steps` are one ``bytes`` entry of the first group
         (:mod:`dkfac.engine.optimizer_state`). A collective with several ranks (the
         preconditioner's state is gathered from the layers' owners): call it on every rank.
-        With a ``ZeroRedundancyOptimizer`` inside, ZeRO's rule instead: after
-        :meth:`consolidate_state_dict` on every rank, call it on that rank only (no
-        collective then).
+        After :meth:`consolidate_state_dict` on every rank, call it on that rank only (no
+        collective then): ZeRO's rule, which a ``ZeroRedundancyOptimizer`` inside requires.
 
         Raises:
             RuntimeError: With a ``ZeroRedundancyOptimizer`` inside, on a rank that holds
@@ -594,15 +594,16 @@ class KFACOptimizer(Optimizer):
         return state_dict
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """With a ``torch.distributed.optim.ZeroRedundancyOptimizer`` inside: consolidates
-        its state on rank ``to`` and gathers K-FAC's there (collectives: call it on every
-        rank), so that :meth:`state_dict` on rank ``to`` alone returns the whole state, as
-        ZeRO's own does (:mod:`~dkfac.engine.zero_state`). It holds until the next step.
-        :meth:`load_state_dict` of that state runs on every rank, as ZeRO's.
+        """Gathers the whole state on rank ``to`` (collectives: call it on every rank), so
+        that :meth:`state_dict` on rank ``to`` alone returns it and runs no collective, as
+        ``torch.distributed.optim.ZeroRedundancyOptimizer``'s does; Lightning and Fabric save
+        an optimizer that has this method that way (:mod:`~dkfac.engine.zero_state`). With a
+        ``ZeroRedundancyOptimizer`` inside it consolidates that one's shards too, and its
+        :meth:`state_dict` needs it. It holds until the next step; :meth:`load_state_dict`
+        of that state runs on every rank.
 
         Raises:
-            TypeError: For another inner optimizer (its state needs no consolidation: call
-                :meth:`state_dict` on every rank), or a ``to`` that is not an int.
+            TypeError: For a ``to`` that is not an int.
         """
         self._consolidated = None
         self._consolidated = consolidate(self.inner, self.preconditioner, to)

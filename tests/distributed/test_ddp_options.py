@@ -300,11 +300,39 @@ def test_zero_redundancy_optimizer_inside_trains_as_serial_and_checkpoints() -> 
     assert results[1]["refused"] == [1]
 
 
-def test_consolidate_state_dict_needs_a_zero_redundancy_optimizer() -> None:
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _consolidated_main(rank: int, world: int) -> bool | None:
+    """Any inner optimizer: ``consolidate_state_dict(to=0)`` on every rank, then
+    ``state_dict()`` on rank 0 alone (as Lightning and Fabric save an optimizer that has the
+    method), under ``mem-opt`` (the factors gathered from their owners)."""
     model = _net()
-    opt = KFACOptimizer.for_model(model)
-    with pytest.raises(TypeError, match="the inner optimizer is SGD"):
-        opt.consolidate_state_dict()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    pre = KFACPreconditioner(ddp, strategy="mem-opt", kl_clip=None, inverse_update_interval=2)
+    opt = KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), pre)
+    _zero_train(ddp, opt, range(3), rank)
+    everywhere = copy.deepcopy(opt.state_dict())  # gathered on every rank
+    opt.consolidate_state_dict(to=0)
+    if rank != 0:
+        return None
+    return _same_state(copy.deepcopy(opt.state_dict()), everywhere)  # no collective here
+
+
+def test_consolidate_state_dict_gathers_on_one_rank_for_any_inner_optimizer() -> None:
+    assert run_distributed(_consolidated_main, WORLD, timeout=60)[0] is True
+    opt = KFACOptimizer.for_model(_net())
+    with pytest.raises(TypeError, match="to must be a rank"):
+        opt.consolidate_state_dict(to="0")  # type: ignore[arg-type]
 
 
 # -- Join with uneven inputs ---------------------------------------------------------------

@@ -1,13 +1,16 @@
-"""K-FAC's part of a checkpoint when the inner optimizer is a ``ZeroRedundancyOptimizer``.
+"""A checkpoint gathered on one rank: ZeRO's rule, which Lightning and Fabric follow.
 
-ZeRO's rule for a checkpoint: ``consolidate_state_dict(to=r)`` on every rank (a
-collective that gathers the optimizer's shards on rank ``r``), then ``state_dict()`` on rank
-``r`` alone (it raises elsewhere). :meth:`~dkfac.KFACOptimizer.state_dict` must hold K-FAC's
-part too, which is gathered from the layers' owners, another collective. Gathered inside
-``state_dict()`` it would leave rank ``r`` waiting for ranks that do not call it (ZeRO's
-rule), or that raised in ZeRO's ``state_dict()`` first. So K-FAC's part is gathered where
-ZeRO gathers its own, in :meth:`~dkfac.KFACOptimizer.consolidate_state_dict`, and kept on
-rank ``r`` until the next step; ``state_dict()`` then runs no collective.
+``torch.distributed.optim.ZeroRedundancyOptimizer`` checkpoints in two calls:
+``consolidate_state_dict(to=r)`` on every rank (a collective that gathers the optimizer's
+shards on rank ``r``), then ``state_dict()`` on rank ``r`` alone (it raises elsewhere).
+Lightning and Fabric save any optimizer that has ``consolidate_state_dict`` that way.
+:meth:`~dkfac.KFACOptimizer.state_dict` must hold K-FAC's part too, which is gathered from
+the layers' owners, another collective: gathered inside ``state_dict()`` it would leave rank
+``r`` waiting for ranks that do not call it. So :meth:`~dkfac.KFACOptimizer.consolidate_state_dict`
+gathers K-FAC's part (and ZeRO's shards, with ZeRO inside) and keeps it on rank ``r`` until
+the next step; ``state_dict()`` there runs no collective. Without a consolidation,
+``state_dict()`` gathers on every rank as before, except with ZeRO inside, whose own
+``state_dict()`` needs one.
 """
 
 from __future__ import annotations
@@ -55,21 +58,16 @@ class Consolidated:
 
 
 def consolidate(inner: Optimizer, preconditioner: _Preconditioner, to: int) -> Consolidated:
-    """ZeRO's ``consolidate_state_dict(to)`` and K-FAC's gathered state (collectives: every
-    rank calls it).
+    """K-FAC's gathered state kept on rank ``to``, after ZeRO's ``consolidate_state_dict(to)``
+    where ``inner`` is ZeRO (collectives: every rank calls it).
 
     Raises:
-        TypeError: If ``inner`` is not a ``ZeroRedundancyOptimizer`` or ``to`` not an int.
+        TypeError: If ``to`` is not an int.
     """
-    if not is_zero(inner):
-        raise TypeError(
-            "consolidate_state_dict() is ZeroRedundancyOptimizer's; the inner optimizer is "
-            f"{type(inner).__name__}, whose state_dict() needs no consolidation: call "
-            "state_dict() on every rank"
-        )
     if isinstance(to, bool) or not isinstance(to, int):
         raise TypeError(f"to must be a rank (int), got {type(to).__name__}")
-    inner.consolidate_state_dict(to=to)  # type: ignore[attr-defined]
+    if is_zero(inner):
+        inner.consolidate_state_dict(to=to)  # type: ignore[attr-defined]
     state = preconditioner.state_dict(include_inverses=True)
     mine = dist.get_rank() == to if dist.is_initialized() else True
     return Consolidated(to, preconditioner.steps, state if mine else None)
@@ -78,17 +76,18 @@ def consolidate(inner: Optimizer, preconditioner: _Preconditioner, to: int) -> C
 def kfac_part(
     inner: Optimizer, preconditioner: _Preconditioner, kept: Consolidated | None
 ) -> dict[str, Any]:
-    """K-FAC's part of :meth:`~dkfac.KFACOptimizer.state_dict`: gathered now (a
-    collective), or under ZeRO the part :func:`consolidate` kept on this rank.
+    """K-FAC's part of :meth:`~dkfac.KFACOptimizer.state_dict`: the part :func:`consolidate`
+    kept on this rank since the last step, else gathered now (a collective: every rank
+    calls it), except under ZeRO.
 
     Raises:
         RuntimeError: Under ZeRO, before any collective, when this rank holds no part
             consolidated since the last step.
     """
-    if not is_zero(inner):
-        return preconditioner.state_dict(include_inverses=True)
     if kept is not None and kept.steps == preconditioner.steps and kept.state is not None:
         return kept.state
+    if not is_zero(inner):
+        return preconditioner.state_dict(include_inverses=True)
     where = ""
     if kept is not None and kept.steps == preconditioner.steps:
         where = f" (it was consolidated on rank {kept.to}, not on this one)"
