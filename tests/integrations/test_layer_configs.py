@@ -1,0 +1,42 @@
+"""Layer configurations small user models contain, under the default
+(``KFACOptimizer.for_model``), each against an oracle: the same layer fed another way it
+accepts, whose K-FAC step is known to be the same."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac import KFACOptimizer
+from tests.integrations.twins import max_difference
+
+DT = torch.float64
+
+
+class _Tokens(nn.Module):
+    """An embedding table and a head over the mean of a sequence's vectors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(7, 4, padding_idx=0), nn.Linear(4, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.emb(ids))).mean(dim=1)
+
+
+def test_int32_token_ids_train_as_int64_ones() -> None:
+    """``nn.Embedding`` takes ``int32`` ids as well as ``int64``: the table's factors count
+    them alike, and the weights after 4 steps equal the ``int64`` run's to the bit."""
+    torch.manual_seed(0)
+    models = [_Tokens().to(DT) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model, dtype in zip(models, (torch.int64, torch.int32), strict=True):
+        opt = KFACOptimizer.for_model(model, lr=0.01)
+        for step in range(4):
+            gen = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 7, (4, 5), generator=gen)
+            opt.zero_grad()
+            F.mse_loss(model(ids.to(dtype)), torch.randn(4, 2, generator=gen, dtype=DT)).backward()
+            opt.step()
+    assert max_difference(*models) == 0.0
