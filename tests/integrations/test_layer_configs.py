@@ -4,6 +4,8 @@ accepts, whose K-FAC step is known to be the same."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -40,3 +42,37 @@ def test_int32_token_ids_train_as_int64_ones() -> None:
             F.mse_loss(model(ids.to(dtype)), torch.randn(4, 2, generator=gen, dtype=DT)).backward()
             opt.step()
     assert max_difference(*models) == 0.0
+
+
+class _Attention(nn.Module):
+    """An attention (keys and values narrower with ``kdim``/``vdim``) and a head."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True, **options)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        key, value = x[..., : self.attn.kdim], x[..., : self.attn.vdim]
+        return self.head(self.attn(x, key, value, need_weights=False)[0]).mean(dim=1)
+
+
+def _left_out(model: nn.Module) -> dict[str, str]:
+    rows = KFACOptimizer.for_model(model, lr=0.01).preconditioner.describe()
+    return {row["name"]: row["reason"] for row in rows if row["block"] == "inner optimizer"}
+
+
+def test_an_attentions_left_out_parameters_say_why() -> None:
+    """``bias_k``/``bias_v`` (``add_bias_kv``) and the projections left out because one
+    projection weight is frozen (q, k and v go together) are named with their reason, and
+    every trainable parameter of the attention has a row."""
+    reasons = _left_out(_Attention(add_bias_kv=True))
+    assert reasons.keys() == {"attn.bias_k", "attn.bias_v"}
+    assert "one more key appended to every sequence" in reasons["attn.bias_k"]
+    assert "one more value appended to every sequence" in reasons["attn.bias_v"]
+    model = _Attention(kdim=3, vdim=2)
+    assert model.attn.k_proj_weight is not None
+    model.attn.k_proj_weight.requires_grad_(False)
+    reasons = _left_out(model)
+    assert reasons.keys() == {"attn.q_proj_weight", "attn.v_proj_weight", "attn.in_proj_bias"}
+    assert all("k_proj_weight does not require a gradient" in r for r in reasons.values())
