@@ -1,6 +1,8 @@
 """Layer configurations small user models contain, under the default
-(``KFACOptimizer.for_model``), each against an oracle: the same layer fed another way it
-accepts, whose K-FAC step is known to be the same."""
+(``KFACOptimizer.for_model``): ``int32`` token ids, an embedding with ``max_norm``, Linear
+layers on 4-D inputs, each against an oracle (the same layer fed another way it accepts,
+whose K-FAC step is known to be the same); and what ``describe()`` says of an attention's
+parameters no block holds."""
 
 from __future__ import annotations
 
@@ -76,3 +78,60 @@ def test_an_attentions_left_out_parameters_say_why() -> None:
     reasons = _left_out(model)
     assert reasons.keys() == {"attn.q_proj_weight", "attn.v_proj_weight", "attn.in_proj_bias"}
     assert all("k_proj_weight does not require a gradient" in r for r in reasons.values())
+
+
+class _Renormed(_Tokens):
+    """:class:`_Tokens` with ``max_norm``'s renormalisation done by hand before the lookup."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        with torch.no_grad():
+            torch.embedding_renorm_(self.emb.weight, ids, 1.0, 2.0)
+        return super().forward(ids)
+
+
+def test_an_embedding_with_max_norm_trains_as_one_renormalised_by_hand() -> None:
+    """``max_norm`` rescales the looked-up rows of the table in place during the forward:
+    the weights after 5 steps equal a twin's that renormalises them itself before a plain
+    lookup, to the bit, and the rows looked up last stay within the norm."""
+    torch.manual_seed(0)
+    model, twin = _Tokens().to(DT), _Renormed().to(DT)
+    model.emb.max_norm = 1.0
+    twin.load_state_dict(model.state_dict())
+    for net in (model, twin):
+        opt = KFACOptimizer.for_model(net, lr=0.1)
+        for step in range(5):
+            gen = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 7, (4, 5), generator=gen)
+            opt.zero_grad()
+            F.mse_loss(net(ids), torch.randn(4, 2, generator=gen, dtype=DT)).backward()
+            opt.step()
+    assert max_difference(model, twin) == 0.0
+    with torch.no_grad():
+        model.emb(ids)
+    assert model.emb.weight[ids.unique()].norm(dim=1).max() <= 1.0 + 1e-12
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 5), nn.Linear(5, 2, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def test_linear_layers_on_4d_inputs_train_as_on_the_flattened_rows() -> None:
+    """Linear layers on ``(B, H, W, C)`` inputs: the weights after 5 steps equal those of
+    the same layers on the ``(B·H·W, C)`` rows (the loss a mean over the same entries)."""
+    torch.manual_seed(0)
+    model, flat = _Mlp().to(DT), _Mlp().to(DT)
+    flat.load_state_dict(model.state_dict())
+    for net, shape in ((model, (4, 2, 3)), (flat, (24,))):
+        opt = KFACOptimizer.for_model(net, lr=0.01)
+        for step in range(5):
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(24, 3, generator=gen, dtype=DT), torch.randn(24, 2, generator=gen)
+            opt.zero_grad()
+            F.mse_loss(net(x.reshape(*shape, 3)), y.to(DT).reshape(*shape, 2)).backward()
+            opt.step()
+    assert max_difference(model, flat) < 1e-13
