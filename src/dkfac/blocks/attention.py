@@ -269,6 +269,35 @@ class AttentionOutputBlock(LinearBlock):
         """Replaces the attention's forward while the hooks are attached."""
         return self.replacement.acquire()
 
+    def left_out(self) -> list[tuple[Tensor, str]]:
+        """The attention's own parameters no block of it holds, with why: ``bias_k`` and
+        ``bias_v`` (``add_bias_kv``), and the projections' weights and ``in_proj_bias``
+        when one projection weight is frozen (:func:`attention_blocks`)."""
+        attention = self.replacement.module
+        frozen = [
+            name
+            for name, param in attention.named_parameters(recurse=False)
+            if name.endswith("proj_weight") and not param.requires_grad
+        ]
+        left: list[tuple[Tensor, str]] = []
+        for name, param in attention.named_parameters(recurse=False):
+            if name in ("bias_k", "bias_v"):
+                kind = "key" if name == "bias_k" else "value"
+                reason = (
+                    f"an attention's {name} (add_bias_kv) is one more {kind} appended to "
+                    "every sequence, not a projection's weight"
+                )
+            elif frozen:
+                reason = (
+                    f"the attention's q, k and v projections are preconditioned together "
+                    f"(they share in_proj_bias), and {' and '.join(frozen)} does not require "
+                    "a gradient"
+                )
+            else:
+                continue
+            left.append((param, reason))
+        return left
+
 
 def attention_blocks(name: str, module: nn.Module) -> list[Block]:
     """The q, k, v and out blocks of an ``nn.MultiheadAttention`` (in that order).

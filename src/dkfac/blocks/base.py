@@ -419,6 +419,16 @@ class Block(ABC):
         """
         return [(param, None) for param in self.parameters()]
 
+    def left_out(self) -> list[tuple[Tensor, str]]:
+        """The parameters of the layer this block leaves to the inner optimizer, each with
+        why (``describe()``'s reason; those :meth:`parameters` holds are never listed).
+
+        By default the module's own parameters, with :attr:`left_out_reason`, where it is
+        set."""
+        if self.left_out_reason is None:
+            return []
+        return [(param, self.left_out_reason) for param in self.module.parameters(recurse=False)]
+
 
 def gradient_write(
     param: Tensor, value: Tensor, rows: slice | None = None

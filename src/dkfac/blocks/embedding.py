@@ -104,8 +104,9 @@ class EmbeddingBlock(Block):
         return self.module.embedding_dim
 
     def a_rows(self, inputs: Tensor) -> Rows:
-        """One-hot rows of the token ids (zero rows for ``padding_idx``)."""
-        ids = inputs.reshape(-1)
+        """One-hot rows of the token ids (zero rows for ``padding_idx``); ids of either
+        dtype ``nn.Embedding`` takes (``int64``, ``int32``)."""
+        ids = inputs.reshape(-1).long()  # F.one_hot takes int64 only
         rows = F.one_hot(ids, self.a_dim).to(self.module.weight.dtype)
         if self.module.padding_idx is not None:
             rows[ids == self.module.padding_idx] = 0

@@ -132,9 +132,8 @@ class Coverage:
                 (param if rows is None else param[rows]).numel() for param, rows in parts
             )
             covered.update(id(param) for param, _ in parts)
-            if block.left_out_reason is not None:  # the block's own word on the rest
-                for param in block.module.parameters(recurse=False):
-                    self._reasons.setdefault(id(param), (block.left_out_reason, False))
+            for param, reason in block.left_out():  # the block's own word on the rest
+                self._reasons.setdefault(id(param), (reason, False))
         for name, param in self.model.named_parameters():
             if not param.requires_grad or id(param) in covered:
                 continue
