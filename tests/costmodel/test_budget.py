@@ -123,6 +123,16 @@ def test_explicit_options_are_kept() -> None:
     assert "kept as given: factor_batch_size, inverse_update_interval" in choice.reason
 
 
+def test_a_factor_interval_longer_than_every_basis_interval_refreshes_with_the_factors() -> None:
+    """``factor_update_interval=100`` left no inverse interval of at least 100 to choose
+    from: ``min()`` of no candidates, a ValueError at the first step of ``for_model``."""
+    choice = choose(COSTS, 256, 0.3, {"factor_update_interval": 100})
+    assert (choice.factor_update_interval, choice.inverse_update_interval) == (100, 100)
+    assert choice.factor_batch_size is None  # every batch fits: the freshest, the whole batch
+    assert choice.overhead == pytest.approx(_overhead(256, 256, 100, 100)) == 0.074
+    assert choice.within_budget
+
+
 def test_when_nothing_fits_the_freshest_near_the_cheapest_is_taken() -> None:
     costly = Costs(step=100.0, fixed=80.0, capture=40.0, refresh=200.0)
     choice = choose(costly, 256, 0.3)
@@ -269,6 +279,35 @@ def test_explicit_intervals_win_over_the_budget() -> None:
     assert "kept as given: inverse_update_interval" in opt.preconditioner.describe()[-1]["reason"]
     pre = KFACPreconditioner(_mlp(), overhead=0.3, factor_update_interval=2)
     assert pre.budget is not None and pre.budget.explicit == {"factor_update_interval": 2}
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"factor_update_interval": 100},
+        {"inverse_update_interval": lambda step: 3 if step < 10 else 30},
+        {"factor_update_interval": lambda step: 2, "inverse_update_interval": 4},
+    ],
+    ids=["long-factor-interval", "inverse-schedule", "factor-schedule"],
+)
+def test_intervals_the_budget_cannot_choose_from_train_as_given(given: dict[str, object]) -> None:
+    """A schedule (a callable of the step) is priced at its value at step 0 and kept as
+    given: it was divided by, or compared with, as a number (a TypeError at the first
+    step). The choice prices what runs: the intervals of the first step."""
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3, **given)  # type: ignore[arg-type]
+    before = [p.detach().clone() for p in model.parameters()]
+    for seed in range(3):
+        _step(model, opt, seed)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    choice = opt.preconditioner.budget.choice  # type: ignore[union-attr]
+    assert choice is not None and "kept as given" in choice.reason
+    config = opt.preconditioner.config
+    for name, value in given.items():
+        assert getattr(config, name) is value  # the schedule itself, not its first value
+        assert getattr(choice, name) == (value(0) if callable(value) else value)  # type: ignore[operator]
+    if "inverse_update_interval" not in given:  # the basis comes with the factors
+        assert choice.inverse_update_interval == choice.factor_update_interval == 100
 
 
 def test_without_a_budget_nothing_is_chosen() -> None:

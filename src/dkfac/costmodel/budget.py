@@ -263,16 +263,17 @@ def choose(
     refresh / inverse_interval) / step``: a smaller factor batch cuts the products of a
     capture, not its operations. Among the candidates (:data:`BATCH_FRACTIONS`,
     :data:`FACTOR_INTERVALS`, :data:`INVERSE_INTERVALS`, an inverse interval at least the
-    factor interval) that fit, the freshest wins: the least staleness, counted as half a unit
-    per halving of the factor batch (the recipes cut it first: 50 of 700 samples on the
-    digits CNN, 8 of 32 sequences on the language model) and one per doubling of the factor
-    interval or of the basis interval over 5 (ties: the larger batch, then the shorter
-    intervals). When no candidate fits (the per-step part alone is at or over the budget),
-    the captures and refreshes take the freshest candidate within
-    :data:`OVER_BUDGET_ALLOWANCE` of the budget over the cheapest one: as little as they
-    can, without the staleness of the longest intervals where a fresher one costs a few
-    percent more (a basis every 50 steps instead of every 20 took 28 steps instead of 24 to
-    the residual CNN's target, for no measurable time).
+    factor interval, or the factor interval itself where it is longer than all of them) that
+    fit, the freshest wins: the least staleness, counted as half a unit per halving of the
+    factor batch (the recipes cut it first: 50 of 700 samples on the digits CNN, 8 of 32
+    sequences on the language model) and one per doubling of the factor interval or of the
+    basis interval over 5 (ties: the larger batch, then the shorter intervals). When no
+    candidate fits (the per-step part alone is at or over the budget), the captures and
+    refreshes take the freshest candidate within :data:`OVER_BUDGET_ALLOWANCE` of the
+    budget over the cheapest one: as little as they can, without the staleness of the
+    longest intervals where a fresher one costs a few percent more (a basis every 50 steps
+    instead of every 20 took 28 steps instead of 24 to the residual CNN's target, for no
+    measurable time).
 
     Args:
         costs: :func:`layer_costs`.
@@ -307,7 +308,7 @@ def choose(
             inverse = (
                 [fixed["inverse_update_interval"] or 1]
                 if "inverse_update_interval" in fixed
-                else [ii for ii in INVERSE_INTERVALS if ii >= fi]
+                else [ii for ii in INVERSE_INTERVALS if ii >= fi] or [fi]
             )
             for ii in inverse:
                 overhead = (

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dkfac.blocks.embedding import EmbeddingBlock
+from dkfac.config.schedules import resolve
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState, layers_device
@@ -180,7 +181,7 @@ class OverheadBudget:
                     continue  # a diagonal input side; a position table's rows are per batch
                 if isinstance(solver, EigenMomentsSolver) and wider.rotated() != shape.rotated():
                     shapes[name], one_sided[name] = wider, limit
-        choice = choose_for(list(shapes.values()), self.batch, self.budget, self.explicit)
+        choice = choose_for(list(shapes.values()), self.batch, self.budget, self._priced())
         if one_sided:
             note = (
                 "; one-sided bases (the identity) on the sides wider than 3/4 of the rows "
@@ -192,6 +193,15 @@ class OverheadBudget:
         self.choice = choice
         logger.info("overhead budget: %s", self.choice.reason)
         return self.choice
+
+    def _priced(self) -> dict[str, Any]:
+        """The options the user set as the cost model prices them: an interval given as a
+        schedule (a callable of the step) at its value at step 0, which it keeps as given."""
+        priced = dict(self.explicit)
+        for name in ("factor_update_interval", "inverse_update_interval"):
+            if callable(value := priced.get(name)):
+                priced[name] = int(resolve(name, value, 0) or 1)
+        return priced
 
     def note_batch(self, batch: int) -> None:
         """Warns once when a later step captures a batch at least
