@@ -216,8 +216,9 @@ class KFACPreconditioner:
             self._guard,
             self._other_params,
         )
-        self._flags_on_device = launch_bound(self._device()) and config.refresh == "fixed"
+        self._flags_on_device = self._launch_bound_flags()
         self._flags_by_hand = False
+        self._settled = False  # _settle_device at this object's first step
         self._registered = self._params()  # the tensors the hooks take statistics for
         self._built_on = placements(self._registered)
         # Last: a construction that failed above leaves an older preconditioner in charge.
@@ -344,7 +345,9 @@ class KFACPreconditioner:
         Raises:
             RuntimeError: After :meth:`remove_hooks`, when no backward wrote a layer's
                 gradients since the last step (they are already preconditioned), or when
-                the model was sharded with ``fully_shard`` after it was built, or inside
+                the model was sharded with ``fully_shard`` after it was built, when a
+                layer's module holds other parameters than at the build (replaced since:
+                :func:`~dkfac.engine.guards.check_parameters_kept`), or inside
                 ``torch.distributed.algorithms.join.Join`` without
                 ``throw_on_early_termination=True`` (:mod:`~dkfac.engine.join_check`).
             ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not
@@ -357,7 +360,7 @@ class KFACPreconditioner:
         if self.layout is None:
             refuse_late_sharding(params)
         check_parameters_kept(self._registered, params)
-        if self._steps == 0:
+        if not self._settled:  # the first step (also of a resumed run)
             self._settle_device(params)
         self._marks.check(params)
         if self.budget is not None and self.budget.choice is None:
@@ -381,14 +384,18 @@ class KFACPreconditioner:
         self._set_block_steps()
         self.schedule_captures(self._steps)
 
+    def _launch_bound_flags(self) -> bool:
+        """:attr:`flags_on_device`'s default for the device the layers are on now."""
+        return launch_bound(self._device()) and self.config.refresh == "fixed"
+
     def _settle_device(self, params: Mapping[str, list[Tensor]]) -> None:
         """At the first step: :attr:`flags_on_device` for the device the layers are on now,
         unless it was set by hand, and a warning naming the layers moved since the build
         (:func:`~dkfac.engine.guards.warn_if_moved`)."""
         warn_if_moved(self._built_on, params)
         if not self._flags_by_hand:
-            on = launch_bound(self._device()) and self.config.refresh == "fixed"
-            self._flags_on_device = on
+            self._flags_on_device = self._launch_bound_flags()
+        self._settled = True
 
     def _precondition_layers(
         self,

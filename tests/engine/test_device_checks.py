@@ -428,3 +428,32 @@ def test_a_model_moved_to_a_launch_bound_device_after_the_build_keeps_its_flags_
         assert torch.equal(a, b)
     by_hand = _for_model_run(False, by_hand=False)
     assert not by_hand["on_device"] and by_hand["fused"] == [None]
+
+
+def test_a_resumed_run_decides_its_flags_at_its_own_first_step() -> None:
+    """A run resumed from a checkpoint (its step count past 0) on a model moved after the
+    build decides at the first step it takes, as a fresh one does."""
+    import dkfac.optimizer as optimizer_module
+    import dkfac.preconditioner as preconditioner_module
+
+    first = _model()
+    opt = KFACOptimizer.for_model(first, lr=0.01, overhead=None)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _batch(step)
+        F.cross_entropy(first(x), y).backward()
+        opt.step()
+    model = _model()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optimizer_module, "_fused_sgd_fits", lambda params: True)
+        patch.setattr(preconditioner_module, "launch_bound", lambda d: False)
+        resumed = KFACOptimizer.for_model(model, lr=0.01, overhead=None)
+        resumed.load_state_dict(opt.state_dict())
+        patch.setattr(preconditioner_module, "launch_bound", lambda d: True)
+        resumed.zero_grad()
+        x, y = _batch(2)
+        F.cross_entropy(model(x), y).backward()
+        resumed.step()
+    assert resumed.preconditioner.steps == 3
+    assert resumed.preconditioner.flags_on_device
+    assert [g["fused"] for g in resumed.param_groups] == [True]

@@ -30,7 +30,18 @@ from dkfac.engine.model_hooks import same_parameters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradientMarks", "HookOwnership", "claim_modules", "name_list", "release_modules"]
+__all__ = [
+    "MARK_ATTRIBUTE",
+    "GradientMarks",
+    "HookOwnership",
+    "Placement",
+    "check_parameters_kept",
+    "claim_modules",
+    "name_list",
+    "placements",
+    "release_modules",
+    "warn_if_moved",
+]
 
 # module -> the hooks on it (a preconditioner's HookOwnership; both held weakly)
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[HookOwnership]] = (
