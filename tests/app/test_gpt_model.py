@@ -92,7 +92,7 @@ def test_sizes_and_tying() -> None:
     assert tied.head.weight is tied.tokens.weight
     with pytest.raises(ValueError, match=r"--width \(30\) must be a multiple of --heads \(4\)"):
         _tiny(width=30)
-    with pytest.raises(ValueError, match="--layers must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"--layers must be in \[1, 1024\]"):
         _tiny(layers=0)
     with pytest.raises(ValueError, match="13 tokens exceeds the context 12"):
         _tiny()(torch.zeros(1, 13, dtype=torch.long))

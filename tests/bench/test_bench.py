@@ -286,7 +286,8 @@ def test_bench_step_refuses_a_count_below_one(
         step.main(flags)
     assert exit_info.value.code == 2
     name = flags[0].partition("=")[0]
-    assert f"error: {name} must be >= 1, got" in capsys.readouterr().err
+    want = "must be in [1, 4096], got" if name == "--threads" else "must be >= 1, got"
+    assert f"error: {name} {want}" in capsys.readouterr().err
 
 
 def test_bench_solvers_refuses_a_bad_device_in_one_line(

@@ -58,7 +58,7 @@ def test_every_kind_is_counted_and_launch_bound_takes_the_multi_tensor_forms(
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--threads", "0"], "--threads must be in [1, 4096], got 0"),
         (["--top", "-1"], "--top must be >= 0, got -1"),  # both flags were named for either
         (["--conv-path", "x"], "--conv-path"),
     ],

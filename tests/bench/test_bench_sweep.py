@@ -186,8 +186,8 @@ def test_several_sweep_seeds_pick_the_lr_of_the_best_median_run() -> None:
         (["--kfac", "damping=-1"], "--kfac takes NAME:key=value,... (NAME first), got"),
         (["--kfac", ":damping=1"], "--kfac takes NAME:key=value,... (NAME first), got"),
         (["--kfac", "sgd:damping=0.1", "--no-sweep"], "names must be unique"),
-        (["--first-seed", "-1"], "--first-seed must be >= 0, got -1"),
-        (["--split-seed", "-2"], "--split-seed must be >= 0, got -2"),
+        (["--first-seed", "-1"], "--first-seed must be in [0, 4294967295], got -1"),
+        (["--split-seed", "-2"], "--split-seed must be in [0, 4294967295], got -2"),
         (["--sweep-seeds", "0"], "--sweep-seeds must be >= 1, got 0"),
     ],
 )
@@ -235,9 +235,9 @@ def test_tiny_autoencoder_run_with_peers_and_old_single_lr_flags(tmp_path: Path)
         (autoencoder.main, ["--seconds", "nan"], "--seconds must be finite and > 0, got nan"),
         (tta.main, ["--max-seconds", "inf"], "--max-seconds must be finite and > 0, got inf"),
         # torch.set_num_threads(-1): "set_num_threads expects a positive integer", a traceback.
-        (tta.main, ["--threads=-1"], "--threads must be >= 1, got -1"),
-        (autoencoder.main, ["--threads=-1"], "--threads must be >= 1, got -1"),
-        (autoencoder.main, ["--target-loss", "0"], "--target-loss must be > 0, got 0.0"),
+        (tta.main, ["--threads=-1"], "--threads must be in [1, 4096], got -1"),
+        (autoencoder.main, ["--threads=-1"], "--threads must be in [1, 4096], got -1"),
+        (autoencoder.main, ["--target-loss", "0"], "--target-loss must be finite and > 0, got 0.0"),
         (autoencoder.main, ["--kfac-momentum", "1.5"], "--kfac-momentum must be in [0, 1)"),
     ],
 )

@@ -205,13 +205,19 @@ def synthetic(
     )  # fmt: skip
 
 
+def half_memory() -> int:
+    """Half of this machine's physical memory in bytes (16 GiB where it cannot be read): the
+    most a tensor made from flags (synthetic data, a benchmark's batch) may take."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (AttributeError, OSError, ValueError):  # not on this platform
+        return 16 * 2**30
+
+
 def _check_synthetic_memory(images: int, pixels: int) -> None:
     """Refuses synthetic data that would not fit in half of this machine's memory."""
     need = 4 * images * pixels  # float32 images and class prototypes
-    try:
-        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (AttributeError, OSError, ValueError):  # not on this platform
-        budget = 16 * 2**30
+    budget = half_memory()
     if need > budget:
         raise DataError(
             f"synthetic data of {images} images of {pixels} values would take "

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dkfac.app.domains import domain_error
+
 DEFAULTS = {"layers": 2, "width": 64, "heads": 4, "seq_len": 128}
 
 
@@ -147,12 +149,13 @@ def _check_sizes(layers: int, width: int, heads: int, context: int) -> None:
 
 
 def size_problem(layers: int, width: int, heads: int, seq_len: int) -> str | None:
-    """What is wrong with GPT sizes (in the flags' words), or ``None`` when they are valid."""
-    for name, value in (("layers", layers), ("width", width), ("heads", heads)):
-        if value < 1:
-            return f"--{name} must be >= 1, got {value}"
-    if seq_len < 1:
-        return f"--seq-len must be >= 1, got {seq_len}"
+    """What is wrong with GPT sizes (in the flags' words), or ``None`` when they are valid:
+    each in the domain of its flag (:data:`~dkfac.app.domains.DOMAINS`), the heads dividing
+    the width."""
+    sizes = {"layers": layers, "width": width, "heads": heads, "seq_len": seq_len}
+    for name, value in sizes.items():
+        if problem := domain_error(name, value):
+            return problem
     if width % heads:
         return f"--width ({width}) must be a multiple of --heads ({heads})"
     return None

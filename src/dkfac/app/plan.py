@@ -66,6 +66,10 @@ MAX_RANKS = 1_000_000
 """The largest ``--world-size``: past about 1e15 ranks the placements' float arithmetic
 (a fraction of the world) is no longer exact, and no job has a million ranks."""
 
+MAX_GBPS = 1e9
+"""The largest ``--bandwidth-gbps``: an exabit a second; in bytes a second a number past
+about 1e300 was infinite, which the cost model refuses."""
+
 _PHASE_SHORT = {
     "forward_backward": "fwd+bwd",
     "factor_build": "factors",
@@ -133,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag, kind, default, text in numbers:
         shown = "none" if default is None else f"{default:g}"
+        high = MAX_GBPS if flag == "--bandwidth-gbps" else math.inf
         p.add_argument(
-            flag, type=_positive(kind, flag), default=default, help=f"{text} (default: {shown})"
+            flag,
+            type=_positive(kind, flag, high),
+            default=default,
+            help=f"{text} (default: {shown})",
         )
     p.add_argument(
         "--latency-us",
@@ -317,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = args.image_size or size
     classes = args.num_classes or classes
     try:
-        model = build_model(args.model, in_channels=c_in, image_size=size, num_classes=classes)
+        with torch.device("meta"):  # shapes only: a model too large for this machine is priced
+            model = build_model(args.model, in_channels=c_in, image_size=size, num_classes=classes)
         spec = extract_layers(model, (c_in, size, size) if args.model != "mlp" else None)
         pairs = candidate_strategies(args.world_size, args.grad_worker_fraction)
         if args.strategies:

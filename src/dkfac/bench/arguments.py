@@ -9,17 +9,26 @@ arguments every benchmark names alike:
 * ``--out-dir``, ``--plot-dir``: folders made when missing, so their nearest existing
   ancestor must be a folder, and they must not be files;
 * ``--out``, ``--plot``, ``--page``: files, in a folder that exists, and not folders;
+* every one of these: in a folder where a file can be made (one is made and removed);
 * ``--results``: a folder that exists (read, not written);
 * ``--world-size``, ``--world-sizes``, ``--worlds``: at most :data:`MAX_LOCAL_RANKS` (each
-  rank is a process started on this machine).
+  rank is a process started on this machine);
+* ``--threads``: in ``dkfac train``'s range, [1, 4096] (``0`` too where that is the
+  default, "torch's own"): torch's ``set_num_threads`` raised past 2**63;
+* ``--seed``, ``--first-seed``, ``--sweep-seed``, ``--split-seed``: seeds as ``dkfac
+  train`` takes them, [0, 2**32 - 1] (numpy's and scikit-learn's, which split the digits),
+  and the last of ``--seeds`` (``--sweep-seeds``) runs from the first no further.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from dkfac.app.domains import DOMAINS, SEED_MAX, domain_error
 
 __all__ = ["MAX_LOCAL_RANKS", "BenchParser", "path_problem"]
 
@@ -28,6 +37,8 @@ MAX_LOCAL_RANKS = 64
 and spawned until the machine gave out)."""
 _WORLDS = ("world_size", "world_sizes", "worlds")
 
+_SEEDS = ("seed", "first_seed", "sweep_seed", "split_seed")
+_SEED_COUNTS = (("first_seed", "seeds"), ("sweep_seed", "sweep_seeds"))
 _FOLDERS = ("out_dir", "plot_dir")
 _FILES = ("out", "plot", "page")
 
@@ -48,12 +59,23 @@ def path_problem(kind: str, value: str | Path) -> str | None:
             return f"is inside a file ({str(parent)!r})"
         if not parent.is_dir():
             return f"is in a folder that does not exist ({str(parent)!r})"
-        return None
+        return _unwritable(parent)
     if path.exists() and not path.is_dir():
         return "is a file, not a folder"
     ancestor = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
     if ancestor.exists() and not ancestor.is_dir():
         return f"is inside a file ({str(ancestor)!r})"
+    return _unwritable(ancestor) if ancestor.is_dir() else None
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why no file can be made in the existing ``folder`` (``None``: one can): a file is
+    made and removed again, the one test that holds for root and read-only mounts too."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"is in a folder where no file can be made ({str(folder)!r}: {err.strerror})"
     return None
 
 
@@ -77,6 +99,8 @@ class BenchParser(argparse.ArgumentParser):
             problem = path_problem(kind, value)
             if problem:
                 self.error(f"--{key.replace('_', '-')} {str(value)!r} {problem}")
+        if problem := self._number_problem(parsed):
+            self.error(problem)
         for key in _WORLDS:
             value = getattr(parsed, key, None)
             values = value if isinstance(value, list) else [value]
@@ -86,3 +110,23 @@ class BenchParser(argparse.ArgumentParser):
                     f"processes started on this machine), got {max(values)}"
                 )
         return parsed
+
+    def _number_problem(self, parsed: argparse.Namespace) -> str | None:
+        """What is wrong with ``--threads`` or a seed of ``parsed`` (``None``: nothing)."""
+        threads = getattr(parsed, "threads", None)
+        own = threads == 0 == self.get_default("threads")  # 0 as the default: torch's own
+        if isinstance(threads, int) and not own and (problem := domain_error("threads", threads)):
+            return problem
+        seeds = DOMAINS["seed"]
+        for key in _SEEDS:
+            value = getattr(parsed, key, None)
+            if isinstance(value, int) and not seeds.contains(value):
+                return f"--{key.replace('_', '-')} must be {seeds.describe()}, got {value}"
+        for start, count in _SEED_COUNTS:
+            first, many = getattr(parsed, start, 0), getattr(parsed, count, None)
+            if isinstance(first, int) and isinstance(many, int) and first + many - 1 > SEED_MAX:
+                return (
+                    f"--{count.replace('_', '-')} {many} from seed {first} run past seed "
+                    f"{SEED_MAX}, the last a seed may be"
+                )
+        return None

@@ -49,6 +49,7 @@ from dkfac.bench.sweep import (
     add_peer_arguments,
     build_specs,
     check_peer_flags,
+    digits_batch_problem,
     plot_loss_vs_time_and_steps,
     split_available,
     sweep_then_seeds,
@@ -362,12 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    target = f"--target-loss must be > 0, got {args.target_loss}" if args.target_loss <= 0 else None
     check_peer_flags(
         p,
         args,
-        positive=("batch_size", "seconds", "sweep_seconds", "eval_every", "seeds"),
-        problems=(target,),
+        positive=("batch_size", "target_loss", "seconds", "sweep_seconds", "eval_every", "seeds"),
+        problems=(digits_batch_problem(args.batch_size, args.split_seed),),
         momenta=("momentum", "kfac_momentum"),
         default_kfac=DEFAULT_KFAC,
         task_options=TASK_OPTIONS,

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dkfac.blocks.conv_path_choice as conv_path_choice
 import dkfac.solvers.host_copy as host_copy
+from dkfac.app.factory import ModelError
 from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, machine_info, write_result
 from dkfac.bench.step import add_case_arguments, case_problem, model_and_batch
@@ -144,8 +145,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Counts each kind, prints the counts, writes them to ``--name``'s JSON if given."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.top < 0:
         parser.error(f"--top must be >= 0, got {args.top}")
     if problem := case_problem(args):
@@ -153,7 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    base, x, y = model_and_batch(args, device)
+    try:
+        base, x, y = model_and_batch(args, device)
+    except ModelError as err:  # a --model factory that loads but gives no model
+        parser.error(f"--model: {err}")
     counts: dict[str, Any] = {}
     with _device_forms(args.launch_bound, args.conv_path):
         for kind in ("sgd", "adamw", *KINDS):

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from dkfac.app.cifar import DataError
 from dkfac.app.devices import device_error, pick_device
+from dkfac.app.domains import domain_error
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model
 from dkfac.app.text import BYTE_VOCAB, DEFAULT_GLOB, DEFAULT_TEXT_BYTES, load_text
@@ -402,6 +403,18 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     )
     if message := device_error(args.device):
         p.error(message)
+    if args.text_path == "":  # Path("") is the current folder
+        p.error("--text-path is empty: give a path (or leave it out)")
+    if message := domain_error("text_bytes", args.text_bytes):
+        p.error(message)
+
+
+def batch_problem(batch_size: int, task: TextTask) -> str | None:
+    """Why ``--batch-size`` does not fit the training windows of ``task`` (``None``: it
+    does), as ``dkfac train`` refuses a batch larger than its training samples."""
+    if batch_size > (windows := len(task.x_train)):
+        return f"--batch-size {batch_size} exceeds the {windows} training windows of the text"
+    return None
 
 
 def prepare(
@@ -419,6 +432,8 @@ def prepare(
         task = load_task(args, pick_device(args.device))
     except DataError as error:
         p.error(str(error))
+    if problem := batch_problem(args.batch_size, task):
+        p.error(problem)
     if args.threads:
         torch.set_num_threads(args.threads)
     return args, task

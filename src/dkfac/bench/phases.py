@@ -173,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         task = lm.load_task(bench_args)
+        if problem := lm.batch_problem(args.batch_size, task):
+            parser.error(problem)
         runs = {v: make(v, task, device) for v in args.variants}
     except (OSError, ValueError) as error:  # a DataError is a ValueError
         parser.error(str(error).splitlines()[0])

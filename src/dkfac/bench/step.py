@@ -41,7 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from dkfac.app.data import half_memory
 from dkfac.app.devices import device_error, pick_device
+from dkfac.app.domains import DOMAINS
 from dkfac.app.factory import ModelError
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model, check_model_name
@@ -384,13 +386,29 @@ def case_problem(args: argparse.Namespace) -> str | None:
             check_model_name(args.model)
         except ModelError as err:
             return f"--model: {err}"
-    for flag in ("batch_size", "image_size", "channels"):
-        if getattr(args, flag) < 1:
-            return f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
+    for flag, dest in (
+        ("batch_size", "batch_size"),
+        ("image_size", "image_size"),
+        ("channels", "in_channels"),
+    ):
+        domain, value = DOMAINS[dest], getattr(args, flag)
+        if not domain.contains(value):
+            return f"--{flag.replace('_', '-')} must be {domain.describe()}, got {value}"
     if args.model == "gpt" and (
         problem := size_problem(args.layers, args.width, args.heads, args.seq_len)
     ):
         return problem
+    if args.model == "gpt":  # int64 inputs and targets
+        values, need, flags = args.seq_len, 16 * args.batch_size * args.seq_len, "--seq-len"
+    else:
+        values = args.channels * args.image_size**2
+        need, flags = 4 * args.batch_size * values, "--image-size or --channels"
+    if need > (budget := half_memory()):
+        return (
+            f"a batch of {args.batch_size} inputs of {values} values would take "
+            f"{need / 2**30:.1f} GiB, more than half of this machine's memory "
+            f"({budget / 2**30:.1f} GiB); reduce --batch-size, {flags}"
+        )
     if problem := device_error(args.device):
         return problem
     args.device = str(pick_device(args.device))
@@ -419,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     if args.autocast == "fp16" and torch.device(args.device).type != "cuda":
         parser.error("--autocast fp16 needs a CUDA device (use --autocast bf16 on a CPU)")
-    for flag in ("repeats", "subsample_positions", "factor_batch_size", "threads"):
+    for flag in ("repeats", "subsample_positions", "factor_batch_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -436,7 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--options: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    payload = run(args)
+    try:
+        payload = run(args)
+    except ModelError as err:  # a --model factory that loads but gives no model
+        parser.error(f"--model: {err}")
     name = args.name or f"step_{args.model}_{torch.device(args.device).type}"
     write_result(name, payload, args.out_dir, command_line("dkfac bench step", argv))
     if args.plot:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dkfac.app.data import load_digits
 from dkfac.bench.common import parse_options
 from dkfac.bench.muon_precision import use_float32_muon
 from dkfac.bench.peers import (
@@ -215,6 +216,15 @@ def _other_grid_size(args: argparse.Namespace) -> int:
     first peer kind, else the ``--kfac`` variants' grid)."""
     peers = [kind for kind in args.optimizers if kind != "kfac"]
     return len(getattr(args, f"{peers[0]}_lrs" if peers else "kfac_lrs"))
+
+
+def digits_batch_problem(batch_size: int, split_seed: int) -> str | None:
+    """Why ``--batch-size`` does not fit the digits training split (``None``: it does): the
+    epochs drop their last partial batch, so a larger batch took no step, forever."""
+    train = len(load_digits(seed=split_seed).y_train)
+    if batch_size > train:
+        return f"--batch-size {batch_size} exceeds the {train} training samples of digits"
+    return None
 
 
 def check_peer_flags(

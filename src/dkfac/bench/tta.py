@@ -46,6 +46,7 @@ from dkfac.bench.sweep import (
     add_peer_arguments,
     build_specs,
     check_peer_flags,
+    digits_batch_problem,
     plot_runs,
     split_available,
     sweep_then_seeds,
@@ -292,7 +293,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p,
         args,
         positive=("batch_size", "max_steps", "seeds", "max_seconds"),
-        problems=(target,),
+        problems=(target, digits_batch_problem(args.batch_size, args.split_seed)),
         default_kfac=DEFAULT_KFAC,
         task_options=TASK_OPTIONS,
     )
