@@ -9,7 +9,7 @@ the layers' owners, another collective: gathered inside ``state_dict()`` it woul
 ``r`` waiting for ranks that do not call it. So :meth:`~dkfac.KFACOptimizer.consolidate_state_dict`
 gathers K-FAC's part (and ZeRO's shards, with ZeRO inside) and keeps it on rank ``r`` until
 the next step; ``state_dict()`` there runs no collective. Without a consolidation,
-``state_dict()`` gathers on every rank as before, except with ZeRO inside, whose own
+``state_dict()`` gathers on every rank, except with ZeRO inside, whose own
 ``state_dict()`` needs one.
 """
 
