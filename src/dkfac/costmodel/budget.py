@@ -66,8 +66,9 @@ MIN_FACTOR_SAMPLES = 8
 language-model recipe's 8 of 32 sequences)."""
 
 OVER_BUDGET_ALLOWANCE = 0.1
-"""When the per-step part alone exceeds the budget, the captures and refreshes may cost this
-share of the budget more than the cheapest candidate (the freshest within that wins)."""
+"""The captures and refreshes may cost this share of the budget more than the cheapest
+candidate (the freshest within that wins), past the budget where the per-step part alone
+is at or near it."""
 
 OVER_BUDGET_POLAR_STEPS = 3
 """The Newton–Schulz steps of the orthogonalised updates when the five of the default do not
@@ -229,8 +230,8 @@ class Choice:
         inverse_update_interval: Steps between basis refreshes.
         overhead: The preconditioner's cost over the training step's, as chosen.
         budget: The budget it was chosen within.
-        within_budget: Whether any choice fitted (else the freshest near the cheapest
-            was taken).
+        within_budget: Whether the cheapest choice is within the budget (where it is not,
+            :func:`choose_for` cuts the Newton–Schulz steps).
         reason: One sentence for ``describe()`` and the log.
         orthogonal_steps: The Newton–Schulz steps of the orthogonalised updates, where
             :func:`choose_for` cut them (``None``: as configured).
@@ -267,13 +268,13 @@ def choose(
     fit, the freshest wins: the least staleness, counted as half a unit per halving of the
     factor batch (the recipes cut it first: 50 of 700 samples on the digits CNN, 8 of 32
     sequences on the language model) and one per doubling of the factor interval or of the
-    basis interval over 5 (ties: the larger batch, then the shorter intervals). When no
-    candidate fits (the per-step part alone is at or over the budget), the captures and
-    refreshes take the freshest candidate within :data:`OVER_BUDGET_ALLOWANCE` of the
-    budget over the cheapest one: as little as they can, without the staleness of the
+    basis interval over 5 (ties: the larger batch, then the shorter intervals). A candidate
+    within :data:`OVER_BUDGET_ALLOWANCE` of the budget over the cheapest one fits too, so
+    that when no candidate is within the budget (the per-step part alone is at or near it)
+    the captures and refreshes take as little as they can, without the staleness of the
     longest intervals where a fresher one costs a few percent more (a basis every 50 steps
     instead of every 20 took 28 steps instead of 24 to the residual CNN's target, for no
-    measurable time).
+    measurable time). The overhead chosen never falls as the budget grows.
 
     Args:
         costs: :func:`layer_costs`.
@@ -321,20 +322,22 @@ def choose(
     fixed_share = costs.fixed / costs.step
     within = any(c[0] <= budget for c in candidates)
     cheapest = min(c[0] for c in candidates)
-    allowed = budget if within else cheapest + OVER_BUDGET_ALLOWANCE * budget
+    # the allowance over the cheapest holds within the budget too: a smaller budget then
+    # never takes a costlier choice (both bounds grow with it)
+    allowed = max(budget, cheapest + OVER_BUDGET_ALLOWANCE * budget)
     fitting = [c for c in candidates if c[0] <= allowed * (1 + 1e-12)]
     overhead, _, b, fi, ii = min(fitting, key=lambda c: (c[1], -c[2], c[3], c[4]))
     reason = (
         f"factors from {b} of {batch} samples every {fi} step(s), bases every {ii}: "
         f"{overhead:.0%} over the training step (the per-step work alone {fixed_share:.0%}: "
         "rotations, moments, polar factors) "
-        + ("within" if within else "over")
-        + f" the {budget:.0%} budget"
         + (
-            ""
-            if within
-            else ": no choice fits, so the captures and refreshes take the freshest within "
-            f"{OVER_BUDGET_ALLOWANCE * budget:.0%} of the cheapest"
+            f"within the {budget:.0%} budget"
+            if overhead <= budget * (1 + 1e-12)
+            else f"over the {budget:.0%} budget: "
+            + ("" if within else "no choice fits, so ")
+            + "the captures and refreshes take the freshest within "
+            f"{OVER_BUDGET_ALLOWANCE * budget:.0%} of the cheapest ({cheapest:.0%})"
         )
         + (f"; kept as given: {', '.join(sorted(fixed))}" if fixed else "")
     )
