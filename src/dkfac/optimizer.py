@@ -342,7 +342,9 @@ class KFACOptimizer(Optimizer):
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
-                the training step, and where even its per-step part does not fit, the
+                the training step (or within a tenth of the budget over the cheapest
+                choice, where the per-step part nears it), and where even that part does
+                not fit, the
                 orthogonalised updates take 3 Newton–Schulz steps instead of 5; a side
                 wider than 3/4 of the rows a step sees keeps the identity basis, its
                 rotations costing more than half its layer's training step
