@@ -345,7 +345,8 @@ def config_file_tokens(
     """Command-line tokens equivalent to config-file ``values`` for ``parser``.
 
     Raises:
-        ConfigError: For a key that is not a flag of ``parser`` or a value of the wrong shape.
+        ConfigError: For a key that is not a flag of ``parser``, a value of the wrong shape,
+            or a value of another TOML type than its flag reads (:func:`_check_kind`).
     """
     actions = _actions(parser)
     tokens: list[str] = []
