@@ -336,9 +336,10 @@ class KFACOptimizer(Optimizer):
             model: The model to train (all of its parameters go to the inner SGD: frozen
                 ones are stepped once they are unfrozen and have gradients).
             lr: Step size > 0 (at most float32's largest number): a number (a numpy scalar
-                is read as its Python number) or a one-element floating tensor, handed to
-                the inner SGD as given.
-            weight_decay: Decoupled weight decay >= 0 (at most the same), a number.
+                is read as its Python number, an int as its float) or a one-element
+                floating tensor, handed to the inner SGD as given.
+            weight_decay: Decoupled weight decay >= 0 (at most the same), a number (handed
+                to the inner SGD as a float).
             overhead: The overhead budget (see :class:`~dkfac.KFACPreconditioner`): after
                 the first step, the factor batch and the factor and basis intervals are
                 chosen so that the preconditioner's work stays within ``overhead`` times
@@ -373,6 +374,9 @@ class KFACOptimizer(Optimizer):
         # The inner SGD multiplies float32 weights by both: a larger number fails in torch.
         check_range("lr", lr_number(lr), low=0.0, high=LARGEST, high_inclusive=True)
         check_weight_decay(weight_decay)
+        # As floats: torch's SGD step converts a Python int to a C integer (10**30 failed).
+        lr = float(lr) if isinstance(lr, int) else lr
+        weight_decay = float(weight_decay)
         defaults = method_defaults(options.get("method", DEFAULT_OPTIONS["method"]))
         if overhead is not None:  # the budget chooses these unless the caller did
             defaults = {k: v for k, v in defaults.items() if k not in BUDGETED_OPTIONS}

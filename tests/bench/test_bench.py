@@ -305,6 +305,21 @@ def test_bench_solvers_refuses_a_bad_device_in_one_line(
     )
 
 
+@pytest.mark.parametrize("bench", ["solvers", "suite"])
+@pytest.mark.parametrize("threads", ["0", "-1", "5000"])
+def test_bench_solvers_and_suite_refuse_threads_out_of_range_in_one_line(
+    bench: str, threads: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The shared parser (BenchParser) answers before either bench reads its flags.
+    from dkfac.bench import solvers, suite
+
+    with pytest.raises(SystemExit) as exit_info:
+        {"solvers": solvers, "suite": suite}[bench].main([f"--threads={threads}"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"dkfac bench {bench}: error: --threads must be in [1, 4096], got {threads}"
+
+
 def test_step_summary_prices_every_cost_against_the_adamw_step() -> None:
     from dkfac.bench.step import summarise
 

@@ -159,7 +159,7 @@ def test_absent_keys_take_dkfac_trains_defaults(tmp_path: Path) -> None:
         ('schedule = "constant"\namp = "bf16"', "amp = 'bf16': the benchmarks do not implement it"),
         ('schedule = "constant"\nfoo = 1', "foo cannot be in a recipe; allowed: lr, momentum, "),
         ('schedule = "constant"\nconfig = "x.toml"', "config cannot be in a recipe"),
-        ('schedule = "constant"\ndamping = "x"', "dkfac train --config: argument --damping"),
+        ('schedule = "constant"\ndamping = "x"', "damping must be a number, got 'x'"),
         (
             'schedule = "constant"\nmethod = "nope"',
             "argument --method/--kfac-method: invalid choice: 'nope'",

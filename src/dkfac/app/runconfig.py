@@ -345,7 +345,8 @@ def config_file_tokens(
     """Command-line tokens equivalent to config-file ``values`` for ``parser``.
 
     Raises:
-        ConfigError: For a key that is not a flag of ``parser`` or a value of the wrong shape.
+        ConfigError: For a key that is not a flag of ``parser``, a value of the wrong shape,
+            or a value of another TOML type than its flag reads (:func:`_check_kind`).
     """
     actions = _actions(parser)
     tokens: list[str] = []
@@ -361,12 +362,65 @@ def config_file_tokens(
             tokens.append(flag if value else "--no-" + flag[2:])
         elif action.nargs in ("*", "+"):
             items = value if isinstance(value, list) else [value]
+            for item in items:
+                _check_kind(action, key, item, source, listed=True)
             tokens += [flag, *(format_value(v) for v in items)]
         else:
             if isinstance(value, (list, dict)):
                 raise ConfigError(f"{source}: {key} takes one value, got {value!r}")
+            _check_kind(action, key, value, source)
             tokens.append(f"{flag}={format_value(value)}")
     return tokens
+
+
+NUMBER_TYPES = ("int", "float", "number")
+"""The names of the argparse ``type`` converters (bare or :func:`optional`) that read a number."""
+TEXT_TYPES = ("str", "schedule_text", "dtype", "dtype_or_auto", "_model_name")
+"""The names of those that read a word, a path, a pattern or a schedule: a TOML string."""
+
+
+def _words(text: str) -> bool:
+    """Whether a TOML string stands for a value TOML cannot write: ``none`` (an optional
+    flag's ``None``) or a non-finite number (``"inf"``, as :func:`_plain` writes one)."""
+    if text.strip().lower() in NONE_WORDS:
+        return True
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _check_kind(
+    action: argparse.Action, key: str, value: Any, source: str, *, listed: bool = False
+) -> None:
+    """A config file's value has the TOML type its flag reads, as the Python API takes the
+    option: an integer where the flag reads one, a number (not a bool, not a numeric
+    string) where it reads a number, a string where it reads a word, a path or a pattern
+    (``skip_layers = 3`` is not the pattern ``"3"``), ``true``/``false`` where it reads a
+    bool; ``"none"`` (and a non-finite number's spelling) is left to the flag, which takes
+    or refuses it.
+
+    Raises:
+        ConfigError: Naming the key, what it takes and the value.
+    """
+    kind = "str" if action.type is None else getattr(action.type, "__name__", "")
+    many = " or a list of them" if listed else ""
+    if kind in NUMBER_TYPES:
+        integer = kind == "int"
+        kinds = (int,) if integer else (int, float)
+        number = isinstance(value, kinds) and not isinstance(value, bool)
+        if not (number or (isinstance(value, str) and _words(value))):
+            what = "an integer" if integer else "a number"
+            raise ConfigError(f"{source}: {key} must be {what}{many}, got {value!r}")
+    elif kind == "integer":  # an integer or a word (integer_or)
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{source}: {key} must be an integer or a string, got {value!r}")
+    elif kind == "boolean":  # a bool or none (optional(boolean))
+        none = isinstance(value, str) and value.strip().lower() in NONE_WORDS
+        if not (isinstance(value, bool) or none):
+            raise ConfigError(f'{source}: {key} must be true, false or "none", got {value!r}')
+    elif kind in TEXT_TYPES and not isinstance(value, str):
+        raise ConfigError(f"{source}: {key} must be a string{many}, got {value!r}")
 
 
 def format_value(value: Any) -> str:

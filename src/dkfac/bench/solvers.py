@@ -180,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.large_dim < 1:
         parser.error(f"--large-dim must be >= 1, got {args.large_dim}")
     if problem := device_error(args.device):  # torch.device's own error was a traceback

@@ -343,15 +343,14 @@ def _options(text: str) -> dict[str, Any]:
 
 
 def check_protocol_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """One-line errors for the flags of :func:`add_protocol_flags` out of range."""
+    """One-line errors for the flags of :func:`add_protocol_flags` out of range (``--threads``
+    is checked by the parser itself, :class:`~dkfac.bench.arguments.BenchParser`)."""
     for flag in ("seeds", "max_steps", "timing_blocks", "timing_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("first_seed", "sweep_seed"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
 
 
 def _check_dkfac_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

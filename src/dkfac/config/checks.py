@@ -28,6 +28,7 @@ __all__ = [
     "check_range",
     "python_number",
     "python_numbers",
+    "shown",
 ]
 
 GRAPH = "graph"
@@ -37,6 +38,9 @@ GRAPH_MAPS = {"<graph>": (1, 1)}
 ``<graph>``: module names hold no angle brackets)."""
 BLOCK_WIDTHS = "widths"
 """``basis_block_size="widths"``: the block width is read off the model's layer widths."""
+INT64_MAX = 2**63 - 1
+"""The largest integer an option takes by default: what a torch tensor holds (a count past
+float's range, ``10**400``, failed deep inside the cost model at the first step)."""
 _INPUT_MAP = re.compile(r"^\s*(\S+?)\s*=\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
@@ -93,23 +97,49 @@ def check_range(
     ok_low = value >= low if low_inclusive else value > low
     ok_high = value <= high if high_inclusive else value < high
     interval = f"{'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
-    if not (math.isfinite(value) and ok_low and ok_high):
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    if not (_finite(value) and ok_low and ok_high):
+        raise ValueError(f"{name} must be in {interval}, got {shown(value)}")
 
 
-def check_int(name: str, value: Any, *, low: int = 1, optional: bool = False) -> None:
-    """An integer ``>= low`` (or ``None`` when ``optional``); a bool is not an integer here,
-    a numpy integer is (:func:`python_number`).
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float: an int past float's range (``10**400``) is not,
+    as ``float()`` (and everything downstream that computes with it) cannot take it."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, but an integer of more than 30 digits by its size (``10**400``
+    would fill a screen)."""
+    text = repr(value)
+    if isinstance(value, int) and len(text) > 30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return text
+
+
+def check_int(
+    name: str, value: Any, *, low: int = 1, high: int = INT64_MAX, optional: bool = False
+) -> None:
+    """An integer in ``[low, high]`` (or ``None`` when ``optional``); a bool is not an
+    integer here, a numpy integer is (:func:`python_number`).
 
     Raises:
-        ValueError: Otherwise.
+        ValueError: Otherwise (the message names ``high`` only where it was passed).
     """
     if optional and value is None:
         return
     value = python_number(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        allowed = f"{'None or ' if optional else ''}an integer >= {low}"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    integer = isinstance(value, int) and not isinstance(value, bool)
+    if not integer or value < low or value > high:
+        within = f"in [{low}, {_bound(high)}]" if integer and value > high else f">= {low}"
+        allowed = f"{'None or ' if optional else ''}an integer {within}"
+        raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
+
+
+def _bound(high: int) -> str:
+    return "2**63 - 1" if high == INT64_MAX else str(high)
 
 
 def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
@@ -212,10 +242,13 @@ def check_patterns(name: str, value: Any) -> tuple[str, ...]:
     """Regular expressions, from one string or a sequence of them, as a tuple.
 
     Raises:
-        TypeError: If ``value`` is not a string or a sequence of strings.
+        TypeError: If ``value`` is not a string or a sequence of strings (a mapping is
+            not one: its keys would be read as the patterns).
         ValueError: For a string that is not a regular expression.
     """
     message = f"{name} must be a string or a sequence of regex strings"
+    if isinstance(value, Mapping):
+        raise TypeError(f"{message}, got {type(value).__name__}")
     if isinstance(value, str):
         value = (value,)
     try:

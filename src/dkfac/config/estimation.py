@@ -19,6 +19,7 @@ from dkfac.config.checks import (
     check_int,
     check_patterns,
     python_numbers,
+    shown,
 )
 from dkfac.config.schedules import Schedule, check_schedules
 
@@ -140,7 +141,7 @@ class EstimationConfig:
         check_int("factor_batch_size", self.factor_batch_size, optional=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
-        check_int("seed", self.seed, low=0)
         if self.seed >= SEED_END:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
+        check_int("seed", self.seed, low=0)
         check_bool("unitwise_bn", self.unitwise_bn)

@@ -22,6 +22,7 @@ from dkfac.config.checks import (
     check_patterns,
     check_range,
     python_numbers,
+    shown,
 )
 from dkfac.config.schedules import Schedule, check_schedules
 from dkfac.solvers import (
@@ -74,6 +75,10 @@ UNREAD_WITHOUT_MOMENTS = (
 ORTHOGONAL_RMS = 1.5
 """Default RMS entry of an orthogonalised update per unit of learning rate (the language-model
 recipe's)."""
+ORTHOGONAL_STEPS_MAX = 100
+"""The most Newton–Schulz steps of an orthogonalised update: from the fifth step on the
+quintic iteration keeps the singular values in a band about one, without converging further
+(:mod:`dkfac.solvers.polar`), so more steps only cost time (``2**62`` of them never end)."""
 LeftoverUpdate = Literal["auto", "gradient", "adam"]
 LEFTOVER_UPDATES: tuple[str, ...] = get_args(LeftoverUpdate)
 CompileMoments = Literal["auto", "off", "inductor", "aot_eager"]
@@ -190,7 +195,7 @@ class SolverConfig:
             that ``ΔW·a`` has about the same size in every layer and at every step
             (:mod:`dkfac.engine.input_rms`). False (default): the same length for every
             layer. True without ``orthogonal_layers`` is an error.
-        orthogonal_steps: Newton–Schulz steps (>= 1) of that polar factor (default 5,
+        orthogonal_steps: Newton–Schulz steps (1 to 100) of that polar factor (default 5,
             Muon's); three cost 3/5 of the flops and leave the smallest singular values
             short of one (:mod:`dkfac.solvers.polar`), enough after the eigenbasis
             preconditioning. A value other than the default without
@@ -316,7 +321,7 @@ class SolverConfig:
         patterns = check_patterns("orthogonal_layers", self.orthogonal_layers)
         object.__setattr__(self, "orthogonal_layers", patterns)
         check_range("orthogonal_rms", self.orthogonal_rms, low=0.0)
-        check_int("orthogonal_steps", self.orthogonal_steps)
+        check_int("orthogonal_steps", self.orthogonal_steps, high=ORTHOGONAL_STEPS_MAX)
         for name in ("orthogonal_split", "orthogonal_rms_power"):
             check_range(
                 name,
@@ -354,7 +359,7 @@ class SolverConfig:
             except ValueError:
                 raise ValueError(
                     f"basis_block_size must be None, {BLOCK_WIDTHS!r} or an integer >= 1, "
-                    f"got {block!r}"
+                    f"got {shown(block)}"
                 ) from None
         if isinstance(block, int) and widest is not None and block >= widest:
             raise ValueError(

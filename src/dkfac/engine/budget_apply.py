@@ -40,13 +40,13 @@ def make_budget(
     """The overhead budget of a preconditioner built with ``config`` (``None``: no budget).
 
     Args:
-        overhead: The most overhead over the training step (>= 0), or ``None``.
+        overhead: The most overhead over the training step (> 0), or ``None``.
         config: The preconditioner's configuration.
         options: The keyword options it was given: a budgeted option among them, or one
             ``config`` sets to other than its default, is the user's and kept.
 
     Raises:
-        ValueError: For an ``overhead`` that is not a finite number >= 0 (TypeError: not a
+        ValueError: For an ``overhead`` that is not a finite number > 0 (TypeError: not a
             number).
     """
     if overhead is None:

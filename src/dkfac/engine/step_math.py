@@ -429,24 +429,28 @@ def kl_clip_scale(
         by_rate.setdefault(lr[name] if isinstance(lr, Mapping) else lr, []).extend(
             (finals[name], raw)
         )
-    like = finals[ready[0]]
     # min(1, √(κ / max(|s|, 1e-30))) as 1 / √max(|s| / κ, 1, 1e-30 / κ), s = Σ lr² ⟨V, ∇W⟩.
     # lr² / κ is capped at the sum's largest number (lr ** 2 raises past 1.3e154, and an
-    # infinite factor times a zero sum is NaN): a larger one clips the step to zero.
+    # infinite factor times a zero sum is NaN): a larger one clips the step to zero. So is
+    # the floor (1e-30 / κ passes float32's range from κ = 3e-69 on; clamp_ refused it).
+    like = finals[ready[0]]
     floor = max(1.0, 1e-30 / kl_clip)
     parts = {
         rate: sum_of_products(pairs[0::2], pairs[1::2], like) for rate, pairs in by_rate.items()
     }
     if not isinstance(lr, Mapping):
         partial = parts.get(lr, sum_of_products([], [], like))
-        factor = min(lr * lr / kl_clip, torch.finfo(partial.dtype).max)
-        return strategy.reduce_kl(partial).abs().mul_(factor).clamp_(min=floor).rsqrt_()
+        largest = torch.finfo(partial.dtype).max
+        factor = min(lr * lr / kl_clip, largest)
+        clipped = strategy.reduce_kl(partial).abs().mul_(factor)
+        return clipped.clamp_(min=min(floor, largest)).rsqrt_()
     weighted = [
         part.mul_(min(rate * rate / kl_clip, torch.finfo(part.dtype).max))
         for rate, part in parts.items()
     ]
     partial = torch.stack(weighted).sum() if weighted else sum_of_products([], [], like)
-    return strategy.reduce_kl(partial).abs().clamp_(min=floor).rsqrt_()
+    largest = torch.finfo(partial.dtype).max
+    return strategy.reduce_kl(partial).abs().clamp_(min=min(floor, largest)).rsqrt_()
 
 
 def sum_of_products(
