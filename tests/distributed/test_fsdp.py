@@ -430,15 +430,15 @@ def test_a_local_mode_checkpoint_keeps_the_factors_and_recomputes_each_ranks_sta
     assert results[0]["before"] != results[1]["before"]  # e.g. conv: 2 and 1 rows of 3
 
 
-def _block_diagonal_g(parts: int) -> Any:
+def _block_diagonal_g(parts: int, whole: frozenset[str] = frozenset()) -> Any:
     """Serial K-FAC with each Linear / Conv2d layer's ``G`` block-diagonal: the blocks of
     the rows ``torch.chunk`` gives ``parts`` shards, the rest zeroed (the oracle of the
-    local mode)."""
+    local mode); the layers in ``whole`` keep their ``G`` whole."""
     original = LayerState.solver_inputs
 
     def solver_inputs(self: LayerState) -> dict[str, Any]:
         inputs = original(self)
-        if not self.block.rows_are_outputs:
+        if not self.block.rows_are_outputs or self.name in whole:
             return inputs
         g = inputs["G"]
         chunk = math.ceil(g.shape[0] / parts)

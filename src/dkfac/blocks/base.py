@@ -342,7 +342,8 @@ class Block(ABC):
         assert isinstance(weight, Tensor)
         if weight.grad is None:
             return None
-        grad = weight.grad.reshape(weight.shape[0], -1)
+        # the columns named: a rank's shard of a layer may hold no rows (0 × -1 is ambiguous)
+        grad = weight.grad.reshape(weight.shape[0], math.prod(weight.shape[1:]))
         if self.has_bias:
             bias = self.module.bias
             assert isinstance(bias, Tensor)

@@ -67,7 +67,8 @@ class DistributionConfig:
             whole (the serial update); ``"local"`` has each rank precondition its own rows
             of each Linear / Conv2d layer with the full ``A`` and its own diagonal block of
             ``G`` (no gradient traffic; the serial update with a block-diagonal ``G``),
-            other layers whole as under ``"exact"``. ``"local"`` needs a sharded model and
+            other layers (and those of ``orthogonal_layers``) whole as under
+            ``"exact"``. ``"local"`` needs a sharded model and
             ``strategy="replicated"`` (or ``"auto"``, which then takes it).
     """
 

@@ -27,7 +27,13 @@ from dkfac.distributed.strategies import Strategy
 from dkfac.engine.capture import FactorCapture, rank_mean
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.leftover import LeftoverAdam
-from dkfac.engine.registration import create_layers, ddp_wrapper, rows_rule, unwrap
+from dkfac.engine.registration import (
+    create_layers,
+    ddp_wrapper,
+    orthogonal_layers,
+    rows_rule,
+    unwrap,
+)
 from dkfac.engine.roles import block_roles, layer_roles
 from dkfac.engine.strategy_choice import build_strategy, local_layers
 
@@ -80,10 +86,17 @@ def place_blocks(
         else layout.attach(
             strategy,
             {name: b.parameter_parts() for name, b in blocks.items()},
-            local_layers(config, blocks),
+            local_layers(config, blocks, _orthogonalised(model, blocks, config)),
         )
     )
     return Placement(comm, layout, strategy, delivery)
+
+
+def _orthogonalised(model: nn.Module, blocks: Mapping[str, Block], config: KFACConfig) -> set[str]:
+    """The layers whose updates are orthogonalised, where the local mode needs to know."""
+    if config.shard_exchange != "local" or not config.orthogonal_layers:
+        return set()
+    return orthogonal_layers(blocks, config, layer_roles(unwrap(model)))
 
 
 def join_layers(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -66,10 +66,13 @@ def build_strategy(
     )
 
 
-def local_layers(config: KFACConfig, blocks: Mapping[str, Block]) -> list[str]:
+def local_layers(
+    config: KFACConfig, blocks: Mapping[str, Block], orthogonal: Collection[str] = ()
+) -> list[str]:
     """The layers ``shard_exchange="local"`` has each rank precondition on its own rows:
-    those whose rows are output rows (:attr:`~dkfac.blocks.base.Block.rows_are_outputs`);
-    none under ``"exact"``.
+    those whose rows are output rows (:attr:`~dkfac.blocks.base.Block.rows_are_outputs`)
+    and whose update is not orthogonalised (``orthogonal``: a polar factor couples every
+    row of the update, so those layers are preconditioned whole); none under ``"exact"``.
 
     Raises:
         ValueError: For ``"local"`` with ``basis_block_size`` (its ``G`` blocks would not
@@ -83,7 +86,9 @@ def local_layers(config: KFACConfig, blocks: Mapping[str, Block]) -> list[str]:
             "blocks do not line up with: leave basis_block_size=None, or use "
             'shard_exchange="exact"'
         )
-    return [name for name, block in blocks.items() if block.rows_are_outputs]
+    return [
+        name for name, block in blocks.items() if block.rows_are_outputs and name not in orthogonal
+    ]
 
 
 def _local_rows_strategy(
