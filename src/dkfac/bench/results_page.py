@@ -137,7 +137,7 @@ DEFAULT_TASKS = {
     "language model": ("lm", "lm_gpt_default_v13.json"),
 }
 TTA_TEN_SEEDS = "tta_digits_default_v12_seeds10.json"
-SUITE = "suite_default_v17.json"
+SUITE = "suite_default_v19.json"
 WIDE_SIDES = "one_sided_memory.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 GROUPED = "grouped_conv_digits.json"
