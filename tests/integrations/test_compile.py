@@ -141,3 +141,29 @@ def test_layer_name_options_take_the_eager_names_on_a_compiled_model() -> None:
         _steps(model, opt, range(2))
     assert rows[0] == rows[1]
     assert any(name == "2" and "orthogonal" in method for name, method in rows[1])
+
+
+def test_a_compiled_model_captures_at_every_step() -> None:
+    """Factors every step (``overhead=None``) on a model compiled after the optimizer was
+    built (as the Trainer's ``torch_compile=True`` does): every step captures its batch, and
+    the weights are the eager run's. The capture hooks run eagerly (a traced gradient
+    hook on an intermediate tensor would drop their statistics: nothing captured, 1e-2
+    apart after one step)."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        net = _normed()
+        opt = KFACOptimizer.for_model(net, lr=0.01, overhead=None)
+        model = torch.compile(net, backend="aot_eager") if compiled else net
+        captured = []
+        for step in range(4):
+            gen = torch.Generator().manual_seed(10 + step)
+            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            captured.append(opt.preconditioner.capture.captured_batch)
+            opt.step()
+        assert captured == [8] * 4
+        runs.append(net)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

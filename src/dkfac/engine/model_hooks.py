@@ -12,6 +12,9 @@ with other tensors as its parameters (a teacher's or an inner loop's weights), a
 ``torch.func`` transforms (``vmap(grad(...))``: per-sample gradients). Those forwards are
 not the model's (:func:`runs_as_the_model`): their statistics would be another network's,
 and a transform's tensors cannot outlive it.
+
+Under ``torch.compile`` every such hook runs eagerly (:func:`compiler_disabled`): the
+statistics are Python state, which a hook traced into a graph would drop.
 """
 
 from __future__ import annotations
@@ -22,6 +25,20 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+_EAGER_REASON = (
+    "dkfac's hooks on the model run eagerly: they keep statistics in Python state, which a "
+    "compiled graph drops (compile without fullgraph=True)"
+)
+
+
+def compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compiler.disable`` (with :data:`_EAGER_REASON` where torch takes
+    a reason): dynamo never traces it, it runs eagerly."""
+    try:
+        return torch.compiler.disable(fn, reason=_EAGER_REASON)
+    except TypeError:  # a torch without ``reason=``
+        return torch.compiler.disable(fn)
 
 
 class ModelHook:
@@ -43,6 +60,13 @@ class ModelHook:
     def __call__(self, *args: Any) -> None:
         if self.fn is not None:
             self.fn(*args)
+
+    # Run eagerly under torch.compile: dynamo traces the hooks of a module it inlines, and
+    # a gradient hook registered on an intermediate tensor in a traced region becomes a
+    # graph of tensor operations whose Python side effects (the capture's statistics) are
+    # dropped: a compiled model would capture nothing. A disabled call is a graph break
+    # (``fullgraph=True`` refuses it, with this reason).
+    __call__ = compiler_disabled(__call__)
 
     def __reduce__(self) -> tuple[type[ModelHook], tuple[None]]:
         return ModelHook, (None,)
