@@ -30,6 +30,7 @@ Placement has two parts:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -78,14 +79,14 @@ def assign_lpt(costs: Mapping[str, float], world_size: int) -> dict[str, int]:
         value = float(cost)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"costs[{name!r}] must be finite and >= 0, got {cost!r}")
-    loads = [0.0] * world_size
-    counts = [0] * world_size
+    # a heap of (load, layers held, rank): its top is the rank the rule picks, so a plan
+    # for many ranks costs O(layers · log ranks), not O(layers · ranks)
+    ranks = [(0.0, 0, r) for r in range(world_size)]
     owners: dict[str, int] = {}
     for name in sorted(costs, key=lambda n: (-float(costs[n]), n)):
-        rank = min(range(world_size), key=lambda r: (loads[r], counts[r], r))
+        load, count, rank = ranks[0]
         owners[name] = rank
-        loads[rank] += float(costs[name])
-        counts[rank] += 1
+        heapq.heapreplace(ranks, (load + float(costs[name]), count + 1, rank))
     return {name: owners[name] for name in costs}
 
 
