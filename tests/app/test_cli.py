@@ -276,6 +276,21 @@ def test_dkfac_keeps_what_is_given_and_its_resolved_config_runs_the_same(
         ("lr = \n", "not valid TOML"),
         ("[kfac]\ndamping = 0.1\n", "tables are not supported"),
         ("damping = -1.0\n", "damping must be in"),
+        ("skip_layers = 3\n", "skip_layers must be a string or a list of them, got 3"),
+        ("skip_layers = [3]\n", "skip_layers must be a string or a list of them, got 3"),
+        ('skip_layers = ["^fc", true]\n', "skip_layers must be a string or a list of them"),
+        ("orthogonal_layers = 1.5\n", "orthogonal_layers must be a string or a list of them"),
+        ('damping = "0.1"\n', "damping must be a number, got '0.1'"),
+        ('lr = "0.1"\n', "lr must be a number, got '0.1'"),
+        ('moment_beta2 = "0.9"\n', "moment_beta2 must be a number, got '0.9'"),
+        ("seed = true\n", "seed must be an integer, got True"),
+        ("epochs = 2.5\n", "epochs must be an integer, got 2.5"),
+        ('milestones = ["1"]\n', "milestones must be a number or a list of them, got '1'"),
+        ('pack_triangles = "true"\n', "pack_triangles must be true, false or \"none\", got 'true'"),
+        ("basis_block_size = 2.5\n", "basis_block_size must be an integer or a string, got 2.5"),
+        ("method = 3\n", "method must be a string, got 3"),
+        ("out = 3\n", "out must be a string, got 3"),
+        ("damping_schedule = 3\n", "damping_schedule must be a string, got 3"),
     ],
 )
 def test_bad_config_files_exit_2(
@@ -285,6 +300,7 @@ def test_bad_config_files_exit_2(
     cfg.write_text(text)
     code, err = _exit_code(["train", "--config", str(cfg)], capsys)
     assert code == 2 and message in err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
 
 
 def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

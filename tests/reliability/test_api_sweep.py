@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
-from tests.reliability.cli_runs import last_line, run_cli
 
 HUGE = 10**400
 """An int past float's range."""
@@ -128,37 +127,6 @@ def test_a_tiny_kl_clip_clips_to_almost_no_step(kl_clip: float) -> None:
     _train(KFACOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), pre), model)
     moved = max((p - b).abs().max().item() for p, b in zip(model.parameters(), before, strict=True))
     assert moved < 1e-12  # clipped to ~1 / sqrt(float32's largest number) of the step
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("skip_layers = 3", "skip_layers must be a string or a list of them, got 3"),
-        ("skip_layers = [3]", "skip_layers must be a string or a list of them, got 3"),
-        ('skip_layers = ["^fc", true]', "skip_layers must be a string or a list of them, got True"),
-        ("orthogonal_layers = 1.5", "orthogonal_layers must be a string or a list of them"),
-        ('damping = "0.1"', "damping must be a number, got '0.1'"),
-        ('lr = "0.1"', "lr must be a number, got '0.1'"),
-        ('moment_beta2 = "0.9"', "moment_beta2 must be a number, got '0.9'"),
-        ("seed = true", "seed must be an integer, got True"),
-        ("epochs = 2.5", "epochs must be an integer, got 2.5"),
-        ('milestones = ["1"]', "milestones must be a number or a list of them, got '1'"),
-        ('pack_triangles = "true"', "pack_triangles must be true, false or \"none\", got 'true'"),
-        ("basis_block_size = 2.5", "basis_block_size must be an integer or a string, got 2.5"),
-        ("method = 3", "method must be a string, got 3"),
-        ("out = 3", "out must be a string, got 3"),
-        ("damping_schedule = 3", "damping_schedule must be a string, got 3"),
-    ],
-)
-def test_a_config_file_value_of_another_type_is_one_line_and_exit_2(
-    text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    config = tmp_path / "bad.toml"
-    config.write_text(text + "\n")
-    code, err = run_cli(["train", "--config", str(config), "--out", str(tmp_path / "r")], capsys)
-    assert code == 2, err
-    assert message in last_line(err), err
-    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(
