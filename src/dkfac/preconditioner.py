@@ -74,6 +74,7 @@ from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_checks import StateHold
 from dkfac.engine.refresh_step import mark_due, refresh_report
 from dkfac.engine.registration import other_parameters, register, unwrap
+from dkfac.engine.roles import layer_roles
 from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
 from dkfac.engine.step_math import update_inverses
@@ -171,7 +172,8 @@ class KFACPreconditioner:
         self._hooks = HookOwnership(self, {name: b.module for name, b in blocks.items()})
         self._hooks.add(self.capture)
         self._marks = GradientMarks()
-        placement = place_blocks(model, blocks, config, process_group)
+        roles = layer_roles(unwrap(model))  # read off the graph once, for both below
+        placement = place_blocks(model, blocks, config, process_group, roles)
         self.comm = placement.comm
         self.layout: ShardedLayout | None = placement.layout
         self.strategy: Strategy = placement.strategy
@@ -179,7 +181,9 @@ class KFACPreconditioner:
         """Delivers the preconditioned gradients and adds the KL-clip sum: the strategy, or
         the sharded layout's owner exchange (:mod:`~dkfac.distributed.shard_exchange`)."""
         self.layers: dict[str, LayerState]
-        self.layers, self._roles = join_layers(model, blocks, config, placement, self.capture)
+        self.layers, self._roles = join_layers(
+            model, blocks, config, placement, self.capture, roles
+        )
         self.late = LateLayers(self.layers)
         self._eval_mode = EvalModeLayers()
         self._set_block_steps()

@@ -34,7 +34,7 @@ from dkfac.engine.registration import (
     rows_rule,
     unwrap,
 )
-from dkfac.engine.roles import block_roles, layer_roles
+from dkfac.engine.roles import block_roles
 from dkfac.engine.strategy_choice import build_strategy, local_layers
 
 __all__ = ["Placement", "adopt_parameters", "join_layers", "leftover_for", "place_blocks"]
@@ -57,9 +57,11 @@ def place_blocks(
     blocks: Mapping[str, Block],
     config: KFACConfig,
     process_group: Any | None,
+    roles: Mapping[str, str],
 ) -> Placement:
     """The communicator of ``process_group``, the model's layout and the strategy for
-    ``blocks`` (:func:`~dkfac.engine.strategy_choice.build_strategy`).
+    ``blocks`` (:func:`~dkfac.engine.strategy_choice.build_strategy`); ``roles`` are the
+    model's :func:`~dkfac.engine.roles.layer_roles` (which layers are orthogonalised).
 
     Raises:
         ValueError: For a sharded model K-FAC cannot take, or a strategy that cannot take
@@ -86,17 +88,19 @@ def place_blocks(
         else layout.attach(
             strategy,
             {name: b.parameter_parts() for name, b in blocks.items()},
-            local_layers(config, blocks, _orthogonalised(model, blocks, config)),
+            local_layers(config, blocks, _orthogonalised(blocks, config, roles)),
         )
     )
     return Placement(comm, layout, strategy, delivery)
 
 
-def _orthogonalised(model: nn.Module, blocks: Mapping[str, Block], config: KFACConfig) -> set[str]:
+def _orthogonalised(
+    blocks: Mapping[str, Block], config: KFACConfig, roles: Mapping[str, str]
+) -> set[str]:
     """The layers whose updates are orthogonalised, where the local mode needs to know."""
     if config.shard_exchange != "local" or not config.orthogonal_layers:
         return set()
-    return orthogonal_layers(blocks, config, layer_roles(unwrap(model)))
+    return orthogonal_layers(blocks, config, roles)
 
 
 def join_layers(
@@ -105,8 +109,10 @@ def join_layers(
     config: KFACConfig,
     placement: Placement,
     capture: FactorCapture,
+    roles: Mapping[str, str],
 ) -> tuple[dict[str, LayerState], dict[str, str]]:
-    """Every block's layer state, attached to the capture hooks; the layers' roles.
+    """Every block's layer state, attached to the capture hooks; the layers' roles
+    (``roles``: the model's :func:`~dkfac.engine.roles.layer_roles`, per block).
 
     The capture averages over the ranks where the strategy gathers statistics, each layer
     captures what its strategy says it keeps, and under the sharded layout's local mode
@@ -116,7 +122,6 @@ def join_layers(
     gathered = 1 if strategy.factor_reduction == "none" else strategy.world_size
     if gathered > 1 and placement.comm.active:
         capture.rank_mean = functools.partial(rank_mean, placement.comm)
-    roles = layer_roles(unwrap(model))
     layers = create_layers(blocks, config, rows_rule(config, gathered), roles)
     if placement.layout is not None:  # shard_exchange="local": each rank its rows' G block
         for name, rows in placement.layout.local_rows().items():
