@@ -142,6 +142,7 @@ WIDE_SIDES = "one_sided_memory.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 GROUPED = "grouped_conv_digits.json"
 UNSEEN = "unseen_families.json"
+STEP_ANATOMY = "step_anatomy.json"
 GROUPED_MODELS = {"convnext": "ConvNeXt-like", "mobilenet": "MobileNet-like"}
 SOAK_RUNS = {
     "eigen": "soak-digits-2ranks.json",
@@ -209,7 +210,9 @@ def _suite_values(p: Payloads) -> dict[str, Any]:
         return float(table["dkfac"]["raw_median_seconds"]) / best
 
     raws = {family: raw(family) for family in tasks}
+    anatomy = _anatomy_values(p[STEP_ANATOMY]["families"])
     return {
+        **anatomy,
         "raw_wins": sum(ratio <= 1.0 for ratio in raws.values()),
         "raw_ratios": ", ".join(f"{family} {f(ratio)}" for family, ratio in raws.items()),
         "gpt_seeds": seeds("gpt"),
@@ -221,6 +224,23 @@ def _suite_values(p: Payloads) -> dict[str, Any]:
         "step_wins": sum(v["steps_at_most_fewest_peer"] for v in verdicts),
         "within": sum(v["step_within_budget"] for v in verdicts),
     }
+
+
+def _anatomy_values(families: dict[str, Any]) -> dict[str, str]:
+    """The MLP's and the autoencoder's step split (``step_anatomy.json``), as fractions of
+    AdamW's whole step in the same run: the products alone, the step at that cost, the rest
+    of the default's extra, and the step in the launch-bound forms."""
+    values = {}
+    for family, key in (("mlp", "mlp"), ("autoencoder", "ae")):
+        record = families[family]
+        adamw = record["adamw"]["total_ms"]
+        algebra = record["algebra_ms"] / adamw
+        extra = record["dkfac"]["total_ms"] / adamw - 1.0
+        values[f"{key}_algebra"] = f"{algebra:.0%}"
+        values[f"{key}_floor"] = f(1.0 + algebra)
+        values[f"{key}_host"] = f"{extra - algebra:.0%}"
+        values[f"{key}_launch"] = f(record["launch_bound_forms"]["total_vs_adamw"])
+    return values
 
 
 def _unseen_values(p: Payloads) -> dict[str, Any]:
@@ -392,7 +412,7 @@ ratios move by several hundredths.
     ),
     Section(
         title="The default on six model families",
-        sources=(SUITE, SUITE_ALL_PEERS),
+        sources=(SUITE, SUITE_ALL_PEERS, STEP_ANATOMY),
         text="""
 `KFACOptimizer.for_model(model)` with only its lr swept, on small models no recipe was tuned
 for (`dkfac bench suite`): a vision transformer, a residual CNN with BatchNorm, an MLP with
@@ -415,8 +435,15 @@ that meet their targets). Muon at its best rate takes fewer
 steps than the default on the autoencoder (split 0: {ae_muon_seeds} against the default's
 {ae_seeds}) at {ae_muon_step} of its step, and is level with it in time on the CNN: run to
 run, a step's ratio moves by about ±10% on this machine. On the MLP and the
-autoencoder, whose layers are 16 to 256 wide at batch 256, the rotations and the
-orthogonalisation of every step cost more than the training step itself. The GPT is
+autoencoder, whose layers are 16 to 256 wide at batch 256, the products of the
+preconditioning alone (the rotations into and out of the bases and the Newton–Schulz steps,
+timed apart on tensors of the layers' shapes: `benchmarks/probes/step_anatomy.py`) cost
+{mlp_algebra} and {ae_algebra} of AdamW's whole step, so a step that paid nothing else
+would already be {mlp_floor}× and {ae_floor}× AdamW's; the host's work around them (Python
+and small tensor operations: the statistics, the leftover Adam, the hooks, the checks)
+costs {mlp_host} and {ae_host} more. The engine's forms for a launch-bound GPU (one flat
+pass over the groups' moments, one batched polar iteration, multi-tensor checks) make the
+CPU's step slower, not faster: {mlp_launch}× and {ae_launch}× AdamW's. The GPT is
 evaluated every 5 steps: on split 0 its seeds reached the target at {gpt_seeds} steps, so
 one seed moving by one evaluation moves the median by 5.
 By the runs' own clocks instead (split 0, the median over seeds), which include each
