@@ -60,6 +60,7 @@ from dkfac.engine.guards import (
     HookOwnership,
     check_parameters_kept,
     placements,
+    refuse_unhooked_forward,
     warn_if_moved,
 )
 from dkfac.engine.introspection import describe_table, memory_usage, running_factors
@@ -351,8 +352,11 @@ class KFACPreconditioner:
                 gradients since the last step (they are already preconditioned), or when
                 the model was sharded with ``fully_shard`` after it was built, when a
                 layer's module holds other parameters than at the build (replaced since:
-                :func:`~dkfac.engine.guards.check_parameters_kept`), or inside
-                ``torch.distributed.algorithms.join.Join`` without
+                :func:`~dkfac.engine.guards.check_parameters_kept`), when no registered
+                layer's forward ran through the hooks since the last step while the layers
+                have gradients (a graph ``torch.compile`` captured before the hooks were
+                put on: :func:`~dkfac.engine.guards.refuse_unhooked_forward`; not at the
+                first step), or inside ``torch.distributed.algorithms.join.Join`` without
                 ``throw_on_early_termination=True`` (:mod:`~dkfac.engine.join_check`).
             ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not
                 name exactly the registered layers (TypeError: not a number).
@@ -364,9 +368,13 @@ class KFACPreconditioner:
         if self.layout is None:
             refuse_late_sharding(params)
         check_parameters_kept(self._registered, params)
-        if not self._settled:  # the first step (also of a resumed run)
+        first = not self._settled  # the first step (also of a resumed run)
+        if first:
             self._settle_device(params)
         self._marks.check(params)
+        if not first:  # the first one's gradients may come from a forward before the build
+            refuse_unhooked_forward(self.capture.ran_since_step, self.capture.counter.seen)
+        self.capture.ran_since_step = False
         if self.budget is not None and self.budget.choice is None:
             local = self.strategy.factor_reduction == "none"  # dp: an owner's own rows
             apply_budget_bases(self.budget, self.layers, self.config, self.comm, local)

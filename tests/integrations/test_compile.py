@@ -167,3 +167,70 @@ def test_a_compiled_model_captures_at_every_step() -> None:
         runs.append(net)
     for p, q in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def _warmed(other_instance: bool) -> tuple[nn.Module, nn.Module]:
+    """``(net, compiled net)``, a graph already compiled without dkfac's hooks: by a forward
+    of the compiled net itself, or of another compiled instance of its class."""
+    torch._dynamo.reset()
+    net = _net()
+    model = torch.compile(net, backend="aot_eager")
+    warm = torch.compile(_net(), backend="aot_eager") if other_instance else model
+    warm(torch.randn(8, 6)).sum()  # a forward with gradients on: a training-mode graph
+    return net, model
+
+
+@pytest.mark.parametrize("other_instance", [False, True])
+def test_a_graph_compiled_before_the_hooks_is_refused(other_instance: bool) -> None:
+    """Dynamo does not look for module hooks added after it compiled a graph, and reuses a
+    graph of another instance of the class: a compiled model that ran before the optimizer
+    was built (or whose class did) ran without the hooks, silently, each layer's gradient
+    reaching the inner SGD plain. Its second step is refused, before anything changes, and
+    the remedy the message gives (``torch.compiler.reset()``) makes every step capture."""
+    net, model = _warmed(other_instance)
+    opt = KFACOptimizer.for_model(model, lr=0.01, overhead=None)
+    gen = torch.Generator().manual_seed(3)
+
+    def backward() -> int:
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        return opt.preconditioner.capture.captured_batch
+
+    assert backward() == 0  # the first step: its forward may have run before the build
+    opt.step()
+    assert backward() == 0
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match=r"torch\.compiler\.reset\(\)"):
+        opt.step()
+    for p, q in zip(net.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+    torch.compiler.reset()
+    for _ in range(3):
+        assert backward() == 8
+        opt.step()
+    assert all(layer.solver_state is not None for layer in opt.preconditioner.layers.values())
+
+
+def test_layers_applied_without_being_called_are_refused() -> None:
+    """A model whose parent applies every registered layer's weight itself (no hook ever
+    runs) would get no K-FAC at all: refused at its second step, naming skip_layers."""
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.inner.weight, self.inner.bias)
+
+    model = Functional()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    for step in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+        if step:
+            with pytest.raises(RuntimeError, match="skip_layers"):
+                opt.step()
+        else:
+            opt.step()

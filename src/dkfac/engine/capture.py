@@ -164,6 +164,9 @@ class FactorCapture:
         self._mc_roots: list[GradientEdge] = []
         self._warned_missing: set[str] = set()
         self.ran: set[int] = set()  # ids of the layers whose forward has ever run
+        # a layer's forward ran through the hooks since the last step (not cleared when a
+        # backward is discarded: a forward may have run before that zero_grad)
+        self.ran_since_step = False
         self._handles: list[Any] = []
         self.counter = BackwardCounter()
         self._pass = _ForwardPass()  # the forward pass being captured
@@ -198,6 +201,7 @@ class FactorCapture:
 
         def ran_with_hook(*_: Any) -> None:
             self.ran.add(id(layer))
+            self.ran_since_step = True
             current = layer.block.parameters()
             if runs_as_the_model(registered, current):
                 self.counter.note_forward(current)

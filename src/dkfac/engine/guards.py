@@ -39,6 +39,7 @@ __all__ = [
     "claim_modules",
     "name_list",
     "placements",
+    "refuse_unhooked_forward",
     "release_modules",
     "warn_if_moved",
 ]
@@ -244,6 +245,31 @@ def check_parameters_kept(
             "device, load_state_dict(..., assign=True), a weight tied or set anew), and the "
             "optimizer would step the old ones; build it once the model's parameters are final"
         )
+
+
+def refuse_unhooked_forward(ran: bool, backward: bool) -> None:
+    """Raises RuntimeError where a backward reached the registered layers' parameters since
+    the last step (``backward``) while no registered layer's forward ran through the
+    preconditioner's hooks (``ran``): K-FAC would capture and precondition nothing.
+
+    The model then runs without the hooks: a graph ``torch.compile`` captured before the
+    hooks were put on (dynamo reuses it, for this model or for another instance of its
+    class in the process, and does not look for module hooks added since), or a parent that
+    applies the layers' weights without calling the layers. Not for gradients set by hand
+    (no backward), nor at a preconditioner's first step, whose gradients may come from a
+    forward run before it was built.
+    """
+    if ran or not backward:
+        return
+    raise RuntimeError(
+        "no registered layer's forward ran through dkfac's hooks since the last step, yet "
+        "a backward reached their parameters: K-FAC would capture and precondition nothing. "
+        "A model compiled with torch.compile runs the graph dynamo captured at its first "
+        "forward (or another instance of its class did, in this process), which has no hooks "
+        "added since: build the optimizer before the compiled model's first forward, or call "
+        "torch.compiler.reset() after building it. A model that applies the layers' weights "
+        "without calling the layers: leave them to the inner optimizer (skip_layers)"
+    )
 
 
 Placement = tuple[torch.device, torch.dtype]

@@ -78,7 +78,9 @@ class LateLayers:
                 self.unrun.add(name)
                 logger.warning(
                     "layer %s has a gradient but its forward has never run: its weight is "
-                    "used outside it (by its parent, functionally), so K-FAC captures no "
+                    "used outside it (by its parent, functionally), or it runs inside a graph "
+                    "torch.compile captured before the optimizer was built (call "
+                    "torch.compiler.reset() after building it), so K-FAC captures no "
                     "factors for it and its gradient reaches the inner optimizer plain (no "
                     "Adam's direction under eigen_adam); list it in skip_layers (with any "
                     "layer tied to it) to give it the leftover update",
