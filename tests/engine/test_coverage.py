@@ -146,6 +146,26 @@ def test_a_reparametrised_weight_is_left_to_the_inner_optimizer_with_its_reason(
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
+def test_a_pruned_weight_is_left_to_the_inner_optimizer_with_its_reason() -> None:
+    """``torch.nn.utils.prune`` computes the weight as ``weight_orig * weight_mask`` in a
+    forward pre-hook: declined, the reason naming it, and the pruned entries stay zero."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    reasons = {r["name"]: r.get("reason") for r in opt.preconditioner.describe()}
+    assert set(opt.preconditioner.layers) == {"2"}
+    assert "torch.nn.utils.prune" in reasons["0.weight_orig"]
+    x = torch.randn(16, 4)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), torch.arange(16) % 2).backward()
+        opt.step()
+    assert bool((model[0].weight[model[0].weight_mask == 0] == 0).all())
+
+
 class _Symmetric(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.triu() + x.triu(1).T

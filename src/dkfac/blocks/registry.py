@@ -200,7 +200,10 @@ def computed_weight(module: nn.Module) -> str | None:
         )
     weight = getattr(module, "weight", None)
     if isinstance(weight, Tensor) and not isinstance(weight, nn.Parameter):
-        return "its weight is computed, not a parameter (old-style weight_norm?): not supported"
+        return (
+            "its weight is computed, not a parameter (by a forward pre-hook: "
+            "torch.nn.utils.prune, the old torch.nn.utils.weight_norm): not supported"
+        )
     return None
 
 
