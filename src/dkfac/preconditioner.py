@@ -353,10 +353,10 @@ class KFACPreconditioner:
                 the model was sharded with ``fully_shard`` after it was built, when a
                 layer's module holds other parameters than at the build (replaced since:
                 :func:`~dkfac.engine.guards.check_parameters_kept`), when no registered
-                layer's forward ran through the hooks since the last step while the layers
-                have gradients (a graph ``torch.compile`` captured before the hooks were
-                put on: :func:`~dkfac.engine.guards.refuse_unhooked_forward`; not at the
-                first step), or inside ``torch.distributed.algorithms.join.Join`` without
+                layer's forward ran through the hooks since the last step while a backward
+                reached their parameters (a graph ``torch.compile`` captured before the
+                hooks were put on: :func:`~dkfac.engine.guards.refuse_unhooked_forward`;
+                not at the first step), or inside ``torch.distributed.algorithms.join.Join`` without
                 ``throw_on_early_termination=True`` (:mod:`~dkfac.engine.join_check`).
             ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not
                 name exactly the registered layers (TypeError: not a number).
