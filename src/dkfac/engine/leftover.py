@@ -6,9 +6,10 @@ A parameter no block takes (a LayerNorm's weight and bias, a raw ``nn.Parameter`
 reach that SGD with its plain gradient instead, a step ``lr`` times a gradient that is
 often 10⁻²–10⁻⁴: it hardly moves. With ``leftover_update="adam"`` (the default under
 ``"eigen_adam"``: ``"auto"``) :class:`LeftoverAdam` replaces such a gradient by Adam's
-direction on the raw gradient — eigen_adam with the identity as both bases, by the same
-solver and formulas (β₁, β₂, ε, bias correction and Nesterov from the config; no rotation,
-blocks or orthogonalisation; the parameters of one shape as one stack) — so the inner
+direction on the raw gradient — eigen_adam with the identity as both bases: the same
+solver's moment step (its formulas: β₁, β₂, ε, bias correction and Nesterov from the
+config; no rotation, blocks or orthogonalisation; the parameters of one shape as one stack)
+— so the inner
 SGD's step is Adam's at ``lr``, and its weight decay AdamW's decoupled decay, for every
 parameter alike. The moments are kept in float32 at least (a float16 gradient's square
 would underflow).
@@ -89,17 +90,6 @@ class LeftoverAdam:
         # Per group (its names): the stacked moments of the last step and the per-name
         # slices handed out, read again while ``moments`` holds those very slices.
         self._stacks: dict[tuple[str, ...], tuple[SolverState, list[SolverState]]] = {}
-        self._identities: dict[tuple[torch.dtype, torch.device], SolverState] = {}
-
-    def _identity(self, like: Tensor) -> SolverState:
-        """The solver state of the identity basis on both sides (an empty ``q``/``d`` pair),
-        made once for each dtype and device."""
-        key = (like.dtype, like.device)
-        state = self._identities.get(key)
-        if state is None:
-            empty = like.new_empty(0)
-            state = self._identities[key] = {"qa": empty, "da": empty, "qg": empty, "dg": empty}
-        return state
 
     @torch.no_grad()
     def step(
@@ -163,7 +153,8 @@ class LeftoverAdam:
             old = last[0]  # this group's moments as the last step left them: no stacking
         else:
             old = self.solver.stack_moments(given, [matrices[0]] * len(members))
-        update, new = self.solver.apply_with_moments(self._identity(matrices), old, matrices, 0.0)
+        # The update in the identity basis: the moment step alone (no rotation to take).
+        new, update = self.solver.moment_step(old, matrices, 0.0)
         if moves.device != matrices.device:  # a model across devices
             moves = moves.to(matrices.device)
         kept = {key: torch.where(moves, new[key], old[key]) for key in new}
