@@ -7,11 +7,10 @@ reach that SGD with its plain gradient instead, a step ``lr`` times a gradient t
 often 10⁻²–10⁻⁴: it hardly moves. With ``leftover_update="adam"`` (the default under
 ``"eigen_adam"``: ``"auto"``) :class:`LeftoverAdam` replaces such a gradient by Adam's
 direction on the raw gradient — eigen_adam with the identity as both bases: the same
-solver's moment step (its formulas: β₁, β₂, ε, bias correction and Nesterov from the
-config; no rotation, blocks or orthogonalisation; the parameters of one shape as one stack)
-— so the inner
-SGD's step is Adam's at ``lr``, and its weight decay AdamW's decoupled decay, for every
-parameter alike. The moments are kept in float32 at least (a float16 gradient's square
+solver's moment step and formulas (β₁, β₂, ε, bias correction and Nesterov from the config;
+no rotation, blocks or orthogonalisation; the parameters of one shape as one stack) — so
+the inner SGD's step is Adam's at ``lr``, and its weight decay AdamW's decoupled decay, for
+every parameter alike. The moments are kept in float32 at least (a float16 gradient's square
 would underflow).
 
 It runs after the strategy's reductions, on the gradients every rank holds averaged (by
