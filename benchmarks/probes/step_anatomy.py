@@ -35,6 +35,7 @@ import functools
 import json
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("dkfac").setLevel(logging.ERROR)
     record: dict[str, Any] = {
         "command": "PYTHONPATH=src python benchmarks/probes/step_anatomy.py "
-        + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine_info(),
         "threads": args.threads,
         "lrs": LRS,
