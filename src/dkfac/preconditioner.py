@@ -74,7 +74,7 @@ from dkfac.engine.phases import phase
 from dkfac.engine.refresh import make_refresh_policy
 from dkfac.engine.refresh_checks import StateHold
 from dkfac.engine.refresh_step import mark_due, refresh_report
-from dkfac.engine.registration import other_parameters, register, unwrap
+from dkfac.engine.registration import graph_input_maps, other_parameters, register, unwrap
 from dkfac.engine.roles import layer_roles
 from dkfac.engine.saved_state import Saved, check_saved, preconditioner_state, restore_entries
 from dkfac.engine.scaler_check import ScalerCheck
@@ -151,6 +151,9 @@ class KFACPreconditioner:
         **options: Any,
     ) -> None:
         config = checked_config(model, config, grad_scaler, process_group, options)
+        refuse_fsdp1(model)  # before its flat views are taken for computed weights
+        registration = register(unwrap(model), config)
+        config = graph_input_maps(unwrap(model), config, registration.blocks)
         self.budget: OverheadBudget | None = make_budget(overhead, config, options)
         self._budget_spent = False  # the choice applied (after the first step)
         self.config = config
@@ -166,8 +169,6 @@ class KFACPreconditioner:
             config.refresh_max_interval,
         )
         self.last_refreshed = 0
-        refuse_fsdp1(model)  # before its flat views are taken for computed weights
-        registration = register(unwrap(model), config)
         self.coverage = registration.coverage
         blocks = registration.blocks
         self._hooks = HookOwnership(self, {name: b.module for name, b in blocks.items()})

@@ -163,6 +163,67 @@ def test_role_patterns_reach_the_preconditioner_and_explicit_maps_win() -> None:
         KFACPreconditioner(_cnn(), method="eigen", flattened_inputs="graph")
 
 
+def _flattening_cnn(outputs: int = 10) -> nn.Sequential:
+    """A convolution, then ``nn.Flatten`` into a linear layer (``"2"``), then a head."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(4 * 64, outputs),
+        nn.Linear(outputs, 3),
+    )
+
+
+def _frozen_weight(model: nn.Module) -> dict[str, object]:
+    model[2].weight.requires_grad_(False)  # type: ignore[index]  # BitFit: its bias trains
+    return {}
+
+
+def _spectral_norm(model: nn.Module) -> dict[str, object]:
+    nn.utils.parametrizations.spectral_norm(model[2])  # type: ignore[index]
+    return {}
+
+
+@pytest.mark.parametrize(
+    "leave",
+    [lambda m: {"skip_layers": ["^2$"]}, _frozen_weight, _spectral_norm],
+    ids=["skipped", "frozen-weight", "parametrized"],
+)
+def test_a_flattening_layer_k_fac_does_not_precondition_gets_no_graph_map(leave) -> None:
+    # The graph shows "2" reading the convolution's map flattened; with no block it needs no
+    # map (it used to be refused as if the user had named it), and its parameters train.
+    torch.manual_seed(0)
+    model = _flattening_cnn()
+    opt = KFACOptimizer.for_model(model, lr=0.01, **leave(model))
+    assert "2" not in opt.preconditioner.layers
+    assert opt.preconditioner.config.flattened_inputs == {}
+    before = [p.detach().clone() for p in model[2].parameters() if p.requires_grad]
+    x = torch.randn(16, 1, 8, 8)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    after = [p for p in model[2].parameters() if p.requires_grad]
+    assert all(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    with pytest.raises(ValueError, match="flattened_inputs names '2', which is not a"):
+        KFACOptimizer.for_model(
+            _flattening_cnn(), skip_layers=["^2$"], flattened_inputs={"2": (4, 64)}
+        )
+
+
+def test_a_vocabulary_sized_head_reading_a_flattened_map_gets_adams_direction() -> None:
+    # for_model leaves a head of more than 4096 outputs to Adam; the graph's map for it
+    # is dropped, not refused, with no option given
+    def model(outputs: int) -> nn.Module:
+        convs = [nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)]
+        return nn.Sequential(*convs, nn.Flatten(), nn.Linear(4 * 64, outputs))
+
+    opt = KFACOptimizer.for_model(model(5000))
+    assert set(opt.preconditioner.layers) == {"0", "1"}
+    assert opt.preconditioner.config.flattened_inputs == {}
+    kept = KFACOptimizer.for_model(model(10))  # the same model, narrower: mapped
+    assert kept.preconditioner.config.flattened_inputs == {"3": (4, 64)}
+
+
 class _Unsupported(nn.Module):
     """Hidden layers without a basis to orthogonalise: a depthwise convolution (unit-wise)
     beside a pointwise one, and (``volumes``) only transposed 3-D convolutions, which have no

@@ -166,7 +166,8 @@ class SolverConfig:
             digits CNN. A name that is not a registered linear
             layer with ``channels · positions`` inputs is an error at registration.
             ``"graph"`` finds them in the model's graph, with no names
-            (:func:`dkfac.engine.roles.flattened_conv_inputs`).
+            (:func:`dkfac.engine.roles.flattened_conv_inputs`), among the layers K-FAC
+            preconditions (one it does not, skipped or declined, needs no map).
         orthogonal_layers: ``"ekfac"``/``"eigen_adam"``: regular expressions; a
             preconditioned layer whose qualified name or class name contains a match of one
             (``re.search``, as ``skip_layers``; ``"role:hidden"`` picks the hidden matrices,

@@ -24,18 +24,20 @@ from dkfac.blocks.base import Block
 from dkfac.blocks.linear import LinearBlock
 from dkfac.blocks.registry import blocks_or_reason, owned_children
 from dkfac.config import KFACConfig, leftover_adam, resolve
+from dkfac.config.checks import GRAPH_MAPS
 from dkfac.config.estimation import statistic_dtype
 from dkfac.engine import launches
 from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.guards import name_list
 from dkfac.engine.layer_state import LayerState
-from dkfac.engine.roles import ROLE_PREFIX, role_blocks
+from dkfac.engine.roles import ROLE_PREFIX, flattened_conv_inputs, role_blocks
 from dkfac.engine.tracing import compiled_original
 from dkfac.solvers import EigenMomentsSolver, RowsRule, adam_scaled, make_solver, precision
 
 __all__ = [
     "create_layers",
     "find_blocks",
+    "graph_input_maps",
     "input_maps",
     "is_skipped",
     "matching_pattern",
@@ -354,6 +356,32 @@ def _block_size(config: KFACConfig) -> int | None:
             "built; register layers with a config from KFACPreconditioner"
         )
     return block
+
+
+def graph_input_maps(
+    model: nn.Module, config: KFACConfig, blocks: Mapping[str, Block]
+) -> KFACConfig:
+    """``config`` with ``flattened_inputs="graph"`` resolved to the maps of
+    :func:`~dkfac.engine.roles.flattened_conv_inputs` of the linear layers in ``blocks``
+    (those K-FAC preconditions; ``model`` is the bare model they were registered from).
+
+    A layer the graph shows reading a flattened map that has no block (``skip_layers``,
+    a vocabulary-sized head, a weight computed by a parametrisation or frozen alone) needs
+    no map: it is left out and logged, where a map named by hand for it is refused
+    (:func:`input_maps`). Any other ``flattened_inputs`` is returned as it is.
+    """
+    if dict(config.flattened_inputs) != GRAPH_MAPS:
+        return config
+    found = flattened_conv_inputs(model)
+    maps = {name: m for name, m in found.items() if isinstance(blocks.get(name), LinearBlock)}
+    logger.info("flattened_inputs from the graph: %s", maps or "none")
+    if unregistered := sorted(found.keys() - maps.keys()):
+        logger.info(
+            "flattened_inputs: %s read a flattened convolution map but are not "
+            "preconditioned: no map",
+            unregistered,
+        )
+    return dataclasses.replace(config, flattened_inputs=maps)
 
 
 def input_maps(blocks: Mapping[str, Block], config: KFACConfig) -> dict[str, tuple[int, int]]:

@@ -44,7 +44,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from dkfac.blocks.hf_conv1d import QUALIFIED_NAME as HF_CONV1D
 from dkfac.config import KFACConfig
-from dkfac.config.checks import BLOCK_WIDTHS, GRAPH_MAPS
+from dkfac.config.checks import BLOCK_WIDTHS
 from dkfac.engine.flatten_nodes import flattened_source
 from dkfac.engine.tracing import (
     call_order,
@@ -106,12 +106,13 @@ _KEEPS_CHANNELS_METHODS = {"relu", "relu_", "tanh", "sigmoid", "contiguous", "ad
 
 def apply_model_rules(model: nn.Module, config: KFACConfig) -> KFACConfig:
     """``config`` with its rules read off ``model``: ``"role:NAME"`` patterns of
-    ``skip_layers`` resolved to the layers' names, ``flattened_inputs="graph"`` to the
-    maps of :func:`flattened_conv_inputs`, and ``basis_block_size="widths"`` to
-    :func:`basis_block_from_widths`. The roles of ``orthogonal_layers`` are checked
-    here and resolved at registration (:func:`role_blocks`), among the layers K-FAC
-    preconditions: a role none of them has (every hidden layer a depthwise convolution, say)
-    picks nothing instead of failing as an explicit pattern that matches nothing does.
+    ``skip_layers`` resolved to the layers' names and ``basis_block_size="widths"`` to
+    :func:`basis_block_from_widths` (``flattened_inputs="graph"`` is resolved once the
+    layers are registered: :func:`~dkfac.engine.registration.graph_input_maps`). The
+    roles of ``orthogonal_layers`` are checked here and resolved at registration
+    (:func:`role_blocks`), among the layers K-FAC preconditions: a role none of them has
+    (every hidden layer a depthwise convolution, say) picks nothing instead of failing as
+    an explicit pattern that matches nothing does.
 
     Raises:
         ValueError: For an unknown role.
@@ -123,10 +124,6 @@ def apply_model_rules(model: nn.Module, config: KFACConfig) -> KFACConfig:
     for pattern in config.orthogonal_layers:
         if pattern.startswith(ROLE_PREFIX):
             _role("orthogonal_layers", pattern)
-    if dict(config.flattened_inputs) == GRAPH_MAPS:
-        maps = flattened_conv_inputs(model)
-        logger.info("flattened_inputs from the graph: %s", maps or "none")
-        changes["flattened_inputs"] = maps
     if config.basis_block_size == BLOCK_WIDTHS:
         block = basis_block_from_widths(model)
         logger.info("basis_block_size from the widths: %s", block or "none (whole bases)")
