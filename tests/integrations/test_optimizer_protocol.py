@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -224,3 +226,24 @@ def test_copying_or_pickling_the_optimizer_is_refused_with_what_to_do() -> None:
     _step(model, opt, 1)
     _step(twin, twin_opt, 1)
     assert _same(model, twin)
+
+
+def test_a_checkpoint_round_trip_warns_nothing_under_warnings_as_errors() -> None:
+    # Test suites often run with -W error; state_dict() once imported torch.distributed.optim
+    # (to recognise ZeRO), whose import warns that torch.jit.script is deprecated. A fresh
+    # interpreter: the suite's other tests may have imported it already.
+    script = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "from dkfac import KFACOptimizer\n"
+        "model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))\n"
+        "opt = KFACOptimizer.for_model(model)\n"
+        "model(torch.randn(5, 4)).sum().backward()\n"
+        "opt.step()\n"
+        "KFACOptimizer.for_model(model).load_state_dict(opt.state_dict())\n"
+        "assert 'torch.distributed.optim' not in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -15,6 +15,7 @@ the next step; ``state_dict()`` there runs no collective. Without a consolidatio
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,12 +35,19 @@ class _Preconditioner(Protocol):
 
 
 def is_zero(inner: Optimizer) -> bool:
-    """Whether ``inner`` is ``torch.distributed.optim.ZeroRedundancyOptimizer``."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """Whether ``inner`` is ``torch.distributed.optim.ZeroRedundancyOptimizer``.
 
-    return isinstance(inner, ZeroRedundancyOptimizer)
+    Read from the module only where something imported it already (no instance exists
+    otherwise): importing ``torch.distributed.optim`` scripts functions with
+    ``torch.jit.script``, which warns of its deprecation, an error under
+    ``-W error::DeprecationWarning``.
+    """
+    module = sys.modules.get(_ZERO_MODULE)
+    return module is not None and isinstance(inner, module.ZeroRedundancyOptimizer)
+
+
+_ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
+"""Where ``ZeroRedundancyOptimizer`` is defined."""
 
 
 @dataclass(frozen=True)
