@@ -260,3 +260,51 @@ def test_a_layer_of_width_zero_is_declined_and_named() -> None:
     model(torch.randn(8, 6)).pow(2).sum().backward()
     opt.step()
     assert torch.isfinite(model[2].weight).all() and not torch.equal(model[2].weight, before)
+
+
+class _AppliedByParent(nn.Module):
+    """A layer called as a module, one whose weight the parent applies itself (a cosine
+    head's ``F.linear``), one run through ``.forward`` (no hook runs either way), and a head
+    tied to an embedding that the parent applies through the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.direct = nn.Linear(8, 8)
+        self.tokens = nn.Embedding(3, 8)
+        self.tied = nn.Linear(8, 3, bias=False)
+        self.tied.weight = self.tokens.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.direct.forward(torch.tanh(self.body(x)))
+        return torch.nn.functional.linear(h, self.head.weight, self.head.bias) + h @ (
+            self.tokens.weight.T
+        )
+
+
+def test_a_layer_whose_weight_its_parent_applies_takes_the_leftover_update() -> None:
+    # Its forward never runs, so K-FAC would capture nothing for it and its gradient would
+    # reach the inner SGD plain for good: the graph shows it at the build, and it takes the
+    # leftover update, as if listed in skip_layers. A tied layer is left to the tie.
+    def run(**options: object) -> tuple[KFACOptimizer, list[Tensor]]:
+        torch.manual_seed(0)
+        model = _AppliedByParent()
+        opt = KFACOptimizer.for_model(model, lr=0.01, **options)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            opt.zero_grad()
+            x, y = torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return opt, [p.detach().clone() for p in model.parameters()]
+
+    found, weights = run()
+    rows = _rows(found.preconditioner)
+    assert set(found.preconditioner.layers) == {"body", "tied"}
+    for name in ("head.weight", "head.bias", "direct.weight", "direct.bias"):
+        assert "its forward never runs" in rows[name]["reason"]
+    named, expected = run(skip_layers=["^head$", "^direct$"])
+    assert set(named.preconditioner.layers) == {"body", "tied"}
+    for p, q in zip(weights, expected, strict=True):
+        assert torch.equal(p, q)

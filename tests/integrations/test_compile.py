@@ -212,19 +212,28 @@ def test_a_graph_compiled_before_the_hooks_is_refused(other_instance: bool) -> N
     assert all(layer.solver_state is not None for layer in opt.preconditioner.layers.values())
 
 
+class _Functional(nn.Module):
+    """Applies its only layer's weight itself; ``branchy``: behind a data-dependent
+    condition, which fx cannot trace."""
+
+    def __init__(self, branchy: bool) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 3)
+        self.branchy = branchy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.branchy and bool(x.sum() > 1e9):
+            x = x / 2
+        return F.linear(x, self.inner.weight, self.inner.bias)
+
+
 def test_layers_applied_without_being_called_are_refused() -> None:
     """A model whose parent applies every registered layer's weight itself (no hook ever
-    runs) would get no K-FAC at all: refused at its second step, naming skip_layers."""
-
-    class Functional(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = nn.Linear(6, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.linear(x, self.inner.weight, self.inner.bias)
-
-    model = Functional()
+    runs) would get no K-FAC at all: refused when it is built where its graph shows it,
+    else at its second step, naming skip_layers."""
+    with pytest.raises(ValueError, match=r"inner\.weight \(its forward never runs"):
+        KFACOptimizer.for_model(_Functional(branchy=False), lr=0.01)
+    model = _Functional(branchy=True)
     opt = KFACOptimizer.for_model(model, lr=0.01)
     for step in range(2):
         opt.zero_grad()

@@ -93,6 +93,15 @@ class Coverage:
         for param in module.parameters(recurse=False):
             self._reasons.setdefault(id(param), (reason, chosen))
 
+    def reasons(self) -> list[str]:
+        """``"name (reason)"`` of each trainable parameter of two or more dimensions left
+        out so far, in model order (what an error that no layer is left can name)."""
+        return [
+            f"{name} ({self._reasons[id(param)][0]})"
+            for name, param in self.model.named_parameters()
+            if param.requires_grad and param.dim() >= 2 and id(param) in self._reasons
+        ]
+
     def resolve_ties(self, blocks: dict[str, Block]) -> dict[str, Block]:
         """The blocks with ties resolved (:func:`resolve_ties`); warns of each tie."""
         kept, dropped = resolve_ties(blocks)

@@ -22,7 +22,10 @@ same step (a refresh is a collective).
 
 A layer whose weight gets a gradient while its forward never ran (its parent uses the
 weight itself: MobileBERT's output layer is ``h @ cat([decoder.weight.T, dense.weight])``)
-is never captured: it waits for good, its gradient reaching the inner optimizer plain.
+is left out at registration where the model's graph shows it
+(:func:`~dkfac.engine.tracing.uncalled_layers`). One the graph does not show (a forward fx
+cannot trace, a tied weight, a graph ``torch.compile`` captured before the hooks) is never
+captured: it waits for good, its gradient reaching the inner optimizer plain.
 :meth:`LateLayers.note_unrun` names each such layer once in a warning.
 """
 

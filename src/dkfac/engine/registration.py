@@ -31,7 +31,7 @@ from dkfac.engine.coverage import USER_CHOICES, Coverage, Registration
 from dkfac.engine.guards import name_list
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.roles import ROLE_PREFIX, flattened_conv_inputs, role_blocks
-from dkfac.engine.tracing import compiled_original
+from dkfac.engine.tracing import compiled_original, uncalled_layers
 from dkfac.solvers import EigenMomentsSolver, RowsRule, adam_scaled, make_solver, precision
 
 __all__ = [
@@ -49,6 +49,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+UNCALLED = (
+    "its forward never runs: the model applies its weight itself (F.linear(x, layer.weight)), "
+    "so no hook sees the layer's input"
+)
+"""Why a layer :func:`~dkfac.engine.tracing.uncalled_layers` finds has no block."""
 
 LOWERED_OPTIONS = ("rotation_dtype", "gradient_rotation_dtype", "capture_dtype")
 """The config's optional low precisions, which take ``"auto"``."""
@@ -128,7 +134,9 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
     """The blocks of the layers K-FAC preconditions, and what every other parameter gets.
 
     Walks the modules in order: a module matched by ``skip_layers``, of a type without a
-    block, or declined by its block leaves its own parameters to the inner optimizer; a
+    block, declined by its block, or whose forward the model never calls while it applies
+    the module's weight itself (:func:`~dkfac.engine.tracing.uncalled_layers`) leaves its
+    own parameters to the inner optimizer; a
     module's blocks (several for ``nn.MultiheadAttention``) are kept when their weight
     requires a gradient. A tensor used by several modules is preconditioned once, by the
     last of them (:func:`~dkfac.engine.coverage.resolve_ties`). Parameters with two or more
@@ -171,6 +179,9 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
             continue
         for block in found:
             blocks.update(_admitted(block, config, coverage))
+    for name in uncalled_layers(model, {name: block.module for name, block in blocks.items()}):
+        logger.info("skipping %s: %s; it takes %s", name, UNCALLED, _leftover_words(config))
+        coverage.leave(blocks.pop(name).module, UNCALLED, chosen=False)
     blocks = coverage.resolve_ties(blocks)
     if not blocks:
         raise ValueError(
@@ -179,6 +190,7 @@ def register(model: nn.Module, config: KFACConfig) -> Registration:
             "with groups=1, "
             "nn.Embedding, nn.MultiheadAttention, affine BatchNorm (unit-wise), transformers' "
             f"Conv1D, or types added with register_block); skip_layers={list(config.skip_layers)}"
+            + (f"; left out: {name_list(left)}" if (left := coverage.reasons()) else "")
         )
     logger.info("K-FAC registered %d layers: %s", len(blocks), list(blocks))
     _warn_unmatched(model, config.skip_layers)

@@ -10,24 +10,37 @@ with ``torch.compile`` as the module it compiles (:class:`_UnshardedTracer`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["Links", "call_order", "compiled_original", "layer_links", "traced_graph", "unsharded"]
+__all__ = [
+    "Links",
+    "call_order",
+    "compiled_original",
+    "layer_links",
+    "traced_graph",
+    "uncalled_layers",
+    "unsharded",
+]
 
 logger = logging.getLogger(__name__)
 
 
 def traced_graph(
-    model: nn.Module, purpose: str, branch: bool | None = None, evaluating: bool = False
+    model: nn.Module,
+    purpose: str,
+    branch: bool | None = None,
+    evaluating: bool = False,
+    leaves: Collection[nn.Module] = (),
 ) -> fx.Graph | None:
     """The graph of ``model``'s forward, or ``None`` (logged at INFO with ``purpose``) when
     it is FSDP1-wrapped or cannot be traced. The warnings the traced forward raises are not
@@ -38,7 +51,8 @@ def traced_graph(
     cannot trace) is taken as this answer, the graph then one path the forward may take (True
     for at most :data:`MAX_GUESSES` conditions, then False, so that a loop ends); ``None``:
     such a condition fails the trace. ``evaluating``: the forward of the model in eval
-    mode (each module's mode restored after).
+    mode (each module's mode restored after). ``leaves``: modules called as leaves (one
+    ``call_module`` node each call) besides ``torch.nn``'s own.
 
     A forward that draws random numbers draws them from a fork of the CPU generator: tracing
     leaves the user's random stream as it was."""
@@ -54,7 +68,8 @@ def traced_graph(
         # its inputs requires a gradient), and the real forward warns again if it applies.
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), _attributes_kept(model):
             warnings.simplefilter("ignore")
-            tracer = _UnshardedTracer() if branch is None else _GuessingTracer(branch)
+            kept = frozenset(map(id, leaves))
+            tracer = _UnshardedTracer(kept) if branch is None else _GuessingTracer(branch, kept)
             if not evaluating:
                 return tracer.trace(model)
             modes = {m: m.training for m in model.modules()}
@@ -218,6 +233,38 @@ def _graph_links(graph: fx.Graph, names: Sequence[str]) -> dict[str, Links]:
     }
 
 
+def uncalled_layers(model: nn.Module, layers: Mapping[str, nn.Module]) -> list[str]:
+    """Those of ``layers`` (name -> module of ``model``) that ``model``'s forward never
+    calls while it reads a parameter of theirs itself (``F.linear(h, self.head.weight)``):
+    no hook of theirs runs. Read from one trace with each of them a leaf; empty where the
+    forward cannot be traced in one piece (data-dependent control flow). A layer whose
+    parameter another module also holds (a tied weight) is not named: the tie decides."""
+    original = compiled_original(model)
+    model = original if original is not None else model
+    graph = traced_graph(model, "layers applied without their forward", leaves=layers.values())
+    if graph is None:
+        return []
+    called: set[int] = set()
+    read: set[int] = set()
+    for node in graph.nodes:
+        if node.op == "call_module":
+            called.add(id(model.get_submodule(str(node.target))))
+        elif node.op == "get_attr":
+            with contextlib.suppress(AttributeError):
+                read.add(id(model.get_parameter(str(node.target))))
+    holders = collections.Counter(
+        id(p) for m in model.modules() for p in m._parameters.values() if p is not None
+    )
+    called.add(id(model))  # the model itself: the caller's call runs its hooks
+    return [
+        name
+        for name, module in layers.items()
+        if id(module) not in called
+        and any(id(p) in read for p in module.parameters(recurse=False))
+        and all(holders[id(p)] == 1 for p in module.parameters(recurse=False))
+    ]
+
+
 def compiled_original(module: nn.Module) -> nn.Module | None:
     """The module ``torch.compile`` wrapped in ``module`` (an ``OptimizedModule``, whose
     forward fx cannot trace), or ``None`` when ``module`` is not such a wrapper."""
@@ -251,7 +298,13 @@ class _UnshardedTracer(fx.Tracer):
     without the sharding's hooks (which gather parameters, and which FSDP refuses to run
     from a submodule before the root)."""
 
+    def __init__(self, leaves: frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        self.leaves = leaves  # ids of modules taken as leaves besides torch.nn's
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if id(m) in self.leaves:
+            return True
         cls = unsharded(type(m))
         return cls.__module__.startswith(("torch.nn", "torch.ao.nn")) and not issubclass(
             cls, nn.Sequential
@@ -277,8 +330,8 @@ class _GuessingTracer(_UnshardedTracer):
     """A tracer that answers every condition on a traced value with ``answer`` (see
     :func:`traced_graph`): the first :data:`MAX_GUESSES`, then False."""
 
-    def __init__(self, answer: bool) -> None:
-        super().__init__()
+    def __init__(self, answer: bool, leaves: frozenset[int] = frozenset()) -> None:
+        super().__init__(leaves)
         self.answer = answer
         self.guesses = 0
 
