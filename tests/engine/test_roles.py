@@ -436,6 +436,35 @@ def test_roles_follow_the_order_the_forward_calls_the_layers() -> None:
     }
 
 
+class _CompiledParts(nn.Module):
+    """A convolution and a hidden linear layer each compiled on its own (``torch.compile``
+    of the layer, a part of the model), the convolution's map flattened into the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.compile(nn.Conv2d(1, 4, 3, padding=1))
+        self.mid = torch.compile(nn.Linear(4 * 64, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.mid(self.conv(x).flatten(1))))
+
+
+def test_a_compiled_part_is_traced_as_a_call_of_the_layer_it_compiles() -> None:
+    # A compiled layer used to be traced through its own forward (F.linear of its weight):
+    # it had no role, no flattened map, and was left out as applied by its parent.
+    model = _CompiledParts()
+    assert layer_roles(model) == {
+        "conv._orig_mod": "input",
+        "mid._orig_mod": "hidden",
+        "head": "head",
+    }
+    assert flattened_conv_inputs(model) == {"mid._orig_mod": (4, 64)}
+    pre = KFACOptimizer.for_model(model).preconditioner
+    assert list(pre.layers) == ["conv._orig_mod", "mid._orig_mod", "head"]
+    assert pre.config.flattened_inputs == {"mid._orig_mod": (4, 64)}
+
+
 class _Padded(nn.Module):
     """Paddings between a convolution and the flatten: those of the spatial dimensions keep
     the channels, those that reach the channels (more dimensions than the map has spatial

@@ -5,7 +5,8 @@ fx cannot trace, data-dependent control flow, gets none, and a model wrapped in 
 ``FullyShardedDataParallel`` is not traced: its flat parameters hide the layers). A model
 sharded with FSDP2's ``fully_shard`` is traced as its unsharded twin, and a part compiled
 with ``torch.compile`` as the module it compiles (:class:`_UnshardedTracer`).
-:func:`call_order` reads from it the order the forward calls its layers in.
+:func:`call_order` reads from it the order the forward calls its layers in, and
+:func:`uncalled_layers` the layers whose weight the forward applies without calling them.
 """
 
 from __future__ import annotations
@@ -313,11 +314,11 @@ class _UnshardedTracer(fx.Tracer):
     def call_module(
         self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        original = compiled_original(m)
+        if original is not None:  # a compiled part: traced as a call of the module it compiles
+            return self.call_module(original, original.forward, args, kwargs)
         if unsharded(type(m)) is not type(m):
             forward = functools.partial(type(m).forward, m)
-        original = compiled_original(m)
-        if original is not None:  # a compiled part: traced through the module it compiles
-            forward = original.forward
         return super().call_module(m, forward, args, kwargs)
 
 
