@@ -12,12 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac import KFACOptimizer, KFACPreconditioner
+from dkfac.config.schedules import EarlyRefresh, resolve
 from dkfac.costmodel.budget import (
     DISPATCH_FLOPS,
     MIN_FACTOR_ROWS,
     MIN_FACTOR_SAMPLES,
     OVER_BUDGET_ALLOWANCE,
     OVER_BUDGET_POLAR_STEPS,
+    Choice,
     Costs,
     LayerShape,
     basis_limit,
@@ -243,7 +245,7 @@ def test_the_preconditioner_applies_the_choice_after_the_first_step() -> None:
     assert "3 steps" in layers["2"].solver.label
     assert config.factor_batch_size == want.factor_batch_size
     assert config.factor_update_interval == want.factor_update_interval
-    assert config.inverse_update_interval == want.inverse_update_interval
+    assert config.inverse_update_interval == _applied(want)
     row = opt.preconditioner.describe()[-1]
     assert row["name"] == "overhead budget" and row["reason"] == want.reason
     for seed in range(1, 4):  # it keeps training, the choice in place
@@ -462,7 +464,7 @@ def test_a_choice_loads_into_another_method_without_newton_schulz_steps() -> Non
     taken = eigen.preconditioner.budget.choice  # type: ignore[union-attr]
     assert taken is not None and taken.orthogonal_steps is None
     config = eigen.preconditioner.config
-    assert config.inverse_update_interval == chosen.inverse_update_interval
+    assert config.inverse_update_interval == _applied(chosen)
     assert config.factor_update_interval == chosen.factor_update_interval
     for seed in range(1, 4):
         _step(target, eigen, seed)
@@ -568,7 +570,7 @@ def test_a_side_too_wide_for_its_rows_is_one_sided_from_the_first_refresh() -> N
         LayerShape(65, 5, 128),
     ]
     want = choose_for(shapes, 128, 0.3)  # counted without the one-sided sides' work
-    assert pre.config.inverse_update_interval == want.inverse_update_interval
+    assert pre.config.inverse_update_interval == _applied(want)
     assert pre.config.factor_update_interval == want.factor_update_interval
 
 
@@ -582,3 +584,31 @@ def test_an_explicit_basis_max_dim_wins_over_the_rule() -> None:
     assert pre.layers["0"].solver.options.max_dim == 1000  # type: ignore[attr-defined]
     assert pre.layers["0"].solver_state["qg"].shape == (200, 200)  # type: ignore[index]
     assert "kept as given: basis_max_dim" in pre.describe()[-1]["reason"]
+
+
+def _applied(choice: Choice) -> int | EarlyRefresh:
+    """The ``inverse_update_interval`` a preconditioner runs a choice with."""
+    fi, ii = choice.factor_update_interval, choice.inverse_update_interval
+    return EarlyRefresh(fi, ii) if ii > fi else ii
+
+
+def test_a_long_basis_interval_refreshes_once_more_at_the_first_capture_after_the_first() -> None:
+    schedule = EarlyRefresh(8, 50)
+    refreshes = [
+        s for s in range(120) if s % int(resolve("inverse_update_interval", schedule, s) or 1) == 0
+    ]
+    assert refreshes == [0, 8, 50, 100]
+    assert [s for s in range(60) if s % EarlyRefresh(4, 20)(s) == 0] == [0, 4, 20, 40]
+    # a preconditioner under the budget refreshes so: this MLP's choice is factors every 8
+    # steps and bases every 50
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, overhead=0.3)
+    seen = []
+    for step in range(60):
+        _step(model, opt, step)
+        seen.append(opt.preconditioner.layers["0"].solver_state["qa"].clone())  # type: ignore[index]
+    choice = opt.preconditioner.budget.choice  # type: ignore[union-attr]
+    assert (choice.factor_update_interval, choice.inverse_update_interval) == (8, 50)
+    assert "bases every 50 (and at step 8)" in choice.reason
+    changed = [s for s in range(1, 60) if not torch.equal(seen[s], seen[s - 1])]
+    assert changed == [8, 50]

@@ -137,7 +137,8 @@ DEFAULT_TASKS = {
     "language model": ("lm", "lm_gpt_default_v13.json"),
 }
 TTA_TEN_SEEDS = "tta_digits_default_v12_seeds10.json"
-SUITE = "suite_default_v19.json"
+SUITE = "suite_default_v20.json"
+EARLY_REFRESH = "early_refresh.json"
 WIDE_SIDES = "one_sided_memory.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 GROUPED = "grouped_conv_digits.json"
@@ -197,8 +198,8 @@ def _suite_values(p: Payloads) -> dict[str, Any]:
     tasks = {task["task"]: task for task in p[SUITE]["tasks"]}
     verdicts = [task["summary"]["verdict"] for task in tasks.values()]
 
-    def seeds(family: str, name: str = "dkfac") -> str:
-        reached = [run["reached"] for run in tasks[family]["runs"]["0"][name]]
+    def seeds(family: str, name: str = "dkfac", split: str = "0") -> str:
+        reached = [run["reached"] for run in tasks[family]["runs"][split][name]]
         return ", ".join("–" if r is None else str(r) for r in reached)
 
     def step(family: str, name: str) -> float:
@@ -216,6 +217,12 @@ def _suite_values(p: Payloads) -> dict[str, Any]:
         "raw_wins": sum(ratio <= 1.0 for ratio in raws.values()),
         "raw_ratios": ", ".join(f"{family} {f(ratio)}" for family, ratio in raws.items()),
         "gpt_seeds": seeds("gpt"),
+        "gpt_lr": f(tasks["gpt"]["chosen_lr"]["dkfac"]),
+        "gpt_split1": seeds("gpt", split="1"),
+        "gpt_muon_split1": seeds("gpt", "muon32", split="1"),
+        "max_steps": p[SUITE]["settings"]["max_steps"],
+        "gpt_early_split1": _early_reached(p[EARLY_REFRESH], "gpt", "early_split1"),
+        "gpt_early_lr": f(_early_row(p[EARLY_REFRESH], "gpt")["lr"]),
         "ae_seeds": seeds("autoencoder"),
         "ae_muon_seeds": seeds("autoencoder", "muon32"),
         "ae_muon_step": f(step("autoencoder", "muon32") / step("autoencoder", "dkfac")),
@@ -224,6 +231,30 @@ def _suite_values(p: Payloads) -> dict[str, Any]:
         "step_wins": sum(v["steps_at_most_fewest_peer"] for v in verdicts),
         "within": sum(v["step_within_budget"] for v in verdicts),
     }
+
+
+def _early_row(payload: Any, family: str) -> dict[str, Any]:
+    """The row of ``early_refresh.json`` for ``family``."""
+    return next(row for row in payload["rows"] if row["family"] == family)
+
+
+def _early_reached(payload: Any, family: str, arm: str) -> str:
+    """The steps each seed of ``arm`` (e.g. ``"early_split1"``) took, ``–`` not reached."""
+    reached = _early_row(payload, family)[arm]["reached"]
+    return ", ".join("–" if r is None else str(r) for r in reached)
+
+
+def _early_table(p: Payloads) -> Table:
+    """Median steps to the target with the budget's early refresh and without it."""
+    rows = []
+    for row in p[EARLY_REFRESH]["rows"]:
+        cells = [
+            " / ".join(f(row[f"{arm}_split{split}"]["median"], 0) for split in (0, 1))
+            for arm in ("early", "plain")
+        ]
+        rows.append([row["family"], f"{row['lr']:g}", *cells])
+    headers = ["family", "lr", "with the early refresh (split 0 / 1)", "without (split 0 / 1)"]
+    return Table(headers, rows)
 
 
 def _anatomy_values(families: dict[str, Any]) -> dict[str, str]:
@@ -412,7 +443,7 @@ ratios move by several hundredths.
     ),
     Section(
         title="The default on six model families",
-        sources=(SUITE, SUITE_ALL_PEERS, STEP_ANATOMY),
+        sources=(SUITE, SUITE_ALL_PEERS, STEP_ANATOMY, EARLY_REFRESH),
         text="""
 `KFACOptimizer.for_model(model)` with only its lr swept, on small models no recipe was tuned
 for (`dkfac bench suite`): a vision transformer, a residual CNN with BatchNorm, an MLP with
@@ -445,7 +476,11 @@ costs {mlp_host} and {ae_host} more. The engine's forms for a launch-bound GPU (
 pass over the groups' moments, one batched polar iteration, multi-tensor checks) make the
 CPU's step slower, not faster: {mlp_launch}× and {ae_launch}× AdamW's. The GPT is
 evaluated every 5 steps: on split 0 its seeds reached the target at {gpt_seeds} steps, so
-one seed moving by one evaluation moves the median by 5.
+one seed moving by one evaluation moves the median by 5. On its second split, whose target
+takes several times the steps, the rate the sweep chose for the default ({gpt_lr}, the
+fastest on the sweep's seed) reached it at {gpt_split1} steps of {max_steps} (–: not
+reached), where Muon took {gpt_muon_split1}; at {gpt_early_lr} the default reached it at
+{gpt_early_split1} (`benchmarks/results/early_refresh.json`).
 By the runs' own clocks instead (split 0, the median over seeds), which include each
 optimizer's first steps (K-FAC's first factors and bases) and its own weights, the default
 takes at most the best peer's time on {raw_wins} of {families} families: {raw_ratios} of
@@ -454,6 +489,21 @@ the best peer's seconds. A run of 5 to 25 steps pays its first basis almost whol
         tables=(suite_table(SUITE, SUITE_ALL_PEERS),),
         values=_suite_values,
         plot=("suite_gpt.png", plot_suite(SUITE, "gpt")),
+    ),
+    Section(
+        title="The budget's early refresh",
+        sources=(EARLY_REFRESH,),
+        text="""
+Under `for_model`'s overhead budget a basis may be refreshed only every few tens of steps, so
+the first step's basis, built from the initial weights' statistics, would precondition the
+whole first interval; the budget refreshes it once more at the first factor capture after the
+first step's (`dkfac.config.schedules.EarlyRefresh`). `for_model` with that refresh and
+without it (the chosen interval alone), from the same seeds, at the default's rate for each
+family (the suite's choice; for two MLPs the suite does not have, a deep narrow one of ReLU
+layers without normalisation and one with a single wide hidden layer, the best of the suite's
+grid on its sweep seed): median steps to the target of seeds 0–2 on each split.
+""",
+        tables=(_early_table,),
     ),
     Section(
         title="The default on four families outside the suite",

