@@ -132,11 +132,11 @@ DISPATCHES = {
 FSDP_MEMORY = "fsdp_memory_cpu.json"
 FSDP_STEP = "fsdp_step_cpu.json"
 DEFAULT_TASKS = {
-    "digits CNN": ("tta", "tta_digits_default_v12.json"),
-    "autoencoder": ("autoencoder", "autoencoder_digits_default_v17.json"),
-    "language model": ("lm", "lm_gpt_default_v13.json"),
+    "digits CNN": ("tta", "tta_digits_default_v21.json"),
+    "autoencoder": ("autoencoder", "autoencoder_digits_default_v21.json"),
+    "language model": ("lm", "lm_gpt_default_v21.json"),
 }
-TTA_TEN_SEEDS = "tta_digits_default_v12_seeds10.json"
+TTA_TEN_SEEDS = "tta_digits_default_v21_seeds10.json"
 SUITE = "suite_default_v20.json"
 EARLY_REFRESH = "early_refresh.json"
 WIDE_SIDES = "one_sided_memory.json"
