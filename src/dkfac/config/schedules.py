@@ -115,9 +115,10 @@ class EarlyRefresh:
     first steps change the most; kept for a whole long interval it preconditions those
     steps with a stale basis. Refreshed again once new statistics are in: a plain
     6 × 64 MLP on digits (bases every 50 steps, factors every 8) reached its target in 14
-    and 15 steps instead of 22 and 20 (median of three held-out seeds, two splits).
-    ``resolve`` gives ``first_capture`` up to twice it, ``interval`` from there (a step
-    refreshes where the interval divides it).
+    and 15 steps instead of 22 and 20 (median of three held-out seeds, two splits:
+    ``benchmarks/results/early_refresh.json``).
+    Its value is ``first_capture`` before step ``2 · first_capture`` and ``interval`` from
+    there; a step refreshes where its value divides the step.
     """
 
     first_capture: int
