@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -185,3 +187,58 @@ def test_the_default_does_not_depend_on_the_factors_scale() -> None:
     eigen = _token_run(method="eigen")
     eigen_positions = _token_run(method="eigen", loss_average="positions")
     assert max((a - b).abs().max() for a, b in zip(eigen, eigen_positions, strict=True)) > 1e-3
+
+
+def _saliency(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss, after an input gradient of it (a saliency map) on the same graph."""
+    x = x.clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    torch.autograd.grad(loss, x, retain_graph=True)
+    return loss
+
+
+def _probe(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss, after an input gradient of another forward (FGSM's probe) and
+    a backward of it that asks for the input only."""
+    probe = x.flip(0).clone().requires_grad_()
+    torch.autograd.grad(model(probe).logsumexp(1).sum(), probe)
+    other = x.clone().requires_grad_()
+    model(other).sum().backward(inputs=[other])
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("extra", [_saliency, _probe], ids=["saliency", "probe"])
+def test_backwards_that_leave_the_weights_gradients_alone_change_nothing(
+    extra: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``torch.autograd.grad`` (an input's gradient) and ``backward(inputs=...)`` without the
+    weights add nothing to any ``.grad``: the factors, the overhead budget's first-step
+    rows and the loss-scale check do not see them either, so the weights are those of the
+    plain loop, bit for bit, and nothing is logged (captured, they move the weights by
+    about 5e-2 in this loop and set off the warning that a GradScaler scales the
+    backward)."""
+
+    def train(
+        loss_of: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+            torch.nn.Linear(16, 4),
+        )  # fmt: skip
+        opt = KFACOptimizer.for_model(model, lr=1e-2)
+        data = torch.Generator().manual_seed(1)
+        for _ in range(12):  # the budget's first step, captures, refreshes
+            x = torch.randn(32, 8, generator=data)
+            y = torch.randint(0, 4, (32,), generator=data)
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train(lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y))
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        extra_run = train(extra)
+    assert all(torch.equal(a, b) for a, b in zip(plain, extra_run, strict=True))
+    assert not caplog.records

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dkfac.engine.micro_batches import BackwardCounter
+from dkfac.engine.micro_batches import BackwardCounter, accumulates, gradient_accumulator
 
 
 def test_a_parameter_unfrozen_later_is_counted_once_watched_again() -> None:
@@ -67,3 +70,77 @@ def test_a_weight_used_in_reentrant_segments_outside_its_module_counts_one_pass(
             lambda t: nn.functional.linear(t, layer.weight), h, use_reentrant=True
         ).sum().backward()
         assert counter.passes == passes
+
+
+def _answers(run: Callable[[Tensor, nn.Linear, Tensor], None], frozen: bool = False) -> list[bool]:
+    """What :func:`accumulates` says for the weight of a linear layer, asked from its
+    output's gradient hook during ``run(loss, layer, x)``."""
+    layer = nn.Linear(3, 2)
+    layer.weight.requires_grad_(not frozen)
+    x = torch.randn(4, 3, requires_grad=True)
+    out = layer(x)
+    node = gradient_accumulator(layer.weight)
+    answers: list[bool] = []
+    out.register_hook(lambda _g: answers.append(accumulates(node)))
+    run(out.square().sum(), layer, x)
+    return answers
+
+
+@pytest.mark.parametrize(
+    ("run", "expected"),
+    [
+        (lambda loss, layer, x: loss.backward(), True),
+        (lambda loss, layer, x: loss.backward(inputs=[layer.weight]), True),
+        (lambda loss, layer, x: torch.autograd.grad(loss, x), False),
+        (lambda loss, layer, x: torch.autograd.grad(loss, [layer.weight]), False),
+        (lambda loss, layer, x: torch.autograd.grad(loss, [x, layer.bias]), False),
+        (lambda loss, layer, x: loss.backward(inputs=[x]), False),
+        (lambda loss, layer, x: loss.backward(inputs=[layer.bias]), False),
+    ],
+    ids=[
+        "backward",
+        "backward-inputs-weight",
+        "grad-input",
+        "grad-weight",
+        "grad-input-bias",
+        "backward-inputs-input",
+        "backward-inputs-bias",
+    ],
+)
+def test_a_backward_accumulates_exactly_where_the_weight_gradient_grows(
+    run: Callable[[Tensor, nn.Linear, Tensor], None], expected: bool
+) -> None:
+    """The answer is whether the backward adds to ``weight.grad``, checked against the
+    gradient itself."""
+    layer_grads: list[Tensor | None] = []
+
+    def checked(loss: Tensor, layer: nn.Linear, x: Tensor) -> None:
+        run(loss, layer, x)
+        layer_grads.append(layer.weight.grad)
+
+    assert _answers(checked) == [expected]
+    assert (layer_grads[0] is not None) == expected
+
+
+def test_what_has_no_accumulator_always_counts() -> None:
+    """A frozen weight or a non-leaf (a parametrisation's output) has nothing to ask:
+    every backward counts, as before the question existed."""
+    assert gradient_accumulator(nn.Linear(2, 2).weight.detach()) is None
+    assert gradient_accumulator(nn.Linear(2, 2).weight * 2) is None
+    assert accumulates(None)
+    assert _answers(lambda loss, layer, x: torch.autograd.grad(loss, x), frozen=True) == [True]
+
+
+def test_a_reentrant_checkpoints_inner_backward_accumulates() -> None:
+    layer = nn.Linear(3, 3)
+    node = gradient_accumulator(layer.weight)
+    answers: list[bool] = []
+
+    def segment(x: Tensor) -> Tensor:
+        out = layer(x)
+        if torch._C._current_graph_task_id() >= 0:  # the recomputation, inside the backward
+            out.register_hook(lambda _g: answers.append(accumulates(node)))
+        return out
+
+    checkpoint(segment, torch.randn(2, 3, requires_grad=True), use_reentrant=True).sum().backward()
+    assert answers == [True]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from dkfac.blocks.base import Rows
 from dkfac.blocks.linear import LinearBlock
@@ -22,7 +22,7 @@ from dkfac.engine.capture_groups import CaptureGroups
 from dkfac.engine.fisher import REENTRANT_CHECKPOINT, mc_sample_loss, through_reentrant_checkpoint
 from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
-from dkfac.engine.micro_batches import BackwardCounter
+from dkfac.engine.micro_batches import BackwardCounter, accumulates, gradient_accumulator
 from dkfac.engine.model_hooks import ModelHook, runs_as_the_model
 from dkfac.engine.phases import phase
 
@@ -58,6 +58,9 @@ class _Forward:
         context: What the block's input capture returned, for its gradient capture.
         recomputed: Whether it ran inside a backward (a checkpointed segment's
             recomputation).
+        accumulator: The gradient accumulator of the weight the forward ran with; a
+            backward that does not run it is not captured
+            (:func:`~dkfac.engine.micro_batches.accumulates`).
     """
 
     inputs: Tensor | None
@@ -67,6 +70,7 @@ class _Forward:
     forward_pass: _ForwardPass
     context: Any = None
     recomputed: bool = False
+    accumulator: Node | None = None
 
 
 @dataclass
@@ -168,6 +172,9 @@ class FactorCapture:
         # backward is discarded: a forward may have run before that zero_grad)
         self.ran_since_step = False
         self._handles: list[Any] = []
+        # layer id -> the weight its running forward runs with (FSDP2's unsharded one), from
+        # the forward pre-hook to the forward hook
+        self._weights: dict[int, Tensor] = {}
         self.counter = BackwardCounter()
         self._pass = _ForwardPass()  # the forward pass being captured
         self._pass_ended = False  # a backward reached it since: the next forward starts one
@@ -205,6 +212,7 @@ class FactorCapture:
             current = layer.block.parameters()
             if runs_as_the_model(registered, current):
                 self.counter.note_forward(current)
+                self._weights[id(layer)] = current[0]  # read by the forward hook
 
         ran_with = ModelHook(ran_with_hook)
         self._handles.append(module.register_forward_pre_hook(ran_with))
@@ -251,6 +259,7 @@ class FactorCapture:
         inputs: tuple[Any, ...],
         output: Any,
     ) -> None:
+        weight = self._weights.pop(id(layer), None)  # the tensor this forward ran with
         rms = layer.input_rms and module.training and torch.is_grad_enabled()
         due = self.active and layer.captures and layer.due
         if not (rms or due) or not runs_as_the_model(registered, layer.block.parameters()):
@@ -285,6 +294,7 @@ class FactorCapture:
                 x = x[:keep]
         recomputed = torch._C._current_graph_task_id() >= 0
         pending = _Forward(x, batch, float(terms) ** 2, keep, forward_pass, recomputed=recomputed)
+        pending.accumulator = None if weight is None else gradient_accumulator(weight)
         output.register_hook(functools.partial(self._grad_hook, layer, pending))
         if self.config.fisher == "mc":
             # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
@@ -317,7 +327,10 @@ class FactorCapture:
 
     def _capture(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         """The grad hook's work: the input statistics on the forward's first backward, then
-        the gradient statistics."""
+        the gradient statistics; nothing for a backward that leaves the weight's gradient
+        as it is (but the Monte-Carlo Fisher's own)."""
+        if not (self._mc_active or accumulates(pending.accumulator)):
+            return
         self._backward_batch = max(self._backward_batch, pending.batch)
         forward_pass = pending.forward_pass
         forward_pass.backpropagated = max(forward_pass.backpropagated, pending.batch)

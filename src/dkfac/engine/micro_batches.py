@@ -25,6 +25,13 @@ micro-batch that synchronises; with ``set_requires_gradient_sync(False)`` on the
 that is once a step. So the tensors a layer's forward runs with (read in a forward
 pre-hook: FSDP2's own, which unshards, runs first) are hooked too, as they are met
 (:meth:`BackwardCounter.note_forward`), and count each backward through them.
+
+A backward that leaves a weight's ``.grad`` as it is (``torch.autograd.grad``: an input's
+gradient for a saliency map or an adversarial example, or ``backward(inputs=...)`` without
+the weight) is no micro-batch of that layer either, and its output gradient no sample of
+the layer's gradient statistics: :func:`accumulates` tells it from one that accumulates
+into the weight, asked from inside the backward with the weight's gradient accumulator
+(:func:`gradient_accumulator`, taken from the tensor the forward ran with).
 """
 
 from __future__ import annotations
@@ -34,10 +41,35 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node, get_gradient_edge
+from torch.distributed.tensor import DTensor
 
 from dkfac.engine.model_hooks import ModelHook
 
-__all__ = ["BackwardCounter"]
+__all__ = ["BackwardCounter", "accumulates", "gradient_accumulator"]
+
+
+def gradient_accumulator(weight: Tensor) -> Node | None:
+    """The autograd node that accumulates into ``weight.grad`` (``weight``: the tensor a
+    forward ran with, a leaf that requires a gradient); ``None`` for any other tensor, and
+    for a sharded ``DTensor`` (FSDP2's, which the forward did not run with)."""
+    if not (weight.is_leaf and weight.requires_grad) or isinstance(weight, DTensor):
+        return None
+    return get_gradient_edge(weight).node
+
+
+def accumulates(accumulator: Node | None) -> bool:
+    """Whether the backward now running will run ``accumulator`` (from
+    :func:`gradient_accumulator`), i.e. add to its weight's ``.grad``: false for a
+    ``torch.autograd.grad`` (which returns gradients and accumulates none) and for a
+    ``backward(inputs=...)`` that leaves the weight out; true for ``None`` (nothing to ask).
+    Called from a hook inside the backward."""
+    if accumulator is None:
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # torch refuses to answer for a leaf autograd.grad was asked for
+        return False
 
 
 class BackwardCounter:

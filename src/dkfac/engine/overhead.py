@@ -27,6 +27,7 @@ from dkfac.config.schedules import EarlyRefresh, resolve
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState, layers_device
+from dkfac.engine.micro_batches import accumulates, gradient_accumulator
 from dkfac.engine.model_hooks import ModelHook
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
@@ -89,7 +90,15 @@ class OverheadBudget:
                 # lookup wpe(arange(T)), a (C, L) sequence) is one, not its first dimension
                 batch = layers[name].block.batch_size(first) if first is not None else None
                 rows = layers[name].block.forward_rows(first, out)
-                out.register_hook(lambda grad: self._seen(name, rows, batch))
+                # a backward that leaves the weight's gradient alone (torch.autograd.grad)
+                # is no training backward (dkfac.engine.micro_batches)
+                node = gradient_accumulator(layers[name].block.parameters()[0])
+
+                def arrived(grad: Tensor) -> None:
+                    if accumulates(node):
+                        self._seen(name, rows, batch)
+
+                out.register_hook(arrived)
 
             self._handles.append(layer.block.module.register_forward_hook(ModelHook(seen)))
 
