@@ -1,0 +1,49 @@
+"""A backward that leaves the weights' gradients alone (``torch.autograd.grad`` for an
+input's gradient) changes nothing of a sharded model's training either: the forward runs
+with FSDP2's unsharded parameters, whose gradient accumulators the capture asks about, not
+the sharded ones the preconditioner holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from dkfac import KFACOptimizer
+from tests.distributed_utils import run_distributed
+
+STEPS = 10  # the budget's first step, captures and refreshes
+
+
+def _train(probe: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    opt = KFACOptimizer.for_model(model, lr=1e-2)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 6, generator=gen).requires_grad_()
+        y = torch.randint(0, 3, (16,), generator=gen)
+        opt.zero_grad()
+        if probe:  # an input's gradient on other samples (FGSM's probe) first
+            other = x.detach().flip(0).mul(2).requires_grad_()
+            torch.autograd.grad(model(other).logsumexp(1).sum(), other)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}  # type: ignore[operator]
+
+
+def _rank_main(rank: int, world: int) -> dict[str, Any]:
+    del rank, world
+    plain, extra = _train(False), _train(True)
+    return {"equal": all(torch.equal(plain[n], extra[n]) for n in plain)}
+
+
+def test_an_input_gradient_leaves_a_sharded_models_training_as_it_is() -> None:
+    for result in run_distributed(_rank_main, 2, timeout=180):
+        assert result["equal"], result
