@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -30,7 +29,7 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
-from dkfac.bench.common import machine_info
+from dkfac.bench.common import machine_info, probe_command, write_result
 from dkfac.bench.suite import train_to_target
 from dkfac.bench.suite_tasks import FAMILIES, Task, load_task
 from dkfac.config.schedules import EarlyRefresh
@@ -134,9 +133,8 @@ def main() -> None:
                     }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    command = "PYTHONPATH=src python " + " ".join(sys.argv)
-    result = {"command": command, "machine": machine_info(), "seeds": SEEDS, "rows": rows}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    result = {"machine": machine_info(), "seeds": SEEDS, "rows": rows}
+    write_result(args.out.stem, result, args.out.parent, probe_command())
 
 
 if __name__ == "__main__":

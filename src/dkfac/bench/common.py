@@ -131,6 +131,12 @@ def command_line(prog: str, argv: list[str] | None) -> str:
     return " ".join([prog, *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
 
 
+def probe_command() -> str:
+    """The command that reproduces a probe script's run (``benchmarks/probes``): its path
+    and arguments as given, run with ``src`` on the path."""
+    return " ".join(["PYTHONPATH=src python", *(shlex.quote(a) for a in sys.argv)])
+
+
 def write_result(
     name: str,
     payload: dict[str, Any],

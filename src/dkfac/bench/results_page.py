@@ -139,6 +139,7 @@ DEFAULT_TASKS = {
 TTA_TEN_SEEDS = "tta_digits_default_v21_seeds10.json"
 SUITE = "suite_default_v20.json"
 EARLY_REFRESH = "early_refresh.json"
+LONG_RUN = "long_run_deepmlp.json"
 WIDE_SIDES = "one_sided_memory.json"
 SUITE_ALL_PEERS = "suite_default_v1.json"
 GROUPED = "grouped_conv_digits.json"
@@ -255,6 +256,61 @@ def _early_table(p: Payloads) -> Table:
         rows.append([row["family"], f"{row['lr']:g}", *cells])
     headers = ["family", "lr", "with the early refresh (split 0 / 1)", "without (split 0 / 1)"]
     return Table(headers, rows)
+
+
+def _after_target(run: dict[str, Any]) -> list[float]:
+    """A long run's accuracies at the 50-step marks from the step it reached the target."""
+    if run["reached"] is None:
+        return []
+    marks = run["accuracy_every_50"]
+    return [a for k, a in enumerate(marks) if 50 * (k + 1) >= run["reached"]]
+
+
+def _long_run_cells(row: dict[str, Any]) -> dict[str, str]:
+    """One arm of ``long_run_deepmlp.json``: each seed's steps to the target, the median
+    final accuracy, the lowest accuracy of any seed at a 50-step mark once it had reached
+    the target, the median norm."""
+    runs = row["runs"]
+    after = [a for r in runs for a in _after_target(r)]
+    return {
+        "reached": ", ".join("–" if r["reached"] is None else str(r["reached"]) for r in runs),
+        "final": f(statistics.median(r["accuracy_every_50"][-1] for r in runs), 3),
+        "lowest": f(min(after), 3) if after else "–",
+        "norm": f(statistics.median(r["norm"] for r in runs), 0),
+    }
+
+
+def _long_run_table(p: Payloads) -> Table:
+    """Each arm of the long runs: optimizer, lr and :func:`_long_run_cells`."""
+    rows = []
+    for row in p[LONG_RUN]["rows"]:
+        cells = _long_run_cells(row)
+        name = "dkfac " + row["arm"] if row["optimizer"] == "dkfac" else row["optimizer"]
+        rows.append([name, f"{row['lr']:g}", *cells.values()])
+    headers = [
+        "optimizer",
+        "lr",
+        "steps to the target (each seed)",
+        "final accuracy (median)",
+        "lowest accuracy after the target (at the 50-step marks)",
+        "weights' norm at the end (median)",
+    ]
+    return Table(headers, rows)
+
+
+def _long_run_values(p: Payloads) -> dict[str, str]:
+    payload = p[LONG_RUN]
+    default = [r for r in payload["rows"] if r["arm"] == "default"]
+    low, high = sorted(default, key=lambda r: r["lr"])
+    return {
+        "steps": str(payload["steps"]),
+        "target": f"{payload['target']:.0%}",
+        "lr_low": f"{low['lr']:g}",
+        "lr_high": f"{high['lr']:g}",
+        "high_final": _long_run_cells(high)["final"],
+        "norm_low": _long_run_cells(low)["norm"],
+        "norm_high": _long_run_cells(high)["norm"],
+    }
 
 
 def _anatomy_values(families: dict[str, Any]) -> dict[str, str]:
@@ -504,6 +560,33 @@ layers without normalisation and one with a single wide hidden layer, the best o
 grid on its sweep seed): median steps to the target of seeds 0–2 on each split.
 """,
         tables=(_early_table,),
+    ),
+    Section(
+        title="The default past its target",
+        sources=(LONG_RUN,),
+        text="""
+`dkfac bench suite` stops each run at its target. Past it, on the deep narrow MLP of the
+section above (ReLU layers without normalisation, the digits to {target}), runs of {steps} steps
+from four seeds at the rate the suite's grid gives the default there ({lr_low}) and at twice
+that ({lr_high}, still inside the range `for_model`'s docstring gives): at {lr_low} the
+default holds its accuracy for the whole run; at {lr_high} it reaches the target as fast and
+then collapses, every seed to chance ({high_final} at the end), its weights' norm
+{norm_high} against {norm_low}. The hidden layers' orthogonalised updates keep one length
+per unit of lr however noisy the gradient, and nothing in this model holds its layers'
+scale. A length that follows the update's own (`orthogonal_rms_power=0.5`) or a shorter one
+(`orthogonal_rms=0.75`) holds at that rate, and so do a strong decoupled weight decay
+(`weight_decay=1.0`) and factors and bases refreshed every few steps (`overhead=None`): the
+first two were measured as the default and lost elsewhere (`docs/tried.md`), the decay
+takes more steps to the target than the default at {lr_low}, and the fresh statistics pay
+their whole cost every step. AdamW
+and Muon hold at the top of their grids, as the suite builds them: with torch's default
+weight decay (`0.01` and `0.1`). With a
+constant rate, a run several times longer than the sweep's should take the rate below the
+sweep's choice, or decay it: the same holds on the GPT's second split above and the Llama's
+below.
+""",
+        tables=(_long_run_table,),
+        values=_long_run_values,
     ),
     Section(
         title="The default on four families outside the suite",
