@@ -207,7 +207,19 @@ def _probe(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-@pytest.mark.parametrize("extra", [_saliency, _probe], ids=["saliency", "probe"])
+def _manual_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss, whose weight gradients a loop takes with ``torch.autograd.grad``
+    and sets as ``.grad`` itself (the returned loss is then backpropagated into nothing)."""
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    params = list(model.parameters())
+    for param, grad in zip(params, torch.autograd.grad(loss, params), strict=True):
+        param.grad = grad
+    return loss.detach().requires_grad_()
+
+
+@pytest.mark.parametrize(
+    "extra", [_saliency, _probe, _manual_grads], ids=["saliency", "probe", "manual-grads"]
+)
 def test_backwards_that_leave_the_weights_gradients_alone_change_nothing(
     extra: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
     caplog: pytest.LogCaptureFixture,
@@ -217,7 +229,8 @@ def test_backwards_that_leave_the_weights_gradients_alone_change_nothing(
     rows and the loss-scale check do not see them either, so the weights are those of the
     plain loop, bit for bit, and nothing is logged (captured, they move the weights by
     about 5e-2 in this loop and set off the warning that a GradScaler scales the
-    backward)."""
+    backward). A ``torch.autograd.grad`` of the weights themselves, set as ``.grad`` by the
+    loop, is that loop's training backward and is captured as one."""
 
     def train(
         loss_of: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],

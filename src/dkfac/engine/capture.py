@@ -22,7 +22,7 @@ from dkfac.engine.capture_groups import CaptureGroups
 from dkfac.engine.fisher import REENTRANT_CHECKPOINT, mc_sample_loss, through_reentrant_checkpoint
 from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
-from dkfac.engine.micro_batches import BackwardCounter, accumulates, gradient_accumulator
+from dkfac.engine.micro_batches import BackwardCounter, computes_gradient, gradient_accumulator
 from dkfac.engine.model_hooks import ModelHook, runs_as_the_model
 from dkfac.engine.phases import phase
 
@@ -59,8 +59,8 @@ class _Forward:
         recomputed: Whether it ran inside a backward (a checkpointed segment's
             recomputation).
         accumulator: The gradient accumulator of the weight the forward ran with; a
-            backward that does not run it is not captured
-            (:func:`~dkfac.engine.micro_batches.accumulates`).
+            backward that computes no gradient of that weight is not captured
+            (:func:`~dkfac.engine.micro_batches.computes_gradient`).
     """
 
     inputs: Tensor | None
@@ -225,6 +225,7 @@ class FactorCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._weights.clear()
         self.counter.remove()
 
     @property
@@ -247,6 +248,7 @@ class FactorCapture:
         self._pass, self._pass_ended = _ForwardPass(), False
         self._backward_batch = 0
         self._broadcast.clear()
+        self._weights.clear()  # a forward that stopped early (raised) left its weight
         self._undecided.clear()
         self._groups.clear()
         self.bias_sums = {}
@@ -293,8 +295,11 @@ class FactorCapture:
             with torch.no_grad():  # a slice outside the graph
                 x = x[:keep]
         recomputed = torch._C._current_graph_task_id() >= 0
-        pending = _Forward(x, batch, float(terms) ** 2, keep, forward_pass, recomputed=recomputed)
-        pending.accumulator = None if weight is None else gradient_accumulator(weight)
+        accumulator = None if weight is None else gradient_accumulator(weight)
+        pending = _Forward(
+            x, batch, float(terms) ** 2, keep, forward_pass, recomputed=recomputed,
+            accumulator=accumulator,
+        )  # fmt: skip
         output.register_hook(functools.partial(self._grad_hook, layer, pending))
         if self.config.fisher == "mc":
             # The edge, not the tensor: an in-place op after the layer (ReLU(inplace=True))
@@ -327,9 +332,9 @@ class FactorCapture:
 
     def _capture(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         """The grad hook's work: the input statistics on the forward's first backward, then
-        the gradient statistics; nothing for a backward that leaves the weight's gradient
-        as it is (but the Monte-Carlo Fisher's own)."""
-        if not (self._mc_active or accumulates(pending.accumulator)):
+        the gradient statistics; nothing for a backward that computes no gradient of the
+        weight (but the Monte-Carlo Fisher's own)."""
+        if not (self._mc_active or computes_gradient(pending.accumulator)):
             return
         self._backward_batch = max(self._backward_batch, pending.batch)
         forward_pass = pending.forward_pass

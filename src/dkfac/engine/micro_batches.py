@@ -26,12 +26,14 @@ that is once a step. So the tensors a layer's forward runs with (read in a forwa
 pre-hook: FSDP2's own, which unshards, runs first) are hooked too, as they are met
 (:meth:`BackwardCounter.note_forward`), and count each backward through them.
 
-A backward that leaves a weight's ``.grad`` as it is (``torch.autograd.grad``: an input's
-gradient for a saliency map or an adversarial example, or ``backward(inputs=...)`` without
-the weight) is no micro-batch of that layer either, and its output gradient no sample of
-the layer's gradient statistics: :func:`accumulates` tells it from one that accumulates
-into the weight, asked from inside the backward with the weight's gradient accumulator
-(:func:`gradient_accumulator`, taken from the tensor the forward ran with).
+A backward that computes no gradient of a weight (``torch.autograd.grad`` for an input's
+gradient, a saliency map or an adversarial example, or ``backward(inputs=...)`` without the
+weight) is no micro-batch of that layer either, and its output gradient no sample of the
+layer's gradient statistics: :func:`computes_gradient` tells it from one that does, asked
+from inside the backward with the weight's gradient accumulator
+(:func:`gradient_accumulator`, taken from the tensor the forward ran with). A
+``torch.autograd.grad`` that asks for the weight itself (a loop that sets ``.grad`` from
+its result) computes it.
 """
 
 from __future__ import annotations
@@ -46,30 +48,46 @@ from torch.distributed.tensor import DTensor
 
 from dkfac.engine.model_hooks import ModelHook
 
-__all__ = ["BackwardCounter", "accumulates", "gradient_accumulator"]
+__all__ = ["BackwardCounter", "computes_gradient", "gradient_accumulator"]
 
 
 def gradient_accumulator(weight: Tensor) -> Node | None:
-    """The autograd node that accumulates into ``weight.grad`` (``weight``: the tensor a
-    forward ran with, a leaf that requires a gradient); ``None`` for any other tensor, and
-    for a sharded ``DTensor`` (FSDP2's, which the forward did not run with)."""
+    """The autograd node that accumulates into ``weight.grad``.
+
+    Args:
+        weight: The tensor a layer's forward ran with.
+
+    Returns:
+        Its accumulator where it is a leaf that requires a gradient and no ``DTensor``;
+        ``None`` otherwise (nothing to ask :func:`computes_gradient` about: a
+        parametrisation's output, a frozen weight, FSDP2's sharded parameter that the
+        forward did not run with, a tensor-parallel one).
+    """
     if not (weight.is_leaf and weight.requires_grad) or isinstance(weight, DTensor):
         return None
     return get_gradient_edge(weight).node
 
 
-def accumulates(accumulator: Node | None) -> bool:
-    """Whether the backward now running will run ``accumulator`` (from
-    :func:`gradient_accumulator`), i.e. add to its weight's ``.grad``: false for a
-    ``torch.autograd.grad`` (which returns gradients and accumulates none) and for a
-    ``backward(inputs=...)`` that leaves the weight out; true for ``None`` (nothing to ask).
-    Called from a hook inside the backward."""
+def computes_gradient(accumulator: Node | None) -> bool:
+    """Whether the backward now running computes the gradient of the weight behind
+    ``accumulator`` (called from a hook inside the backward).
+
+    Args:
+        accumulator: From :func:`gradient_accumulator`.
+
+    Returns:
+        False for a ``torch.autograd.grad`` that does not ask for the weight and a
+        ``backward(inputs=...)`` that leaves it out; true for any other backward, for a
+        ``torch.autograd.grad`` that asks for it (torch refuses to say whether it runs the
+        accumulator of a leaf it was asked for: it captures that gradient instead), and for
+        ``None``.
+    """
     if accumulator is None:
         return True
     try:
         return bool(torch._C._will_engine_execute_node(accumulator))
-    except RuntimeError:  # torch refuses to answer for a leaf autograd.grad was asked for
-        return False
+    except RuntimeError:  # the leaf autograd.grad asked for (or no answer: as before)
+        return True
 
 
 class BackwardCounter:

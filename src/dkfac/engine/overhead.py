@@ -14,12 +14,14 @@ keep the identity basis at that first refresh. Options the user set are kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
 from dkfac.blocks.embedding import EmbeddingBlock
@@ -27,7 +29,7 @@ from dkfac.config.schedules import EarlyRefresh, resolve
 from dkfac.costmodel.budget import Choice, LayerShape, basis_limit, choose_for
 from dkfac.distributed.control import ControlMessages
 from dkfac.engine.layer_state import LayerState, layers_device
-from dkfac.engine.micro_batches import accumulates, gradient_accumulator
+from dkfac.engine.micro_batches import computes_gradient, gradient_accumulator
 from dkfac.engine.model_hooks import ModelHook
 from dkfac.solvers.eigen_moments import EigenMomentsSolver
 
@@ -69,6 +71,7 @@ class OverheadBudget:
         self.batch: int | None = None
         self.choice: Choice | None = None
         self._handles: list[RemovableHandle] = []
+        self._nodes: dict[str, Node | None] = {}  # a running forward's weight accumulator
         self._warned = False
 
     def watch(self, layers: Mapping[str, LayerState]) -> None:
@@ -78,7 +81,12 @@ class OverheadBudget:
         metric's or a probe's, counts for nothing."""
         for name, layer in layers.items():
 
+            def running(module: nn.Module, inputs: Any, name: str = name) -> None:
+                # the weight this forward runs with (FSDP2's unsharded one: its pre-hook ran)
+                self._nodes[name] = gradient_accumulator(layers[name].block.parameters()[0])
+
             def seen(module: nn.Module, inputs: Any, output: Any, name: str = name) -> None:
+                node = self._nodes.pop(name, None)
                 out = output[0] if isinstance(output, (tuple, list)) else output
                 g = layers[name].block.g_dim
                 if not module.training or not isinstance(out, Tensor) or g <= 0:
@@ -90,17 +98,21 @@ class OverheadBudget:
                 # lookup wpe(arange(T)), a (C, L) sequence) is one, not its first dimension
                 batch = layers[name].block.batch_size(first) if first is not None else None
                 rows = layers[name].block.forward_rows(first, out)
-                # a backward that leaves the weight's gradient alone (torch.autograd.grad)
-                # is no training backward (dkfac.engine.micro_batches)
-                node = gradient_accumulator(layers[name].block.parameters()[0])
+                out.register_hook(functools.partial(self._arrived, name, rows, batch, node))
 
-                def arrived(grad: Tensor) -> None:
-                    if accumulates(node):
-                        self._seen(name, rows, batch)
+            module = layer.block.module
+            self._handles.append(module.register_forward_pre_hook(ModelHook(running)))
+            self._handles.append(module.register_forward_hook(ModelHook(seen)))
 
-                out.register_hook(arrived)
-
-            self._handles.append(layer.block.module.register_forward_hook(ModelHook(seen)))
+    def _arrived(
+        self, name: str, rows: int, batch: int | None, node: Node | None, grad: Tensor
+    ) -> None:
+        """An output gradient of layer ``name`` arrived: counted where the backward computes
+        the weight's gradient (not an input's ``torch.autograd.grad``:
+        :mod:`dkfac.engine.micro_batches`)."""
+        del grad
+        if computes_gradient(node):
+            self._seen(name, rows, batch)
 
     def _seen(self, name: str, rows: int, batch: int | None) -> None:
         """A backpropagated forward of layer ``name`` (:meth:`watch`). The batch and each
@@ -296,6 +308,7 @@ class OverheadBudget:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._nodes.clear()
 
     def forget(self, layers: Mapping[str, LayerState]) -> None:
         """Back to no choice, watching ``layers`` for the shapes again (a state saved before
