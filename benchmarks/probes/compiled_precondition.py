@@ -57,7 +57,7 @@ def _warm_seconds(task: Task, name: str, lr: float, steps: int) -> tuple[float, 
     batch = task.batches(torch.Generator().manual_seed(0))
     start = time.perf_counter()
     for _ in range(steps):
-        suite._step(task, model, optimizer, batch)
+        suite.train_step(task, model, optimizer, batch)
     seconds = time.perf_counter() - start
     layers = optimizer.preconditioner.layers.items()  # type: ignore[attr-defined]
     solvers = {n: lay.solver for n, lay in layers if isinstance(lay.solver, EigenMomentsSolver)}

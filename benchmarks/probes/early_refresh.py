@@ -77,7 +77,7 @@ class _WideMLP(nn.Module):
         return self.net(x)
 
 
-def _task(name: str, split: int) -> Task:
+def family_task(name: str, split: int) -> Task:
     """A suite task, or one of the two MLPs on the MLP family's data and target."""
     if name in FAMILIES:
         return load_task(name, split)
@@ -119,7 +119,7 @@ def main() -> None:
             )
             with patch:
                 for split in (0, 1):
-                    task = _task(name, split)
+                    task = family_task(name, split)
                     reached = [
                         train_to_target(task, "dkfac", RATES[name], seed, MAX_STEPS, None)[
                             "reached"

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from dkfac.bench.common import machine_info, probe_command, write_result
-from dkfac.bench.suite import _step, make_optimizer
+from dkfac.bench.suite import make_optimizer, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
-from early_refresh import _task as early_refresh_task
+from early_refresh import family_task
 
 ARMS: tuple[tuple[str, str, float, dict[str, Any] | None], ...] = (
     ("default", "dkfac", 0.01, None),
@@ -47,14 +47,14 @@ STEPS = 300
 
 def run(name: str, lr: float, options: dict[str, Any] | None, seed: int) -> dict[str, Any]:
     """One run of ``STEPS`` steps: steps to the target, accuracy every 50, final norm."""
-    task = early_refresh_task("deepmlp", 0)
+    task = family_task("deepmlp", 0)
     torch.manual_seed(seed)
     model = task.build()
     optimizer = make_optimizer(name, model, lr, options)
     batch = task.batches(torch.Generator().manual_seed(seed))
     reached, accuracy = None, []
     for step in range(1, STEPS + 1):
-        _step(task, model, optimizer, batch)
+        train_step(task, model, optimizer, batch)
         if reached is None or step % 50 == 0:
             value = task.metric(model)
             if reached is None and value >= task.target:
@@ -76,7 +76,7 @@ def main() -> None:
         row = {"arm": label, "optimizer": name, "lr": lr, "runs": runs}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    target = early_refresh_task("deepmlp", 0).target
+    target = family_task("deepmlp", 0).target
     result = {"machine": machine_info(), "steps": STEPS, "target": target, "rows": rows}
     write_result(args.out.stem, result, args.out.parent, probe_command())
 

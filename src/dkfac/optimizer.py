@@ -323,10 +323,11 @@ class KFACOptimizer(Optimizer):
         ``skip_layers`` given in ``options`` replaces this rule.
 
         Sweep only ``lr``, over about 1e-3 to 2e-2 (the grid ``dkfac bench suite`` gives
-        every optimizer). A constant rate that wins a short sweep can be too high for a run
-        several times longer: take the rate below it, or decay it (a plain deep ReLU MLP at
-        twice its best rate reaches its target, then collapses; BENCHMARKS.md, "The default
-        past its target"). The same advice holds for a transformer: use this as it is
+        every optimizer). A constant rate can reach a target and then stall or collapse in a
+        run several times longer (the GPT's second text split at the rate a short sweep
+        chose; a plain deep ReLU MLP at twice its best rate: BENCHMARKS.md, "The default
+        past its target"): for such a run take the rate below a short sweep's winner, or
+        decay it. The same advice holds for a transformer: use this as it is
         (``loss_average`` scales the factors, which changes none of its steps: its bases and
         Adam's moments do not depend on that scale). The tuned configurations measured
         against AdamW, Muon and SOAP are in ``benchmarks/recipes/`` (docs/transformers.md

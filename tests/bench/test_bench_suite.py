@@ -176,7 +176,7 @@ def test_every_timed_step_starts_from_the_common_initial_weights(
     torch.manual_seed(0)
     initial = [p.detach().clone() for p in task.build().parameters()]
     starts: list[str] = []
-    real_step = suite._step
+    real_step = suite.train_step
 
     def step(task_: object, model: torch.nn.Module, opt: object, draw: object) -> None:
         same = all(torch.equal(p, q) for p, q in zip(model.parameters(), initial, strict=True))
@@ -187,7 +187,7 @@ def test_every_timed_step_starts_from_the_common_initial_weights(
         )
         starts.append(type(opt).__name__)
 
-    monkeypatch.setattr(suite, "_step", step)
+    monkeypatch.setattr(suite, "train_step", step)
     wall, cpu = suite.step_seconds(task, {"adamw": 0.01, "dkfac": 0.01}, blocks=3, steps=2)
     assert {name: len(times) for name, times in wall.items()} == {"adamw": 3, "dkfac": 3}
     assert {name: len(times) for name, times in cpu.items()} == {"adamw": 3, "dkfac": 3}

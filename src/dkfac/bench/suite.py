@@ -75,6 +75,7 @@ __all__ = [
     "make_optimizer",
     "measure_task",
     "run_task",
+    "train_step",
     "train_to_target",
 ]
 
@@ -123,7 +124,7 @@ def make_optimizer(
     raise ValueError(f"unknown suite optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
-def _step(task: Task, model: nn.Module, optimizer: Stepper, batch: Callable[[], Any]) -> float:
+def train_step(task: Task, model: nn.Module, optimizer: Stepper, batch: Callable[[], Any]) -> float:
     """One training step on the next batch; returns its loss."""
     x, y = batch()
     optimizer.zero_grad(set_to_none=True)
@@ -155,7 +156,7 @@ def train_to_target(
     elapsed, step, diverged, reached = 0.0, 0, False, None
     while step < max_steps:
         start = time.perf_counter()
-        loss = _step(task, model, optimizer, batch)
+        loss = train_step(task, model, optimizer, batch)
         elapsed += time.perf_counter() - start
         step += 1
         diverged = not math.isfinite(loss)
@@ -222,7 +223,7 @@ def step_seconds(
             for _ in range(steps):
                 model.load_state_dict(initial)  # outside the clocks
                 start, start_cpu = time.perf_counter(), time.thread_time()
-                _step(task, model, opt, draw)
+                train_step(task, model, opt, draw)
                 wall += time.perf_counter() - start
                 cpu += time.thread_time() - start_cpu
             return wall / steps, cpu / steps
