@@ -179,6 +179,10 @@ def test_several_sweep_seeds_pick_the_lr_of_the_best_median_run() -> None:
         (["--sgd-lrs", "0.1"], "same number of learning rates, got sgd 1, adamw 4"),
         (["--peer-options", "lion:lr=1"], "expected KIND:key=value"),
         (["--peer-options", "muon:betas=1"], "muon takes no option betas"),
+        # values the optimizer itself refuses: one line, not torch's traceback mid-run
+        (["--peer-options", "adamw:weight_decay=-1"], "--peer-options adamw: Invalid weight"),
+        (["--peer-options", "muon:adamw_lr=nan"], "--peer-options muon: Invalid learning rate"),
+        (["--peer-options", "muon:adjust_lr_fn=bogus"], "--peer-options muon: Adjust learning"),
         (["--only", "nope"], "--only: no optimizer named nope"),
         (["--muon-lrs", "0", "1", "2", "3"], "learning rates must be finite and > 0"),
         (["--muon-lrs", "nan", "1", "2", "3"], "learning rates must be finite and > 0"),

@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from dkfac.app.data import load_digits
 from dkfac.bench.common import parse_options
 from dkfac.bench.muon_precision import use_float32_muon
@@ -37,6 +39,7 @@ from dkfac.bench.peers import (
     KINDS,
     PEER_OPTIONS,
     OptimizerSpec,
+    build_optimizer,
     check_kfac_options,
     resolve_options,
 )
@@ -188,6 +191,7 @@ def build_specs(
         if kind != "kfac":
             options = resolve_options(kind, (task_options or {}).get(kind), given.get(kind))
             specs.append(OptimizerSpec(kind, kind, lrs, options))
+            check_peer_builds(specs[-1])
             continue
         for text in args.kfac or ([] if recipes else default_kfac):
             name, _, opts = text.partition(":")
@@ -209,6 +213,24 @@ def build_specs(
     if not args.no_sweep:
         check_grids(specs)
     return specs
+
+
+def check_peer_builds(spec: OptimizerSpec) -> None:
+    """Builds the peer ``spec`` once over a small MLP, so that an option value the optimizer
+    itself refuses (torch's ``ValueError`` for a negative ``weight_decay``, a NaN
+    ``adamw_lr``, an unknown ``adjust_lr_fn``) is a flag error before any run starts.
+
+    Raises:
+        ValueError: Naming the kind and what its optimizer said.
+    """
+    if _unavailable_reason(spec.kind) is not None:
+        return  # reported (and skipped) where the run meets it
+    probe = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    lr = spec.lrs[0] if spec.lrs and 0 < spec.lrs[0] < math.inf else 1e-3
+    try:
+        build_optimizer(spec, probe, lr, 0.0)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"--peer-options {spec.kind}: {error}") from None
 
 
 def _other_grid_size(args: argparse.Namespace) -> int:
