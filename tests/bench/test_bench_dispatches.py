@@ -94,3 +94,38 @@ def test_the_case_flags_are_checked_in_one_line(
         assert err.value.code == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert message in last and last.startswith("dkfac bench "), last
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (["--options", "damping=-1"], "--options: damping must be in (0.0, inf), got -1"),
+        (["--options", "bogus=1"], "--options: unknown option 'bogus'"),
+        (["--options", "skip_layers=.*"], "--options: model has no layer K-FAC can"),
+    ],
+)
+def test_options_the_preconditioner_refuses_are_one_line(
+    bad: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # each was the preconditioner's traceback from inside the run (the last one only
+    # once the model is built: every layer skipped)
+    argv = ["--model", "mlp", "--batch-size", "4", *bad]
+    with pytest.raises(SystemExit) as err:
+        dispatches.main(argv)
+    assert err.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in last and last.startswith("dkfac bench dispatches: error:"), last
+
+
+def test_bench_step_says_in_one_line_that_its_skip_layers_left_no_layer(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from dkfac.bench import step
+
+    argv = ["--model", "mlp", "--batch-size", "4", "--repeats", "1", "--skip-layers", ".*"]
+    with pytest.raises(SystemExit) as err:
+        step.main([*argv, "--out-dir", str(tmp_path)])
+    assert err.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--skip-layers: model has no layer K-FAC can precondition" in last, last
+    assert not list(tmp_path.iterdir())  # nothing written

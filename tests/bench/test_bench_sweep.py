@@ -189,6 +189,7 @@ def test_several_sweep_seeds_pick_the_lr_of_the_best_median_run() -> None:
         # NAME forgotten: it ran a K-FAC variant named 'damping=-1' with default options.
         (["--kfac", "damping=-1"], "--kfac takes NAME:key=value,... (NAME first), got"),
         (["--kfac", ":damping=1"], "--kfac takes NAME:key=value,... (NAME first), got"),
+        (["--kfac", "a:lr=5"], "kfac option: lr is the run's (--kfac-lrs)"),
         (["--kfac", "sgd:damping=0.1", "--no-sweep"], "names must be unique"),
         (["--first-seed", "-1"], "--first-seed must be in [0, 4294967295], got -1"),
         (["--split-seed", "-2"], "--split-seed must be in [0, 4294967295], got -2"),

@@ -41,7 +41,14 @@ import dkfac.solvers.host_copy as host_copy
 from dkfac.app.factory import ModelError
 from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import command_line, machine_info, write_result
-from dkfac.bench.step import add_case_arguments, case_problem, model_and_batch
+from dkfac.bench.step import (
+    OptionsError,
+    add_case_arguments,
+    build_preconditioner,
+    case_problem,
+    model_and_batch,
+    options_problem,
+)
 from dkfac.engine import launches
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -149,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--top must be >= 0, got {args.top}")
     if problem := case_problem(args):
         parser.error(problem)
+    if problem := options_problem(args.options, args.method):  # not a traceback mid-run
+        parser.error(f"--options: {problem}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -159,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts: dict[str, Any] = {}
     with _device_forms(args.launch_bound, args.conv_path):
         for kind in ("sgd", "adamw", *KINDS):
-            counts[kind] = _count_kind(kind, base, (x, y), args)
+            try:
+                counts[kind] = _count_kind(kind, base, (x, y), args)
+            except OptionsError as err:  # the options against this model
+                parser.error(f"--options: {err}")
     for kind, entry in counts.items():
         print(f"{kind}: {entry['dispatches']} dispatches, {entry['not_views']} not views")
         for line, n in entry.get("top_dkfac_lines", {}).items():
@@ -187,7 +199,7 @@ def _count_kind(
         f_int, i_int = KINDS[kind]
         options = {"damping": 1e-3, **args.options, "method": args.method, "lr": 1e-4}
         options.update(factor_update_interval=f_int, inverse_update_interval=i_int)
-        pre = KFACPreconditioner(model, **options)
+        pre = build_preconditioner(model, options)
         pre.flags_on_device = pre.flags_on_device or args.launch_bound
     counter = count_step(model, batch, optimizer, pre)
     entry: dict[str, Any] = {

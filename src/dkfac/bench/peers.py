@@ -367,6 +367,8 @@ def check_kfac_options(options: Mapping[str, Any]) -> None:
     """
     _, preconditioner = kfac_parts(options)
     overhead = preconditioner.pop(KFAC_BUDGET_OPTION, None)
+    if "lr" in preconditioner:  # build_optimizer gives the preconditioner the run's rate
+        raise ValueError("kfac option: lr is the run's (--kfac-lrs), not a spec option")
     if problem := unknown_options(preconditioner):
         raise ValueError(f"kfac option: {problem}")
     try:

@@ -77,6 +77,31 @@ KINDS = {"plain": (NEVER, NEVER), "factor": (1, NEVER), "inverse": (1, 1)}
 FIXED_OPTIONS = frozenset({"method", "factor_update_interval", "inverse_update_interval", "lr"})
 
 
+class OptionsError(ValueError):
+    """The preconditioner refused the benchmark's options for the model (no layer left after
+    ``--skip-layers``, an option the model's layers cannot take): a flag error."""
+
+
+def build_preconditioner(model: nn.Module, options: dict[str, Any]) -> KFACPreconditioner:
+    """``KFACPreconditioner(model, **options)``, its refusal raised as :class:`OptionsError`."""
+    try:
+        return KFACPreconditioner(model, **options)
+    except (TypeError, ValueError) as err:
+        raise OptionsError(str(err)) from None
+
+
+def options_problem(options: dict[str, Any], method: str) -> str | None:
+    """What is wrong with ``--options`` before any model is built (``None``: nothing): an
+    unknown name, or a value :class:`~dkfac.KFACConfig` refuses."""
+    if problem := unknown_options(options):
+        return problem
+    try:
+        KFACConfig(**{**options, "method": method})
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return None
+
+
 def _make_case(
     model: nn.Module,
     batch: tuple[torch.Tensor, torch.Tensor],
@@ -97,7 +122,7 @@ def _make_case(
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    pre = None if kfac_options is None else KFACPreconditioner(model, **kfac_options)
+    pre = None if kfac_options is None else build_preconditioner(model, kfac_options)
     x, y = batch
 
     def step() -> None:
@@ -446,18 +471,16 @@ def main(argv: list[str] | None = None) -> int:
             re.compile(pattern)
         except re.error as err:
             parser.error(f"--skip-layers: {pattern!r} is not a regular expression ({err})")
-    if problem := unknown_options(args.options):
+    if problem := options_problem(args.options, args.method):  # not a traceback mid-run
         parser.error(f"--options: {problem}")
-    try:  # a bad --options value is the user's, not a traceback halfway through the run
-        KFACConfig(**{**args.options, "method": args.method})
-    except (TypeError, ValueError) as err:
-        parser.error(f"--options: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         payload = run(args)
     except ModelError as err:  # a --model factory that loads but gives no model
         parser.error(f"--model: {err}")
+    except OptionsError as err:  # the options or --skip-layers against this model
+        parser.error(f"--options / --skip-layers: {err}")
     name = args.name or f"step_{args.model}_{torch.device(args.device).type}"
     write_result(name, payload, args.out_dir, command_line("dkfac bench step", argv))
     if args.plot:
