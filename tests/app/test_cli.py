@@ -291,6 +291,9 @@ def test_dkfac_keeps_what_is_given_and_its_resolved_config_runs_the_same(
         ("method = 3\n", "method must be a string, got 3"),
         ("out = 3\n", "out must be a string, got 3"),
         ("damping_schedule = 3\n", "damping_schedule must be a string, got 3"),
+        # a list item the command line would read as a flag: it switched --overwrite on
+        ('lrs = ["--overwrite"]\n', "lrs item '--overwrite' starts with '-'"),
+        ('skip_layers = ["--overwrite"]\n', "skip_layers item '--overwrite' starts with '-'"),
     ],
 )
 def test_bad_config_files_exit_2(

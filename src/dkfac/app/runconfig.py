@@ -364,13 +364,29 @@ def config_file_tokens(
             items = value if isinstance(value, list) else [value]
             for item in items:
                 _check_kind(action, key, item, source, listed=True)
-            tokens += [flag, *(format_value(v) for v in items)]
+            texts = [format_value(v) for v in items]
+            for text in texts:  # the parser would read it as a flag (--overwrite), not an item
+                if text.startswith("-") and not _is_number(text):
+                    raise ConfigError(
+                        f"{source}: {key} item {text!r} starts with '-', which the command "
+                        f"line reads as a flag; give it on the command line as {flag}={text}"
+                    )
+            tokens += [flag, *texts]
         else:
             if isinstance(value, (list, dict)):
                 raise ConfigError(f"{source}: {key} takes one value, got {value!r}")
             _check_kind(action, key, value, source)
             tokens.append(f"{flag}={format_value(value)}")
     return tokens
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` reads as a number (a negative one is a list item, not a flag)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 NUMBER_TYPES = ("int", "float", "number")
