@@ -148,3 +148,16 @@ def test_report_names_the_result_it_misses(
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"dkfac bench report: error: cannot build the page from '{tmp_path}': ")
     assert f"{tmp_path}/" in last and last.endswith(".json No such file or directory")
+
+
+def test_a_plots_path_that_cannot_be_a_folder_leaves_the_page_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page, afile = tmp_path / "page.md", tmp_path / "afile"
+    page.write_text("KEEP")
+    afile.write_text("x")
+    with pytest.raises(SystemExit) as info:  # it was FileExistsError, after the page was written
+        report.main(["--results", str(RESULTS), "--page", str(page), "--plots", str(afile)])
+    assert info.value.code == 2
+    assert f"--plots {str(afile)!r}: cannot be a folder" in capsys.readouterr().err
+    assert page.read_text() == "KEEP"

@@ -53,9 +53,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{target} is not what `dkfac bench report` builds: rerun it", file=sys.stderr)
             return 1
         return 0
-    target.write_text(page)
+    if not args.no_plots:  # the folder first: a bad --plots must not cost the page
+        try:
+            Path(args.plots).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            parser.error(f"--plots {args.plots!r}: cannot be a folder ({err.strerror})")
+    try:
+        target.write_text(page)
+    except OSError as err:
+        parser.error(f"--page {args.page!r}: cannot be written ({err.strerror})")
     if not args.no_plots:
-        Path(args.plots).mkdir(parents=True, exist_ok=True)
         for section in results_page.SECTIONS:
             if section.plot:
                 name, draw = section.plot
