@@ -231,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("checkpoint_every", "eval_every"):
         if getattr(opts, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(opts, name)}")
+    if opts.batch_size % opts.world_size:  # each rank's refusal ended in a traceback
+        parser.error(
+            f"--batch-size {opts.batch_size} must be a multiple of --world-size "
+            f"({opts.world_size}): every rank takes an equal share"
+        )
     if problem := _train_problem(opts):
         parser.error(problem)
     context = mp.get_context("spawn")
