@@ -45,6 +45,7 @@ def _parser() -> BenchParser:
     ("argv", "message"),
     [
         (["--name", "../x"], "--name must be a file name without a folder (--out-dir), got '../x'"),
+        (["--name", "a" * 250], "--name is 250 bytes; a file name takes at most 255"),
         (["--name", ""], "--name must be a file name"),
         (["--out-dir", "{file}"], "--out-dir '{file}' is a file, not a folder"),
         (["--plot", "{file}/p.png"], "--plot '{file}/p.png' is inside a file ('{file}')"),

@@ -79,6 +79,10 @@ def _unwritable(folder: Path) -> str | None:
     return None
 
 
+NAME_MAX = 255
+"""The longest file name, in bytes, of the usual file systems (ext4, XFS, APFS, NTFS)."""
+
+
 class BenchParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose ``parse_args`` checks the output paths (module
     notes) and answers a bad one with ``error`` (one line, exit 2)."""
@@ -90,6 +94,11 @@ class BenchParser(argparse.ArgumentParser):
         name = getattr(parsed, "name", None)
         if isinstance(name, str) and (not name or Path(name).name != name or name in ("..", ".")):
             self.error(f"--name must be a file name without a folder (--out-dir), got {name!r}")
+        if isinstance(name, str) and len(f"{name}.json.tmp".encode()) > NAME_MAX:
+            self.error(  # the run went whole, then its result could not be written
+                f"--name is {len(name.encode())} bytes; a file name takes at most {NAME_MAX} "
+                f"with its .json.tmp ending"
+            )
         checks = [(key, "folder") for key in _FOLDERS] + [(key, "file") for key in _FILES]
         checks.append(("results", "input folder"))
         for key, kind in checks:
