@@ -489,6 +489,8 @@ def _refusals() -> dict[str, str]:
     """The construction errors of bad sharded models (run on every rank)."""
     mixed = make_model()
     fully_shard(mixed[0])  # a block only: the other layers stay plain tensors
+    ignored = make_model()
+    fully_shard(ignored, ignored_params=set(ignored[3].parameters()))
     tensor_parallel = make_model()
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     layer = tensor_parallel[3]
@@ -503,6 +505,7 @@ def _refusals() -> dict[str, str]:
     return {
         "auto": type(auto.strategy).name,
         "mixed": _message(lambda: KFACPreconditioner(mixed)),
+        "ignored": _message(lambda: KFACPreconditioner(ignored)),
         "shard1": _message(lambda: KFACPreconditioner(tensor_parallel)),
         "spngd": _message(lambda: KFACPreconditioner(sharded, strategy="spngd")),
         "local-mem-opt": _message(
@@ -536,7 +539,12 @@ def test_a_sharded_model_gets_the_graph_rules_of_the_unsharded_one() -> None:
 @pytest.mark.parametrize(
     ("case", "pattern"),
     [
-        ("mixed", r"parameter '3.weight' is a plain tensor while '0.weight' is a DTensor"),
+        (
+            "mixed",
+            r"parameter '3.weight' is a plain tensor while '0.weight' is a DTensor.*"
+            r"apply fully_shard to the root",
+        ),
+        ("ignored", r"parameter '3.weight' is a plain tensor .*among fully_shard's ignored_params"),
         ("shard1", r"parameter '3.weight' has placements \(Shard\(dim=1\),\).*not supported"),
         ("spngd", r'strategy="spngd" cannot apply .* use one of'),
         ("fsdp1", r"FSDP1's FullyShardedDataParallel .*fully_shard on each block"),

@@ -48,6 +48,16 @@ def _placement_problem(name: str, param: Any) -> str | None:
     )
 
 
+def _under_fully_shard(model: nn.Module, name: str) -> bool:
+    """Whether a module holding parameter ``name`` of ``model`` (the model itself included)
+    was given to ``fully_shard``: a plain parameter there is one of its ``ignored_params``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = name.split(".")[:-1]
+    modules = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+    return any(isinstance(module, FSDPModule) for module in modules)
+
+
 def refuse_fsdp1(model: nn.Module) -> None:
     """Refuses a model wrapped (anywhere) in FSDP1's ``FullyShardedDataParallel``.
 
@@ -124,10 +134,16 @@ def find_layout(
         return None
     plain = [n for n, p in named if not isinstance(p, DTensor)]
     if plain:
+        if _under_fully_shard(model, plain[0]):
+            advice = (
+                "it is among fully_shard's ignored_params, whose gradients no rank averages; "
+                "leave it out of ignored_params, or freeze it (requires_grad=False)"
+            )
+        else:
+            advice = "apply fully_shard to the root module too (or to none, under DDP)"
         raise ValueError(
             f"parameter {plain[0]!r} is a plain tensor while {sharded[0][0]!r} is a DTensor: "
-            "K-FAC needs every trainable parameter in one layout; apply fully_shard to the "
-            "root module too (or to none, under DDP)"
+            f"K-FAC needs every trainable parameter in one layout; {advice}"
         )
     mesh = sharded[0][1].device_mesh
     for name, param in sharded:
