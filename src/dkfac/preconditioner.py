@@ -69,6 +69,7 @@ from dkfac.engine.late_layers import LateLayers
 from dkfac.engine.launches import launch_bound
 from dkfac.engine.layer_state import LayerState, layers_device
 from dkfac.engine.leftover import LeftoverAdam
+from dkfac.engine.model_hooks import outside_autocast
 from dkfac.engine.overhead import OverheadBudget
 from dkfac.engine.phases import phase
 from dkfac.engine.refresh import make_refresh_policy
@@ -362,6 +363,11 @@ class KFACPreconditioner:
             ValueError: For a NaN, infinite or negative ``lr``, or a mapping that does not
                 name exactly the registered layers (TypeError: not a number).
         """
+        with outside_autocast(self._device()):  # a step inside the user's autocast region
+            self._step(lr)
+
+    def _step(self, lr: float | Mapping[str, float] | None) -> None:
+        """:meth:`step`'s work."""
         self._hooks.check("step")
         refuse_join(self.model)
         lr = checked_lr(lr, self.layers)
@@ -510,7 +516,8 @@ class KFACPreconditioner:
         damping = check_schedule_value("damping", damping)
         check_layer_names(names, self.layers)
         hold = StateHold(self._guard.late, self._steps) if self.flags_on_device else None
-        update_inverses(self.layers, self.strategy, damping, names, hold)
+        with outside_autocast(self._device()):
+            update_inverses(self.layers, self.strategy, damping, names, hold)
 
     def restore_step(self, step: int) -> None:
         """Sets the step counter (checkpoints) and schedules that step's captures."""

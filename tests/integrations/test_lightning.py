@@ -1,8 +1,8 @@
 """Lightning with ``KFACOptimizer`` in ``configure_optimizers``, for real, each against a
 hand-written loop that does what Lightning documents: automatic optimization (the step runs
 the closure) with ``accumulate_grad_batches``, ``gradient_clip_val``, a per-step scheduler
-and ``16-mixed`` (a CPU GradScaler, handed to dkfac), manual optimization, and
-``fit(ckpt_path=...)``."""
+and ``16-mixed`` (a CPU GradScaler, handed to dkfac), manual optimization (``bf16-mixed``
+too), and ``fit(ckpt_path=...)``."""
 
 from __future__ import annotations
 
@@ -156,10 +156,16 @@ def test_automatic_optimization_equals_the_hand_loop(
     assert max_difference(module.net, _hand_loop(3, autocast)) == 0.0
 
 
-def test_manual_optimization_equals_the_hand_loop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_manual_optimization_equals_the_hand_loop(
+    tmp_path: Path, autocast: torch.dtype | None
+) -> None:
+    """Under bf16-mixed, ``training_step`` runs in the autocast region, ``manual_backward``
+    and ``opt.step()`` too: dkfac's statistics and step are those of the hand loop, whose
+    backward and step are outside it."""
     module = Classifier(manual=True)
-    _fit(tmp_path, module, steps=3)
-    assert max_difference(module.net, _hand_loop(3)) == 0.0
+    _fit(tmp_path, module, steps=3, precision="32-true" if autocast is None else "bf16-mixed")
+    assert max_difference(module.net, _hand_loop(3, autocast)) == 0.0
 
 
 def test_fit_from_a_checkpoint_restores_the_optimizer_exactly(tmp_path: Path) -> None:

@@ -336,3 +336,51 @@ def test_one_cycle_with_its_defaults_trains_and_resumes_bit_for_bit() -> None:
     steps(twin, twin_opt, twin_scheduler, range(4, 9))
     assert max_difference(model, twin) == 0.0
     assert opt.param_groups[0]["momentum"] == 0.0
+
+
+def _mlp() -> nn.Sequential:
+    """Input, hidden and output Linear layers between tanh (float32): its gradients are the
+    same whether the backward runs inside an autocast region or outside it (those of
+    LayerNorm and GELU are not: torch does not promise it)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _autocast_run(inside: bool, **options: object) -> tuple[KFACOptimizer, list[Tensor]]:
+    """Three steps of :func:`_mlp` with its forward in a bfloat16 autocast region, and the
+    raw gradients of each step; ``inside``: ``backward()`` and ``step()`` are called inside
+    the region too."""
+    model = _mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01, **options)  # type: ignore[arg-type]
+    grads: list[Tensor] = []
+    for step in range(3):
+        x, y = _vectors(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x.float()), y)
+            if inside:
+                loss.backward()
+                grads += [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+                opt.step()
+        if not inside:
+            loss.backward()
+            grads += [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+            opt.step()
+        opt.zero_grad()
+    return opt, grads
+
+
+@pytest.mark.parametrize("options", [{}, {"method": "eigen"}], ids=["for_model", "eigen"])
+def test_a_backward_and_step_inside_the_autocast_region_are_those_outside_it(
+    options: dict[str, object],
+) -> None:
+    """Lightning's manual optimization (and many loops) run ``backward()`` and ``step()``
+    inside the forward's autocast region: the factors and the update are computed in the
+    dtypes they are outside it (autocast would make their products bfloat16)."""
+    (outside, grads_out), (inside, grads_in) = (
+        _autocast_run(False, **options),
+        _autocast_run(True, **options),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(grads_out, grads_in, strict=True))
+    _assert_same_factors(outside, inside)
+    model_out, model_in = outside.preconditioner.model, inside.preconditioner.model
+    assert max_difference(model_out, model_in) == 0.0

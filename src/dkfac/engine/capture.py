@@ -23,7 +23,7 @@ from dkfac.engine.fisher import REENTRANT_CHECKPOINT, mc_sample_loss, through_re
 from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter, computes_gradient, gradient_accumulator
-from dkfac.engine.model_hooks import ModelHook, runs_as_the_model
+from dkfac.engine.model_hooks import ModelHook, outside_autocast, runs_as_the_model
 from dkfac.engine.phases import phase
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,8 @@ class FactorCapture:
     def _grad_hook(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         # Outside autograd (a backward with create_graph=True records otherwise): the input
         # and gradient are used as they are, without a detached view of each a step.
-        with torch.no_grad():
+        # Outside a backward's enclosing autocast region (model_hooks.outside_autocast).
+        with torch.no_grad(), outside_autocast(grad.device):
             self._capture(layer, pending, grad)
 
     def _capture(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:

@@ -15,10 +15,18 @@ and a transform's tensors cannot outlive it.
 
 Under ``torch.compile`` every such hook runs eagerly (:func:`compiler_disabled`): the
 statistics are Python state, which a hook traced into a graph would drop.
+
+A backward or a step may run inside the user's ``torch.autocast`` region (Lightning's manual
+optimization runs ``training_step``, its ``manual_backward`` and ``opt.step()`` included,
+inside it; a loop may call ``loss.backward()`` under its ``with``): the gradient hooks and
+the step then run with autocast on, which would compute the factors' products and the
+preconditioned update in bfloat16 or float16. They run :func:`outside_autocast`, in the
+dtypes they choose, as in a backward and a step outside the region.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +38,19 @@ _EAGER_REASON = (
     "dkfac's hooks on the model run eagerly: they keep statistics in Python state, which a "
     "compiled graph drops (compile without fullgraph=True)"
 )
+
+
+def outside_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """A context with ``torch.autocast`` off for ``device``'s type and the CPU, where the
+    caller is inside an autocast region (module notes); a null context otherwise."""
+    kinds = {device.type, "cpu"}
+    on = [k for k in kinds if torch.amp.is_autocast_available(k) and torch.is_autocast_enabled(k)]
+    if not on:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for kind in on:
+        stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
 
 
 def compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
