@@ -144,6 +144,23 @@ def test_second_run_into_the_same_out_is_refused(
     assert after == before  # nothing truncated, nothing rotated
 
 
+def test_compare_checks_every_optimizers_folder_before_training_any(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # adamw trained in tmp/adamw first, then sgd's folder was refused: adamw's run was left.
+    (tmp_path / "sgd").mkdir()
+    (tmp_path / "sgd" / "metrics.jsonl").write_text("{}\n")
+    argv = ["compare", *TINY, "--steps", "1", "--optimizers", "adamw,sgd"]
+    code, err = run_cli([*argv, "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert last_line(err) == (
+        f"dkfac compare: error: --out {tmp_path / 'sgd'} holds an earlier run (metrics.jsonl); "
+        "pass --resume auto to continue it, --overwrite to start afresh there, or another --out"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sgd"]
+    assert (tmp_path / "sgd" / "metrics.jsonl").read_text() == "{}\n"
+
+
 def test_overwrite_starts_afresh_and_is_not_saved_in_the_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

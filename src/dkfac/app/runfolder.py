@@ -41,8 +41,7 @@ def prepare_run_folder(folder: Path, *, resume: str | None, overwrite: bool) -> 
         RunFolderError: If ``folder`` is a file, lies under one, cannot be created or
             written, or holds a run while neither ``resume`` nor ``overwrite`` is given.
     """
-    if folder.exists() and not folder.is_dir():
-        raise RunFolderError(f"--out {folder} is a file, not a folder")
+    check_run_folder(folder, resume=resume, overwrite=overwrite)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -56,18 +55,31 @@ def prepare_run_folder(folder: Path, *, resume: str | None, overwrite: bool) -> 
         raise RunFolderError(
             f"--out {folder}: cannot write in the run folder ({err.strerror or err})"
         ) from None
-    held = [name for name in RUN_FILES if (folder / name).exists()]
-    if held and resume is None:
-        if not overwrite:
-            raise RunFolderError(
-                f"--out {folder} holds an earlier run ({', '.join(held)}); pass --resume auto "
-                "to continue it, --overwrite to start afresh there, or another --out"
-            )
+    if resume is None and overwrite and any((folder / name).exists() for name in RUN_FILES):
         for name in (LATEST, PREVIOUS):
             (folder / name).unlink(missing_ok=True)
         for name in (sharded.LATEST, sharded.PREVIOUS, sharded.TEMP):
             shutil.rmtree(folder / name, ignore_errors=True)
     remove_temporaries(folder)
+
+
+def check_run_folder(folder: Path, *, resume: str | None, overwrite: bool) -> None:
+    """Checks, changing nothing, that ``folder`` can be this run's folder as far as what is
+    there goes: not a file, and holding no earlier run unless ``resume`` or ``overwrite``
+    lets this run use it (``dkfac compare`` checks every optimizer's folder so before it
+    trains the first).
+
+    Raises:
+        RunFolderError: Saying what is wrong and what to pass instead.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"--out {folder} is a file, not a folder")
+    held = [name for name in RUN_FILES if (folder / name).exists()]
+    if held and resume is None and not overwrite:
+        raise RunFolderError(
+            f"--out {folder} holds an earlier run ({', '.join(held)}); pass --resume auto "
+            "to continue it, --overwrite to start afresh there, or another --out"
+        )
 
 
 def remove_empty_folder(folder: Path) -> None:

@@ -49,7 +49,12 @@ from dkfac.app.cli_checks import DEFAULT_LRS
 from dkfac.app.data import shard_indices
 from dkfac.app.devices import pick_device
 from dkfac.app.runconfig import write_resolved_config
-from dkfac.app.runfolder import RunFolderError, prepare_run_folder, remove_empty_folder
+from dkfac.app.runfolder import (
+    RunFolderError,
+    check_run_folder,
+    prepare_run_folder,
+    remove_empty_folder,
+)
 from dkfac.app.session import UsageError
 from dkfac.app.sharded_checkpoint import LATEST as SHARDED_LATEST
 from dkfac.app.sharded_checkpoint import choose_sharded_resume, save_sharded
@@ -331,9 +336,18 @@ def optimizer_lr(args: argparse.Namespace, name: str) -> float:
 def compare(args: argparse.Namespace, beacon: Beacon | None = None) -> dict[str, RunResult]:
     """Trains once per ``--optimizers`` entry on the same data and seed; writes the report."""
     rank, world = session.world_info()
+    names = args.optimizers.split(",")
+    if args.out is not None:  # every optimizer's folder, before the first one trains
+        overwrite = bool(getattr(args, "overwrite", False))
+
+        def check() -> None:
+            for name in names:
+                check_run_folder(Path(args.out) / name, resume=args.resume, overwrite=overwrite)
+
+        _on_rank0(check, world)
     folder = _run_folder(args, world, write=True)
     results: dict[str, RunResult] = {}
-    for name in args.optimizers.split(","):
+    for name in names:
         sub = copy.copy(args)
         sub.optimizer, sub.out = name, str(folder / name)
         sub.lr = optimizer_lr(args, name)
