@@ -55,6 +55,45 @@ def test_hostile_value_is_one_line_and_exit_2(
     # was prepared, which it removed again (it was left empty)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", *SHORT, "--out", "{long}"],
+        ["train", *SHORT, "--out", "{tmp}/{long}/run"],
+        ["compare", *SHORT, "--optimizers", "sgd", "--out", "{long}"],
+        ["train", *SHORT, "--out", "{tmp}/run", "--resume", "{long}"],
+        ["train", "--data", "cifar10", "--data-dir", "{long}", "--out", "{tmp}/run"],
+        [
+            "train",
+            "--model",
+            "gpt",
+            "--data",
+            "text",
+            "--text-path",
+            "{long}",
+            "--out",
+            "{tmp}/run",
+        ],
+        ["train", *SHORT, "--out", "{tmp}/run", "--config", "{long}"],
+    ],
+)
+def test_a_name_longer_than_a_file_system_takes_is_one_line(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An OSError (ENAMETOOLONG) traceback: compare's at once, --resume's, --data-dir's and
+    # --text-path's after the run folder was made; train's --out was refused only there.
+    long = "x" * 300
+    code, err = run_cli([a.format(tmp=tmp_path, long=long) for a in argv], capsys)
+    assert code == 2, err
+    flag = argv[argv.index(next(a for a in argv if "{long}" in a)) - 1]
+    assert last_line(err).startswith(f"dkfac {argv[0]}: error: {flag} "), err
+    assert last_line(err).endswith(
+        "has a name of 300 bytes ('xxxxxxxxxxxxxxxxxxxx...'); a file or folder name takes at "
+        "most 255"
+    ), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_empty_text_file_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

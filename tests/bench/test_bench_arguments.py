@@ -32,6 +32,15 @@ def test_path_problems(tmp_path: Path) -> None:
     assert path_problem("input folder", tmp_path) is None
     assert path_problem("input folder", missing) == "is not a folder that exists"
     assert path_problem("file", "") == "is empty"
+    longest = "n" * 250 + ".json"  # 255 bytes: the longest name a file system takes
+    assert path_problem("file", tmp_path / longest) is None
+    assert path_problem("file", tmp_path / longest, ".tmp") == (
+        f"has a name of 259 bytes with its .tmp ending ({'n' * 20 + '...'!r}); a file or "
+        "folder name takes at most 255"
+    )
+    assert path_problem("folder", tmp_path / ("é" * 128) / "x") == (  # bytes, not characters
+        f"has a name of 256 bytes ({'é' * 20 + '...'!r}); a file or folder name takes at most 255"
+    )
 
 
 def _parser() -> BenchParser:
@@ -53,6 +62,14 @@ def _parser() -> BenchParser:
         (["--page", "{dir}/no/p.md"], "--page '{dir}/no/p.md' is in a folder that does not exist"),
         (["--plot-dir", "{file}/d"], "--plot-dir '{file}/d' is inside a file"),
         (["--results", "{dir}/no"], "--results '{dir}/no' is not a folder that exists"),
+        # A name longer than the file system takes: an OSError traceback (ENAMETOOLONG).
+        (["--out-dir", "{dir}/" + "d" * 300 + "/x"], "has a name of 300 bytes ('dddd"),
+        (["--plot-dir", "{dir}/" + "d" * 256], "has a name of 256 bytes"),
+        (["--plot", "{dir}/" + "p" * 252 + ".png"], "has a name of 256 bytes ('pppp"),
+        (["--page", "{dir}/" + "p" * 300 + "/p.md"], "has a name of 300 bytes"),
+        (["--results", "{dir}/" + "r" * 256], "has a name of 256 bytes"),
+        # --out's JSON is written to <name>.json.tmp first: 251 + 4 bytes are one too many
+        (["--out", "{dir}/" + "o" * 247 + ".json"], "has a name of 256 bytes with its .tmp ending"),
     ],
 )
 def test_a_bad_path_is_one_line_and_exit_2(

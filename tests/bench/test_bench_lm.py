@@ -211,6 +211,7 @@ def test_tiny_lm_run_records_every_optimizer_and_each_learns(
         (["--kfac", "k:inner=adam"], "kfac option inner must be sgd or adamw, got 'adam'"),
         (["--kfac", "k:damping=-1"], "kfac option: damping"),
         (["--text-path", "/nonexistent/text"], "--text-path /nonexistent/text does not exist"),
+        (["--text-path", "/tmp/" + "t" * 256], "has a name of 256 bytes"),  # was an OSError
         (["--seq-len", "100000"], "raise --text-bytes or use more text"),
         (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["--device", "cuda:99"], "cuda:99"),

@@ -238,6 +238,26 @@ def test_bad_flags_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFi
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_a_name_too_long_for_its_plots_is_refused_before_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # <name>_autoencoder.png is 256 bytes: an OSError traceback after every run had ended.
+    def no_run(*args: object) -> None:
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(suite, "run_task", no_run)
+    argv = ["--tasks", "mlp", "autoencoder", "--name", "s" * 240, "--plot-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        suite.main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(
+        "has a name of 256 bytes with its _autoencoder.png ending ('ssssssssssssssssssss...'); "
+        "a file or folder name takes at most 255 (the autoencoder task's plot)"
+    ), last
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_dkfac_options_reach_for_model() -> None:
     task = load_task("mlp", tiny=True)
     chosen = suite.make_optimizer("dkfac", task.build(), 0.01, {"overhead": None, "damping": 0.5})

@@ -15,6 +15,7 @@ from dkfac.app.domains import DOMAINS, check_domains
 from dkfac.app.gpt import size_problem
 from dkfac.app.models import LANGUAGE_MODELS
 from dkfac.app.parallel import flag_problem
+from dkfac.app.pathnames import long_name
 from dkfac.app.runconfig import dkfac_defaults, kfac_config_from_args
 from dkfac.app.schedules import parse_piecewise
 from dkfac.app.session import KFAC_RUNS
@@ -70,8 +71,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     if message := device_error(args.device):
         parser.error(message)
     for dest in ("out", "resume", "data_dir", "text_path"):  # "" was read as "." or skipped
-        if getattr(args, dest, None) == "":
+        value = getattr(args, dest, None)
+        if value == "":
             parser.error(f"--{dest.replace('_', '-')} is empty: give a path (or leave it out)")
+        if value is not None and (problem := long_name(value)):
+            parser.error(f"--{dest.replace('_', '-')} {value!r} {problem}")
     if args.resume == "auto" and args.out is None:
         parser.error(
             "--resume auto continues the run in --out: give --out RUN (without it every run "

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dkfac.app.pathnames import long_name
 from dkfac.app.schedules import parse_piecewise, piecewise_by_step
 from dkfac.config import KFACConfig
 from dkfac.optimizer import DEFAULT_OPTIONS, method_defaults
@@ -315,6 +316,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not str(path).strip():
         raise ConfigError("--config is empty: give the path of a TOML file")
     file = Path(path)
+    if problem := long_name(file):
+        raise ConfigError(f"--config {str(file)!r} {problem}")
     try:
         with file.open("rb") as handle:
             raw = tomllib.load(handle)

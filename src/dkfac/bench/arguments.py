@@ -11,6 +11,7 @@ arguments every benchmark names alike:
 * ``--out``, ``--plot``, ``--page``: files, in a folder that exists, and not folders;
 * every one of these: in a folder where a file can be made (one is made and removed);
 * ``--results``: a folder that exists (read, not written);
+* every one of these: no name longer than a file system takes (with ``--out``'s ``.tmp``);
 * ``--world-size``, ``--world-sizes``, ``--worlds``: at most :data:`MAX_LOCAL_RANKS` (each
   rank is a process started on this machine);
 * ``--threads``: in ``dkfac train``'s range, [1, 4096] (``0`` too where that is the
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dkfac.app.domains import DOMAINS, SEED_MAX, domain_error
+from dkfac.app.pathnames import NAME_MAX, long_name
 
 __all__ = ["MAX_LOCAL_RANKS", "BenchParser", "path_problem"]
 
@@ -41,14 +43,20 @@ _SEEDS = ("seed", "first_seed", "sweep_seed", "split_seed")
 _SEED_COUNTS = (("first_seed", "seeds"), ("sweep_seed", "sweep_seeds"))
 _FOLDERS = ("out_dir", "plot_dir")
 _FILES = ("out", "plot", "page")
+_ENDINGS = {"out": ".tmp"}
+"""What is appended to a path's last name when it is written: ``--out``'s JSON goes through
+a ``.json.tmp`` file (:func:`~dkfac.bench.common.write_result`)."""
 
 
-def path_problem(kind: str, value: str | Path) -> str | None:
+def path_problem(kind: str, value: str | Path, ending: str = "") -> str | None:
     """What is wrong with ``value`` as a ``kind`` path (``"folder"``: made when missing,
-    ``"file"``: written, ``"input folder"``: read), or ``None``."""
+    ``"file"``: written, ``"input folder"``: read), or ``None``; its last name counted
+    with ``ending`` (what the program appends to it, :func:`~dkfac.app.pathnames.long_name`)."""
     path = Path(value)
     if str(value) == "":
         return "is empty"
+    if problem := long_name(value, ending):
+        return problem
     if kind == "input folder":
         return None if path.is_dir() else "is not a folder that exists"
     if kind == "file":
@@ -79,10 +87,6 @@ def _unwritable(folder: Path) -> str | None:
     return None
 
 
-NAME_MAX = 255
-"""The longest file name, in bytes, of the usual file systems (ext4, XFS, APFS, NTFS)."""
-
-
 class BenchParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose ``parse_args`` checks the output paths (module
     notes) and answers a bad one with ``error`` (one line, exit 2)."""
@@ -105,7 +109,7 @@ class BenchParser(argparse.ArgumentParser):
             value = getattr(parsed, key, None)
             if value is None or (key in ("plot", "plot_dir") and value == ""):
                 continue  # not given ('' turns a default plot off)
-            problem = path_problem(kind, value)
+            problem = path_problem(kind, value, _ENDINGS.get(key, ""))
             if problem:
                 self.error(f"--{key.replace('_', '-')} {str(value)!r} {problem}")
         if problem := self._number_problem(parsed):

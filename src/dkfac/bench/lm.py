@@ -52,6 +52,7 @@ from dkfac.app.devices import device_error, pick_device
 from dkfac.app.domains import domain_error
 from dkfac.app.gpt import add_gpt_arguments, gpt_options, size_problem
 from dkfac.app.models import build_model
+from dkfac.app.pathnames import long_name
 from dkfac.app.text import BYTE_VOCAB, DEFAULT_GLOB, DEFAULT_TEXT_BYTES, load_text
 from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
@@ -405,6 +406,8 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(message)
     if args.text_path == "":  # Path("") is the current folder
         p.error("--text-path is empty: give a path (or leave it out)")
+    if args.text_path and (message := long_name(args.text_path)):
+        p.error(f"--text-path {args.text_path!r} {message}")
     if message := domain_error("text_bytes", args.text_bytes):
         p.error(message)
 

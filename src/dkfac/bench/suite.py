@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dkfac.app.pathnames import long_name
 from dkfac.bench.arguments import BenchParser
 from dkfac.bench.common import (
     command_line,
@@ -374,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_protocol_flags(parser, args)
     _check_dkfac_options(parser, args)
+    longest = max(args.tasks, key=len)
+    if args.plot_dir and (problem := long_name(args.name, f"_{longest}.png")):
+        parser.error(f"--name {args.name!r} {problem} (the {longest} task's plot)")
     if args.plot_dir:  # made before the runs, so that a bad folder fails now, not after them
         try:
             Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
