@@ -238,6 +238,25 @@ def test_bad_flags_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFi
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("lr=5", "--dkfac-options lr: the learning rate is set by the suite's grid, not an option"),
+        ("model=5", "--dkfac-options model: the model is set by each task, not an option"),
+    ],
+)
+def test_an_option_the_suite_sets_itself_is_named(
+    option: str, message: str, capsys: pytest.CaptureFixture
+) -> None:
+    # for_model's TypeError text: "got multiple values for keyword argument 'lr'".
+    with pytest.raises(SystemExit) as exit_info:
+        suite.main(["--tasks", "mlp", "--dkfac-options", option])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1] == f"dkfac bench suite: error: {message}"
+    )
+
+
 def test_a_name_too_long_for_its_plots_is_refused_before_the_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

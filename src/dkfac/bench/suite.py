@@ -359,6 +359,12 @@ def _check_dkfac_options(p: argparse.ArgumentParser, args: argparse.Namespace) -
     """One-line error for ``--dkfac-options`` that ``for_model`` refuses on a task's model
     (an unknown option, a value of the wrong type, a pattern that matches no layer), found
     on the tasks' small models before any run."""
+    # make_optimizer passes these itself: for_model's TypeError "got multiple values"
+    given = {"lr": "the learning rate", "model": "the model"}
+    for key, what in given.items():
+        if key in args.dkfac_options:
+            source = "the suite's grid" if key == "lr" else "each task"
+            p.error(f"--dkfac-options {key}: {what} is set by {source}, not an option")
     if not args.dkfac_options or "dkfac" not in args.optimizers:
         return
     for family in dict.fromkeys(args.tasks):
