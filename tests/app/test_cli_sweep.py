@@ -144,6 +144,18 @@ def test_plan_refuses_a_bandwidth_past_its_range(capsys: pytest.CaptureFixture[s
     assert "--bandwidth-gbps must be in (0, 1e+09], got 1e308" in last_line(err)
 
 
+@pytest.mark.parametrize(
+    ("flag", "what"), [("--world-size", "an integer"), ("--grad-worker-fraction", "a number")]
+)
+def test_plan_says_what_a_value_that_is_no_number_must_be(
+    flag: str, what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It said "must be a int" (a float), and not what it got.
+    code, err = run_cli(["plan", "--model", "mlp", "--world-size", "2", flag, "two"], capsys)
+    assert code == 2
+    assert last_line(err) == f"dkfac plan: error: argument {flag}: {flag} must be {what}, got 'two'"
+
+
 def test_plan_prices_a_model_too_large_to_build_here(capsys: pytest.CaptureFixture[str]) -> None:
     # A 4096-channel 4096x4096 MLP input is a 2**36-wide layer: its weights (hundreds of
     # TB) were allocated to read their shapes, a RuntimeError from the allocator.

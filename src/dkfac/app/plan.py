@@ -87,7 +87,8 @@ def _positive(kind: type, name: str, high: float = math.inf) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
         if not (isinstance(value, int) or math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"{name} must be finite and > 0, got {text}")
         if value <= 0:
