@@ -72,7 +72,7 @@ def broken_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     [
         ("no_such_module_dkfac:f", "no module named 'no_such_module_dkfac'"),
         (f"{__name__}:missing", f"module {__name__} has no 'missing'"),
-        (f"{__name__}:NOT_CALLABLE", "NOT_CALLABLE is a int, not a callable"),
+        (f"{__name__}:NOT_CALLABLE", "NOT_CALLABLE is an int, not a callable"),
         ("pkg.mod:", "a model factory is written package.module:function"),
         ("BROKEN:f", "importing dkfac_broken_factory failed: RuntimeError: boom again"),
         ("resnet18", "unknown model 'resnet18'; choose from autoencoder, cnn, gpt"),

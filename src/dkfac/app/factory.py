@@ -59,9 +59,9 @@ def load_factory(spec: str) -> Callable[..., Any]:
             raise ModelError(f"model factory {spec}: module {module_name} has no {attribute!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise ModelError(
-            f"model factory {spec}: {attribute} is a {type(target).__name__}, not a callable"
-        )
+        kind = type(target).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"  # "an int"
+        raise ModelError(f"model factory {spec}: {attribute} is {article} {kind}, not a callable")
     return cast(Callable[..., Any], target)
 
 
