@@ -35,6 +35,8 @@ def test_bench_soak_dispatches_to_the_soak_parser(capsys: pytest.CaptureFixture[
         (["--damping=-1"], "invalid K-FAC option: damping must be in (0.0, inf), got -1.0"),
         (["--model", "nosuch"], "argument --model: unknown model 'nosuch'"),
         (["--world-size", "2", "--batch-size", "3"], "--batch-size 3 must be a multiple of"),
+        # "--data cifar10 needs --data-dir", a flag soak does not have
+        (["--data", "cifar10"], "argument --data: invalid choice: 'cifar10' (choose from 'digits'"),
     ],
 )
 def test_soak_refuses_what_dkfac_train_refuses_before_any_rank_starts(
