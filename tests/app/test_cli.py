@@ -294,6 +294,11 @@ def test_dkfac_keeps_what_is_given_and_its_resolved_config_runs_the_same(
         # a list item the command line would read as a flag: it switched --overwrite on
         ('lrs = ["--overwrite"]\n', "lrs item '--overwrite' starts with '-'"),
         ('skip_layers = ["--overwrite"]\n', "skip_layers item '--overwrite' starts with '-'"),
+        # both spellings of one key: the last one was kept, silently
+        (
+            "weight-decay = 0.1\nweight_decay = 0.2\n",
+            "'weight-decay' and 'weight_decay' are the same key (--weight-decay); give it once",
+        ),
     ],
 )
 def test_bad_config_files_exit_2(

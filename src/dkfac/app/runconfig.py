@@ -311,7 +311,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
     Raises:
         ConfigError: If the path is empty, the file is missing or a folder, not valid TOML,
-            or nests tables.
+            nests tables, or gives a key in both spellings (``weight-decay``, ``weight_decay``).
     """
     if not str(path).strip():
         raise ConfigError("--config is empty: give the path of a TOML file")
@@ -328,13 +328,21 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError included
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from None
     values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in raw.items():
         if isinstance(value, dict):
             raise ConfigError(
                 f"config file {file}: [{key}] tables are not supported; "
                 "write every option as a top-level key = value"
             )
-        values[key.replace("-", "_")] = value
+        dest = key.replace("-", "_")
+        if dest in spelled:  # TOML keeps both spellings; one would silently replace the other
+            raise ConfigError(
+                f"config file {file}: {spelled[dest]!r} and {key!r} are the same key "
+                f"({_flag(dest)}); give it once"
+            )
+        spelled[dest] = key
+        values[dest] = value
     return values
 
 
