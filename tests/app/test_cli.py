@@ -311,6 +311,24 @@ def test_bad_config_files_exit_2(
     assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
 
 
+def test_a_second_config_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The second file replaced the first silently: lr = 0.5 of a.toml was not read.
+    (tmp_path / "a.toml").write_text("lr = 0.5\n")
+    (tmp_path / "b.toml").write_text("momentum = 0.5\n")
+    a, b = str(tmp_path / "a.toml"), str(tmp_path / "b.toml")
+    for second in (["--config", b], [f"--config={b}"], ["--conf", b]):
+        argv = ["compare", "--config", a, *second, "--steps", "1", "--out", str(tmp_path / "r")]
+        code, err = _exit_code(argv, capsys)
+        assert code == 2, err
+        assert err.strip().splitlines()[-1] == (
+            f"dkfac compare: error: --config is given twice ({a!r}, {b!r}): give one file "
+            "(flags on the command line override it)"
+        )
+    assert parse_args(["train", "--config", a]).lr == 0.5
+
+
 def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _exit_code(["train", "--config", str(tmp_path / "nope.toml")], capsys)
     assert code == 2 and "does not exist" in err

@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from dkfac.app.cli_checks import OPTIMIZERS, check_args, default_lr
 from dkfac.app.data import DATASETS
@@ -63,6 +64,25 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         ):
             return text
         return f"{text} (default: {format_value(action.default)})".lstrip()
+
+
+class _OneConfig(argparse.Action):
+    """``--config``, given at most once: a second file silently replaced the first."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if isinstance(earlier, str):  # not the default, nor given_flags' marker
+            parser.error(
+                f"--config is given twice ({earlier!r}, {values!r}): give one file (flags on "
+                "the command line override it)"
+            )
+        setattr(namespace, self.dest, values)
 
 
 def _model_name(text: str) -> str:
@@ -195,7 +215,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the model, data order and K-FAC")
 
     g = p.add_argument_group("run")
-    g.add_argument("--config", type=str, default=None, help="TOML file of flag values")
+    g.add_argument(
+        "--config", action=_OneConfig, default=None, help="TOML file of flag values (one)"
+    )
     g.add_argument("--out", type=opt(str), default=None, help="run folder (runs/<timestamp>)")
     g.add_argument(
         "--overwrite",
