@@ -228,6 +228,23 @@ def test_lm_refuses_bad_flags_in_one_line(
     assert message in err[-1] and err[-1].startswith("dkfac bench lm: error:"), err[-1]
 
 
+def test_lm_refuses_a_kfac_spec_that_leaves_the_gpt_no_layer(
+    text_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The first run's KFACPreconditioner raised it: a ValueError traceback.
+    def no_run(*args: Any) -> Any:
+        raise AssertionError("a run started: the K-FAC spec was not checked on the model")
+
+    monkeypatch.setattr(lm, "run", no_run)
+    argv = ["--text-path", str(text_folder), *TINY, "--kfac", "k:skip_layers=.*"]
+    with pytest.raises(SystemExit) as exit_info:
+        lm.main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    want = "dkfac bench lm: error: --kfac k: model has no layer K-FAC can precondition"
+    assert last.startswith(want), last
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_run_on_the_gpu_follows_the_same_run_on_the_cpu(text_folder: Path) -> None:
     """``--device cuda``: the same initialisation and batches as on the CPU, so the same

@@ -255,6 +255,43 @@ def test_peer_benchmarks_check_their_flags_in_one_line(
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def _no_run(*args: Any) -> Any:
+    raise AssertionError("a run started: the K-FAC spec was not checked on the model first")
+
+
+NO_LAYER = "model has no layer K-FAC can precondition"
+
+
+@pytest.mark.parametrize("bench", [tta, autoencoder], ids=["tta", "autoencoder"])
+def test_a_kfac_spec_that_leaves_the_model_no_layer_is_one_line(
+    bench: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The first run's KFACPreconditioner raised it: a ValueError traceback.
+    monkeypatch.setattr(bench, "run", _no_run)
+    prog = f"dkfac bench {bench.__name__.rsplit('.', 1)[-1]}: error:"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--kfac", "default:skip_layers=.*", "--out-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"{prog} --kfac default: {NO_LAYER}"), last
+    assert "skip_layers=['.*']" in last and list(tmp_path.iterdir()) == []
+
+
+def test_a_recipe_that_leaves_the_model_no_layer_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = tmp_path / "none.toml"
+    recipe.write_text(
+        'optimizer = "kfac"\nlr = 0.01\nschedule = "constant"\nskip-layers = [".*"]\n'
+    )
+    monkeypatch.setattr(tta, "run", _no_run)
+    with pytest.raises(SystemExit) as exit_info:
+        tta.main(["--optimizers", "kfac", "--recipe", str(recipe), "--no-sweep"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"dkfac bench tta: error: --recipe {recipe}: {NO_LAYER}"), last
+
+
 def _digits_sample() -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     return torch.rand(256, 1, 8, 8, generator=gen)

@@ -83,6 +83,11 @@ def full_loss(model: nn.Module, x: Tensor) -> float:
         return float(F.mse_loss(model(x), x.flatten(1)).item())
 
 
+def task_model() -> nn.Module:
+    """The task's autoencoder, of the digits' 8x8 images."""
+    return build_model("autoencoder", in_channels=1, image_size=8, num_classes=0)
+
+
 def _training(
     spec: OptimizerSpec, lr: float, seed: int, x: Tensor, *, batch_size: int, momentum: float
 ) -> tuple[nn.Module, Iterator[float]]:
@@ -90,7 +95,7 @@ def _training(
     zeroing, forward, backward and optimizer step). Two calls with the same arguments train
     the same model on the same batches: a run and its untimed twin."""
     torch.manual_seed(seed)
-    model = build_model("autoencoder", in_channels=1, image_size=8, num_classes=0)
+    model = task_model()
     optimizer = build_optimizer(spec, model, lr, momentum)
     mc_fisher = spec.kind == "kfac" and spec.options.get("fisher") == "mc"
     gen = torch.Generator().manual_seed(seed)
@@ -371,6 +376,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         momenta=("momentum", "kfac_momentum"),
         default_kfac=DEFAULT_KFAC,
         task_options=TASK_OPTIONS,
+        model=task_model,
     )
 
 

@@ -169,6 +169,11 @@ class TrainingRun:
     diverged: bool = False
 
 
+def task_model(seq_len: int, options: dict[str, int]) -> nn.Module:
+    """The task's byte-level GPT of ``options``' sizes (:func:`~dkfac.app.gpt.gpt_options`)."""
+    return build_model("gpt", in_channels=1, image_size=seq_len, num_classes=BYTE_VOCAB, **options)
+
+
 def start_run(
     spec: OptimizerSpec, lr: float, seed: int, task: TextTask, *, batch_size: int, momentum: float
 ) -> TrainingRun:
@@ -176,13 +181,7 @@ def start_run(
     same weights on every device), ``spec``'s optimizer, the batch generator of ``seed`` and
     the validation loss before the first step."""
     torch.manual_seed(seed)
-    model = build_model(
-        "gpt",
-        in_channels=1,
-        image_size=task.seq_len,
-        num_classes=BYTE_VOCAB,
-        **task.model_options,
-    ).to(task.x_train.device)
+    model = task_model(task.seq_len, task.model_options).to(task.x_train.device)
     optimizer = build_optimizer(spec, model, lr, momentum)
     trace = [[0, 0.0, validation_loss(model, task, batch_size)]]
     return TrainingRun(spec, lr, seed, model, optimizer, torch.Generator().manual_seed(seed), trace)
@@ -401,6 +400,7 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         problems=(size_problem(args.layers, args.width, args.heads, args.seq_len),),
         default_kfac=DEFAULT_KFAC,
         task_options=TASK_OPTIONS,
+        model=lambda: task_model(args.seq_len, gpt_options(args)),
     )
     if message := device_error(args.device):
         p.error(message)

@@ -215,22 +215,34 @@ def build_specs(
     return specs
 
 
-def check_peer_builds(spec: OptimizerSpec) -> None:
-    """Builds the peer ``spec`` once over a small MLP, so that an option value the optimizer
-    itself refuses (torch's ``ValueError`` for a negative ``weight_decay``, a NaN
-    ``adamw_lr``, an unknown ``adjust_lr_fn``) is a flag error before any run starts.
+def check_peer_builds(spec: OptimizerSpec, model: Callable[[], nn.Module] | None = None) -> None:
+    """Builds ``spec`` once over a fresh ``model()`` (default: a small MLP), so that an
+    option value the optimizer itself refuses (torch's ``ValueError`` for a negative
+    ``weight_decay``, a NaN ``adamw_lr``, an unknown ``adjust_lr_fn``; for K-FAC over the
+    task's model, a ``skip_layers`` that leaves it no layer) is a flag error before any run.
 
     Raises:
-        ValueError: Naming the kind and what its optimizer said.
+        ValueError: Naming the flag (``--peer-options KIND``, ``--kfac NAME`` or ``--recipe
+            FILE``) and what the optimizer said.
     """
     if _unavailable_reason(spec.kind) is not None:
         return  # reported (and skipped) where the run meets it
-    probe = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    probe: nn.Module
+    if model is None:
+        probe = nn.Sequential(
+            nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)
+        )
+    else:
+        probe = model()
     lr = spec.lrs[0] if spec.lrs and 0 < spec.lrs[0] < math.inf else 1e-3
+    if spec.kind != "kfac":
+        flag = f"--peer-options {spec.kind}"
+    else:
+        flag = f"--recipe {spec.recipe['path']}" if spec.recipe else f"--kfac {spec.name}"
     try:
         build_optimizer(spec, probe, lr, 0.0)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"--peer-options {spec.kind}: {error}") from None
+        raise ValueError(f"{flag}: {error}") from None
 
 
 def _other_grid_size(args: argparse.Namespace) -> int:
@@ -258,6 +270,7 @@ def check_peer_flags(
     momenta: Sequence[str] = ("momentum",),
     default_kfac: Sequence[str],
     task_options: Mapping[str, Mapping[str, Any]] | None = None,
+    model: Callable[[], nn.Module] | None = None,
 ) -> None:
     """The checks every peer benchmark makes of its flags, each a one-line ``parser.error``.
 
@@ -273,6 +286,9 @@ def check_peer_flags(
         momenta: Destinations of the flags that must be in [0, 1).
         default_kfac: As for :func:`build_specs`, which checks the optimizers last.
         task_options: As for :func:`build_specs`.
+        model: A fresh model of the task on each call: every K-FAC variant is built over one
+            (:func:`check_peer_builds`), so that options the preconditioner refuses for that
+            model (a ``skip_layers`` that leaves it no layer) fail before any run.
     """
     if getattr(args, "muon_dtype", "bfloat16") == "float32":
         use_float32_muon()  # every Muon run of this process
@@ -287,7 +303,10 @@ def check_peer_flags(
         if not 0 <= (value := getattr(args, name)) < 1:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
     try:
-        build_specs(args, default_kfac, task_options)
+        specs = build_specs(args, default_kfac, task_options)
+        for spec in specs if model is not None else ():
+            if spec.kind == "kfac":
+                check_peer_builds(spec, model)
     except ValueError as error:
         parser.error(str(error))
 

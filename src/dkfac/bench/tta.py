@@ -91,6 +91,11 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:
     return float(acc), float(loss)
 
 
+def task_model(in_channels: int = 1, image_size: int = 8) -> nn.Module:
+    """The task's SmallCNN, for images of the digits' shape by default (1 channel, 8x8)."""
+    return build_model("cnn", in_channels=in_channels, image_size=image_size, num_classes=10)
+
+
 def train_to_target(
     spec: OptimizerSpec,
     lr: float,
@@ -112,9 +117,7 @@ def train_to_target(
         "final_acc", "diverged"}``.
     """
     torch.manual_seed(seed)
-    model = build_model(
-        "cnn", in_channels=data.in_channels, image_size=data.image_size, num_classes=10
-    )
+    model = task_model(data.in_channels, data.image_size)
     optimizer = build_optimizer(spec, model, lr, momentum)
     mc_fisher = spec.kind == "kfac" and spec.options.get("fisher") == "mc"  # e.g. a --recipe
     gen = torch.Generator().manual_seed(seed)
@@ -296,6 +299,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         problems=(target, digits_batch_problem(args.batch_size, args.split_seed)),
         default_kfac=DEFAULT_KFAC,
         task_options=TASK_OPTIONS,
+        model=task_model,
     )
 
 
