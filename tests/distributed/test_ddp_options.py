@@ -16,6 +16,8 @@ Each rank trains on its half of every global batch with ``KFACOptimizer.for_mode
 * ``ZeroRedundancyOptimizer`` inside ``KFACOptimizer``: the serial run; a checkpoint by
   ZeRO's rule (``consolidate_state_dict`` on every rank, ``state_dict`` on one) resumes to
   the bit, and ``state_dict`` without it raises on every rank instead of hanging.
+* ranks with different numbers of rows: the factors are the mean of each rank's own, as
+  DDP's gradient is the mean of each rank's mean gradient (not the pooled rows').
 * ``Join`` with uneven inputs: refused at the first step without
   ``throw_on_early_termination``; with it, every rank stops at the first exhausted one,
   equal to the serial run over the steps all ranks took.
@@ -372,3 +374,42 @@ def test_join_with_throw_stops_every_rank_at_the_first_exhausted_one() -> None:
     assert [r["done"] for r in results] == [2, 2]
     assert all("exhausted" in r["error"] for r in results)
     assert_ranks_match([r["params"] for r in results], _serial(steps=2), label="join", **EXACT)
+
+
+# -- ranks with different numbers of rows ---------------------------------------------------
+
+
+def _uneven_rows(rank: int) -> tuple[Tensor, Tensor]:
+    """Rank 0's 8 rows, rank 1's first 4 (a bucketed or unpadded last batch)."""
+    x, y = _data(0, rank)
+    rows = ROWS // (rank + 1)
+    return x[:rows], y[:rows]
+
+
+def _factors_after_one_step(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
+    pre = KFACPreconditioner(model, method="eigen")
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    return {name: [t.clone() for t in pair] for name, pair in pre.factors().items()}
+
+
+def _uneven_main(rank: int, world: int) -> dict[str, Any]:
+    model = _net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    return _factors_after_one_step(ddp, *_uneven_rows(rank))
+
+
+def test_ranks_with_different_rows_weigh_alike_in_the_factors_as_in_ddps_gradient() -> None:
+    """Rank 0 with 8 rows and rank 1 with 4: the factors are the mean of each rank's own
+    factors (each rank's mean counting once, as in DDP's averaged gradient), not those of
+    the 12 rows together, in which rank 0's would weigh twice."""
+    results = run_distributed(_uneven_main, WORLD, timeout=90)
+    own = [_factors_after_one_step(_net(), *_uneven_rows(r)) for r in range(WORLD)]
+    rows = [_uneven_rows(r) for r in range(WORLD)]
+    pooled = _factors_after_one_step(
+        _net(), torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
+    )
+    for name, (a, g) in results[0].items():
+        torch.testing.assert_close(a, (own[0][name][0] + own[1][name][0]) / 2, **EXACT)
+        torch.testing.assert_close(g, (own[0][name][1] + own[1][name][1]) / 2, **EXACT)
+        assert not torch.allclose(a, pooled[name][0], **EXACT), name
