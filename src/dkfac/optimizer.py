@@ -323,7 +323,7 @@ class KFACOptimizer(Optimizer):
         ``skip_layers`` given in ``options`` replaces this rule.
 
         Sweep only ``lr``, over about 1e-3 to 2e-2 (the grid ``dkfac bench suite`` gives
-        every optimizer). A constant rate can reach a target and then stall or collapse in a
+        it, AdamW and SOAP). A constant rate can reach a target and then stall or collapse in a
         run several times longer (the GPT's second text split at the rate a short sweep
         chose; a plain deep ReLU MLP at twice its best rate: BENCHMARKS.md, "The default
         past its target"): for such a run take the rate below a short sweep's winner, or
@@ -362,7 +362,8 @@ class KFACOptimizer(Optimizer):
                 step, the basis every 5) and the whole batch.
             **options: Any :class:`~dkfac.KFACConfig` field, over the defaults; with another
                 ``method``, the defaults that method does not read
-                (:func:`~dkfac.config.unread_moment_fields`) are left out.
+                (:func:`~dkfac.config.unread_moment_fields`) are left out. Also
+                :class:`~dkfac.KFACPreconditioner`'s ``grad_scaler`` and ``process_group``.
 
         Raises:
             TypeError: If ``model`` is not an ``nn.Module``, ``lr`` is not a number or a
@@ -619,8 +620,8 @@ class KFACOptimizer(Optimizer):
         self._consolidated = consolidate(self.inner, self.preconditioner, to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` (or one of the older ``"inner"``/``"preconditioner"``
-        layout), all or nothing.
+        """Restores a :meth:`state_dict` (or a dict of ``"inner"``, ``"preconditioner"`` and
+        ``"skipped_steps"``), all or nothing.
 
         The preconditioner part is checked first (without changing anything); the inner
         optimizer is then loaded and, if anything after that fails, put back as it was
