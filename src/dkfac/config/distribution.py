@@ -69,7 +69,8 @@ class DistributionConfig:
             ``G`` (no gradient traffic; the serial update with a block-diagonal ``G``),
             other layers (and those of ``orthogonal_layers``) whole as under
             ``"exact"``. ``"local"`` needs a sharded model and
-            ``strategy="replicated"`` (or ``"auto"``, which then takes it).
+            ``strategy="replicated"`` (or ``"auto"``, which then takes it), and no
+            ``basis_block_size`` (its blocks would not line up with a rank's rows).
     """
 
     strategy: StrategyChoice = "replicated"
