@@ -190,17 +190,22 @@ def test_bench_step_adds_capture_dtype_variants_and_amortises_exactly(tmp_path: 
             assert value["ratio_to_sgd"] == pytest.approx(want / payload["summary"]["sgd_seconds"])
 
 
-def test_bench_step_takes_an_auto_capture_dtype(tmp_path: Path) -> None:
+def test_bench_step_takes_an_auto_capture_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--capture-dtype auto`` adds the variant rows the library's own ``"auto"`` decides
-    (bf16 where native, else the default precision); another word is refused."""
+    (bf16 where native, else the default precision); another word, and float16, which the
+    library refuses as a capture precision, are not among the flag's choices."""
     from dkfac.bench import step
 
     assert set(_tiny_step_run(tmp_path, "--capture-dtype", "auto")["summary"]["configs"]) == {
         "exact",
         "exact/auto",
     }
-    with pytest.raises(SystemExit):
-        step.main(["--capture-dtype", "bf16"])
+    for word in ("bf16", "float16"):
+        with pytest.raises(SystemExit):
+            step.main(["--capture-dtype", word])
+        assert f"invalid choice: '{word}'" in capsys.readouterr().err
 
 
 def test_step_summary_amortises_and_pools_the_plain_steps() -> None:

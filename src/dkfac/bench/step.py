@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "factor_batch_size": args.factor_batch_size,
             }
     if args.capture_dtype is not None:
-        label = {"bfloat16": "bf16", "float16": "fp16", "auto": "auto"}[args.capture_dtype]
+        label = {"bfloat16": "bf16", "auto": "auto"}[args.capture_dtype]
         dtype = "auto" if args.capture_dtype == "auto" else getattr(torch, args.capture_dtype)
         for cname in list(configs):
             configs[f"{cname}/{label}"] = {**configs[cname], "capture_dtype": dtype}
@@ -360,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capture-dtype",
         default=None,
-        choices=["bfloat16", "float16", "auto"],
+        choices=["bfloat16", "auto"],
         help="also every configuration with its factor products in this precision (auto: "
         "bf16 where the device multiplies it natively, else the default)",
     )
