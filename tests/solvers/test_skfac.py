@@ -92,6 +92,33 @@ def test_smw_preconditioner_equals_cholesky_preconditioner_over_steps(decay: flo
     assert (rows["2"]["a_factor"], rows["2"]["g_factor"]) == ("lowrank", g_kind)
 
 
+def test_a_step_with_more_rows_than_the_first_keeps_them_all() -> None:
+    """The rank bound comes from the first micro-batch: a later step with more rows (here
+    larger micro-batches, two a step with ``accumulation_steps`` left at 1: 32 rows, past
+    the bound of 4) keeps every row of its factor, so smw (decay 0: exact) still equals
+    cholesky and the state loads again; the truncation dropped rows of the newest factor,
+    leaving it on the wrong scale."""
+    models = {m: _mlp() for m in ("smw", "cholesky")}
+    pres = {m: KFACPreconditioner(models[m], method=m, factor_decay=0.0, **OPTIONS) for m in models}
+    for step in range(3):
+        for m in models:
+            models[m].zero_grad()
+            for micro in range(1 if step == 0 else 2):  # 4 rows, then 32 a step
+                x, y = _batch(10 * step + micro, BATCH if step == 0 else 4 * BATCH)
+                (F.cross_entropy(models[m](x), y) / 2).backward()
+            pres[m].step()
+        for got, want in zip(_grads(models["smw"]), _grads(models["cholesky"]), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    u_a, _ = pres["smw"].factors()["0"]
+    a, _ = pres["cholesky"].factors()["0"]
+    torch.testing.assert_close(u_a @ u_a.T, a, rtol=1e-10, atol=1e-12)
+    assert pres["smw"].describe()[0]["method"] == "smw(A=lowrank,G=lowrank)"
+    clone = _mlp()
+    restored = KFACPreconditioner(clone, method="smw", factor_decay=0.0, **OPTIONS)
+    restored.load_state_dict(pres["smw"].state_dict())
+    torch.testing.assert_close(restored.factors()["0"][0], u_a)
+
+
 def test_smw_first_step_equals_dense_factored_solve_on_hand_factors() -> None:
     model = _mlp()
     pre = KFACPreconditioner(model, method="smw", factor_decay=0.0, **OPTIONS)
@@ -281,8 +308,8 @@ def test_checkpoint_round_trip_reproduces_next_step(method: str) -> None:
         with pytest.raises(ValueError, match="low-rank"):
             KFACPreconditioner(_mlp(), method="cholesky", **OPTIONS).load_state_dict(state)
     bad = {**state, "layers": {**state["layers"]}}
-    bad["layers"]["0"] = {**state["layers"]["0"], "A": torch.zeros(41, 29, dtype=DT)}
-    with pytest.raises(ValueError, match=r"1 <= r <= 28" if method == "smw" else "expected"):
+    bad["layers"]["0"] = {**state["layers"]["0"], "A": torch.zeros(40, 8, dtype=DT)}
+    with pytest.raises(ValueError, match=r"expected \(41, r\)" if method == "smw" else "expected"):
         KFACPreconditioner(_mlp(), method=method, **OPTIONS).load_state_dict(bad)
 
 

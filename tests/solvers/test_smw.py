@@ -169,6 +169,16 @@ def test_decay_concat_truncation_drops_oldest_and_underestimates() -> None:
     assert float(torch.linalg.eigvalsh(full - u @ u.T).min()) > -1e-12
 
 
+@pytest.mark.parametrize("decay", [0.0, 0.9])
+def test_decay_concat_keeps_every_column_of_the_newest_update(decay: float) -> None:
+    """An update wider than ``max_rank`` is kept whole (only older columns are dropped):
+    with ``decay = 0`` the factor is the newest one exactly."""
+    u_old, u_new = torch.randn(8, 3, dtype=DT), torch.randn(8, 5, dtype=DT)
+    u = decay_concat(u_old, u_new, decay, 3)
+    assert u.shape == (8, 5)
+    torch.testing.assert_close(u @ u.T, (1 - decay) * u_new @ u_new.T)
+
+
 def test_decay_concat_validation() -> None:
     u = torch.randn(4, 2)
     with pytest.raises(ValueError, match="decay"):

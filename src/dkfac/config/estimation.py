@@ -68,8 +68,9 @@ class EstimationConfig:
         accumulation_steps: Micro-batches (forward/backward passes) expected per
             ``step()``: read only where nothing else says which backward is a step's last
             (``overlap_comm`` on a model without DDP) and to estimate a step's rows for
-            ``method="auto"``. The factors' scale follows the backward passes actually run
-            (counted), so gradient accumulation needs no count here.
+            ``method="smw"`` and ``"auto"`` (the rank bound of a low-rank side; a step with
+            more rows keeps them all: :func:`~dkfac.solvers.lowrank.factor.decay_concat`).
+            The factors' scale follows the backward passes actually run (counted).
         loss_average: What the training loss is a mean over, which sets the scale of the
             output-gradient factors G (they are kept on the scale of one term of the loss):
             ``"samples"`` (default; a mean over the first dimension, e.g. classification) or

@@ -12,9 +12,11 @@ exact where the dense path would add matrices:
 * **running averages** (:func:`decay_concat`, :class:`LowRankRunningFactor`):
   ``decay·A_old + (1−decay)·A_new = [√decay·U_old, √(1−decay)·U_new] [..]ᵀ`` exactly. The rank
   grows with every update, so it is bounded by ``max_rank``: the *oldest* columns (those with
-  the smallest weight ``decay^k``) are dropped. With a truncation the result is an
-  approximation from below (``U_kept U_keptᵀ ⪯ U Uᵀ``); ``decay = 0`` keeps only the newest
-  factor and is always exact.
+  the smallest weight ``decay^k``) are dropped, never one of the newest update's (a step
+  with more rows than the bound was made for, a later larger batch or micro-batches the
+  bound did not count, keeps them all: ``U`` then has more than ``max_rank`` columns). With a
+  truncation the result is an approximation from below (``U_kept U_keptᵀ ⪯ U Uᵀ``);
+  ``decay = 0`` keeps only the newest factor and is always exact.
 * Raw ``U`` matrices are never added: ``U_1 + U_2`` has no meaning for ``U Uᵀ``.
 """
 
@@ -81,8 +83,10 @@ def decay_concat(u_old: Tensor | None, u_new: Tensor, decay: float, max_rank: in
 
     Without truncation ``R Rᵀ = decay·U_old U_oldᵀ + (1−decay)·U_new U_newᵀ`` exactly. When
     the result has more than ``max_rank`` columns the oldest (leftmost) ones are dropped, which
-    under-approximates the average. The first update (``u_old is None``) and ``decay == 0``
-    return ``u_new`` itself, as the dense running average takes ``F_new`` as it is.
+    under-approximates the average; the columns of ``u_new`` are all kept, even past
+    ``max_rank`` (dropping some would drop samples of the newest factor and leave it on the
+    wrong scale). The first update (``u_old is None``) and ``decay == 0`` return ``u_new``
+    itself, as the dense running average takes ``F_new`` as it is.
 
     Args:
         u_old: The running ``d × m_old`` matrix, oldest columns first, or ``None``.
@@ -91,7 +95,7 @@ def decay_concat(u_old: Tensor | None, u_new: Tensor, decay: float, max_rank: in
         max_rank: The most columns kept (>= 1).
 
     Returns:
-        The new running ``d × min(m_old + m_new, max_rank)`` matrix.
+        The new running ``d × max(min(m_old + m_new, max_rank), m_new)`` matrix.
 
     Raises:
         ValueError: For a decay outside ``[0, 1)``, ``max_rank < 1``, or mismatched shapes.
@@ -115,8 +119,9 @@ def decay_concat(u_old: Tensor | None, u_new: Tensor, decay: float, max_rank: in
         combined = torch.cat(
             [u_old * math.sqrt(decay), u_new.to(u_old.dtype) * math.sqrt(1.0 - decay)], dim=1
         )
-    if combined.shape[1] > max_rank:
-        combined = combined[:, combined.shape[1] - max_rank :]
+    keep = max(max_rank, u_new.shape[1])  # never a column of the newest update
+    if combined.shape[1] > keep:
+        combined = combined[:, combined.shape[1] - keep :]
     return combined
 
 
@@ -282,11 +287,11 @@ class LowRankStatistic(StatisticKind):
         return value * factor**0.5
 
     def check_saved(self, where: str, shape: tuple[int, ...], got: tuple[int, ...]) -> None:
-        """A saved ``U`` is ``(d, r)`` with ``1 <= r <= max_rank``."""
-        if len(got) != 2 or got[0] != shape[0] or not 1 <= got[1] <= self.max_rank:
+        """A saved ``U`` is ``(d, r)`` with ``r >= 1`` (more than ``max_rank`` where a step
+        added more rows than the bound was made for: :func:`decay_concat`)."""
+        if len(got) != 2 or got[0] != shape[0] or got[1] < 1:
             raise ValueError(
-                f"{where} is low-rank with shape {got}, expected ({shape[0]}, r) with "
-                f"1 <= r <= {self.max_rank}"
+                f"{where} is low-rank with shape {got}, expected ({shape[0]}, r) with r >= 1"
             )
 
     def part(self, value: Tensor, shape: tuple[int, ...], rows: slice) -> LowRank:
