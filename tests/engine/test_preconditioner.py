@@ -14,7 +14,7 @@ from torch import nn
 from dkfac import KFACConfig, KFACOptimizer, KFACPreconditioner
 from dkfac.blocks.linear import LinearBlock
 from dkfac.solvers.eigen import EigenSolver
-from tests.oracles import with_ones
+from tests.oracles import dense_eigen_solve, dense_factored_solve, with_ones
 
 
 def _mlp() -> nn.Module:
@@ -69,6 +69,34 @@ def test_callable_schedules_are_used_per_step() -> None:
     for _ in range(4):
         _train_step(model, pre, x, y)
     assert seen == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("method", ["eigen", "cholesky", "smw"])
+def test_a_damping_schedule_acts_as_options_md_says(method: str) -> None:
+    """eigen reads the damping at every step; cholesky and smw fold it into their inverses,
+    so between inverse updates they keep the value of the last one (docs/options.md)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3, bias=False)).double()
+    pre = KFACPreconditioner(
+        model,
+        method=method,
+        damping=lambda s: 1e-3 if s == 0 else 10.0,
+        kl_clip=None,
+        factor_decay=0.0,
+        inverse_update_interval=10,
+    )
+    layer = model[0]
+    for step in range(2):
+        x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+        model.zero_grad()
+        F.cross_entropy(layer(x), y).backward()
+        grad = layer.weight.grad.clone()
+        pre.step()
+        if step == 0:
+            a, g = (f.clone() for f in pre.factors()["0"])  # the inverses' factors
+    solve = dense_eigen_solve if method == "eigen" else dense_factored_solve
+    damping = 10.0 if method == "eigen" else 1e-3
+    torch.testing.assert_close(layer.weight.grad, solve(a, g, grad, damping))
 
 
 def test_bad_schedule_value_names_argument_and_step() -> None:
