@@ -256,3 +256,34 @@ def test_a_side_the_budget_makes_one_sided_is_captured_as_its_diagonal() -> None
     torch.testing.assert_close(running, given.layers["0"].running["A"], rtol=1e-12, atol=0)
     for mine, theirs in zip(chosen.parameters(), by_hand.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_a_loaded_choice_leaves_a_basis_max_dim_the_user_set() -> None:
+    """A checkpoint whose budget made a side one-sided loads into a preconditioner given
+    ``basis_max_dim``: that option is kept as given, as the intervals are (the side stays
+    dense); into one without it, the saved choice is kept (the side stays one-sided)."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 60, generator=gen, dtype=torch.float64),
+                torch.randint(0, 3, (16,), generator=gen)) for _ in range(4)]  # fmt: skip
+    model = _wide_input_mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    for x, y in batches[:2]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.preconditioner.layers["0"].kinds["A"].label == "diagonal"
+    state = opt.state_dict()
+    for options, kind in (({"basis_max_dim": 1000}, "dense"), ({}, "diagonal")):
+        clone = _wide_input_mlp()
+        clone.load_state_dict(model.state_dict())
+        restored = KFACOptimizer.for_model(clone, lr=0.01, **options)
+        restored.load_state_dict(state)
+        pre = restored.preconditioner
+        assert pre.layers["0"].kinds["A"].label == kind
+        assert ("one-sided" in pre.describe()[-1]["reason"]) == (kind == "diagonal")
+        for x, y in batches[2:]:
+            restored.zero_grad()
+            F.cross_entropy(clone(x), y).backward()
+            restored.step()
+        assert pre.layers["0"].kinds["A"].label == kind
+        assert all(torch.isfinite(p).all() for p in clone.parameters())

@@ -204,12 +204,8 @@ class OverheadBudget:
                     shapes[name], one_sided[name] = wider, limit
         choice = choose_for(list(shapes.values()), self.batch, self.budget, self._priced())
         if one_sided:
-            note = (
-                "; one-sided bases (the identity) on the sides wider than 3/4 of the rows "
-                f"of {', '.join(one_sided)}"
-            )
             choice = dataclasses.replace(
-                choice, basis_max_dims=one_sided, reason=choice.reason + note
+                choice, basis_max_dims=one_sided, reason=choice.reason + _one_sided_note(one_sided)
             )
         self.choice = choice
         logger.info("overhead budget: %s", self.choice.reason)
@@ -264,14 +260,21 @@ class OverheadBudget:
     def checked(self, choice: Choice, layers: Mapping[str, LayerState], config: Any) -> Choice:
         """A saved ``choice`` as this preconditioner takes it, checked before anything
         changes: without Newton–Schulz steps where no layer orthogonalises its update (a
-        checkpoint of another method), and refused where its options make no valid
-        configuration with ``config`` (a ``KFACConfig``).
+        checkpoint of another method), without one-sided bases where the user set
+        ``basis_max_dim`` (kept as given, as the other options the user set are:
+        :meth:`options`), and refused where its options make no valid configuration with
+        ``config`` (a ``KFACConfig``).
 
         Raises:
             ValueError: For chosen options the configuration refuses.
         """
         if choice.orthogonal_steps is not None and not any(map(_polar_steps, layers.values())):
             choice = dataclasses.replace(choice, orthogonal_steps=None)
+        if choice.basis_max_dims and "basis_max_dim" in self.explicit:
+            note = _one_sided_note(choice.basis_max_dims)
+            choice = dataclasses.replace(
+                choice, basis_max_dims={}, reason=choice.reason.replace(note, "")
+            )
         try:
             dataclasses.replace(config, **self.options(choice))
         except (TypeError, ValueError) as err:
@@ -317,6 +320,14 @@ class OverheadBudget:
         self.rows, self.step_rows = {}, {}
         self.batch, self.choice, self._warned = None, None, False
         self.watch(layers)
+
+
+def _one_sided_note(one_sided: Mapping[str, int]) -> str:
+    """What a choice's reason adds for its one-sided sides (``basis_max_dims``)."""
+    return (
+        "; one-sided bases (the identity) on the sides wider than 3/4 of the rows "
+        f"of {', '.join(one_sided)}"
+    )
 
 
 def _priced_by_units(layer: LayerState) -> bool:
