@@ -16,8 +16,9 @@ Each rank trains on its half of every global batch with ``KFACOptimizer.for_mode
 * ``ZeroRedundancyOptimizer`` inside ``KFACOptimizer``: the serial run; a checkpoint by
   ZeRO's rule (``consolidate_state_dict`` on every rank, ``state_dict`` on one) resumes to
   the bit, and ``state_dict`` without it raises on every rank instead of hanging.
-* ranks with different numbers of rows: the factors are the mean of each rank's own, as
-  DDP's gradient is the mean of each rank's mean gradient (not the pooled rows').
+* ranks with different numbers of rows, under each strategy that averages the factors:
+  the factors are the mean of each rank's own, as DDP's gradient is the mean of each
+  rank's mean gradient (not the pooled rows').
 * ``Join`` with uneven inputs: refused at the first step without
   ``throw_on_early_termination``; with it, every rank stops at the first exhausted one,
   equal to the serial run over the steps all ranks took.
@@ -393,23 +394,46 @@ def _factors_after_one_step(model: nn.Module, x: Tensor, y: Tensor) -> dict[str,
     return {name: [t.clone() for t in pair] for name, pair in pre.factors().items()}
 
 
-def _uneven_main(rank: int, world: int) -> dict[str, Any]:
+def _uneven_main(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
+    """One step of :func:`_uneven_rows` under ``options``' strategy: the factors this rank
+    keeps (an owner's only, where the strategy shards them)."""
     model = _net()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    return _factors_after_one_step(ddp, *_uneven_rows(rank))
+    spngd = options.get("strategy") == "spngd"  # reduces the gradients itself: no DDP
+    wrapped = model if spngd else nn.parallel.DistributedDataParallel(model)
+    pre = KFACPreconditioner(wrapped, method="eigen", **options)
+    x, y = _uneven_rows(rank)
+    F.cross_entropy(wrapped(x), y).backward()
+    pre.step()
+    return {name: [t.clone() for t in pair] for name, pair in pre.factors().items()}
 
 
-def test_ranks_with_different_rows_weigh_alike_in_the_factors_as_in_ddps_gradient() -> None:
+UNEVEN_STRATEGIES = {
+    "replicated": {"strategy": "replicated"},  # the overlapped reduction (DDP's default)
+    "replicated-after-backward": {"strategy": "replicated", "overlap_comm": "off"},
+    "kaisa": {"strategy": "kaisa", "grad_worker_fraction": 0.5},
+    "mem-opt": {"strategy": "mem-opt"},
+    "spngd": {"strategy": "spngd"},
+}
+
+
+@pytest.mark.parametrize("options", UNEVEN_STRATEGIES.values(), ids=UNEVEN_STRATEGIES.keys())
+def test_ranks_with_different_rows_weigh_alike_in_the_factors_as_in_ddps_gradient(
+    options: dict[str, Any],
+) -> None:
     """Rank 0 with 8 rows and rank 1 with 4: the factors are the mean of each rank's own
     factors (each rank's mean counting once, as in DDP's averaged gradient), not those of
-    the 12 rows together, in which rank 0's would weigh twice."""
-    results = run_distributed(_uneven_main, WORLD, timeout=90)
+    the 12 rows together, in which rank 0's would weigh twice; under every strategy that
+    averages the factors (each owner's, where they are sharded)."""
+    results = run_distributed(_uneven_main, WORLD, options, timeout=90)
     own = [_factors_after_one_step(_net(), *_uneven_rows(r)) for r in range(WORLD)]
     rows = [_uneven_rows(r) for r in range(WORLD)]
     pooled = _factors_after_one_step(
         _net(), torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
     )
-    for name, (a, g) in results[0].items():
-        torch.testing.assert_close(a, (own[0][name][0] + own[1][name][0]) / 2, **EXACT)
-        torch.testing.assert_close(g, (own[0][name][1] + own[1][name][1]) / 2, **EXACT)
-        assert not torch.allclose(a, pooled[name][0], **EXACT), name
+    kept = {name: pair for factors in results for name, pair in factors.items()}
+    assert set(kept) == set(own[0])  # every layer's factors are on some rank
+    for factors in results:
+        for name, (a, g) in factors.items():
+            torch.testing.assert_close(a, (own[0][name][0] + own[1][name][0]) / 2, **EXACT)
+            torch.testing.assert_close(g, (own[0][name][1] + own[1][name][1]) / 2, **EXACT)
+            assert not torch.allclose(a, pooled[name][0], **EXACT), name
