@@ -9,7 +9,9 @@ many rows as A (true for Linear, Conv2d under every reduction, and Embedding).
 Rows of one step, per side: ``m = r₁ · accumulation_steps · P``, where ``r₁`` is the rows of
 that first micro-batch and ``P`` the number of ranks whose rows are gathered
 (:class:`RowsRule`). The running concatenation keeps at most
-``r = default_max_rank(m, factor_decay)`` columns (``r = m`` when the decay is 0).
+``r = default_max_rank(m, factor_decay)`` columns (``r = m`` when the decay is 0), or all
+of a step's where that step has more rows than ``m``
+(:func:`~dkfac.solvers.lowrank.factor.decay_concat`).
 
 * ``method="smw"``: a side is **low-rank** when ``r < d``; otherwise it stays dense (running
   ``d × d`` average, inverted by Cholesky inside the SMW solver). Under several ranks this

@@ -230,7 +230,7 @@ class LowRankRunningFactor:
     """The running low-rank factor of one side of a layer (see :func:`decay_concat`).
 
     Attributes:
-        max_rank: The most columns kept.
+        max_rank: The most columns kept, or the newest update's where it has more.
         u: The running ``d × m`` matrix, ``None`` before the first update.
     """
 
@@ -244,7 +244,8 @@ class LowRankRunningFactor:
             raise ValueError(f"max_rank must be >= 1, got {self.max_rank}")
 
     def update(self, new: LowRank, decay: float) -> None:
-        """``U ← [√decay·U, √(1−decay)·U_new]``, truncated to ``max_rank`` columns."""
+        """``U ← [√decay·U, √(1−decay)·U_new]``, its oldest columns dropped past ``max_rank``
+        (:func:`decay_concat`: every column of ``U_new`` is kept)."""
         self.u = decay_concat(self.u, new.u, decay, self.max_rank)
 
     def value(self) -> LowRank | None:
@@ -258,12 +259,13 @@ class LowRankStatistic(StatisticKind):
 
     One step's value is ``U`` of the concatenated rows (:class:`LowRankRowsAccumulator`);
     ranks all-gather their rows (``gathered``); the running value is the decayed
-    concatenation bounded to ``max_rank`` columns (:func:`decay_concat`), so its shape
-    grows with the steps (not ``comparable``); a statistic quadratic in the gradient is
-    rescaled through ``U`` by ``√factor``.
+    concatenation, its oldest columns dropped past ``max_rank`` but never one of the newest
+    update's (:func:`decay_concat`), so its shape grows with the steps (not ``comparable``);
+    a statistic quadratic in the gradient is rescaled through ``U`` by ``√factor``.
 
     Attributes:
-        max_rank: The most columns the running ``U`` keeps.
+        max_rank: The most columns the running ``U`` keeps (more where the newest update
+            alone has more).
     """
 
     max_rank: int
@@ -279,7 +281,8 @@ class LowRankStatistic(StatisticKind):
         return LowRankRowsAccumulator(dtype)
 
     def update_running(self, old: Tensor | None, new: Tensor, decay: float) -> Tensor:
-        """``[√decay·U_old, √(1−decay)·U_new]``, oldest columns dropped past ``max_rank``."""
+        """``[√decay·U_old, √(1−decay)·U_new]``, oldest columns dropped past ``max_rank``
+        (every column of ``U_new`` kept: :func:`decay_concat`)."""
         return decay_concat(old, new, decay, self.max_rank)
 
     def rescale(self, value: Tensor, factor: float) -> Tensor:
