@@ -384,3 +384,33 @@ def test_a_backward_and_step_inside_the_autocast_region_are_those_outside_it(
     _assert_same_factors(outside, inside)
     model_out, model_in = outside.preconditioner.model, inside.preconditioner.model
     assert max_difference(model_out, model_in) == 0.0
+
+
+@pytest.mark.parametrize("loop", ["two backwards", "summed", "monte-carlo"])
+def test_a_second_backward_through_one_forward_is_named_once(
+    loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two losses of one forward backpropagated apart (``retain_graph=True``) are counted as
+    two micro-batches, which the summed loss's factors are not: logged once, naming the
+    fix. The summed loss's single backward, and the Monte-Carlo Fisher's own sampled
+    backward through the training forward, are not named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    options = {"fisher": "mc"} if loop == "monte-carlo" else {}
+    opt = KFACOptimizer.for_model(model, lr=0.01, **options)
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with caplog.at_level("WARNING", logger="dkfac"):
+        for _ in range(2):
+            opt.zero_grad()
+            out = model(x)
+            first, second = F.cross_entropy(out, y), out.square().mean()
+            if loop == "two backwards":
+                first.backward(retain_graph=True)
+                second.backward()
+            else:
+                if loop == "monte-carlo":  # its sampled backward first, as it must be
+                    opt.preconditioner.sample_fisher(out)
+                (first + second).backward()
+            opt.step()
+    named = [r for r in caplog.records if "a second backward" in r.getMessage()]
+    assert len(named) == (1 if loop == "two backwards" else 0), caplog.text

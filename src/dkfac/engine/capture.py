@@ -61,6 +61,8 @@ class _Forward:
         accumulator: The gradient accumulator of the weight the forward ran with; a
             backward that computes no gradient of that weight is not captured
             (:func:`~dkfac.engine.micro_batches.computes_gradient`).
+        captured: Whether a training backward already went through it (a second one,
+            ``retain_graph=True``, is counted as another micro-batch's: logged once).
     """
 
     inputs: Tensor | None
@@ -71,6 +73,7 @@ class _Forward:
     context: Any = None
     recomputed: bool = False
     accumulator: Node | None = None
+    captured: bool = False
 
 
 @dataclass
@@ -167,6 +170,7 @@ class FactorCapture:
         # Outputs of the layers captured in this forward: the sampled backward stops at them.
         self._mc_roots: list[GradientEdge] = []
         self._warned_missing: set[str] = set()
+        self._warned_second_backward = False
         self.ran: set[int] = set()  # ids of the layers whose forward has ever run
         # a layer's forward ran through the hooks since the last step (not cleared when a
         # backward is discarded: a forward may have run before that zero_grad)
@@ -337,6 +341,10 @@ class FactorCapture:
         weight (but the Monte-Carlo Fisher's own)."""
         if not (self._mc_active or computes_gradient(pending.accumulator)):
             return
+        if not self._mc_active:
+            if pending.captured:
+                self._warn_second_backward(layer)
+            pending.captured = True
         self._backward_batch = max(self._backward_batch, pending.batch)
         forward_pass = pending.forward_pass
         forward_pass.backpropagated = max(forward_pass.backpropagated, pending.batch)
@@ -361,6 +369,20 @@ class FactorCapture:
         else:
             self._capture_g(layer, pending, grad)
         self._mc_captured = True
+
+    def _warn_second_backward(self, layer: LayerState) -> None:
+        """Says once that a training backward went through a forward a backward already went
+        through (``loss_1.backward(retain_graph=True); loss_2.backward()``)."""
+        if self._warned_second_backward:
+            return
+        self._warned_second_backward = True
+        logger.warning(
+            "%s: a second backward went through a forward already backpropagated "
+            "(retain_graph=True); K-FAC counts its output gradient as another micro-batch's, "
+            "so the factors are not those of the summed loss: sum the losses and call "
+            "backward() once",
+            layer.name,
+        )
 
     def _capture_g(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
         """The gradient statistics of one forward's output gradient (its kept rows)."""
