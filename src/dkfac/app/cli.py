@@ -67,7 +67,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class _OneConfig(argparse.Action):
-    """``--config``, given at most once: a second file silently replaced the first."""
+    """``--config``, given at most once: argparse would keep the last of two files and
+    read nothing of the first."""
 
     def __call__(
         self,

@@ -3,10 +3,11 @@
 ``python -m dkfac.bench.soak [--steps 3000 --sample-every 50 ...]`` spawns ``--world-size``
 processes (gloo on CPU), builds the training program's session on each (the same
 :func:`dkfac.app.session.build_session` / :func:`~dkfac.app.session.train_step` as
-``dkfac train``), and runs ``--steps`` optimizer steps over the digits data, epoch after
-epoch. Every ``--checkpoint-every`` steps each rank gathers the full checkpoint state (the
-collective K-FAC state dict) and rank 0 writes it (rotating), every ``--eval-every`` steps
-the test set is evaluated, so the long-lived paths of a real run are exercised too.
+``dkfac train``), and runs ``--steps`` optimizer steps over ``--data`` (the digits by
+default), epoch after epoch. Every ``--checkpoint-every`` steps each rank gathers the full
+checkpoint state (the collective K-FAC state dict) and rank 0 writes it (rotating), every
+``--eval-every`` steps the test set is evaluated, so the long-lived paths of a real run are
+exercised too.
 ``--method`` soaks one K-FAC method (eigen, cholesky, smw, auto).
 
 Each rank samples its resident set size (``VmRSS`` of ``/proc/self/status``) every

@@ -41,8 +41,16 @@ _EAGER_REASON = (
 
 
 def outside_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """A context with ``torch.autocast`` off for ``device``'s type and the CPU, where the
-    caller is inside an autocast region (module notes); a null context otherwise."""
+    """A context with ``torch.autocast`` off where the caller is inside an autocast region
+    (module notes).
+
+    Args:
+        device: The device whose type's autocast is checked, beside the CPU's.
+
+    Returns:
+        A context that turns off each of those autocasts that is on; a null context where
+        none is.
+    """
     kinds = {device.type, "cpu"}
     on = [k for k in kinds if torch.amp.is_autocast_available(k) and torch.is_autocast_enabled(k)]
     if not on:
