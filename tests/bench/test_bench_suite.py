@@ -7,6 +7,7 @@ import copy
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -218,6 +219,31 @@ def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:
         assert (tmp_path / "plots" / f"s_{record['task']}.png").stat().st_size > 0
 
 
+def test_a_batch_size_is_every_tasks(tmp_path: Path) -> None:
+    """``--batch-size`` replaces each task's batch on both splits: the runs draw it, and the
+    record says it."""
+    argv = ["--tiny", "--tasks", "mlp", "gpt", "--optimizers", "dkfac", "--seeds", "1",
+            "--max-steps", "1", "--timing-blocks", "1", "--timing-steps", "1",
+            "--batch-size", "24", "--out-dir", str(tmp_path), "--name", "b"]  # fmt: skip
+    drawn: list[int] = []
+    plain = suite.train_step
+
+    def counting(task: Any, model: Any, optimizer: Any, batch: Any) -> float:
+        def rows() -> Any:
+            x, y = batch()
+            drawn.append(len(x))
+            return x, y
+
+        return plain(task, model, optimizer, rows)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(suite, "train_step", counting)
+        assert suite.main(argv) == 0
+    payload = json.loads((tmp_path / "b.json").read_text())
+    assert [t["batch_size"] for t in payload["tasks"]] == [24, 24]
+    assert drawn and set(drawn) == {24}
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -229,6 +255,8 @@ def test_the_command_writes_json_and_plots(tmp_path: Path) -> None:
         ["--tasks", "mlp", "--dkfac-options", "bogus=1"],  # for_model refuses these
         ["--tasks", "mlp", "--dkfac-options", "orthogonal_rms=none"],
         ["--tasks", "mlp", "--dkfac-options", "orthogonal_layers=^nothing$"],
+        ["--batch-size", "1"],
+        ["--batch-size", "1025"],
     ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture) -> None:

@@ -30,12 +30,14 @@ median block over its steps (so refreshes every few steps are counted, amortised
 wall clock and, beside it, on the thread's CPU clock (``step_vs_adamw_cpu``: what the step
 computed, less moved by other processes on shared cores). Seconds to the target = median
 steps x seconds per step (the raw timed seconds of every run are in the JSON too). Writes
-``benchmarks/results/<name>.json`` and a plot per task.
+``benchmarks/results/<name>.json`` and a plot per task. ``--batch-size`` runs every task at
+another batch than its own (the protocol and the grids unchanged).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import statistics
@@ -101,6 +103,10 @@ families: on the sweep seed a rate beyond the top end (dkfac and AdamW: 0.03; Mu
 took more steps, or as many, on every family, and so did Muon's 0.01 below its bottom end
 (float32 iteration). Muon's best rate spans 16x across the families (0.02 on the vision
 transformer, 0.16 on the autoencoder, 0.32 on the CNN), which a narrower grid cuts off."""
+
+MAX_BATCH = 1024
+"""The largest ``--batch-size``: the digits tasks train on 1437 images (an epoch is drawn
+in whole batches; 2 is the least BatchNorm trains with)."""
 
 MUON_ADAMW_LR = 3e-3
 """The lr of Muon's AdamW part (embeddings, the first layer, the head, norms, biases)."""
@@ -244,6 +250,8 @@ def step_seconds(
 def run_task(args: argparse.Namespace, family: str, names: Sequence[str]) -> dict[str, Any]:
     """Sweep, seeds on both splits, and the per-step timing of one task."""
     tasks = {split: load_task(family, split, tiny=args.tiny) for split in (0, 1)}
+    if args.batch_size is not None:
+        tasks = {k: dataclasses.replace(t, batch_size=args.batch_size) for k, t in tasks.items()}
     return measure_task(args, tasks, names)
 
 
@@ -305,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = BenchParser(prog="dkfac bench suite", description=__doc__)
     p.add_argument("--tasks", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     add_protocol_flags(p, OPTIMIZERS, max_steps=150, name="suite")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"samples (text windows) per step of every task, 2 to {MAX_BATCH} (default: each "
+        "task's own, 256 images and 32 windows)",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny models (tests of the mechanics)")
     p.add_argument("--plot-dir", default=None, help="one PNG per task: <dir>/<name>_<task>.png")
     return p
@@ -380,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_protocol_flags(parser, args)
+    if args.batch_size is not None and not 2 <= args.batch_size <= MAX_BATCH:
+        parser.error(f"--batch-size must be in [2, {MAX_BATCH}], got {args.batch_size}")
     _check_dkfac_options(parser, args)
     longest = max(args.tasks, key=len)
     if args.plot_dir and (problem := long_name(args.name, f"_{longest}.png")):
