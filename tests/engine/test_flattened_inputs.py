@@ -9,6 +9,7 @@ checkpoint round trip is a case of tests/engine/test_moments.py.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -85,6 +86,28 @@ def test_an_entry_that_does_not_fit_the_model_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         KFACPreconditioner(make_model(), **{**OPTIONS, "flattened_inputs": maps})
+
+
+def test_a_map_with_its_sides_swapped_against_the_graphs_is_refused() -> None:
+    """Layer "3" reads the 3-channel map at 16 positions: (16, 3) has its 48 features but
+    would pair each feature with the wrong channel and position."""
+    with pytest.raises(ValueError, match=r"\(16, 3\) has its sides swapped: .* \(3, 16\)"):
+        KFACPreconditioner(make_model(), **{**OPTIONS, "flattened_inputs": {"3": (16, 3)}})
+
+
+def test_a_map_other_than_the_graphs_is_kept_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A factorisation the graph does not show may be the user's better knowledge of a
+    reshape: it is used, and named."""
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.registration"):
+        pre = KFACPreconditioner(make_model(), **{**OPTIONS, "flattened_inputs": {"3": (6, 8)}})
+    assert pre.config.flattened_inputs == {"3": (6, 8)}
+    assert "map of 3 channels at 16 positions" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.registration"):
+        KFACPreconditioner(make_model(), **OPTIONS)  # the graph's own map: nothing said
+    assert not caplog.text
 
 
 @pytest.mark.parametrize(

@@ -164,7 +164,9 @@ class SolverConfig:
             traces (:mod:`dkfac.solvers.kron_basis`): a refresh of a 1025-wide factor in
             milliseconds instead of a 1025³ product and QR, for the same steps on the
             digits CNN. A name that is not a registered linear
-            layer with ``channels · positions`` inputs is an error at registration.
+            layer with ``channels · positions`` inputs is an error at registration, as is
+            the map the graph shows with its sides swapped (another map than the graph's
+            is used, with a warning).
             ``"graph"`` finds them in the model's graph, with no names
             (:func:`dkfac.engine.roles.flattened_conv_inputs`), among the layers K-FAC
             preconditions (one it does not, skipped or declined, needs no map).

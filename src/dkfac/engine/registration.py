@@ -35,6 +35,7 @@ from dkfac.engine.tracing import compiled_original, uncalled_layers
 from dkfac.solvers import EigenMomentsSolver, RowsRule, adam_scaled, make_solver, precision
 
 __all__ = [
+    "check_given_maps",
     "create_layers",
     "find_blocks",
     "graph_input_maps",
@@ -380,9 +381,12 @@ def graph_input_maps(
     A layer the graph shows reading a flattened map that has no block (``skip_layers``,
     a vocabulary-sized head, a weight computed by a parametrisation or frozen alone) needs
     no map: it is left out and logged, where a map named by hand for it is refused
-    (:func:`input_maps`). Any other ``flattened_inputs`` is returned as it is.
+    (:func:`input_maps`). Maps given by hand are returned as they are, each checked
+    against the graph's where the graph shows one (:func:`check_given_maps`).
     """
     if dict(config.flattened_inputs) != GRAPH_MAPS:
+        if config.flattened_inputs:
+            check_given_maps(config.flattened_inputs, flattened_conv_inputs(model))
         return config
     found = flattened_conv_inputs(model)
     maps = {name: m for name, m in found.items() if isinstance(blocks.get(name), LinearBlock)}
@@ -394,6 +398,36 @@ def graph_input_maps(
             unregistered,
         )
     return dataclasses.replace(config, flattened_inputs=maps)
+
+
+def check_given_maps(
+    given: Mapping[str, tuple[int, int]], found: Mapping[str, tuple[int, int]]
+) -> None:
+    """Checks maps named by hand against those the graph shows (``found``, from
+    :func:`~dkfac.engine.roles.flattened_conv_inputs`): a map that is the graph's with its
+    two sides swapped is refused, as the structured basis would then pair each feature
+    with the wrong channel and position; any other difference is logged as a warning (the
+    user may know the model's reshapes better than the trace).
+
+    Raises:
+        ValueError: For a map that is the graph's, swapped.
+    """
+    for name, (channels, positions) in given.items():
+        seen = found.get(name)
+        if seen is None or seen == (channels, positions):
+            continue
+        if seen == (positions, channels):
+            raise ValueError(
+                f"flattened_inputs[{name!r}] = ({channels}, {positions}) has its sides "
+                f"swapped: the graph shows {name!r} reading a map of {seen[0]} channels at "
+                f"{seen[1]} positions, flattened, which is ({seen[0]}, {seen[1]}) (channels "
+                f"first); give that, or flattened_inputs='graph'"
+            )
+        logger.warning(
+            "flattened_inputs[%r] = (%d, %d), but the graph shows %r reading a map of %d "
+            "channels at %d positions: the structured basis follows the map given",
+            name, channels, positions, name, *seen,
+        )  # fmt: skip
 
 
 def input_maps(blocks: Mapping[str, Block], config: KFACConfig) -> dict[str, tuple[int, int]]:
