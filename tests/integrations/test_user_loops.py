@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -346,11 +347,28 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def _autocast_run(inside: bool, **options: object) -> tuple[KFACOptimizer, list[Tensor]]:
-    """Three steps of :func:`_mlp` with its forward in a bfloat16 autocast region, and the
-    raw gradients of each step; ``inside``: ``backward()`` and ``step()`` are called inside
-    the region too."""
-    model = _mlp()
+class _WithBroadcast(nn.Module):
+    """:func:`_mlp`'s kind of layers with a broadcast one: ``pos`` reads one fixed row that
+    every sample shares (as a position table does), so its G is taken when its layer's
+    statistics are (with ``overlap_comm``, in the reducer's gradient hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.pos, self.head = nn.Linear(5, 8), nn.Linear(4, 8), nn.Linear(8, 3)
+        self.register_buffer("row", torch.randn(1, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.first(x) + self.pos(self.row)))
+
+
+def _autocast_run(
+    inside: bool, model_fn: Callable[[], nn.Module], **options: object
+) -> tuple[KFACOptimizer, list[Tensor]]:
+    """Three steps of ``model_fn``'s model with its forward in a bfloat16 autocast region,
+    and the raw gradients of each step; ``inside``: ``backward()`` and ``step()`` are
+    called inside the region too."""
+    model = model_fn()
     opt = KFACOptimizer.for_model(model, lr=0.01, **options)  # type: ignore[arg-type]
     grads: list[Tensor] = []
     for step in range(3):
@@ -369,16 +387,25 @@ def _autocast_run(inside: bool, **options: object) -> tuple[KFACOptimizer, list[
     return opt, grads
 
 
-@pytest.mark.parametrize("options", [{}, {"method": "eigen"}], ids=["for_model", "eigen"])
+@pytest.mark.parametrize(
+    ("model_fn", "options"),
+    [
+        (_mlp, {}),
+        (_mlp, {"method": "eigen"}),
+        (_WithBroadcast, {"method": "eigen", "overlap_comm": "on"}),
+    ],
+    ids=["for_model", "eigen", "overlapped-broadcast"],
+)
 def test_a_backward_and_step_inside_the_autocast_region_are_those_outside_it(
-    options: dict[str, object],
+    model_fn: Callable[[], nn.Module], options: dict[str, object]
 ) -> None:
     """Lightning's manual optimization (and many loops) run ``backward()`` and ``step()``
     inside the forward's autocast region: the factors and the update are computed in the
-    dtypes they are outside it (autocast would make their products bfloat16)."""
+    dtypes they are outside it (autocast would make their products bfloat16), in the
+    capture's hooks and in the overlapped reduction's."""
     (outside, grads_out), (inside, grads_in) = (
-        _autocast_run(False, **options),
-        _autocast_run(True, **options),
+        _autocast_run(False, model_fn, **options),
+        _autocast_run(True, model_fn, **options),
     )
     assert all(torch.equal(a, b) for a, b in zip(grads_out, grads_in, strict=True))
     _assert_same_factors(outside, inside)

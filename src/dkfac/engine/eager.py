@@ -54,8 +54,8 @@ from dkfac.config import OVERLAP_MODES, KFACConfig
 from dkfac.distributed.comm import CommHandle
 from dkfac.distributed.strategy_base import Strategy, join_handles
 from dkfac.engine.capture import FactorCapture
-from dkfac.engine.layer_state import LayerState
-from dkfac.engine.model_hooks import ModelHook
+from dkfac.engine.layer_state import LayerState, layers_device
+from dkfac.engine.model_hooks import ModelHook, outside_autocast
 from dkfac.engine.presence import agree_presence
 from dkfac.engine.registration import ddp_wrapper
 
@@ -314,8 +314,12 @@ class EagerReducer:
         """Launches the next buckets in plan order, stopping at the first problem.
 
         Only buckets whose layers are all final, unless ``pending_too`` (every bucket left).
+        Outside a backward's enclosing autocast region, as the capture's own hooks
+        (:func:`~dkfac.engine.model_hooks.outside_autocast`): a bucket's statistics may be
+        computed here (a broadcast layer's G).
         """
-        with torch.no_grad():
+        device = layers_device(self.layers)
+        with torch.no_grad(), outside_autocast(device):
             while self._problem is None and self.launched < len(self.buckets):
                 names = self.buckets[self.launched]
                 if not pending_too and not all(name in self._ready for name in names):
