@@ -313,6 +313,20 @@ def test_checkpoint_round_trip_reproduces_next_step(method: str) -> None:
         KFACPreconditioner(_mlp(), method=method, **OPTIONS).load_state_dict(bad)
 
 
+def test_dense_factors_do_not_load_into_decided_low_rank_sides() -> None:
+    """A cholesky state (dense ``41 × 41`` A, no plan) loaded into an smw preconditioner
+    whose sides the first step decided low-rank is refused: read as ``U`` it would make the
+    factor ``A Aᵀ``. The same state loads before the first step (test above)."""
+    dense = KFACPreconditioner(_mlp(), method="cholesky", **OPTIONS)
+    model = _mlp()
+    pre = KFACPreconditioner(model, method="smw", factor_decay=0.5, **OPTIONS)
+    for p in (dense, pre):
+        _train_step(p.model, p, 0)
+    assert "A=lowrank" in pre.describe()[0]["method"]
+    with pytest.raises(ValueError, match=r"shape \(41, 41\) and no plan, .*\(at most 28 columns\)"):
+        pre.load_state_dict(dense.state_dict())
+
+
 def test_lowrank_sink_rejects_sums() -> None:
     from dkfac.solvers.lowrank.factor import LowRankRowsAccumulator
 

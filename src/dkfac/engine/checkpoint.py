@@ -52,6 +52,7 @@ from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.layer_state import LayerState
 from dkfac.engine.refresh import RefreshPolicy
 from dkfac.solvers import DenseStatistic, decided_solver
+from dkfac.solvers.lowrank.factor import LowRankStatistic
 
 __all__ = ["check_state", "layers_state", "load_layers_state"]
 
@@ -214,6 +215,8 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
                 )
             kind = kinds.get(key, DenseStatistic())  # a pending layer's sides are dense
             kind.check_saved(f"{name}: saved {key}", shape, tuple(value.shape))
+            if plan is None and isinstance(kind, LowRankStatistic):
+                _check_planless_lowrank(f"{name}: saved {key}", kind, tuple(value.shape))
             _check_tensors(f"{name}: saved", {key: value})
         _check_moments(name, layer, entry.get("moments"))
 
@@ -279,6 +282,20 @@ def check_state(
         except (TypeError, RuntimeError) as err:
             raise ValueError(f"state dict 'mc_generator' is not a generator state: {err}") from None
     return step
+
+
+def _check_planless_lowrank(where: str, kind: LowRankStatistic, got: tuple[int, ...]) -> None:
+    """A saved value for a side this layer already decided low-rank, from an entry without
+    a plan: a ``U`` wider than the side's bound is a dense factor from another method (an
+    entry of a decided low-rank side always carries its plan, and only then may ``U`` hold
+    more columns than the bound, :func:`~dkfac.solvers.lowrank.factor.decay_concat`), which
+    read as ``U`` would make the factor ``A Aᵀ``."""
+    if got[1] > kind.max_rank:
+        raise ValueError(
+            f"{where} has shape {got} and no plan, but this layer's side is low-rank (at most "
+            f"{kind.max_rank} columns): a dense factor of another method; load it before the "
+            "first step (the sides are then decided dense) or with that method"
+        )
 
 
 def load_layers_state(
