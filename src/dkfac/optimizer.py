@@ -620,8 +620,8 @@ class KFACOptimizer(Optimizer):
         self._consolidated = consolidate(self.inner, self.preconditioner, to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a :meth:`state_dict` (or a dict of ``"inner"``, ``"preconditioner"`` and
-        ``"skipped_steps"``), all or nothing.
+        """Restores a :meth:`state_dict` (or a dict of ``"inner"`` and ``"preconditioner"``,
+        with ``"skipped_steps"`` where it was kept: 0 without it), all or nothing.
 
         The preconditioner part is checked first (without changing anything); the inner
         optimizer is then loaded and, if anything after that fails, put back as it was

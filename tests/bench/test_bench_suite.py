@@ -255,8 +255,6 @@ def test_a_batch_size_is_every_tasks(tmp_path: Path) -> None:
         ["--tasks", "mlp", "--dkfac-options", "bogus=1"],  # for_model refuses these
         ["--tasks", "mlp", "--dkfac-options", "orthogonal_rms=none"],
         ["--tasks", "mlp", "--dkfac-options", "orthogonal_layers=^nothing$"],
-        ["--batch-size", "1"],
-        ["--batch-size", "1025"],
     ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture) -> None:
@@ -264,6 +262,16 @@ def test_bad_flags_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFi
         suite.main(argv)
     assert exit_info.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batch", ["1", "1025"])
+def test_a_batch_outside_its_range_is_named(batch: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        suite.main(["--batch-size", batch])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dkfac bench suite: error: --batch-size must be in [2, 1024], got {batch}"
+    )
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from torch import Tensor
 from dkfac import KFACConfig, KFACPreconditioner
 from dkfac.app.cli import build_parser, parse_args
 from dkfac.app.runconfig import config_file_tokens, kfac_config_from_args, resolved_config
+from dkfac.engine.registration import check_given_maps
 from dkfac.solvers.kron_basis import structured_basis
 from tests.oracles import weight_grad_matrix
 from tests.strategy_cases import global_batch, make_model
@@ -156,3 +157,15 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[s
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "flattened_inputs" in err[-1] and "got the entry 'x'" in err[-1]
+
+
+def test_a_one_channel_map_may_be_given_either_way(caplog: pytest.LogCaptureFixture) -> None:
+    """``(1, 16)`` and ``(16, 1)`` both give the whole side one basis: neither is refused
+    nor warned of; ``(16, 3)`` against the graph's ``(3, 16)`` is."""
+    with caplog.at_level(logging.WARNING, logger="dkfac.engine.registration"):
+        check_given_maps({"fc": (16, 1)}, {"fc": (1, 16)})
+        check_given_maps({"fc": (1, 16)}, {"fc": (16, 1)})
+        check_given_maps({"fc": (3, 16)}, {})  # the graph shows none: nothing to check
+    assert not caplog.text
+    with pytest.raises(ValueError, match="swapped"):
+        check_given_maps({"fc": (16, 3)}, {"fc": (3, 16)})

@@ -417,6 +417,8 @@ def check_given_maps(
         if seen is None or seen == (channels, positions):
             continue
         if seen == (positions, channels):
+            if min(seen) == 1:  # (1, P) and (P, 1): the same basis of the whole side
+                continue
             raise ValueError(
                 f"flattened_inputs[{name!r}] = ({channels}, {positions}) has its sides "
                 f"swapped: the graph shows {name!r} reading a map of {seen[0]} channels at "
