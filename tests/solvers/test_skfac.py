@@ -323,8 +323,45 @@ def test_dense_factors_do_not_load_into_decided_low_rank_sides() -> None:
     for p in (dense, pre):
         _train_step(p.model, p, 0)
     assert "A=lowrank" in pre.describe()[0]["method"]
-    with pytest.raises(ValueError, match=r"shape \(41, 41\) and no plan, .*\(at most 28 columns\)"):
+    with pytest.raises(
+        ValueError, match=r"shape \(41, 41\), a dense factor .*\(at most 28 columns\)"
+    ):
         pre.load_state_dict(dense.state_dict())
+
+
+def test_an_auto_states_eigen_decision_does_not_replace_smw() -> None:
+    """``auto`` decided ``eigen`` (dense sides, test above); smw never decides ``eigen``:
+    loaded into a fresh smw preconditioner, the layers are smw with dense sides, and the
+    next step is the one from the same factors without the plans (the saved decision used
+    to be installed, so the smw preconditioner ran eigen for the rest of the run). After
+    smw's first step decided low-rank sides, those dense factors are refused."""
+    model = _mlp()
+    pre = KFACPreconditioner(model, method="auto", factor_decay=0.5, **OPTIONS)
+    for step in range(2):
+        _train_step(model, pre, step)
+    state = pre.state_dict()
+    assert state["layers"]["0"]["plan"]["solver"] == "eigen"
+    planless = {
+        **state,
+        "layers": {
+            n: {k: v for k, v in e.items() if k != "plan"} for n, e in state["layers"].items()
+        },
+    }
+    runs = []
+    for loaded in (state, planless):
+        clone = _mlp()
+        clone.load_state_dict(model.state_dict())
+        smw = KFACPreconditioner(clone, **OPTIONS, method="smw", factor_decay=0.5)
+        smw.load_state_dict(loaded)
+        assert {d["method"] for d in smw.describe()} == {"smw(A=dense,G=dense)"}
+        _train_step(clone, smw, 2)
+        runs.append(_grads(clone))
+    for got, want in zip(*runs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    stepped = KFACPreconditioner(_mlp(), **OPTIONS, method="smw", factor_decay=0.5)
+    _train_step(stepped.model, stepped, 0)
+    with pytest.raises(ValueError, match=r"\(41, 41\), a dense factor \(no plan this method"):
+        stepped.load_state_dict(state)
 
 
 def test_lowrank_sink_rejects_sums() -> None:

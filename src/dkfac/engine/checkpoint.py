@@ -150,6 +150,16 @@ def _check_plan(name: str, plan: Any, shapes: Mapping[str, tuple[int, ...]]) -> 
         raise ValueError(f"{name}: a saved plan gives low-rank sides to {solver!r}, not 'smw'")
 
 
+def _own_plan(layer: LayerState, plan: Any) -> Any:
+    """``plan`` where the layer's method could have made it, else ``None``: ``"smw"``
+    decides only the smw solver, so an ``"auto"`` state's ``eigen`` or ``cholesky``
+    decision (dense factors) loads into it as dense factors without a plan do, and the
+    method the loader was given is the layer's."""
+    if plan is not None and layer.deferred_method == "smw" and plan["solver"] != "smw":
+        return None
+    return plan
+
+
 def _check_tensors(label: str, values: Mapping[str, Any]) -> None:
     """Raises ValueError unless every value is a finite tensor (a host sync per tensor)."""
     for key, value in values.items():
@@ -185,6 +195,7 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
         plan = entry.get("plan")
         if plan is not None:
             _check_plan(name, plan, shapes)
+        plan = _own_plan(layer, plan)
         _check_inverse(name, entry)
         deferrable = layer.solver.deferred or layer.decided is not None
         if plan is not None and plan["lowrank"] and not deferrable:
@@ -286,15 +297,15 @@ def check_state(
 
 def _check_planless_lowrank(where: str, kind: LowRankStatistic, got: tuple[int, ...]) -> None:
     """A saved value for a side this layer already decided low-rank, from an entry without
-    a plan: a ``U`` wider than the side's bound is a dense factor from another method (an
+    a plan this layer's method makes (:func:`_own_plan`): a ``U`` wider than the side's bound is a dense factor from another method (an
     entry of a decided low-rank side always carries its plan, and only then may ``U`` hold
     more columns than the bound, :func:`~dkfac.solvers.lowrank.factor.decay_concat`), which
     read as ``U`` would make the factor ``A Aᵀ``."""
     if got[1] > kind.max_rank:
         raise ValueError(
-            f"{where} has shape {got} and no plan, but this layer's side is low-rank (at most "
-            f"{kind.max_rank} columns): a dense factor of another method; load it before the "
-            "first step (the sides are then decided dense) or with that method"
+            f"{where} has shape {got}, a dense factor (no plan this method makes), but this "
+            f"layer's side is low-rank (at most {kind.max_rank} columns): load it before the "
+            "first step (the sides are then decided dense) or with the method that saved it"
         )
 
 
@@ -314,7 +325,7 @@ def load_layers_state(
     stale: list[str] = []
     for name, entry in saved.items():
         layer = layers[name]
-        plan = entry.get("plan")
+        plan = _own_plan(layer, entry.get("plan"))
         shapes = layer.statistic_shapes()
         values = {key: entry.get(key) for key in shapes}
         if plan is not None and (layer.solver.deferred or layer.decided is not None):

@@ -57,6 +57,9 @@ class LayerState:
             leave all of the capture work to the layer's owner).
         due: The statistics captured this step (set by the refresh policy before a step).
         decided: What a deferred solver decided (``None`` before, or without one).
+        deferred_method: The method of its deferred solver (``"smw"`` or ``"auto"``),
+            kept after the decision (which saved decisions it could have made); ``None``
+            without one.
         moments: A :attr:`~dkfac.solvers.base.Solver.stateful` solver's moments of the
             gradient, kept on every rank that preconditions the layer (identical copies);
             ``None`` before its first preconditioned step and elsewhere.
@@ -81,6 +84,7 @@ class LayerState:
     captures: bool = True
     due: frozenset[str] = frozenset()
     decided: dict[str, Any] | None = None
+    deferred_method: str | None = None
     moments: SolverState | None = None
     g_rows: slice | None = None
     input_rms: bool = False
@@ -107,6 +111,7 @@ class LayerState:
         self.moments = None
         shapes = self.block.statistic_shapes()
         if solver.deferred:
+            self.deferred_method = solver.name
             self.kinds = {}
             self.accumulators = {key: PendingSink(self, key) for key in shapes}
             return

@@ -294,7 +294,9 @@ class LowRankStatistic(StatisticKind):
         added more rows than the bound was made for: :func:`decay_concat`)."""
         if len(got) != 2 or got[0] != shape[0] or got[1] < 1:
             raise ValueError(
-                f"{where} is low-rank with shape {got}, expected ({shape[0]}, r) with r >= 1"
+                f"{where} has shape {got}, but this layer's side is low-rank: expected "
+                f"({shape[0]}, r) with r >= 1 (a value of another layout loads before the "
+                "first step, while the sides are undecided)"
             )
 
     def part(self, value: Tensor, shape: tuple[int, ...], rows: slice) -> LowRank:
