@@ -251,6 +251,19 @@ def test_saved_moments_that_no_run_makes_are_refused(key: str, value: float, mes
         pre.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("key", ["m", "v", "t"])
+def test_saved_moments_missing_one_the_solver_keeps_are_refused(key: str) -> None:
+    """Every check passed and the next step ended in ``KeyError``; nothing changes."""
+    _, opt = _trained(1)
+    saved = opt.preconditioner.state_dict()
+    entry = saved["layers"]["0"]
+    entry["moments"] = {k: v for k, v in entry["moments"].items() if k != key}
+    pre = KFACPreconditioner(make_model(), **OPTIONS)
+    with pytest.raises(ValueError, match=r"0: saved moments hold .* keeps \['m', 't', 'v'\]"):
+        pre.load_state_dict(saved)
+    assert all(layer.moments is None for layer in pre.layers.values())
+
+
 def test_an_entry_without_a_statistic_is_refused() -> None:
     """A statistic that was not saved is held as ``None``; a missing key is an edited or
     foreign entry, not silently a layer without statistics."""

@@ -230,6 +230,7 @@ def _check_entries(layers: Mapping[str, LayerState], saved: Mapping[str, Any]) -
                 _check_planless_lowrank(f"{name}: saved {key}", kind, tuple(value.shape))
             _check_tensors(f"{name}: saved", {key: value})
         _check_moments(name, layer, entry.get("moments"))
+        _check_moment_keys(name, layer, entry)
 
 
 def _check_moments(name: str, layer: LayerState, moments: Any) -> None:
@@ -254,6 +255,25 @@ def _check_moments(name: str, layer: LayerState, moments: Any) -> None:
     for key in ("v", "t"):
         if key in moments and bool((moments[key] < 0).any()):
             raise ValueError(f"{name}: saved moments {key!r} has negative entries")
+
+
+def _check_moment_keys(name: str, layer: LayerState, entry: Mapping[str, Any]) -> None:
+    """Raises ValueError unless saved moments that will be kept (a stateful solver's, with
+    the state of the solver that made them) hold exactly the moments that solver keeps:
+    one missing would be a KeyError at the next step."""
+    moments, inverse = entry.get("moments"), entry.get("inverse")
+    made_by = entry.get("inverse_solver", layer.solver.name)
+    if moments is None or inverse is None or not layer.solver.stateful:
+        return
+    if made_by != layer.solver.name:
+        return  # dropped at load (_loaded_moments)
+    zero = layer.solver.zero_moments_like(torch.zeros(1, 1))
+    wanted = set(zero or ())
+    if set(moments) != wanted:
+        raise ValueError(
+            f"{name}: saved moments hold {sorted(moments)}, but the {layer.solver.name} "
+            f"solver keeps {sorted(wanted)}"
+        )
 
 
 def check_state(
@@ -297,10 +317,11 @@ def check_state(
 
 def _check_planless_lowrank(where: str, kind: LowRankStatistic, got: tuple[int, ...]) -> None:
     """A saved value for a side this layer already decided low-rank, from an entry without
-    a plan this layer's method makes (:func:`_own_plan`): a ``U`` wider than the side's bound is a dense factor from another method (an
-    entry of a decided low-rank side always carries its plan, and only then may ``U`` hold
-    more columns than the bound, :func:`~dkfac.solvers.lowrank.factor.decay_concat`), which
-    read as ``U`` would make the factor ``A Aᵀ``."""
+    a plan this layer's method makes (:func:`_own_plan`): a ``U`` wider than the side's
+    bound is a dense factor from another method (an entry of a decided low-rank side always
+    carries its plan, and only then may ``U`` hold more columns than the bound,
+    :func:`~dkfac.solvers.lowrank.factor.decay_concat`), which read as ``U`` would make the
+    factor ``A Aᵀ``."""
     if got[1] > kind.max_rank:
         raise ValueError(
             f"{where} has shape {got}, a dense factor (no plan this method makes), but this "
