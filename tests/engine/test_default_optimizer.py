@@ -255,3 +255,57 @@ def test_backwards_that_leave_the_weights_gradients_alone_change_nothing(
         extra_run = train(extra)
     assert all(torch.equal(a, b) for a, b in zip(plain, extra_run, strict=True))
     assert not caplog.records
+
+
+def test_a_layer_without_a_basis_yet_takes_no_plain_gradient_step() -> None:
+    """The default's update replaces Adam's (the inner SGD steps what it is given): a layer
+    with no basis yet took its plain gradient at Adam's rate. Two such layers:
+    - a branch first used at step 3, which refreshes nothing: no step there (the gradient
+      was 200 times smaller than its next, preconditioned, step);
+    - inputs of 1e10, whose factors' squares overflow float32 (refused as non-finite): the
+      first layer's plain gradient moved its weights by about 1e6; now by nothing."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.stem, self.branch = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32)
+            self.head = torch.nn.Linear(32, 3)
+            self.use = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.stem(x))
+            return self.head(h + torch.tanh(self.branch(h)) if self.use else h)
+
+    model = Branchy()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(5):
+        x, y = (
+            torch.randn(64, 8, generator=generator),
+            torch.randint(0, 3, (64,), generator=generator),
+        )
+        model.use = step >= 3
+        before = model.branch.weight.detach().clone()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        moved = (model.branch.weight - before).abs().max().item()
+        if step == 3:
+            assert moved == 0.0
+        elif step == 4:
+            assert 1e-3 < moved < 0.05  # an lr-sized, preconditioned step
+    model = Branchy()
+    opt = KFACOptimizer.for_model(model, lr=0.003)
+    x, y = (
+        torch.randn(64, 8, generator=generator) * 1e10,
+        torch.randint(0, 3, (64,), generator=generator),
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.preconditioner.layers["stem"].solver_state is None  # its factors overflowed
+    assert (
+        max((p - b).abs().max().item() for p, b in zip(model.parameters(), before, strict=True))
+        < 0.05
+    )

@@ -57,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FACTORS_SKIPPED = "step %d: non-finite factors in %s; update skipped"
+FACTORS_SKIPPED = "step %d: non-finite factors in %s; their update skipped"
 """The guard's warning for a layer's non-finite statistics (step, layer)."""
 GRADIENT_ZEROED = "step %d: non-finite gradient in %s (NaN, Inf, or squares that overflow); zeroed"
 """The guard's warning for a layer's non-finite gradient (step, layer)."""
@@ -266,9 +266,12 @@ def precondition(
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Final gradient matrices (or receive buffers) and the layers ready to precondition.
 
-    A non-finite gradient is zeroed (with a warning) and the layer left out. A stateful
-    solver's moments advance only on a step whose gradients are finite in every layer
-    (the step :class:`~dkfac.optimizer.KFACOptimizer` skips leaves them as they were).
+    A non-finite gradient is zeroed (with a warning) and the layer left out. A layer whose
+    owner has no solver state yet (first used at a step that refreshes nothing, or its
+    factors were not finite) keeps its plain gradient, but a stateful solver's, whose
+    update replaces Adam's, gets none. A stateful solver's moments advance only on a step
+    whose gradients are finite in every layer (the step
+    :class:`~dkfac.optimizer.KFACOptimizer` skips leaves them as they were).
 
     Args:
         layers: The registered layers.
@@ -313,6 +316,12 @@ def precondition(
             ready.append(name)
         if name in partial:
             finals[name] = grad
+        elif layer.solver.stateful and name not in strategy.ready:
+            # Its update replaces Adam's: the plain gradient, unnormalised, would be an SGD
+            # step at Adam's rate (1.7e6 for a gradient of 1e8), so none until its owner
+            # has a state (on every rank alike).
+            finals[name] = torch.zeros_like(grad)
+            layer.block.set_weight_grad(finals[name])
         elif not strategy.preconditions(name):
             finals[name] = torch.empty_like(grad)
         elif is_ready and layer.solver_state is not None:
