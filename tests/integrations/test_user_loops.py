@@ -441,3 +441,34 @@ def test_a_second_backward_through_one_forward_is_named_once(
             opt.step()
     named = [r for r in caplog.records if "a second backward" in r.getMessage()]
     assert len(named) == (1 if loop == "two backwards" else 0), caplog.text
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Linear(64, 3),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_fn", "features"), [(_mlp, 5), (_conv_net, 16)], ids=["mlp", "conv"]
+)
+def test_an_empty_batch_adds_no_rows(model_fn: Callable[[], nn.Module], features: int) -> None:
+    """A batch of 0 samples (a sum-reduced loss: legal in torch, a step of nothing for
+    AdamW) at a step that captures factors: the factors are those of the step before (a
+    convolution's capture raised in ``backward()``), and the run goes on."""
+    model = model_fn()
+    pre = KFACPreconditioner(model, method="eigen", factor_decay=0.5, inverse_update_interval=1)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, features, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    for rows in (16, 0, 16):
+        model.zero_grad()
+        F.cross_entropy(model(x[:rows]), y[:rows], reduction="sum").backward()
+        before = {name: [t.clone() for t in pair] for name, pair in pre.factors().items()}
+        pre.step()
+        if rows == 0:
+            for name, pair in pre.factors().items():
+                for got, want in zip(pair, before[name], strict=True):
+                    assert torch.equal(got, want), name
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

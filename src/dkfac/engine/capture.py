@@ -285,6 +285,8 @@ class FactorCapture:
         if x is None or output is None or not output.requires_grad:
             return
         batch = layer.block.batch_size(x)
+        if batch == 0:
+            return  # an empty batch adds no rows (a convolution's would not even reshape)
         forward_pass = self._forward_pass()
         forward_pass.largest = max(forward_pass.largest, batch)
         # The G scale is that of the micro-batch's mean loss, whatever rows are kept: the
