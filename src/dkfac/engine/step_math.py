@@ -268,10 +268,10 @@ def precondition(
 
     A non-finite gradient is zeroed (with a warning) and the layer left out. A layer whose
     owner has no solver state yet (first used at a step that refreshes nothing, or its
-    factors were not finite) keeps its plain gradient, but a stateful solver's, whose
-    update replaces Adam's, gets none. A stateful solver's moments advance only on a step
-    whose gradients are finite in every layer (the step
-    :class:`~dkfac.optimizer.KFACOptimizer` skips leaves them as they were).
+    factors were not finite) keeps its plain gradient, but one whose solver's update has
+    Adam's scale (:attr:`~dkfac.solvers.base.Solver.adam_scaled`) gets none. A stateful
+    solver's moments advance only on a step whose gradients are finite in every layer (the
+    step :class:`~dkfac.optimizer.KFACOptimizer` skips leaves them as they were).
 
     Args:
         layers: The registered layers.
@@ -316,7 +316,7 @@ def precondition(
             ready.append(name)
         if name in partial:
             finals[name] = grad
-        elif layer.solver.stateful and name not in strategy.ready:
+        elif layer.solver.adam_scaled and name not in strategy.ready:
             # Its update replaces Adam's: the plain gradient, unnormalised, would be an SGD
             # step at Adam's rate (1.7e6 for a gradient of 1e8), so none until its owner
             # has a state (on every rank alike).
