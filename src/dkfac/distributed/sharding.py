@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dkfac.distributed.layout import ShardedLayout
@@ -51,8 +52,6 @@ def _placement_problem(name: str, param: Any) -> str | None:
 def _under_fully_shard(model: nn.Module, name: str) -> bool:
     """Whether a module holding parameter ``name`` of ``model`` (the model itself included)
     was given to ``fully_shard``: a plain parameter there is one of its ``ignored_params``."""
-    from torch.distributed.fsdp import FSDPModule
-
     parts = name.split(".")[:-1]
     modules = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
     return any(isinstance(module, FSDPModule) for module in modules)
