@@ -187,6 +187,8 @@ class FactorCapture:
         # one-sample forwards' output gradients, until the step's end says whether their
         # pass had a larger batch that a backward went through (:meth:`_broadcasts`)
         self._undecided: dict[str, list[tuple[_Forward, Tensor]]] = {}
+        # layers with a due forward of no rows this step -> its input's and output's dtypes
+        self._empty: dict[str, tuple[torch.dtype, torch.dtype]] = {}
         self.checking = False
         self.bias_sums: dict[str, Tensor] = {}
         self.rank_mean: Callable[[Tensor], Tensor] | None = None
@@ -254,6 +256,7 @@ class FactorCapture:
         self._broadcast.clear()
         self._weights.clear()  # a forward that stopped early (raised) left its weight
         self._undecided.clear()
+        self._empty.clear()
         self._groups.clear()
         self.bias_sums = {}
 
@@ -285,8 +288,9 @@ class FactorCapture:
         if x is None or output is None or not output.requires_grad:
             return
         batch = layer.block.batch_size(x)
-        if batch == 0:
-            return  # an empty batch adds no rows (a convolution's would not even reshape)
+        if batch == 0:  # no rows (a convolution's would not even reshape); see _zeros_for
+            self._empty[layer.name] = (x.dtype, output.dtype)
+            return
         forward_pass = self._forward_pass()
         forward_pass.largest = max(forward_pass.largest, batch)
         # The G scale is that of the micro-batch's mean loss, whatever rows are kept: the
@@ -508,7 +512,36 @@ class FactorCapture:
         """
         self.flush_groups()
         missing_g = self._finish_layer(layer)  # before the sums are taken
-        return layer.take_means(), missing_g
+        means = layer.take_means()
+        if means is None:
+            means = self._zeros_for(layer)
+        return means, missing_g
+
+    def _zeros_for(self, layer: LayerState) -> dict[str, Tensor] | None:
+        """Zero statistics for a layer whose due forwards this step had no rows, where the
+        ranks average their statistics (:attr:`rank_mean`); ``None`` elsewhere.
+
+        DDP's convention: a rank with an empty batch takes part in the average with its zero
+        gradient, so it takes part in the statistics' average with zeros, and every rank
+        then sends the same collectives. In one process (or under ``dp``, statistics kept
+        per rank) an empty batch adds nothing: the step leaves the factors as they are. A
+        low-rank side's ``U`` has a column a row, so it has no zero of a fixed shape, and a
+        deferred solver's sides are decided by the rows (rows that differ across ranks are
+        not supported there).
+        """
+        dtypes = self._empty.get(layer.name)
+        if self.rank_mean is None or dtypes is None or layer.gathered():
+            return None
+        if any(key not in layer.kinds for key in layer.due):
+            return None  # a deferred solver's sides, decided by rows: none came
+        device = layer.block.parameters()[0].device
+        shapes = layer.stored_shapes()
+        zeros = {}
+        for key, acc in layer.accumulators.items():
+            if key in layer.due:  # kept as the rows come, unless the accumulator says
+                rows_dtype = dtypes[1] if key in layer.block.grad_statistics else dtypes[0]
+                zeros[key] = torch.zeros(shapes[key], dtype=acc.dtype or rows_dtype, device=device)
+        return zeros or None
 
     def _finish_layer(self, layer: LayerState) -> bool:
         """Adds a broadcast layer's G; whether the layer lacks a due gradient statistic
@@ -589,6 +622,11 @@ class FactorCapture:
         for layer in layers.values():
             missing_g = self._finish_layer(layer) or missing_g
         new = take_means_all(layers)
+        if self._empty.keys() - new.keys():  # in the layers' order, as the ranks send them
+            for name in self._empty.keys() - new.keys():
+                if (zeros := self._zeros_for(layers[name])) is not None:
+                    new[name] = zeros
+            new = {name: new[name] for name in layers if name in new}
         self.scale_grad_statistics(layers, new, g_scale)
         self.check_mc(missing_g)
         return new
