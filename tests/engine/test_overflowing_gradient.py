@@ -108,3 +108,47 @@ def test_the_check_refuses_squares_past_the_dtype_s_range(dtype: torch.dtype) ->
         broken = fits.clone()
         broken[1] = bad
         assert not bool(all_finite(broken))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_statistic_s_check_takes_squares_that_overflow(fused: bool) -> None:
+    """``squares=False`` (factors, solver states): a tensor of entries 1e20, whose squares
+    overflow float32, is finite; NaN and ±Inf are not, nor a sum past float32's range."""
+    big = torch.full((4, 4), 1e20)
+    assert finite_each([big], big.device, fused=fused).tolist() == [False]
+    assert finite_each([big], big.device, fused=fused, squares=False).tolist() == [True]
+    past = torch.full((4,), torch.finfo(torch.float32).max / 2)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = big.clone()
+        broken[1, 2] = bad
+        flags = finite_each([big, broken, past], big.device, fused=fused, squares=False)
+        assert flags.tolist() == [True, False, False]
+
+
+def test_inputs_whose_factors_square_past_float32_train() -> None:
+    """Raw features near 1e10 (a Unix time is 1.7e9): the factors' entries (1e20) are
+    finite but their squares are not. Refused as non-finite, no layer got a basis and the
+    default did not train at all (AdamW does). Oracle: every layer has a basis after the
+    first step, no step is skipped, and 8 steps halve the loss (AdamW's: to 0.34 of it;
+    the default's to 0.53, its folded biases lost below float32's precision beside the
+    inputs' 1e20 in A's eigenbasis)."""
+    generator = torch.Generator().manual_seed(123)
+    x = torch.randn(256, 16, generator=generator)
+    y = (x @ torch.randn(16, 4, generator=generator)).argmax(1)
+    x = x * 1e10
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = KFACOptimizer.for_model(model, lr=3e-3)
+    with torch.no_grad():
+        first = float(F.cross_entropy(model(x), y))
+    for step in range(8):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == 0:
+            assert all(
+                layer.solver_state is not None for layer in opt.preconditioner.layers.values()
+            )
+    assert opt.skipped_steps == 0
+    with torch.no_grad():
+        assert float(F.cross_entropy(model(x), y)) < 0.6 * first

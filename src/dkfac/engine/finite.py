@@ -16,6 +16,13 @@ bound by kernel launches, it takes the 2-norms of all of them in one multi-tenso
 instead (``torch._foreach_norm``: a few launches for any number of tensors, in float32 at
 least, overflowing as the squares do); on a CPU that call is one pass per tensor and slower
 than the dots, so the dots stay there.
+
+A statistic (a factor, a solver's state) feeds no second moment: its test
+(``squares=False``) is that the plain sum is finite (the 1-norm on the fused path), which any
+NaN or Inf still fails, and which holds for a factor of entries up to float32's largest over
+its size. Its squares would overflow already for inputs near 10¹⁰ (a raw Unix time: 1.7·10⁹,
+a factor entry 3·10¹⁸, the squares' sum past 3.4·10³⁸ at 16 features), where its
+eigendecomposition and the update it gives are finite (tested: such inputs train).
 """
 
 from __future__ import annotations
@@ -42,30 +49,35 @@ def all_finite(tensor: Tensor) -> Tensor:
     return torch.isfinite(_total(tensor))
 
 
-def _total(tensor: Tensor) -> Tensor:
+def _total(tensor: Tensor, squares: bool = True) -> Tensor:
     """The sum of a floating tensor's squares, accumulated in float32 at least; a float16
-    tensor's plain sum in float32 (see the module notes). A sparse tensor (the gradient of
-    ``nn.Embedding(sparse=True)``) is tested on its summed values."""
+    tensor's plain sum in float32, and any tensor's without ``squares`` (see the module
+    notes). A sparse tensor (the gradient of ``nn.Embedding(sparse=True)``) is tested on its
+    summed values."""
     if tensor.is_sparse:
         tensor = tensor.coalesce().values()
-    if tensor.dtype == torch.float16:
-        return tensor.sum(dtype=torch.float32)
+    if not squares or tensor.dtype == torch.float16:
+        return tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))
     flat = tensor.reshape(-1)
     return torch.dot(flat, flat)
 
 
-def _real_total(tensor: Tensor) -> Tensor:
+def _real_total(tensor: Tensor, squares: bool) -> Tensor:
     """A real 0-d tensor that is finite exactly when :func:`all_finite` says so."""
     if tensor.is_complex():
         total = tensor.sum()  # a NaN or Inf in either part stays non-finite
         return total.real + total.imag
     if not tensor.is_floating_point():
         return torch.zeros((), dtype=torch.float64, device=tensor.device)
-    return _total(tensor)
+    return _total(tensor, squares)
 
 
 def finite_each(
-    tensors: Sequence[Tensor], device: torch.device, fused: bool | None = None
+    tensors: Sequence[Tensor],
+    device: torch.device,
+    fused: bool | None = None,
+    *,
+    squares: bool = True,
 ) -> Tensor:
     """A bool vector on ``device``: entry ``i`` says whether ``tensors[i]`` is finite (the
     test of :func:`all_finite`, the dots stacked and tested at once).
@@ -76,6 +88,8 @@ def finite_each(
         fused: Take the 2-norms in one multi-tensor call (module notes); ``None`` (the
             default): on a launch-bound ``device`` (:mod:`~dkfac.engine.launches`) when
             every tensor is a dense float32, float16 or bfloat16 one there.
+        squares: Also refuse a tensor whose squares' sum overflows (a gradient);
+            ``False``: a statistic's test, its plain sum (module notes).
 
     Raises:
         ValueError: For no tensors, or ``fused`` with a tensor of another dtype than
@@ -92,9 +106,9 @@ def finite_each(
             t.device == device and t.dtype in _FUSED_DTYPES and not t.is_sparse for t in tensors
         )
     if fused:
-        norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+        norms = torch._foreach_norm(list(tensors), 2 if squares else 1, dtype=torch.float32)
         return torch.isfinite(torch.stack(norms)).to(device)
-    totals = [_real_total(t) for t in tensors]
+    totals = [_real_total(t, squares) for t in tensors]
     if any(t.dtype != totals[0].dtype or t.device != device for t in totals):
         totals = [t.to(device, torch.float64) for t in totals]
     return torch.isfinite(torch.stack(totals))

@@ -97,7 +97,7 @@ def hold_states(
             for k in new
         ):
             matched.append((name, list(new)))
-        elif not bool(finite_each(list(new.values()), _device(layers[name])).all()):
+        elif not bool(finite_each(list(new.values()), _device(layers[name]), squares=False).all()):
             logger.warning(STATE_KEPT, step, name)
             layers[name].solver_state = old
     if not matched:
@@ -110,7 +110,7 @@ def hold_states(
         tensors += [new[k] for k in keys]
         olds += [old[k] for k in keys]
         owners += [i] * len(keys)
-    bad = (~finite_each(tensors, device)).long()
+    bad = (~finite_each(tensors, device, squares=False)).long()
     failed = torch.zeros(len(matched), dtype=torch.int64, device=device)
     failed.index_add_(0, launches.device_constant(tuple(owners), device), bad)
     ok = failed == 0

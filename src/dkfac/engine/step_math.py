@@ -100,20 +100,26 @@ def finite_masks(
     synchronisation; one tiny all-reduce with several ranks)."""
     names = list(layers)
     device = layers[names[0]].block.parameters()[0].device
-    tensors: list[Tensor] = []
+    statistics: list[Tensor] = []
+    gradients: list[Tensor] = []
     owners: list[int] = []  # 2·layer for a statistic, 2·layer + 1 for the gradient
     for i, name in enumerate(names):
         for tensor in new.get(name, {}).values():
-            tensors.append(tensor)
+            statistics.append(tensor)
             owners.append(2 * i)
+    for i, name in enumerate(names):
         grad = grads[name]
         if grad is not None:
-            tensors.append(grad)
+            gradients.append(grad)
             owners.append(2 * i + 1)
     failed = torch.zeros(2 * len(names), dtype=torch.int64, device=device)
-    if tensors:  # a check fails where any of its tensors is not finite
-        bad = (~finite_each(tensors, device)).long()
-        failed.index_add_(0, launches.device_constant(tuple(owners), device), bad)
+    # a check fails where any of its tensors is not finite; a statistic's squares may
+    # overflow where it does not (dkfac.engine.finite)
+    bad = [~finite_each(statistics, device, squares=False)] if statistics else []
+    if gradients:
+        bad.append(~finite_each(gradients, device))
+    if bad:
+        failed.index_add_(0, launches.device_constant(tuple(owners), device), torch.cat(bad).long())
     return strategy.agree(failed == 0)
 
 
