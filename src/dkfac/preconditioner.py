@@ -661,7 +661,7 @@ class KFACPreconditioner:
         if saved.choice is not None:  # the run's chosen intervals, before its refresh state
             assert self.budget is not None
             self.budget.remove()
-            self.budget.choice = saved.choice
+            self.budget.adopt(saved.choice)
             self._spend_budget()
         stale = restore_entries(
             state,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -287,3 +288,34 @@ def test_a_loaded_choice_leaves_a_basis_max_dim_the_user_set() -> None:
             restored.step()
         assert pre.layers["0"].kinds["A"].label == kind
         assert all(torch.isfinite(p).all() for p in clone.parameters())
+
+
+def test_a_choice_loaded_under_another_overhead_is_kept_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A checkpoint's choice, made for overhead=0.02, loaded into a preconditioner built
+    with overhead=5.0: the resumed run keeps the saved intervals (a state holds the run's
+    position), and a warning says that the loader's budget does not apply. Under the same
+    overhead nothing is said."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 60, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (16,), generator=gen)
+    model = _wide_input_mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01, overhead=0.02)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    saved = opt.preconditioner.budget
+    assert saved is not None and saved.choice is not None
+    state = opt.state_dict()
+    for overhead, warned in ((5.0, True), (0.02, False)):
+        restored = KFACOptimizer.for_model(_wide_input_mlp(), lr=0.01, overhead=overhead)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dkfac"):
+            restored.load_state_dict(state)
+        budget = restored.preconditioner.budget
+        assert budget is not None and budget.choice == saved.choice
+        assert restored.preconditioner.config.factor_update_interval == (
+            opt.preconditioner.config.factor_update_interval
+        )
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("made for overhead=0.02" in m and "overhead=5" in m for m in messages) == warned

@@ -211,6 +211,20 @@ class OverheadBudget:
         logger.info("overhead budget: %s", self.choice.reason)
         return self.choice
 
+    def adopt(self, choice: Choice) -> None:
+        """Takes a loaded checkpoint's choice as this budget's (the resumed run keeps its
+        intervals); says so where it was made under another budget than this one's, which
+        then does not apply."""
+        if choice.budget != self.budget:
+            logger.warning(
+                "the loaded state's overhead choice (made for overhead=%g: %s) replaces this "
+                "preconditioner's overhead=%g (options given explicitly are kept as given)",
+                choice.budget,
+                choice.reason,
+                self.budget,
+            )
+        self.choice = choice
+
     def _priced(self) -> dict[str, Any]:
         """The options the user set as the cost model prices them: an interval given as a
         schedule (a callable of the step) at its value at step 0, which it keeps as given."""
