@@ -319,3 +319,35 @@ def test_a_choice_loaded_under_another_overhead_is_kept_and_named(
         )
         messages = [r.getMessage() for r in caplog.records]
         assert any("made for overhead=0.02" in m and "overhead=5" in m for m in messages) == warned
+
+
+def test_a_loaded_choice_refreshes_early_at_the_loader_s_factor_interval() -> None:
+    """The budget's extra refresh comes at the first factor capture after the first step's.
+    A choice saved with factors every 8 steps (bases every 50, and at step 8), loaded into
+    a preconditioner given ``factor_update_interval=3``: the extra refresh is at step 3, as
+    it is where that option is given from the start, not at 8, a step with no capture."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 20, generator=gen), torch.randint(0, 3, (256,), generator=gen)
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
+
+    model = mlp()
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    saved = opt.preconditioner.config
+    assert (saved.factor_update_interval, str(saved.inverse_update_interval)) == (
+        8,
+        "50 (and at step 8)",
+    )
+    fresh_model = mlp()
+    fresh = KFACOptimizer.for_model(fresh_model, lr=0.01, factor_update_interval=3)
+    F.cross_entropy(fresh_model(x), y).backward()
+    fresh.step()
+    loaded = KFACOptimizer.for_model(mlp(), lr=0.01, factor_update_interval=3)
+    loaded.load_state_dict(opt.state_dict())
+    for config in (fresh.preconditioner.config, loaded.preconditioner.config):
+        assert config.factor_update_interval == 3
+        assert str(config.inverse_update_interval) == "50 (and at step 3)"

@@ -257,11 +257,14 @@ class OverheadBudget:
         """The chosen values of the options the user did not set (of ``choice``, or this
         budget's own choice); a basis interval longer than the factor interval with one
         more refresh at the first factor capture after the first step's
-        (:class:`~dkfac.config.schedules.EarlyRefresh`)."""
+        (:class:`~dkfac.config.schedules.EarlyRefresh`: at the factor interval the user set,
+        where set, e.g. for a loaded choice made under another)."""
         choice = choice or self.choice
         if choice is None:
             return {}
         factors, bases = choice.factor_update_interval, choice.inverse_update_interval
+        if (given := self.explicit.get("factor_update_interval")) is not None:
+            factors = int(resolve("factor_update_interval", given, 0) or factors)
         chosen: dict[str, Any] = {
             "factor_batch_size": choice.factor_batch_size,
             "factor_update_interval": factors,
