@@ -23,7 +23,12 @@ from dkfac.engine.fisher import REENTRANT_CHECKPOINT, mc_sample_loss, through_re
 from dkfac.engine.input_rms import add_input_square
 from dkfac.engine.layer_state import LayerState, take_means_all
 from dkfac.engine.micro_batches import BackwardCounter, computes_gradient, gradient_accumulator
-from dkfac.engine.model_hooks import ModelHook, outside_autocast, runs_as_the_model
+from dkfac.engine.model_hooks import (
+    ModelHook,
+    PositionalInput,
+    outside_autocast,
+    runs_as_the_model,
+)
 from dkfac.engine.phases import phase
 
 logger = logging.getLogger(__name__)
@@ -221,6 +226,10 @@ class FactorCapture:
                 self._weights[id(layer)] = current[0]  # read by the forward hook
 
         ran_with = ModelHook(ran_with_hook)
+        # first of all: the input given by keyword passed positionally, for every hook
+        self._handles.append(
+            module.register_forward_pre_hook(PositionalInput(), prepend=True, with_kwargs=True)
+        )
         self._handles.append(module.register_forward_pre_hook(ran_with))
         hook = ModelHook(functools.partial(self._forward_hook, layer, registered))
         self._handles.append(module.register_forward_hook(hook))

@@ -27,6 +27,7 @@ dtypes they choose, as in a backward and a step outside the region.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,6 +100,52 @@ class ModelHook:
 
     def __reduce__(self) -> tuple[type[ModelHook], tuple[None]]:
         return ModelHook, (None,)
+
+
+class PositionalInput:
+    """A forward pre-hook (``with_kwargs=True``) that passes a layer's input positionally
+    where the call gave it by keyword (``layer(input=x)``), the same binding of the same
+    forward: the hooks that read a layer's input (a forward hook sees the positional
+    arguments only) then see it. Registered first on every hooked layer; a copy of the
+    model gets an inert one (the module notes), which leaves every call as it is.
+
+    Args:
+        active: ``False`` for the inert copy.
+    """
+
+    __slots__ = ("active",)
+
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+
+    def __call__(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self.active or args or not kwargs:
+            return None
+        name = _first_parameter(module)
+        if name is None or name not in kwargs:
+            return None
+        rest = dict(kwargs)
+        return (rest.pop(name),), rest
+
+    __call__ = compiler_disabled(__call__)
+
+    def __reduce__(self) -> tuple[type[PositionalInput], tuple[bool]]:
+        return PositionalInput, (False,)
+
+
+def _first_parameter(module: torch.nn.Module) -> str | None:
+    """The name of the first parameter of ``module``'s forward where it may be given
+    positionally (``input`` for ``nn.Linear``); ``None`` where there is none."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not parameters or parameters[0].kind not in positional:
+        return None
+    return parameters[0].name
 
 
 def runs_as_the_model(registered: Sequence[Tensor], current: Sequence[Tensor]) -> bool:

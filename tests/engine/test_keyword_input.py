@@ -1,0 +1,64 @@
+"""Layers called with their input by keyword (``layer(input=x)``) are captured as when it is
+positional: a forward hook sees positional arguments only, so such a layer had no factors
+and, under ``for_model``, its weights never moved, silently. Oracle: the same model calling
+its layers positionally; both runs equal bit for bit. A copy of the model (its hooks inert)
+still runs keyword calls."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac import KFACOptimizer
+
+
+class _Net(nn.Module):
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.keyword = keyword
+        self.embed = nn.Embedding(10, 4)
+        self.conv = nn.Conv1d(4, 6, 3, padding=1)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.keyword:
+            h = self.embed(input=ids).transpose(1, 2)
+            h = torch.tanh(self.conv(input=h)).transpose(1, 2)
+            h = h + self.attn(query=h, key=h, value=h, need_weights=False)[0]
+            return self.head(input=h.mean(1))
+        h = self.embed(ids).transpose(1, 2)
+        h = torch.tanh(self.conv(h)).transpose(1, 2)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(h.mean(1))
+
+
+def _train(keyword: bool) -> tuple[nn.Module, KFACOptimizer]:
+    model = _Net(keyword)
+    opt = KFACOptimizer.for_model(model, lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids, y = (
+            torch.randint(0, 10, (16, 5), generator=gen),
+            torch.randint(0, 3, (16,), generator=gen),
+        )
+        opt.zero_grad()
+        F.cross_entropy(model(ids), y).backward()
+        opt.step()
+    return model, opt
+
+
+def test_a_layer_called_by_keyword_is_captured_as_a_positional_one() -> None:
+    (by_keyword, opt), (positional, _) = _train(True), _train(False)
+    layers = opt.preconditioner.layers
+    assert {"embed", "conv", "head"} <= set(layers)
+    assert all(layer.complete for layer in layers.values())  # every layer has its factors
+    for mine, theirs in zip(by_keyword.parameters(), positional.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    twin = copy.deepcopy(by_keyword)  # the copy's hooks are inert: the call is left as it is
+    ids = torch.randint(0, 10, (2, 5))
+    torch.testing.assert_close(twin(ids), by_keyword(ids))
