@@ -159,6 +159,31 @@ def test_a_subclass_with_its_own_forward_is_declined_and_one_without_is_not() ->
     assert rows["positions.weight"]["method"] == "adam"
 
 
+def test_scale_grad_by_freq_is_declined_and_trains_under_adam() -> None:
+    """torch divides each row's gradient by its token's count in the batch, and K-FAC's
+    ``A⁻¹`` (the counts' diagonal) would divide it again: the layer is declined, named in
+    ``describe()``, and under ``for_model`` it takes the leftover Adam's step. Oracle: the
+    same model with that layer skipped by name; equal weights after 3 steps."""
+    runs = []
+    for skip in ((), ("emb",)):
+        torch.manual_seed(0)
+        model = _SparseModel(False).to(DT)
+        model.emb.scale_grad_by_freq = True
+        opt = KFACOptimizer.for_model(model, lr=0.01, skip_layers=skip)
+        assert "emb" not in opt.preconditioner.layers
+        if not skip:
+            rows = {r["name"]: r for r in opt.preconditioner.describe()}
+            assert "scale_grad_by_freq" in rows["emb.weight"]["reason"]
+        for step in range(3):
+            ids = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            _loss(model, ids).backward()
+            opt.step()
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("padding_idx", [0, 5, -1])
 def test_the_padding_vector_stays_under_the_default(padding_idx: int) -> None:
     """``for_model``'s moments in the eigenbasis: the basis of ``A``'s null space mixes the

@@ -51,13 +51,20 @@ class EmbeddingBlock(Block):
 
     @classmethod
     def declines(cls, module: nn.Module, **options: Any) -> str | None:
-        """Sparse embedding gradients are not supported, nor a subclass with its own
-        ``forward``: the hooks see that forward's input, which need not be the ids it looks
-        up (BART's and OPT's learned positions are read from the token ids or the
-        attention mask, plus an offset), so ``A`` would count the wrong rows."""
+        """Sparse embedding gradients are not supported, nor ``scale_grad_by_freq`` (torch
+        divides each row's gradient by its token's count in the batch, and ``A⁻¹``, the
+        counts' diagonal, divides it again), nor a subclass with its own ``forward``: the
+        hooks see that forward's input, which need not be the ids it looks up (BART's and
+        OPT's learned positions are read from the token ids or the attention mask, plus an
+        offset), so ``A`` would count the wrong rows."""
         del options
         if module.sparse:
             return "sparse embedding gradients are not supported"
+        if module.scale_grad_by_freq:
+            return (
+                "scale_grad_by_freq divides the gradient by the token counts that K-FAC's A "
+                "divides it by again"
+            )
         if type(module).forward is not nn.Embedding.forward:
             return (
                 f"{type(module).__name__} overrides nn.Embedding.forward: the rows it looks "
