@@ -141,3 +141,81 @@ def test_expert_without_rows_on_one_rank() -> None:
         torch.testing.assert_close(result["expert"][1], 0.5 * g, rtol=1e-10, atol=1e-12)
     for p0, p1 in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(p0, p1)
+
+
+class _Positions(nn.Module):
+    """Token and position tables, the positions looked up unbatched (``arange(T)``, added
+    to every sample by broadcasting, as nanoGPT does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos = nn.Embedding(11, 6), nn.Embedding(5, 6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        return self.head(torch.tanh(h).mean(1))
+
+
+def _positions_batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return torch.randint(0, 11, (rows, 5), generator=gen), torch.randint(0, 4, (rows,))
+
+
+def _positions_main(rank: int, world: int, overlap: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(_Positions().to(DT))
+    opt = _optimizer(model, overlap_comm=overlap)
+    x, y = _positions_batch(0 if rank == 0 else 6)
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    opt.step()
+    a, g = opt.preconditioner.factors()["pos"]
+    return {"pos": (a.clone(), g.clone()), "params": list(model.parameters())}
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_an_empty_rank_with_a_broadcast_position_table(overlap: str) -> None:
+    """The empty rank's position lookup is broadcast as on the rank with rows: its G comes
+    at the step's end on both (it came from the backward on the empty rank, whose blocking
+    average over the ranks then met DDP's collectives: gloo aborted). Its G's rows are the
+    batch's mean gradient, averaged over the ranks before their products: a quarter of
+    rank 1's own (half its mean gradient, squared); its A is rank 1's."""
+    results = run_distributed(_positions_main, 2, overlap, timeout=120)
+    serial_model = _Positions().to(DT)
+    serial = _optimizer(serial_model)
+    x, y = _positions_batch(6)
+    nn.functional.cross_entropy(serial_model(x), y, reduction="sum").backward()
+    serial.step()
+    a, g = serial.preconditioner.factors()["pos"]
+    for result in results:
+        torch.testing.assert_close(result["pos"][0], a, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(result["pos"][1], 0.25 * g, rtol=1e-10, atol=1e-12)
+    for p0, p1 in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(p0, p1)
+
+
+def _everywhere_main(rank: int, world: int, overlap: str) -> list[torch.Tensor]:
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(_model())
+    opt = _optimizer(model, overlap_comm=overlap)
+    _step(model, opt, 0, seed=1)  # no rank has a row
+    _step(model, opt, 6, seed=2)  # the same rows on both ranks
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_a_step_without_rows_on_any_rank_is_skipped_as_in_one_process(overlap: str) -> None:
+    """Every rank empty at the first capture step: the layers' statistics are zeros alone,
+    which are no factors (a first value of zeros left them 1/20 of their scale after the
+    next step, and the weights 4.7 from the serial run's under plain K-FAC). They are
+    skipped on every rank, as one process skips the step: with the same rows on both ranks
+    at the next step, the run equals the serial one."""
+    results = run_distributed(_everywhere_main, 2, overlap, timeout=120)
+    serial_model = _model()
+    serial = _optimizer(serial_model)
+    _step(serial_model, serial, 0, seed=1)
+    _step(serial_model, serial, 6, seed=2)
+    for result in results:
+        for mine, theirs in zip(result, serial_model.parameters(), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)

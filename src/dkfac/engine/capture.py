@@ -43,10 +43,14 @@ class _ForwardPass:
         largest: The largest batch among them.
         backpropagated: The largest batch among those a backward went through (a forward
             never backpropagated, a metric's with gradients on, counts for nothing).
+        empty: Whether a captured layer's forward in it had an empty batch (0 samples): its
+            one-sample forwards are then broadcast ones, as on the ranks whose batches
+            have rows (their G comes at the step's end on every rank alike).
     """
 
     largest: int = 0
     backpropagated: int = 0
+    empty: bool = False
 
 
 @dataclass
@@ -194,6 +198,8 @@ class FactorCapture:
         self._undecided: dict[str, list[tuple[_Forward, Tensor]]] = {}
         # layers with a due forward of no rows this step -> its input's and output's dtypes
         self._empty: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+        # the layers whose statistics this step are those zeros (:meth:`_zeros_for`)
+        self.zero_filled: set[str] = set()
         self.checking = False
         self.bias_sums: dict[str, Tensor] = {}
         self.rank_mean: Callable[[Tensor], Tensor] | None = None
@@ -266,6 +272,7 @@ class FactorCapture:
         self._weights.clear()  # a forward that stopped early (raised) left its weight
         self._undecided.clear()
         self._empty.clear()
+        self.zero_filled = set()
         self._groups.clear()
         self.bias_sums = {}
 
@@ -299,6 +306,7 @@ class FactorCapture:
         batch = layer.block.batch_size(x)
         if batch == 0:  # no rows (a convolution's would not even reshape); see _zeros_for
             self._empty[layer.name] = (x.dtype, output.dtype)
+            self._forward_pass().empty = True
             return
         forward_pass = self._forward_pass()
         forward_pass.largest = max(forward_pass.largest, batch)
@@ -434,8 +442,11 @@ class FactorCapture:
         """A one-sample input in a forward pass whose other inputs have more (see the class
         notes): a candidate when its gradient arrives; a broadcast layer at the step's end if
         a larger input of its pass was backpropagated too (:meth:`_flush_broadcast`)."""
+        forward_pass = pending.forward_pass
         return (
-            self.config.fisher == "empirical" and pending.batch == 1 < pending.forward_pass.largest
+            self.config.fisher == "empirical"
+            and pending.batch == 1
+            and (forward_pass.largest > 1 or forward_pass.empty)
         )
 
     def _add_broadcast(self, layer: LayerState, pending: _Forward, grad: Tensor) -> None:
@@ -470,7 +481,7 @@ class FactorCapture:
         """
         with torch.no_grad():  # a context may hold an input that is not detached
             for pending, grad in self._undecided.pop(layer.name, []):
-                if pending.forward_pass.backpropagated > 1:
+                if pending.forward_pass.backpropagated > 1 or pending.forward_pass.empty:
                     self._add_broadcast(layer, pending, grad)
                 else:
                     self._capture_g(layer, pending, grad)
@@ -524,6 +535,8 @@ class FactorCapture:
         means = layer.take_means()
         if means is None:
             means = self._zeros_for(layer)
+            if means is not None:
+                self.zero_filled.add(layer.name)
         return means, missing_g
 
     def _zeros_for(self, layer: LayerState) -> dict[str, Tensor] | None:
@@ -635,6 +648,7 @@ class FactorCapture:
             for name in self._empty.keys() - new.keys():
                 if (zeros := self._zeros_for(layers[name])) is not None:
                     new[name] = zeros
+                    self.zero_filled.add(name)
             new = {name: new[name] for name in layers if name in new}
         self.scale_grad_statistics(layers, new, g_scale)
         self.check_mc(missing_g)

@@ -8,13 +8,18 @@ small all-reduce settles it before any reduction:
 * a statistic is reduced only if every rank that captures it this step has it; otherwise it
   is skipped on every rank for this step (logged), like a factor update that never happened;
 * a gradient (of a K-FAC layer or of any other parameter) that exists on some rank exists on
-  every rank: the others contribute zeros, which is what the averaged gradient needs.
+  every rank: the others contribute zeros, which is what the averaged gradient needs;
+* a layer that got no rows on a rank (an empty batch, an expert no token was routed to)
+  takes part with zero statistics (:meth:`~dkfac.engine.capture.FactorCapture.take_layer`);
+  where it got none on every rank, its statistics are skipped everywhere, as one process
+  skips a step without rows.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import Tensor
@@ -33,6 +38,7 @@ def agree_presence(
     other_params: Sequence[Tensor],
     *,
     statistics: bool = True,
+    empty: AbstractSet[str] = frozenset(),
 ) -> set[str]:
     """Makes ``stats``, ``grads`` and the other parameters' ``.grad`` agree across ranks.
 
@@ -46,6 +52,8 @@ def agree_presence(
             elsewhere becomes zeros.
         statistics: ``False``: agree on the gradients only (the statistics were already
             launched by the overlapped path, :mod:`dkfac.engine.eager`).
+        empty: The layers whose statistics in ``stats`` are the zeros of no rows on this
+            rank; skipped where every rank has them so.
 
     Returns:
         The layers with a due statistic that no rank or not every capturing rank has, the
@@ -54,24 +62,33 @@ def agree_presence(
     if not comm.active:
         return uncaptured(layers, stats) if statistics else set()
     all_keys = [(n, k) for n, layer in layers.items() for k in sorted(layer.due) if statistics]
-    # A rank that does not capture a layer votes True for its statistics; "absent" flags
-    # of gradients are AND-ed, so False means the gradient exists on some rank.
+    # A rank that does not capture a layer votes True for its statistics; "absent" and
+    # "empty" flags are AND-ed too, so False means the gradient exists on some rank, and
+    # True that no rank had a row of the layer.
     stat_flags = [not layers[n].captures or k in stats.get(n, {}) for n, k in all_keys]
+    empty_flags = [n in empty for n, _ in all_keys]
     grad_absent = [grads[name] is None for name in layers]
     other_absent = [p.grad is None for p in other_params]
     device = layers_device(layers)
-    local = torch.tensor(stat_flags + grad_absent + other_absent, dtype=torch.bool, device=device)
+    flags = stat_flags + empty_flags + grad_absent + other_absent
+    local = torch.tensor(flags, dtype=torch.bool, device=device)
     agreed = comm.all_true(local).tolist()
+    present = agreed[: len(all_keys)]
+    nowhere = agreed[len(all_keys) : 2 * len(all_keys)]  # no rows on any rank
     skipped = set()
-    for (name, key), ok in zip(all_keys, agreed[: len(all_keys)], strict=True):
-        if not ok:
-            skipped.add(name)
-        if not ok and key in stats.get(name, {}):
-            logger.warning("%s/%s missing on some rank this step; its update is skipped", name, key)
+    for (name, key), ok, no_rows in zip(all_keys, present, nowhere, strict=True):
+        if ok and not no_rows:
+            continue
+        skipped.add(name)
+        if key in stats.get(name, {}):
+            if not no_rows:  # (a step without rows anywhere is skipped as in one process)
+                logger.warning(
+                    "%s/%s missing on some rank this step; its update is skipped", name, key
+                )
             del stats[name][key]
             if not stats[name]:
                 del stats[name]
-    offset = len(all_keys)
+    offset = 2 * len(all_keys)
     for i, name in enumerate(layers):
         if grads[name] is None and not agreed[offset + i]:
             block = layers[name].block

@@ -161,15 +161,35 @@ def reduce_statistics(
         skipped = set(parts.eager.held)
     else:
         new = capture.collect(layers, 1.0) if capturing else {}
-        skipped = agree_presence(parts.comm, layers, new, grads, other_params)
+        skipped = agree_presence(
+            parts.comm, layers, new, grads, other_params, empty=capture.zero_filled
+        )
         present = {name: g for name, g in grads.items() if g is not None}
         others = [p.grad for p in other_params if p.grad is not None]
         gathered = {n: x.gathered() for n, x in layers.items() if x.gathered()}
         handle = parts.strategy.reduce_step(new, gathered, present, others)
     handle.wait()
+    if parts.eager is not None:
+        skipped |= _rowless_everywhere(parts, new)
     if new:
         capture.scale_grad_statistics(layers, new, g_scale(capture, fisher, grad_scaler))
     return new, skipped
+
+
+def _rowless_everywhere(parts: StepParts, new: dict[str, dict[str, Tensor]]) -> set[str]:
+    """On the overlapped path, the layers no rank gave a row (their statistics averaged from
+    zeros alone), removed from ``new``: skipped as one process skips a step without rows
+    (the presence agreement finds them after the backward). Only a rank that sent zeros for
+    a layer reads whether its average is zero (a host read, rare); every rank that did gets
+    the same average under an all-reduce. Under a reduction to the owners the others get
+    none, so there the zeros stay averaged in (the factors decay by ``factor_decay``)."""
+    filled = parts.capture.zero_filled & new.keys()
+    if not filled or parts.strategy.factor_reduction != "all_reduce":
+        return set()
+    rowless = {name for name in filled if not any(bool(t.any()) for t in new[name].values())}
+    for name in rowless:
+        del new[name]
+    return rowless
 
 
 def agree_finite(
