@@ -6,7 +6,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from dkfac import KFACPreconditioner
 from dkfac.engine.refresh import AdaptiveRefresh, FixedRefresh, relative_change
 
 
@@ -87,3 +90,27 @@ def test_due_keys_answers_as_due_does_for_each_statistic() -> None:
     fixed.interval = 3
     assert fixed.due_keys("layer", ("A", "G"), 3) == {"A", "G"}
     assert fixed.due_keys("other", (), 3) == set()
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.1e9])
+def test_the_adaptive_refresh_reads_a_change_of_factors_whose_norm_overflows(
+    scale: float,
+) -> None:
+    """Inputs near 1e9 give factor entries near 1e19: finite, but their squares overflow
+    float32, so a float32 norm was Inf and every relative change 0 (the interval doubled
+    while A changed by 69%). Oracle: the same intervals at both scales (A's relative change
+    does not depend on the inputs' scale): doubled while A holds, halved when it moves."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=gen) * scale
+    y = torch.randint(0, 4, (64,), generator=gen)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    pre = KFACPreconditioner(model, refresh="adaptive", factor_decay=0.0, lr=0.0)
+    intervals = []
+    for step in range(4):
+        xs = x if step < 3 else x * 1.3  # A changes by 1.3² − 1 = 69% at step 3
+        model.zero_grad()
+        F.cross_entropy(model(xs), y).backward()
+        pre.step()
+        intervals.append(pre.refresh.interval("/A"))
+    assert intervals == [1, 2, 2, 1]

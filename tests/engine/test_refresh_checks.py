@@ -124,3 +124,32 @@ def test_a_failed_decomposition_keeps_the_last_state(
     assert any("7:" in w and "keeping the last good inverse" in w for w in host["warnings"])
     assert any("state of 7; keeping" in w for w in device["warnings"])
     assert all(torch.isfinite(v).all() for v in device["states"]["7"].values())
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_solver_state_whose_squares_overflow_is_kept(
+    on_device: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inputs near 1e10: A's eigenvalues (about 1e22) are finite but their squares are not.
+    The device guard checks a state as the factors are, by its plain sum, and the host's
+    by ``isfinite``: each refresh's state is taken on both (with the squares' test the
+    device guard refused the second as non-finite and kept the first, with a warning)."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = KFACOptimizer.for_model(
+        model, lr=1e-3, method="eigen", overhead=None, inverse_update_interval=1
+    )
+    opt.preconditioner.flags_on_device = on_device
+    states = []
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        for _ in range(3):
+            x = torch.randn(64, 16, generator=gen) * 1e10
+            y = torch.randint(0, 4, (64,), generator=gen)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            states.append(dict(opt.preconditioner.layers["0"].solver_state or {}))
+    assert not [r for r in caplog.records if "solver state" in r.getMessage()]
+    assert all(torch.isfinite(v).all() for state in states for v in state.values())
+    assert any(not torch.equal(states[0][k], states[1][k]) for k in states[0])  # a new state

@@ -1,4 +1,5 @@
-"""One cheap test that a tensor holds no NaN or Inf, nor values whose squares overflow.
+"""One cheap test that a tensor holds no NaN or Inf, nor (a gradient) values whose squares
+overflow.
 
 The test is that the sum of the tensor's squares is finite, taken in one pass with no
 temporary (``torch.dot`` of the flattened tensor with itself, accumulated in float32 at
@@ -85,9 +86,10 @@ def finite_each(
     Args:
         tensors: The tensors to check.
         device: Where the answer lives.
-        fused: Take the 2-norms in one multi-tensor call (module notes); ``None`` (the
-            default): on a launch-bound ``device`` (:mod:`~dkfac.engine.launches`) when
-            every tensor is a dense float32, float16 or bfloat16 one there.
+        fused: Take the norms (2-norms; 1-norms without ``squares``) in one multi-tensor
+            call (module notes); ``None`` (the default): on a launch-bound ``device``
+            (:mod:`~dkfac.engine.launches`) when every tensor is a dense float32, float16
+            or bfloat16 one there.
         squares: Also refuse a tensor whose squares' sum overflows (a gradient);
             ``False``: a statistic's test, its plain sum (module notes).
 

@@ -44,8 +44,16 @@ def make_refresh_policy(
 
 
 def relative_change(old: Tensor, new: Tensor) -> float:
-    """``‖new − old‖_F / ‖old‖_F`` (infinite when ``old`` is zero and ``new`` is not)."""
-    return _ratio(float(torch.linalg.norm(new - old)), float(torch.linalg.norm(old)))
+    """``‖new − old‖_F / ‖old‖_F`` (infinite when ``old`` is zero and ``new`` is not), the
+    norms taken in float64 (:func:`_norm`)."""
+    return _ratio(float(_norm(new - old)), float(_norm(old)))
+
+
+def _norm(tensor: Tensor) -> Tensor:
+    """The Frobenius norm in float64: a float32 factor's entries may pass 10¹⁹ (inputs near
+    10¹⁰, :mod:`~dkfac.engine.finite`), whose squares overflow float32; its norm would be
+    Inf and every relative change 0 (the interval doubled whatever the factor did)."""
+    return torch.linalg.vector_norm(tensor, dtype=torch.float64)
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -163,10 +171,7 @@ class AdaptiveRefresh(RefreshPolicy):
         norms: list[list[float]] = []
         if pairs:
             device = pairs[0][0].device
-            stacked = [
-                torch.stack([torch.linalg.norm(old), torch.linalg.norm(new - old)]).to(device)
-                for old, new in pairs
-            ]
+            stacked = [torch.stack([_norm(old), _norm(new - old)]).to(device) for old, new in pairs]
             norms = torch.stack(stacked).tolist()
         values = iter(norms)
         for key, old, _ in refreshed:
