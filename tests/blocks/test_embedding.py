@@ -203,3 +203,68 @@ def test_the_padding_vector_stays_under_the_default(padding_idx: int) -> None:
     moved = (model.emb.weight.detach() - before).abs().amax(dim=1)
     assert moved[pad] == 0
     assert (moved[[i for i in range(6) if i != pad]] > 0).all()
+
+
+class _Conditioned(nn.Module):
+    """A class-conditional MLP: the label's embedding added to the input's projection;
+    ``column`` looks the labels up as ``(B, 1)`` ids, the batched twin."""
+
+    def __init__(self, column: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.column = column
+        self.proj, self.label = nn.Linear(3, 4), nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        looked_up = self.label(labels[:, None])[:, 0] if self.column else self.label(labels)
+        return self.head(torch.tanh(self.proj(x) + looked_up))
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+def test_labels_looked_up_as_a_vector_are_one_sample_each(fisher: str) -> None:
+    """Labels of shape ``(B,)`` are B samples' ids, not one unbatched lookup broadcast over
+    the batch: G was 1/B² of its scale. Oracle: the same labels as ``(B, 1)`` ids; equal
+    factors and weights after 3 steps."""
+    runs = []
+    for column in (False, True):
+        model = _Conditioned(column).to(DT)
+        pre = KFACPreconditioner(model, method="eigen", fisher=fisher, factor_decay=0.5)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x, labels = torch.randn(5, 3, generator=gen, dtype=DT), torch.randint(0, 6, (5,))
+            model.zero_grad()
+            out = model(x, labels)
+            if fisher == "mc":
+                pre.sample_fisher(out)
+            (out.pow(2).sum(1) + out[:, 0]).mean().backward()
+            pre.step()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+        runs.append((model, pre.factors()))
+    (vector, vector_factors), (column, column_factors) = runs
+    for name in ("proj", "label", "head"):
+        for mine, theirs in zip(vector_factors[name], column_factors[name], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
+    for mine, theirs in zip(vector.parameters(), column.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
+
+
+def test_a_position_table_as_long_as_the_batch_stays_broadcast() -> None:
+    """``wpe(arange(T))`` with T equal to the batch: its layers have T positions a sample,
+    so it stays one unbatched lookup, as with ``(1, T)`` ids (the oracle: equal factors)."""
+    factors = []
+    for row in (False, True):
+        torch.manual_seed(0)
+        tok, pos, head = nn.Embedding(9, 4).to(DT), nn.Embedding(4, 4).to(DT), nn.Linear(4, 2)
+        model = nn.ModuleDict({"tok": tok, "pos": pos, "head": head.to(DT)})
+        pre = KFACPreconditioner(model, method="eigen")
+        ids = torch.randint(0, 9, (4, 4), generator=torch.Generator().manual_seed(1))
+        positions = torch.arange(4)[None] if row else torch.arange(4)
+        h = tok(ids) + pos(positions)
+        head(torch.tanh(h)).pow(2).mean().backward()
+        pre.step()
+        factors.append(pre.factors()["pos"])
+    for mine, theirs in zip(*factors, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
