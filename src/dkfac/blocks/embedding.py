@@ -28,11 +28,7 @@ the batch by broadcasting) counts as one sample: autograd sums its output gradie
 batch before the hook sees it, so ``G``'s rows are the gradient of the batch's mean loss
 (:attr:`~dkfac.blocks.base.Rows.batch_mean`). ``G`` is quadratic in them, so on several ranks
 the rows are averaged over the ranks before their products (the capture does it); averaging
-each rank's ``G`` instead would differ from the serial ``G`` of the global batch. A lookup of
-1-D ids as many as its forward pass's samples is a batch of one id a sample instead (class
-labels of shape ``(B,)``), unless another layer of the pass has that many positions a
-sample (a position table as long as the batch): the capture decides it
-(:meth:`~dkfac.engine.capture.FactorCapture._per_sample_lookup`).
+each rank's ``G`` instead would differ from the serial ``G`` of the global batch.
 """
 
 from __future__ import annotations

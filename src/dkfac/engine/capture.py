@@ -14,7 +14,6 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from dkfac.blocks.base import Rows
-from dkfac.blocks.embedding import EmbeddingBlock
 from dkfac.blocks.linear import LinearBlock
 from dkfac.config import KFACConfig
 from dkfac.distributed.comm import Communicator
@@ -47,15 +46,11 @@ class _ForwardPass:
         empty: Whether a captured layer's forward in it had an empty batch (0 samples): its
             one-sample forwards are then broadcast ones, as on the ranks whose batches
             have rows (their G comes at the step's end on every rank alike).
-        positions: The positions per sample (rows over samples) of its captured forwards
-            of more than one sample: a sequence's length, a map's size
-            (:meth:`FactorCapture._per_sample_lookup`).
     """
 
     largest: int = 0
     backpropagated: int = 0
     empty: bool = False
-    positions: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclass
@@ -315,8 +310,6 @@ class FactorCapture:
             return
         forward_pass = self._forward_pass()
         forward_pass.largest = max(forward_pass.largest, batch)
-        if batch > 1:
-            forward_pass.positions.add(layer.block.forward_rows(x, output) // batch)
         # The G scale is that of the micro-batch's mean loss, whatever rows are kept: the
         # number of terms the loss averages over (samples, or every sample's positions).
         terms = batch
@@ -371,7 +364,6 @@ class FactorCapture:
         weight (but the Monte-Carlo Fisher's own)."""
         if not (self._mc_active or computes_gradient(pending.accumulator)):
             return
-        self._per_sample_lookup(layer, pending)
         if not self._mc_active:
             if pending.captured:
                 self._warn_second_backward(layer)
@@ -400,29 +392,6 @@ class FactorCapture:
         else:
             self._capture_g(layer, pending, grad)
         self._mc_captured = True
-
-    def _per_sample_lookup(self, layer: LayerState, pending: _Forward) -> None:
-        """Makes an embedding lookup of 1-D ids a batch of one id a sample, where its ids
-        are as many as its forward pass's samples and no other forward of the pass has that
-        many positions a sample: class labels of shape ``(B,)`` (a class-conditional
-        model's, a recommender's user ids), whose output's rows are the samples'. A 1-D
-        lookup is otherwise unbatched (``wpe(arange(T))`` broadcast over the batch, whose
-        layers then have ``T`` positions a sample: see the class notes); so is a lookup
-        of labels whose count equals the pass's sequence length or map size. Decided at
-        its first backward, when the whole forward pass has run."""
-        x = pending.inputs
-        if pending.batch != 1 or x is None or x.dim() != 1:
-            return
-        if not isinstance(layer.block, EmbeddingBlock):
-            return
-        rows, forward_pass = int(x.shape[0]), pending.forward_pass
-        if rows < 2 or rows != forward_pass.largest or rows in forward_pass.positions:
-            return
-        keep = self.config.factor_batch_size
-        pending.keep = keep if keep is not None and rows > keep else None
-        pending.inputs = x[: pending.keep, None] if pending.keep else x[:, None]
-        pending.batch = rows
-        pending.scale = float(rows) ** 2  # one term a sample, a position for either average
 
     def _warn_second_backward(self, layer: LayerState) -> None:
         """Says once that a training backward went through a forward a backward already went
