@@ -7,7 +7,9 @@ still runs keyword calls."""
 from __future__ import annotations
 
 import copy
+import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,3 +64,43 @@ def test_a_layer_called_by_keyword_is_captured_as_a_positional_one() -> None:
     twin = copy.deepcopy(by_keyword)  # the copy's hooks are inert: the call is left as it is
     ids = torch.randint(0, 10, (2, 5))
     torch.testing.assert_close(twin(ids), by_keyword(ids))
+
+
+class _PassOn(nn.Linear):
+    """A wrapper subclass whose forward passes everything on."""
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class _KeywordOnly(nn.Linear):
+    def forward(self, *, input: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(input)
+
+
+def test_a_wrapper_s_keyword_input_is_captured_and_a_keyword_only_one_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``forward(*args, **kwargs)`` (a wrapper subclass) called as ``layer(input=x)``: the
+    name comes from ``nn.Linear.forward``, and the layer trains as its positional twin. A
+    keyword-only ``forward(*, input)`` cannot take it positionally: a warning names it."""
+    runs = []
+    for keyword in (True, False):
+        torch.manual_seed(0)
+        layer = _PassOn(4, 3)
+        opt = KFACOptimizer.for_model(layer, lr=0.01, overhead=None)
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            (layer(input=x) if keyword else layer(x)).pow(2).mean().backward()
+            opt.step()
+        assert opt.preconditioner.layers[""].complete
+        runs.append(layer.weight.detach().clone())
+    assert torch.equal(*runs)
+    torch.manual_seed(0)
+    strict = _KeywordOnly(4, 3)
+    opt = KFACOptimizer.for_model(strict, lr=0.01, overhead=None)
+    with caplog.at_level(logging.WARNING, logger="dkfac"):
+        strict(input=torch.randn(5, 4)).pow(2).mean().backward()
+        opt.step()
+    assert any("no positional tensor input" in r.getMessage() for r in caplog.records)

@@ -301,6 +301,13 @@ class FactorCapture:
             return  # frozen now: nothing to precondition (counted again once unfrozen)
         x = layer.block.hooked_input(inputs)
         output = layer.block.hooked_output(output)
+        if x is None and layer.name not in self._warned_missing:
+            self._warned_missing.add(layer.name)
+            logger.warning(
+                "%s: its forward got no positional tensor input (a keyword-only argument, "
+                "or none), which the capture reads: it gets no factors and no K-FAC update",
+                layer.name,
+            )
         if x is None or output is None or not output.requires_grad:
             return
         batch = layer.block.batch_size(x)

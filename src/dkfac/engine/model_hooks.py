@@ -137,15 +137,27 @@ class PositionalInput:
 
 def _first_parameter(module: torch.nn.Module) -> str | None:
     """The name of the first parameter of ``module``'s forward where it may be given
-    positionally (``input`` for ``nn.Linear``); ``None`` where there is none."""
-    try:
-        parameters = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
+    positionally (``input`` for ``nn.Linear``); ``None`` where there is none. A forward
+    that passes ``*args, **kwargs`` on (a wrapper subclass) takes the name of the first
+    forward along the class's bases that names it."""
+    forwards = [module.forward] + [
+        vars(cls)["forward"] for cls in type(module).__mro__[1:] if "forward" in vars(cls)
+    ]
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if not parameters or parameters[0].kind not in positional:
-        return None
-    return parameters[0].name
+    for index, forward in enumerate(forwards):
+        try:
+            parameters = list(inspect.signature(forward).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        if index > 0:  # an unbound base forward: its first parameter is self
+            parameters = parameters[1:]
+        if not parameters:
+            return None
+        if parameters[0].kind in positional:
+            return parameters[0].name
+        if parameters[0].kind != inspect.Parameter.VAR_POSITIONAL:
+            return None  # keyword-only: it cannot be passed positionally
+    return None
 
 
 def runs_as_the_model(registered: Sequence[Tensor], current: Sequence[Tensor]) -> bool:
