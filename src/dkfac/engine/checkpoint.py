@@ -307,11 +307,20 @@ def check_state(
             copy.copy(refresh).load_state_dict(dict(state["refresh"]))
         except (TypeError, ValueError) as err:
             raise ValueError(f"state dict 'refresh' is not usable: {err}") from None
-    if state.get("mc_generator") is not None:
+    saved = [("mc_generator", state.get("mc_generator"))]
+    every = state.get("mc_generators")
+    if every is not None and not isinstance(every, list | tuple):
+        raise ValueError(
+            f"state dict 'mc_generators' must be a list of generator states, got {every!r}"
+        )
+    saved += [(f"mc_generators[{i}]", value) for i, value in enumerate(every or [])]
+    for key, value in saved:
+        if value is None:
+            continue
         try:
-            torch.Generator(device=device).set_state(state["mc_generator"])
+            torch.Generator(device=device).set_state(value)
         except (TypeError, RuntimeError) as err:
-            raise ValueError(f"state dict 'mc_generator' is not a generator state: {err}") from None
+            raise ValueError(f"state dict {key!r} is not a generator state: {err}") from None
     return step
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from dkfac.costmodel.budget import Choice
 from dkfac.distributed.comm import Communicator
@@ -22,7 +23,7 @@ from dkfac.distributed.strategy_base import Strategy
 from dkfac.engine.capture import FactorCapture
 from dkfac.engine.checkpoint import check_state, layers_state, load_layers_state
 from dkfac.engine.late_layers import LateLayers
-from dkfac.engine.layer_state import LayerState
+from dkfac.engine.layer_state import LayerState, layers_device
 from dkfac.engine.leftover import LeftoverAdam
 from dkfac.engine.overhead import OverheadBudget
 from dkfac.engine.refresh import RefreshPolicy
@@ -72,6 +73,7 @@ def preconditioner_state(
         "step": step,
         "layers": entries,
         "mc_generator": None if generator is None else generator.get_state(),
+        "mc_generators": _every_rank_generator(comm, generator, layers) if gather else None,
         "refresh": refresh.state_dict(),
         "late_layers": late.state_dict(),
         "late_layers_missed": sorted(late.missed),
@@ -81,6 +83,34 @@ def preconditioner_state(
     if budget is not None and budget.choice is not None:
         state["budget"] = dataclasses.asdict(budget.choice)
     return state
+
+
+def _every_rank_generator(
+    comm: Communicator, generator: torch.Generator | None, layers: Mapping[str, LayerState]
+) -> list[Tensor] | None:
+    """Every rank's Monte-Carlo generator state in the group's order (a collective on
+    several ranks; ``None`` on one, or before the first sampled backward, which every rank
+    runs alike): each rank samples from its own stream (seeded ``seed + index``), which a
+    resume gives back to each (:func:`own_generator_state`)."""
+    if generator is None or not comm.active:
+        return None
+    local = generator.get_state()
+    device = layers_device(layers)  # NCCL gathers device tensors only
+    rows, handle = comm.all_gather_rows(local.to(device).reshape(1, -1), "factors")
+    handle.wait()
+    return [row.cpu().clone() for row in rows]
+
+
+def own_generator_state(state: Mapping[str, Any], comm: Communicator) -> Tensor | None:
+    """This rank's saved Monte-Carlo generator state: its own entry of ``mc_generators``
+    where the saving run had as many ranks, else ``mc_generator`` (the saving rank's; a
+    state saved without gathering, or on one rank)."""
+    every = state.get("mc_generators")
+    if every is not None and comm.active and len(every) == comm.world_size:
+        chosen: Tensor = every[comm.ranks.index(comm.rank)]
+        return chosen
+    single: Tensor | None = state.get("mc_generator")
+    return single
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +184,10 @@ def restore_entries(
         leftover.load_state_dict(state.get("leftover") or {})
     if state.get("refresh"):
         refresh.load_state_dict(dict(state["refresh"]))
-    if state.get("mc_generator") is not None:
+    generator = own_generator_state(state, strategy.comm)
+    if generator is not None:
         capture.generator = torch.Generator(device=device)
-        capture.generator.set_state(state["mc_generator"])
+        capture.generator.set_state(generator)
     return stale
 
 
