@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,21 @@ def test_a_resumed_monte_carlo_run_is_the_uninterrupted_one() -> None:
     for result in run_distributed(_rank_main, 2, timeout=120):
         for whole, resumed in zip(result["whole"], result["resumed"], strict=True):
             assert torch.equal(whole, resumed)
+
+
+def test_a_list_of_generator_states_with_a_gap_is_refused() -> None:
+    """Every rank's entry must be a state: a rank given ``None`` would keep no generator and
+    skip the gather the others run at the next save. Refused, as is a list that is not one;
+    nothing changes; a full list loads."""
+
+    model = _model()
+    opt = _optimizer(model)
+    _train(model, opt, 0, range(1))
+    state = opt.preconditioner.state_dict()
+    own = state["mc_generator"]
+    before = opt.preconditioner.capture.generator.get_state()  # type: ignore[union-attr]
+    for bad, message in (([None, own], r"mc_generators\[0\]' is None"), (own, "got a Tensor")):
+        with pytest.raises(ValueError, match=message):
+            opt.preconditioner.load_state_dict({**state, "mc_generators": bad})
+    assert torch.equal(opt.preconditioner.capture.generator.get_state(), before)  # type: ignore[union-attr]
+    opt.preconditioner.load_state_dict({**state, "mc_generators": [own, own.clone()]})

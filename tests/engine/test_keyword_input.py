@@ -103,4 +103,4 @@ def test_a_wrapper_s_keyword_input_is_captured_and_a_keyword_only_one_named(
     with caplog.at_level(logging.WARNING, logger="dkfac"):
         strict(input=torch.randn(5, 4)).pow(2).mean().backward()
         opt.step()
-    assert any("no positional tensor input" in r.getMessage() for r in caplog.records)
+    assert any("not a tensor given positionally" in r.getMessage() for r in caplog.records)

@@ -179,6 +179,7 @@ class FactorCapture:
         # Outputs of the layers captured in this forward: the sampled backward stops at them.
         self._mc_roots: list[GradientEdge] = []
         self._warned_missing: set[str] = set()
+        self._warned_input: set[str] = set()
         self._warned_second_backward = False
         self.ran: set[int] = set()  # ids of the layers whose forward has ever run
         # a layer's forward ran through the hooks since the last step (not cleared when a
@@ -301,11 +302,12 @@ class FactorCapture:
             return  # frozen now: nothing to precondition (counted again once unfrozen)
         x = layer.block.hooked_input(inputs)
         output = layer.block.hooked_output(output)
-        if x is None and layer.name not in self._warned_missing:
-            self._warned_missing.add(layer.name)
+        if x is None and layer.name not in self._warned_input:
+            self._warned_input.add(layer.name)
             logger.warning(
-                "%s: its forward got no positional tensor input (a keyword-only argument, "
-                "or none), which the capture reads: it gets no factors and no K-FAC update",
+                "layer %r: its forward's first argument is not a tensor given positionally "
+                "(a keyword-only argument, a tuple, or none), which the capture reads: it "
+                "gets no factors and no K-FAC update",
                 layer.name,
             )
         if x is None or output is None or not output.requires_grad:

@@ -310,13 +310,16 @@ def check_state(
     saved = [("mc_generator", state.get("mc_generator"))]
     every = state.get("mc_generators")
     if every is not None and not isinstance(every, list | tuple):
+        kind = type(every).__name__
         raise ValueError(
-            f"state dict 'mc_generators' must be a list of generator states, got {every!r}"
+            f"state dict 'mc_generators' must be a list of generator states, got a {kind}"
         )
     saved += [(f"mc_generators[{i}]", value) for i, value in enumerate(every or [])]
     for key, value in saved:
-        if value is None:
+        if value is None and key == "mc_generator":
             continue
+        if value is None:  # a rank given none would skip the gather the others run next
+            raise ValueError(f"state dict {key!r} is None: every rank's entry is a state")
         try:
             torch.Generator(device=device).set_state(value)
         except (TypeError, RuntimeError) as err:
