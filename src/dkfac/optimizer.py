@@ -656,6 +656,12 @@ class KFACOptimizer(Optimizer):
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"'skipped_steps' must be an integer >= 0, got {skipped!r}")
         current = self.inner.param_groups
+        saved_groups = inner["param_groups"]
+        if isinstance(saved_groups, list | tuple) and len(saved_groups) != len(current):
+            raise ValueError(  # before the preconditioner's moments name the groups' params
+                f"the state dict has {len(saved_groups)} parameter groups, this optimizer "
+                f"{len(current)}: add the groups it had (add_param_group) before loading"
+            )
         try:  # each saved group against the group it replaces
             check_groups(
                 inner["param_groups"], current, self.inner.defaults, self._betas_drive_moments

@@ -127,6 +127,9 @@ def test_a_group_added_later_is_stepped_as_the_models_other_parameters() -> None
     assert torch.equal(held.offset, offset) and not torch.equal(offset, torch.full((3,), 0.5))
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": [model[0].weight]})
+    fresh = KFACOptimizer.for_model(_mlp())  # without the added group: named as torch does
+    with pytest.raises(ValueError, match="has 2 parameter groups, this optimizer 1"):
+        fresh.load_state_dict(opt.state_dict())
 
 
 @pytest.mark.parametrize(
