@@ -541,16 +541,12 @@ class FactorCapture:
         """
         self.flush_groups()
         missing_g = self._finish_layer(layer)  # before the sums are taken
-        means = layer.take_means()
-        if means is None:
-            means = self._zeros_for(layer)
-            if means is not None:
-                self.zero_filled.add(layer.name)
-        return means, missing_g
+        return layer.take_means() or self._zeros_for(layer), missing_g
 
     def _zeros_for(self, layer: LayerState) -> dict[str, Tensor] | None:
         """Zero statistics for a layer whose due forwards this step had no rows, where the
-        ranks average their statistics (:attr:`rank_mean`); ``None`` elsewhere.
+        ranks average their statistics (:attr:`rank_mean`), noted in :attr:`zero_filled`;
+        ``None`` elsewhere.
 
         DDP's convention: a rank with an empty batch takes part in the average with its zero
         gradient, so it takes part in the statistics' average with zeros, and every rank
@@ -568,11 +564,13 @@ class FactorCapture:
         device = layer.block.parameters()[0].device
         shapes = layer.stored_shapes()
         zeros = {}
-        for key, acc in layer.accumulators.items():
-            if key in layer.due:  # kept as the rows come, unless the accumulator says
-                rows_dtype = dtypes[1] if key in layer.block.grad_statistics else dtypes[0]
-                zeros[key] = torch.zeros(shapes[key], dtype=acc.dtype or rows_dtype, device=device)
-        return zeros or None
+        for key, acc in layer.due_sinks().items():  # kept as the rows come, unless it says
+            rows_dtype = dtypes[1] if key in layer.block.grad_statistics else dtypes[0]
+            zeros[key] = torch.zeros(shapes[key], dtype=acc.dtype or rows_dtype, device=device)
+        if not zeros:
+            return None
+        self.zero_filled.add(layer.name)
+        return zeros
 
     def _finish_layer(self, layer: LayerState) -> bool:
         """Adds a broadcast layer's G; whether the layer lacks a due gradient statistic
@@ -653,12 +651,11 @@ class FactorCapture:
         for layer in layers.values():
             missing_g = self._finish_layer(layer) or missing_g
         new = take_means_all(layers)
-        if self._empty.keys() - new.keys():  # in the layers' order, as the ranks send them
-            for name in self._empty.keys() - new.keys():
+        if missing := self._empty.keys() - new.keys():
+            for name in missing:
                 if (zeros := self._zeros_for(layers[name])) is not None:
                     new[name] = zeros
-                    self.zero_filled.add(name)
-            new = {name: new[name] for name in layers if name in new}
+            new = {name: new[name] for name in layers if name in new}  # the ranks' order
         self.scale_grad_statistics(layers, new, g_scale)
         self.check_mc(missing_g)
         return new
