@@ -5,7 +5,8 @@ dict held the saving rank's generator alone, so a resume gave every rank rank 0'
 the weights ended 1e-2 from the uninterrupted run's. It now holds every rank's, and each
 rank takes its own back. Oracle: 2 steps, rank 0 saves (through ``torch.save``), every rank
 loads that checkpoint into a fresh model and optimizer, 2 more steps: bit-equal to 4 steps
-in one go, on both ranks.
+in one go, on both ranks. On more ranks than saved, a further rank starts a stream of its
+own: a 1-rank checkpoint resumed on 2 ranks gave both ranks rank 0's stream.
 """
 
 from __future__ import annotations
@@ -76,6 +77,34 @@ def test_a_resumed_monte_carlo_run_is_the_uninterrupted_one() -> None:
     for result in run_distributed(_rank_main, 2, timeout=120):
         for whole, resumed in zip(result["whole"], result["resumed"], strict=True):
             assert torch.equal(whole, resumed)
+
+
+def _more_ranks_main(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
+    """Both ranks load a checkpoint one process wrote into a DDP model, take a step and
+    save again (a collective gather)."""
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(_model())
+    opt = _optimizer(model)
+    opt.load_state_dict(saved)
+    loaded = opt.preconditioner.capture.generator.get_state()  # type: ignore[union-attr]
+    _train(model, opt, rank, range(2, 3))
+    return {"loaded": loaded, "again": opt.preconditioner.state_dict()["mc_generators"]}
+
+
+def test_more_ranks_than_saved_sample_streams_of_their_own() -> None:
+    """Rank 0 takes the saved stream back; rank 1 starts its own (``seed + 1``, as a fresh
+    run's rank 1): the two ranks' generators differ, and the next save gathers both."""
+    alone = _model()
+    opt = _optimizer(alone)
+    _train(alone, opt, 0, range(2))
+    saved = opt.state_dict()
+    every = opt.preconditioner.state_dict()["mc_generators"]
+    assert len(every) == 1  # one process: its one generator in the list
+    first, second = run_distributed(_more_ranks_main, 2, saved, timeout=120)
+    assert torch.equal(first["loaded"], every[0])
+    assert not torch.equal(second["loaded"], first["loaded"])
+    assert torch.equal(second["loaded"], torch.Generator().manual_seed(1).get_state())
+    assert len(first["again"]) == 2 and not torch.equal(first["again"][0], first["again"][1])
 
 
 def test_a_list_of_generator_states_with_a_gap_is_refused() -> None:

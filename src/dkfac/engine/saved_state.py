@@ -89,12 +89,14 @@ def _every_rank_generator(
     comm: Communicator, generator: torch.Generator | None, layers: Mapping[str, LayerState]
 ) -> list[Tensor] | None:
     """Every rank's Monte-Carlo generator state in the group's order (a collective on
-    several ranks; ``None`` on one, or before the first sampled backward, which every rank
-    runs alike): each rank samples from its own stream (seeded ``seed + index``), which a
-    resume gives back to each (:func:`own_generator_state`)."""
-    if generator is None or not comm.active:
+    several ranks; one entry on one; ``None`` before the first sampled backward, which
+    every rank runs alike): each rank samples from its own stream (seeded ``seed +
+    index``), which a resume gives back to each (:func:`own_generator_state`)."""
+    if generator is None:
         return None
     local = generator.get_state()
+    if not comm.active:
+        return [local.clone()]
     device = layers_device(layers)  # NCCL gathers device tensors only
     rows, handle = comm.all_gather_rows(local.to(device).reshape(1, -1), "factors")
     handle.wait()
@@ -102,15 +104,18 @@ def _every_rank_generator(
 
 
 def own_generator_state(state: Mapping[str, Any], comm: Communicator) -> Tensor | None:
-    """This rank's saved Monte-Carlo generator state: its own entry of ``mc_generators``
-    where the saving run had as many ranks, else ``mc_generator`` (the saving rank's; a
-    state saved without gathering, or on one rank)."""
+    """This rank's saved Monte-Carlo generator state: the entry of ``mc_generators`` at its
+    index (the saving run's rank of that index; on another number of ranks the first ranks
+    take the saved streams in order), ``None`` for a rank beyond them (it starts its own
+    stream, :func:`restore_entries`: two ranks never sample alike), and ``mc_generator``
+    where the state holds no list (saved without gathering: each rank's own)."""
     every = state.get("mc_generators")
-    if every is not None and comm.active and len(every) == comm.world_size:
-        chosen: Tensor = every[comm.ranks.index(comm.rank)]
-        return chosen
-    single: Tensor | None = state.get("mc_generator")
-    return single
+    if every is None:
+        single: Tensor | None = state.get("mc_generator")
+        return single
+    index = comm.ranks.index(comm.rank) if comm.active else 0
+    chosen: Tensor | None = every[index] if index < len(every) else None
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +193,9 @@ def restore_entries(
     if generator is not None:
         capture.generator = torch.Generator(device=device)
         capture.generator.set_state(generator)
+    elif state.get("mc_generators") is not None:  # more ranks than saved: a stream of its own
+        capture.generator = torch.Generator(device=device)  # now, as every rank has one
+        capture.generator.manual_seed(capture.config.seed + strategy.index)  # (next save)
     return stale
 
 
