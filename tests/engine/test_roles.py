@@ -653,3 +653,33 @@ def test_reading_the_roles_runs_no_parametrization() -> None:
     KFACOptimizer.for_model(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert layer_roles(_TiedDecoder())["decoder"] == "head"
+
+
+class _SpareProjection(nn.Module):
+    """A classifier that keeps a projection head it never calls (``proj``, defined last),
+    or that reads its head's weight functionally (``functional``)."""
+
+    def __init__(self, functional: bool = False) -> None:
+        super().__init__()
+        self.inp, self.mid, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.proj = nn.Linear(16, 4)
+        self.functional = functional
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.mid(torch.relu(self.inp(x))))
+        if self.functional:
+            return F.linear(h, self.proj.weight, self.proj.bias)
+        return self.head(h)
+
+
+def test_a_layer_the_forward_never_touches_changes_no_role() -> None:
+    """An uncalled ``proj`` after the head made the graph unusable, and module order then
+    took ``proj`` for the head and the real head for a hidden layer (orthogonalised). It is
+    left out of the decision now (hidden itself, never getting a gradient). A layer whose
+    weight the forward reads functionally keeps module order: its place is not known."""
+    roles = layer_roles(_SpareProjection())
+    assert roles == {"inp": "input", "mid": "hidden", "head": "head", "proj": "hidden"}
+    opt = KFACOptimizer.for_model(_SpareProjection())
+    rows = {r["name"]: r for r in opt.preconditioner.describe()}
+    assert "orthogonal" not in rows["head"]["method"]
+    assert layer_roles(_SpareProjection(functional=True))["proj"] == "head"

@@ -163,7 +163,10 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
     ``None`` when one of them is not called there as a module. A forward with data-dependent
     control flow is traced on two paths (:func:`traced_graph`'s ``branch`` True and False),
     its links the union of both; ``None`` when neither can be traced or some layer is on
-    neither."""
+    neither. A layer the forward never touches (not called, no parameter of it read: a
+    projection head kept for another task) is left out of the answer instead, so that the
+    others' links still count; one whose parameter the graph reads (its weight used
+    functionally, ``F.linear(h, self.out.weight)``) makes it ``None``, its place unknown."""
     original = compiled_original(model)
     if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
         if not all(n.startswith("_orig_mod.") for n in names):
@@ -181,7 +184,7 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
         }
     graph = traced_graph(model, "roles by data flow")
     found = [] if graph is None else [_graph_links(graph, names)]
-    if found and len(found[0]) == len(set(names)):
+    if graph is not None and len(found[0]) == len(set(names) - _untouched(graph, names)):
         return found[0]
     # Some layers are on no path of that trace (a branch a random draw skipped, stochastic
     # depth) or it failed (data-dependent control flow): the paths where the conditions
@@ -193,9 +196,11 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
         else [traced_graph(model, "roles on one path", branch) for branch in (True, False)]
     )
     paths.append(traced_graph(model, "roles in eval mode", evaluating=True))
+    graphs = [g for g in (graph, *paths) if g is not None]
     found += [_graph_links(g, names) for g in paths if g is not None]
     called = set().union(*(set(links) for links in found))
-    if not found or called != set(names):
+    untouched = set(names).intersection(*(_untouched(g, names) for g in graphs))
+    if not found or called != set(names) - untouched:
         return None
     return {
         n: Links(
@@ -204,7 +209,19 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
             any(links[n].reads_data for links in found if n in links),
         )
         for n in names
+        if n in called
     }
+
+
+def _untouched(graph: fx.Graph, names: Sequence[str]) -> set[str]:
+    """Those of ``names`` that ``graph`` neither calls as modules nor reads a parameter or
+    buffer of (``get_attr`` of ``<name>.<attribute>``, or of a module inside it)."""
+    touched: set[str] = set()
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            parts = str(node.target).split(".")
+            touched.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return set(names) - touched
 
 
 def _graph_links(graph: fx.Graph, names: Sequence[str]) -> dict[str, Links]:
