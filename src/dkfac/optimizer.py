@@ -433,8 +433,11 @@ class KFACOptimizer(Optimizer):
                 before preconditioning), as for any optimizer.
 
         A step that cannot move any weight (every learning rate 0 and every gradient zero:
-        what ``torch.distributed.checkpoint`` runs to create an optimizer's state) steps only
-        the inner optimizer and leaves K-FAC's state as it is.
+        what ``torch.distributed.checkpoint`` runs to create an optimizer's state), or that
+        has no gradient at all (Lightning steps after a ``training_step`` that returned
+        ``None`` to skip its batch), steps only the inner optimizer and leaves K-FAC's state
+        as it is: its step counter, factors, bases and moments, as torch's optimizers
+        leave theirs.
 
         Raises:
             TypeError, ValueError: For a parameter group whose hyperparameters were changed
@@ -448,8 +451,10 @@ class KFACOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if optimizer_state.initialises_state(self.param_groups):
-            self._inner_step()  # nothing can move: K-FAC's state is left as it is
+        if optimizer_state.initialises_state(self.param_groups) or not any(
+            p.grad is not None for group in self.param_groups for p in group["params"]
+        ):  # nothing can move, or no gradient at all (a batch the framework skipped)
+            self._inner_step()  # K-FAC's state is left as it is
             return loss
         # The raw gradients the preconditioner may change into finite ones (a layer's
         # non-finite gradient is zeroed) are its layers': it checks them itself

@@ -181,3 +181,46 @@ def test_fit_from_a_checkpoint_restores_the_optimizer_exactly(tmp_path: Path) ->
         resumed.net[0].weight.add_(1.0)  # the checkpoint's weights must replace these
     _fit(tmp_path / "c", resumed, steps=-1, max_epochs=2, ckpt=str(saved))
     assert max_difference(straight.net, resumed.net) == 0.0
+
+
+SKIPPED = {2, 3}
+
+
+class _Skipping(L.LightningModule):
+    """A ``training_step`` that returns ``None`` for some batches: Lightning skips them, but
+    under automatic optimization without a GradScaler still calls ``optimizer.step(closure)``,
+    whose closure then runs no backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], index: int) -> Tensor | None:
+        if index in SKIPPED:
+            return None
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> KFACOptimizer:
+        return KFACOptimizer.for_model(self.net, lr=0.01, overhead=None)
+
+
+def test_a_batch_lightning_skips_is_skipped() -> None:
+    """The step with no gradient at all moved K-FAC's step counter (and refreshed a basis
+    from unchanged factors at a refresh step): 0.04 from the loop that skips the batches.
+    It now leaves K-FAC's state as it is, as AdamW's step leaves Adam's."""
+    module = _Skipping()
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+    net = _net()
+    opt = KFACOptimizer.for_model(net, lr=0.01, overhead=None)
+    for index, (x, y) in enumerate(_loader()):
+        if index in SKIPPED:
+            continue
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    assert opt.preconditioner.steps == len(_loader()) - len(SKIPPED)
+    assert max_difference(module.net, net) == 0.0
