@@ -554,12 +554,10 @@ def test_a_grad_scaler_not_given_is_named_in_one_warning(caplog: pytest.LogCaptu
     assert "4096 times" in named[0].getMessage() and "grad_scaler=scaler" in named[0].getMessage()
 
 
-def test_clipping_without_a_scaler_is_named_as_what_the_ratio_may_be(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Gradients clipped 2000-fold before ``step()`` and no scaler: the captured sums are
-    2000 times the gradients, no power of two; the warning says that clipping explains it.
-    A scaler's exact power of two (above) gets no such remark."""
+def _clipped_warning(factor: float, caplog: pytest.LogCaptureFixture) -> str:
+    """The one scaler warning of two steps whose gradients are divided by ``factor``
+    between the backward and ``step()`` (what ``clip_grad_norm_`` does at a norm ``factor``
+    times its cap), with no scaler."""
     model = _mlp()
     opt = KFACOptimizer.for_model(model)
     with caplog.at_level(logging.WARNING, logger="dkfac"):
@@ -567,15 +565,36 @@ def test_clipping_without_a_scaler_is_named_as_what_the_ratio_may_be(
             x, y = _batch(step)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(norm) / 2000)
+            for param in model.parameters():
+                param.grad.div_(factor)
             opt.step()
     (message,) = [r.getMessage() for r in caplog.records if "GradScaler" in r.getMessage()]
-    assert "2000 times" in message and "clip_grad_norm_" in message
     caplog.clear()
+    return message
+
+
+def test_clipping_without_a_scaler_is_named_as_what_the_ratio_may_be(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Gradients clipped 2000-fold before ``step()`` and no scaler: the captured sums are
+    2000 times the gradients, no power of two; the warning says that clipping explains it.
+    A scaler's exact power of two (above) gets no such remark."""
+    message = _clipped_warning(2000.0, caplog)
+    assert "2000 times" in message and "clip_grad_norm_" in message
     with caplog.at_level(logging.WARNING, logger="dkfac"):
         _scaled_run(_mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**12))
     assert "clip_grad_norm_" not in caplog.text
+
+
+def test_clipping_by_a_small_power_of_two_is_named_as_what_the_ratio_may_be(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Gradients clipped 4-fold (the Trainer's default clipping can land there) and no
+    scaler: the ratio is a power of two, which was taken for a loss scale alone, the warning
+    telling the user to pass a scaler there is none of. A power of two below 2¹⁰ now gets
+    the clipping remark too."""
+    message = _clipped_warning(4.0, caplog)
+    assert "4 times" in message and "clip_grad_norm_" in message and "rare" in message
 
 
 def test_a_grad_scaler_given_or_absent_raises_no_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -72,14 +72,24 @@ def _power_of_two(ratio: float) -> bool:
     return abs(power - round(power)) < 0.01
 
 
+SMALL_SCALE = 2.0**10
+"""Below this a power of two is more likely gradient clipping than a loss scale (a
+``GradScaler`` starts at 2¹⁶ and halves only on overflows): the warning says both."""
+
+
 def warn_if_scaled(ratio: float, world_size: int) -> bool:
-    """Logs the one warning when ``ratio`` looks like an unannounced loss scale. A large
-    ratio that is no power of two on one process may also be gradient clipping between the
-    backward and ``step()`` (``clip_grad_norm_`` divides the gradients, not the captured
-    sums), which the warning then says."""
+    """Logs the one warning when ``ratio`` looks like an unannounced loss scale. On one
+    process a ratio that is no power of two, or one below :data:`SMALL_SCALE`, may also be
+    gradient clipping between the backward and ``step()`` (``clip_grad_norm_`` divides the
+    gradients, not the captured sums; the Trainer clips by default), which the warning then
+    says."""
     if not looks_scaled(ratio, world_size):
         return False
-    clipped = world_size == 1 and not _power_of_two(ratio)
+    reason = None
+    if world_size == 1 and not _power_of_two(ratio):
+        reason = "the ratio is no power of two"
+    elif world_size == 1 and ratio < SMALL_SCALE:
+        reason = "a loss scale this small is rare (a GradScaler starts at 2**16)"
     logger.warning(
         "the output gradients the K-FAC hooks captured are %.4g times the parameters' "
         "gradients at step(): a torch.amp.GradScaler (or another loss scale) scales the "
@@ -88,10 +98,9 @@ def warn_if_scaled(ratio: float, world_size: int) -> bool:
         "(KFACOptimizer.for_model(model, grad_scaler=scaler))%s",
         ratio,
         ratio**2,
-        "; the ratio is no power of two, so if the gradients were clipped by that factor "
-        "between the backward and step() (clip_grad_norm_) and no loss scale is used, "
-        "nothing is wrong"
-        if clipped
+        f"; {reason}, so if the gradients were clipped by that factor between the backward "
+        "and step() (clip_grad_norm_) and no loss scale is used, nothing is wrong"
+        if reason
         else "",
     )
     return True
