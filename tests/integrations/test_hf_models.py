@@ -202,8 +202,8 @@ def test_a_layer_whose_weight_its_parent_applies_is_named_not_left_silently(
 ) -> None:
     """MobileBERT's output layer is ``h @ cat([decoder.weight.T, dense.weight])``: neither
     ``decoder`` (tied to the token table) nor ``dense`` is ever called, so no factor is
-    captured and their gradients reach the inner SGD plain (about 1/100 of Adam's step at
-    the same lr), which no row of ``describe()`` and no warning said. A warning names each
+    captured, so they get no update under the default (their plain gradient under the
+    other methods), which no row of ``describe()`` and no warning said. A warning names each
     such layer once; ``skip_layers`` gives them Adam's direction."""
     config = transformers.MobileBertConfig(
         vocab_size=VOCAB, hidden_size=16, embedding_size=8, num_hidden_layers=1,
