@@ -73,7 +73,16 @@ def power_refresh(
     """One step of subspace iteration from the basis ``previous``: ``(estimates, Q)``.
 
     ``Q = qr(F Q_prev)`` with the signs of its columns chosen so that ``diag R > 0``;
-    estimates ``diag(Q_prevᵀ F Q_prev)`` clamped at 0. ``F`` is taken as symmetric.
+    estimates the Rayleigh quotients of the new columns, ``diag(Qᵀ F Q)`` clamped at 0, and
+    the columns sorted by them, largest first (as an ``eigh`` returns them, which
+    :func:`~dkfac.solvers.null_space.canonical_null_basis` reads: its null columns last).
+    ``F`` is taken as symmetric. The old basis's quotients ``diag(Q_prevᵀ F Q_prev)``, in
+    the old order, are no estimates of the new columns where ``F Q_prev`` is singular (a
+    factor of low rank whose range moved): the QR fills those columns with rounding, and an
+    old quotient of 1e-4 of the largest there left them out of the null space, whose
+    rounding floor keeps Adam from turning rounding into whole steps (2.0 from the same run
+    on two ranks after 20 steps, 1e-4 with the new columns' quotients). The quotients cost
+    one more ``2n²k`` product.
 
     With ``rank = k < n`` only the leading ``k`` columns follow ``F``: ``Y = qr(F Q_prev[:,
     :k])`` (the same ``k`` columns as the full step, since a QR's first columns depend only
@@ -93,9 +102,7 @@ def power_refresh(
     if kept < size and sym.dim() > 2:
         raise ValueError("power_refresh takes a stack of matrices only with the full rank")
     lead = previous.to(dtype)[..., :kept]
-    product = sym @ lead
-    top = (lead * product).sum(dim=-2).clamp(min=0.0)
-    reflectors, tau = torch.geqrf(product)  # what torch.linalg.qr runs, R on the diagonal
+    reflectors, tau = torch.geqrf(sym @ lead)  # what torch.linalg.qr runs, R on the diagonal
     if kept < size:  # the k reflectors, applied to all n columns: the span and its completion
         padded = reflectors.new_zeros(size, size)
         padded[:, :kept] = reflectors
@@ -103,6 +110,9 @@ def power_refresh(
     q = torch.linalg.householder_product(reflectors, tau)
     signs = torch.diagonal(reflectors, dim1=-2, dim2=-1)[..., :kept] < 0
     q[..., :kept].mul_(torch.where(signs, -1.0, 1.0).to(dtype).unsqueeze(-2))
+    new = q[..., :kept]
+    top, order = (new * (sym @ new)).sum(dim=-2).clamp(min=0.0).sort(dim=-1, descending=True)
+    q[..., :kept] = new.gather(-1, order.unsqueeze(-2).expand_as(new))
     if kept == size:
         return top, q
     rest = (torch.trace(sym) - top.sum()).clamp(min=0.0) / (size - kept)
