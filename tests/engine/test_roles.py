@@ -683,3 +683,58 @@ def test_a_layer_the_forward_never_touches_changes_no_role() -> None:
     rows = {r["name"]: r for r in opt.preconditioner.describe()}
     assert "orthogonal" not in rows["head"]["method"]
     assert layer_roles(_SpareProjection(functional=True))["proj"] == "head"
+
+
+class _EncoderLast(nn.Module):
+    """Matrix layers inside a ``torch.nn`` leaf (fx calls the encoder as one module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(8, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.encoder(self.in_proj(x))
+
+
+class _SkippedLast(nn.Module):
+    """A last residual block dropped at random in training (stochastic depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.body, self.refine = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.body(torch.relu(self.inp(x)))
+        if not (self.training and torch.rand(()) < 0.5):
+            h = h + self.refine(torch.relu(h))
+        return h
+
+
+class _TiedFunctional(nn.Module):
+    """An output layer tied to the input layer and applied functionally: fx reads the shared
+    weight under the input layer's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid, self.dec = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(torch.relu(self.mid(torch.relu(self.enc(x)))), self.dec.weight)
+
+
+def test_layers_the_forward_touches_otherwise_are_not_taken_for_untouched() -> None:
+    """What the rule for a layer the forward never touches must not catch: a layer inside a
+    module fx calls as a leaf (the encoder's last ``linear2`` stays the head, ``in_proj``
+    the input layer), a layer a random draw skipped in the training trace but the eval
+    trace calls (the head whatever the draw), and a tied layer applied functionally, read
+    under its twin's name (its place unknown: module order, the head)."""
+    roles = layer_roles(_EncoderLast())
+    assert roles["in_proj"] == "input" and roles["encoder.layers.1.linear2"] == "head"
+    assert roles["encoder.layers.0.linear2"] == "hidden"
+    for seed in range(4):
+        torch.manual_seed(seed)
+        assert layer_roles(_SkippedLast()) == {"inp": "input", "body": "hidden", "refine": "head"}
+    assert layer_roles(_TiedFunctional())["dec"] == "head"

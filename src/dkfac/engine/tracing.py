@@ -184,7 +184,7 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
         }
     graph = traced_graph(model, "roles by data flow")
     found = [] if graph is None else [_graph_links(graph, names)]
-    if graph is not None and len(found[0]) == len(set(names) - _untouched(graph, names)):
+    if found and len(found[0]) == len(set(names)):
         return found[0]
     # Some layers are on no path of that trace (a branch a random draw skipped, stochastic
     # depth) or it failed (data-dependent control flow): the paths where the conditions
@@ -199,7 +199,7 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
     graphs = [g for g in (graph, *paths) if g is not None]
     found += [_graph_links(g, names) for g in paths if g is not None]
     called = set().union(*(set(links) for links in found))
-    untouched = set(names).intersection(*(_untouched(g, names) for g in graphs))
+    untouched = set(names).intersection(*(_untouched(model, g, names) for g in graphs))
     if not found or called != set(names) - untouched:
         return None
     return {
@@ -213,15 +213,28 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
     }
 
 
-def _untouched(graph: fx.Graph, names: Sequence[str]) -> set[str]:
-    """Those of ``names`` that ``graph`` neither calls as modules nor reads a parameter or
-    buffer of (``get_attr`` of ``<name>.<attribute>``, or of a module inside it)."""
-    touched: set[str] = set()
+def _untouched(model: nn.Module, graph: fx.Graph, names: Sequence[str]) -> set[str]:
+    """Those of ``names`` that ``graph`` neither calls (as modules, or inside a module it
+    calls as a leaf: a ``TransformerEncoderLayer``'s own layers) nor reads a parameter of
+    (``get_attr``: by identity, so a weight tied to another layer's, read under that
+    layer's name, counts too)."""
+    called: set[str] = set()
+    read: set[int] = set()
     for node in graph.nodes:
-        if node.op in ("call_module", "get_attr"):
-            parts = str(node.target).split(".")
-            touched.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return set(names) - touched
+        if node.op == "call_module":
+            called.add(str(node.target))
+        elif node.op == "get_attr":
+            held: Any = model
+            for part in str(node.target).split("."):
+                held = getattr(held, part, None)
+            read.add(id(held))
+
+    def touched(name: str) -> bool:
+        if any(name == t or name.startswith(f"{t}.") or t.startswith(f"{name}.") for t in called):
+            return True
+        return any(id(p) in read for p in model.get_submodule(name).parameters())
+
+    return {name for name in names if not touched(name)}
 
 
 def _graph_links(graph: fx.Graph, names: Sequence[str]) -> dict[str, Links]:
