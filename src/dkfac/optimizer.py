@@ -433,11 +433,13 @@ class KFACOptimizer(Optimizer):
                 before preconditioning), as for any optimizer.
 
         A step that cannot move any weight (every learning rate 0 and every gradient zero:
-        what ``torch.distributed.checkpoint`` runs to create an optimizer's state), or that
-        has no gradient at all (Lightning steps after a ``training_step`` that returned
-        ``None`` to skip its batch), steps only the inner optimizer and leaves K-FAC's state
-        as it is: its step counter, factors, bases and moments, as torch's optimizers
-        leave theirs.
+        what ``torch.distributed.checkpoint`` runs to create an optimizer's state) steps only
+        the inner optimizer and leaves K-FAC's state as it is. So does a step with no
+        gradient at all in one process (Lightning steps after a ``training_step`` that
+        returned ``None`` to skip its batch), which also forgets what the batch's forward
+        captured: as if the batch was never seen, as torch's optimizers take such a step.
+        On several ranks such a step runs as any other (whether every rank has none would
+        take a collective a step to agree on).
 
         Raises:
             TypeError, ValueError: For a parameter group whose hyperparameters were changed
@@ -451,10 +453,15 @@ class KFACOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if optimizer_state.initialises_state(self.param_groups) or not any(
+        if optimizer_state.initialises_state(self.param_groups):
+            self._inner_step()  # nothing can move: K-FAC's state is left as it is
+            return loss
+        if not self.preconditioner.comm.active and not any(
             p.grad is not None for group in self.param_groups for p in group["params"]
-        ):  # nothing can move, or no gradient at all (a batch the framework skipped)
-            self._inner_step()  # K-FAC's state is left as it is
+        ):  # no gradient at all (a batch the framework skipped): as if it never ran
+            self.preconditioner.forget_captures()
+            self.preconditioner.capture.ran_since_step = False
+            self._inner_step()
             return loss
         # The raw gradients the preconditioner may change into finite ones (a layer's
         # non-finite gradient is zeroed) are its layers': it checks them itself

@@ -309,8 +309,13 @@ class KFACPreconditioner:
         followed by a backward (``loss = f(model(x)); opt.zero_grad(); loss.backward()``)
         keeps what it captured.
         """
-        if not self.capture.counter.seen:
-            return
+        if self.capture.counter.seen:
+            self.forget_captures()
+
+    def forget_captures(self) -> None:
+        """Forgets what the hooks captured since the last step, a backward pass or not
+        (:meth:`discard_backward`'s work; a step with no gradient at all in one process, a
+        batch the framework skipped after its forward: :meth:`dkfac.KFACOptimizer.step`)."""
         for layer in self.layers.values():
             layer.reset_accumulators()
             layer.input_square, layer.input_forwards = None, 0

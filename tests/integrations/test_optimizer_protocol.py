@@ -9,6 +9,7 @@ import io
 import pickle
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac import KFACOptimizer
+from tests.integrations.twins import max_difference
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:
@@ -250,3 +252,42 @@ def test_a_checkpoint_round_trip_warns_nothing_under_warnings_as_errors() -> Non
         [sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_step_with_no_gradient_is_a_batch_never_seen() -> None:
+    """``step(closure)`` whose closure runs the forward and no backward (Lightning's
+    skipped batch): K-FAC's step counter, factors and moments stay, and what the forward
+    captured is forgotten (each forward's input square under ``orthogonal_input_rms``, a
+    Monte-Carlo backward's statistics): the run equals the loop that skips the batch."""
+
+    def run(options: dict[str, Any], skip_inside: bool) -> tuple[nn.Module, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+        ).double()  # a hidden layer: orthogonalised, scaled by its input's RMS
+        opt = KFACOptimizer.for_model(model, lr=0.01, overhead=None, **options)
+        gen = torch.Generator().manual_seed(1)
+        for index in range(5):
+            x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 3, (8,), generator=gen)
+            if index == 2 and not skip_inside:
+                continue
+
+            def closure(x: Tensor = x, y: Tensor = y, index: int = index) -> Tensor | None:
+                out = model(x)
+                if options.get("fisher") == "mc":
+                    opt.preconditioner.sample_fisher(out)
+                opt.zero_grad()
+                if index == 2:
+                    return None
+                loss = F.cross_entropy(out, y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)  # type: ignore[arg-type]
+        return model, opt.preconditioner.steps
+
+    for options in ({}, {"fisher": "mc"}, {"orthogonal_input_rms": True}):
+        (inside, steps), (skipped, want) = run(options, True), run(options, False)
+        assert steps == want == 4
+        assert max_difference(inside, skipped) == 0.0, options
