@@ -5,9 +5,10 @@ BatchNorm updates its running statistics only there, so an evaluation forward ru
 gradients enabled never enters the factors. A layer that is trained while in eval mode
 (``model.eval()`` before the training loop, or ``backbone.eval()`` to hold its BatchNorm
 statistics) therefore gets no new statistics: it is preconditioned with those of its
-train-mode steps, or, while it has none, gets no update under a method whose update has
-Adam's scale (``eigen_adam``, the default) and its plain gradient under the others (on every
-rank alike: the overlapped reduction leaves such a layer out of the step's plan,
+train-mode steps, or, while it has none, is not moved by its gradient where its update has
+Adam's scale (``eigen_adam``'s, the default; a weight decay still moves it) and takes its
+plain gradient elsewhere (a BatchNorm's unit-wise update, the damped methods), on every
+rank alike (the overlapped reduction leaves such a layer out of the step's plan,
 :mod:`dkfac.engine.eager`). That is easy to miss, so :class:`EvalModeLayers` names such
 layers in one warning, at the first step that would have captured them (a scheduled capture,
 or the step after a layer was seen uncaptured).
@@ -54,11 +55,12 @@ class EvalModeLayers:
         logger.warning(
             "%d layer(s) have gradients but are in eval mode at a step that captures their "
             "statistics: %s. K-FAC captures nothing in eval mode, so they are preconditioned "
-            "with the statistics of their train-mode steps, or, while they have none, get "
-            "no update under eigen_adam (the default) and their plain gradient under the "
-            "other methods. Put the layers being trained in train mode (.train()); "
-            "for a BatchNorm held in eval mode, unitwise_bn=False leaves its scale and shift "
-            "to the update of the model's other parameters",
+            "with the statistics of their train-mode steps, or, while they have none, are "
+            "not moved by their gradient where their update has Adam's scale (eigen_adam, "
+            "the default; a weight decay still moves them) and take their plain gradient "
+            "elsewhere (a BatchNorm's unit-wise update). Put the layers being trained in "
+            "train mode (.train()); for a BatchNorm held in eval mode, unitwise_bn=False "
+            "leaves its scale and shift to the update of the model's other parameters",
             len(found),
             name_list(found),
         )

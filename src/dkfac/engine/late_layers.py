@@ -25,9 +25,10 @@ weight itself: MobileBERT's output layer is ``h @ cat([decoder.weight.T, dense.w
 is left out at registration where the model's graph shows it
 (:func:`~dkfac.engine.tracing.uncalled_layers`). One the graph does not show (a forward fx
 cannot trace, a tied weight, a graph ``torch.compile`` captured before the hooks) is never
-captured: it waits for good, with no update under a method whose update has Adam's scale
-(its plain gradient would be an SGD step at Adam's rate:
-:func:`~dkfac.engine.step_math.precondition`) and its plain gradient under the others.
+captured: it waits for good. Where its update has Adam's scale (``eigen_adam``'s) its gradient
+does not move it (its plain gradient would be an SGD step at Adam's rate:
+:func:`~dkfac.engine.step_math.precondition`; a weight decay still does); elsewhere (a
+BatchNorm's unit-wise update, the damped methods) it takes its plain gradient.
 :meth:`LateLayers.note_unrun` names each such layer once in a warning.
 """
 
@@ -86,8 +87,9 @@ class LateLayers:
                     "used outside it (by its parent, functionally), or it runs inside a graph "
                     "torch.compile captured before the optimizer was built (call "
                     "torch.compiler.reset() after building it), so K-FAC captures no "
-                    "factors for it: under eigen_adam (the default) it gets no update at "
-                    "all, under the other methods its plain gradient; list it in "
+                    "factors for it: where its update has Adam's scale (eigen_adam, the "
+                    "default) its gradient does not move it (a weight decay still does), "
+                    "elsewhere it takes its plain gradient; list it in "
                     "skip_layers (with any layer tied to it) to give it the leftover update",
                     name,
                 )
