@@ -134,11 +134,6 @@ def build_eager(
     )
 
 
-def _trainable(layer: LayerState) -> bool:
-    """Whether the layer's weight requires a gradient now (a frozen layer has no traffic)."""
-    return bool(layer.block.parameters()[0].requires_grad)
-
-
 class EagerReducer:
     """Launches each bucket's reduction from the parameters' post-accumulate-grad hooks.
 
@@ -192,6 +187,9 @@ class EagerReducer:
         self._problem: str | None = None
         self._users: dict[int, list[str]] = {}
         self._hooks: list[Any] = []
+        # Each layer's weight as built: inside a sharded layout's step the module holds a
+        # stand-in without requires_grad, which would read as frozen (no traffic).
+        self._weights = {name: layer.block.parameters()[0] for name, layer in layers.items()}
         params: dict[int, Tensor] = {}
         for name, layer in layers.items():
             for param in layer.block.parameters():
@@ -212,16 +210,21 @@ class EagerReducer:
         self._hooks.clear()
 
     # ------------------------------------------------------------------ planning
-    def _due(self, layer: LayerState) -> bool:
+    def _trainable(self, name: str) -> bool:
+        """Whether the layer's weight requires a gradient now (a frozen layer has no
+        traffic); its own weight's flag, also within the step (module notes on stand-ins)."""
+        return bool(self._weights[name].requires_grad)
+
+    def _due(self, name: str, layer: LayerState) -> bool:
         """Whether the layer has statistics due this step (on every rank alike: under
         ``dp`` only its owner captures them)."""
-        return self._capturing and bool(layer.due) and _trainable(layer)
+        return self._capturing and bool(layer.due) and self._trainable(name)
 
     def _factor_traffic(self, name: str, layer: LayerState) -> bool:
         return (
             self.strategy.factor_reduction != "none"
             and layer.captures
-            and self._due(layer)
+            and self._due(name, layer)
             and name not in self.held
         )
 
@@ -249,7 +252,7 @@ class EagerReducer:
         self.held = {
             name
             for name, layer in self.layers.items()
-            if self._due(layer) and not layer.block.module.training
+            if self._due(name, layer) and not layer.block.module.training
         }
         if self.held:
             self._form_buckets()
@@ -264,7 +267,7 @@ class EagerReducer:
             if self._factor_traffic(name, layer):
                 shapes = layer.stored_shapes()
                 nbytes += sum(math.prod(shapes[key]) for key in layer.due) * element
-            if self.with_gradients and _trainable(layer):
+            if self.with_gradients and self._trainable(name):
                 nbytes += layer.block.a_dim * layer.block.g_dim * element  # its g×a gradient
             if nbytes == 0:
                 continue
@@ -343,7 +346,7 @@ class EagerReducer:
                     )
                     return
                 stats[name] = means
-            if self.with_gradients and _trainable(layer):
+            if self.with_gradients and self._trainable(name):
                 grad = layer.block.weight_grad()
                 if grad is None:
                     self._problem = f"layer {name} has no gradient on this rank; {_OFF_HINT}"
