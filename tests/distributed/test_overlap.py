@@ -354,3 +354,28 @@ def test_buckets_launch_during_backward_with_a_frozen_bias() -> None:
     assert pre.eager.launched == 3  # all launched by the hooks, before step()
     pre.step(lr=0.1)
     assert sorted(pre.factors()) == sorted(DIMS)
+
+
+def _synced_twice_main(rank: int, world: int) -> str:
+    """DDP accumulation of two micro-batches without ``no_sync()`` under the default
+    ``overlap_comm`` (on with DDP): the second synchronised backward is refused."""
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(make_model())
+    pre = KFACPreconditioner(model)
+    x, y = global_batch(0, world)
+    for half in (x.chunk(2)[rank], x.chunk(2)[rank]):
+        F.cross_entropy(model(half), y.chunk(2)[rank]).backward()
+    try:
+        pre.step()
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+def test_ddp_accumulation_without_no_sync_is_refused_with_the_way_out() -> None:
+    """The message said "before step()" twice and not what to do; it now names both ways:
+    ``no_sync()`` on all micro-batches but the last, or ``overlap_comm="off"``."""
+    for message in run_distributed(_synced_twice_main, 2, timeout=120):
+        assert "more synchronised backward passes than one" in message
+        assert "model.no_sync()" in message and 'overlap_comm="off"' in message
+        assert message.count("before step()") == 1

@@ -296,13 +296,13 @@ class EagerReducer:
         self._counts[key] = count
         if count > last:
             self._problem = (
-                "more synchronised backward passes than one before step()"
+                "more synchronised backward passes than one before step() (under DDP "
+                "accumulate with model.no_sync() on all micro-batches but the last, or set "
+                'overlap_comm="off")'
                 if self.synced is not None
-                else f"more backward passes than accumulation_steps={self.accumulation_steps}"
-            ) + (
-                " before step(): with overlap_comm the statistics were already sent after "
-                "the last expected one"
-            )
+                else f"more backward passes than accumulation_steps={self.accumulation_steps} "
+                "before step()"
+            ) + ": with overlap_comm the statistics were already sent after the last expected one"
             return
         if count < last:
             return
