@@ -456,8 +456,10 @@ class KFACOptimizer(Optimizer):
         if optimizer_state.initialises_state(self.param_groups):
             self._inner_step()  # nothing can move: K-FAC's state is left as it is
             return loss
-        if not self.preconditioner.comm.active and not any(
-            p.grad is not None for group in self.param_groups for p in group["params"]
+        if (
+            not self.preconditioner.comm.active
+            and not any(p.grad is not None for group in self.param_groups for p in group["params"])
+            and not self.preconditioner.has_gradients()  # (parameters replaced: refused below)
         ):  # no gradient at all (a batch the framework skipped): as if it never ran
             self.preconditioner.forget_captures()
             self.preconditioner.capture.ran_since_step = False

@@ -287,6 +287,11 @@ class KFACPreconditioner:
     def _params(self) -> dict[str, list[Tensor]]:
         return {name: layer.block.parameters() for name, layer in self.layers.items()}
 
+    def has_gradients(self) -> bool:
+        """Whether some registered layer's parameter (the module's own now: one replaced
+        since the build too) holds a gradient."""
+        return any(p.grad is not None for params in self._params().values() for p in params)
+
     def schedule_captures(self, step: int) -> None:
         """Asks the refresh policy which statistics the hooks capture at ``step``.
 
