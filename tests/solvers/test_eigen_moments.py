@@ -377,22 +377,22 @@ def test_power_option_follows_the_previous_state_and_starts_with_eigh() -> None:
 
 
 def test_a_partial_power_refresh_keeps_the_leading_columns_of_the_full_one() -> None:
-    """``rank = k``: the span of the first ``k`` columns of the full step's QR (a QR's first
-    columns depend only on the first columns of its matrix), those columns sorted by their
-    Rayleigh quotients, an orthonormal completion, and the rest of the trace shared equally
-    by the other estimates."""
+    """``rank = k``: the first ``k`` columns and estimates of the full step (a QR's first
+    columns depend only on the first columns of its matrix; the estimates are the new
+    columns' Rayleigh quotients), an orthonormal completion, and the rest of the trace
+    shared equally by the other estimates."""
     matrix = _low_rank(12, 30, seed=11)
     previous = _orthogonal(12, 12)
     full_estimates, full = power_refresh(matrix, previous, DT)
     estimates, q = power_refresh(matrix, previous, DT, rank=4)
-    span, _ = torch.linalg.qr(matrix @ previous[:, :4])
-    torch.testing.assert_close(span @ span.T, q[:, :4] @ q[:, :4].T, rtol=0, atol=1e-12)
-    quotients = torch.diagonal(q[:, :4].T @ matrix @ q[:, :4])
-    torch.testing.assert_close(estimates[:4], quotients, rtol=0, atol=1e-12)
-    assert bool((estimates[:3] >= estimates[1:4]).all())
+    torch.testing.assert_close(q[:, :4], full[:, :4], rtol=0, atol=1e-12)
+    torch.testing.assert_close(estimates[:4], full_estimates[:4], rtol=0, atol=1e-12)
+    quotients = torch.diagonal(full.T @ matrix @ full)
+    torch.testing.assert_close(full_estimates, quotients, rtol=0, atol=1e-12)
     torch.testing.assert_close(q.T @ q, torch.eye(12, dtype=DT), rtol=0, atol=1e-12)
-    rest = (torch.trace(matrix) - estimates[:4].sum()) / 8
+    rest = (torch.trace(matrix) - full_estimates[:4].sum()) / 8
     torch.testing.assert_close(estimates[4:], rest.expand(8), rtol=1e-12, atol=0)
+    assert not torch.allclose(q[:, 4:].abs(), full[:, 4:].abs(), atol=1e-3)  # unrelated
     for rank in (12, 20):  # as wide as the factor or wider: the full step
         same = power_refresh(matrix, previous, DT, rank=rank)
         torch.testing.assert_close(same[1], full, rtol=0, atol=0)
@@ -402,16 +402,15 @@ def test_a_partial_power_refresh_keeps_the_leading_columns_of_the_full_one() -> 
 def test_the_power_refresh_finds_the_null_space_of_a_factor_whose_range_moved() -> None:
     """A factor of rank 3 of 8 whose range moved off the previous basis: ``F Q_prev`` is
     singular and the QR fills 5 columns with rounding. The estimates are the new columns'
-    Rayleigh quotients, descending, so the null space is the last 5 columns, which
-    :func:`canonical_null_basis` then finds (oracle: ``eigh``'s rank and ``‖F Q_null‖``).
-    With the old basis's quotients in the old order, columns of the range's rounding kept
-    quotients of 1e-2 of the largest and the null space went unmarked."""
+    Rayleigh quotients, so :func:`canonical_null_basis` finds the null space wherever it
+    lies and moves it last (oracle: ``eigh``'s rank and ``‖F Q_null‖``). With the old
+    basis's quotients, columns of the range's rounding kept quotients of 1e-2 of the
+    largest and the null space went unmarked."""
     old = _factor(_orthogonal(8, 21), [4.0, 2.0, 1.0, 0.5, 0.25, 0.0, 0.0, 0.0])
     _, previous = canonical_null_basis(*descending_eigh(old, DT), DT)
     factor = _low_rank(8, 3, seed=22)  # another range, rank 3
     estimates, q = power_refresh(factor, previous, DT)
     torch.testing.assert_close(estimates, torch.diagonal(q.T @ factor @ q), rtol=0, atol=1e-12)
-    assert bool((estimates[:-1] >= estimates[1:]).all())
     values, basis = canonical_null_basis(estimates, q, DT)
     assert int((values > 0).sum()) == int((torch.linalg.eigvalsh(factor) > 1e-10).sum()) == 3
     assert float((factor @ basis[:, 3:]).abs().max()) < 1e-12
@@ -960,3 +959,30 @@ def test_the_default_keeps_rounding_of_a_low_rank_factor_out_of_its_steps() -> N
 
     whole, halves = run(1), run(2)
     assert max(float((p - q).abs().max()) for p, q in zip(whole, halves, strict=True)) < 1e-3
+
+
+def test_a_converged_basis_stays_put_when_its_values_swap_or_tie() -> None:
+    """Each new column follows the previous basis's column of its place, so moments kept
+    across the refresh (``"keep_v"``) still belong to their direction: a factor with the
+    same eigenvectors gives the same basis when two eigenvalues swap or two are equal
+    (sorting the columns by their estimates moved them, and ``keep_v`` then scaled one
+    direction by another's second moment)."""
+    _, q = descending_eigh(A, DT)
+    for values in ([0.5, 2.0, 1.0, 4.0, 0.25], [2.0, 2.0, 1.0, 1.0, 0.25]):
+        moved = q @ torch.diag(torch.tensor(values, dtype=DT)) @ q.T
+        estimates, again = power_refresh(moved, q, DT)
+        torch.testing.assert_close(again, q, rtol=0, atol=1e-12)
+        torch.testing.assert_close(estimates, torch.tensor(values, dtype=DT))
+
+
+def test_a_partial_power_refresh_marks_the_null_space_where_it_lies() -> None:
+    """``rank = k`` with a factor whose range partly left the followed columns: the
+    completion's shared estimate exceeds the followed columns' zero ones, and the null
+    space (the columns moved last) must not hold the range."""
+    eye = torch.eye(8, dtype=DT)
+    factor = 4 * torch.outer(eye[0], eye[0]) + torch.outer(eye[6], eye[6])  # e6 not followed
+    estimates, q = power_refresh(factor, eye, DT, rank=4)
+    values, basis = canonical_null_basis(estimates, q, DT)
+    null = basis[:, values == 0]
+    assert null.shape[1] >= 3
+    assert float((factor @ null).abs().max()) < 1e-12

@@ -73,16 +73,16 @@ def power_refresh(
     """One step of subspace iteration from the basis ``previous``: ``(estimates, Q)``.
 
     ``Q = qr(F Q_prev)`` with the signs of its columns chosen so that ``diag R > 0``;
-    estimates the Rayleigh quotients of the new columns, ``diag(Qᵀ F Q)`` clamped at 0, and
-    the columns sorted by them, largest first (as an ``eigh`` returns them, which
-    :func:`~dkfac.solvers.null_space.canonical_null_basis` reads: its null columns last).
-    ``F`` is taken as symmetric. The old basis's quotients ``diag(Q_prevᵀ F Q_prev)``, in
-    the old order, are no estimates of the new columns where ``F Q_prev`` is singular (a
-    factor of low rank whose range moved): the QR fills those columns with rounding, and an
-    old quotient of 1e-4 of the largest there left them out of the null space, whose
-    rounding floor keeps Adam from turning rounding into whole steps (2.0 from the same run
-    on two ranks after 20 steps, 1e-4 with the new columns' quotients). The quotients cost
-    one more ``2n²k`` product.
+    estimates the Rayleigh quotients of the new columns, ``diag(Qᵀ F Q)`` clamped at 0, in
+    the QR's column order (each column follows the previous basis's column of its place, so
+    moments kept across the refresh, ``"keep_v"``, still belong to it). ``F`` is taken as
+    symmetric. The old basis's quotients ``diag(Q_prevᵀ F Q_prev)`` are no estimates of the
+    new columns where ``F Q_prev`` is singular (a factor of low rank whose range moved): the
+    QR fills those columns with rounding, and an old quotient of 1e-4 of the largest there
+    left them out of the null space (:func:`~dkfac.solvers.null_space.canonical_null_basis`
+    finds it by the estimates, wherever it lies), whose rounding floor keeps Adam from
+    turning rounding into whole steps (2.0 from the same run on two ranks after 20 steps,
+    1e-4 with the new columns' quotients). The quotients cost one more ``2n²k`` product.
 
     With ``rank = k < n`` only the leading ``k`` columns follow ``F``: ``Y = qr(F Q_prev[:,
     :k])`` (the same ``k`` columns as the full step, since a QR's first columns depend only
@@ -111,8 +111,7 @@ def power_refresh(
     signs = torch.diagonal(reflectors, dim1=-2, dim2=-1)[..., :kept] < 0
     q[..., :kept].mul_(torch.where(signs, -1.0, 1.0).to(dtype).unsqueeze(-2))
     new = q[..., :kept]
-    top, order = (new * (sym @ new)).sum(dim=-2).clamp(min=0.0).sort(dim=-1, descending=True)
-    q[..., :kept] = new.gather(-1, order.unsqueeze(-2).expand_as(new))
+    top = (new * (sym @ new)).sum(dim=-2).clamp(min=0.0)
     if kept == size:
         return top, q
     rest = (torch.trace(sym) - top.sum()).clamp(min=0.0) / (size - kept)

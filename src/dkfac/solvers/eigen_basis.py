@@ -11,10 +11,11 @@ carrying of the moments across a refresh are :mod:`dkfac.solvers.eigen_moments`'
 **Basis refresh** (at the inverse interval, on the layer's owner): ``"eigh"`` eigendecomposes
 both factors; ``"power"`` follows the previous basis with one step of subspace iteration,
 ``Q ← qr(F Q_prev)`` (column signs fixed so that ``diag R > 0``, so a converged basis is a
-fixed point), eigenvalue estimates the new columns' Rayleigh quotients ``diag(Qᵀ F Q)``,
-the columns sorted by them, largest first (SOAP's update estimates ``diag(Q_prevᵀ F Q_prev)``
-in the old order, which misses the null space of a factor of low rank whose range moved:
-:func:`~dkfac.solvers.basis_refresh.power_refresh`). The first
+fixed point), eigenvalue estimates the new columns' Rayleigh quotients ``diag(Qᵀ F Q)`` in
+the QR's column order (SOAP's update estimates ``diag(Q_prevᵀ F Q_prev)``, which misses the
+null space of a factor of low rank whose range moved:
+:func:`~dkfac.solvers.basis_refresh.power_refresh`; the null columns are then moved last by
+:func:`~dkfac.solvers.null_space.canonical_null_basis`). The first
 refresh, or one without a fitting previous state, is a full ``eigh``, except that a factor
 at least ``RANGE_MIN_DIM`` wide first tries :func:`range_eigh` (exact when its rank is at
 most a quarter of its width, as a factor from a subsample of a wide layer's batch is).

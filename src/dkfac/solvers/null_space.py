@@ -57,18 +57,24 @@ ROUNDING_FLOOR = 8192 * torch.finfo(torch.float32).eps
 """The floor added to Adam's ``ε`` in null directions, relative to ``‖√v‖_F`` (module notes)."""
 
 
+def _above_rounding(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """Which of ``values`` (each vector of its last dimension) exceed ``n · ε(dtype) · max``:
+    the range's, in any order."""
+    size = values.shape[-1]
+    tolerance = size * torch.finfo(dtype).eps * values.amax(dim=-1, keepdim=True).clamp(min=0.0)
+    return values > tolerance
+
+
 def numerical_ranks(values: Tensor, dtype: torch.dtype) -> Tensor:
     """:func:`numerical_rank` of each vector of ``values`` (its last dimension; any leading
     ones), as an int64 tensor on their device: no host read."""
-    size = values.shape[-1]
-    if size == 0:
+    if values.shape[-1] == 0:
         return torch.zeros(values.shape[:-1], dtype=torch.int64, device=values.device)
-    tolerance = size * torch.finfo(dtype).eps * values[..., :1].clamp(min=0.0)
-    return (values > tolerance).sum(dim=-1)
+    return _above_rounding(values, dtype).sum(dim=-1)
 
 
 def numerical_rank(values: Tensor, dtype: torch.dtype) -> int:
-    """How many of the descending, non-negative ``values`` exceed ``n · ε(dtype) · max``."""
+    """How many of the non-negative ``values`` exceed ``n · ε(dtype) · max``."""
     return int(numerical_ranks(values, dtype))
 
 
@@ -78,7 +84,9 @@ def canonical_null_basis(
     """``(values, basis)`` with the null space in the canonical basis (module notes).
 
     Args:
-        values: Eigenvalues or estimates, descending (``(n,)``; or ``(L, n)``: a stack).
+        values: Eigenvalues or estimates (``(n,)``; or ``(L, n)``: a stack), descending as
+            an ``eigh`` gives them, or in any order (a power step's): the null columns are
+            moved last first, the others keeping their order.
         basis: The matching orthonormal columns (``(n, n)``; or ``(L, n, n)``).
         factor_dtype: The dtype the factor was stored in (its rounding sets the rank).
         check: Read the ranks on the host (one read for a stack) and return the inputs
@@ -87,14 +95,19 @@ def canonical_null_basis(
 
     Returns:
         The inputs themselves when (``check``) no factor is singular; else new tensors:
-        the values of each null space set to exactly 0, its columns replaced.
+        the range's columns first, in their order, then the null space's, its values set
+        to exactly 0 and its columns replaced.
     """
     size = basis.shape[-1]
     if size == 0:
         return values, basis
-    ranks = numerical_ranks(values, factor_dtype)
+    above = _above_rounding(values, factor_dtype)
+    ranks = above.sum(dim=-1)
     if check and all(rank in (0, size) for rank in ranks.reshape(-1).tolist()):
         return values, basis
+    order = torch.argsort((~above).to(torch.uint8), dim=-1, stable=True)  # range first
+    values = values.gather(-1, order)
+    basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
     return masked_null_basis(values, basis, ranks)
 
 
@@ -113,7 +126,7 @@ def masked_null_basis(values: Tensor, basis: Tensor, ranks: Tensor) -> tuple[Ten
     bit.
 
     Args:
-        values: ``(…, n)`` values, descending.
+        values: ``(…, n)`` values, the ``r`` of the range first.
         basis: ``(…, n, n)`` their orthonormal columns.
         ranks: ``(…)`` int64 numerical ranks (:func:`numerical_ranks`).
     """
