@@ -738,3 +738,26 @@ def test_layers_the_forward_touches_otherwise_are_not_taken_for_untouched() -> N
         torch.manual_seed(seed)
         assert layer_roles(_SkippedLast()) == {"inp": "input", "body": "hidden", "refine": "head"}
     assert layer_roles(_TiedFunctional())["dec"] == "head"
+
+
+class _LeafThenSpare(nn.Module):
+    """Layers inside a module fx calls as a leaf (the graph's links then unknown) and an
+    uncalled layer defined after the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+        self.spare = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.enc(self.inp(x)))
+
+
+def test_an_untouched_layer_is_left_out_of_the_call_order_rule_too() -> None:
+    """Where the links are unknown (layers inside a leaf) the roles fall back to the order
+    of the calls, or of the modules: an uncalled layer last in module order was taken for
+    the head there, and the real head for a hidden layer."""
+    roles = layer_roles(_LeafThenSpare())
+    assert roles["head"] == "head" and roles["spare"] == "hidden" and roles["inp"] == "input"

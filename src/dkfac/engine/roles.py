@@ -52,6 +52,7 @@ from dkfac.engine.tracing import (
     layer_links,
     traced_graph,
     unsharded,
+    untouched_layers,
 )
 
 __all__ = [
@@ -170,6 +171,8 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
     if not matrices:
         return _roles(modules, set(), set())
     ordered = (call_order(model, matrices) if len(matrices) > 1 else None) or matrices
+    untouched = untouched_layers(model, matrices) if len(matrices) > 1 else frozenset()
+    ordered = [name for name in ordered if name not in untouched] or ordered
     first: set[str] = set()
     for name, module in modules:
         if isinstance(module, nn.Embedding):

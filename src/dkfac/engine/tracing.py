@@ -31,6 +31,7 @@ __all__ = [
     "traced_graph",
     "uncalled_layers",
     "unsharded",
+    "untouched_layers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -187,18 +188,12 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
     if found and len(found[0]) == len(set(names)):
         return found[0]
     # Some layers are on no path of that trace (a branch a random draw skipped, stochastic
-    # depth) or it failed (data-dependent control flow): the paths where the conditions
-    # hold (the first MAX_GUESSES of them) and where none does, and the forward in eval
-    # mode; a layer's links are its links on any of them (a layer on none: not known).
-    paths = (
-        []
-        if graph is not None
-        else [traced_graph(model, "roles on one path", branch) for branch in (True, False)]
-    )
-    paths.append(traced_graph(model, "roles in eval mode", evaluating=True))
-    graphs = [g for g in (graph, *paths) if g is not None]
-    found += [_graph_links(g, names) for g in paths if g is not None]
+    # depth) or it failed (data-dependent control flow): the other paths (_other_paths); a
+    # layer's links are its links on any of them (a layer on none: not known).
+    paths = _other_paths(model, graph)
+    found += [_graph_links(g, names) for g in paths]
     called = set().union(*(set(links) for links in found))
+    graphs = [g for g in (graph, *paths) if g is not None]
     untouched = set(names).intersection(*(_untouched(model, g, names) for g in graphs))
     if not found or called != set(names) - untouched:
         return None
@@ -211,6 +206,36 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
         for n in names
         if n in called
     }
+
+
+def _other_paths(model: nn.Module, graph: fx.Graph | None) -> list[fx.Graph]:
+    """The graphs besides ``graph`` (the forward's trace, ``None`` where it failed) that a
+    layer missing from it may be on: where the trace failed (data-dependent control flow),
+    the paths where the conditions hold (the first :data:`MAX_GUESSES` of them) and where
+    none does; and the forward in eval mode (a branch a random draw skipped in training)."""
+    paths = (
+        []
+        if graph is not None
+        else [traced_graph(model, "roles on one path", branch) for branch in (True, False)]
+    )
+    paths.append(traced_graph(model, "roles in eval mode", evaluating=True))
+    return [g for g in paths if g is not None]
+
+
+def untouched_layers(model: nn.Module, names: Sequence[str]) -> frozenset[str]:
+    """Those of ``names`` that the forward never touches on any traced path (see
+    :func:`layer_links`); none where it cannot be traced at all."""
+    original = compiled_original(model)
+    if original is not None:  # torch.compile(model): its layers are "_orig_mod.<name>"
+        if not all(n.startswith("_orig_mod.") for n in names):
+            return frozenset()
+        inner = untouched_layers(original, [n.removeprefix("_orig_mod.") for n in names])
+        return frozenset(f"_orig_mod.{n}" for n in inner)
+    graph = traced_graph(model, "layers the forward never touches")
+    graphs = [g for g in (graph, *_other_paths(model, graph)) if g is not None]
+    if not graphs:
+        return frozenset()
+    return frozenset(set(names).intersection(*(_untouched(model, g, names) for g in graphs)))
 
 
 def _untouched(model: nn.Module, graph: fx.Graph, names: Sequence[str]) -> set[str]:
