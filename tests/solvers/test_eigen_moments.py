@@ -986,3 +986,27 @@ def test_a_partial_power_refresh_marks_the_null_space_where_it_lies() -> None:
     null = basis[:, values == 0]
     assert null.shape[1] >= 3
     assert float((factor @ null).abs().max()) < 1e-12
+
+
+def test_a_direction_that_dies_keeps_its_place_and_is_marked_null() -> None:
+    """A converged basis whose second eigenvalue drops to 0 (a unit that died): ``F Q_prev``
+    has a column of rounding. In the QR's order it became a direction of rounding that the
+    later columns were mixed into (overlaps of 0.4-0.9), with no estimate at 0; and the null
+    partition moved it last, so a kept ``v`` scaled each later direction by its neighbour's.
+    Now every column stays (the dead one replaced by the canonical null vector, here itself
+    up to sign), its estimate is 0, and ``keep_v`` carries each ``v`` to its own direction."""
+    gen = torch.Generator().manual_seed(1)
+    q_a, _ = torch.linalg.qr(torch.randn(5, 5, generator=gen, dtype=DT))
+    solver = EigenAdamSolver(DT, MomentOptions(basis_refresh="power", carry="keep_v"))
+    old = solver.compute(_factor(q_a, [4.0, 2.0, 1.0, 0.5, 0.25]), G, 0.1)
+    moments = None
+    for _ in range(3):
+        grad = torch.randn(G_DIM, A_DIM, generator=gen, dtype=DT) @ old["qa"].T
+        _, moments = solver.apply_with_moments(old, moments, grad, 0.1)
+    assert moments is not None
+    dead = _factor(old["qa"], [4.0, 0.0, 1.0, 0.5, 0.25])
+    new = solver.compute_statistics({"A": dead, "G": G}, 0.1, previous=old)
+    torch.testing.assert_close(new["da"], torch.tensor([4.0, 0.0, 1.0, 0.5, 0.25], dtype=DT))
+    torch.testing.assert_close((new["qa"].T @ old["qa"]).abs(), torch.eye(A_DIM, dtype=DT))
+    carried = solver.carry_moments(old, new, moments)
+    torch.testing.assert_close(carried["v"], moments["v"])

@@ -73,9 +73,12 @@ def power_refresh(
     """One step of subspace iteration from the basis ``previous``: ``(estimates, Q)``.
 
     ``Q = qr(F Q_prev)`` with the signs of its columns chosen so that ``diag R > 0``;
-    estimates the Rayleigh quotients of the new columns, ``diag(Qᵀ F Q)`` clamped at 0, in
-    the QR's column order (each column follows the previous basis's column of its place, so
-    moments kept across the refresh, ``"keep_v"``, still belong to it). ``F`` is taken as
+    estimates the Rayleigh quotients of the new columns, ``diag(Qᵀ F Q)`` clamped at 0. Each
+    column keeps the place of the previous basis's column it follows, so moments kept
+    across the refresh (``"keep_v"``) still belong to it: a column ``F`` sends to rounding
+    (its direction now in ``F``'s null space) is taken last in the QR, where it becomes the
+    null space's completion, and put back in its place (in the QR's order it became a
+    direction of rounding, and the columns after it were mixed into it). ``F`` is taken as
     symmetric. The old basis's quotients ``diag(Q_prevᵀ F Q_prev)`` are no estimates of the
     new columns where ``F Q_prev`` is singular (a factor of low rank whose range moved): the
     QR fills those columns with rounding, and an old quotient of 1e-4 of the largest there
@@ -101,8 +104,10 @@ def power_refresh(
     kept = size if rank is None else min(rank, size)
     if kept < size and sym.dim() > 2:
         raise ValueError("power_refresh takes a stack of matrices only with the full rank")
-    lead = previous.to(dtype)[..., :kept]
-    reflectors, tau = torch.geqrf(sym @ lead)  # what torch.linalg.qr runs, R on the diagonal
+    product = sym @ previous.to(dtype)[..., :kept]
+    order = _vanished_last(product)
+    product = product.gather(-1, order.unsqueeze(-2).expand_as(product))
+    reflectors, tau = torch.geqrf(product)  # what torch.linalg.qr runs, R on the diagonal
     if kept < size:  # the k reflectors, applied to all n columns: the span and its completion
         padded = reflectors.new_zeros(size, size)
         padded[:, :kept] = reflectors
@@ -110,9 +115,23 @@ def power_refresh(
     q = torch.linalg.householder_product(reflectors, tau)
     signs = torch.diagonal(reflectors, dim1=-2, dim2=-1)[..., :kept] < 0
     q[..., :kept].mul_(torch.where(signs, -1.0, 1.0).to(dtype).unsqueeze(-2))
-    new = q[..., :kept]
+    places = torch.argsort(order, dim=-1)  # each column back to its previous column's place
+    new = q[..., :kept].gather(-1, places.unsqueeze(-2).expand(*q.shape[:-1], kept))
+    q[..., :kept] = new
     top = (new * (sym @ new)).sum(dim=-2).clamp(min=0.0)
     if kept == size:
         return top, q
     rest = (torch.trace(sym) - top.sum()).clamp(min=0.0) / (size - kept)
     return torch.cat([top, rest.expand(size - kept)]), q
+
+
+def _vanished_last(product: Tensor) -> Tensor:
+    """The order of ``F Q_prev``'s columns that puts those ``F`` sends to rounding (norm at
+    most ``n · ε · max``: a previous column now in ``F``'s null space) last, the others
+    keeping theirs: the QR then spans the range with the others first, and takes the null
+    space's completion for the vanished ones, instead of a direction of rounding that the
+    columns after it are mixed into."""
+    norms = torch.linalg.vector_norm(product, dim=-2)
+    tolerance = product.shape[-2] * torch.finfo(product.dtype).eps
+    vanished = norms <= tolerance * norms.amax(dim=-1, keepdim=True)
+    return torch.argsort(vanished.to(torch.uint8), dim=-1, stable=True)

@@ -3,7 +3,8 @@
 :class:`EigenBasisSolver` is what EKFAC and eigen-Adam
 (:class:`~dkfac.solvers.eigen_moments.EigenMomentsSolver`) keep of a layer's factors: the
 eigenbases of ``A = Q_A Λ_A Q_Aᵀ`` and ``G = Q_G Λ_G Q_Gᵀ`` (the columns in descending order
-of eigenvalue) and their eigenvalue estimates, as the state ``qa, da, qg, dg``; how a refresh
+of eigenvalue after an ``eigh``; a power step keeps each column in its place) and their
+eigenvalue estimates, as the state ``qa, da, qg, dg``; how a refresh
 computes them; and the null indicators of a singular factor, which Adam's rounding floor
 reads (:mod:`~dkfac.solvers.null_space`). The moments in the basis, the update and the
 carrying of the moments across a refresh are :mod:`dkfac.solvers.eigen_moments`'.
@@ -104,7 +105,8 @@ __all__ = ["EigenBasisSolver"]
 
 class EigenBasisSolver(Solver):
     """The basis part of the eigenbasis-moment solvers: state ``qa, da, qg, dg``
-    (descending order), refreshed by ``eigh`` or a power step (module notes), and the null
+    (descending order after an ``eigh``, each column in its place after a power step),
+    refreshed by ``eigh`` or a power step (module notes), and the null
     indicators of its singular factors (:meth:`completed`).
 
     Args:

@@ -1,10 +1,11 @@
 """Moments of the gradient in the Kronecker eigenbasis: EKFAC and eigen-Adam.
 
 With ``A = Q_A Λ_A Q_Aᵀ`` and ``G = Q_G Λ_G Q_Gᵀ`` (the columns in descending order of
-eigenvalue), the rotated gradient is ``R = Q_Gᵀ ∇W Q_A``. Instead of ``λ_G λ_Aᵀ`` (the
-``"eigen"`` solver), running moments of ``R`` scale it, one per entry, kept between steps on
-every rank that preconditions the layer (:meth:`Solver.apply_with_moments`). ``t`` counts the
-moment updates since the moments started.
+eigenvalue after an ``eigh``, in place after a power step), the rotated gradient is ``R =
+Q_Gᵀ ∇W Q_A``. Instead of ``λ_G λ_Aᵀ`` (the ``"eigen"`` solver), running moments of ``R``
+scale it, one per entry, kept between steps on every rank that preconditions the layer
+(:meth:`Solver.apply_with_moments`). ``t`` counts the moment updates since the moments
+started.
 
 ``"eigen_adam"`` (Adam in K-FAC's eigenbasis; what SOAP does with Shampoo's bases)::
 
@@ -177,7 +178,8 @@ class EigenMomentsSolver(EigenBasisSolver):
     """Shared part of :class:`~dkfac.solvers.eigen_adam.EigenAdamSolver` and
     :class:`~dkfac.solvers.ekfac.EKFACSolver`: the moments in the basis of
     :class:`~dkfac.solvers.eigen_basis.EigenBasisSolver`, the update, and the carrying of
-    the moments across a refresh. State ``qa, da, qg, dg`` (descending order).
+    the moments across a refresh. State ``qa, da, qg, dg``
+    (:class:`~dkfac.solvers.eigen_basis.EigenBasisSolver`).
 
     Args:
         compute_dtype: Precision of the decompositions.

@@ -11,7 +11,7 @@ and the basis ``Q = (Q_C ⊗ Q_P) ⊕ 1`` from their eigenvectors (the bias coor
 vector of its own), for ``O(C³ + P³ + (CP)²)``. When ``A`` is a Kronecker product (with the
 bias row and column zero off the diagonal), ``Q`` diagonalises it exactly. The eigenvalue
 estimates are the Rayleigh quotients ``d = diag(Qᵀ A Q)``, computed through the structure,
-and the columns are sorted by them in descending order, as every solver's basis is.
+and the columns are sorted by them in descending order, as an ``eigh``'s basis is.
 
 The solver state keeps the dense ``Q`` (what checkpoints and the moment carry compare) and
 its parts ``Q_C``, ``Q_P`` and the column order, so that the rotations of every step, ``R Q``

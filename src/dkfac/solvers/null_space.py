@@ -86,7 +86,7 @@ def canonical_null_basis(
     Args:
         values: Eigenvalues or estimates (``(n,)``; or ``(L, n)``: a stack), descending as
             an ``eigh`` gives them, or in any order (a power step's): the null columns are
-            moved last first, the others keeping their order.
+            found wherever they lie and replaced in their places.
         basis: The matching orthonormal columns (``(n, n)``; or ``(L, n, n)``).
         factor_dtype: The dtype the factor was stored in (its rounding sets the rank).
         check: Read the ranks on the host (one read for a stack) and return the inputs
@@ -95,8 +95,9 @@ def canonical_null_basis(
 
     Returns:
         The inputs themselves when (``check``) no factor is singular; else new tensors:
-        the range's columns first, in their order, then the null space's, its values set
-        to exactly 0 and its columns replaced.
+        the range's columns as they were, the null space's values set to exactly 0 and its
+        columns replaced, each in its place (the canonical basis is built with the range's
+        columns first, then put back).
     """
     size = basis.shape[-1]
     if size == 0:
@@ -106,9 +107,11 @@ def canonical_null_basis(
     if check and all(rank in (0, size) for rank in ranks.reshape(-1).tolist()):
         return values, basis
     order = torch.argsort((~above).to(torch.uint8), dim=-1, stable=True)  # range first
-    values = values.gather(-1, order)
-    basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
-    return masked_null_basis(values, basis, ranks)
+    values, basis = masked_null_basis(
+        values.gather(-1, order), basis.gather(-1, order.unsqueeze(-2).expand_as(basis)), ranks
+    )
+    places = torch.argsort(order, dim=-1)  # every column back in its place
+    return values.gather(-1, places), basis.gather(-1, places.unsqueeze(-2).expand_as(basis))
 
 
 def masked_null_basis(values: Tensor, basis: Tensor, ranks: Tensor) -> tuple[Tensor, Tensor]:
