@@ -675,10 +675,10 @@ class _SpareProjection(nn.Module):
 def test_a_layer_the_forward_never_touches_changes_no_role() -> None:
     """An uncalled ``proj`` after the head made the graph unusable, and module order then
     took ``proj`` for the head and the real head for a hidden layer (orthogonalised). It is
-    left out of the decision now (hidden itself, never getting a gradient). A layer whose
+    left out of the decision now (a head itself: it may be one the loop applies). A layer whose
     weight the forward reads functionally keeps module order: its place is not known."""
     roles = layer_roles(_SpareProjection())
-    assert roles == {"inp": "input", "mid": "hidden", "head": "head", "proj": "hidden"}
+    assert roles == {"inp": "input", "mid": "hidden", "head": "head", "proj": "head"}
     opt = KFACOptimizer.for_model(_SpareProjection())
     rows = {r["name"]: r for r in opt.preconditioner.describe()}
     assert "orthogonal" not in rows["head"]["method"]
@@ -760,4 +760,23 @@ def test_an_untouched_layer_is_left_out_of_the_call_order_rule_too() -> None:
     of the calls, or of the modules: an uncalled layer last in module order was taken for
     the head there, and the real head for a hidden layer."""
     roles = layer_roles(_LeafThenSpare())
-    assert roles["head"] == "head" and roles["spare"] == "hidden" and roles["inp"] == "input"
+    assert roles["head"] == "head" and roles["spare"] == "head" and roles["inp"] == "input"
+
+
+class _FeaturesOnly(nn.Module):
+    """A forward that returns features; the training loop applies ``head`` to them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
+def test_a_head_the_loop_applies_is_never_orthogonalised() -> None:
+    """The graph cannot tell a head applied outside the forward (``model.head(model(x))``)
+    from an unused layer: both are heads, and the layer before it is taken for a head too
+    (its update Adam's, not orthogonalised), never the real head for a hidden layer."""
+    roles = layer_roles(_FeaturesOnly())
+    assert roles == {"fc1": "input", "fc2": "head", "head": "head"}

@@ -144,15 +144,17 @@ def _is_matrix(module: nn.Module) -> bool:
 def layer_roles(model: nn.Module) -> dict[str, str]:
     """Qualified module name -> its role (see the module docstring), in module order.
 
-    Read from the forward's data flow (:func:`~dkfac.engine.tracing.layer_links`): a head is a
-    matrix layer no other matrix layer reads from, directly or not (a model with an
+    Read from the forward's data flow (:func:`~dkfac.engine.tracing.layer_links`): a head is
+    a matrix layer no other matrix layer reads from, directly or not (a model with an
     auxiliary output has two heads: the main one and the auxiliary one); an input layer is
     one that reads the forward's arguments and no other matrix layer or embedding (a
     two-tower model has two). A head defined in ``__init__`` before the layers it reads is
-    still the head, and a matrix layer the forward never touches (a projection head kept for
-    another task) is hidden and changes no other layer's role. Where the data flow is not
-    known (a model fx cannot trace, or a layer not called as a module in its graph), the
-    first and the last matrix layer the forward calls
+    still the head. A matrix layer the forward never touches (a projection head kept for
+    another task, or a head the training loop applies to the forward's output: the graph
+    cannot tell them apart) is a head and changes no other layer's role: the real head is
+    never orthogonalised for it, at worst the layer before it is taken for a head too. Where
+    the data flow is not known (a model fx cannot trace, or a layer not called as a module
+    in its graph), the first and the last matrix layer the forward calls
     (:func:`~dkfac.engine.tracing.call_order`), or in module order, are the input layer
     (when no embedding comes before it in module order) and the head. Either way, a matrix
     layer whose weight is an embedding's (a language model's tied output layer: BERT's
@@ -162,12 +164,13 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
     matrices = [name for name, m in modules if _is_matrix(m)]
     embeddings = [name for name, m in modules if isinstance(m, nn.Embedding)]
     links = layer_links(model, matrices + embeddings) if len(matrices) > 1 else None
-    if links is not None:  # a layer the forward never touches is in no role's decision
+    if links is not None:  # a layer the forward never touches is in no other's decision
         used = [n for n in matrices if n in links]
         heads = {n for n in used if not links[n].after.intersection(matrices)}
         inputs = {n for n in used if links[n].reads_data and not links[n].before}
         if heads:  # none: the matrix layers read each other in a cycle (shared weights)
-            return _roles(modules, heads | _tied_heads(modules), inputs - heads)
+            untouched = set(matrices) - set(used)  # heads themselves (docstring)
+            return _roles(modules, heads | untouched | _tied_heads(modules), inputs - heads)
     if not matrices:
         return _roles(modules, set(), set())
     ordered = (call_order(model, matrices) if len(matrices) > 1 else None) or matrices
@@ -180,7 +183,7 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
         if name == ordered[0]:
             first = {name}
             break
-    heads = {ordered[-1], *_tied_heads(modules)}
+    heads = {ordered[-1], *untouched, *_tied_heads(modules)}
     return _roles(modules, heads, first - heads)
 
 
