@@ -169,8 +169,8 @@ def layer_roles(model: nn.Module) -> dict[str, str]:
         heads = {n for n in used if not links[n].after.intersection(matrices)}
         inputs = {n for n in used if links[n].reads_data and not links[n].before}
         if heads:  # none: the matrix layers read each other in a cycle (shared weights)
-            untouched = set(matrices) - set(used)  # heads themselves (docstring)
-            return _roles(modules, heads | untouched | _tied_heads(modules), inputs - heads)
+            unused = set(matrices) - set(used)  # heads themselves (docstring)
+            return _roles(modules, heads | unused | _tied_heads(modules), inputs - heads)
     if not matrices:
         return _roles(modules, set(), set())
     ordered = (call_order(model, matrices) if len(matrices) > 1 else None) or matrices
