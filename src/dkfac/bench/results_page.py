@@ -137,7 +137,7 @@ DEFAULT_TASKS = {
     "language model": ("lm", "lm_gpt_default_v21.json"),
 }
 TTA_TEN_SEEDS = "tta_digits_default_v21_seeds10.json"
-SUITE = "suite_default_v20.json"
+SUITE = "suite_default_v22.json"
 EARLY_REFRESH = "early_refresh.json"
 LONG_RUN = "long_run_deepmlp.json"
 WIDE_SIDES = "one_sided_memory.json"
