@@ -132,9 +132,9 @@ DISPATCHES = {
 FSDP_MEMORY = "fsdp_memory_cpu.json"
 FSDP_STEP = "fsdp_step_cpu.json"
 DEFAULT_TASKS = {
-    "digits CNN": ("tta", "tta_digits_default_v21.json"),
-    "autoencoder": ("autoencoder", "autoencoder_digits_default_v21.json"),
-    "language model": ("lm", "lm_gpt_default_v21.json"),
+    "digits CNN": ("tta", "tta_digits_default_v22.json"),
+    "autoencoder": ("autoencoder", "autoencoder_digits_default_v22.json"),
+    "language model": ("lm", "lm_gpt_default_v22.json"),
 }
 TTA_TEN_SEEDS = "tta_digits_default_v21_seeds10.json"
 SUITE = "suite_default_v22.json"
@@ -424,6 +424,7 @@ def _default_task_values(p: Payloads) -> dict[str, Any]:
         "lm_slope": f(statistics.median(slopes), 3),
         "ae_time": f(versus["autoencoder"]),
         "lm_gap": f"{versus['language model']:+.3f}",
+        "lm_gap_steps": f(abs(versus["language model"]) / statistics.median(slopes), 0),
     }
 
 
@@ -723,12 +724,11 @@ seconds, and the GPT's validation loss after 60 seconds (on these two the lrs ar
 default's `lr=3e-3`, AdamW's and Muon's from the sweeps of their sections). The default
 reaches the CNN's target in {tta_steps} steps ({tta_time}× the fastest peer's time) and the
 autoencoder's in {ae_time}× the fastest peer's; on the language model its loss minus the
-best peer's is {lm_gap} nats. Both margins are within what a run resolves: three seeds of a
-ten-step run move their median by a seed's step (over {ten_seeds} seeds of the same command
-the default takes {ten_steps} steps against Muon's {ten_muon_steps}, at {ten_time}× the
-fastest peer's time), and the language model's runs take {lm_fewest} to {lm_most} steps in
-their 60 seconds while the default's loss still falls by about {lm_slope} nats a step
-(between its last two evaluations).
+best peer's is {lm_gap} nats, what the default's loss falls in about {lm_gap_steps} of its
+last steps (about {lm_slope} nats a step between its last two evaluations; the runs take
+{lm_fewest} to {lm_most} steps in their 60 seconds). Three seeds of a ten-step run move
+their median by a seed's step: over {ten_seeds} seeds of the same command the default takes
+{ten_steps} steps against Muon's {ten_muon_steps}, at {ten_time}× the fastest peer's time.
 """,
         tables=(default_tasks_table(DEFAULT_TASKS),),
         values=_default_task_values,
