@@ -193,8 +193,7 @@ def layer_links(model: nn.Module, names: Sequence[str]) -> dict[str, Links] | No
     paths = _other_paths(model, graph)
     found += [_graph_links(g, names) for g in paths]
     called = set().union(*(set(links) for links in found))
-    graphs = [g for g in (graph, *paths) if g is not None]
-    untouched = set(names).intersection(*(_untouched(model, g, names) for g in graphs))
+    untouched = _untouched_on_all(model, [g for g in (graph, *paths) if g is not None], names)
     if not found or called != set(names) - untouched:
         return None
     return {
@@ -233,9 +232,14 @@ def untouched_layers(model: nn.Module, names: Sequence[str]) -> frozenset[str]:
         return frozenset(f"_orig_mod.{n}" for n in inner)
     graph = traced_graph(model, "layers the forward never touches")
     graphs = [g for g in (graph, *_other_paths(model, graph)) if g is not None]
-    if not graphs:
-        return frozenset()
-    return frozenset(set(names).intersection(*(_untouched(model, g, names) for g in graphs)))
+    return frozenset(_untouched_on_all(model, graphs, names) if graphs else ())
+
+
+def _untouched_on_all(
+    model: nn.Module, graphs: Sequence[fx.Graph], names: Sequence[str]
+) -> set[str]:
+    """Those of ``names`` that no graph of ``graphs`` touches (:func:`_untouched` on each)."""
+    return set(names).intersection(*(_untouched(model, g, names) for g in graphs))
 
 
 def _untouched(model: nn.Module, graph: fx.Graph, names: Sequence[str]) -> set[str]:

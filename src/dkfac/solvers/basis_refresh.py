@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from dkfac.solvers.eigen import symmetric_eigh
+from dkfac.solvers.null_space import marked_last
 
 __all__ = ["RANGE_MIN_DIM", "RANGE_TOLERANCE", "descending_eigh", "power_refresh", "range_eigh"]
 
@@ -133,5 +134,4 @@ def _vanished_last(product: Tensor) -> Tensor:
     columns after it are mixed into."""
     norms = torch.linalg.vector_norm(product, dim=-2)
     tolerance = product.shape[-2] * torch.finfo(product.dtype).eps
-    vanished = norms <= tolerance * norms.amax(dim=-1, keepdim=True)
-    return torch.argsort(vanished.to(torch.uint8), dim=-1, stable=True)
+    return marked_last(norms <= tolerance * norms.amax(dim=-1, keepdim=True))

@@ -44,6 +44,7 @@ __all__ = [
     "any_null",
     "canonical_null_basis",
     "flat_rounding_floor",
+    "marked_last",
     "masked_null_basis",
     "null_indicators",
     "null_masks",
@@ -63,6 +64,12 @@ def _above_rounding(values: Tensor, dtype: torch.dtype) -> Tensor:
     size = values.shape[-1]
     tolerance = size * torch.finfo(dtype).eps * values.amax(dim=-1, keepdim=True).clamp(min=0.0)
     return values > tolerance
+
+
+def marked_last(marked: Tensor) -> Tensor:
+    """The order of each vector's entries (its last dimension) that puts the ``marked`` ones
+    last, every entry otherwise in its order (a stable partition)."""
+    return torch.argsort(marked.to(torch.uint8), dim=-1, stable=True)
 
 
 def numerical_ranks(values: Tensor, dtype: torch.dtype) -> Tensor:
@@ -106,7 +113,7 @@ def canonical_null_basis(
     ranks = above.sum(dim=-1)
     if check and all(rank in (0, size) for rank in ranks.reshape(-1).tolist()):
         return values, basis
-    order = torch.argsort((~above).to(torch.uint8), dim=-1, stable=True)  # range first
+    order = marked_last(~above)  # range first
     values, basis = masked_null_basis(
         values.gather(-1, order), basis.gather(-1, order.unsqueeze(-2).expand_as(basis)), ranks
     )
